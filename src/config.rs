@@ -1,0 +1,1146 @@
+//! Plugin configuration: the JSON string Envoy hands to `on_configure`, parsed and validated into
+//! the compiled [`Config`] the engine reads on every request. Pure: no host calls, table-tested.
+//!
+//! A bad configuration must stop the filter from starting (Envoy then refuses the listener), so
+//! every error names the offending field, e.g. `routes[0].ttl: "24x" is not a duration ...`.
+
+use std::fmt;
+
+use serde_json::{Map, Value};
+
+/// Compiled, validated configuration. Built once per `on_configure`, shared by every request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Lowercased request header carrying the Idempotency-Key.
+    pub key_header: String,
+    /// Lowercased header whose value names the tenant; `None`: every request is in one tenant.
+    pub tenant_header: Option<String>,
+    /// Lowercased headers whose values identify the caller (hashed into the scope).
+    pub principal_headers: Vec<String>,
+    pub store: StoreConfig,
+    pub problem_statuses: ProblemStatuses,
+    /// Ordered; the first matching rule applies.
+    pub rules: Vec<Rule>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum StoreConfig {
+    /// Envoy's shared data: one Envoy process, all its workers.
+    Local { capacity: u32 },
+}
+
+/// The status codes of the filter's own problem responses that operators may change.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProblemStatuses {
+    /// Missing (when required) or malformed key. Default 400.
+    pub invalid_key: u16,
+    /// Same key, different payload. Default 422.
+    pub mismatch: u16,
+    /// Same key while the original is still being processed. Default 409.
+    pub in_flight: u16,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum PathMatch {
+    Prefix(String),
+    Exact(String),
+}
+
+/// One status code or a whole class (`"2xx"`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StatusPattern {
+    Code(u16),
+    /// 1..=5 for 1xx..5xx.
+    Class(u8),
+}
+
+/// What to do with a real upstream answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// Keep the snapshot; retries replay it.
+    Store,
+    /// Forget the claim; a retry executes again.
+    Release,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StatusPolicy {
+    pub store: Vec<StatusPattern>,
+    pub release: Vec<StatusPattern>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rule {
+    pub name: String,
+    pub path: PathMatch,
+    /// Uppercase method names.
+    pub methods: Vec<String>,
+    pub require_key: bool,
+    pub ttl_ms: u64,
+    pub processing_timeout_ms: u64,
+    pub max_request_bytes: u64,
+    pub max_response_bytes: u64,
+    /// Lowercased header names folded into the fingerprint.
+    pub fingerprint_headers: Vec<String>,
+    /// Decoded RFC 6901 JSON Pointers (reference tokens, already unescaped) removed from JSON
+    /// bodies before hashing.
+    pub ignore_json_fields: Vec<Vec<String>>,
+    pub statuses: StatusPolicy,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Path of the offending field, e.g. `routes[1].match.prefix`; empty for the document itself.
+    pub field: String,
+    pub reason: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "invalid configuration: {}", self.reason)
+        } else {
+            write!(
+                f,
+                "invalid configuration: field `{}`: {}",
+                self.field, self.reason
+            )
+        }
+    }
+}
+
+impl StatusPolicy {
+    /// An exact code beats a class; a status in neither set is released (the upstream answered,
+    /// and nothing asked for it to be kept).
+    pub fn disposition(&self, status: u16) -> Disposition {
+        let code = StatusPattern::Code(status);
+        if self.store.contains(&code) {
+            return Disposition::Store;
+        }
+        if self.release.contains(&code) {
+            return Disposition::Release;
+        }
+        // Statuses >= 600 have no class digit in 1..=5, so they fall through to Release.
+        let class = u8::try_from(status / 100).map(StatusPattern::Class);
+        match class {
+            Ok(c) if self.store.contains(&c) => Disposition::Store,
+            _ => Disposition::Release,
+        }
+    }
+}
+
+impl Rule {
+    pub fn matches(&self, method: &str, path_without_query: &str) -> bool {
+        // Methods are case-sensitive (RFC 9110 §9.1); the configured ones are already uppercase.
+        self.methods.iter().any(|m| m == method)
+            && match &self.path {
+                PathMatch::Prefix(p) => path_without_query.starts_with(p.as_str()),
+                PathMatch::Exact(p) => path_without_query == p,
+            }
+    }
+}
+
+impl Config {
+    pub fn rule_for(&self, method: &str, path_without_query: &str) -> Option<&Rule> {
+        self.rules
+            .iter()
+            .find(|r| r.matches(method, path_without_query))
+    }
+}
+
+impl ProblemStatuses {
+    pub const DEFAULT: ProblemStatuses = ProblemStatuses {
+        invalid_key: 400,
+        mismatch: 422,
+        in_flight: 409,
+    };
+}
+
+const DEFAULT_KEY_HEADER: &str = "idempotency-key";
+const DEFAULT_PRINCIPAL_HEADER: &str = "authorization";
+const DEFAULT_CAPACITY: u32 = 100_000;
+const MAX_CAPACITY: u64 = 10_000_000;
+const DEFAULT_TTL_MS: u64 = 24 * 3_600_000;
+const DEFAULT_PROCESSING_TIMEOUT_MS: u64 = 30_000;
+const DEFAULT_BODY_BYTES: u64 = 1 << 20;
+const MAX_BODY_BYTES: u64 = 64 << 20;
+const DEFAULT_METHODS: [&str; 2] = ["POST", "PATCH"];
+const DEFAULT_STORE_STATUSES: [StatusPattern; 3] = [
+    StatusPattern::Class(2),
+    StatusPattern::Class(3),
+    StatusPattern::Class(4),
+];
+const DEFAULT_RELEASE_STATUSES: [StatusPattern; 4] = [
+    StatusPattern::Class(5),
+    StatusPattern::Code(408),
+    StatusPattern::Code(425),
+    StatusPattern::Code(429),
+];
+const MAX_HEADER_NAME_LEN: usize = 128;
+const MAX_ROUTE_NAME_LEN: usize = 64;
+
+type Obj = Map<String, Value>;
+type Res<T> = Result<T, ConfigError>;
+
+/// Parses and validates the plugin configuration.
+pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
+    let doc: Value = serde_json::from_slice(bytes).map_err(|e| err("", e.to_string()))?;
+    let top = object(
+        &doc,
+        "",
+        &[
+            "key_header",
+            "tenant_header",
+            "principal_headers",
+            "store",
+            "problem_statuses",
+            "routes",
+        ],
+    )?;
+    let key_header =
+        optional(top, "", "key_header", header_name)?.unwrap_or_else(|| DEFAULT_KEY_HEADER.into());
+    // null is accepted here (and only here) so templated configs can switch tenancy off explicitly.
+    let tenant_header = match top.get("tenant_header") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(header_name(v, "tenant_header")?),
+    };
+    let principal_headers = optional(top, "", "principal_headers", |v, f| {
+        unique_list(v, f, header_name)
+    })?
+    .unwrap_or_else(|| vec![DEFAULT_PRINCIPAL_HEADER.into()]);
+    let store = optional(top, "", "store", store)?.unwrap_or(StoreConfig::Local {
+        capacity: DEFAULT_CAPACITY,
+    });
+    let problem_statuses = optional(top, "", "problem_statuses", problem_statuses)?
+        .unwrap_or(ProblemStatuses::DEFAULT);
+
+    let routes = array(
+        top.get("routes").ok_or_else(|| err("routes", "required"))?,
+        "routes",
+    )?;
+    if routes.is_empty() {
+        return Err(err("routes", "must contain at least one route"));
+    }
+    let mut rules: Vec<Rule> = Vec::with_capacity(routes.len());
+    for (i, v) in routes.iter().enumerate() {
+        let path = index("routes", i);
+        let r = rule(v, &path)?;
+        // Names label metrics and logs; a duplicate would silently merge two routes' numbers.
+        if rules.iter().any(|x| x.name == r.name) {
+            return Err(err(
+                &key(&path, "name"),
+                format!("duplicate route name {:?}", r.name),
+            ));
+        }
+        rules.push(r);
+    }
+    Ok(Config {
+        key_header,
+        tenant_header,
+        principal_headers,
+        store,
+        problem_statuses,
+        rules,
+    })
+}
+
+fn store(v: &Value, path: &str) -> Res<StoreConfig> {
+    let o = object_any(v, path)?;
+    let type_path = key(path, "type");
+    let kind = string(
+        o.get("type").ok_or_else(|| err(&type_path, "required"))?,
+        &type_path,
+    )?;
+    // The allowed keys depend on the type, so the type is read before the unknown-key check.
+    match kind {
+        "local" => {
+            reject_unknown(o, path, &["type", "capacity"])?;
+            let capacity = optional(o, path, "capacity", |v, f| uint(v, f, 1, MAX_CAPACITY))?
+                .map_or(Ok(DEFAULT_CAPACITY), |c| {
+                    u32::try_from(c).map_err(|_| err(&key(path, "capacity"), "out of range"))
+                })?;
+            Ok(StoreConfig::Local { capacity })
+        }
+        other => Err(err(
+            &type_path,
+            format!("unsupported store type {other:?}: expected \"local\""),
+        )),
+    }
+}
+
+fn problem_statuses(v: &Value, path: &str) -> Res<ProblemStatuses> {
+    let o = object(v, path, &["invalid_key", "mismatch", "in_flight"])?;
+    let status = |k: &str, default: u16| -> Res<u16> {
+        optional(o, path, k, |v, f| uint(v, f, 400, 499))?.map_or(Ok(default), |s| {
+            u16::try_from(s).map_err(|_| err(&key(path, k), "out of range"))
+        })
+    };
+    let d = ProblemStatuses::DEFAULT;
+    Ok(ProblemStatuses {
+        invalid_key: status("invalid_key", d.invalid_key)?,
+        mismatch: status("mismatch", d.mismatch)?,
+        in_flight: status("in_flight", d.in_flight)?,
+    })
+}
+
+fn rule(v: &Value, path: &str) -> Res<Rule> {
+    let o = object(
+        v,
+        path,
+        &[
+            "name",
+            "match",
+            "require_key",
+            "ttl",
+            "processing_timeout",
+            "max_request_bytes",
+            "max_response_bytes",
+            "fingerprint",
+            "store_statuses",
+            "release_statuses",
+        ],
+    )?;
+    let name = required(o, path, "name", route_name)?;
+    let (path_match, methods) = required(o, path, "match", route_match)?;
+    let require_key = optional(o, path, "require_key", boolean)?.unwrap_or(false);
+    let ttl_ms = optional(o, path, "ttl", duration_ms)?.unwrap_or(DEFAULT_TTL_MS);
+    let processing_timeout_ms = optional(o, path, "processing_timeout", duration_ms)?
+        .unwrap_or(DEFAULT_PROCESSING_TIMEOUT_MS);
+    // A claim that outlives its record would let a retry find neither and execute twice.
+    if processing_timeout_ms > ttl_ms {
+        return Err(err(
+            &key(path, "processing_timeout"),
+            format!("{processing_timeout_ms} ms exceeds ttl ({ttl_ms} ms)"),
+        ));
+    }
+    let body_size = |v: &Value, f: &str| uint(v, f, 1, MAX_BODY_BYTES);
+    let max_request_bytes =
+        optional(o, path, "max_request_bytes", body_size)?.unwrap_or(DEFAULT_BODY_BYTES);
+    let max_response_bytes =
+        optional(o, path, "max_response_bytes", body_size)?.unwrap_or(DEFAULT_BODY_BYTES);
+    let (fingerprint_headers, ignore_json_fields) =
+        optional(o, path, "fingerprint", fingerprint)?.unwrap_or_default();
+    let status_list = |v: &Value, f: &str| unique_list(v, f, status_pattern);
+    let store = optional(o, path, "store_statuses", status_list)?
+        .unwrap_or_else(|| DEFAULT_STORE_STATUSES.to_vec());
+    let release = optional(o, path, "release_statuses", status_list)?
+        .unwrap_or_else(|| DEFAULT_RELEASE_STATUSES.to_vec());
+    if let Some(p) = release.iter().find(|p| store.contains(p)) {
+        return Err(err(
+            &key(path, "release_statuses"),
+            format!("{} is also listed in store_statuses", pattern_text(*p)),
+        ));
+    }
+    Ok(Rule {
+        name,
+        path: path_match,
+        methods,
+        require_key,
+        ttl_ms,
+        processing_timeout_ms,
+        max_request_bytes,
+        max_response_bytes,
+        fingerprint_headers,
+        ignore_json_fields,
+        statuses: StatusPolicy { store, release },
+    })
+}
+
+fn route_name(v: &Value, path: &str) -> Res<String> {
+    let s = string(v, path)?;
+    let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-');
+    if s.is_empty() || s.len() > MAX_ROUTE_NAME_LEN || !s.chars().all(ok_char) {
+        return Err(err(
+            path,
+            format!("{s:?} is not a route name: expected 1 to {MAX_ROUTE_NAME_LEN} of A-Z a-z 0-9 _ . -"),
+        ));
+    }
+    Ok(s.to_owned())
+}
+
+fn route_match(v: &Value, path: &str) -> Res<(PathMatch, Vec<String>)> {
+    let o = object(v, path, &["prefix", "exact", "methods"])?;
+    let path_match = match (o.get("prefix"), o.get("exact")) {
+        (Some(p), None) => PathMatch::Prefix(url_path(p, &key(path, "prefix"))?),
+        (None, Some(e)) => PathMatch::Exact(url_path(e, &key(path, "exact"))?),
+        _ => return Err(err(path, "expected exactly one of \"prefix\" or \"exact\"")),
+    };
+    let methods = match optional(o, path, "methods", |v, f| unique_list(v, f, method))? {
+        Some(m) if m.is_empty() => return Err(err(&key(path, "methods"), "must not be empty")),
+        Some(m) => m,
+        None => DEFAULT_METHODS.iter().map(|m| (*m).to_owned()).collect(),
+    };
+    Ok((path_match, methods))
+}
+
+fn url_path(v: &Value, path: &str) -> Res<String> {
+    let s = string(v, path)?;
+    // Rules match the path with the query already stripped, so '?' or '#' could never match.
+    if !s.starts_with('/') || s.contains(['?', '#']) {
+        return Err(err(
+            path,
+            format!("{s:?} is not a path: expected to start with '/' and contain no '?' or '#'"),
+        ));
+    }
+    Ok(s.to_owned())
+}
+
+fn fingerprint(v: &Value, path: &str) -> Res<(Vec<String>, Vec<Vec<String>>)> {
+    let o = object(v, path, &["headers", "ignore_json_fields"])?;
+    let headers = optional(o, path, "headers", |v, f| unique_list(v, f, header_name))?;
+    let pointers = optional(o, path, "ignore_json_fields", |v, f| {
+        unique_list(v, f, json_pointer)
+    })?;
+    Ok((headers.unwrap_or_default(), pointers.unwrap_or_default()))
+}
+
+/// RFC 9110 field-name, lowercased because HTTP/2 and Envoy present header names in lowercase.
+fn header_name(v: &Value, path: &str) -> Res<String> {
+    let s = string(v, path)?;
+    if s.starts_with(':') {
+        return Err(err(
+            path,
+            format!("{s:?} is a pseudo-header, not a header name"),
+        ));
+    }
+    if s.len() > MAX_HEADER_NAME_LEN || !is_token(s) {
+        return Err(err(
+            path,
+            format!(
+                "{s:?} is not a header name: expected 1 to {MAX_HEADER_NAME_LEN} token characters"
+            ),
+        ));
+    }
+    Ok(s.to_ascii_lowercase())
+}
+
+fn method(v: &Value, path: &str) -> Res<String> {
+    let s = string(v, path)?;
+    if !is_token(s) {
+        return Err(err(
+            path,
+            format!("{s:?} is not an HTTP method: expected token characters"),
+        ));
+    }
+    Ok(s.to_ascii_uppercase())
+}
+
+/// RFC 9110 §5.6.2 `token = 1*tchar`.
+fn is_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+/// RFC 6901, decoded into reference tokens. The empty pointer is refused: it names the whole
+/// body, and ignoring the whole body would make every payload fingerprint the same.
+fn json_pointer(v: &Value, path: &str) -> Res<Vec<String>> {
+    let s = string(v, path)?;
+    let Some(rest) = s.strip_prefix('/') else {
+        return Err(err(
+            path,
+            format!("{s:?} is not a JSON Pointer: expected to start with '/'"),
+        ));
+    };
+    rest.split('/')
+        .map(|token| {
+            let mut out = String::with_capacity(token.len());
+            let mut chars = token.chars();
+            while let Some(c) = chars.next() {
+                if c != '~' {
+                    out.push(c);
+                    continue;
+                }
+                match chars.next() {
+                    Some('0') => out.push('~'),
+                    Some('1') => out.push('/'),
+                    _ => {
+                        return Err(err(
+                            path,
+                            format!("{s:?} is not a JSON Pointer: '~' must be followed by 0 or 1"),
+                        ))
+                    }
+                }
+            }
+            Ok(out)
+        })
+        .collect()
+}
+
+fn status_pattern(v: &Value, path: &str) -> Res<StatusPattern> {
+    let s = string(v, path)?;
+    let bad = || {
+        err(
+            path,
+            format!("{s:?} is not a status: expected a class 1xx..5xx or a code 100..599"),
+        )
+    };
+    match *s.as_bytes() {
+        [c @ b'1'..=b'5', b'x' | b'X', b'x' | b'X'] => Ok(StatusPattern::Class(c - b'0')),
+        [b'1'..=b'5', b'0'..=b'9', b'0'..=b'9'] => {
+            s.parse().map(StatusPattern::Code).map_err(|_| bad())
+        }
+        _ => Err(bad()),
+    }
+}
+
+fn pattern_text(p: StatusPattern) -> String {
+    match p {
+        StatusPattern::Code(c) => format!("\"{c}\""),
+        StatusPattern::Class(c) => format!("\"{c}xx\""),
+    }
+}
+
+const DURATION_GRAMMAR: &str = "digits followed by ms, s, m, h or d (e.g. \"30s\")";
+
+fn duration_ms(v: &Value, path: &str) -> Res<u64> {
+    let Value::String(s) = v else {
+        return Err(err(
+            path,
+            format!(
+                "expected a duration string of {DURATION_GRAMMAR}, got {}",
+                kind(v)
+            ),
+        ));
+    };
+    let bad = || {
+        err(
+            path,
+            format!("{s:?} is not a duration: expected {DURATION_GRAMMAR}"),
+        )
+    };
+    let unit = s.trim_start_matches(|c: char| c.is_ascii_digit());
+    let digits = s.strip_suffix(unit).unwrap_or_default();
+    let scale: u64 = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(bad()),
+    };
+    if digits.is_empty() {
+        return Err(bad());
+    }
+    let too_large = || err(path, format!("{s:?} is too large"));
+    let ms = digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .ok_or_else(too_large)?;
+    if ms == 0 {
+        return Err(err(path, format!("{s:?} must be greater than zero")));
+    }
+    Ok(ms)
+}
+
+// ---- generic JSON walking: each helper takes the field path so errors can name it ----
+
+fn err(field: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+fn key(parent: &str, k: &str) -> String {
+    if parent.is_empty() {
+        k.to_owned()
+    } else {
+        format!("{parent}.{k}")
+    }
+}
+
+fn index(parent: &str, i: usize) -> String {
+    format!("{parent}[{i}]")
+}
+
+fn kind(v: &Value) -> String {
+    match v {
+        Value::Null => "null".into(),
+        Value::Bool(b) => b.to_string(),
+        Value::Number(n) => n.to_string(),
+        Value::String(_) => "a string".into(),
+        Value::Array(_) => "an array".into(),
+        Value::Object(_) => "an object".into(),
+    }
+}
+
+fn type_error(path: &str, expected: &str, v: &Value) -> ConfigError {
+    err(path, format!("expected {expected}, got {}", kind(v)))
+}
+
+/// An object whose keys must all be in `allowed`: a misspelt optional field would otherwise
+/// silently fall back to its default.
+fn object<'a>(v: &'a Value, path: &str, allowed: &[&str]) -> Res<&'a Obj> {
+    let o = object_any(v, path)?;
+    reject_unknown(o, path, allowed)?;
+    Ok(o)
+}
+
+fn object_any<'a>(v: &'a Value, path: &str) -> Res<&'a Obj> {
+    v.as_object()
+        .ok_or_else(|| type_error(path, "an object", v))
+}
+
+fn reject_unknown(o: &Obj, path: &str, allowed: &[&str]) -> Res<()> {
+    match o.keys().find(|k| !allowed.contains(&k.as_str())) {
+        Some(k) => Err(err(&key(path, k), "unknown field")),
+        None => Ok(()),
+    }
+}
+
+fn array<'a>(v: &'a Value, path: &str) -> Res<&'a [Value]> {
+    v.as_array()
+        .map(Vec::as_slice)
+        .ok_or_else(|| type_error(path, "an array", v))
+}
+
+fn string<'a>(v: &'a Value, path: &str) -> Res<&'a str> {
+    v.as_str().ok_or_else(|| type_error(path, "a string", v))
+}
+
+fn boolean(v: &Value, path: &str) -> Res<bool> {
+    v.as_bool()
+        .ok_or_else(|| type_error(path, "true or false", v))
+}
+
+/// `as_u64` is `None` for negatives, fractions (even `1.0`) and exponents, so all are refused.
+fn uint(v: &Value, path: &str, min: u64, max: u64) -> Res<u64> {
+    v.as_u64()
+        .filter(|n| (min..=max).contains(n))
+        .ok_or_else(|| type_error(path, &format!("an integer from {min} to {max}"), v))
+}
+
+/// An array of distinct items; a duplicate is refused at its own index since it is always a
+/// copy-paste slip and, for statuses, could hide which entry was meant.
+fn unique_list<T: PartialEq>(
+    v: &Value,
+    path: &str,
+    item: impl Fn(&Value, &str) -> Res<T>,
+) -> Res<Vec<T>> {
+    let items = array(v, path)?;
+    let mut out: Vec<T> = Vec::with_capacity(items.len());
+    for (i, x) in items.iter().enumerate() {
+        let p = index(path, i);
+        let parsed = item(x, &p)?;
+        if out.contains(&parsed) {
+            return Err(err(&p, "duplicate entry"));
+        }
+        out.push(parsed);
+    }
+    Ok(out)
+}
+
+fn optional<T>(
+    o: &Obj,
+    parent: &str,
+    k: &str,
+    f: impl FnOnce(&Value, &str) -> Res<T>,
+) -> Res<Option<T>> {
+    o.get(k).map(|v| f(v, &key(parent, k))).transpose()
+}
+
+fn required<T>(o: &Obj, parent: &str, k: &str, f: impl FnOnce(&Value, &str) -> Res<T>) -> Res<T> {
+    optional(o, parent, k, f)?.ok_or_else(|| err(&key(parent, k), "required"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use StatusPattern::{Class, Code};
+
+    /// Top-level fields before a minimal valid route list.
+    fn top(fields: &str) -> String {
+        format!(r#"{{{fields},"routes":[{{"name":"a","match":{{"prefix":"/"}}}}]}}"#)
+    }
+
+    /// Extra fields inside an otherwise minimal route.
+    fn route(fields: &str) -> String {
+        format!(r#"{{"routes":[{{"name":"a","match":{{"prefix":"/"}},{fields}}}]}}"#)
+    }
+
+    fn matcher(m: &str) -> String {
+        format!(r#"{{"routes":[{{"name":"a","match":{m}}}]}}"#)
+    }
+
+    fn parse_str(s: &str) -> Result<Config, ConfigError> {
+        parse(s.as_bytes())
+    }
+
+    fn only_rule(json: &str) -> Rule {
+        match parse_str(json) {
+            Ok(mut c) if c.rules.len() == 1 => c.rules.remove(0),
+            other => unreachable!("{json}: {other:?}"),
+        }
+    }
+
+    fn default_rule(name: &str, path: PathMatch) -> Rule {
+        Rule {
+            name: name.into(),
+            path,
+            methods: vec!["POST".into(), "PATCH".into()],
+            require_key: false,
+            ttl_ms: 86_400_000,
+            processing_timeout_ms: 30_000,
+            max_request_bytes: 1_048_576,
+            max_response_bytes: 1_048_576,
+            fingerprint_headers: vec![],
+            ignore_json_fields: vec![],
+            statuses: StatusPolicy {
+                store: vec![Class(2), Class(3), Class(4)],
+                release: vec![Class(5), Code(408), Code(425), Code(429)],
+            },
+        }
+    }
+
+    #[test]
+    fn rejects_bad_configs_naming_the_field() {
+        let long_header = format!(r#""key_header":"{}""#, "h".repeat(129));
+        let long_name = format!(
+            r#"{{"routes":[{{"name":"{}","match":{{"prefix":"/"}}}}]}}"#,
+            "n".repeat(65)
+        );
+        let cases: Vec<(&str, String, &str)> = vec![
+            // document
+            ("invalid json", "{".into(), ""),
+            ("empty input", "".into(), ""),
+            ("top-level array", "[]".into(), ""),
+            ("top-level null", "null".into(), ""),
+            ("top-level string", r#""x""#.into(), ""),
+            ("unknown top-level field", top(r#""foo":1"#), "foo"),
+            ("missing routes", "{}".into(), "routes"),
+            ("routes not array", r#"{"routes":{}}"#.into(), "routes"),
+            ("empty routes", r#"{"routes":[]}"#.into(), "routes"),
+            ("route not object", r#"{"routes":[1]}"#.into(), "routes[0]"),
+            // headers
+            ("key header with space", top(r#""key_header":"idem key""#), "key_header"),
+            ("key header empty", top(r#""key_header":"""#), "key_header"),
+            ("key header pseudo", top(r#""key_header":":authority""#), "key_header"),
+            ("key header too long", top(&long_header), "key_header"),
+            ("key header number", top(r#""key_header":1"#), "key_header"),
+            ("key header null", top(r#""key_header":null"#), "key_header"),
+            ("tenant header bad", top(r#""tenant_header":"x y""#), "tenant_header"),
+            ("tenant header bool", top(r#""tenant_header":false"#), "tenant_header"),
+            ("principal not array", top(r#""principal_headers":"authorization""#), "principal_headers"),
+            ("principal entry number", top(r#""principal_headers":[1]"#), "principal_headers[0]"),
+            ("principal entry bad", top(r#""principal_headers":["a","b(c)"]"#), "principal_headers[1]"),
+            ("principal duplicate after lowercasing", top(r#""principal_headers":["Authorization","authorization"]"#), "principal_headers[1]"),
+            // store
+            ("store not object", top(r#""store":"local""#), "store"),
+            ("store missing type", top(r#""store":{"capacity":10}"#), "store.type"),
+            ("store type redis", top(r#""store":{"type":"redis"}"#), "store.type"),
+            ("store type number", top(r#""store":{"type":1}"#), "store.type"),
+            ("store unknown field", top(r#""store":{"type":"local","foo":1}"#), "store.foo"),
+            ("capacity zero", top(r#""store":{"type":"local","capacity":0}"#), "store.capacity"),
+            ("capacity too big", top(r#""store":{"type":"local","capacity":10000001}"#), "store.capacity"),
+            ("capacity negative", top(r#""store":{"type":"local","capacity":-1}"#), "store.capacity"),
+            ("capacity float", top(r#""store":{"type":"local","capacity":1.5}"#), "store.capacity"),
+            ("capacity integral float", top(r#""store":{"type":"local","capacity":10.0}"#), "store.capacity"),
+            ("capacity string", top(r#""store":{"type":"local","capacity":"10"}"#), "store.capacity"),
+            // problem statuses
+            ("problem statuses not object", top(r#""problem_statuses":[]"#), "problem_statuses"),
+            ("problem status unknown", top(r#""problem_statuses":{"foo":400}"#), "problem_statuses.foo"),
+            ("problem status 200", top(r#""problem_statuses":{"invalid_key":200}"#), "problem_statuses.invalid_key"),
+            ("problem status 600", top(r#""problem_statuses":{"mismatch":600}"#), "problem_statuses.mismatch"),
+            ("problem status 500", top(r#""problem_statuses":{"in_flight":500}"#), "problem_statuses.in_flight"),
+            ("problem status string", top(r#""problem_statuses":{"in_flight":"409"}"#), "problem_statuses.in_flight"),
+            // route name
+            ("unknown route field", route(r#""foo":1"#), "routes[0].foo"),
+            ("name missing", r#"{"routes":[{"match":{"prefix":"/"}}]}"#.into(), "routes[0].name"),
+            ("name empty", r#"{"routes":[{"name":"","match":{"prefix":"/"}}]}"#.into(), "routes[0].name"),
+            ("name with space", r#"{"routes":[{"name":"a b","match":{"prefix":"/"}}]}"#.into(), "routes[0].name"),
+            ("name too long", long_name, "routes[0].name"),
+            ("duplicate names", r#"{"routes":[{"name":"a","match":{"prefix":"/a"}},{"name":"a","match":{"prefix":"/b"}}]}"#.into(), "routes[1].name"),
+            // match
+            ("match missing", r#"{"routes":[{"name":"a"}]}"#.into(), "routes[0].match"),
+            ("match not object", matcher(r#""/""#), "routes[0].match"),
+            ("match unknown field", matcher(r#"{"prefix":"/","foo":1}"#), "routes[0].match.foo"),
+            ("prefix and exact", matcher(r#"{"prefix":"/","exact":"/a"}"#), "routes[0].match"),
+            ("neither prefix nor exact", matcher(r#"{"methods":["POST"]}"#), "routes[0].match"),
+            ("prefix without slash", matcher(r#"{"prefix":"orders"}"#), "routes[0].match.prefix"),
+            ("prefix empty", matcher(r#"{"prefix":""}"#), "routes[0].match.prefix"),
+            ("prefix with fragment", matcher(r##"{"prefix":"/a#b"}"##), "routes[0].match.prefix"),
+            ("exact with query", matcher(r#"{"exact":"/a?b=1"}"#), "routes[0].match.exact"),
+            ("prefix number", matcher(r#"{"prefix":1}"#), "routes[0].match.prefix"),
+            ("methods empty", matcher(r#"{"prefix":"/","methods":[]}"#), "routes[0].match.methods"),
+            ("methods string", matcher(r#"{"prefix":"/","methods":"POST"}"#), "routes[0].match.methods"),
+            ("method bad token", matcher(r#"{"prefix":"/","methods":["PO ST"]}"#), "routes[0].match.methods[0]"),
+            ("method duplicate after uppercasing", matcher(r#"{"prefix":"/","methods":["post","POST"]}"#), "routes[0].match.methods[1]"),
+            // booleans and durations
+            ("require_key string", route(r#""require_key":"yes""#), "routes[0].require_key"),
+            ("ttl empty", route(r#""ttl":"""#), "routes[0].ttl"),
+            ("ttl no unit", route(r#""ttl":"10""#), "routes[0].ttl"),
+            ("ttl fraction", route(r#""ttl":"1.5s""#), "routes[0].ttl"),
+            ("ttl negative", route(r#""ttl":"-1s""#), "routes[0].ttl"),
+            ("ttl zero", route(r#""ttl":"0s""#), "routes[0].ttl"),
+            ("ttl bad unit", route(r#""ttl":"10x""#), "routes[0].ttl"),
+            ("ttl uppercase unit", route(r#""ttl":"10S""#), "routes[0].ttl"),
+            ("ttl leading space", route(r#""ttl":" 10s""#), "routes[0].ttl"),
+            ("ttl trailing space", route(r#""ttl":"10s ""#), "routes[0].ttl"),
+            ("ttl unit only", route(r#""ttl":"s""#), "routes[0].ttl"),
+            ("ttl two units", route(r#""ttl":"1h30m""#), "routes[0].ttl"),
+            ("ttl number", route(r#""ttl":10"#), "routes[0].ttl"),
+            ("ttl null", route(r#""ttl":null"#), "routes[0].ttl"),
+            ("ttl digits overflow", route(r#""ttl":"99999999999999999999ms""#), "routes[0].ttl"),
+            ("ttl ms overflow", route(r#""ttl":"213503982335d""#), "routes[0].ttl"),
+            ("processing timeout zero", route(r#""processing_timeout":"0ms""#), "routes[0].processing_timeout"),
+            ("processing timeout above ttl", route(r#""ttl":"10s","processing_timeout":"11s""#), "routes[0].processing_timeout"),
+            ("default processing timeout above ttl", route(r#""ttl":"1s""#), "routes[0].processing_timeout"),
+            // sizes
+            ("request bytes zero", route(r#""max_request_bytes":0"#), "routes[0].max_request_bytes"),
+            ("request bytes negative", route(r#""max_request_bytes":-1"#), "routes[0].max_request_bytes"),
+            ("request bytes float", route(r#""max_request_bytes":1.5"#), "routes[0].max_request_bytes"),
+            ("request bytes exponent", route(r#""max_request_bytes":1e3"#), "routes[0].max_request_bytes"),
+            ("request bytes above 64 MiB", route(r#""max_request_bytes":67108865"#), "routes[0].max_request_bytes"),
+            ("request bytes string", route(r#""max_request_bytes":"1""#), "routes[0].max_request_bytes"),
+            ("response bytes zero", route(r#""max_response_bytes":0"#), "routes[0].max_response_bytes"),
+            ("response bytes huge", route(r#""max_response_bytes":18446744073709551616"#), "routes[0].max_response_bytes"),
+            // fingerprint
+            ("fingerprint not object", route(r#""fingerprint":[]"#), "routes[0].fingerprint"),
+            ("fingerprint unknown field", route(r#""fingerprint":{"foo":1}"#), "routes[0].fingerprint.foo"),
+            ("fingerprint header bad", route(r#""fingerprint":{"headers":["content type"]}"#), "routes[0].fingerprint.headers[0]"),
+            ("fingerprint header duplicate", route(r#""fingerprint":{"headers":["A","a"]}"#), "routes[0].fingerprint.headers[1]"),
+            ("pointer empty", route(r#""fingerprint":{"ignore_json_fields":[""]}"#), "routes[0].fingerprint.ignore_json_fields[0]"),
+            ("pointer without slash", route(r#""fingerprint":{"ignore_json_fields":["a/b"]}"#), "routes[0].fingerprint.ignore_json_fields[0]"),
+            ("pointer bad escape", route(r#""fingerprint":{"ignore_json_fields":["/a~2"]}"#), "routes[0].fingerprint.ignore_json_fields[0]"),
+            ("pointer dangling tilde", route(r#""fingerprint":{"ignore_json_fields":["/ok","/a~"]}"#), "routes[0].fingerprint.ignore_json_fields[1]"),
+            ("pointer not string", route(r#""fingerprint":{"ignore_json_fields":[1]}"#), "routes[0].fingerprint.ignore_json_fields[0]"),
+            (
+                "pointer error in second route",
+                r#"{"routes":[{"name":"a","match":{"prefix":"/a"}},{"name":"b","match":{"prefix":"/b"},"fingerprint":{"ignore_json_fields":["/x","/y","z"]}}]}"#.into(),
+                "routes[1].fingerprint.ignore_json_fields[2]",
+            ),
+            // statuses
+            ("statuses not array", route(r#""store_statuses":"2xx""#), "routes[0].store_statuses"),
+            ("status number", route(r#""store_statuses":[200]"#), "routes[0].store_statuses[0]"),
+            ("status class 6xx", route(r#""store_statuses":["6xx"]"#), "routes[0].store_statuses[0]"),
+            ("status class 0xx", route(r#""store_statuses":["0xx"]"#), "routes[0].store_statuses[0]"),
+            ("status half class", route(r#""store_statuses":["2x0"]"#), "routes[0].store_statuses[0]"),
+            ("status 600", route(r#""store_statuses":["600"]"#), "routes[0].store_statuses[0]"),
+            ("status 099", route(r#""store_statuses":["099"]"#), "routes[0].store_statuses[0]"),
+            ("status two digits", route(r#""store_statuses":["20"]"#), "routes[0].store_statuses[0]"),
+            ("status four digits", route(r#""store_statuses":["2000"]"#), "routes[0].store_statuses[0]"),
+            ("status with sign", route(r#""release_statuses":["+50"]"#), "routes[0].release_statuses[0]"),
+            ("status duplicate class", route(r#""store_statuses":["2xx","2XX"]"#), "routes[0].store_statuses[1]"),
+            ("status duplicate code", route(r#""release_statuses":["500","500"]"#), "routes[0].release_statuses[1]"),
+            ("code in both lists", route(r#""store_statuses":["429"]"#), "routes[0].release_statuses"),
+            ("class in both lists", route(r#""store_statuses":["5xx"]"#), "routes[0].release_statuses"),
+        ];
+        for (name, json, field) in cases {
+            match parse_str(&json) {
+                Err(e) => assert_eq!(e.field, field, "{name}: {json}: {e}"),
+                Ok(c) => unreachable!("{name}: {json} parsed: {c:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn full_example_parses_exactly() {
+        let json = r#"{
+          "key_header": "idempotency-key",
+          "tenant_header": "x-tenant-id",
+          "principal_headers": ["authorization"],
+          "store": {"type": "local", "capacity": 100000},
+          "problem_statuses": {"invalid_key": 400, "mismatch": 422, "in_flight": 409},
+          "routes": [
+            {
+              "name": "orders",
+              "match": {"prefix": "/orders", "methods": ["POST"]},
+              "require_key": true,
+              "ttl": "24h",
+              "processing_timeout": "30s",
+              "max_request_bytes": 1048576,
+              "max_response_bytes": 1048576,
+              "fingerprint": {"headers": ["content-type"], "ignore_json_fields": ["/meta/sent_at"]},
+              "store_statuses": ["2xx", "3xx", "4xx"],
+              "release_statuses": ["5xx", "408", "425", "429"]
+            }
+          ]
+        }"#;
+        let expected = Config {
+            key_header: "idempotency-key".into(),
+            tenant_header: Some("x-tenant-id".into()),
+            principal_headers: vec!["authorization".into()],
+            store: StoreConfig::Local { capacity: 100_000 },
+            problem_statuses: ProblemStatuses {
+                invalid_key: 400,
+                mismatch: 422,
+                in_flight: 409,
+            },
+            rules: vec![Rule {
+                methods: vec!["POST".into()],
+                require_key: true,
+                fingerprint_headers: vec!["content-type".into()],
+                ignore_json_fields: vec![vec!["meta".into(), "sent_at".into()]],
+                ..default_rule("orders", PathMatch::Prefix("/orders".into()))
+            }],
+        };
+        assert_eq!(parse_str(json), Ok(expected));
+    }
+
+    #[test]
+    fn minimal_config_yields_all_defaults() {
+        let expected = Config {
+            key_header: "idempotency-key".into(),
+            tenant_header: None,
+            principal_headers: vec!["authorization".into()],
+            store: StoreConfig::Local { capacity: 100_000 },
+            problem_statuses: ProblemStatuses {
+                invalid_key: 400,
+                mismatch: 422,
+                in_flight: 409,
+            },
+            rules: vec![default_rule("a", PathMatch::Prefix("/".into()))],
+        };
+        assert_eq!(
+            parse_str(r#"{"routes":[{"name":"a","match":{"prefix":"/"}}]}"#),
+            Ok(expected)
+        );
+    }
+
+    #[test]
+    fn normalises_case_and_accepts_optional_forms() {
+        let json = r#"{
+          "key_header": "Idempotency-Key",
+          "tenant_header": null,
+          "principal_headers": [],
+          "store": {"type": "local"},
+          "problem_statuses": {"mismatch": 400},
+          "routes": [{
+            "name": "Pay_v1.x-y",
+            "match": {"exact": "/pay", "methods": ["put", "Post"]},
+            "fingerprint": {"headers": ["Content-Type", "X-Api-Version"]},
+            "store_statuses": ["2XX", "201"],
+            "release_statuses": []
+          }]
+        }"#;
+        let c = match parse_str(json) {
+            Ok(c) => c,
+            Err(e) => unreachable!("{e}"),
+        };
+        assert_eq!(c.key_header, "idempotency-key");
+        assert_eq!(c.tenant_header, None);
+        assert!(c.principal_headers.is_empty());
+        assert_eq!(c.store, StoreConfig::Local { capacity: 100_000 });
+        assert_eq!(
+            c.problem_statuses,
+            ProblemStatuses {
+                invalid_key: 400,
+                mismatch: 400,
+                in_flight: 409
+            }
+        );
+        let r = &c.rules[0];
+        assert_eq!(r.name, "Pay_v1.x-y");
+        assert_eq!(r.path, PathMatch::Exact("/pay".into()));
+        assert_eq!(r.methods, ["PUT", "POST"]);
+        assert_eq!(r.fingerprint_headers, ["content-type", "x-api-version"]);
+        assert_eq!(
+            r.statuses,
+            StatusPolicy {
+                store: vec![Class(2), Code(201)],
+                release: vec![]
+            }
+        );
+    }
+
+    #[test]
+    fn accepts_boundaries() {
+        let r = only_rule(&route(
+            r#""max_request_bytes":1,"max_response_bytes":67108864,"ttl":"1ms","processing_timeout":"1ms""#,
+        ));
+        assert_eq!(
+            (
+                r.max_request_bytes,
+                r.max_response_bytes,
+                r.ttl_ms,
+                r.processing_timeout_ms
+            ),
+            (1, 67_108_864, 1, 1)
+        );
+        let c = parse_str(&top(
+            r#""store":{"type":"local","capacity":10000000},"problem_statuses":{"invalid_key":499,"in_flight":400}"#,
+        ));
+        assert_eq!(
+            c.as_ref().map(|c| c.store.clone()),
+            Ok(StoreConfig::Local {
+                capacity: 10_000_000
+            })
+        );
+        assert_eq!(
+            c.map(|c| c.problem_statuses),
+            Ok(ProblemStatuses {
+                invalid_key: 499,
+                mismatch: 422,
+                in_flight: 400
+            })
+        );
+        let long = format!(
+            r#"{{"key_header":"{}","routes":[{{"name":"{}","match":{{"prefix":"/"}}}}]}}"#,
+            "h".repeat(128),
+            "n".repeat(64)
+        );
+        assert!(parse_str(&long).is_ok());
+    }
+
+    #[test]
+    fn durations_convert_to_milliseconds() {
+        let cases = [
+            ("1ms", 1),
+            ("2s", 2_000),
+            ("3m", 180_000),
+            ("4h", 14_400_000),
+            ("5d", 432_000_000),
+            ("007s", 7_000),
+            ("213503982334d", 213_503_982_334 * 86_400_000),
+        ];
+        for (text, ms) in cases {
+            let r = only_rule(&route(&format!(
+                r#""ttl":"{text}","processing_timeout":"1ms""#
+            )));
+            assert_eq!(r.ttl_ms, ms, "{text}");
+        }
+    }
+
+    #[test]
+    fn duration_error_states_the_grammar() {
+        let e = parse_str(&route(r#""ttl":"10x""#));
+        let expected =
+            r#""10x" is not a duration: expected digits followed by ms, s, m, h or d (e.g. "30s")"#;
+        assert_eq!(e.map_err(|e| e.reason), Err(expected.to_owned()));
+        let e = parse_str(&route(r#""ttl":10"#));
+        assert!(e.is_err_and(|e| e.reason.contains("digits followed by ms, s, m, h or d")));
+    }
+
+    #[test]
+    fn json_pointers_are_decoded() {
+        let cases: [(&str, &[&str]); 6] = [
+            ("/a~1b/0", &["a/b", "0"]),
+            ("/meta/sent_at", &["meta", "sent_at"]),
+            ("/", &[""]),
+            ("/a//b", &["a", "", "b"]),
+            ("/~01", &["~1"]),
+            ("/~1~0", &["/~"]),
+        ];
+        for (pointer, tokens) in cases {
+            let r = only_rule(&route(&format!(
+                r#""fingerprint":{{"ignore_json_fields":["{pointer}"]}}"#
+            )));
+            assert_eq!(r.ignore_json_fields, [tokens.to_vec()], "{pointer}");
+        }
+    }
+
+    #[test]
+    fn status_entries_parse() {
+        let r = only_rule(&route(
+            r#""store_statuses":["1xx","2Xx","100","599"],"release_statuses":["5xx","200"]"#,
+        ));
+        assert_eq!(r.statuses.store, [Class(1), Class(2), Code(100), Code(599)]);
+        assert_eq!(r.statuses.release, [Class(5), Code(200)]);
+    }
+
+    #[test]
+    fn errors_display_with_field() {
+        let e = parse_str(&route(r#""fingerprint":{"foo":1}"#));
+        assert_eq!(
+            e.map_err(|e| e.to_string()),
+            Err(
+                "invalid configuration: field `routes[0].fingerprint.foo`: unknown field"
+                    .to_owned()
+            )
+        );
+        let e = parse_str("{");
+        assert!(e.is_err_and(
+            |e| e.field.is_empty() && e.to_string().starts_with("invalid configuration: EOF")
+        ));
+    }
+
+    #[test]
+    fn disposition_prefers_exact_codes_over_classes() {
+        let policy = StatusPolicy {
+            store: vec![Class(2), Code(503), Class(4)],
+            release: vec![Class(5), Code(409), Code(201)],
+        };
+        let cases = [
+            (200, Disposition::Store),
+            (201, Disposition::Release),
+            (404, Disposition::Store),
+            (409, Disposition::Release),
+            (500, Disposition::Release),
+            (503, Disposition::Store),
+            (302, Disposition::Release),
+            (100, Disposition::Release),
+            (600, Disposition::Release),
+            (0, Disposition::Release),
+            (u16::MAX, Disposition::Release),
+        ];
+        for (status, expected) in cases {
+            assert_eq!(policy.disposition(status), expected, "{status}");
+        }
+        let defaults = default_rule("a", PathMatch::Prefix("/".into())).statuses;
+        let cases = [
+            (200, true),
+            (301, true),
+            (404, true),
+            (408, false),
+            (425, false),
+            (429, false),
+            (500, false),
+        ];
+        for (status, stored) in cases {
+            assert_eq!(
+                defaults.disposition(status) == Disposition::Store,
+                stored,
+                "{status}"
+            );
+        }
+    }
+
+    #[test]
+    fn rules_match_method_and_path() {
+        let prefix = Rule {
+            methods: vec!["POST".into()],
+            ..default_rule("p", PathMatch::Prefix("/orders".into()))
+        };
+        let exact = default_rule("e", PathMatch::Exact("/pay".into()));
+        let cases = [
+            (&prefix, "POST", "/orders", true),
+            (&prefix, "POST", "/orders/1", true),
+            (&prefix, "POST", "/ordersx", true),
+            (&prefix, "POST", "/order", false),
+            (&prefix, "post", "/orders", false),
+            (&prefix, "PATCH", "/orders", false),
+            (&exact, "PATCH", "/pay", true),
+            (&exact, "POST", "/pay", true),
+            (&exact, "POST", "/pay/", false),
+            (&exact, "POST", "/pa", false),
+            (&exact, "GET", "/pay", false),
+        ];
+        for (rule, method, path, expected) in cases {
+            assert_eq!(
+                rule.matches(method, path),
+                expected,
+                "{} {method} {path}",
+                rule.name
+            );
+        }
+    }
+
+    #[test]
+    fn rule_for_takes_first_match() {
+        let json = r#"{"routes":[
+            {"name":"specific","match":{"exact":"/orders/bulk"}},
+            {"name":"general","match":{"prefix":"/orders"}}
+        ]}"#;
+        let c = match parse_str(json) {
+            Ok(c) => c,
+            Err(e) => unreachable!("{e}"),
+        };
+        let name = |m, p| c.rule_for(m, p).map(|r| r.name.as_str());
+        assert_eq!(name("POST", "/orders/bulk"), Some("specific"));
+        assert_eq!(name("POST", "/orders/1"), Some("general"));
+        assert_eq!(name("GET", "/orders/1"), None);
+        assert_eq!(name("POST", "/users"), None);
+    }
+}

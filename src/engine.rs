@@ -1,0 +1,351 @@
+//! The decision engine: from a request's head and body to a decision, as data. Pure: the glue
+//! hands it header values and bytes, a store and the time, and turns its answers into host calls.
+//!
+//! A protected request goes through two steps:
+//! 1. `admit` (request headers): route rule, key, scope, early size check. Either the request is
+//!    none of our business (pass through), is refused at once, or must be held until its body
+//!    has arrived.
+//! 2. `decide` (end of request body): fingerprint, then one atomic `begin` on the store, which
+//!    yields forward-with-claim, replay, or a problem reply.
+
+use crate::config::{Config, Rule};
+use crate::fingerprint::{self, Fingerprint, FingerprintInput};
+use crate::key::{parse_key, KeyError};
+use crate::problem::{Kind, Problem};
+use crate::record::Snapshot;
+use crate::scope::{principal_digest, scope_id, ScopeId, ScopeParts};
+use crate::store::{Begin, Claim, ClaimAttempt, RecordStore};
+
+/// Header added to every replayed response.
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+/// Header carrying the original status when the original body was not stored.
+pub const ORIGINAL_STATUS_HEADER: &str = "idempotent-original-status";
+
+/// Request outcomes, one counter each (`idempotency.requests.<name>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    PassedThrough,
+    Claimed,
+    TakenOver,
+    Replayed,
+    NotReplayable,
+    Mismatch,
+    InFlight,
+    MissingKey,
+    InvalidKey,
+    TooLarge,
+    StoreFull,
+    StoreError,
+    Stored,
+    ResponseNotStored,
+    Released,
+    KeptUnknown,
+    CompletionLost,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 17] = [
+        Outcome::PassedThrough,
+        Outcome::Claimed,
+        Outcome::TakenOver,
+        Outcome::Replayed,
+        Outcome::NotReplayable,
+        Outcome::Mismatch,
+        Outcome::InFlight,
+        Outcome::MissingKey,
+        Outcome::InvalidKey,
+        Outcome::TooLarge,
+        Outcome::StoreFull,
+        Outcome::StoreError,
+        Outcome::Stored,
+        Outcome::ResponseNotStored,
+        Outcome::Released,
+        Outcome::KeptUnknown,
+        Outcome::CompletionLost,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Outcome::PassedThrough => "passed_through",
+            Outcome::Claimed => "claimed",
+            Outcome::TakenOver => "taken_over",
+            Outcome::Replayed => "replayed",
+            Outcome::NotReplayable => "not_replayable",
+            Outcome::Mismatch => "mismatch",
+            Outcome::InFlight => "in_flight",
+            Outcome::MissingKey => "missing_key",
+            Outcome::InvalidKey => "invalid_key",
+            Outcome::TooLarge => "too_large",
+            Outcome::StoreFull => "store_full",
+            Outcome::StoreError => "store_error",
+            Outcome::Stored => "stored",
+            Outcome::ResponseNotStored => "response_not_stored",
+            Outcome::Released => "released",
+            Outcome::KeptUnknown => "kept_unknown",
+            Outcome::CompletionLost => "completion_lost",
+        }
+    }
+
+    pub fn of_problem(kind: Kind) -> Outcome {
+        match kind {
+            Kind::MissingKey => Outcome::MissingKey,
+            Kind::InvalidKey => Outcome::InvalidKey,
+            Kind::PayloadMismatch => Outcome::Mismatch,
+            Kind::RequestInFlight => Outcome::InFlight,
+            Kind::RequestTooLarge => Outcome::TooLarge,
+            Kind::StoreFull => Outcome::StoreFull,
+            Kind::StoreUnavailable => Outcome::StoreError,
+            Kind::ResponseNotStored => Outcome::NotReplayable,
+        }
+    }
+}
+
+/// The request as the glue read it: lowercase header names, raw values.
+pub struct RequestHead<'a> {
+    pub method: &'a str,
+    /// `:path` as received, with the query.
+    pub path: &'a str,
+    pub headers: &'a [(String, Vec<u8>)],
+}
+
+impl RequestHead<'_> {
+    fn values(&self, name: &str) -> Vec<&[u8]> {
+        self.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()).collect()
+    }
+}
+
+/// A protected request waiting for its body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pending {
+    pub rule: usize,
+    pub scope: ScopeId,
+    method: String,
+    path: String,
+    query: Option<String>,
+    fingerprint_headers: Vec<(String, Vec<Vec<u8>>)>,
+    content_type: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admission {
+    PassThrough,
+    Reject(Problem),
+    Collect(Pending),
+}
+
+/// A complete reply the glue sends as is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    pub fn problem(p: &Problem) -> Reply {
+        Reply {
+            status: p.status,
+            headers: p.response_headers().into_iter().map(|(n, v)| (n.to_string(), v.into_bytes())).collect(),
+            body: p.body(),
+        }
+    }
+
+    pub fn replay(s: Snapshot) -> Reply {
+        let mut headers = s.headers;
+        headers.push((REPLAYED_HEADER.to_string(), b"true".to_vec()));
+        Reply { status: s.status, headers, body: s.body }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Forward upstream; the claim must later be completed or released.
+    Forward { claim: Claim, outcome: Outcome },
+    /// Answer locally (replay or problem) without calling the upstream.
+    Respond { reply: Reply, outcome: Outcome },
+}
+
+fn split_path(path: &str) -> (&str, Option<&str>) {
+    match path.split_once('?') {
+        Some((p, q)) => (p, Some(q)),
+        None => (path, None),
+    }
+}
+
+fn first_str(values: &[&[u8]]) -> Option<String> {
+    values.first().map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+/// Step 1, at request headers.
+pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
+    let (path, query) = split_path(head.path);
+    let Some((rule_index, rule)) = cfg.rules.iter().enumerate().find(|(_, r)| r.matches(head.method, path)) else {
+        return Admission::PassThrough;
+    };
+    let key = match parse_key(&head.values(&cfg.key_header)) {
+        Ok(key) => key,
+        Err(KeyError::Missing) if !rule.require_key => return Admission::PassThrough,
+        Err(e) => return Admission::Reject(Problem::for_key_error(e, cfg.problem_statuses.invalid_key)),
+    };
+    if let Some(problem) = content_length_problem(rule, head) {
+        return Admission::Reject(problem);
+    }
+    let tenant = cfg.tenant_header.as_ref().map(|h| head.values(h).join(&b","[..]));
+    let principal_headers: Vec<(&str, Vec<&[u8]>)> =
+        cfg.principal_headers.iter().map(|h| (h.as_str(), head.values(h))).collect();
+    let scope = scope_id(&ScopeParts {
+        tenant: tenant.as_deref(),
+        principal: principal_digest(&principal_headers),
+        method: head.method,
+        path,
+        key: key.as_str(),
+    });
+    Admission::Collect(Pending {
+        rule: rule_index,
+        scope,
+        method: head.method.to_string(),
+        path: path.to_string(),
+        query: query.map(str::to_string),
+        fingerprint_headers: rule
+            .fingerprint_headers
+            .iter()
+            .map(|h| (h.clone(), head.values(h).into_iter().map(<[u8]>::to_vec).collect()))
+            .collect(),
+        content_type: first_str(&head.values("content-type")),
+    })
+}
+
+fn content_length_problem(rule: &Rule, head: &RequestHead) -> Option<Problem> {
+    let declared = head.values("content-length").first().and_then(|v| std::str::from_utf8(v).ok()?.trim().parse::<u64>().ok())?;
+    (declared > rule.max_request_bytes).then(|| too_large(rule))
+}
+
+pub fn too_large(rule: &Rule) -> Problem {
+    Problem::new(
+        Kind::RequestTooLarge,
+        413,
+        format!("the request body exceeds {} bytes, the limit for this endpoint", rule.max_request_bytes),
+    )
+}
+
+impl Pending {
+    pub fn fingerprint(&self, rule: &Rule, body: &[u8]) -> Fingerprint {
+        let header_values: Vec<(&str, Vec<&[u8]>)> = self
+            .fingerprint_headers
+            .iter()
+            .map(|(n, vs)| (n.as_str(), vs.iter().map(Vec::as_slice).collect()))
+            .collect();
+        let input = FingerprintInput {
+            method: &self.method,
+            path: &self.path,
+            query: self.query.as_deref(),
+            headers: &header_values,
+            content_type: self.content_type.as_deref(),
+            body,
+        };
+        fingerprint::fingerprint(&input, &rule.ignore_json_fields).0
+    }
+}
+
+/// Step 2, once the whole request body is known.
+pub fn decide(
+    cfg: &Config,
+    pending: &Pending,
+    body: &[u8],
+    store: &dyn RecordStore,
+    now_ms: u64,
+    owner: u64,
+) -> Decision {
+    let Some(rule) = cfg.rules.get(pending.rule) else {
+        // Pending values only come from `admit` with the same config; stay total regardless.
+        let p = Problem::new(Kind::StoreUnavailable, 503, "configuration changed while the request was held");
+        return respond_problem(p);
+    };
+    if body.len() as u64 > rule.max_request_bytes {
+        return respond_problem(too_large(rule));
+    }
+    let attempt = ClaimAttempt {
+        scope: pending.scope,
+        fingerprint: pending.fingerprint(rule, body),
+        owner,
+        now_ms,
+        lease_ms: rule.processing_timeout_ms,
+        ttl_ms: rule.ttl_ms,
+    };
+    let statuses = cfg.problem_statuses;
+    match store.begin(&attempt) {
+        Ok(Begin::Claimed(claim)) => Decision::Forward { claim, outcome: Outcome::Claimed },
+        Ok(Begin::TookOver(claim)) => Decision::Forward { claim, outcome: Outcome::TakenOver },
+        Ok(Begin::Replay(snapshot)) => Decision::Respond { reply: Reply::replay(snapshot), outcome: Outcome::Replayed },
+        Ok(Begin::NotStored { status }) => {
+            let mut p = Problem::new(
+                Kind::ResponseNotStored,
+                410,
+                format!(
+                    "the request with this Idempotency-Key was executed (upstream status {status}) but its \
+                     response was larger than the filter keeps, so it cannot be replayed; it will not be executed again"
+                ),
+            );
+            p.headers.push((ORIGINAL_STATUS_HEADER, status.to_string()));
+            respond_problem(p)
+        }
+        Ok(Begin::Mismatch) => respond_problem(Problem::new(
+            Kind::PayloadMismatch,
+            statuses.mismatch,
+            "this Idempotency-Key was already used with a different request (method, path, query, headers or body)",
+        )),
+        Ok(Begin::InFlight { retry_after_ms }) => respond_problem(
+            Problem::new(
+                Kind::RequestInFlight,
+                statuses.in_flight,
+                "a request with this Idempotency-Key is still being processed; retry later",
+            )
+            .retry_after_ms(retry_after_ms),
+        ),
+        Ok(Begin::Full { retry_after_ms }) => respond_problem(
+            Problem::new(Kind::StoreFull, 503, "no room for a new idempotency record; retry later")
+                .retry_after_ms(retry_after_ms),
+        ),
+        Err(e) => {
+            log::warn!("idempotency store error for {}: {e}", pending.scope.log_tag());
+            respond_problem(
+                Problem::new(Kind::StoreUnavailable, 503, "the idempotency store could not be used; retry later")
+                    .retry_after_ms(1000),
+            )
+        }
+    }
+}
+
+fn respond_problem(p: Problem) -> Decision {
+    Decision::Respond { reply: Reply::problem(&p), outcome: Outcome::of_problem(p.kind) }
+}
+
+/// Headers that belong to one connection hop and never to a stored response (RFC 9110 7.6.1),
+/// plus `content-length`, which the replying proxy computes for the replayed body itself.
+const NOT_STORED_HEADERS: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+];
+
+/// The response headers a snapshot keeps.
+pub fn snapshot_headers(headers: Vec<(String, Vec<u8>)>) -> Vec<(String, Vec<u8>)> {
+    let named_by_connection: Vec<String> = headers
+        .iter()
+        .filter(|(n, _)| n == "connection")
+        .flat_map(|(_, v)| String::from_utf8_lossy(v).split(',').map(|t| t.trim().to_ascii_lowercase()).collect::<Vec<_>>())
+        .collect();
+    headers
+        .into_iter()
+        .filter(|(n, _)| {
+            !n.starts_with(':')
+                && !n.starts_with("proxy-")
+                && !NOT_STORED_HEADERS.contains(&n.as_str())
+                && !named_by_connection.iter().any(|c| c == n)
+        })
+        .collect()
+}

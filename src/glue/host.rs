@@ -1,0 +1,286 @@
+//! The only code that talks to Envoy. Raw proxy-wasm ABI calls, each status turned into a
+//! `Result`: the SDK's own wrappers `panic!` on any status they did not expect and unwrap UTF-8
+//! in header maps, and a panic kills the VM for every request on the worker.
+
+use crate::shared_data::{Cas, Read, SharedData, SharedDataError};
+use std::ptr::{null, null_mut};
+
+const OK: u32 = 0;
+const NOT_FOUND: u32 = 1;
+const CAS_MISMATCH: u32 = 8;
+
+pub const MAP_REQUEST_HEADERS: u32 = 0;
+pub const MAP_RESPONSE_HEADERS: u32 = 2;
+pub const BUFFER_REQUEST_BODY: u32 = 0;
+pub const BUFFER_RESPONSE_BODY: u32 = 1;
+pub const BUFFER_PLUGIN_CONFIGURATION: u32 = 7;
+const METRIC_COUNTER: u32 = 0;
+
+pub const LOG_DEBUG: u32 = 1;
+pub const LOG_INFO: u32 = 2;
+pub const LOG_WARN: u32 = 3;
+pub const LOG_ERROR: u32 = 4;
+pub const LOG_CRITICAL: u32 = 5;
+
+/// A host call the host refused, with its status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostError(pub u32);
+
+extern "C" {
+    fn proxy_log(level: u32, message_data: *const u8, message_size: usize) -> u32;
+    fn proxy_get_log_level(return_level: *mut u32) -> u32;
+    fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
+    fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
+    fn proxy_get_buffer_bytes(
+        buffer_type: u32,
+        start: usize,
+        max_size: usize,
+        return_buffer_data: *mut *mut u8,
+        return_buffer_size: *mut usize,
+    ) -> u32;
+    fn proxy_get_header_map_pairs(map_type: u32, return_map_data: *mut *mut u8, return_map_size: *mut usize) -> u32;
+    fn proxy_get_header_map_value(
+        map_type: u32,
+        key_data: *const u8,
+        key_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> u32;
+    fn proxy_get_property(
+        path_data: *const u8,
+        path_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> u32;
+    fn proxy_get_shared_data(
+        key_data: *const u8,
+        key_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+        return_cas: *mut u32,
+    ) -> u32;
+    fn proxy_set_shared_data(key_data: *const u8, key_size: usize, value_data: *const u8, value_size: usize, cas: u32)
+        -> u32;
+    fn proxy_send_local_response(
+        status_code: u32,
+        status_code_details_data: *const u8,
+        status_code_details_size: usize,
+        body_data: *const u8,
+        body_size: usize,
+        headers_data: *const u8,
+        headers_size: usize,
+        grpc_status: i32,
+    ) -> u32;
+    fn proxy_define_metric(metric_type: u32, name_data: *const u8, name_size: usize, return_id: *mut u32) -> u32;
+    fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
+}
+
+fn check(status: u32) -> Result<(), HostError> {
+    if status == OK {
+        Ok(())
+    } else {
+        Err(HostError(status))
+    }
+}
+
+/// Takes ownership of a buffer the host allocated through `proxy_on_memory_allocate`.
+///
+/// # Safety
+/// `data`/`size` must come from a successful host call that returned an allocation.
+unsafe fn take(data: *mut u8, size: usize) -> Option<Vec<u8>> {
+    if data.is_null() {
+        None
+    } else {
+        Some(Vec::from_raw_parts(data, size, size))
+    }
+}
+
+pub fn log(level: u32, message: &str) {
+    // A logging failure has nowhere to be reported; ignoring it is the only total choice.
+    let _ = unsafe { proxy_log(level, message.as_ptr(), message.len()) };
+}
+
+pub fn log_level() -> u32 {
+    let mut level = LOG_INFO;
+    match unsafe { proxy_get_log_level(&mut level) } {
+        OK => level,
+        _ => LOG_INFO,
+    }
+}
+
+pub fn now_nanos() -> Result<u64, HostError> {
+    let mut t = 0u64;
+    check(unsafe { proxy_get_current_time_nanoseconds(&mut t) })?;
+    Ok(t)
+}
+
+pub fn set_tick_period_ms(ms: u32) -> Result<(), HostError> {
+    check(unsafe { proxy_set_tick_period_milliseconds(ms) })
+}
+
+pub fn buffer(buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostError> {
+    let mut data = null_mut();
+    let mut size = 0usize;
+    match unsafe { proxy_get_buffer_bytes(buffer_type, start, max, &mut data, &mut size) } {
+        OK => Ok(unsafe { take(data, size) }.unwrap_or_default()),
+        NOT_FOUND => Ok(Vec::new()),
+        s => Err(HostError(s)),
+    }
+}
+
+/// All pairs of a header map, values as raw bytes (they need not be UTF-8).
+pub fn header_pairs(map_type: u32) -> Result<Vec<(String, Vec<u8>)>, HostError> {
+    let mut data = null_mut();
+    let mut size = 0usize;
+    check(unsafe { proxy_get_header_map_pairs(map_type, &mut data, &mut size) })?;
+    let Some(bytes) = (unsafe { take(data, size) }) else { return Ok(Vec::new()) };
+    decode_pairs(&bytes).ok_or(HostError(u32::MAX))
+}
+
+pub fn header_value(map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+    let mut data = null_mut();
+    let mut size = 0usize;
+    match unsafe { proxy_get_header_map_value(map_type, name.as_ptr(), name.len(), &mut data, &mut size) } {
+        OK => Ok(unsafe { take(data, size) }),
+        NOT_FOUND => Ok(None),
+        s => Err(HostError(s)),
+    }
+}
+
+/// A property by path parts (`["response", "code_details"]`). None when absent.
+pub fn property(path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
+    let serialized = path.join("\0");
+    let mut data = null_mut();
+    let mut size = 0usize;
+    match unsafe { proxy_get_property(serialized.as_ptr(), serialized.len(), &mut data, &mut size) } {
+        OK => Ok(unsafe { take(data, size) }),
+        NOT_FOUND => Ok(None),
+        s => Err(HostError(s)),
+    }
+}
+
+pub fn property_u64(path: &[&str]) -> Option<u64> {
+    let bytes = property(path).ok()??;
+    Some(u64::from_le_bytes(<[u8; 8]>::try_from(bytes.as_slice()).ok()?))
+}
+
+pub fn property_string(path: &[&str]) -> Option<String> {
+    property(path).ok()?.map(|b| String::from_utf8_lossy(&b).into_owned())
+}
+
+pub fn send_response(status: u16, details: &str, headers: &[(String, Vec<u8>)], body: &[u8]) -> Result<(), HostError> {
+    let map = encode_pairs(headers);
+    check(unsafe {
+        proxy_send_local_response(
+            u32::from(status),
+            details.as_ptr(),
+            details.len(),
+            if body.is_empty() { null() } else { body.as_ptr() },
+            body.len(),
+            map.as_ptr(),
+            map.len(),
+            -1,
+        )
+    })
+}
+
+pub fn define_counter(name: &str) -> Result<u32, HostError> {
+    let mut id = 0u32;
+    check(unsafe { proxy_define_metric(METRIC_COUNTER, name.as_ptr(), name.len(), &mut id) })?;
+    Ok(id)
+}
+
+pub fn increment(metric: u32, by: i64) {
+    if by > 0 {
+        // A lost increment is not worth failing a request for.
+        let _ = unsafe { proxy_increment_metric(metric, by) };
+    }
+}
+
+/// proxy-wasm map serialization: count, then (name len, value len) pairs, then the NUL-ended
+/// names and values.
+fn encode_pairs(pairs: &[(String, Vec<u8>)]) -> Vec<u8> {
+    let size: usize = 4 + pairs.iter().map(|(n, v)| 8 + n.len() + v.len() + 2).sum::<usize>();
+    let mut out = Vec::with_capacity(size);
+    out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
+    for (n, v) in pairs {
+        out.extend_from_slice(&(n.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+    }
+    for (n, v) in pairs {
+        out.extend_from_slice(n.as_bytes());
+        out.push(0);
+        out.extend_from_slice(v);
+        out.push(0);
+    }
+    out
+}
+
+fn decode_pairs(bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+    let word = |at: usize| -> Option<usize> {
+        Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize)
+    };
+    if bytes.is_empty() {
+        return Some(Vec::new());
+    }
+    let count = word(0)?;
+    let mut pairs = Vec::with_capacity(count.min(1024));
+    let mut p = 4usize.checked_add(count.checked_mul(8)?)?;
+    for i in 0..count {
+        let name_len = word(4 + i * 8)?;
+        let value_len = word(8 + i * 8)?;
+        let name = bytes.get(p..p.checked_add(name_len)?)?;
+        p = p.checked_add(name_len + 1)?;
+        let value = bytes.get(p..p.checked_add(value_len)?)?;
+        p = p.checked_add(value_len + 1)?;
+        pairs.push((String::from_utf8_lossy(name).into_owned(), value.to_vec()));
+    }
+    Some(pairs)
+}
+
+/// Envoy's shared data for this plugin's vm_id.
+pub struct HostSharedData;
+
+impl SharedData for HostSharedData {
+    fn get(&self, key: &str) -> Result<Read, SharedDataError> {
+        let mut data = null_mut();
+        let mut size = 0usize;
+        let mut cas = 0u32;
+        match unsafe { proxy_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas) } {
+            OK => Ok(Read { value: unsafe { take(data, size) }, cas: (cas != 0).then_some(cas as Cas) }),
+            NOT_FOUND => Ok(Read::default()),
+            s => Err(SharedDataError::Host(s)),
+        }
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
+        let ptr = if value.is_empty() { null() } else { value.as_ptr() };
+        match unsafe { proxy_set_shared_data(key.as_ptr(), key.len(), ptr, value.len(), cas.unwrap_or(0)) } {
+            OK => Ok(()),
+            CAS_MISMATCH => Err(SharedDataError::CasMismatch),
+            s => Err(SharedDataError::Host(s)),
+        }
+    }
+}
+
+/// Routes the `log` facade (used by the engine) to Envoy's log.
+pub struct HostLogger;
+
+impl log::Log for HostLogger {
+    fn enabled(&self, metadata: &log::Metadata) -> bool {
+        metadata.level() <= log::max_level()
+    }
+    fn log(&self, record: &log::Record) {
+        if !self.enabled(record.metadata()) {
+            return;
+        }
+        let level = match record.level() {
+            log::Level::Trace | log::Level::Debug => LOG_DEBUG,
+            log::Level::Info => LOG_INFO,
+            log::Level::Warn => LOG_WARN,
+            log::Level::Error => LOG_ERROR,
+        };
+        log(level, &record.args().to_string());
+    }
+    fn flush(&self) {}
+}

@@ -1,0 +1,322 @@
+//! Per-request glue: gathers what the engine needs, acts on its decisions, captures the upstream
+//! response, and settles the claim.
+
+use super::host::{self, HostError};
+use super::root::Shared;
+use crate::engine::{self, Admission, Decision, Outcome, Pending, Reply, RequestHead};
+use crate::outcome::{plan_response, plan_unfinished, ResponsePlan};
+use crate::record::{Snapshot, State};
+use crate::store::{Claim, Completion, RecordStore, Settled};
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::Action;
+use std::rc::Rc;
+
+/// `response.code_details` of the filter's own replies, so logs tell them apart.
+const DETAILS_REPLAY: &str = "idempotency_replay";
+const DETAILS_PROBLEM: &str = "idempotency_problem";
+
+enum Phase {
+    /// Not (or no longer) our business.
+    Idle,
+    /// Protected request held until its body is complete.
+    Collecting(Pending),
+    /// We answered locally; our own reply comes back through the encode callbacks and must be
+    /// left alone (never snapshotted).
+    Answered,
+    /// Forwarded with a claim; waiting for the response.
+    Forwarded { claim: Claim, rule: usize },
+    /// A real upstream answer worth keeping; its body is being copied as it streams by.
+    Capturing(Capture),
+}
+
+struct Capture {
+    claim: Claim,
+    rule: usize,
+    state: State,
+    status: u16,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+    /// The body outgrew `max_response_bytes`: the outcome is kept without it.
+    overflowed: bool,
+}
+
+pub struct Http {
+    context_id: u32,
+    shared: Option<Rc<Shared>>,
+    phase: Phase,
+}
+
+impl Http {
+    pub fn new(context_id: u32, shared: Option<Rc<Shared>>) -> Http {
+        Http { context_id, shared, phase: Phase::Idle }
+    }
+
+    fn count(&self, outcome: Outcome) {
+        if let Some(s) = &self.shared {
+            s.metrics.count(outcome);
+        }
+    }
+
+    fn reply(&mut self, reply: &Reply, details: &str) -> Action {
+        self.phase = Phase::Answered;
+        if let Err(HostError(s)) = host::send_response(reply.status, details, &reply.headers, &reply.body) {
+            log::warn!("#{} idempotency: could not send the local reply (host status {s})", self.context_id);
+        }
+        Action::Pause
+    }
+
+    fn now_ms(&self) -> u64 {
+        host::now_nanos().map(|n| n / 1_000_000).unwrap_or(0)
+    }
+
+    fn on_headers(&mut self, shared: &Shared, end_of_stream: bool) -> Action {
+        // Match the route on two small reads first: unprotected traffic never pays for a copy
+        // of the whole header map.
+        let method = host::header_value(host::MAP_REQUEST_HEADERS, ":method").ok().flatten().unwrap_or_default();
+        let path = host::header_value(host::MAP_REQUEST_HEADERS, ":path").ok().flatten().unwrap_or_default();
+        let method = String::from_utf8_lossy(&method);
+        let path = String::from_utf8_lossy(&path);
+        let path_only = path.split('?').next().unwrap_or_default();
+        if shared.config.rule_for(&method, path_only).is_none() {
+            self.count(Outcome::PassedThrough);
+            return Action::Continue;
+        }
+        let headers = match host::header_pairs(host::MAP_REQUEST_HEADERS) {
+            Ok(h) => h,
+            Err(HostError(s)) => {
+                log::warn!("#{} idempotency: cannot read request headers (host status {s}); passing through", self.context_id);
+                self.count(Outcome::PassedThrough);
+                return Action::Continue;
+            }
+        };
+        let head = RequestHead { method: &method, path: &path, headers: &headers };
+        match engine::admit(&shared.config, &head) {
+            Admission::PassThrough => {
+                self.count(Outcome::PassedThrough);
+                Action::Continue
+            }
+            Admission::Reject(problem) => {
+                self.count(Outcome::of_problem(problem.kind));
+                log::debug!("#{} idempotency: refused at headers: {}", self.context_id, problem.kind.slug());
+                self.reply(&Reply::problem(&problem), DETAILS_PROBLEM)
+            }
+            Admission::Collect(pending) => {
+                if end_of_stream {
+                    self.decide(shared, &pending, &[])
+                } else {
+                    self.phase = Phase::Collecting(pending);
+                    Action::Pause
+                }
+            }
+        }
+    }
+
+    fn decide(&mut self, shared: &Shared, pending: &Pending, body: &[u8]) -> Action {
+        let now_nanos = host::now_nanos().unwrap_or(0);
+        let owner = shared.owner_token(self.context_id, now_nanos);
+        let decision = engine::decide(&shared.config, pending, body, &shared.store, now_nanos / 1_000_000, owner);
+        match decision {
+            Decision::Forward { claim, outcome } => {
+                self.count(outcome);
+                log::debug!("#{} idempotency: {} key {}", self.context_id, outcome.name(), pending.scope.log_tag());
+                self.phase = Phase::Forwarded { claim, rule: pending.rule };
+                Action::Continue
+            }
+            Decision::Respond { reply, outcome } => {
+                self.count(outcome);
+                log::debug!("#{} idempotency: {} key {}", self.context_id, outcome.name(), pending.scope.log_tag());
+                let details = if outcome == Outcome::Replayed { DETAILS_REPLAY } else { DETAILS_PROBLEM };
+                self.reply(&reply, details)
+            }
+        }
+    }
+
+    /// The whole request body is in Envoy's buffer (end of stream, or trailers follow it).
+    fn on_body_complete(&mut self, shared: &Shared, size: usize) -> Action {
+        let Phase::Collecting(pending) = std::mem::replace(&mut self.phase, Phase::Idle) else {
+            return Action::Continue;
+        };
+        match host::buffer(host::BUFFER_REQUEST_BODY, 0, size) {
+            Ok(body) => self.decide(shared, &pending, &body),
+            Err(HostError(s)) => {
+                log::warn!("#{} idempotency: cannot read the request body (host status {s})", self.context_id);
+                let problem = crate::problem::Problem::new(
+                    crate::problem::Kind::StoreUnavailable,
+                    503,
+                    "the request body could not be read; retry later",
+                )
+                .retry_after_ms(1000);
+                self.count(Outcome::StoreError);
+                self.reply(&Reply::problem(&problem), DETAILS_PROBLEM)
+            }
+        }
+    }
+
+    fn settle(&mut self, shared: &Shared, plan: ResponsePlan, claim: Claim) {
+        match plan {
+            ResponsePlan::Release => {
+                let outcome = match shared.store.release(&claim) {
+                    Ok(Settled::Done) => Outcome::Released,
+                    Ok(Settled::Lost) => Outcome::CompletionLost,
+                    Err(e) => {
+                        log::warn!("#{} idempotency: release failed: {e}", self.context_id);
+                        Outcome::StoreError
+                    }
+                };
+                self.count(outcome);
+            }
+            ResponsePlan::Keep => self.count(Outcome::KeptUnknown),
+            ResponsePlan::Capture { .. } => {}
+        }
+        log::debug!("#{} idempotency: settled {:?} key {}", self.context_id, plan, claim.scope.log_tag());
+    }
+
+    fn finish_capture(&mut self, shared: &Shared) {
+        let Phase::Capturing(c) = std::mem::replace(&mut self.phase, Phase::Idle) else { return };
+        let Some(rule) = shared.config.rules.get(c.rule) else { return };
+        let snapshot = (!c.overflowed).then(|| Snapshot { status: c.status, headers: c.headers, body: c.body });
+        let completion = Completion { state: c.state, status: c.status, snapshot, now_ms: self.now_ms(), ttl_ms: rule.ttl_ms };
+        let outcome = match shared.store.complete(&c.claim, &completion) {
+            Ok(Settled::Done) if c.overflowed => Outcome::ResponseNotStored,
+            Ok(Settled::Done) => Outcome::Stored,
+            Ok(Settled::Lost) => Outcome::CompletionLost,
+            Err(e) => {
+                log::warn!("#{} idempotency: storing the response failed: {e}", self.context_id);
+                Outcome::StoreError
+            }
+        };
+        self.count(outcome);
+        log::debug!("#{} idempotency: {} key {}", self.context_id, outcome.name(), c.claim.scope.log_tag());
+    }
+}
+
+impl Context for Http {}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        self.on_headers(&shared, end_of_stream)
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let limit = match &self.phase {
+            Phase::Collecting(p) => shared.config.rules.get(p.rule).map(|r| r.max_request_bytes),
+            Phase::Answered => return Action::Pause,
+            _ => return Action::Continue,
+        };
+        if let Some(limit) = limit {
+            if body_size as u64 > limit {
+                if let Some(rule) = self.collecting_rule(&shared) {
+                    let problem = engine::too_large(rule);
+                    self.count(Outcome::TooLarge);
+                    return self.reply(&Reply::problem(&problem), DETAILS_PROBLEM);
+                }
+            }
+        }
+        if end_of_stream {
+            self.on_body_complete(&shared, body_size)
+        } else {
+            Action::Pause
+        }
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        match self.phase {
+            Phase::Collecting(_) => self.on_body_complete(&shared, usize::MAX),
+            Phase::Answered => Action::Pause,
+            _ => Action::Continue,
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let Phase::Forwarded { claim, rule } = self.phase else { return Action::Continue };
+        let Some(rule_cfg) = shared.config.rules.get(rule) else { return Action::Continue };
+        let status = host::header_value(host::MAP_RESPONSE_HEADERS, ":status")
+            .ok()
+            .flatten()
+            .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok());
+        let details = host::property_string(&["response", "code_details"]);
+        let flags = host::property_u64(&["response", "flags"]).unwrap_or(0);
+        match plan_response(rule_cfg, status, details.as_deref(), flags) {
+            ResponsePlan::Capture { state, status } => {
+                let headers = host::header_pairs(host::MAP_RESPONSE_HEADERS).unwrap_or_default();
+                self.phase = Phase::Capturing(Capture {
+                    claim,
+                    rule,
+                    state,
+                    status,
+                    headers: engine::snapshot_headers(headers),
+                    body: Vec::new(),
+                    overflowed: false,
+                });
+                if end_of_stream {
+                    self.finish_capture(&shared);
+                }
+            }
+            plan => {
+                self.phase = Phase::Idle;
+                self.settle(&shared, plan, claim);
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        if let Phase::Capturing(c) = &mut self.phase {
+            let limit = shared.config.rules.get(c.rule).map(|r| r.max_response_bytes).unwrap_or(0);
+            if !c.overflowed && body_size > 0 {
+                // The body streams through untouched; we keep a copy of each chunk as it passes.
+                match host::buffer(host::BUFFER_RESPONSE_BODY, 0, body_size) {
+                    Ok(chunk) if (c.body.len() + chunk.len()) as u64 <= limit => c.body.extend_from_slice(&chunk),
+                    Ok(_) => {
+                        c.overflowed = true;
+                        c.body = Vec::new();
+                    }
+                    Err(HostError(s)) => {
+                        log::warn!("#{} idempotency: cannot read the response body (host status {s})", self.context_id);
+                        c.overflowed = true;
+                        c.body = Vec::new();
+                    }
+                }
+            }
+            if end_of_stream {
+                self.finish_capture(&shared);
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        // With trailers the last body frame never says end of stream.
+        self.finish_capture(&shared);
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        let Some(shared) = self.shared.clone() else { return };
+        let claim = match std::mem::replace(&mut self.phase, Phase::Idle) {
+            Phase::Forwarded { claim, .. } => claim,
+            Phase::Capturing(c) => c.claim,
+            _ => return,
+        };
+        let details = host::property_string(&["response", "code_details"]);
+        let flags = host::property_u64(&["response", "flags"]).unwrap_or(0);
+        let plan = plan_unfinished(details.as_deref(), flags);
+        log::debug!("#{} idempotency: stream ended unfinished ({details:?}, flags {flags:#x})", self.context_id);
+        self.settle(&shared, plan, claim);
+    }
+}
+
+impl Http {
+    fn collecting_rule<'a>(&self, shared: &'a Shared) -> Option<&'a crate::config::Rule> {
+        match &self.phase {
+            Phase::Collecting(p) => shared.config.rules.get(p.rule),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! The record store interface the engine decides against. Every backend (Envoy shared data now,
+//! etcd for a fleet later) implements it and passes the same conformance suite
+//! (`store_conformance.rs`).
+//!
+//! Contract, per scope (tenant, principal, method, path, key):
+//! - at most one live record; `begin` either claims it for exactly one caller or reports what
+//!   is there, atomically across every worker sharing the store;
+//! - only the current owner's `complete`/`release` changes a processing record; a late call by
+//!   an owner whose lease was taken over reports `Lost` and changes nothing;
+//! - a live record is never evicted to make room: a full store answers `Full`;
+//! - expired records read as absent and their space is reclaimed by `sweep`.
+
+use crate::fingerprint::Fingerprint;
+use crate::record::{Snapshot, State};
+use crate::scope::ScopeId;
+
+/// What `begin` needs to know about the request.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimAttempt {
+    pub scope: ScopeId,
+    pub fingerprint: Fingerprint,
+    /// Fresh token identifying this request's claim, unique among claims.
+    pub owner: u64,
+    pub now_ms: u64,
+    pub lease_ms: u64,
+    pub ttl_ms: u64,
+}
+
+/// A held claim: the right to execute and then complete or release the record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claim {
+    pub scope: ScopeId,
+    pub owner: u64,
+    /// Backend-specific locator of the record (bucket and position for the local store).
+    pub locator: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Begin {
+    /// No live record existed; the caller owns a new one and must forward.
+    Claimed(Claim),
+    /// A processing record's lease had expired; the caller now owns it and must forward.
+    TookOver(Claim),
+    /// A completed record with the same fingerprint.
+    Replay(Snapshot),
+    /// Completed, but the response was too large to keep; it must not execute again.
+    NotStored { status: u16 },
+    /// A live record with a different fingerprint.
+    Mismatch,
+    /// The original is still being processed; its lease ends in `retry_after_ms`.
+    InFlight { retry_after_ms: u64 },
+    /// No room for a new record without evicting a live one.
+    Full { retry_after_ms: u64 },
+}
+
+/// How a forwarded request ended, for `complete`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    pub state: State,
+    pub status: u16,
+    /// None when the body was over `max_response_bytes`: the outcome is kept without it.
+    pub snapshot: Option<Snapshot>,
+    pub now_ms: u64,
+    pub ttl_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    Done,
+    /// The claim was no longer ours (taken over or expired): nothing was changed.
+    Lost,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreError {
+    /// Every CAS attempt lost to other writers.
+    Contention,
+    /// The store cannot be used (host error, missing pre-created key).
+    Unavailable(String),
+    /// Stored bytes this build cannot read; they are left alone, not overwritten.
+    Corrupt(String),
+}
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreError::Contention => write!(f, "store contention: CAS retries exhausted"),
+            StoreError::Unavailable(m) => write!(f, "store unavailable: {m}"),
+            StoreError::Corrupt(m) => write!(f, "store holds unreadable data: {m}"),
+        }
+    }
+}
+
+pub trait RecordStore {
+    fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError>;
+    fn complete(&self, claim: &Claim, completion: &Completion) -> Result<Settled, StoreError>;
+    fn release(&self, claim: &Claim) -> Result<Settled, StoreError>;
+    /// Reclaims expired records in the next part of the store; returns how many were removed.
+    fn sweep(&self, now_ms: u64) -> Result<u32, StoreError>;
+}

@@ -349,3 +349,241 @@ pub fn snapshot_headers(headers: Vec<(String, Vec<u8>)>) -> Vec<(String, Vec<u8>
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse;
+    use crate::local_store::LocalStore;
+    use crate::record::State;
+    use crate::shared_data::FakeSharedData;
+    use crate::store::Completion;
+
+    const CONFIG: &str = r#"{
+        "tenant_header": "x-tenant-id",
+        "problem_statuses": {"mismatch": 409},
+        "store": {"type": "local", "capacity": 64},
+        "routes": [
+          {"name": "orders", "match": {"prefix": "/orders", "methods": ["POST"]}, "require_key": true,
+           "max_request_bytes": 100, "fingerprint": {"headers": ["x-api-version"], "ignore_json_fields": ["/sent_at"]}},
+          {"name": "optional", "match": {"exact": "/carts"}}
+        ]}"#;
+
+    fn cfg() -> Config {
+        parse(CONFIG.as_bytes()).unwrap()
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+        pairs.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
+    }
+
+    fn admit_with(method: &str, path: &str, pairs: &[(&str, &str)]) -> Admission {
+        let h = headers(pairs);
+        admit(&cfg(), &RequestHead { method, path, headers: &h })
+    }
+
+    fn pending(pairs: &[(&str, &str)]) -> Pending {
+        match admit_with("POST", "/orders?x=1", pairs) {
+            Admission::Collect(p) => p,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn problem_kind(a: Admission) -> Kind {
+        match a {
+            Admission::Reject(p) => p.kind,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn unmatched_requests_pass_through_even_with_a_bad_key() {
+        assert_eq!(admit_with("GET", "/orders", &[("idempotency-key", "a b")]), Admission::PassThrough);
+        assert_eq!(admit_with("POST", "/users", &[]), Admission::PassThrough);
+        assert_eq!(admit_with("POST", "/carts/1", &[]), Admission::PassThrough);
+    }
+
+    #[test]
+    fn missing_key_depends_on_require_key() {
+        assert_eq!(problem_kind(admit_with("POST", "/orders", &[])), Kind::MissingKey);
+        assert_eq!(admit_with("POST", "/carts", &[]), Admission::PassThrough);
+        assert_eq!(problem_kind(admit_with("POST", "/carts", &[("idempotency-key", "")])), Kind::InvalidKey);
+    }
+
+    #[test]
+    fn key_problems_use_the_configured_status() {
+        let cfg = parse(br#"{"problem_statuses":{"invalid_key":422},"routes":[{"name":"a","match":{"prefix":"/"},"require_key":true}]}"#).unwrap();
+        let h = headers(&[]);
+        match admit(&cfg, &RequestHead { method: "POST", path: "/", headers: &h }) {
+            Admission::Reject(p) => assert_eq!(p.status, 422),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn declared_oversized_body_is_refused_before_reading_it() {
+        let a = admit_with("POST", "/orders", &[("idempotency-key", "k"), ("content-length", "101")]);
+        assert_eq!(problem_kind(a), Kind::RequestTooLarge);
+        assert!(matches!(admit_with("POST", "/orders", &[("idempotency-key", "k"), ("content-length", "100")]), Admission::Collect(_)));
+    }
+
+    #[test]
+    fn scope_separates_principals_tenants_paths_and_quoting_does_not() {
+        let base = pending(&[("idempotency-key", "k"), ("authorization", "a")]);
+        assert_eq!(base.scope, pending(&[("idempotency-key", "\"k\""), ("authorization", "a")]).scope);
+        assert_ne!(base.scope, pending(&[("idempotency-key", "k"), ("authorization", "b")]).scope);
+        assert_ne!(base.scope, pending(&[("idempotency-key", "k")]).scope);
+        assert_ne!(base.scope, pending(&[("idempotency-key", "k"), ("authorization", "a"), ("x-tenant-id", "t")]).scope);
+        let other_path = match admit_with("POST", "/orders/2", &[("idempotency-key", "k"), ("authorization", "a")]) {
+            Admission::Collect(p) => p,
+            other => panic!("{other:?}"),
+        };
+        assert_ne!(base.scope, other_path.scope);
+        // The query is not part of the scope (it is part of the fingerprint).
+        let other_query = match admit_with("POST", "/orders?x=2", &[("idempotency-key", "k"), ("authorization", "a")]) {
+            Admission::Collect(p) => p,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(base.scope, other_query.scope);
+    }
+
+    struct World {
+        data: FakeSharedData,
+    }
+
+    impl World {
+        fn new() -> World {
+            let w = World { data: FakeSharedData::new() };
+            LocalStore::new(&w.data, 64).create_keys().unwrap();
+            w
+        }
+        fn store(&self) -> LocalStore<&FakeSharedData> {
+            LocalStore::new(&self.data, 64)
+        }
+        fn decide(&self, p: &Pending, body: &[u8], now: u64, owner: u64) -> Decision {
+            decide(&cfg(), p, body, &self.store(), now, owner)
+        }
+    }
+
+    fn forward(d: Decision) -> Claim {
+        match d {
+            Decision::Forward { claim, .. } => claim,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn reply(d: Decision) -> (Reply, Outcome) {
+        match d {
+            Decision::Respond { reply, outcome } => (reply, outcome),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn header<'a>(r: &'a Reply, name: &str) -> Option<&'a [u8]> {
+        r.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice())
+    }
+
+    #[test]
+    fn first_request_claims_then_retries_replay_the_stored_response() {
+        let w = World::new();
+        let p = pending(&[("idempotency-key", "k"), ("content-type", "application/json")]);
+        let claim = forward(w.decide(&p, br#"{"a":1,"sent_at":"t1"}"#, 0, 1));
+        let snapshot = Snapshot { status: 201, headers: vec![("x-id".into(), b"7".to_vec())], body: b"{\"id\":7}".to_vec() };
+        let completion = Completion { state: State::Succeeded, status: 201, snapshot: Some(snapshot), now_ms: 5, ttl_ms: 1000 };
+        w.store().complete(&claim, &completion).unwrap();
+        // Same JSON, other member order and whitespace, ignored field changed: a replay.
+        let (r, outcome) = reply(w.decide(&p, br#"{ "sent_at":"t2", "a": 1 }"#, 6, 2));
+        assert_eq!(outcome, Outcome::Replayed);
+        assert_eq!((r.status, r.body.as_slice()), (201, &b"{\"id\":7}"[..]));
+        assert_eq!(header(&r, "x-id"), Some(&b"7"[..]));
+        assert_eq!(header(&r, REPLAYED_HEADER), Some(&b"true"[..]));
+    }
+
+    #[test]
+    fn a_different_payload_is_refused_with_the_configured_status() {
+        let w = World::new();
+        let p = pending(&[("idempotency-key", "k")]);
+        forward(w.decide(&p, b"one", 0, 1));
+        let (r, outcome) = reply(w.decide(&p, b"two", 1, 2));
+        assert_eq!((r.status, outcome), (409, Outcome::Mismatch));
+        let header_changed = pending(&[("idempotency-key", "k"), ("x-api-version", "2")]);
+        assert_eq!(reply(w.decide(&header_changed, b"one", 2, 3)).1, Outcome::Mismatch);
+        let query_changed = match admit_with("POST", "/orders?x=2", &[("idempotency-key", "k")]) {
+            Admission::Collect(p) => p,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(reply(w.decide(&query_changed, b"one", 3, 4)).1, Outcome::Mismatch);
+    }
+
+    #[test]
+    fn in_flight_duplicates_get_409_with_retry_after() {
+        let w = World::new();
+        let p = pending(&[("idempotency-key", "k")]);
+        forward(w.decide(&p, b"x", 0, 1));
+        let (r, outcome) = reply(w.decide(&p, b"x", 2_500, 2));
+        assert_eq!((r.status, outcome), (409, Outcome::InFlight));
+        assert_eq!(header(&r, "retry-after"), Some(&b"28"[..]));
+        assert_eq!(header(&r, "content-type"), Some(&b"application/problem+json"[..]));
+    }
+
+    #[test]
+    fn expired_lease_is_taken_over() {
+        let w = World::new();
+        let p = pending(&[("idempotency-key", "k")]);
+        forward(w.decide(&p, b"x", 0, 1));
+        match w.decide(&p, b"x", 30_000, 2) {
+            Decision::Forward { outcome, .. } => assert_eq!(outcome, Outcome::TakenOver),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_oversized_body_is_refused_and_claims_nothing() {
+        let w = World::new();
+        let p = pending(&[("idempotency-key", "k")]);
+        let (r, outcome) = reply(w.decide(&p, &[b'x'; 101], 0, 1));
+        assert_eq!((r.status, outcome), (413, Outcome::TooLarge));
+        forward(w.decide(&p, b"small", 1, 2));
+    }
+
+    #[test]
+    fn a_response_that_was_too_large_is_never_executed_again() {
+        let w = World::new();
+        let p = pending(&[("idempotency-key", "k")]);
+        let claim = forward(w.decide(&p, b"x", 0, 1));
+        let completion = Completion { state: State::Succeeded, status: 200, snapshot: None, now_ms: 1, ttl_ms: 1000 };
+        w.store().complete(&claim, &completion).unwrap();
+        let (r, outcome) = reply(w.decide(&p, b"x", 2, 2));
+        assert_eq!((r.status, outcome), (410, Outcome::NotReplayable));
+        assert_eq!(header(&r, ORIGINAL_STATUS_HEADER), Some(&b"200"[..]));
+    }
+
+    #[test]
+    fn store_trouble_fails_closed_with_503() {
+        let data = FakeSharedData::new(); // layout never created
+        let p = pending(&[("idempotency-key", "k")]);
+        let (r, outcome) = reply(decide(&cfg(), &p, b"x", &LocalStore::new(&data, 64), 0, 1));
+        assert_eq!((r.status, outcome), (503, Outcome::StoreError));
+        assert!(header(&r, "retry-after").is_some());
+    }
+
+    #[test]
+    fn snapshots_drop_hop_by_hop_and_connection_named_headers() {
+        let kept = snapshot_headers(headers(&[
+            (":status", "201"),
+            ("content-type", "application/json"),
+            ("connection", "keep-alive, x-hop"),
+            ("keep-alive", "timeout=5"),
+            ("transfer-encoding", "chunked"),
+            ("te", "trailers"),
+            ("trailer", "x-checksum"),
+            ("upgrade", "h2c"),
+            ("proxy-authenticate", "Basic"),
+            ("x-hop", "1"),
+            ("content-length", "12"),
+            ("set-cookie", "a=1"),
+            ("set-cookie", "b=2"),
+        ]));
+        assert_eq!(kept, headers(&[("content-type", "application/json"), ("set-cookie", "a=1"), ("set-cookie", "b=2")]));
+    }
+}

@@ -60,7 +60,7 @@ impl Http {
     fn reply(&mut self, reply: &Reply, details: &str) -> Action {
         self.phase = Phase::Answered;
         if let Err(HostError(s)) = host::send_response(reply.status, details, &reply.headers, &reply.body) {
-            log::warn!("#{} idempotency: could not send the local reply (host status {s})", self.context_id);
+            log::warn!("#{} could not send the local reply (host status {s})", self.context_id);
         }
         Action::Pause
     }
@@ -84,7 +84,7 @@ impl Http {
         let headers = match host::header_pairs(host::MAP_REQUEST_HEADERS) {
             Ok(h) => h,
             Err(HostError(s)) => {
-                log::warn!("#{} idempotency: cannot read request headers (host status {s}); passing through", self.context_id);
+                log::warn!("#{} cannot read request headers (host status {s}); passing through", self.context_id);
                 self.count(Outcome::PassedThrough);
                 return Action::Continue;
             }
@@ -97,7 +97,7 @@ impl Http {
             }
             Admission::Reject(problem) => {
                 self.count(Outcome::of_problem(problem.kind));
-                log::debug!("#{} idempotency: refused at headers: {}", self.context_id, problem.kind.slug());
+                log::debug!("#{} refused at headers: {}", self.context_id, problem.kind.slug());
                 self.reply(&Reply::problem(&problem), DETAILS_PROBLEM)
             }
             Admission::Collect(pending) => {
@@ -118,13 +118,13 @@ impl Http {
         match decision {
             Decision::Forward { claim, outcome } => {
                 self.count(outcome);
-                log::debug!("#{} idempotency: {} key {}", self.context_id, outcome.name(), pending.scope.log_tag());
+                log::debug!("#{} {} key {}", self.context_id, outcome.name(), pending.scope.log_tag());
                 self.phase = Phase::Forwarded { claim, rule: pending.rule };
                 Action::Continue
             }
             Decision::Respond { reply, outcome } => {
                 self.count(outcome);
-                log::debug!("#{} idempotency: {} key {}", self.context_id, outcome.name(), pending.scope.log_tag());
+                log::debug!("#{} {} key {}", self.context_id, outcome.name(), pending.scope.log_tag());
                 let details = if outcome == Outcome::Replayed { DETAILS_REPLAY } else { DETAILS_PROBLEM };
                 self.reply(&reply, details)
             }
@@ -139,7 +139,7 @@ impl Http {
         match host::buffer(host::BUFFER_REQUEST_BODY, 0, size) {
             Ok(body) => self.decide(shared, &pending, &body),
             Err(HostError(s)) => {
-                log::warn!("#{} idempotency: cannot read the request body (host status {s})", self.context_id);
+                log::warn!("#{} cannot read the request body (host status {s})", self.context_id);
                 let problem = crate::problem::Problem::new(
                     crate::problem::Kind::StoreUnavailable,
                     503,
@@ -159,7 +159,7 @@ impl Http {
                     Ok(Settled::Done) => Outcome::Released,
                     Ok(Settled::Lost) => Outcome::CompletionLost,
                     Err(e) => {
-                        log::warn!("#{} idempotency: release failed: {e}", self.context_id);
+                        log::warn!("#{} release failed: {e}", self.context_id);
                         Outcome::StoreError
                     }
                 };
@@ -168,7 +168,7 @@ impl Http {
             ResponsePlan::Keep => self.count(Outcome::KeptUnknown),
             ResponsePlan::Capture { .. } => {}
         }
-        log::debug!("#{} idempotency: settled {:?} key {}", self.context_id, plan, claim.scope.log_tag());
+        log::debug!("#{} settled {:?} key {}", self.context_id, plan, claim.scope.log_tag());
     }
 
     fn finish_capture(&mut self, shared: &Shared) {
@@ -181,12 +181,12 @@ impl Http {
             Ok(Settled::Done) => Outcome::Stored,
             Ok(Settled::Lost) => Outcome::CompletionLost,
             Err(e) => {
-                log::warn!("#{} idempotency: storing the response failed: {e}", self.context_id);
+                log::warn!("#{} storing the response failed: {e}", self.context_id);
                 Outcome::StoreError
             }
         };
         self.count(outcome);
-        log::debug!("#{} idempotency: {} key {}", self.context_id, outcome.name(), c.claim.scope.log_tag());
+        log::debug!("#{} {} key {}", self.context_id, outcome.name(), c.claim.scope.log_tag());
     }
 }
 
@@ -277,7 +277,7 @@ impl HttpContext for Http {
                         c.body = Vec::new();
                     }
                     Err(HostError(s)) => {
-                        log::warn!("#{} idempotency: cannot read the response body (host status {s})", self.context_id);
+                        log::warn!("#{} cannot read the response body (host status {s})", self.context_id);
                         c.overflowed = true;
                         c.body = Vec::new();
                     }
@@ -307,7 +307,7 @@ impl HttpContext for Http {
         let details = host::property_string(&["response", "code_details"]);
         let flags = host::property_u64(&["response", "flags"]).unwrap_or(0);
         let plan = plan_unfinished(details.as_deref(), flags);
-        log::debug!("#{} idempotency: stream ended unfinished ({details:?}, flags {flags:#x})", self.context_id);
+        log::debug!("#{} stream ended unfinished ({details:?}, flags {flags:#x})", self.context_id);
         self.settle(&shared, plan, claim);
     }
 }

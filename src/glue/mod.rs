@@ -11,7 +11,15 @@ static LOGGER: host::HostLogger = host::HostLogger;
 
 proxy_wasm::main! {{
     // Our own logger and panic hook instead of the SDK's: both of its versions unwrap host calls.
+    // No host calls here: Envoy refuses them while the module initializes.
     let _ = log::set_logger(&LOGGER);
+    std::panic::set_hook(Box::new(|info| host::log(host::LOG_CRITICAL, &format!("{info}"))));
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> { Box::new(root::Root::new(context_id)) });
+}}
+
+/// Follows Envoy's log level for the wasm component, so that debug lines are not even formatted
+/// unless someone asked for them.
+fn follow_host_log_level() {
     log::set_max_level(match host::log_level() {
         0 => log::LevelFilter::Trace,
         1 => log::LevelFilter::Debug,
@@ -20,6 +28,4 @@ proxy_wasm::main! {{
         4 => log::LevelFilter::Error,
         _ => log::LevelFilter::Off,
     });
-    std::panic::set_hook(Box::new(|info| host::log(host::LOG_CRITICAL, &format!("idempotency: {info}"))));
-    proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> { Box::new(root::Root::new(context_id)) });
-}}
+}

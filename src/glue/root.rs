@@ -28,7 +28,7 @@ impl Metrics {
         let define = |name: String| match host::define_counter(&name) {
             Ok(id) => Some(id),
             Err(e) => {
-                log::warn!("idempotency: cannot define metric {name}: host status {}", e.0);
+                log::warn!("cannot define metric {name}: host status {}", e.0);
                 None
             }
         };
@@ -97,7 +97,7 @@ impl Root {
         let store = LocalStore::new(HostSharedData, capacity);
         let created = store.create_keys().map_err(|e| format!("cannot prepare the local store: {e}"))?;
         log::info!(
-            "idempotency: configured {} route rule(s); local store: {} records in {} buckets ({} keys created)",
+            "configured {} route rule(s); local store: {} records in {} buckets ({} keys created)",
             config.rules.len(),
             store.capacity(),
             store.buckets(),
@@ -118,17 +118,18 @@ impl Context for Root {}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        super::follow_host_log_level();
         match self.configure() {
             Ok(shared) => {
                 self.shared = Some(shared);
                 if let Err(e) = host::set_tick_period_ms(SWEEP_PERIOD_MS) {
-                    log::warn!("idempotency: no sweep timer (host status {}); expired records are reclaimed on reuse only", e.0);
+                    log::warn!("no sweep timer (host status {}); expired records are reclaimed on reuse only", e.0);
                 }
                 true
             }
             Err(message) => {
                 // One line naming the field; returning false makes Envoy refuse the config.
-                host::log(host::LOG_CRITICAL, &format!("idempotency: {message}"));
+                host::log(host::LOG_CRITICAL, &format!("{message}"));
                 false
             }
         }
@@ -141,9 +142,9 @@ impl RootContext for Root {
             Ok(0) => {}
             Ok(n) => {
                 shared.metrics.count_swept(n);
-                log::debug!("idempotency: swept {n} expired record(s)");
+                log::debug!("swept {n} expired record(s)");
             }
-            Err(e) => log::warn!("idempotency: sweep failed: {e}"),
+            Err(e) => log::warn!("sweep failed: {e}"),
         }
     }
 

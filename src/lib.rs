@@ -5,6 +5,7 @@ pub mod canonical_json;
 pub mod config;
 pub mod engine;
 pub mod fingerprint;
+pub mod fuzz_checks;
 pub mod key;
 pub mod local_store;
 pub mod outcome;

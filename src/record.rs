@@ -84,6 +84,7 @@ pub enum DecodeError {
     BadPosition(u8),
     DuplicatePosition(u8),
     TrailingBytes,
+    NonCanonical,
 }
 
 /// Decodes a bucket. An empty value (a fresh or emptied key) is an empty bucket.
@@ -97,6 +98,11 @@ pub fn decode_bucket(bytes: &[u8], max_entries: u8) -> Result<Vec<Entry>, Decode
         return Err(DecodeError::UnknownVersion(version));
     }
     let count = r.u8()?;
+    if count == 0 {
+        // An empty bucket is written as an empty value; one encoding per bucket keeps readers
+        // and writers byte-for-byte in agreement.
+        return Err(DecodeError::NonCanonical);
+    }
     let mut entries: Vec<Entry> = Vec::with_capacity(usize::from(count));
     for _ in 0..count {
         let position = r.u8()?;
@@ -288,6 +294,7 @@ mod tests {
     fn bucket_decoder_refuses_bad_bytes() {
         let good = encode_bucket(&[entry(1, 1)]);
         assert_eq!(decode_bucket(&[9, 0], 8), Err(DecodeError::UnknownVersion(9)));
+        assert_eq!(decode_bucket(&[1, 0], 8), Err(DecodeError::NonCanonical));
         assert_eq!(decode_bucket(&good[..good.len() - 1], 8), Err(DecodeError::Truncated));
         let mut extra = good.clone();
         extra.push(0);

@@ -21,6 +21,20 @@ pub struct Config {
     pub problem_statuses: ProblemStatuses,
     /// Ordered; the first matching rule applies.
     pub rules: Vec<Rule>,
+    /// Requests one Envoy worker holds waiting for the same record (wait mode), at most.
+    pub max_waiters_per_key: u32,
+    /// Requests one Envoy worker holds waiting in all (wait mode), at most.
+    pub max_waiters: u32,
+}
+
+/// What a duplicate that arrives while the original is still processing gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Concurrency {
+    /// 409 with retry-after at once (the IETF draft's answer).
+    Reject,
+    /// Held until the original's outcome is known (then replayed, or executed if released), or
+    /// until `timeout_ms` passes (then 409).
+    Wait { timeout_ms: u64 },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -86,6 +100,9 @@ pub struct Rule {
     /// bodies before hashing.
     pub ignore_json_fields: Vec<Vec<String>>,
     pub statuses: StatusPolicy,
+    /// Lowercased response headers never stored, so never replayed (beyond hop-by-hop ones).
+    pub replay_exclude_headers: Vec<String>,
+    pub concurrency: Concurrency,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -176,6 +193,10 @@ const DEFAULT_RELEASE_STATUSES: [StatusPattern; 4] = [
     StatusPattern::Code(425),
     StatusPattern::Code(429),
 ];
+const DEFAULT_WAIT_TIMEOUT_MS: u64 = 10_000;
+const DEFAULT_MAX_WAITERS_PER_KEY: u64 = 100;
+const DEFAULT_MAX_WAITERS: u64 = 1_000;
+const MAX_WAITERS_LIMIT: u64 = 100_000;
 const MAX_HEADER_NAME_LEN: usize = 128;
 const MAX_ROUTE_NAME_LEN: usize = 64;
 
@@ -195,6 +216,8 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
             "store",
             "problem_statuses",
             "routes",
+            "max_waiters_per_key",
+            "max_waiters",
         ],
     )?;
     let key_header =
@@ -213,6 +236,12 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     });
     let problem_statuses = optional(top, "", "problem_statuses", problem_statuses)?
         .unwrap_or(ProblemStatuses::DEFAULT);
+    let waiters = |k: &str, default: u64| -> Res<u32> {
+        let n = optional(top, "", k, |v, f| uint(v, f, 1, MAX_WAITERS_LIMIT))?.unwrap_or(default);
+        u32::try_from(n).map_err(|_| err(k, "out of range"))
+    };
+    let max_waiters_per_key = waiters("max_waiters_per_key", DEFAULT_MAX_WAITERS_PER_KEY)?;
+    let max_waiters = waiters("max_waiters", DEFAULT_MAX_WAITERS)?;
 
     let routes = array(
         top.get("routes").ok_or_else(|| err("routes", "required"))?,
@@ -241,6 +270,8 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         store,
         problem_statuses,
         rules,
+        max_waiters_per_key,
+        max_waiters,
     })
 }
 
@@ -298,6 +329,9 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
             "fingerprint",
             "store_statuses",
             "release_statuses",
+            "replay_exclude_headers",
+            "concurrent",
+            "wait_timeout",
         ],
     )?;
     let name = required(o, path, "name", route_name)?;
@@ -331,6 +365,21 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
             format!("{} is also listed in store_statuses", pattern_text(*p)),
         ));
     }
+    let replay_exclude_headers =
+        optional(o, path, "replay_exclude_headers", |v, f| unique_list(v, f, header_name))?.unwrap_or_default();
+    let wait_timeout_ms = optional(o, path, "wait_timeout", duration_ms)?;
+    let concurrency = match optional(o, path, "concurrent", |v, f| string(v, f).map(str::to_owned))?.as_deref() {
+        None | Some("reject") => {
+            if wait_timeout_ms.is_some() {
+                return Err(err(&key(path, "wait_timeout"), "only applies with \"concurrent\": \"wait\""));
+            }
+            Concurrency::Reject
+        }
+        Some("wait") => Concurrency::Wait { timeout_ms: wait_timeout_ms.unwrap_or(DEFAULT_WAIT_TIMEOUT_MS) },
+        Some(other) => {
+            return Err(err(&key(path, "concurrent"), format!("{other:?}: expected \"reject\" or \"wait\"")))
+        }
+    };
     Ok(Rule {
         name,
         path: path_match,
@@ -343,6 +392,8 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
         fingerprint_headers,
         ignore_json_fields,
         statuses: StatusPolicy { store, release },
+        replay_exclude_headers,
+        concurrency,
     })
 }
 
@@ -691,6 +742,8 @@ mod tests {
                 store: vec![Class(2), Class(3), Class(4)],
                 release: vec![Class(5), Code(408), Code(425), Code(429)],
             },
+            replay_exclude_headers: vec![],
+            concurrency: Concurrency::Reject,
         }
     }
 
@@ -712,6 +765,14 @@ mod tests {
             ("missing routes", "{}".into(), "routes"),
             ("routes not array", r#"{"routes":{}}"#.into(), "routes"),
             ("empty routes", r#"{"routes":[]}"#.into(), "routes"),
+            // wait mode and replay
+            ("concurrent unknown", route(r#""concurrent":"queue""#), "routes[0].concurrent"),
+            ("concurrent not string", route(r#""concurrent":true"#), "routes[0].concurrent"),
+            ("wait_timeout without wait", route(r#""wait_timeout":"5s""#), "routes[0].wait_timeout"),
+            ("wait_timeout bad", route(r#""concurrent":"wait","wait_timeout":"5""#), "routes[0].wait_timeout"),
+            ("waiters zero", top(r#""max_waiters":0"#), "max_waiters"),
+            ("waiters per key too many", top(r#""max_waiters_per_key":100001"#), "max_waiters_per_key"),
+            ("replay exclude bad", route(r#""replay_exclude_headers":["set cookie"]"#), "routes[0].replay_exclude_headers[0]"),
             ("route not object", r#"{"routes":[1]}"#.into(), "routes[0]"),
             // headers
             ("key header with space", top(r#""key_header":"idem key""#), "key_header"),
@@ -875,8 +936,20 @@ mod tests {
                 ignore_json_fields: vec![vec!["meta".into(), "sent_at".into()]],
                 ..default_rule("orders", PathMatch::Prefix("/orders".into()))
             }],
+            max_waiters_per_key: 100,
+            max_waiters: 1_000,
         };
         assert_eq!(parse_str(json), Ok(expected));
+    }
+
+    #[test]
+    fn wait_mode_and_replay_exclusions() {
+        let r = only_rule(&route(r#""concurrent":"wait","replay_exclude_headers":["Set-Cookie"]"#));
+        assert_eq!(r.concurrency, Concurrency::Wait { timeout_ms: 10_000 });
+        assert_eq!(r.replay_exclude_headers, vec!["set-cookie".to_string()]);
+        let r = only_rule(&route(r#""concurrent":"wait","wait_timeout":"250ms""#));
+        assert_eq!(r.concurrency, Concurrency::Wait { timeout_ms: 250 });
+        assert_eq!(only_rule(&route(r#""concurrent":"reject""#)).concurrency, Concurrency::Reject);
     }
 
     #[test]
@@ -892,6 +965,8 @@ mod tests {
                 in_flight: 409,
             },
             rules: vec![default_rule("a", PathMatch::Prefix("/".into()))],
+            max_waiters_per_key: 100,
+            max_waiters: 1_000,
         };
         assert_eq!(
             parse_str(r#"{"routes":[{"name":"a","match":{"prefix":"/"}}]}"#),

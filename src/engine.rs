@@ -332,8 +332,8 @@ const NOT_STORED_HEADERS: &[&str] = &[
     "content-length",
 ];
 
-/// The response headers a snapshot keeps.
-pub fn snapshot_headers(headers: Vec<(String, Vec<u8>)>) -> Vec<(String, Vec<u8>)> {
+/// The response headers a snapshot keeps: all but hop-by-hop ones and the rule's exclusions.
+pub fn snapshot_headers(headers: Vec<(String, Vec<u8>)>, excluded: &[String]) -> Vec<(String, Vec<u8>)> {
     let named_by_connection: Vec<String> = headers
         .iter()
         .filter(|(n, _)| n == "connection")
@@ -346,6 +346,7 @@ pub fn snapshot_headers(headers: Vec<(String, Vec<u8>)>) -> Vec<(String, Vec<u8>
                 && !n.starts_with("proxy-")
                 && !NOT_STORED_HEADERS.contains(&n.as_str())
                 && !named_by_connection.iter().any(|c| c == n)
+                && !excluded.iter().any(|x| x == n)
         })
         .collect()
 }
@@ -583,7 +584,9 @@ mod tests {
             ("content-length", "12"),
             ("set-cookie", "a=1"),
             ("set-cookie", "b=2"),
-        ]));
+        ]), &[]);
         assert_eq!(kept, headers(&[("content-type", "application/json"), ("set-cookie", "a=1"), ("set-cookie", "b=2")]));
+        let without_cookies = snapshot_headers(kept, &["set-cookie".to_string()]);
+        assert_eq!(without_cookies, headers(&[("content-type", "application/json")]));
     }
 }

@@ -243,12 +243,13 @@ impl HttpContext for Http {
         match plan_response(rule_cfg, status, details.as_deref(), flags) {
             ResponsePlan::Capture { state, status } => {
                 let headers = host::header_pairs(host::MAP_RESPONSE_HEADERS).unwrap_or_default();
+                let headers = engine::snapshot_headers(headers, &rule_cfg.replay_exclude_headers);
                 self.phase = Phase::Capturing(Capture {
                     claim,
                     rule,
                     state,
                     status,
-                    headers: engine::snapshot_headers(headers),
+                    headers,
                     body: Vec::new(),
                     overflowed: false,
                 });

@@ -103,6 +103,7 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
                         execs.push(Execution { scope_key, payload, lease_deadline: now + LEASE_MS, completed_at: None, ended: false });
                         in_flight[w].push(InFlight { exec: execs.len() - 1, claim });
                     }
+                    Decision::Wait { .. } => panic!("reject mode never waits ({ctx})"),
                     Decision::Respond { reply, outcome } => {
                         *counts.entry(outcome.name()).or_default() += 1;
                         match outcome {

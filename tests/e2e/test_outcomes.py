@@ -1,0 +1,265 @@
+"""Contracts 6 and 7: what happens to a record for each kind of upstream outcome, and what a
+replay looks like."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+import pytest
+
+import harness
+from harness import assert_problem, build_request, expected_body, new_key, sha256
+
+MAX_RESPONSE = 65536
+
+FILTER_CONFIG = {
+    "store": {"type": "local", "capacity": 10000},
+    "routes": [
+        {"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
+         "max_response_bytes": MAX_RESPONSE},
+        {"name": "unreachable", "match": {"prefix": "/unreachable"}, "require_key": True},
+    ],
+}
+
+BODY = b'{"item":"book","qty":1}'
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade",
+              "proxy-authenticate", "proxy-authorization"}
+
+
+def _headers(key, **extra):
+    h = {"content-type": "application/json", "idempotency-key": key}
+    h.update({k.replace("_", "-"): v for k, v in extra.items()})
+    return h
+
+
+def _post(envoy, key, path="/orders", **extra):
+    return envoy.post(path, BODY, _headers(key, **extra))
+
+
+def test_2xx_is_stored_and_replayed_as_a_snapshot(envoy, upstream):
+    key = new_key()
+    claimed, stored, replayed = (envoy.idem(o) for o in ("claimed", "stored", "replayed"))
+    first = _post(envoy, key)
+    assert first.status == 201 and not first.replayed, first
+    assert first.header("idempotent-replayed") is None
+
+    again = _post(envoy, key)
+    assert again.status == 201, again
+    assert again.header("idempotent-replayed") == "true"
+    for name in ("content-type", "x-execution"):
+        assert again.header(name) == first.header(name), name
+    assert again.header_all("set-cookie") == first.header_all("set-cookie") == [
+        "session=" + first.header("x-execution")]
+    assert again.body == first.body
+    assert json.loads(again.body)["order_id"] == int(first.header("x-execution"))
+    assert not HOP_BY_HOP & {k.lower() for k, _ in again.headers}, again.headers
+    assert len(again.header_all("content-length")) <= 1
+    assert upstream.executions(key) == 1
+
+    envoy.wait_counter("claimed", claimed + 1)
+    envoy.wait_counter("stored", stored + 1)
+    envoy.wait_counter("replayed", replayed + 1)
+
+
+def test_replay_over_raw_http(envoy, upstream):
+    key = new_key()
+    first = envoy.raw("POST", "/orders", [("content-type", "application/json"),
+                                          ("idempotency-key", key)], BODY)
+    again = envoy.raw("POST", "/orders", [("content-type", "application/json"),
+                                          ("idempotency-key", key)], BODY)
+    assert first.complete and again.complete
+    assert again.replayed and again.body == first.body, again
+    assert not HOP_BY_HOP & {k.lower() for k, _ in again.headers}, again.headers
+
+
+@pytest.mark.parametrize("status", [200, 202, 302])
+def test_2xx_and_3xx_are_stored(envoy, upstream, status):
+    key = new_key()
+    first = _post(envoy, key, x_status=str(status))
+    assert first.status == status and not first.replayed, first
+    again = _post(envoy, key)  # no knob: only a replay can answer `status`
+    assert again.status == status and again.replayed, again
+    assert again.body == first.body
+    assert upstream.executions(key) == 1
+
+
+@pytest.mark.parametrize("status", [400, 404, 422])
+def test_final_4xx_is_stored_and_replayed(envoy, upstream, status):
+    key = new_key()
+    first = _post(envoy, key, x_status=str(status))
+    assert first.status == status and not first.replayed, first
+    again = _post(envoy, key)
+    assert again.status == status and again.replayed, again
+    assert again.body == first.body
+    assert again.header("x-execution") == first.header("x-execution")
+    assert upstream.executions(key) == 1
+
+
+@pytest.mark.parametrize("status", [500, 502, 503, 408, 425, 429])
+def test_retryable_statuses_release_the_key(envoy, upstream, status):
+    key = new_key()
+    released = envoy.idem("released")
+    first = _post(envoy, key, x_status=str(status))
+    assert first.status == status and not first.replayed, first
+    envoy.wait_counter("released", released + 1)
+    again = _post(envoy, key)
+    assert again.status == 201 and not again.replayed, again
+    assert upstream.executions(key) == 2
+    # the second (successful) execution is the one kept
+    third = _post(envoy, key)
+    assert third.replayed and third.header("x-execution") == again.header("x-execution")
+
+
+def test_upstream_never_reached_releases_the_key(envoy, upstream):
+    key = new_key()
+    released = envoy.idem("released")
+    path = "/unreachable/" + key
+    first = _post(envoy, key, path=path)
+    assert first.status == 503 and not first.replayed, first
+    again = _post(envoy, key, path=path)
+    # forwarded again (Envoy's own 503 once more), not held as in flight, not replayed
+    assert again.status == 503 and not again.replayed, again
+    assert again.header("content-type") != "application/problem+json"
+    envoy.wait_counter("released", released + 2)
+    assert upstream.executions(key) == 0
+
+
+def test_trailers_response_is_stored(envoy, upstream):
+    key = new_key()
+    hdrs = [("content-type", "application/json"), ("idempotency-key", key),
+            ("x-trailers", "1"), ("x-response-bytes", "3000")]
+    first = envoy.raw("POST", "/orders", hdrs, BODY)
+    assert first.status == 201 and first.complete, first
+    assert first.body == expected_body(int(first.header("x-execution")), 3000)
+    assert first.trailer("x-checksum") == "sha256=" + sha256(first.body)
+    again = envoy.raw("POST", "/orders", hdrs[:2], BODY)
+    assert again.status == 201 and again.replayed and again.complete, again
+    assert again.body == first.body
+    assert upstream.executions(key) == 1
+
+
+def test_chunked_response_is_stored(envoy, upstream):
+    key = new_key()
+    first = _post(envoy, key, x_chunked="1", x_response_bytes="10000")
+    assert first.status == 201 and len(first.body) == 10000, first
+    again = _post(envoy, key)
+    assert again.replayed and again.body == first.body, again
+    assert upstream.executions(key) == 1
+
+
+def test_response_just_under_the_limit_is_stored(envoy, upstream):
+    key = new_key()
+    size = MAX_RESPONSE - 1024
+    first = _post(envoy, key, x_response_bytes=str(size))
+    assert first.body == expected_body(int(first.header("x-execution")), size)
+    again = _post(envoy, key)
+    assert again.replayed and again.body == first.body, again
+    assert again.header("content-type") == "application/octet-stream"
+
+
+def test_response_over_the_limit_is_delivered_but_not_stored(envoy, upstream):
+    key = new_key()
+    not_stored = envoy.idem("response_not_stored")
+    size = 4 * MAX_RESPONSE + 123
+    first = _post(envoy, key, x_response_bytes=str(size))
+    assert first.status == 201 and not first.replayed, first
+    assert first.body == expected_body(int(first.header("x-execution")), size)  # untouched
+
+    for _ in range(2):
+        r = _post(envoy, key)
+        assert_problem(r, 410, "response-not-stored")
+        assert r.header("idempotent-original-status") == "201"
+    assert upstream.executions(key) == 1
+    envoy.wait_counter("response_not_stored", not_stored + 1)
+
+
+def test_response_over_the_limit_with_trailers(envoy, upstream):
+    key = new_key()
+    size = 2 * MAX_RESPONSE
+    hdrs = [("content-type", "application/json"), ("idempotency-key", key),
+            ("x-trailers", "1"), ("x-response-bytes", str(size))]
+    first = envoy.raw("POST", "/orders", hdrs, BODY)
+    assert first.status == 201 and first.complete, first
+    assert first.body == expected_body(int(first.header("x-execution")), size)
+    r = _post(envoy, key)
+    assert_problem(r, 410, "response-not-stored")
+    assert upstream.executions(key) == 1
+
+
+def test_upstream_reset_before_headers_keeps_the_record(envoy, upstream):
+    # The upstream got the request and dropped the connection: it may have executed, so the
+    # outcome is unknown and the record waits for its lease (never a stored 503, never released).
+    key = new_key()
+    unknown = envoy.idem("kept_unknown")
+    first = _post(envoy, key, x_reset="before-headers")
+    assert first.status == 503 and not first.replayed, first
+    again = _post(envoy, key)
+    assert_problem(again, 409, "request-in-flight")
+    assert upstream.executions(key) == 1
+    envoy.wait_counter("kept_unknown", unknown + 1)
+
+
+def test_upstream_reset_mid_body_keeps_the_record(envoy, upstream):
+    # A response cut in the middle of its body is never stored (a truncated replay would be
+    # worse than none): the outcome is unknown, the record waits for its lease.
+    key = new_key()
+    hdrs = [("content-type", "application/json"), ("idempotency-key", key),
+            ("x-reset", "mid-body"), ("x-response-bytes", "20000")]
+    first = envoy.raw("POST", "/orders", hdrs, BODY)
+    assert first.status == 201 and not first.complete, first
+    again = _post(envoy, key)
+    assert_problem(again, 409, "request-in-flight")
+    assert upstream.executions(key) == 1
+
+
+def test_client_gone_while_the_upstream_works_keeps_the_record(envoy, upstream):
+    key = new_key()
+    data = build_request("POST", "/orders", [("content-type", "application/json"),
+                                             ("idempotency-key", key),
+                                             ("x-delay-ms", "1000")], BODY)
+    sock = socket.create_connection(("127.0.0.1", envoy.port), timeout=10)
+    try:
+        sock.sendall(data)
+        harness.wait_until(lambda: upstream.executions(key) == 1, 10, what="the upstream to get it")
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    again = _post(envoy, key)
+    assert_problem(again, 409, "request-in-flight")
+    assert upstream.executions(key) == 1
+
+
+def test_client_gone_mid_request_body_claims_nothing(envoy, upstream):
+    key = new_key()
+    partial = build_request("POST", "/orders", [("content-type", "application/json"),
+                                                ("idempotency-key", key),
+                                                ("content-length", "1000")]) + b"{" + b" " * 99
+    harness.send_and_disconnect(envoy.port, partial)
+    r = _post(envoy, key)
+    assert r.status == 201 and not r.replayed, r
+    assert upstream.executions(key) == 1
+
+
+def test_client_gone_mid_response_never_gives_a_truncated_replay(envoy, upstream):
+    key = new_key()
+    size = MAX_RESPONSE - 4096
+    data = build_request("POST", "/orders", [("content-type", "application/json"),
+                                             ("idempotency-key", key),
+                                             ("x-response-bytes", str(size))], BODY)
+    got = harness.read_partial_and_disconnect(envoy.port, data, 2000)
+    assert got.startswith(b"HTTP/1.1 201"), got[:200]
+    assert upstream.executions(key) == 1
+    again = _post(envoy, key)
+    assert again.status in (201, 409), again
+    if again.replayed:
+        # whatever was stored is the whole response of the one execution
+        n = upstream.requests(key)[0]["n"]
+        assert again.header("x-execution") == str(n)
+        assert again.body == expected_body(n, size)
+        assert upstream.executions(key) == 1
+    elif again.status == 409:
+        assert_problem(again, 409, "request-in-flight")
+    else:
+        assert upstream.executions(key) == 2

@@ -1,0 +1,96 @@
+"""Contract 3: a record belongs to (tenant, principal, method, path, key)."""
+
+from __future__ import annotations
+
+from harness import new_key
+
+FILTER_CONFIG = {
+    "key_header": "idempotency-key",
+    "tenant_header": "x-tenant-id",
+    "principal_headers": ["authorization"],
+    "store": {"type": "local", "capacity": 1000},
+    "routes": [{"name": "orders", "match": {"prefix": "/orders", "methods": ["POST", "PATCH"]}}],
+}
+
+BODY = b'{"item":"book","qty":1}'
+
+
+def _call(envoy, key, method="POST", path="/orders", **extra):
+    headers = {"content-type": "application/json", "idempotency-key": key}
+    headers.update({k.replace("_", "-"): v for k, v in extra.items()})
+    return envoy.request(method, path, BODY, headers)
+
+
+def _fresh(r):
+    return r.status == 201 and not r.replayed
+
+
+def test_same_principal_replays(envoy, upstream):
+    key = new_key()
+    a = _call(envoy, key, authorization="Bearer alice", x_tenant_id="t1")
+    b = _call(envoy, key, authorization="Bearer alice", x_tenant_id="t1")
+    assert _fresh(a) and b.replayed, (a, b)
+    assert upstream.executions(key) == 1
+
+
+def test_different_principal_is_a_different_record(envoy, upstream):
+    key = new_key()
+    alice = _call(envoy, key, authorization="Bearer alice")
+    bob = _call(envoy, key, authorization="Bearer bob")
+    assert _fresh(alice) and _fresh(bob), (alice, bob)
+    assert upstream.executions(key) == 2
+    # each caller gets its own response back
+    alice2 = _call(envoy, key, authorization="Bearer alice")
+    bob2 = _call(envoy, key, authorization="Bearer bob")
+    assert alice2.replayed and alice2.header("x-execution") == alice.header("x-execution")
+    assert bob2.replayed and bob2.header("x-execution") == bob.header("x-execution")
+    assert upstream.executions(key) == 2
+
+
+def test_different_tenant_is_a_different_record(envoy, upstream):
+    key = new_key()
+    t1 = _call(envoy, key, authorization="Bearer alice", x_tenant_id="t1")
+    t2 = _call(envoy, key, authorization="Bearer alice", x_tenant_id="t2")
+    assert _fresh(t1) and _fresh(t2), (t1, t2)
+    assert upstream.executions(key) == 2
+    again = _call(envoy, key, authorization="Bearer alice", x_tenant_id="t2")
+    assert again.replayed and again.header("x-execution") == t2.header("x-execution")
+
+
+def test_anonymous_callers_share_records(envoy, upstream):
+    key = new_key()
+    first = _call(envoy, key)
+    again = _call(envoy, key)
+    assert _fresh(first) and again.replayed, (first, again)
+    assert upstream.executions(key) == 1
+
+
+def test_anonymous_and_authenticated_do_not_share(envoy, upstream):
+    key = new_key()
+    anon = _call(envoy, key)
+    auth = _call(envoy, key, authorization="Bearer alice")
+    assert _fresh(anon) and _fresh(auth), (anon, auth)
+    assert upstream.executions(key) == 2
+    anon2 = _call(envoy, key)
+    auth2 = _call(envoy, key, authorization="Bearer alice")
+    assert anon2.replayed and anon2.header("x-execution") == anon.header("x-execution")
+    assert auth2.replayed and auth2.header("x-execution") == auth.header("x-execution")
+
+
+def test_same_key_on_another_path_is_independent(envoy, upstream):
+    key = new_key()
+    a = _call(envoy, key, path="/orders/a")
+    b = _call(envoy, key, path="/orders/b")
+    assert _fresh(a) and _fresh(b), (a, b)  # not a replay, not a 422
+    assert upstream.executions(key) == 2
+    assert _call(envoy, key, path="/orders/a").header("x-execution") == a.header("x-execution")
+
+
+def test_same_key_with_another_method_is_independent(envoy, upstream):
+    key = new_key()
+    post = _call(envoy, key, method="POST", path="/orders/1")
+    patch = _call(envoy, key, method="PATCH", path="/orders/1")
+    assert _fresh(post) and _fresh(patch), (post, patch)
+    assert upstream.executions(key) == 2
+    again = _call(envoy, key, method="PATCH", path="/orders/1")
+    assert again.replayed and again.header("x-execution") == patch.header("x-execution")

@@ -16,6 +16,7 @@ and headers content-type: application/json, x-execution: <n>, set-cookie: sessio
 Test knobs (request headers, all optional):
     x-delay-ms: N            sleep N ms before answering (the execution is counted at once)
     x-status: NNN            answer with that status instead of 201
+    x-fail-first: NNN        answer the key's first execution with that status, later ones normally
     x-response-bytes: N      a body of exactly N bytes (see response_body())
     x-trailers: 1            chunked answer in several chunks with a trailer x-checksum
     x-chunked: 1             chunked answer without trailers
@@ -229,6 +230,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         keys = self.headers.get_all(KEY_HEADER) or []
         key = ", ".join(keys)
         n = STATE.record(self.command, path, key, body)
+        with STATE.lock:
+            first_of_key = STATE.by_key[key] == 1
 
         delay_ms = int(self.headers.get("x-delay-ms") or 0)
         if delay_ms > 0:
@@ -239,6 +242,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._abort()
 
         status = int(self.headers.get("x-status") or 201)
+        if first_of_key and self.headers.get("x-fail-first"):
+            status = int(self.headers.get("x-fail-first"))
         headers = [("x-execution", str(n)), ("set-cookie", "session=%d" % n)]
         size_hdr = self.headers.get("x-response-bytes")
         if size_hdr is not None:

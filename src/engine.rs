@@ -8,7 +8,7 @@
 //! 2. `decide` (end of request body): fingerprint, then one atomic `begin` on the store, which
 //!    yields forward-with-claim, replay, or a problem reply.
 
-use crate::config::{Config, Rule};
+use crate::config::{Concurrency, Config, Rule};
 use crate::fingerprint::{self, Fingerprint, FingerprintInput};
 use crate::key::{parse_key, KeyError};
 use crate::problem::{Kind, Problem};
@@ -41,10 +41,16 @@ pub enum Outcome {
     Released,
     KeptUnknown,
     CompletionLost,
+    /// Held in wait mode (counted once per held request).
+    Waiting,
+    /// Held, then answered 409 when `wait_timeout` passed.
+    WaitTimedOut,
+    /// Not held because a waiter bound was reached: 409 at once.
+    WaitRefused,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 17] = [
+    pub const ALL: [Outcome; 20] = [
         Outcome::PassedThrough,
         Outcome::Claimed,
         Outcome::TakenOver,
@@ -62,6 +68,9 @@ impl Outcome {
         Outcome::Released,
         Outcome::KeptUnknown,
         Outcome::CompletionLost,
+        Outcome::Waiting,
+        Outcome::WaitTimedOut,
+        Outcome::WaitRefused,
     ];
 
     pub fn name(self) -> &'static str {
@@ -83,6 +92,9 @@ impl Outcome {
             Outcome::Released => "released",
             Outcome::KeptUnknown => "kept_unknown",
             Outcome::CompletionLost => "completion_lost",
+            Outcome::Waiting => "waiting",
+            Outcome::WaitTimedOut => "wait_timed_out",
+            Outcome::WaitRefused => "wait_refused",
         }
     }
 
@@ -163,6 +175,8 @@ pub enum Decision {
     Forward { claim: Claim, outcome: Outcome },
     /// Answer locally (replay or problem) without calling the upstream.
     Respond { reply: Reply, outcome: Outcome },
+    /// Wait mode: the original is processing; hold this request (wait.rs).
+    Wait { lease_remaining_ms: u64 },
 }
 
 fn split_path(path: &str) -> (&str, Option<&str>) {
@@ -294,14 +308,12 @@ pub fn decide(
             statuses.mismatch,
             "this Idempotency-Key was already used with a different request (method, path, query, headers or body)",
         )),
-        Ok(Begin::InFlight { retry_after_ms }) => respond_problem(
-            Problem::new(
-                Kind::RequestInFlight,
-                statuses.in_flight,
-                "a request with this Idempotency-Key is still being processed; retry later",
-            )
-            .retry_after_ms(retry_after_ms),
-        ),
+        Ok(Begin::InFlight { retry_after_ms }) => match rule.concurrency {
+            Concurrency::Wait { .. } => Decision::Wait { lease_remaining_ms: retry_after_ms },
+            Concurrency::Reject => {
+                Decision::Respond { reply: in_flight_reply(cfg, retry_after_ms), outcome: Outcome::InFlight }
+            }
+        },
         Ok(Begin::Full { retry_after_ms }) => respond_problem(
             Problem::new(Kind::StoreFull, 503, "no room for a new idempotency record; retry later")
                 .retry_after_ms(retry_after_ms),
@@ -314,6 +326,17 @@ pub fn decide(
             )
         }
     }
+}
+
+/// 409 (or the configured status) with `retry-after`: the original is still processing.
+pub fn in_flight_reply(cfg: &Config, retry_after_ms: u64) -> Reply {
+    let p = Problem::new(
+        Kind::RequestInFlight,
+        cfg.problem_statuses.in_flight,
+        "a request with this Idempotency-Key is still being processed; retry later",
+    )
+    .retry_after_ms(retry_after_ms);
+    Reply::problem(&p)
 }
 
 fn respond_problem(p: Problem) -> Decision {

@@ -14,6 +14,8 @@ pub mod record;
 pub mod scope;
 pub mod shared_data;
 pub mod store;
+pub mod wait;
+pub mod wake;
 #[cfg(test)]
 pub mod store_conformance;
 

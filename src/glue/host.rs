@@ -15,6 +15,8 @@ pub const BUFFER_REQUEST_BODY: u32 = 0;
 pub const BUFFER_RESPONSE_BODY: u32 = 1;
 pub const BUFFER_PLUGIN_CONFIGURATION: u32 = 7;
 const METRIC_COUNTER: u32 = 0;
+const STREAM_HTTP_REQUEST: u32 = 0;
+const EMPTY: u32 = 7;
 
 pub const LOG_DEBUG: u32 = 1;
 pub const LOG_INFO: u32 = 2;
@@ -71,6 +73,18 @@ extern "C" {
         headers_size: usize,
         grpc_status: i32,
     ) -> u32;
+    fn proxy_continue_stream(stream_type: u32) -> u32;
+    fn proxy_set_effective_context(context_id: u32) -> u32;
+    fn proxy_register_shared_queue(name_data: *const u8, name_size: usize, return_id: *mut u32) -> u32;
+    fn proxy_resolve_shared_queue(
+        vm_id_data: *const u8,
+        vm_id_size: usize,
+        name_data: *const u8,
+        name_size: usize,
+        return_id: *mut u32,
+    ) -> u32;
+    fn proxy_enqueue_shared_queue(queue_id: u32, value_data: *const u8, value_size: usize) -> u32;
+    fn proxy_dequeue_shared_queue(queue_id: u32, return_value_data: *mut *mut u8, return_value_size: *mut usize) -> u32;
     fn proxy_define_metric(metric_type: u32, name_data: *const u8, name_size: usize, return_id: *mut u32) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
 }
@@ -182,6 +196,49 @@ pub fn send_response(status: u16, details: &str, headers: &[(String, Vec<u8>)], 
             -1,
         )
     })
+}
+
+/// Resumes the held request of the effective context (see `set_effective_context`).
+pub fn resume_request() -> Result<(), HostError> {
+    check(unsafe { proxy_continue_stream(STREAM_HTTP_REQUEST) })
+}
+
+/// Makes later calls in this callback act on another context of this VM; fails (without harm)
+/// when that context is gone, e.g. its client went away.
+pub fn set_effective_context(context_id: u32) -> Result<(), HostError> {
+    check(unsafe { proxy_set_effective_context(context_id) })
+}
+
+pub fn register_queue(name: &str) -> Result<u32, HostError> {
+    let mut id = 0u32;
+    check(unsafe { proxy_register_shared_queue(name.as_ptr(), name.len(), &mut id) })?;
+    Ok(id)
+}
+
+/// The queue's id, or None when no VM of this vm_id registered that name.
+pub fn resolve_queue(name: &str) -> Result<Option<u32>, HostError> {
+    let mut id = 0u32;
+    // An empty vm_id means this plugin's own vm_id.
+    match unsafe { proxy_resolve_shared_queue(null(), 0, name.as_ptr(), name.len(), &mut id) } {
+        OK => Ok(Some(id)),
+        NOT_FOUND => Ok(None),
+        s => Err(HostError(s)),
+    }
+}
+
+pub fn enqueue(queue_id: u32, message: &[u8]) -> Result<(), HostError> {
+    check(unsafe { proxy_enqueue_shared_queue(queue_id, message.as_ptr(), message.len()) })
+}
+
+/// The next message, None when the queue is empty.
+pub fn dequeue(queue_id: u32) -> Result<Option<Vec<u8>>, HostError> {
+    let mut data = null_mut();
+    let mut size = 0usize;
+    match unsafe { proxy_dequeue_shared_queue(queue_id, &mut data, &mut size) } {
+        OK => Ok(Some(unsafe { take(data, size) }.unwrap_or_default())),
+        EMPTY => Ok(None),
+        s => Err(HostError(s)),
+    }
 }
 
 pub fn define_counter(name: &str) -> Result<u32, HostError> {

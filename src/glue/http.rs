@@ -2,11 +2,13 @@
 //! response, and settles the claim.
 
 use super::host::{self, HostError};
-use super::root::Shared;
+use super::root::{Resumed, Shared, WaitHandle};
 use crate::engine::{self, Admission, Decision, Outcome, Pending, Reply, RequestHead};
 use crate::outcome::{plan_response, plan_unfinished, ResponsePlan};
 use crate::record::{Snapshot, State};
 use crate::store::{Claim, Completion, RecordStore, Settled};
+use crate::wait::{self, Waiter};
+use std::cell::Cell;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::rc::Rc;
@@ -23,6 +25,9 @@ enum Phase {
     /// We answered locally; our own reply comes back through the encode callbacks and must be
     /// left alone (never snapshotted).
     Answered,
+    /// Wait mode: held in the root's wait room until the original's outcome is known; the
+    /// root resolves it (resume or answer) and leaves word in the handle.
+    Waiting(WaitHandle),
     /// Forwarded with a claim; waiting for the response.
     Forwarded { claim: Claim, rule: usize },
     /// A real upstream answer worth keeping; its body is being copied as it streams by.
@@ -128,6 +133,54 @@ impl Http {
                 let details = if outcome == Outcome::Replayed { DETAILS_REPLAY } else { DETAILS_PROBLEM };
                 self.reply(&reply, details)
             }
+            Decision::Wait { lease_remaining_ms } => self.park(shared, pending, body, now_nanos / 1_000_000, lease_remaining_ms),
+        }
+    }
+
+    fn park(&mut self, shared: &Shared, pending: &Pending, body: &[u8], now_ms: u64, lease_remaining_ms: u64) -> Action {
+        let timeout_ms = wait::wait_timeout_ms(&shared.config, pending).unwrap_or(0);
+        let give_up_at_ms = now_ms + timeout_ms;
+        let handle: WaitHandle = Rc::new(Cell::new(None));
+        let waiter = Waiter {
+            context_id: self.context_id,
+            pending: pending.clone(),
+            body: body.to_vec(),
+            give_up_at_ms,
+            recheck_at_ms: wait::first_recheck(now_ms, lease_remaining_ms, give_up_at_ms),
+            handle: handle.clone(),
+        };
+        let parked = shared.room.borrow_mut().park(waiter);
+        match parked {
+            Ok(()) => {
+                self.count(Outcome::Waiting);
+                log::debug!("#{} waiting for key {}", self.context_id, pending.scope.log_tag());
+                self.phase = Phase::Waiting(handle);
+                Action::Pause
+            }
+            Err((refused, _)) => {
+                self.count(Outcome::WaitRefused);
+                log::debug!("#{} not held ({refused:?} bound) for key {}", self.context_id, pending.scope.log_tag());
+                self.reply(&engine::in_flight_reply(&shared.config, lease_remaining_ms), DETAILS_PROBLEM)
+            }
+        }
+    }
+
+    /// A held request the root has resolved continues in the phase the root chose.
+    fn take_resumed(&mut self) {
+        if let Phase::Waiting(handle) = &self.phase {
+            match handle.get() {
+                Some(Resumed::Forwarded { claim, rule }) => self.phase = Phase::Forwarded { claim, rule },
+                Some(Resumed::Answered) => self.phase = Phase::Answered,
+                None => {}
+            }
+        }
+    }
+
+    /// Waiters elsewhere may be able to proceed now that this record has an outcome.
+    fn wake_waiters(&self, shared: &Shared, rule: usize, claim: &Claim) {
+        let waits = shared.config.rules.get(rule).is_some_and(|r| matches!(r.concurrency, crate::config::Concurrency::Wait { .. }));
+        if waits {
+            shared.broadcast(&claim.scope);
         }
     }
 
@@ -152,11 +205,14 @@ impl Http {
         }
     }
 
-    fn settle(&mut self, shared: &Shared, plan: ResponsePlan, claim: Claim) {
+    fn settle(&mut self, shared: &Shared, plan: ResponsePlan, claim: Claim, rule: usize) {
         match plan {
             ResponsePlan::Release => {
                 let outcome = match shared.store.release(&claim) {
-                    Ok(Settled::Done) => Outcome::Released,
+                    Ok(Settled::Done) => {
+                        self.wake_waiters(shared, rule, &claim);
+                        Outcome::Released
+                    }
                     Ok(Settled::Lost) => Outcome::CompletionLost,
                     Err(e) => {
                         log::warn!("#{} release failed: {e}", self.context_id);
@@ -176,7 +232,11 @@ impl Http {
         let Some(rule) = shared.config.rules.get(c.rule) else { return };
         let snapshot = (!c.overflowed).then(|| Snapshot { status: c.status, headers: c.headers, body: c.body });
         let completion = Completion { state: c.state, status: c.status, snapshot, now_ms: self.now_ms(), ttl_ms: rule.ttl_ms };
-        let outcome = match shared.store.complete(&c.claim, &completion) {
+        let settled = shared.store.complete(&c.claim, &completion);
+        if settled == Ok(Settled::Done) {
+            self.wake_waiters(shared, c.rule, &c.claim);
+        }
+        let outcome = match settled {
             Ok(Settled::Done) if c.overflowed => Outcome::ResponseNotStored,
             Ok(Settled::Done) => Outcome::Stored,
             Ok(Settled::Lost) => Outcome::CompletionLost,
@@ -232,6 +292,7 @@ impl HttpContext for Http {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let Some(shared) = self.shared.clone() else { return Action::Continue };
+        self.take_resumed();
         let Phase::Forwarded { claim, rule } = self.phase else { return Action::Continue };
         let Some(rule_cfg) = shared.config.rules.get(rule) else { return Action::Continue };
         let status = host::header_value(host::MAP_RESPONSE_HEADERS, ":status")
@@ -259,7 +320,7 @@ impl HttpContext for Http {
             }
             plan => {
                 self.phase = Phase::Idle;
-                self.settle(&shared, plan, claim);
+                self.settle(&shared, plan, claim, rule);
             }
         }
         Action::Continue
@@ -267,6 +328,7 @@ impl HttpContext for Http {
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let Some(shared) = self.shared.clone() else { return Action::Continue };
+        self.take_resumed();
         if let Phase::Capturing(c) = &mut self.phase {
             let limit = shared.config.rules.get(c.rule).map(|r| r.max_response_bytes).unwrap_or(0);
             if !c.overflowed && body_size > 0 {
@@ -300,16 +362,23 @@ impl HttpContext for Http {
 
     fn on_log(&mut self) {
         let Some(shared) = self.shared.clone() else { return };
-        let claim = match std::mem::replace(&mut self.phase, Phase::Idle) {
-            Phase::Forwarded { claim, .. } => claim,
-            Phase::Capturing(c) => c.claim,
+        self.take_resumed();
+        let (claim, rule) = match std::mem::replace(&mut self.phase, Phase::Idle) {
+            Phase::Forwarded { claim, rule } => (claim, rule),
+            Phase::Capturing(c) => (c.claim, c.rule),
+            Phase::Waiting(_) => {
+                // The client left while held: nothing was claimed, just stop holding it.
+                shared.room.borrow_mut().leave(self.context_id);
+                log::debug!("#{} held request's client went away", self.context_id);
+                return;
+            }
             _ => return,
         };
         let details = host::property_string(&["response", "code_details"]);
         let flags = host::property_u64(&["response", "flags"]).unwrap_or(0);
         let plan = plan_unfinished(details.as_deref(), flags);
         log::debug!("#{} stream ended unfinished ({details:?}, flags {flags:#x})", self.context_id);
-        self.settle(&shared, plan, claim);
+        self.settle(&shared, plan, claim, rule);
     }
 }
 

@@ -7,15 +7,32 @@ use super::http::Http;
 use crate::config::{self, Config, StoreConfig};
 use crate::engine::Outcome;
 use crate::local_store::LocalStore;
+use crate::scope::ScopeId;
 use crate::store::RecordStore;
+use crate::wait::{self, Recheck, WaitRoom, Waiter};
+use crate::wake::{self, Registry};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
 use sha2::{Digest, Sha256};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::hash::{BuildHasher, Hasher};
 use std::rc::Rc;
 
-const SWEEP_PERIOD_MS: u32 = 1000;
+/// Tick period: waiters' give-up and recheck times are honoured to this resolution.
+const TICK_MS: u32 = 100;
+/// Sweep and wake-registry heartbeat every this many ticks (1 s).
+const SLOW_EVERY_TICKS: u64 = 10;
+/// Wake-up messages handled per `on_queue_ready`, so one callback stays short.
+const MAX_MESSAGES_PER_READY: usize = 4096;
+
+/// How a held (waiting) request was resolved by its root; read by its HTTP context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resumed {
+    Forwarded { claim: crate::store::Claim, rule: usize },
+    Answered,
+}
+
+pub type WaitHandle = Rc<Cell<Option<Resumed>>>;
 
 /// Counter ids, defined once per root context (define_metric hands out a new id per call).
 pub struct Metrics {
@@ -59,9 +76,79 @@ pub struct Shared {
     pub metrics: Metrics,
     tokens: Cell<u64>,
     seed: u64,
+    pub room: RefCell<WaitRoom<WaitHandle>>,
+    registry: Registry<HostSharedData>,
+    queue_name: String,
+    queue_id: Option<u32>,
+    /// Live wake queues of all workers (refreshed by the heartbeat), with resolved ids.
+    peers: RefCell<Vec<(String, Option<u32>)>>,
 }
 
 impl Shared {
+    /// Tells every worker that this record's outcome may be known, so that its waiters look.
+    pub fn broadcast(&self, scope: &ScopeId) {
+        // Read the registry now rather than trust the list cached at the last heartbeat: a
+        // worker that started since would otherwise miss this wake-up (and wait for a recheck).
+        let now_ms = host::now_nanos().map(|n| n / 1_000_000).unwrap_or(0);
+        if let Ok(names) = self.registry.live(now_ms) {
+            self.set_peers(names);
+        }
+        let mut peers = self.peers.borrow_mut();
+        for (name, id) in peers.iter_mut() {
+            if id.is_none() {
+                *id = host::resolve_queue(name).ok().flatten();
+            }
+            if let Some(queue) = *id {
+                if let Err(e) = host::enqueue(queue, &scope.0) {
+                    log::debug!("wake-up to {name} failed (host status {}); its waiters recheck on their own", e.0);
+                }
+            }
+        }
+    }
+
+    /// Replaces the peer list, keeping the queue ids already resolved.
+    fn set_peers(&self, names: Vec<String>) {
+        let mut peers = self.peers.borrow_mut();
+        let known = std::mem::take(&mut *peers);
+        *peers = names
+            .into_iter()
+            .map(|n| {
+                let id = known.iter().find(|(k, _)| *k == n).and_then(|(_, id)| *id);
+                (n, id)
+            })
+            .collect();
+    }
+
+    /// Looks at a waiter's record again and answers, forwards or re-parks it.
+    pub fn recheck(&self, w: Waiter<WaitHandle>) {
+        if host::set_effective_context(w.context_id).is_err() {
+            return; // its client went away; nothing is held for it
+        }
+        let now_nanos = host::now_nanos().unwrap_or(0);
+        let owner = self.owner_token(w.context_id, now_nanos);
+        match wait::recheck(&self.config, &w, &self.store, now_nanos / 1_000_000, owner) {
+            Recheck::KeepWaiting { recheck_at_ms } => {
+                self.room.borrow_mut().repark(Waiter { recheck_at_ms, ..w });
+            }
+            Recheck::Forward { claim, outcome } => {
+                self.metrics.count(outcome);
+                w.handle.set(Some(Resumed::Forwarded { claim, rule: w.pending.rule }));
+                if let Err(e) = host::resume_request() {
+                    log::warn!("#{} could not resume a held request (host status {}); releasing its claim", w.context_id, e.0);
+                    let _ = self.store.release(&claim);
+                }
+            }
+            Recheck::Respond { reply, outcome } => {
+                self.metrics.count(outcome);
+                w.handle.set(Some(Resumed::Answered));
+                let details = if outcome == Outcome::Replayed { "idempotency_replay" } else { "idempotency_problem" };
+                if let Err(e) = host::send_response(reply.status, details, &reply.headers, &reply.body) {
+                    log::warn!("#{} could not answer a held request (host status {})", w.context_id, e.0);
+                }
+            }
+        }
+    }
+
     /// A claim owner token: unique per claim across workers and VMs with overwhelming
     /// probability (a random per-root seed, the time, the context and a counter), never 0.
     pub fn owner_token(&self, context_id: u32, now_nanos: u64) -> u64 {
@@ -82,11 +169,31 @@ impl Shared {
 pub struct Root {
     context_id: u32,
     shared: Option<Rc<Shared>>,
+    ticks: u64,
 }
 
 impl Root {
     pub fn new(context_id: u32) -> Root {
-        Root { context_id, shared: None }
+        Root { context_id, shared: None, ticks: 0 }
+    }
+
+    /// Once a second: reclaim expired records, and beat in the wake registry (only roots that
+    /// tick beat, so the short-lived canary VM's queue is never advertised).
+    fn slow_tick(shared: &Shared, now_ms: u64) {
+        match shared.store.sweep(now_ms) {
+            Ok(0) => {}
+            Ok(n) => {
+                shared.metrics.count_swept(n);
+                log::debug!("swept {n} expired record(s)");
+            }
+            Err(e) => log::warn!("sweep failed: {e}"),
+        }
+        if shared.queue_id.is_some() {
+            match shared.registry.heartbeat(&shared.queue_name, now_ms) {
+                Ok(names) => shared.set_peers(names),
+                Err(e) => log::warn!("wake registry heartbeat failed: {e}"),
+            }
+        }
     }
 
     fn configure(&mut self) -> Result<Rc<Shared>, String> {
@@ -110,11 +217,42 @@ impl Root {
             h.write_u64(host::now_nanos().unwrap_or(0));
             h.finish()
         };
-        Ok(Rc::new(Shared { config, store, metrics: Metrics::define(), tokens: Cell::new(0), seed }))
+        let registry = Registry::new(HostSharedData);
+        registry.create_key().map_err(|e| format!("cannot prepare wait-mode wake-ups: {e}"))?;
+        let queue_name = wake::queue_name(seed);
+        let queue_id = match host::register_queue(&queue_name) {
+            Ok(id) => Some(id),
+            Err(e) => {
+                log::warn!("no wake-up queue (host status {}); waiters on this worker rely on rechecks", e.0);
+                None
+            }
+        };
+        let room = RefCell::new(WaitRoom::new(config.max_waiters_per_key, config.max_waiters));
+        Ok(Rc::new(Shared {
+            config,
+            store,
+            metrics: Metrics::define(),
+            tokens: Cell::new(0),
+            seed,
+            room,
+            registry,
+            queue_name,
+            queue_id,
+            peers: RefCell::new(Vec::new()),
+        }))
     }
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_done(&mut self) -> bool {
+        if let Some(shared) = &self.shared {
+            // Stop advertising a queue nobody will read.
+            let now_ms = host::now_nanos().map(|n| n / 1_000_000).unwrap_or(0);
+            let _ = shared.registry.remove(&shared.queue_name, now_ms);
+        }
+        true
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
@@ -122,7 +260,7 @@ impl RootContext for Root {
         match self.configure() {
             Ok(shared) => {
                 self.shared = Some(shared);
-                if let Err(e) = host::set_tick_period_ms(SWEEP_PERIOD_MS) {
+                if let Err(e) = host::set_tick_period_ms(TICK_MS) {
                     log::warn!("no sweep timer (host status {}); expired records are reclaimed on reuse only", e.0);
                 }
                 true
@@ -136,15 +274,35 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        let Some(shared) = &self.shared else { return };
+        let Some(shared) = self.shared.clone() else { return };
         let Ok(now) = host::now_nanos() else { return };
-        match shared.store.sweep(now / 1_000_000) {
-            Ok(0) => {}
-            Ok(n) => {
-                shared.metrics.count_swept(n);
-                log::debug!("swept {n} expired record(s)");
+        let now_ms = now / 1_000_000;
+        if self.ticks % SLOW_EVERY_TICKS == 0 {
+            Self::slow_tick(&shared, now_ms);
+        }
+        self.ticks = self.ticks.wrapping_add(1);
+        let due = shared.room.borrow_mut().due(now_ms);
+        for w in due {
+            shared.recheck(w);
+        }
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        let Some(shared) = self.shared.clone() else { return };
+        for _ in 0..MAX_MESSAGES_PER_READY {
+            let message = match host::dequeue(queue_id) {
+                Ok(Some(m)) => m,
+                Ok(None) => break,
+                Err(e) => {
+                    log::warn!("wake queue read failed (host status {})", e.0);
+                    break;
+                }
+            };
+            let Ok(scope) = <[u8; 32]>::try_from(message.as_slice()) else { continue };
+            let woken = shared.room.borrow_mut().wake(&ScopeId(scope));
+            for w in woken {
+                shared.recheck(w);
             }
-            Err(e) => log::warn!("sweep failed: {e}"),
         }
     }
 

@@ -1,0 +1,248 @@
+//! Wait mode: duplicates that arrive while the original is processing are held instead of
+//! refused, and answered when the original's outcome is known. Pure bookkeeping, one room per
+//! root context (per worker thread): who waits for which record, until when, within which
+//! bounds. The glue parks and wakes; `recheck` decides what a woken waiter gets.
+
+use crate::config::{Concurrency, Config};
+use crate::engine::{decide, in_flight_reply, Decision, Outcome, Pending, Reply};
+use crate::scope::ScopeId;
+use crate::store::{Claim, RecordStore};
+
+/// Longest a waiter goes without looking at its record again, even if no wake-up message
+/// reaches it (a lost message must cost latency, never a wrong answer or a stuck request).
+pub const RECHECK_EVERY_MS: u64 = 1_000;
+
+pub struct Waiter<H> {
+    pub context_id: u32,
+    pub pending: Pending,
+    pub body: Vec<u8>,
+    /// After this the waiter gets 409, as in reject mode.
+    pub give_up_at_ms: u64,
+    /// When to look at the record again without being woken (lease end, fallback poll).
+    pub recheck_at_ms: u64,
+    /// The glue's link to the held request.
+    pub handle: H,
+}
+
+impl<H> Waiter<H> {
+    pub fn scope(&self) -> ScopeId {
+        self.pending.scope
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    PerKey,
+    Total,
+}
+
+pub struct WaitRoom<H> {
+    waiters: Vec<Waiter<H>>,
+    max_per_key: usize,
+    max_total: usize,
+}
+
+impl<H> WaitRoom<H> {
+    pub fn new(max_per_key: u32, max_total: u32) -> Self {
+        WaitRoom { waiters: Vec::new(), max_per_key: max_per_key as usize, max_total: max_total as usize }
+    }
+
+    pub fn len(&self) -> usize {
+        self.waiters.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.waiters.is_empty()
+    }
+
+    /// Holds a new waiter, within the bounds.
+    pub fn park(&mut self, w: Waiter<H>) -> Result<(), (Refused, Waiter<H>)> {
+        if self.waiters.len() >= self.max_total {
+            return Err((Refused::Total, w));
+        }
+        let scope = w.scope();
+        if self.waiters.iter().filter(|x| x.scope() == scope).count() >= self.max_per_key {
+            return Err((Refused::PerKey, w));
+        }
+        self.waiters.push(w);
+        Ok(())
+    }
+
+    /// Puts back a waiter that was taken out to be rechecked (it was already admitted).
+    pub fn repark(&mut self, w: Waiter<H>) {
+        self.waiters.push(w);
+    }
+
+    /// The held request's client went away.
+    pub fn leave(&mut self, context_id: u32) -> Option<Waiter<H>> {
+        let i = self.waiters.iter().position(|w| w.context_id == context_id)?;
+        Some(self.waiters.swap_remove(i))
+    }
+
+    /// Everyone waiting for this record: its outcome may be known now.
+    pub fn wake(&mut self, scope: &ScopeId) -> Vec<Waiter<H>> {
+        self.take(|w| w.scope() == *scope)
+    }
+
+    /// Waiters whose recheck or give-up time has come.
+    pub fn due(&mut self, now_ms: u64) -> Vec<Waiter<H>> {
+        self.take(|w| now_ms >= w.recheck_at_ms || now_ms >= w.give_up_at_ms)
+    }
+
+    fn take(&mut self, pick: impl Fn(&Waiter<H>) -> bool) -> Vec<Waiter<H>> {
+        let (taken, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiters).into_iter().partition(|w| pick(w));
+        self.waiters = kept;
+        taken
+    }
+}
+
+/// What a waiter gets when it looks at its record again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recheck {
+    /// It became the owner (the original was released, or its lease ended): forward it.
+    Forward { claim: Claim, outcome: Outcome },
+    /// Answer it (replay, or a problem such as 409 after `wait_timeout`).
+    Respond { reply: Reply, outcome: Outcome },
+    /// Still processing: wait on, until `recheck_at_ms` at the latest.
+    KeepWaiting { recheck_at_ms: u64 },
+}
+
+/// The first wait: when to look again if no wake-up comes.
+pub fn first_recheck(now_ms: u64, lease_remaining_ms: u64, give_up_at_ms: u64) -> u64 {
+    (now_ms + lease_remaining_ms.min(RECHECK_EVERY_MS)).min(give_up_at_ms)
+}
+
+pub fn recheck<H>(cfg: &Config, w: &Waiter<H>, store: &dyn RecordStore, now_ms: u64, owner: u64) -> Recheck {
+    match decide(cfg, &w.pending, &w.body, store, now_ms, owner) {
+        Decision::Forward { claim, outcome } => Recheck::Forward { claim, outcome },
+        Decision::Respond { reply, outcome } => Recheck::Respond { reply, outcome },
+        Decision::Wait { lease_remaining_ms } if now_ms >= w.give_up_at_ms => Recheck::Respond {
+            reply: in_flight_reply(cfg, lease_remaining_ms),
+            outcome: Outcome::WaitTimedOut,
+        },
+        Decision::Wait { lease_remaining_ms } => {
+            Recheck::KeepWaiting { recheck_at_ms: first_recheck(now_ms, lease_remaining_ms, w.give_up_at_ms) }
+        }
+    }
+}
+
+/// The wait timeout of the rule a pending request matched, if it waits at all.
+pub fn wait_timeout_ms(cfg: &Config, pending: &Pending) -> Option<u64> {
+    match cfg.rules.get(pending.rule)?.concurrency {
+        Concurrency::Wait { timeout_ms } => Some(timeout_ms),
+        Concurrency::Reject => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse;
+    use crate::engine::{admit, Admission, RequestHead};
+    use crate::local_store::LocalStore;
+    use crate::record::{Snapshot, State};
+    use crate::shared_data::FakeSharedData;
+    use crate::store::Completion;
+
+    fn cfg() -> Config {
+        parse(br#"{"max_waiters_per_key":2,"max_waiters":3,"routes":[{"name":"w","match":{"prefix":"/"},
+            "require_key":true,"concurrent":"wait","wait_timeout":"5s","processing_timeout":"2s"}]}"#)
+        .unwrap()
+    }
+
+    fn pending(cfg: &Config, key: &str) -> Pending {
+        let h = vec![("idempotency-key".to_string(), key.as_bytes().to_vec())];
+        match admit(cfg, &RequestHead { method: "POST", path: "/", headers: &h }) {
+            Admission::Collect(p) => p,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn waiter(cfg: &Config, ctx: u32, key: &str, now: u64) -> Waiter<()> {
+        Waiter {
+            context_id: ctx,
+            pending: pending(cfg, key),
+            body: b"x".to_vec(),
+            give_up_at_ms: now + 5_000,
+            recheck_at_ms: first_recheck(now, 2_000, now + 5_000),
+            handle: (),
+        }
+    }
+
+    #[test]
+    fn bounds_per_key_and_in_total() {
+        let c = cfg();
+        let mut room = WaitRoom::new(c.max_waiters_per_key, c.max_waiters);
+        assert!(room.park(waiter(&c, 1, "a", 0)).is_ok());
+        assert!(room.park(waiter(&c, 2, "a", 0)).is_ok());
+        assert_eq!(room.park(waiter(&c, 3, "a", 0)).err().map(|e| e.0), Some(Refused::PerKey));
+        assert!(room.park(waiter(&c, 4, "b", 0)).is_ok());
+        assert_eq!(room.park(waiter(&c, 5, "c", 0)).err().map(|e| e.0), Some(Refused::Total));
+        assert!(room.leave(4).is_some());
+        assert!(room.leave(4).is_none());
+        assert!(room.park(waiter(&c, 5, "c", 0)).is_ok());
+    }
+
+    #[test]
+    fn wake_takes_only_that_record_and_due_honours_times() {
+        let c = cfg();
+        let mut room = WaitRoom::new(10, 10);
+        room.park(waiter(&c, 1, "a", 0)).ok();
+        room.park(waiter(&c, 2, "b", 0)).ok();
+        let a = pending(&c, "a").scope;
+        assert_eq!(room.wake(&a).iter().map(|w| w.context_id).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(room.len(), 1);
+        assert!(room.due(RECHECK_EVERY_MS - 1).is_empty());
+        assert_eq!(room.due(RECHECK_EVERY_MS).len(), 1);
+        assert!(room.is_empty());
+    }
+
+    #[test]
+    fn recheck_replays_forwards_waits_or_gives_up() {
+        let c = cfg();
+        let data = FakeSharedData::new();
+        let store = LocalStore::new(&data, 64);
+        store.create_keys().unwrap();
+        let p = pending(&c, "a");
+        let claim = match decide(&c, &p, b"x", &store, 0, 1) {
+            Decision::Forward { claim, .. } => claim,
+            other => panic!("{other:?}"),
+        };
+        let w = waiter(&c, 7, "a", 10);
+        assert_eq!(recheck(&c, &w, &store, 100, 2), Recheck::KeepWaiting { recheck_at_ms: 1_100 });
+        // At the give-up time (before the lease ends): 409 with retry-after, counted as a
+        // timed-out wait. After the lease it would have been a takeover instead.
+        let impatient = Waiter { give_up_at_ms: 1_500, ..waiter(&c, 7, "a", 10) };
+        match recheck(&c, &impatient, &store, 1_500, 3) {
+            Recheck::Respond { reply, outcome } => {
+                assert_eq!((reply.status, outcome), (409, Outcome::WaitTimedOut));
+            }
+            other => panic!("{other:?}"),
+        }
+        // The original completes: the waiter gets the replay.
+        let snapshot = Snapshot { status: 201, headers: vec![], body: b"done".to_vec() };
+        let completion = Completion { state: State::Succeeded, status: 201, snapshot: Some(snapshot), now_ms: 200, ttl_ms: 10_000 };
+        store.complete(&claim, &completion).unwrap();
+        match recheck(&c, &w, &store, 201, 4) {
+            Recheck::Respond { reply, outcome } => assert_eq!((reply.body.as_slice(), outcome), (&b"done"[..], Outcome::Replayed)),
+            other => panic!("{other:?}"),
+        }
+        // A released record: the first waiter to look becomes the owner, the next one waits.
+        let q = pending(&c, "b");
+        let claim_b = match decide(&c, &q, b"x", &store, 300, 5) {
+            Decision::Forward { claim, .. } => claim,
+            other => panic!("{other:?}"),
+        };
+        store.release(&claim_b).unwrap();
+        let (w1, w2) = (waiter(&c, 8, "b", 300), waiter(&c, 9, "b", 300));
+        assert!(matches!(recheck(&c, &w1, &store, 301, 6), Recheck::Forward { outcome: Outcome::Claimed, .. }));
+        assert!(matches!(recheck(&c, &w2, &store, 302, 7), Recheck::KeepWaiting { .. }));
+    }
+
+    #[test]
+    fn first_recheck_is_capped_by_lease_poll_and_give_up() {
+        assert_eq!(first_recheck(0, 300, 5_000), 300);
+        assert_eq!(first_recheck(0, 30_000, 5_000), RECHECK_EVERY_MS);
+        assert_eq!(first_recheck(0, 30_000, 200), 200);
+    }
+}

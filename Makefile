@@ -1,7 +1,7 @@
 # idempotency-filter: build the Wasm module, test it, run the demo.
 #
 #   make build      target/…/idempotency_filter.wasm -> dist/idempotency_filter.wasm
-#   make test       unit tests (cargo test), then the end-to-end tests (real Envoy)
+#   make test       lint, unit tests (cargo test), fuzz smoke, then the end-to-end tests (real Envoy)
 #   make run        demo: orders upstream on :8080 behind Envoy on :10000 (admin :9901)
 #   make validate   envoy --mode validate on every shipped Envoy config
 #   make fuzz       each cargo-fuzz target for FUZZ_SECONDS (default 60); make fuzz-smoke: a few seconds each
@@ -32,7 +32,7 @@ ENVOY_BIN ?= $(shell $(VENV_PY) -c '$(ENVOY_LOOKUP)' 2>/dev/null)
 ENVOY_CONFIGS := $(wildcard envoy/*.yaml)
 PYTEST_ARGS ?=
 
-.PHONY: help tools build validate run unit e2e test versions clean distclean fuzz fuzz-smoke
+.PHONY: help tools build validate run unit lint e2e test versions clean distclean fuzz fuzz-smoke
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -138,10 +138,18 @@ fuzz: $(CARGO_FUZZ)
 unit:
 	$(CARGO) test
 
+# Formatting, and clippy on both builds: the native one (engine + tests) and the wasm32 one
+# (which alone compiles the glue). unwrap/expect/panic are denied outside tests (Cargo.toml).
+lint:
+	$(CARGO) fmt --check
+	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) clippy --release --target $(WASM_TARGET) -- -D warnings
+
 e2e: build tools
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) $(VENV_PY) -m pytest tests/e2e -q $(PYTEST_ARGS)
 
 test:
+	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory unit
 	$(MAKE) --no-print-directory fuzz-smoke
 	$(MAKE) --no-print-directory e2e

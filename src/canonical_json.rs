@@ -70,7 +70,8 @@ enum Value<'a> {
     Number(&'a str),
     String(Cow<'a, str>),
     Array(Vec<Value<'a>>),
-    /// Sorted by name bytes with no duplicates, established when the object is parsed.
+    /// No duplicates, checked when the object is parsed. Sorted by name bytes when parsed for
+    /// canonicalization; in document order when parsed for [`parse`].
     Object(Vec<(Cow<'a, str>, Value<'a>)>),
     /// Tombstone for an ignored member or element. Marking instead of deleting keeps array
     /// indices stable, so every ignore pointer addresses the document as it was received,
@@ -88,24 +89,7 @@ enum Value<'a> {
 /// Any input that is not exactly one RFC 8259 JSON text within the limits of canonical form v1;
 /// `out` is left untouched then.
 pub fn canonicalize(body: &[u8], ignore: &[Vec<String>], out: &mut Vec<u8>) -> Result<(), CanonicalError> {
-    if body.starts_with(BOM) {
-        return Err(CanonicalError::ByteOrderMark);
-    }
-    // Validating once up front lets the parser scan bytes: every position it cuts at is an ASCII
-    // delimiter, hence a char boundary of `text`.
-    let Ok(text) = std::str::from_utf8(body) else {
-        return Err(CanonicalError::InvalidUtf8);
-    };
-    let mut parser = Parser { text, bytes: body, pos: 0 };
-    parser.skip_ws();
-    if parser.peek().is_none() {
-        return Err(CanonicalError::Empty);
-    }
-    let mut root = parser.parse_value(0)?;
-    parser.skip_ws();
-    if parser.pos != body.len() {
-        return Err(CanonicalError::TrailingData);
-    }
+    let mut root = parse_document(body, false)?;
     for pointer in ignore {
         remove(&mut root, pointer);
     }
@@ -114,10 +98,87 @@ pub fn canonicalize(body: &[u8], ignore: &[Vec<String>], out: &mut Vec<u8>) -> R
     Ok(())
 }
 
+/// A JSON document as read by [`parse`], for modules that need to look inside JSON (the plugin
+/// configuration) rather than fingerprint it. Borrows from the input where it can, like the
+/// canonical tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JsonValue<'a> {
+    Null,
+    Bool(bool),
+    /// Exact source text, already checked against the RFC 8259 number grammar: the caller
+    /// decides which numbers it accepts, with no float round trip in between.
+    Number(&'a str),
+    String(Cow<'a, str>),
+    Array(Vec<JsonValue<'a>>),
+    /// Members in document order, so callers can report the first offending one; names are
+    /// unique, since a duplicate is a parse error.
+    Object(Vec<(Cow<'a, str>, JsonValue<'a>)>),
+}
+
+impl<'a> JsonValue<'a> {
+    /// The member called `name`, or `None` when absent or when this is not an object.
+    pub fn get(&self, name: &str) -> Option<&JsonValue<'a>> {
+        match self {
+            JsonValue::Object(members) => members.iter().find(|(n, _)| n == name).map(|(_, v)| v),
+            _ => None,
+        }
+    }
+}
+
+/// Parses one JSON text under exactly the rules of canonical form v1 (UTF-8 only, no byte order
+/// mark, no duplicate member names, at most `MAX_DEPTH` levels, no trailing data), keeping the
+/// members of each object in document order.
+///
+/// # Errors
+///
+/// The same as [`canonicalize`] for the same input.
+pub fn parse(bytes: &[u8]) -> Result<JsonValue<'_>, CanonicalError> {
+    parse_document(bytes, true).map(into_public)
+}
+
+/// Recursion is bounded by `MAX_DEPTH`, which the parser enforced on the way in.
+fn into_public(value: Value<'_>) -> JsonValue<'_> {
+    match value {
+        Value::Bool(b) => JsonValue::Bool(b),
+        Value::Number(text) => JsonValue::Number(text),
+        Value::String(s) => JsonValue::String(s),
+        Value::Array(items) => JsonValue::Array(items.into_iter().map(into_public).collect()),
+        Value::Object(members) => {
+            JsonValue::Object(members.into_iter().map(|(name, v)| (name, into_public(v))).collect())
+        }
+        // Only ignore pointers create tombstones, and `parse` applies none.
+        Value::Null | Value::Removed => JsonValue::Null,
+    }
+}
+
+/// `keep_order`: leave object members in document order instead of sorting them for output.
+fn parse_document(body: &[u8], keep_order: bool) -> Result<Value<'_>, CanonicalError> {
+    if body.starts_with(BOM) {
+        return Err(CanonicalError::ByteOrderMark);
+    }
+    // Validating once up front lets the parser scan bytes: every position it cuts at is an ASCII
+    // delimiter, hence a char boundary of `text`.
+    let Ok(text) = std::str::from_utf8(body) else {
+        return Err(CanonicalError::InvalidUtf8);
+    };
+    let mut parser = Parser { text, bytes: body, pos: 0, keep_order };
+    parser.skip_ws();
+    if parser.peek().is_none() {
+        return Err(CanonicalError::Empty);
+    }
+    let root = parser.parse_value(0)?;
+    parser.skip_ws();
+    if parser.pos != body.len() {
+        return Err(CanonicalError::TrailingData);
+    }
+    Ok(root)
+}
+
 struct Parser<'a> {
     text: &'a str,
     bytes: &'a [u8],
     pos: usize,
+    keep_order: bool,
 }
 
 impl<'a> Parser<'a> {
@@ -234,11 +295,18 @@ impl<'a> Parser<'a> {
         // Sorting first turns duplicate detection into one linear pass (no quadratic scan),
         // and the sort is needed for the output anyway. Unstable is fine: equal names are an
         // error, so no two elements compare equal in an accepted object.
-        members.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-        let duplicate = members.windows(2).any(|pair| match pair {
-            [a, b] => a.0 == b.0,
-            _ => false,
-        });
+        let duplicate = if self.keep_order {
+            // Sorting a separate list of names keeps the members themselves in document order.
+            let mut names: Vec<&[u8]> = members.iter().map(|(name, _)| name.as_bytes()).collect();
+            names.sort_unstable();
+            names.windows(2).any(|pair| matches!(pair, [a, b] if a == b))
+        } else {
+            members.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            members.windows(2).any(|pair| match pair {
+                [a, b] => a.0 == b.0,
+                _ => false,
+            })
+        };
         if duplicate {
             return Err(CanonicalError::DuplicateMember);
         }
@@ -472,7 +540,10 @@ fn emit(value: &Value<'_>, out: &mut Vec<u8>) {
     }
 }
 
-fn emit_string(s: &str, out: &mut Vec<u8>) {
+/// Appends `s` as a JSON string literal: `"` and `\\` escaped, control characters as `\u00xx`,
+/// everything else verbatim. Public so other JSON the filter writes uses the same tested escaping;
+/// for canonical output it is part of the v1 contract and must not change.
+pub fn emit_string(s: &str, out: &mut Vec<u8>) {
     out.push(b'"');
     for &b in s.as_bytes() {
         match b {
@@ -831,6 +902,95 @@ mod tests {
     fn errors_display() {
         assert_eq!(CanonicalError::Syntax { offset: 3 }.to_string(), "JSON syntax error at byte 3");
         assert!(CanonicalError::TooDeep.to_string().contains("64"));
+    }
+
+    // ---- parse: the public tree for other modules ----
+
+    fn s(text: &str) -> JsonValue<'static> {
+        JsonValue::String(Cow::Owned(text.to_owned()))
+    }
+
+    #[test]
+    fn parse_keeps_document_order_and_exact_numbers() {
+        let v = parse(br#" {"b":[1.0,-0,1e3,true,null],"a":{"y":"\u0041\n","x":false}} "#).unwrap();
+        let expected = JsonValue::Object(vec![
+            (
+                "b".into(),
+                JsonValue::Array(vec![
+                    JsonValue::Number("1.0"),
+                    JsonValue::Number("-0"),
+                    JsonValue::Number("1e3"),
+                    JsonValue::Bool(true),
+                    JsonValue::Null,
+                ]),
+            ),
+            (
+                "a".into(),
+                JsonValue::Object(vec![("y".into(), s("A\n")), ("x".into(), JsonValue::Bool(false))]),
+            ),
+        ]);
+        assert_eq!(v, expected);
+        assert_eq!(v.get("a").and_then(|a| a.get("x")), Some(&JsonValue::Bool(false)));
+        assert_eq!(v.get("missing"), None);
+        assert_eq!(JsonValue::Null.get("a"), None);
+    }
+
+    #[test]
+    fn parse_borrows_plain_strings() {
+        let v = parse(br#"["plain","esc\"aped"]"#).unwrap();
+        let JsonValue::Array(items) = v else { unreachable!() };
+        assert!(matches!(&items[0], JsonValue::String(Cow::Borrowed("plain"))));
+        assert!(matches!(&items[1], JsonValue::String(Cow::Owned(o)) if o == "esc\"aped"));
+    }
+
+    #[test]
+    fn parse_rejects_exactly_what_canonicalize_rejects() {
+        let deep = nested(MAX_DEPTH + 1, "[", "]");
+        let ok_deep = nested(MAX_DEPTH, "{\"a\":", "}");
+        let inputs: [&[u8]; 16] = [
+            b"",
+            b" \t",
+            b"\xEF\xBB\xBF{}",
+            b"\"\xff\"",
+            b"{\"a\":1,\"a\":2}",
+            br#"{"x":[{"b":1,"c":2,"\u0062":3}]}"#,
+            br#"{"a":{"a":1},"b":{"a":2}}"#,
+            b"[1,]",
+            b"01",
+            b"{} {}",
+            br#""\ud800""#,
+            deep.as_bytes(),
+            ok_deep.as_bytes(),
+            b"[1.5e-3,\"\\u0000\",{}]",
+            b"{\"a\":1",
+            b"tru",
+        ];
+        for input in inputs {
+            let mut out = Vec::new();
+            let canonical = canonicalize(input, &[], &mut out);
+            assert_eq!(parse(input).map(|_| ()), canonical, "{:?}", String::from_utf8_lossy(input));
+        }
+        assert_eq!(parse(b"{\"a\":1,\"a\":2}"), Err(CanonicalError::DuplicateMember));
+        assert_eq!(parse(b"[1,]"), Err(CanonicalError::Syntax { offset: 3 }));
+    }
+
+    #[test]
+    fn parse_finds_duplicates_among_many_members_in_any_order() {
+        let mut members: Vec<String> = (0..1000).map(|i| format!("\"k{i}\":{i}")).collect();
+        assert!(parse(format!("{{{}}}", members.join(",")).as_bytes()).is_ok());
+        members.push("\"k500\":0".to_owned());
+        members.rotate_right(1);
+        assert_eq!(
+            parse(format!("{{{}}}", members.join(",")).as_bytes()),
+            Err(CanonicalError::DuplicateMember)
+        );
+    }
+
+    #[test]
+    fn emit_string_escapes_quote_backslash_and_controls() {
+        let mut out = Vec::new();
+        emit_string("a\"\\\u{1}\u{1f} é/", &mut out);
+        assert_eq!(out, "\"a\\\"\\\\\\u0001\\u001f é/\"".as_bytes());
     }
 
     // ---- property-style tests with a self-contained deterministic generator ----

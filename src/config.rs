@@ -4,9 +4,10 @@
 //! A bad configuration must stop the filter from starting (Envoy then refuses the listener), so
 //! every error names the offending field, e.g. `routes[0].ttl: "24x" is not a duration ...`.
 
+use std::borrow::Cow;
 use std::fmt;
 
-use serde_json::{Map, Value};
+use crate::canonical_json::{self, CanonicalError, JsonValue as Value};
 
 /// Compiled, validated configuration. Built once per `on_configure`, shared by every request.
 #[derive(Debug, Clone, PartialEq)]
@@ -117,11 +118,7 @@ impl fmt::Display for ConfigError {
         if self.field.is_empty() {
             write!(f, "invalid configuration: {}", self.reason)
         } else {
-            write!(
-                f,
-                "invalid configuration: field `{}`: {}",
-                self.field, self.reason
-            )
+            write!(f, "invalid configuration: field `{}`: {}", self.field, self.reason)
         }
     }
 }
@@ -159,18 +156,12 @@ impl Rule {
 
 impl Config {
     pub fn rule_for(&self, method: &str, path_without_query: &str) -> Option<&Rule> {
-        self.rules
-            .iter()
-            .find(|r| r.matches(method, path_without_query))
+        self.rules.iter().find(|r| r.matches(method, path_without_query))
     }
 }
 
 impl ProblemStatuses {
-    pub const DEFAULT: ProblemStatuses = ProblemStatuses {
-        invalid_key: 400,
-        mismatch: 422,
-        in_flight: 409,
-    };
+    pub const DEFAULT: ProblemStatuses = ProblemStatuses { invalid_key: 400, mismatch: 422, in_flight: 409 };
 }
 
 const DEFAULT_KEY_HEADER: &str = "idempotency-key";
@@ -182,17 +173,10 @@ const DEFAULT_PROCESSING_TIMEOUT_MS: u64 = 30_000;
 const DEFAULT_BODY_BYTES: u64 = 1 << 20;
 const MAX_BODY_BYTES: u64 = 64 << 20;
 const DEFAULT_METHODS: [&str; 2] = ["POST", "PATCH"];
-const DEFAULT_STORE_STATUSES: [StatusPattern; 3] = [
-    StatusPattern::Class(2),
-    StatusPattern::Class(3),
-    StatusPattern::Class(4),
-];
-const DEFAULT_RELEASE_STATUSES: [StatusPattern; 4] = [
-    StatusPattern::Class(5),
-    StatusPattern::Code(408),
-    StatusPattern::Code(425),
-    StatusPattern::Code(429),
-];
+const DEFAULT_STORE_STATUSES: [StatusPattern; 3] =
+    [StatusPattern::Class(2), StatusPattern::Class(3), StatusPattern::Class(4)];
+const DEFAULT_RELEASE_STATUSES: [StatusPattern; 4] =
+    [StatusPattern::Class(5), StatusPattern::Code(408), StatusPattern::Code(425), StatusPattern::Code(429)];
 const DEFAULT_WAIT_TIMEOUT_MS: u64 = 10_000;
 const DEFAULT_MAX_WAITERS_PER_KEY: u64 = 100;
 const DEFAULT_MAX_WAITERS: u64 = 1_000;
@@ -200,12 +184,13 @@ const MAX_WAITERS_LIMIT: u64 = 100_000;
 const MAX_HEADER_NAME_LEN: usize = 128;
 const MAX_ROUTE_NAME_LEN: usize = 64;
 
-type Obj = Map<String, Value>;
+/// An object's members in document order, so the first unknown field is the one reported.
+type Obj<'j> = [(Cow<'j, str>, Value<'j>)];
 type Res<T> = Result<T, ConfigError>;
 
 /// Parses and validates the plugin configuration.
 pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
-    let doc: Value = serde_json::from_slice(bytes).map_err(|e| err("", e.to_string()))?;
+    let doc = canonical_json::parse(bytes).map_err(json_error)?;
     let top = object(
         &doc,
         "",
@@ -223,19 +208,16 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let key_header =
         optional(top, "", "key_header", header_name)?.unwrap_or_else(|| DEFAULT_KEY_HEADER.into());
     // null is accepted here (and only here) so templated configs can switch tenancy off explicitly.
-    let tenant_header = match top.get("tenant_header") {
+    let tenant_header = match get(top, "tenant_header") {
         None | Some(Value::Null) => None,
         Some(v) => Some(header_name(v, "tenant_header")?),
     };
-    let principal_headers = optional(top, "", "principal_headers", |v, f| {
-        unique_list(v, f, header_name)
-    })?
-    .unwrap_or_else(|| vec![DEFAULT_PRINCIPAL_HEADER.into()]);
-    let store = optional(top, "", "store", store)?.unwrap_or(StoreConfig::Local {
-        capacity: DEFAULT_CAPACITY,
-    });
-    let problem_statuses = optional(top, "", "problem_statuses", problem_statuses)?
-        .unwrap_or(ProblemStatuses::DEFAULT);
+    let principal_headers = optional(top, "", "principal_headers", |v, f| unique_list(v, f, header_name))?
+        .unwrap_or_else(|| vec![DEFAULT_PRINCIPAL_HEADER.into()]);
+    let store =
+        optional(top, "", "store", store)?.unwrap_or(StoreConfig::Local { capacity: DEFAULT_CAPACITY });
+    let problem_statuses =
+        optional(top, "", "problem_statuses", problem_statuses)?.unwrap_or(ProblemStatuses::DEFAULT);
     let waiters = |k: &str, default: u64| -> Res<u32> {
         let n = optional(top, "", k, |v, f| uint(v, f, 1, MAX_WAITERS_LIMIT))?.unwrap_or(default);
         u32::try_from(n).map_err(|_| err(k, "out of range"))
@@ -243,10 +225,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let max_waiters_per_key = waiters("max_waiters_per_key", DEFAULT_MAX_WAITERS_PER_KEY)?;
     let max_waiters = waiters("max_waiters", DEFAULT_MAX_WAITERS)?;
 
-    let routes = array(
-        top.get("routes").ok_or_else(|| err("routes", "required"))?,
-        "routes",
-    )?;
+    let routes = array(get(top, "routes").ok_or_else(|| err("routes", "required"))?, "routes")?;
     if routes.is_empty() {
         return Err(err("routes", "must contain at least one route"));
     }
@@ -256,10 +235,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         let r = rule(v, &path)?;
         // Names label metrics and logs; a duplicate would silently merge two routes' numbers.
         if rules.iter().any(|x| x.name == r.name) {
-            return Err(err(
-                &key(&path, "name"),
-                format!("duplicate route name {:?}", r.name),
-            ));
+            return Err(err(&key(&path, "name"), format!("duplicate route name {:?}", r.name)));
         }
         rules.push(r);
     }
@@ -278,10 +254,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
 fn store(v: &Value, path: &str) -> Res<StoreConfig> {
     let o = object_any(v, path)?;
     let type_path = key(path, "type");
-    let kind = string(
-        o.get("type").ok_or_else(|| err(&type_path, "required"))?,
-        &type_path,
-    )?;
+    let kind = string(get(o, "type").ok_or_else(|| err(&type_path, "required"))?, &type_path)?;
     // The allowed keys depend on the type, so the type is read before the unknown-key check.
     match kind {
         "local" => {
@@ -292,19 +265,15 @@ fn store(v: &Value, path: &str) -> Res<StoreConfig> {
                 })?;
             Ok(StoreConfig::Local { capacity })
         }
-        other => Err(err(
-            &type_path,
-            format!("unsupported store type {other:?}: expected \"local\""),
-        )),
+        other => Err(err(&type_path, format!("unsupported store type {other:?}: expected \"local\""))),
     }
 }
 
 fn problem_statuses(v: &Value, path: &str) -> Res<ProblemStatuses> {
     let o = object(v, path, &["invalid_key", "mismatch", "in_flight"])?;
     let status = |k: &str, default: u16| -> Res<u16> {
-        optional(o, path, k, |v, f| uint(v, f, 400, 499))?.map_or(Ok(default), |s| {
-            u16::try_from(s).map_err(|_| err(&key(path, k), "out of range"))
-        })
+        optional(o, path, k, |v, f| uint(v, f, 400, 499))?
+            .map_or(Ok(default), |s| u16::try_from(s).map_err(|_| err(&key(path, k), "out of range")))
     };
     let d = ProblemStatuses::DEFAULT;
     Ok(ProblemStatuses {
@@ -338,8 +307,8 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
     let (path_match, methods) = required(o, path, "match", route_match)?;
     let require_key = optional(o, path, "require_key", boolean)?.unwrap_or(false);
     let ttl_ms = optional(o, path, "ttl", duration_ms)?.unwrap_or(DEFAULT_TTL_MS);
-    let processing_timeout_ms = optional(o, path, "processing_timeout", duration_ms)?
-        .unwrap_or(DEFAULT_PROCESSING_TIMEOUT_MS);
+    let processing_timeout_ms =
+        optional(o, path, "processing_timeout", duration_ms)?.unwrap_or(DEFAULT_PROCESSING_TIMEOUT_MS);
     // A claim that outlives its record would let a retry find neither and execute twice.
     if processing_timeout_ms > ttl_ms {
         return Err(err(
@@ -348,15 +317,14 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
         ));
     }
     let body_size = |v: &Value, f: &str| uint(v, f, 1, MAX_BODY_BYTES);
-    let max_request_bytes =
-        optional(o, path, "max_request_bytes", body_size)?.unwrap_or(DEFAULT_BODY_BYTES);
+    let max_request_bytes = optional(o, path, "max_request_bytes", body_size)?.unwrap_or(DEFAULT_BODY_BYTES);
     let max_response_bytes =
         optional(o, path, "max_response_bytes", body_size)?.unwrap_or(DEFAULT_BODY_BYTES);
     let (fingerprint_headers, ignore_json_fields) =
         optional(o, path, "fingerprint", fingerprint)?.unwrap_or_default();
     let status_list = |v: &Value, f: &str| unique_list(v, f, status_pattern);
-    let store = optional(o, path, "store_statuses", status_list)?
-        .unwrap_or_else(|| DEFAULT_STORE_STATUSES.to_vec());
+    let store =
+        optional(o, path, "store_statuses", status_list)?.unwrap_or_else(|| DEFAULT_STORE_STATUSES.to_vec());
     let release = optional(o, path, "release_statuses", status_list)?
         .unwrap_or_else(|| DEFAULT_RELEASE_STATUSES.to_vec());
     if let Some(p) = release.iter().find(|p| store.contains(p)) {
@@ -366,9 +334,12 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
         ));
     }
     let replay_exclude_headers =
-        optional(o, path, "replay_exclude_headers", |v, f| unique_list(v, f, header_name))?.unwrap_or_default();
+        optional(o, path, "replay_exclude_headers", |v, f| unique_list(v, f, header_name))?
+            .unwrap_or_default();
     let wait_timeout_ms = optional(o, path, "wait_timeout", duration_ms)?;
-    let concurrency = match optional(o, path, "concurrent", |v, f| string(v, f).map(str::to_owned))?.as_deref() {
+    let concurrency = match optional(o, path, "concurrent", |v, f| string(v, f).map(str::to_owned))?
+        .as_deref()
+    {
         None | Some("reject") => {
             if wait_timeout_ms.is_some() {
                 return Err(err(&key(path, "wait_timeout"), "only applies with \"concurrent\": \"wait\""));
@@ -411,7 +382,7 @@ fn route_name(v: &Value, path: &str) -> Res<String> {
 
 fn route_match(v: &Value, path: &str) -> Res<(PathMatch, Vec<String>)> {
     let o = object(v, path, &["prefix", "exact", "methods"])?;
-    let path_match = match (o.get("prefix"), o.get("exact")) {
+    let path_match = match (get(o, "prefix"), get(o, "exact")) {
         (Some(p), None) => PathMatch::Prefix(url_path(p, &key(path, "prefix"))?),
         (None, Some(e)) => PathMatch::Exact(url_path(e, &key(path, "exact"))?),
         _ => return Err(err(path, "expected exactly one of \"prefix\" or \"exact\"")),
@@ -439,9 +410,7 @@ fn url_path(v: &Value, path: &str) -> Res<String> {
 fn fingerprint(v: &Value, path: &str) -> Res<(Vec<String>, Vec<Vec<String>>)> {
     let o = object(v, path, &["headers", "ignore_json_fields"])?;
     let headers = optional(o, path, "headers", |v, f| unique_list(v, f, header_name))?;
-    let pointers = optional(o, path, "ignore_json_fields", |v, f| {
-        unique_list(v, f, json_pointer)
-    })?;
+    let pointers = optional(o, path, "ignore_json_fields", |v, f| unique_list(v, f, json_pointer))?;
     Ok((headers.unwrap_or_default(), pointers.unwrap_or_default()))
 }
 
@@ -449,17 +418,12 @@ fn fingerprint(v: &Value, path: &str) -> Res<(Vec<String>, Vec<Vec<String>>)> {
 fn header_name(v: &Value, path: &str) -> Res<String> {
     let s = string(v, path)?;
     if s.starts_with(':') {
-        return Err(err(
-            path,
-            format!("{s:?} is a pseudo-header, not a header name"),
-        ));
+        return Err(err(path, format!("{s:?} is a pseudo-header, not a header name")));
     }
     if s.len() > MAX_HEADER_NAME_LEN || !is_token(s) {
         return Err(err(
             path,
-            format!(
-                "{s:?} is not a header name: expected 1 to {MAX_HEADER_NAME_LEN} token characters"
-            ),
+            format!("{s:?} is not a header name: expected 1 to {MAX_HEADER_NAME_LEN} token characters"),
         ));
     }
     Ok(s.to_ascii_lowercase())
@@ -468,19 +432,14 @@ fn header_name(v: &Value, path: &str) -> Res<String> {
 fn method(v: &Value, path: &str) -> Res<String> {
     let s = string(v, path)?;
     if !is_token(s) {
-        return Err(err(
-            path,
-            format!("{s:?} is not an HTTP method: expected token characters"),
-        ));
+        return Err(err(path, format!("{s:?} is not an HTTP method: expected token characters")));
     }
     Ok(s.to_ascii_uppercase())
 }
 
 /// RFC 9110 §5.6.2 `token = 1*tchar`.
 fn is_token(s: &str) -> bool {
-    !s.is_empty()
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
 /// RFC 6901, decoded into reference tokens. The empty pointer is refused: it names the whole
@@ -488,10 +447,7 @@ fn is_token(s: &str) -> bool {
 fn json_pointer(v: &Value, path: &str) -> Res<Vec<String>> {
     let s = string(v, path)?;
     let Some(rest) = s.strip_prefix('/') else {
-        return Err(err(
-            path,
-            format!("{s:?} is not a JSON Pointer: expected to start with '/'"),
-        ));
+        return Err(err(path, format!("{s:?} is not a JSON Pointer: expected to start with '/'")));
     };
     rest.split('/')
         .map(|token| {
@@ -520,17 +476,10 @@ fn json_pointer(v: &Value, path: &str) -> Res<Vec<String>> {
 
 fn status_pattern(v: &Value, path: &str) -> Res<StatusPattern> {
     let s = string(v, path)?;
-    let bad = || {
-        err(
-            path,
-            format!("{s:?} is not a status: expected a class 1xx..5xx or a code 100..599"),
-        )
-    };
+    let bad = || err(path, format!("{s:?} is not a status: expected a class 1xx..5xx or a code 100..599"));
     match *s.as_bytes() {
         [c @ b'1'..=b'5', b'x' | b'X', b'x' | b'X'] => Ok(StatusPattern::Class(c - b'0')),
-        [b'1'..=b'5', b'0'..=b'9', b'0'..=b'9'] => {
-            s.parse().map(StatusPattern::Code).map_err(|_| bad())
-        }
+        [b'1'..=b'5', b'0'..=b'9', b'0'..=b'9'] => s.parse().map(StatusPattern::Code).map_err(|_| bad()),
         _ => Err(bad()),
     }
 }
@@ -546,20 +495,9 @@ const DURATION_GRAMMAR: &str = "digits followed by ms, s, m, h or d (e.g. \"30s\
 
 fn duration_ms(v: &Value, path: &str) -> Res<u64> {
     let Value::String(s) = v else {
-        return Err(err(
-            path,
-            format!(
-                "expected a duration string of {DURATION_GRAMMAR}, got {}",
-                kind(v)
-            ),
-        ));
+        return Err(err(path, format!("expected a duration string of {DURATION_GRAMMAR}, got {}", kind(v))));
     };
-    let bad = || {
-        err(
-            path,
-            format!("{s:?} is not a duration: expected {DURATION_GRAMMAR}"),
-        )
-    };
+    let bad = || err(path, format!("{s:?} is not a duration: expected {DURATION_GRAMMAR}"));
     let unit = s.trim_start_matches(|c: char| c.is_ascii_digit());
     let digits = s.strip_suffix(unit).unwrap_or_default();
     let scale: u64 = match unit {
@@ -574,11 +512,7 @@ fn duration_ms(v: &Value, path: &str) -> Res<u64> {
         return Err(bad());
     }
     let too_large = || err(path, format!("{s:?} is too large"));
-    let ms = digits
-        .parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(scale))
-        .ok_or_else(too_large)?;
+    let ms = digits.parse::<u64>().ok().and_then(|n| n.checked_mul(scale)).ok_or_else(too_large)?;
     if ms == 0 {
         return Err(err(path, format!("{s:?} must be greater than zero")));
     }
@@ -588,10 +522,7 @@ fn duration_ms(v: &Value, path: &str) -> Res<u64> {
 // ---- generic JSON walking: each helper takes the field path so errors can name it ----
 
 fn err(field: &str, reason: impl Into<String>) -> ConfigError {
-    ConfigError {
-        field: field.to_owned(),
-        reason: reason.into(),
-    }
+    ConfigError { field: field.to_owned(), reason: reason.into() }
 }
 
 fn key(parent: &str, k: &str) -> String {
@@ -606,11 +537,30 @@ fn index(parent: &str, i: usize) -> String {
     format!("{parent}[{i}]")
 }
 
+/// The parser's wording talks about a request body; this names the configuration instead.
+fn json_error(e: CanonicalError) -> ConfigError {
+    let reason = match e {
+        CanonicalError::InvalidUtf8 => "not valid UTF-8".to_owned(),
+        CanonicalError::ByteOrderMark => "starts with a UTF-8 byte order mark".to_owned(),
+        CanonicalError::Empty => "empty: expected a JSON object".to_owned(),
+        CanonicalError::Syntax { offset } => format!("not valid JSON: syntax error at byte {offset}"),
+        CanonicalError::DuplicateMember => "not valid JSON: an object has a duplicate member name".to_owned(),
+        CanonicalError::TooDeep => {
+            format!("not valid JSON: nested deeper than {} levels", canonical_json::MAX_DEPTH)
+        }
+        CanonicalError::LoneSurrogate => {
+            "not valid JSON: a string escape holds an unpaired UTF-16 surrogate".to_owned()
+        }
+        CanonicalError::TrailingData => "not valid JSON: data after the top-level value".to_owned(),
+    };
+    err("", reason)
+}
+
 fn kind(v: &Value) -> String {
     match v {
         Value::Null => "null".into(),
         Value::Bool(b) => b.to_string(),
-        Value::Number(n) => n.to_string(),
+        Value::Number(n) => (*n).to_owned(),
         Value::String(_) => "a string".into(),
         Value::Array(_) => "an array".into(),
         Value::Object(_) => "an object".into(),
@@ -623,53 +573,66 @@ fn type_error(path: &str, expected: &str, v: &Value) -> ConfigError {
 
 /// An object whose keys must all be in `allowed`: a misspelt optional field would otherwise
 /// silently fall back to its default.
-fn object<'a>(v: &'a Value, path: &str, allowed: &[&str]) -> Res<&'a Obj> {
+fn object<'v, 'j>(v: &'v Value<'j>, path: &str, allowed: &[&str]) -> Res<&'v Obj<'j>> {
     let o = object_any(v, path)?;
     reject_unknown(o, path, allowed)?;
     Ok(o)
 }
 
-fn object_any<'a>(v: &'a Value, path: &str) -> Res<&'a Obj> {
-    v.as_object()
-        .ok_or_else(|| type_error(path, "an object", v))
+fn object_any<'v, 'j>(v: &'v Value<'j>, path: &str) -> Res<&'v Obj<'j>> {
+    match v {
+        Value::Object(members) => Ok(members),
+        _ => Err(type_error(path, "an object", v)),
+    }
+}
+
+fn get<'v, 'j>(o: &'v Obj<'j>, k: &str) -> Option<&'v Value<'j>> {
+    o.iter().find(|(name, _)| name == k).map(|(_, v)| v)
 }
 
 fn reject_unknown(o: &Obj, path: &str, allowed: &[&str]) -> Res<()> {
-    match o.keys().find(|k| !allowed.contains(&k.as_str())) {
-        Some(k) => Err(err(&key(path, k), "unknown field")),
+    match o.iter().find(|(k, _)| !allowed.contains(&k.as_ref())) {
+        Some((k, _)) => Err(err(&key(path, k), "unknown field")),
         None => Ok(()),
     }
 }
 
-fn array<'a>(v: &'a Value, path: &str) -> Res<&'a [Value]> {
-    v.as_array()
-        .map(Vec::as_slice)
-        .ok_or_else(|| type_error(path, "an array", v))
+fn array<'v, 'j>(v: &'v Value<'j>, path: &str) -> Res<&'v [Value<'j>]> {
+    match v {
+        Value::Array(items) => Ok(items),
+        _ => Err(type_error(path, "an array", v)),
+    }
 }
 
-fn string<'a>(v: &'a Value, path: &str) -> Res<&'a str> {
-    v.as_str().ok_or_else(|| type_error(path, "a string", v))
+fn string<'v>(v: &'v Value, path: &str) -> Res<&'v str> {
+    match v {
+        Value::String(s) => Ok(s),
+        _ => Err(type_error(path, "a string", v)),
+    }
 }
 
 fn boolean(v: &Value, path: &str) -> Res<bool> {
-    v.as_bool()
-        .ok_or_else(|| type_error(path, "true or false", v))
+    match v {
+        Value::Bool(b) => Ok(*b),
+        _ => Err(type_error(path, "true or false", v)),
+    }
 }
 
-/// `as_u64` is `None` for negatives, fractions (even `1.0`) and exponents, so all are refused.
+/// Only plain decimal digits: negatives, fractions (even `1.0`) and exponents (even `1e3`) are
+/// refused rather than converted, so a value means exactly what it spells. The JSON grammar
+/// already rules out a `+` sign and leading zeros.
 fn uint(v: &Value, path: &str, min: u64, max: u64) -> Res<u64> {
-    v.as_u64()
-        .filter(|n| (min..=max).contains(n))
+    let n = match v {
+        Value::Number(text) if text.bytes().all(|b| b.is_ascii_digit()) => text.parse::<u64>().ok(),
+        _ => None,
+    };
+    n.filter(|n| (min..=max).contains(n))
         .ok_or_else(|| type_error(path, &format!("an integer from {min} to {max}"), v))
 }
 
 /// An array of distinct items; a duplicate is refused at its own index since it is always a
 /// copy-paste slip and, for statuses, could hide which entry was meant.
-fn unique_list<T: PartialEq>(
-    v: &Value,
-    path: &str,
-    item: impl Fn(&Value, &str) -> Res<T>,
-) -> Res<Vec<T>> {
+fn unique_list<T: PartialEq>(v: &Value, path: &str, item: impl Fn(&Value, &str) -> Res<T>) -> Res<Vec<T>> {
     let items = array(v, path)?;
     let mut out: Vec<T> = Vec::with_capacity(items.len());
     for (i, x) in items.iter().enumerate() {
@@ -683,13 +646,8 @@ fn unique_list<T: PartialEq>(
     Ok(out)
 }
 
-fn optional<T>(
-    o: &Obj,
-    parent: &str,
-    k: &str,
-    f: impl FnOnce(&Value, &str) -> Res<T>,
-) -> Res<Option<T>> {
-    o.get(k).map(|v| f(v, &key(parent, k))).transpose()
+fn optional<T>(o: &Obj, parent: &str, k: &str, f: impl FnOnce(&Value, &str) -> Res<T>) -> Res<Option<T>> {
+    get(o, k).map(|v| f(v, &key(parent, k))).transpose()
 }
 
 fn required<T>(o: &Obj, parent: &str, k: &str, f: impl FnOnce(&Value, &str) -> Res<T>) -> Res<T> {
@@ -750,10 +708,7 @@ mod tests {
     #[test]
     fn rejects_bad_configs_naming_the_field() {
         let long_header = format!(r#""key_header":"{}""#, "h".repeat(129));
-        let long_name = format!(
-            r#"{{"routes":[{{"name":"{}","match":{{"prefix":"/"}}}}]}}"#,
-            "n".repeat(65)
-        );
+        let long_name = format!(r#"{{"routes":[{{"name":"{}","match":{{"prefix":"/"}}}}]}}"#, "n".repeat(65));
         let cases: Vec<(&str, String, &str)> = vec![
             // document
             ("invalid json", "{".into(), ""),
@@ -761,6 +716,10 @@ mod tests {
             ("top-level array", "[]".into(), ""),
             ("top-level null", "null".into(), ""),
             ("top-level string", r#""x""#.into(), ""),
+            ("duplicate top-level key", r#"{"routes":[{"name":"a","match":{"prefix":"/"}}],"routes":[{"name":"b","match":{"prefix":"/"}}]}"#.into(), ""),
+            ("duplicate nested key", route(r#""ttl":"1h","ttl":"2h""#), ""),
+            ("byte order mark", "\u{feff}{}".into(), ""),
+            ("trailing data", format!("{} x", top(r#""key_header":"k""#)), ""),
             ("unknown top-level field", top(r#""foo":1"#), "foo"),
             ("missing routes", "{}".into(), "routes"),
             ("routes not array", r#"{"routes":{}}"#.into(), "routes"),
@@ -799,6 +758,12 @@ mod tests {
             ("capacity float", top(r#""store":{"type":"local","capacity":1.5}"#), "store.capacity"),
             ("capacity integral float", top(r#""store":{"type":"local","capacity":10.0}"#), "store.capacity"),
             ("capacity string", top(r#""store":{"type":"local","capacity":"10"}"#), "store.capacity"),
+            ("capacity exponent", top(r#""store":{"type":"local","capacity":1e3}"#), "store.capacity"),
+            ("capacity upper exponent", top(r#""store":{"type":"local","capacity":10E0}"#), "store.capacity"),
+            ("capacity negative zero", top(r#""store":{"type":"local","capacity":-0}"#), "store.capacity"),
+            ("capacity above u64", top(r#""store":{"type":"local","capacity":18446744073709551616}"#), "store.capacity"),
+            ("waiters plus sign", top(r#""max_waiters":+5"#), ""),
+            ("waiters leading zero", top(r#""max_waiters":05"#), ""),
             // problem statuses
             ("problem statuses not object", top(r#""problem_statuses":[]"#), "problem_statuses"),
             ("problem status unknown", top(r#""problem_statuses":{"foo":400}"#), "problem_statuses.foo"),
@@ -924,11 +889,7 @@ mod tests {
             tenant_header: Some("x-tenant-id".into()),
             principal_headers: vec!["authorization".into()],
             store: StoreConfig::Local { capacity: 100_000 },
-            problem_statuses: ProblemStatuses {
-                invalid_key: 400,
-                mismatch: 422,
-                in_flight: 409,
-            },
+            problem_statuses: ProblemStatuses { invalid_key: 400, mismatch: 422, in_flight: 409 },
             rules: vec![Rule {
                 methods: vec!["POST".into()],
                 require_key: true,
@@ -959,19 +920,12 @@ mod tests {
             tenant_header: None,
             principal_headers: vec!["authorization".into()],
             store: StoreConfig::Local { capacity: 100_000 },
-            problem_statuses: ProblemStatuses {
-                invalid_key: 400,
-                mismatch: 422,
-                in_flight: 409,
-            },
+            problem_statuses: ProblemStatuses { invalid_key: 400, mismatch: 422, in_flight: 409 },
             rules: vec![default_rule("a", PathMatch::Prefix("/".into()))],
             max_waiters_per_key: 100,
             max_waiters: 1_000,
         };
-        assert_eq!(
-            parse_str(r#"{"routes":[{"name":"a","match":{"prefix":"/"}}]}"#),
-            Ok(expected)
-        );
+        assert_eq!(parse_str(r#"{"routes":[{"name":"a","match":{"prefix":"/"}}]}"#), Ok(expected));
     }
 
     #[test]
@@ -998,26 +952,13 @@ mod tests {
         assert_eq!(c.tenant_header, None);
         assert!(c.principal_headers.is_empty());
         assert_eq!(c.store, StoreConfig::Local { capacity: 100_000 });
-        assert_eq!(
-            c.problem_statuses,
-            ProblemStatuses {
-                invalid_key: 400,
-                mismatch: 400,
-                in_flight: 409
-            }
-        );
+        assert_eq!(c.problem_statuses, ProblemStatuses { invalid_key: 400, mismatch: 400, in_flight: 409 });
         let r = &c.rules[0];
         assert_eq!(r.name, "Pay_v1.x-y");
         assert_eq!(r.path, PathMatch::Exact("/pay".into()));
         assert_eq!(r.methods, ["PUT", "POST"]);
         assert_eq!(r.fingerprint_headers, ["content-type", "x-api-version"]);
-        assert_eq!(
-            r.statuses,
-            StatusPolicy {
-                store: vec![Class(2), Code(201)],
-                release: vec![]
-            }
-        );
+        assert_eq!(r.statuses, StatusPolicy { store: vec![Class(2), Code(201)], release: vec![] });
     }
 
     #[test]
@@ -1026,30 +967,16 @@ mod tests {
             r#""max_request_bytes":1,"max_response_bytes":67108864,"ttl":"1ms","processing_timeout":"1ms""#,
         ));
         assert_eq!(
-            (
-                r.max_request_bytes,
-                r.max_response_bytes,
-                r.ttl_ms,
-                r.processing_timeout_ms
-            ),
+            (r.max_request_bytes, r.max_response_bytes, r.ttl_ms, r.processing_timeout_ms),
             (1, 67_108_864, 1, 1)
         );
         let c = parse_str(&top(
             r#""store":{"type":"local","capacity":10000000},"problem_statuses":{"invalid_key":499,"in_flight":400}"#,
         ));
-        assert_eq!(
-            c.as_ref().map(|c| c.store.clone()),
-            Ok(StoreConfig::Local {
-                capacity: 10_000_000
-            })
-        );
+        assert_eq!(c.as_ref().map(|c| c.store.clone()), Ok(StoreConfig::Local { capacity: 10_000_000 }));
         assert_eq!(
             c.map(|c| c.problem_statuses),
-            Ok(ProblemStatuses {
-                invalid_key: 499,
-                mismatch: 422,
-                in_flight: 400
-            })
+            Ok(ProblemStatuses { invalid_key: 499, mismatch: 422, in_flight: 400 })
         );
         let long = format!(
             r#"{{"key_header":"{}","routes":[{{"name":"{}","match":{{"prefix":"/"}}}}]}}"#,
@@ -1071,9 +998,7 @@ mod tests {
             ("213503982334d", 213_503_982_334 * 86_400_000),
         ];
         for (text, ms) in cases {
-            let r = only_rule(&route(&format!(
-                r#""ttl":"{text}","processing_timeout":"1ms""#
-            )));
+            let r = only_rule(&route(&format!(r#""ttl":"{text}","processing_timeout":"1ms""#)));
             assert_eq!(r.ttl_ms, ms, "{text}");
         }
     }
@@ -1099,9 +1024,7 @@ mod tests {
             ("/~1~0", &["/~"]),
         ];
         for (pointer, tokens) in cases {
-            let r = only_rule(&route(&format!(
-                r#""fingerprint":{{"ignore_json_fields":["{pointer}"]}}"#
-            )));
+            let r = only_rule(&route(&format!(r#""fingerprint":{{"ignore_json_fields":["{pointer}"]}}"#)));
             assert_eq!(r.ignore_json_fields, [tokens.to_vec()], "{pointer}");
         }
     }
@@ -1120,15 +1043,57 @@ mod tests {
         let e = parse_str(&route(r#""fingerprint":{"foo":1}"#));
         assert_eq!(
             e.map_err(|e| e.to_string()),
-            Err(
-                "invalid configuration: field `routes[0].fingerprint.foo`: unknown field"
-                    .to_owned()
-            )
+            Err("invalid configuration: field `routes[0].fingerprint.foo`: unknown field".to_owned())
         );
         let e = parse_str("{");
-        assert!(e.is_err_and(
-            |e| e.field.is_empty() && e.to_string().starts_with("invalid configuration: EOF")
-        ));
+        assert_eq!(
+            e.map_err(|e| (e.field.clone(), e.to_string())),
+            Err((String::new(), "invalid configuration: not valid JSON: syntax error at byte 1".to_owned()))
+        );
+    }
+
+    #[test]
+    fn json_errors_name_the_problem() {
+        let reason = |json: &[u8]| parse(json).map(|_| ()).map_err(|e| e.reason);
+        assert_eq!(
+            reason(br#"{"routes":[{"name":"a","match":{"prefix":"/"}}],"routes":[]}"#),
+            Err("not valid JSON: an object has a duplicate member name".to_owned())
+        );
+        assert_eq!(reason(br#"{"routes": [1,]}"#), Err("not valid JSON: syntax error at byte 14".to_owned()));
+        assert_eq!(reason(b" \n"), Err("empty: expected a JSON object".to_owned()));
+        assert_eq!(reason(b"{\"routes\":\"\xff\"}"), Err("not valid UTF-8".to_owned()));
+        let deep = format!("{}{}", "[".repeat(100), "]".repeat(100));
+        assert!(reason(deep.as_bytes()).is_err_and(|r| r.contains("deeper than 64")));
+    }
+
+    #[test]
+    fn integer_errors_quote_the_number_as_written() {
+        let e = parse_str(&top(r#""store":{"type":"local","capacity":1e3}"#));
+        assert_eq!(
+            e.map_err(|e| e.reason),
+            Err("expected an integer from 1 to 10000000, got 1e3".to_owned())
+        );
+        let e = parse_str(&route(r#""max_request_bytes":1.0"#));
+        assert!(e.is_err_and(|e| e.reason.ends_with("got 1.0")));
+    }
+
+    #[test]
+    fn escaped_strings_and_members_in_any_order_are_read() {
+        let json = r#"{"routes":[{"match":{"prefix":"\/orders"},"name":"\u006frders","ttl":"1\u0068"}],"key_header":"X-K\u0065y"}"#;
+        let c = match parse_str(json) {
+            Ok(c) => c,
+            Err(e) => unreachable!("{e}"),
+        };
+        assert_eq!(c.key_header, "x-key");
+        assert_eq!(c.rules[0].name, "orders");
+        assert_eq!(c.rules[0].path, PathMatch::Prefix("/orders".into()));
+        assert_eq!(c.rules[0].ttl_ms, 3_600_000);
+    }
+
+    #[test]
+    fn first_unknown_field_in_document_order_is_reported() {
+        let e = parse_str(&route(r#""zzz":1,"aaa":2"#));
+        assert_eq!(e.map_err(|e| e.field), Err("routes[0].zzz".to_owned()));
     }
 
     #[test]
@@ -1154,30 +1119,17 @@ mod tests {
             assert_eq!(policy.disposition(status), expected, "{status}");
         }
         let defaults = default_rule("a", PathMatch::Prefix("/".into())).statuses;
-        let cases = [
-            (200, true),
-            (301, true),
-            (404, true),
-            (408, false),
-            (425, false),
-            (429, false),
-            (500, false),
-        ];
+        let cases =
+            [(200, true), (301, true), (404, true), (408, false), (425, false), (429, false), (500, false)];
         for (status, stored) in cases {
-            assert_eq!(
-                defaults.disposition(status) == Disposition::Store,
-                stored,
-                "{status}"
-            );
+            assert_eq!(defaults.disposition(status) == Disposition::Store, stored, "{status}");
         }
     }
 
     #[test]
     fn rules_match_method_and_path() {
-        let prefix = Rule {
-            methods: vec!["POST".into()],
-            ..default_rule("p", PathMatch::Prefix("/orders".into()))
-        };
+        let prefix =
+            Rule { methods: vec!["POST".into()], ..default_rule("p", PathMatch::Prefix("/orders".into())) };
         let exact = default_rule("e", PathMatch::Exact("/pay".into()));
         let cases = [
             (&prefix, "POST", "/orders", true),
@@ -1193,12 +1145,7 @@ mod tests {
             (&exact, "GET", "/pay", false),
         ];
         for (rule, method, path, expected) in cases {
-            assert_eq!(
-                rule.matches(method, path),
-                expected,
-                "{} {method} {path}",
-                rule.name
-            );
+            assert_eq!(rule.matches(method, path), expected, "{} {method} {path}", rule.name);
         }
     }
 

@@ -193,7 +193,8 @@ fn first_str(values: &[&[u8]]) -> Option<String> {
 /// Step 1, at request headers.
 pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
     let (path, query) = split_path(head.path);
-    let Some((rule_index, rule)) = cfg.rules.iter().enumerate().find(|(_, r)| r.matches(head.method, path)) else {
+    let Some((rule_index, rule)) = cfg.rules.iter().enumerate().find(|(_, r)| r.matches(head.method, path))
+    else {
         return Admission::PassThrough;
     };
     let key = match parse_key(&head.values(&cfg.key_header)) {
@@ -230,7 +231,10 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
 }
 
 fn content_length_problem(rule: &Rule, head: &RequestHead) -> Option<Problem> {
-    let declared = head.values("content-length").first().and_then(|v| std::str::from_utf8(v).ok()?.trim().parse::<u64>().ok())?;
+    let declared = head
+        .values("content-length")
+        .first()
+        .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse::<u64>().ok())?;
     (declared > rule.max_request_bytes).then(|| too_large(rule))
 }
 
@@ -345,22 +349,17 @@ fn respond_problem(p: Problem) -> Decision {
 
 /// Headers that belong to one connection hop and never to a stored response (RFC 9110 7.6.1),
 /// plus `content-length`, which the replying proxy computes for the replayed body itself.
-const NOT_STORED_HEADERS: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "transfer-encoding",
-    "te",
-    "trailer",
-    "upgrade",
-    "content-length",
-];
+const NOT_STORED_HEADERS: &[&str] =
+    &["connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "content-length"];
 
 /// The response headers a snapshot keeps: all but hop-by-hop ones and the rule's exclusions.
 pub fn snapshot_headers(headers: Vec<(String, Vec<u8>)>, excluded: &[String]) -> Vec<(String, Vec<u8>)> {
     let named_by_connection: Vec<String> = headers
         .iter()
         .filter(|(n, _)| n == "connection")
-        .flat_map(|(_, v)| String::from_utf8_lossy(v).split(',').map(|t| t.trim().to_ascii_lowercase()).collect::<Vec<_>>())
+        .flat_map(|(_, v)| {
+            String::from_utf8_lossy(v).split(',').map(|t| t.trim().to_ascii_lowercase()).collect::<Vec<_>>()
+        })
         .collect();
     headers
         .into_iter()
@@ -448,7 +447,10 @@ mod tests {
     fn declared_oversized_body_is_refused_before_reading_it() {
         let a = admit_with("POST", "/orders", &[("idempotency-key", "k"), ("content-length", "101")]);
         assert_eq!(problem_kind(a), Kind::RequestTooLarge);
-        assert!(matches!(admit_with("POST", "/orders", &[("idempotency-key", "k"), ("content-length", "100")]), Admission::Collect(_)));
+        assert!(matches!(
+            admit_with("POST", "/orders", &[("idempotency-key", "k"), ("content-length", "100")]),
+            Admission::Collect(_)
+        ));
     }
 
     #[test]
@@ -457,17 +459,22 @@ mod tests {
         assert_eq!(base.scope, pending(&[("idempotency-key", "\"k\""), ("authorization", "a")]).scope);
         assert_ne!(base.scope, pending(&[("idempotency-key", "k"), ("authorization", "b")]).scope);
         assert_ne!(base.scope, pending(&[("idempotency-key", "k")]).scope);
-        assert_ne!(base.scope, pending(&[("idempotency-key", "k"), ("authorization", "a"), ("x-tenant-id", "t")]).scope);
-        let other_path = match admit_with("POST", "/orders/2", &[("idempotency-key", "k"), ("authorization", "a")]) {
-            Admission::Collect(p) => p,
-            other => panic!("{other:?}"),
-        };
+        assert_ne!(
+            base.scope,
+            pending(&[("idempotency-key", "k"), ("authorization", "a"), ("x-tenant-id", "t")]).scope
+        );
+        let other_path =
+            match admit_with("POST", "/orders/2", &[("idempotency-key", "k"), ("authorization", "a")]) {
+                Admission::Collect(p) => p,
+                other => panic!("{other:?}"),
+            };
         assert_ne!(base.scope, other_path.scope);
         // The query is not part of the scope (it is part of the fingerprint).
-        let other_query = match admit_with("POST", "/orders?x=2", &[("idempotency-key", "k"), ("authorization", "a")]) {
-            Admission::Collect(p) => p,
-            other => panic!("{other:?}"),
-        };
+        let other_query =
+            match admit_with("POST", "/orders?x=2", &[("idempotency-key", "k"), ("authorization", "a")]) {
+                Admission::Collect(p) => p,
+                other => panic!("{other:?}"),
+            };
         assert_eq!(base.scope, other_query.scope);
     }
 
@@ -512,8 +519,18 @@ mod tests {
         let w = World::new();
         let p = pending(&[("idempotency-key", "k"), ("content-type", "application/json")]);
         let claim = forward(w.decide(&p, br#"{"a":1,"sent_at":"t1"}"#, 0, 1));
-        let snapshot = Snapshot { status: 201, headers: vec![("x-id".into(), b"7".to_vec())], body: b"{\"id\":7}".to_vec() };
-        let completion = Completion { state: State::Succeeded, status: 201, snapshot: Some(snapshot), now_ms: 5, ttl_ms: 1000 };
+        let snapshot = Snapshot {
+            status: 201,
+            headers: vec![("x-id".into(), b"7".to_vec())],
+            body: b"{\"id\":7}".to_vec(),
+        };
+        let completion = Completion {
+            state: State::Succeeded,
+            status: 201,
+            snapshot: Some(snapshot),
+            now_ms: 5,
+            ttl_ms: 1000,
+        };
         w.store().complete(&claim, &completion).unwrap();
         // Same JSON, other member order and whitespace, ignored field changed: a replay.
         let (r, outcome) = reply(w.decide(&p, br#"{ "sent_at":"t2", "a": 1 }"#, 6, 2));
@@ -575,7 +592,8 @@ mod tests {
         let w = World::new();
         let p = pending(&[("idempotency-key", "k")]);
         let claim = forward(w.decide(&p, b"x", 0, 1));
-        let completion = Completion { state: State::Succeeded, status: 200, snapshot: None, now_ms: 1, ttl_ms: 1000 };
+        let completion =
+            Completion { state: State::Succeeded, status: 200, snapshot: None, now_ms: 1, ttl_ms: 1000 };
         w.store().complete(&claim, &completion).unwrap();
         let (r, outcome) = reply(w.decide(&p, b"x", 2, 2));
         assert_eq!((r.status, outcome), (410, Outcome::NotReplayable));
@@ -593,22 +611,28 @@ mod tests {
 
     #[test]
     fn snapshots_drop_hop_by_hop_and_connection_named_headers() {
-        let kept = snapshot_headers(headers(&[
-            (":status", "201"),
-            ("content-type", "application/json"),
-            ("connection", "keep-alive, x-hop"),
-            ("keep-alive", "timeout=5"),
-            ("transfer-encoding", "chunked"),
-            ("te", "trailers"),
-            ("trailer", "x-checksum"),
-            ("upgrade", "h2c"),
-            ("proxy-authenticate", "Basic"),
-            ("x-hop", "1"),
-            ("content-length", "12"),
-            ("set-cookie", "a=1"),
-            ("set-cookie", "b=2"),
-        ]), &[]);
-        assert_eq!(kept, headers(&[("content-type", "application/json"), ("set-cookie", "a=1"), ("set-cookie", "b=2")]));
+        let kept = snapshot_headers(
+            headers(&[
+                (":status", "201"),
+                ("content-type", "application/json"),
+                ("connection", "keep-alive, x-hop"),
+                ("keep-alive", "timeout=5"),
+                ("transfer-encoding", "chunked"),
+                ("te", "trailers"),
+                ("trailer", "x-checksum"),
+                ("upgrade", "h2c"),
+                ("proxy-authenticate", "Basic"),
+                ("x-hop", "1"),
+                ("content-length", "12"),
+                ("set-cookie", "a=1"),
+                ("set-cookie", "b=2"),
+            ]),
+            &[],
+        );
+        assert_eq!(
+            kept,
+            headers(&[("content-type", "application/json"), ("set-cookie", "a=1"), ("set-cookie", "b=2")])
+        );
         let without_cookies = snapshot_headers(kept, &["set-cookie".to_string()]);
         assert_eq!(without_cookies, headers(&[("content-type", "application/json")]));
     }

@@ -278,8 +278,14 @@ mod tests {
 
     #[test]
     fn header_absence_emptiness_and_multiplicity_differ() {
-        let variants: [Vec<&[u8]>; 6] =
-            [vec![], vec![&b""[..]], vec![&b"a"[..], &b"b"[..]], vec![&b"a,b"[..]], vec![&b"b"[..], &b"a"[..]], vec![&b"a"[..]]];
+        let variants: [Vec<&[u8]>; 6] = [
+            vec![],
+            vec![&b""[..]],
+            vec![&b"a"[..], &b"b"[..]],
+            vec![&b"a,b"[..]],
+            vec![&b"b"[..], &b"a"[..]],
+            vec![&b"a"[..]],
+        ];
         let mut seen = Vec::new();
         for values in variants {
             let headers = [("x-api-version", values)];

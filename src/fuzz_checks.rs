@@ -13,7 +13,10 @@ pub fn key(data: &[u8]) {
         assert!(!s.is_empty() && s.len() <= crate::key::MAX_KEY_LEN);
         assert!(s.bytes().all(|b| (0x21..=0x7e).contains(&b)));
         if !s.starts_with('"') {
-            assert_eq!(crate::key::parse_key(&[s.as_bytes()]).map(|k2| k2.as_str().to_string()), Ok(s.to_string()));
+            assert_eq!(
+                crate::key::parse_key(&[s.as_bytes()]).map(|k2| k2.as_str().to_string()),
+                Ok(s.to_string())
+            );
         }
     }
 }
@@ -59,7 +62,8 @@ mod tests {
     #[test]
     fn regression_inputs_pass() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/regressions");
-        let targets: [(&str, fn(&[u8])); 4] = [
+        type Check = fn(&[u8]);
+        let targets: [(&str, Check); 4] = [
             ("key", super::key),
             ("config", super::config),
             ("canonical_json", super::canonical_json),

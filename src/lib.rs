@@ -14,10 +14,10 @@ pub mod record;
 pub mod scope;
 pub mod shared_data;
 pub mod store;
-pub mod wait;
-pub mod wake;
 #[cfg(test)]
 pub mod store_conformance;
+pub mod wait;
+pub mod wake;
 
 #[cfg(target_arch = "wasm32")]
 mod glue;

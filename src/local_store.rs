@@ -178,7 +178,8 @@ impl<S: SharedData> LocalStore<S> {
             }
         }
 
-        let Some(position) = (0..ENTRIES_PER_BUCKET).find(|p| entries.iter().all(|e| e.position != *p)) else {
+        let Some(position) = (0..ENTRIES_PER_BUCKET).find(|p| entries.iter().all(|e| e.position != *p))
+        else {
             let soonest = entries.iter().map(|e| e.expires_at_ms).min().unwrap_or(a.now_ms);
             let wait = soonest.saturating_sub(a.now_ms).clamp(1, FULL_RETRY_CAP_MS);
             return Ok(Some(Begin::Full { retry_after_ms: wait }));
@@ -191,7 +192,10 @@ impl<S: SharedData> LocalStore<S> {
     /// Index of the processing entry this claim owns, if it still owns one.
     fn owned(&self, entries: &[Entry], claim: &Claim, position: u8) -> Option<usize> {
         entries.iter().position(|e| {
-            e.position == position && e.scope == claim.scope && e.owner == claim.owner && e.state == State::Processing
+            e.position == position
+                && e.scope == claim.scope
+                && e.owner == claim.owner
+                && e.state == State::Processing
         })
     }
 
@@ -466,7 +470,10 @@ mod tests {
         });
         let w0 = LocalStore::new(&racing, 8);
         assert_eq!(w0.complete(&old, &done("old", LEASE + 2)).unwrap(), Settled::Lost);
-        assert_eq!(w1.begin(&attempt(1, 1, 13, LEASE + 3)).unwrap(), Begin::InFlight { retry_after_ms: LEASE - 3 });
+        assert_eq!(
+            w1.begin(&attempt(1, 1, 13, LEASE + 3)).unwrap(),
+            Begin::InFlight { retry_after_ms: LEASE - 3 }
+        );
     }
 
     #[test]

@@ -110,7 +110,12 @@ mod tests {
     fn local_replies_are_never_captured() {
         let r = rule();
         // A router 503 that looks like an upstream 503 by status alone.
-        let plan = plan_response(&r, Some(200), Some("upstream_reset_before_response_started{connection_failure}"), 0x20);
+        let plan = plan_response(
+            &r,
+            Some(200),
+            Some("upstream_reset_before_response_started{connection_failure}"),
+            0x20,
+        );
         assert_eq!(plan, ResponsePlan::Release);
         assert_eq!(plan_response(&r, Some(200), None, 0), ResponsePlan::Keep);
     }

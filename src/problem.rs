@@ -1,5 +1,6 @@
 //! The filter's own error replies: RFC 9457 `application/problem+json`, as data the glue sends.
 
+use crate::canonical_json::emit_string;
 use crate::key::KeyError;
 
 /// Problem type URIs: stable identifiers clients may branch on (documented in the README).
@@ -71,14 +72,26 @@ impl Problem {
         self
     }
 
+    /// Written by hand: four fixed members do not justify a JSON library in the Wasm module.
+    /// Members in the order serde_json used to emit them, so replies keep their bytes (only
+    /// control characters in a detail are escaped differently, as `\u00xx`).
     pub fn body(&self) -> Vec<u8> {
-        let v = serde_json::json!({
-            "type": format!("{TYPE_PREFIX}{}", self.kind.slug()),
-            "title": self.kind.title(),
-            "status": self.status,
-            "detail": self.detail,
-        });
-        v.to_string().into_bytes()
+        let slug = self.kind.slug();
+        let title = self.kind.title();
+        let fixed = title.len() + TYPE_PREFIX.len() + slug.len() + 64;
+        let mut out = Vec::with_capacity(fixed + self.detail.len());
+        out.extend_from_slice(b"{\"detail\":");
+        emit_string(&self.detail, &mut out);
+        out.extend_from_slice(b",\"status\":");
+        out.extend_from_slice(self.status.to_string().as_bytes());
+        out.extend_from_slice(b",\"title\":");
+        emit_string(title, &mut out);
+        // Slug and prefix need no escaping, so the URI is written without building it first.
+        out.extend_from_slice(b",\"type\":\"");
+        out.extend_from_slice(TYPE_PREFIX.as_bytes());
+        out.extend_from_slice(slug.as_bytes());
+        out.extend_from_slice(b"\"}");
+        out
     }
 
     /// Response headers for the reply, `content-type` first.
@@ -93,17 +106,65 @@ impl Problem {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)] // a failing unwrap is a failing test
 mod tests {
     use super::*;
+    use crate::canonical_json::{parse, JsonValue};
+
+    fn string(s: &str) -> JsonValue<'static> {
+        JsonValue::String(s.to_owned().into())
+    }
 
     #[test]
     fn body_is_rfc9457_json() {
         let p = Problem::new(Kind::PayloadMismatch, 422, "different body");
-        let v: serde_json::Value = serde_json::from_slice(&p.body()).unwrap();
-        assert_eq!(v["type"], "urn:idempotency-filter:payload-mismatch");
-        assert_eq!(v["status"], 422);
-        assert_eq!(v["detail"], "different body");
-        assert!(v["title"].is_string());
+        let body = p.body();
+        let v = parse(&body).unwrap();
+        assert_eq!(v.get("type"), Some(&string("urn:idempotency-filter:payload-mismatch")));
+        assert_eq!(v.get("status"), Some(&JsonValue::Number("422")));
+        assert_eq!(v.get("detail"), Some(&string("different body")));
+        assert!(matches!(v.get("title"), Some(JsonValue::String(_))));
+        let JsonValue::Object(members) = &v else { unreachable!("{v:?}") };
+        assert_eq!(members.len(), 4);
+    }
+
+    #[test]
+    fn body_matches_the_previous_serde_json_output() {
+        let p = Problem::new(Kind::StoreFull, 503, "try later");
+        assert_eq!(
+            String::from_utf8(p.body()).unwrap(),
+            r#"{"detail":"try later","status":503,"title":"Idempotency store is full","type":"urn:idempotency-filter:store-full"}"#
+        );
+    }
+
+    #[test]
+    fn every_kind_yields_valid_json() {
+        let kinds = [
+            Kind::MissingKey,
+            Kind::InvalidKey,
+            Kind::PayloadMismatch,
+            Kind::RequestInFlight,
+            Kind::RequestTooLarge,
+            Kind::StoreFull,
+            Kind::StoreUnavailable,
+            Kind::ResponseNotStored,
+        ];
+        for kind in kinds {
+            let body = Problem::new(kind, 400, "").body();
+            let v = parse(&body).unwrap();
+            assert_eq!(v.get("title"), Some(&string(kind.title())), "{kind:?}");
+            assert_eq!(v.get("type"), Some(&string(&format!("{TYPE_PREFIX}{}", kind.slug()))));
+        }
+    }
+
+    #[test]
+    fn detail_is_escaped() {
+        let detail = "q\"b\\s/\n\r\t\u{0}\u{1f}\u{7f} é \u{1F600} </script>";
+        let body = Problem::new(Kind::InvalidKey, 400, detail).body();
+        let text = String::from_utf8(body.clone()).unwrap();
+        assert!(!text.bytes().any(|b| b < 0x20), "{text}");
+        assert!(text.contains(r#"q\"b\\s/\u000a\u000d\u0009\u0000\u001f"#), "{text}");
+        assert_eq!(parse(&body).unwrap().get("detail"), Some(&string(detail)));
     }
 
     #[test]

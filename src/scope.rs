@@ -142,6 +142,15 @@ mod tests {
             key: "k",
         });
         assert_eq!(hex(&id.0).len(), 64);
-        assert_eq!(id, scope_id(&ScopeParts { tenant: None, principal: principal_digest(&[]), method: "POST", path: "/orders", key: "k" }));
+        assert_eq!(
+            id,
+            scope_id(&ScopeParts {
+                tenant: None,
+                principal: principal_digest(&[]),
+                method: "POST",
+                path: "/orders",
+                key: "k"
+            })
+        );
     }
 }

@@ -147,6 +147,64 @@ impl SharedData for FakeSharedData {
     }
 }
 
+/// Several workers share one store: each holds a reference.
+impl<T: SharedData + ?Sized> SharedData for &T {
+    fn get(&self, key: &str) -> Result<Read, SharedDataError> {
+        (**self).get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
+        (**self).set(key, value, cas)
+    }
+}
+
+/// Test wrapper that runs another worker's steps at an exact point of this worker's sequence:
+/// just before this worker's n-th operation on a key containing `trigger`. Deterministic
+/// interleavings without threads.
+#[cfg(test)]
+pub struct Interleave<'a, S: SharedData> {
+    pub inner: &'a S,
+    pub trigger: &'static str,
+    pub before_nth: std::cell::Cell<u32>,
+    pub action: RefCell<Option<Box<dyn FnOnce() + 'a>>>,
+}
+
+#[cfg(test)]
+impl<'a, S: SharedData> Interleave<'a, S> {
+    pub fn new(inner: &'a S, trigger: &'static str, nth: u32, action: impl FnOnce() + 'a) -> Self {
+        Interleave {
+            inner,
+            trigger,
+            before_nth: std::cell::Cell::new(nth),
+            action: RefCell::new(Some(Box::new(action))),
+        }
+    }
+
+    fn maybe_fire(&self, key: &str) {
+        if !key.contains(self.trigger) {
+            return;
+        }
+        let n = self.before_nth.get();
+        self.before_nth.set(n.saturating_sub(1));
+        if n == 1 {
+            if let Some(action) = self.action.borrow_mut().take() {
+                action();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+impl<S: SharedData> SharedData for Interleave<'_, S> {
+    fn get(&self, key: &str) -> Result<Read, SharedDataError> {
+        self.maybe_fire(key);
+        self.inner.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
+        self.maybe_fire(key);
+        self.inner.set(key, value, cas)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,58 +261,5 @@ mod tests {
         s.set("k", b"v", None).unwrap();
         s.set("k", b"w", None).unwrap();
         assert_eq!(s.get("k").unwrap().bytes(), b"w");
-    }
-}
-
-/// Several workers share one store: each holds a reference.
-impl<T: SharedData + ?Sized> SharedData for &T {
-    fn get(&self, key: &str) -> Result<Read, SharedDataError> {
-        (**self).get(key)
-    }
-    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
-        (**self).set(key, value, cas)
-    }
-}
-
-/// Test wrapper that runs another worker's steps at an exact point of this worker's sequence:
-/// just before this worker's n-th operation on a key containing `trigger`. Deterministic
-/// interleavings without threads.
-#[cfg(test)]
-pub struct Interleave<'a, S: SharedData> {
-    pub inner: &'a S,
-    pub trigger: &'static str,
-    pub before_nth: std::cell::Cell<u32>,
-    pub action: RefCell<Option<Box<dyn FnOnce() + 'a>>>,
-}
-
-#[cfg(test)]
-impl<'a, S: SharedData> Interleave<'a, S> {
-    pub fn new(inner: &'a S, trigger: &'static str, nth: u32, action: impl FnOnce() + 'a) -> Self {
-        Interleave { inner, trigger, before_nth: std::cell::Cell::new(nth), action: RefCell::new(Some(Box::new(action))) }
-    }
-
-    fn maybe_fire(&self, key: &str) {
-        if !key.contains(self.trigger) {
-            return;
-        }
-        let n = self.before_nth.get();
-        self.before_nth.set(n.saturating_sub(1));
-        if n == 1 {
-            if let Some(action) = self.action.borrow_mut().take() {
-                action();
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-impl<S: SharedData> SharedData for Interleave<'_, S> {
-    fn get(&self, key: &str) -> Result<Read, SharedDataError> {
-        self.maybe_fire(key);
-        self.inner.get(key)
-    }
-    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
-        self.maybe_fire(key);
-        self.inner.set(key, value, cas)
     }
 }

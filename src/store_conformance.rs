@@ -23,13 +23,23 @@ pub fn scope(n: u64) -> ScopeId {
 }
 
 pub fn attempt(scope_n: u64, fp: u8, owner: u64, now_ms: u64) -> ClaimAttempt {
-    ClaimAttempt { scope: scope(scope_n), fingerprint: Fingerprint([fp; 32]), owner, now_ms, lease_ms: LEASE, ttl_ms: TTL }
+    ClaimAttempt {
+        scope: scope(scope_n),
+        fingerprint: Fingerprint([fp; 32]),
+        owner,
+        now_ms,
+        lease_ms: LEASE,
+        ttl_ms: TTL,
+    }
 }
 
 pub fn snapshot(tag: &str) -> Snapshot {
     Snapshot {
         status: 201,
-        headers: vec![("content-type".into(), b"application/json".to_vec()), ("x-tag".into(), tag.as_bytes().to_vec())],
+        headers: vec![
+            ("content-type".into(), b"application/json".to_vec()),
+            ("x-tag".into(), tag.as_bytes().to_vec()),
+        ],
         body: format!("{{\"order\":\"{tag}\"}}").into_bytes(),
     }
 }
@@ -76,7 +86,13 @@ pub fn failed_final_replays_too<B: Backend>() {
     let w = b.worker(0);
     let c = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
     let s = Snapshot { status: 400, headers: vec![], body: b"bad".to_vec() };
-    let completion = Completion { state: State::FailedFinal, status: 400, snapshot: Some(s.clone()), now_ms: 5, ttl_ms: TTL };
+    let completion = Completion {
+        state: State::FailedFinal,
+        status: 400,
+        snapshot: Some(s.clone()),
+        now_ms: 5,
+        ttl_ms: TTL,
+    };
     w.complete(&c, &completion).unwrap();
     assert_eq!(w.begin(&attempt(1, 1, 12, 6)).unwrap(), Begin::Replay(s));
 }
@@ -100,7 +116,10 @@ pub fn expired_lease_is_taken_over_and_the_old_owner_cannot_write<B: Backend>() 
     let new = claimed(taken);
     assert_eq!(w0.complete(&old, &done("old", LEASE + 1)).unwrap(), Settled::Lost);
     assert_eq!(w0.release(&old).unwrap(), Settled::Lost);
-    assert_eq!(w1.begin(&attempt(1, 1, 13, LEASE + 2)).unwrap(), Begin::InFlight { retry_after_ms: LEASE - 2 });
+    assert_eq!(
+        w1.begin(&attempt(1, 1, 13, LEASE + 2)).unwrap(),
+        Begin::InFlight { retry_after_ms: LEASE - 2 }
+    );
     assert_eq!(w1.complete(&new, &done("new", LEASE + 3)).unwrap(), Settled::Done);
     assert_eq!(w0.begin(&attempt(1, 1, 14, LEASE + 4)).unwrap(), Begin::Replay(snapshot("new")));
     assert_eq!(w0.complete(&old, &done("old", LEASE + 5)).unwrap(), Settled::Lost);
@@ -127,7 +146,8 @@ pub fn outcome_without_body_is_never_executed_again<B: Backend>() {
     let b = B::with_capacity(64);
     let w = b.worker(0);
     let c = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
-    let completion = Completion { state: State::Succeeded, status: 201, snapshot: None, now_ms: 1, ttl_ms: TTL };
+    let completion =
+        Completion { state: State::Succeeded, status: 201, snapshot: None, now_ms: 1, ttl_ms: TTL };
     w.complete(&c, &completion).unwrap();
     assert_eq!(w.begin(&attempt(1, 1, 12, 2)).unwrap(), Begin::NotStored { status: 201 });
 }
@@ -214,7 +234,8 @@ macro_rules! conformance_suite {
         }
         #[test]
         fn expired_lease_is_taken_over_and_the_old_owner_cannot_write() {
-            $crate::store_conformance::expired_lease_is_taken_over_and_the_old_owner_cannot_write::<$backend>();
+            $crate::store_conformance::expired_lease_is_taken_over_and_the_old_owner_cannot_write::<$backend>(
+            );
         }
         #[test]
         fn expired_lease_with_another_payload_is_still_a_mismatch() {

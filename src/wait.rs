@@ -56,13 +56,13 @@ impl<H> WaitRoom<H> {
     }
 
     /// Holds a new waiter, within the bounds.
-    pub fn park(&mut self, w: Waiter<H>) -> Result<(), (Refused, Waiter<H>)> {
+    pub fn park(&mut self, w: Waiter<H>) -> Result<(), Refused> {
         if self.waiters.len() >= self.max_total {
-            return Err((Refused::Total, w));
+            return Err(Refused::Total);
         }
         let scope = w.scope();
         if self.waiters.iter().filter(|x| x.scope() == scope).count() >= self.max_per_key {
-            return Err((Refused::PerKey, w));
+            return Err(Refused::PerKey);
         }
         self.waiters.push(w);
         Ok(())
@@ -90,7 +90,8 @@ impl<H> WaitRoom<H> {
     }
 
     fn take(&mut self, pick: impl Fn(&Waiter<H>) -> bool) -> Vec<Waiter<H>> {
-        let (taken, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiters).into_iter().partition(|w| pick(w));
+        let (taken, kept): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.waiters).into_iter().partition(|w| pick(w));
         self.waiters = kept;
         taken
     }
@@ -145,8 +146,10 @@ mod tests {
     use crate::store::Completion;
 
     fn cfg() -> Config {
-        parse(br#"{"max_waiters_per_key":2,"max_waiters":3,"routes":[{"name":"w","match":{"prefix":"/"},
-            "require_key":true,"concurrent":"wait","wait_timeout":"5s","processing_timeout":"2s"}]}"#)
+        parse(
+            br#"{"max_waiters_per_key":2,"max_waiters":3,"routes":[{"name":"w","match":{"prefix":"/"},
+            "require_key":true,"concurrent":"wait","wait_timeout":"5s","processing_timeout":"2s"}]}"#,
+        )
         .unwrap()
     }
 
@@ -175,9 +178,9 @@ mod tests {
         let mut room = WaitRoom::new(c.max_waiters_per_key, c.max_waiters);
         assert!(room.park(waiter(&c, 1, "a", 0)).is_ok());
         assert!(room.park(waiter(&c, 2, "a", 0)).is_ok());
-        assert_eq!(room.park(waiter(&c, 3, "a", 0)).err().map(|e| e.0), Some(Refused::PerKey));
+        assert_eq!(room.park(waiter(&c, 3, "a", 0)).err(), Some(Refused::PerKey));
         assert!(room.park(waiter(&c, 4, "b", 0)).is_ok());
-        assert_eq!(room.park(waiter(&c, 5, "c", 0)).err().map(|e| e.0), Some(Refused::Total));
+        assert_eq!(room.park(waiter(&c, 5, "c", 0)).err(), Some(Refused::Total));
         assert!(room.leave(4).is_some());
         assert!(room.leave(4).is_none());
         assert!(room.park(waiter(&c, 5, "c", 0)).is_ok());
@@ -221,10 +224,18 @@ mod tests {
         }
         // The original completes: the waiter gets the replay.
         let snapshot = Snapshot { status: 201, headers: vec![], body: b"done".to_vec() };
-        let completion = Completion { state: State::Succeeded, status: 201, snapshot: Some(snapshot), now_ms: 200, ttl_ms: 10_000 };
+        let completion = Completion {
+            state: State::Succeeded,
+            status: 201,
+            snapshot: Some(snapshot),
+            now_ms: 200,
+            ttl_ms: 10_000,
+        };
         store.complete(&claim, &completion).unwrap();
         match recheck(&c, &w, &store, 201, 4) {
-            Recheck::Respond { reply, outcome } => assert_eq!((reply.body.as_slice(), outcome), (&b"done"[..], Outcome::Replayed)),
+            Recheck::Respond { reply, outcome } => {
+                assert_eq!((reply.body.as_slice(), outcome), (&b"done"[..], Outcome::Replayed))
+            }
             other => panic!("{other:?}"),
         }
         // A released record: the first waiter to look becomes the owner, the next one waits.
@@ -235,7 +246,10 @@ mod tests {
         };
         store.release(&claim_b).unwrap();
         let (w1, w2) = (waiter(&c, 8, "b", 300), waiter(&c, 9, "b", 300));
-        assert!(matches!(recheck(&c, &w1, &store, 301, 6), Recheck::Forward { outcome: Outcome::Claimed, .. }));
+        assert!(matches!(
+            recheck(&c, &w1, &store, 301, 6),
+            Recheck::Forward { outcome: Outcome::Claimed, .. }
+        ));
         assert!(matches!(recheck(&c, &w2, &store, 302, 7), Recheck::KeepWaiting { .. }));
     }
 

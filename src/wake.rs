@@ -43,7 +43,8 @@ pub fn decode(bytes: &[u8]) -> Option<Vec<Entry>> {
 }
 
 pub fn encode(entries: &[Entry]) -> Vec<u8> {
-    let kept: Vec<&Entry> = entries.iter().filter(|e| e.name.len() <= usize::from(u8::MAX)).take(MAX_QUEUES).collect();
+    let kept: Vec<&Entry> =
+        entries.iter().filter(|e| e.name.len() <= usize::from(u8::MAX)).take(MAX_QUEUES).collect();
     let mut out = vec![1u8, kept.len() as u8];
     for e in kept {
         out.push(e.name.len() as u8);
@@ -114,7 +115,7 @@ impl<S: SharedData> Registry<S> {
                 Some(e) => e.heartbeat_ms = now_ms,
                 None => entries.push(Entry { name: name.to_string(), heartbeat_ms: now_ms }),
             }
-            entries.sort_by(|a, b| b.heartbeat_ms.cmp(&a.heartbeat_ms));
+            entries.sort_by_key(|e| std::cmp::Reverse(e.heartbeat_ms));
         })
     }
 

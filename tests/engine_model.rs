@@ -7,6 +7,8 @@
 //! - an owner whose lease was taken over never completes (its late write is refused);
 //! - no live record is evicted: while one lives, its scope is answered from it.
 
+#![allow(clippy::unwrap_used, clippy::panic)]
+
 use idempotency_filter::config::{parse, Config};
 use idempotency_filter::engine::{admit, decide, Admission, Decision, Outcome, Pending, RequestHead};
 use idempotency_filter::local_store::LocalStore;
@@ -70,7 +72,8 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
     let cfg = config(capacity);
     let data = FakeSharedData::new();
     LocalStore::new(&data, capacity).create_keys().unwrap();
-    let stores: Vec<LocalStore<&FakeSharedData>> = (0..workers).map(|_| LocalStore::new(&data, capacity)).collect();
+    let stores: Vec<LocalStore<&FakeSharedData>> =
+        (0..workers).map(|_| LocalStore::new(&data, capacity)).collect();
     let mut rng = Lcg(seed);
     let mut now = 1u64;
     let mut execs: Vec<Execution> = Vec::new();
@@ -94,13 +97,24 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
                         for e in execs.iter().filter(|e| e.scope_key == scope_key) {
                             let lease_live = !e.ended && e.completed_at.is_none() && now < e.lease_deadline;
                             let response_live = e.completed_at.is_some_and(|c| now < c + TTL_MS);
-                            assert!(!lease_live && !response_live, "second execution while a record lives: {e:?} ({ctx})");
+                            assert!(
+                                !lease_live && !response_live,
+                                "second execution while a record lives: {e:?} ({ctx})"
+                            );
                         }
                         // A takeover ends the previous owner's claim.
-                        for e in execs.iter_mut().filter(|e| e.scope_key == scope_key && e.completed_at.is_none()) {
+                        for e in
+                            execs.iter_mut().filter(|e| e.scope_key == scope_key && e.completed_at.is_none())
+                        {
                             e.ended = true;
                         }
-                        execs.push(Execution { scope_key, payload, lease_deadline: now + LEASE_MS, completed_at: None, ended: false });
+                        execs.push(Execution {
+                            scope_key,
+                            payload,
+                            lease_deadline: now + LEASE_MS,
+                            completed_at: None,
+                            ended: false,
+                        });
                         in_flight[w].push(InFlight { exec: execs.len() - 1, claim });
                     }
                     Decision::Wait { .. } => panic!("reject mode never waits ({ctx})"),
@@ -108,16 +122,28 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
                         *counts.entry(outcome.name()).or_default() += 1;
                         match outcome {
                             Outcome::Replayed => {
-                                let id: usize = String::from_utf8_lossy(&reply.body).trim_start_matches("exec-").parse().unwrap();
+                                let id: usize = String::from_utf8_lossy(&reply.body)
+                                    .trim_start_matches("exec-")
+                                    .parse()
+                                    .unwrap();
                                 let e = &execs[id];
-                                assert_eq!((e.scope_key, e.payload), (scope_key, payload), "replay of another request ({ctx})");
-                                assert!(e.completed_at.is_some_and(|c| now < c + TTL_MS), "replay of a dead record ({ctx})");
+                                assert_eq!(
+                                    (e.scope_key, e.payload),
+                                    (scope_key, payload),
+                                    "replay of another request ({ctx})"
+                                );
+                                assert!(
+                                    e.completed_at.is_some_and(|c| now < c + TTL_MS),
+                                    "replay of a dead record ({ctx})"
+                                );
                             }
                             Outcome::Mismatch => {
                                 let live_other = execs.iter().any(|e| {
                                     e.scope_key == scope_key
                                         && e.payload != payload
-                                        && (e.completed_at.map_or(now < e.lease_deadline + TTL_MS, |c| now < c + TTL_MS))
+                                        && (e
+                                            .completed_at
+                                            .map_or(now < e.lease_deadline + TTL_MS, |c| now < c + TTL_MS))
                                 });
                                 assert!(live_other, "mismatch without a record of another payload ({ctx})");
                             }
@@ -133,8 +159,15 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
                 }
                 let i = rng.below(in_flight[w].len() as u64) as usize;
                 let f = in_flight[w].swap_remove(i);
-                let snapshot = Snapshot { status: 201, headers: vec![], body: format!("exec-{}", f.exec).into_bytes() };
-                let c = Completion { state: State::Succeeded, status: 201, snapshot: Some(snapshot), now_ms: now, ttl_ms: TTL_MS };
+                let snapshot =
+                    Snapshot { status: 201, headers: vec![], body: format!("exec-{}", f.exec).into_bytes() };
+                let c = Completion {
+                    state: State::Succeeded,
+                    status: 201,
+                    snapshot: Some(snapshot),
+                    now_ms: now,
+                    ttl_ms: TTL_MS,
+                };
                 let settled = stores[w].complete(&f.claim, &c).unwrap();
                 let e = &mut execs[f.exec];
                 if settled == Settled::Done {
@@ -168,7 +201,10 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
         }
     }
     let replays = counts.get("replayed").copied().unwrap_or(0);
-    assert!(replays > 0 && counts.get("claimed").copied().unwrap_or(0) > 0, "the run exercised nothing: {counts:?}");
+    assert!(
+        replays > 0 && counts.get("claimed").copied().unwrap_or(0) > 0,
+        "the run exercised nothing: {counts:?}"
+    );
 }
 
 #[test]

@@ -40,7 +40,11 @@ extern "C" {
         return_buffer_data: *mut *mut u8,
         return_buffer_size: *mut usize,
     ) -> u32;
-    fn proxy_get_header_map_pairs(map_type: u32, return_map_data: *mut *mut u8, return_map_size: *mut usize) -> u32;
+    fn proxy_get_header_map_pairs(
+        map_type: u32,
+        return_map_data: *mut *mut u8,
+        return_map_size: *mut usize,
+    ) -> u32;
     fn proxy_get_header_map_value(
         map_type: u32,
         key_data: *const u8,
@@ -61,8 +65,13 @@ extern "C" {
         return_value_size: *mut usize,
         return_cas: *mut u32,
     ) -> u32;
-    fn proxy_set_shared_data(key_data: *const u8, key_size: usize, value_data: *const u8, value_size: usize, cas: u32)
-        -> u32;
+    fn proxy_set_shared_data(
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+        cas: u32,
+    ) -> u32;
     fn proxy_send_local_response(
         status_code: u32,
         status_code_details_data: *const u8,
@@ -84,8 +93,17 @@ extern "C" {
         return_id: *mut u32,
     ) -> u32;
     fn proxy_enqueue_shared_queue(queue_id: u32, value_data: *const u8, value_size: usize) -> u32;
-    fn proxy_dequeue_shared_queue(queue_id: u32, return_value_data: *mut *mut u8, return_value_size: *mut usize) -> u32;
-    fn proxy_define_metric(metric_type: u32, name_data: *const u8, name_size: usize, return_id: *mut u32) -> u32;
+    fn proxy_dequeue_shared_queue(
+        queue_id: u32,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> u32;
+    fn proxy_define_metric(
+        metric_type: u32,
+        name_data: *const u8,
+        name_size: usize,
+        return_id: *mut u32,
+    ) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
 }
 
@@ -182,7 +200,12 @@ pub fn property_string(path: &[&str]) -> Option<String> {
     property(path).ok()?.map(|b| String::from_utf8_lossy(&b).into_owned())
 }
 
-pub fn send_response(status: u16, details: &str, headers: &[(String, Vec<u8>)], body: &[u8]) -> Result<(), HostError> {
+pub fn send_response(
+    status: u16,
+    details: &str,
+    headers: &[(String, Vec<u8>)],
+    body: &[u8],
+) -> Result<(), HostError> {
     let map = encode_pairs(headers);
     check(unsafe {
         proxy_send_local_response(

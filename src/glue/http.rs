@@ -8,9 +8,9 @@ use crate::outcome::{plan_response, plan_unfinished, ResponsePlan};
 use crate::record::{Snapshot, State};
 use crate::store::{Claim, Completion, RecordStore, Settled};
 use crate::wait::{self, Waiter};
-use std::cell::Cell;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
+use std::cell::Cell;
 use std::rc::Rc;
 
 /// `response.code_details` of the filter's own replies, so logs tell them apart.
@@ -77,7 +77,8 @@ impl Http {
     fn on_headers(&mut self, shared: &Shared, end_of_stream: bool) -> Action {
         // Match the route on two small reads first: unprotected traffic never pays for a copy
         // of the whole header map.
-        let method = host::header_value(host::MAP_REQUEST_HEADERS, ":method").ok().flatten().unwrap_or_default();
+        let method =
+            host::header_value(host::MAP_REQUEST_HEADERS, ":method").ok().flatten().unwrap_or_default();
         let path = host::header_value(host::MAP_REQUEST_HEADERS, ":path").ok().flatten().unwrap_or_default();
         let method = String::from_utf8_lossy(&method);
         let path = String::from_utf8_lossy(&path);
@@ -89,7 +90,10 @@ impl Http {
         let headers = match host::header_pairs(host::MAP_REQUEST_HEADERS) {
             Ok(h) => h,
             Err(HostError(s)) => {
-                log::warn!("#{} cannot read request headers (host status {s}); passing through", self.context_id);
+                log::warn!(
+                    "#{} cannot read request headers (host status {s}); passing through",
+                    self.context_id
+                );
                 self.count(Outcome::PassedThrough);
                 return Action::Continue;
             }
@@ -119,7 +123,8 @@ impl Http {
     fn decide(&mut self, shared: &Shared, pending: &Pending, body: &[u8]) -> Action {
         let now_nanos = host::now_nanos().unwrap_or(0);
         let owner = shared.owner_token(self.context_id, now_nanos);
-        let decision = engine::decide(&shared.config, pending, body, &shared.store, now_nanos / 1_000_000, owner);
+        let decision =
+            engine::decide(&shared.config, pending, body, &shared.store, now_nanos / 1_000_000, owner);
         match decision {
             Decision::Forward { claim, outcome } => {
                 self.count(outcome);
@@ -133,11 +138,20 @@ impl Http {
                 let details = if outcome == Outcome::Replayed { DETAILS_REPLAY } else { DETAILS_PROBLEM };
                 self.reply(&reply, details)
             }
-            Decision::Wait { lease_remaining_ms } => self.park(shared, pending, body, now_nanos / 1_000_000, lease_remaining_ms),
+            Decision::Wait { lease_remaining_ms } => {
+                self.park(shared, pending, body, now_nanos / 1_000_000, lease_remaining_ms)
+            }
         }
     }
 
-    fn park(&mut self, shared: &Shared, pending: &Pending, body: &[u8], now_ms: u64, lease_remaining_ms: u64) -> Action {
+    fn park(
+        &mut self,
+        shared: &Shared,
+        pending: &Pending,
+        body: &[u8],
+        now_ms: u64,
+        lease_remaining_ms: u64,
+    ) -> Action {
         let timeout_ms = wait::wait_timeout_ms(&shared.config, pending).unwrap_or(0);
         let give_up_at_ms = now_ms + timeout_ms;
         let handle: WaitHandle = Rc::new(Cell::new(None));
@@ -157,9 +171,13 @@ impl Http {
                 self.phase = Phase::Waiting(handle);
                 Action::Pause
             }
-            Err((refused, _)) => {
+            Err(refused) => {
                 self.count(Outcome::WaitRefused);
-                log::debug!("#{} not held ({refused:?} bound) for key {}", self.context_id, pending.scope.log_tag());
+                log::debug!(
+                    "#{} not held ({refused:?} bound) for key {}",
+                    self.context_id,
+                    pending.scope.log_tag()
+                );
                 self.reply(&engine::in_flight_reply(&shared.config, lease_remaining_ms), DETAILS_PROBLEM)
             }
         }
@@ -178,7 +196,11 @@ impl Http {
 
     /// Waiters elsewhere may be able to proceed now that this record has an outcome.
     fn wake_waiters(&self, shared: &Shared, rule: usize, claim: &Claim) {
-        let waits = shared.config.rules.get(rule).is_some_and(|r| matches!(r.concurrency, crate::config::Concurrency::Wait { .. }));
+        let waits = shared
+            .config
+            .rules
+            .get(rule)
+            .is_some_and(|r| matches!(r.concurrency, crate::config::Concurrency::Wait { .. }));
         if waits {
             shared.broadcast(&claim.scope);
         }
@@ -230,8 +252,15 @@ impl Http {
     fn finish_capture(&mut self, shared: &Shared) {
         let Phase::Capturing(c) = std::mem::replace(&mut self.phase, Phase::Idle) else { return };
         let Some(rule) = shared.config.rules.get(c.rule) else { return };
-        let snapshot = (!c.overflowed).then(|| Snapshot { status: c.status, headers: c.headers, body: c.body });
-        let completion = Completion { state: c.state, status: c.status, snapshot, now_ms: self.now_ms(), ttl_ms: rule.ttl_ms };
+        let snapshot =
+            (!c.overflowed).then_some(Snapshot { status: c.status, headers: c.headers, body: c.body });
+        let completion = Completion {
+            state: c.state,
+            status: c.status,
+            snapshot,
+            now_ms: self.now_ms(),
+            ttl_ms: rule.ttl_ms,
+        };
         let settled = shared.store.complete(&c.claim, &completion);
         if settled == Ok(Settled::Done) {
             self.wake_waiters(shared, c.rule, &c.claim);
@@ -334,7 +363,9 @@ impl HttpContext for Http {
             if !c.overflowed && body_size > 0 {
                 // The body streams through untouched; we keep a copy of each chunk as it passes.
                 match host::buffer(host::BUFFER_RESPONSE_BODY, 0, body_size) {
-                    Ok(chunk) if (c.body.len() + chunk.len()) as u64 <= limit => c.body.extend_from_slice(&chunk),
+                    Ok(chunk) if (c.body.len() + chunk.len()) as u64 <= limit => {
+                        c.body.extend_from_slice(&chunk)
+                    }
                     Ok(_) => {
                         c.overflowed = true;
                         c.body = Vec::new();

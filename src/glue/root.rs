@@ -50,7 +50,10 @@ impl Metrics {
             }
         };
         Metrics {
-            outcomes: Outcome::ALL.iter().map(|o| define(format!("idempotency.requests.{}", o.name()))).collect(),
+            outcomes: Outcome::ALL
+                .iter()
+                .map(|o| define(format!("idempotency.requests.{}", o.name())))
+                .collect(),
             swept: define("idempotency.records.swept".to_string()),
         }
     }
@@ -100,7 +103,10 @@ impl Shared {
             }
             if let Some(queue) = *id {
                 if let Err(e) = host::enqueue(queue, &scope.0) {
-                    log::debug!("wake-up to {name} failed (host status {}); its waiters recheck on their own", e.0);
+                    log::debug!(
+                        "wake-up to {name} failed (host status {}); its waiters recheck on their own",
+                        e.0
+                    );
                 }
             }
         }
@@ -134,14 +140,19 @@ impl Shared {
                 self.metrics.count(outcome);
                 w.handle.set(Some(Resumed::Forwarded { claim, rule: w.pending.rule }));
                 if let Err(e) = host::resume_request() {
-                    log::warn!("#{} could not resume a held request (host status {}); releasing its claim", w.context_id, e.0);
+                    log::warn!(
+                        "#{} could not resume a held request (host status {}); releasing its claim",
+                        w.context_id,
+                        e.0
+                    );
                     let _ = self.store.release(&claim);
                 }
             }
             Recheck::Respond { reply, outcome } => {
                 self.metrics.count(outcome);
                 w.handle.set(Some(Resumed::Answered));
-                let details = if outcome == Outcome::Replayed { "idempotency_replay" } else { "idempotency_problem" };
+                let details =
+                    if outcome == Outcome::Replayed { "idempotency_replay" } else { "idempotency_problem" };
                 if let Err(e) = host::send_response(reply.status, details, &reply.headers, &reply.body) {
                     log::warn!("#{} could not answer a held request (host status {})", w.context_id, e.0);
                 }
@@ -261,13 +272,16 @@ impl RootContext for Root {
             Ok(shared) => {
                 self.shared = Some(shared);
                 if let Err(e) = host::set_tick_period_ms(TICK_MS) {
-                    log::warn!("no sweep timer (host status {}); expired records are reclaimed on reuse only", e.0);
+                    log::warn!(
+                        "no sweep timer (host status {}); expired records are reclaimed on reuse only",
+                        e.0
+                    );
                 }
                 true
             }
             Err(message) => {
                 // One line naming the field; returning false makes Envoy refuse the config.
-                host::log(host::LOG_CRITICAL, &format!("{message}"));
+                host::log(host::LOG_CRITICAL, &message);
                 false
             }
         }
@@ -277,7 +291,7 @@ impl RootContext for Root {
         let Some(shared) = self.shared.clone() else { return };
         let Ok(now) = host::now_nanos() else { return };
         let now_ms = now / 1_000_000;
-        if self.ticks % SLOW_EVERY_TICKS == 0 {
+        if self.ticks.is_multiple_of(SLOW_EVERY_TICKS) {
             Self::slow_tick(&shared, now_ms);
         }
         self.ticks = self.ticks.wrapping_add(1);

@@ -134,23 +134,15 @@ mod tests {
 
     #[test]
     fn golden_scope_v1() {
+        // Pins the scope encoding: records are found by this id, so a change here orphans every
+        // stored record. If this fails, bump the tag and the store namespace, then update.
         let id = scope_id(&ScopeParts {
-            tenant: None,
-            principal: principal_digest(&[]),
+            tenant: Some(b"acme"),
+            principal: principal_digest(&[("authorization", vec![b"Bearer a"])]),
             method: "POST",
             path: "/orders",
             key: "k",
         });
-        assert_eq!(hex(&id.0).len(), 64);
-        assert_eq!(
-            id,
-            scope_id(&ScopeParts {
-                tenant: None,
-                principal: principal_digest(&[]),
-                method: "POST",
-                path: "/orders",
-                key: "k"
-            })
-        );
+        assert_eq!(hex(&id.0), "3a2910dd763a83a96d95acac77f78d42cca0c89c2453ff38da5b1145fb338933");
     }
 }

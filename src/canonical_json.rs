@@ -545,19 +545,26 @@ fn emit(value: &Value<'_>, out: &mut Vec<u8>) {
 /// for canonical output it is part of the v1 contract and must not change.
 pub fn emit_string(s: &str, out: &mut Vec<u8>) {
     out.push(b'"');
-    for &b in s.as_bytes() {
-        match b {
-            b'"' => out.extend_from_slice(b"\\\""),
-            b'\\' => out.extend_from_slice(b"\\\\"),
-            0x00..=0x1F => {
-                out.extend_from_slice(b"\\u00");
-                out.push(hex_digit(b >> 4));
-                out.push(hex_digit(b & 0x0F));
-            }
+    let bytes = s.as_bytes();
+    // Runs that need no escaping (nearly all of a typical body) are copied in one go.
+    let mut run_start = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        let escaped: &[u8] = match b {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            0x00..=0x1F => b"\\u00",
             // Bytes >= 0x80 belong to multi-byte UTF-8 sequences and are copied as they are.
-            _ => out.push(b),
+            _ => continue,
+        };
+        out.extend_from_slice(bytes.get(run_start..i).unwrap_or_default());
+        out.extend_from_slice(escaped);
+        if b < 0x20 {
+            out.push(hex_digit(b >> 4));
+            out.push(hex_digit(b & 0x0F));
         }
+        run_start = i + 1;
     }
+    out.extend_from_slice(bytes.get(run_start..).unwrap_or_default());
     out.push(b'"');
 }
 

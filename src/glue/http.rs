@@ -329,7 +329,12 @@ impl HttpContext for Http {
             .flatten()
             .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok());
         let details = host::property_string(&["response", "code_details"]);
-        let flags = host::property_u64(&["response", "flags"]).unwrap_or(0);
+        // A real upstream answer needs no flags; only local replies are classified by them.
+        let flags = if details.as_deref() == Some(crate::outcome::VIA_UPSTREAM) {
+            0
+        } else {
+            host::property_u64(&["response", "flags"]).unwrap_or(0)
+        };
         match plan_response(rule_cfg, status, details.as_deref(), flags) {
             ResponsePlan::Capture { state, status } => {
                 let headers = host::header_pairs(host::MAP_RESPONSE_HEADERS).unwrap_or_default();

@@ -13,7 +13,6 @@ use crate::wait::{self, Recheck, WaitRoom, Waiter};
 use crate::wake::{self, Registry};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
-use sha2::{Digest, Sha256};
 use std::cell::{Cell, RefCell};
 use std::hash::{BuildHasher, Hasher};
 use std::rc::Rc;
@@ -33,6 +32,13 @@ pub enum Resumed {
 }
 
 pub type WaitHandle = Rc<Cell<Option<Resumed>>>;
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
 
 /// Counter ids, defined once per root context (define_metric hands out a new id per call).
 pub struct Metrics {
@@ -165,15 +171,12 @@ impl Shared {
     pub fn owner_token(&self, context_id: u32, now_nanos: u64) -> u64 {
         let n = self.tokens.get().wrapping_add(1);
         self.tokens.set(n);
-        let mut h = Sha256::new();
-        h.update(self.seed.to_le_bytes());
-        h.update(now_nanos.to_le_bytes());
-        h.update(context_id.to_le_bytes());
-        h.update(n.to_le_bytes());
-        let digest = h.finalize();
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&digest[..8]);
-        u64::from_le_bytes(b).max(1)
+        // Unique per root by the counter, across roots by the random seed; the time and context
+        // only spread the values. A cheap bijective mix, not a hash: tokens need uniqueness,
+        // not secrecy (they never leave shared data).
+        let mixed =
+            splitmix64(self.seed ^ splitmix64(n ^ (u64::from(context_id) << 40) ^ now_nanos.rotate_left(17)));
+        mixed.max(1)
     }
 }
 

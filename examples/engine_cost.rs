@@ -3,6 +3,8 @@
 //! callgrind for instruction-exact, repeatable counts:
 //!   cargo build --release --example engine_cost
 //!   valgrind --tool=callgrind target/release/examples/engine_cost 2000
+#![allow(clippy::expect_used)]
+
 use idempotency_filter::config::parse;
 use idempotency_filter::engine::{admit, decide, Admission, Decision, RequestHead};
 use idempotency_filter::local_store::LocalStore;

@@ -155,12 +155,17 @@ impl Http {
         let timeout_ms = wait::wait_timeout_ms(&shared.config, pending).unwrap_or(0);
         let give_up_at_ms = now_ms + timeout_ms;
         let handle: WaitHandle = Rc::new(Cell::new(None));
+        let recheck_at_ms = if shared.ensure_advertised(now_ms) {
+            now_ms
+        } else {
+            wait::first_recheck(now_ms, lease_remaining_ms, give_up_at_ms)
+        };
         let waiter = Waiter {
             context_id: self.context_id,
             pending: pending.clone(),
             body: body.to_vec(),
             give_up_at_ms,
-            recheck_at_ms: wait::first_recheck(now_ms, lease_remaining_ms, give_up_at_ms),
+            recheck_at_ms,
             handle: handle.clone(),
         };
         let parked = shared.room.borrow_mut().park(waiter);

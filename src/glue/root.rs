@@ -91,6 +91,8 @@ pub struct Shared {
     queue_id: Option<u32>,
     /// Live wake queues of all workers (refreshed by the heartbeat), with resolved ids.
     peers: RefCell<Vec<(String, Option<u32>)>>,
+    /// This root's queue is in the registry (a heartbeat succeeded).
+    advertised: Cell<bool>,
 }
 
 impl Shared {
@@ -116,6 +118,21 @@ impl Shared {
                 }
             }
         }
+    }
+
+    /// Puts this worker's queue in the registry before its first waiter parks (ticks do it
+    /// within 100 ms of start, but a request may come first). Returns true when it had to: a
+    /// completion that happened meanwhile could not have reached this queue, so the caller
+    /// rechecks at once instead of trusting a wake-up.
+    pub fn ensure_advertised(&self, now_ms: u64) -> bool {
+        if self.advertised.get() || self.queue_id.is_none() {
+            return false;
+        }
+        if let Ok(names) = self.registry.heartbeat(&self.queue_name, now_ms) {
+            self.advertised.set(true);
+            self.set_peers(names);
+        }
+        true
     }
 
     /// Replaces the peer list, keeping the queue ids already resolved.
@@ -204,7 +221,10 @@ impl Root {
         }
         if shared.queue_id.is_some() {
             match shared.registry.heartbeat(&shared.queue_name, now_ms) {
-                Ok(names) => shared.set_peers(names),
+                Ok(names) => {
+                    shared.advertised.set(true);
+                    shared.set_peers(names);
+                }
                 Err(e) => log::warn!("wake registry heartbeat failed: {e}"),
             }
         }
@@ -253,6 +273,7 @@ impl Root {
             queue_name,
             queue_id,
             peers: RefCell::new(Vec::new()),
+            advertised: Cell::new(false),
         }))
     }
 }

@@ -1,7 +1,8 @@
 # idempotency-filter: build the Wasm module, test it, run the demo.
 #
 #   make build      target/…/idempotency_filter.wasm -> dist/idempotency_filter.wasm
-#   make test       lint, unit tests (cargo test), fuzz smoke, then the end-to-end tests (real Envoy)
+#   make test       lint, unit tests (cargo test), fuzz smoke, end-to-end tests (real Envoy), bench smoke
+#   make bench      what the filter costs next to Envoy alone (writes BENCHMARKS.md); see bench/bench.mk
 #   make run        demo: orders upstream on :8080 behind Envoy on :10000 (admin :9901)
 #   make validate   envoy --mode validate on every shipped Envoy config
 #   make fuzz       each cargo-fuzz target for FUZZ_SECONDS (default 60); make fuzz-smoke: a few seconds each
@@ -153,6 +154,7 @@ test:
 	$(MAKE) --no-print-directory unit
 	$(MAKE) --no-print-directory fuzz-smoke
 	$(MAKE) --no-print-directory e2e
+	$(MAKE) --no-print-directory bench-smoke
 
 versions: tools
 	@$(CARGO) --version
@@ -170,3 +172,5 @@ clean:
 
 distclean: clean
 	rm -rf $(TOOLS) fuzz/target fuzz/corpus fuzz/artifacts
+
+include bench/bench.mk

@@ -1,7 +1,7 @@
 # idempotency-filter: build the Wasm module, test it, run the demo.
 #
 #   make build      target/…/idempotency_filter.wasm -> dist/idempotency_filter.wasm
-#   make test       lint, unit tests (cargo test), fuzz smoke, end-to-end tests (real Envoy), bench smoke
+#   make test       lint, unit tests (cargo test), fuzz and bench smoke, end-to-end tests (real Envoy)
 #   make bench      what the filter costs next to Envoy alone (writes BENCHMARKS.md); see bench/bench.mk
 #   make run        demo: orders upstream on :8080 behind Envoy on :10000 (admin :9901)
 #   make validate   envoy --mode validate on every shipped Envoy config
@@ -166,8 +166,8 @@ test:
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory unit
 	$(MAKE) --no-print-directory fuzz-smoke
-	$(MAKE) --no-print-directory e2e
 	$(MAKE) --no-print-directory bench-smoke
+	$(MAKE) --no-print-directory e2e
 
 versions: tools
 	@$(CARGO) --version

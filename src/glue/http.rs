@@ -294,19 +294,15 @@ impl HttpContext for Http {
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let Some(shared) = self.shared.clone() else { return Action::Continue };
-        let limit = match &self.phase {
-            Phase::Collecting(p) => shared.config.rules.get(p.rule).map(|r| r.max_request_bytes),
+        let rule = match &self.phase {
+            Phase::Collecting(p) => shared.config.rules.get(p.rule),
             Phase::Answered => return Action::Pause,
             _ => return Action::Continue,
         };
-        if let Some(limit) = limit {
-            if body_size as u64 > limit {
-                if let Some(rule) = self.collecting_rule(&shared) {
-                    let problem = engine::too_large(rule);
-                    self.count(Outcome::TooLarge);
-                    return self.reply(&Reply::problem(&problem), DETAILS_PROBLEM);
-                }
-            }
+        // Refuse as soon as the buffered body outgrows the limit, not at its end.
+        if let Some(rule) = rule.filter(|r| body_size as u64 > r.max_request_bytes) {
+            self.count(Outcome::TooLarge);
+            return self.reply(&Reply::problem(&engine::too_large(rule)), DETAILS_PROBLEM);
         }
         if end_of_stream {
             self.on_body_complete(&shared, body_size)
@@ -420,14 +416,5 @@ impl HttpContext for Http {
         let plan = plan_unfinished(details.as_deref(), flags);
         log::debug!("#{} stream ended unfinished ({details:?}, flags {flags:#x})", self.context_id);
         self.settle(&shared, plan, claim, rule);
-    }
-}
-
-impl Http {
-    fn collecting_rule<'a>(&self, shared: &'a Shared) -> Option<&'a crate::config::Rule> {
-        match &self.phase {
-            Phase::Collecting(p) => shared.config.rules.get(p.rule),
-            _ => None,
-        }
     }
 }

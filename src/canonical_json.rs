@@ -201,7 +201,7 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn expect(&mut self, byte: u8) -> Result<(), CanonicalError> {
+    fn eat(&mut self, byte: u8) -> Result<(), CanonicalError> {
         if self.peek() == Some(byte) {
             self.pos += 1;
             Ok(())
@@ -240,7 +240,7 @@ impl<'a> Parser<'a> {
         if depth > MAX_DEPTH {
             return Err(CanonicalError::TooDeep);
         }
-        self.expect(b'[')?;
+        self.eat(b'[')?;
         let mut items = Vec::new();
         self.skip_ws();
         if self.peek() == Some(b']') {
@@ -265,7 +265,7 @@ impl<'a> Parser<'a> {
         if depth > MAX_DEPTH {
             return Err(CanonicalError::TooDeep);
         }
-        self.expect(b'{')?;
+        self.eat(b'{')?;
         let mut members: Vec<(Cow<'a, str>, Value<'a>)> = Vec::new();
         self.skip_ws();
         if self.peek() == Some(b'}') {
@@ -279,7 +279,7 @@ impl<'a> Parser<'a> {
             }
             let name = self.parse_string()?;
             self.skip_ws();
-            self.expect(b':')?;
+            self.eat(b':')?;
             let value = self.parse_value(depth)?;
             members.push((name, value));
             self.skip_ws();
@@ -361,7 +361,7 @@ impl<'a> Parser<'a> {
 
     /// Called on the opening quote; returns the unescaped string.
     fn parse_string(&mut self) -> Result<Cow<'a, str>, CanonicalError> {
-        self.expect(b'"')?;
+        self.eat(b'"')?;
         let start = self.pos;
         self.skip_plain();
         if self.peek() == Some(b'"') {

@@ -32,9 +32,10 @@ fn main() {
             ("idempotency-key".to_string(), format!("key-{i}").into_bytes()),
             ("authorization".to_string(), b"Bearer token".to_vec()),
         ];
-        let Admission::Collect(p) =
-            admit(&cfg, &RequestHead { method: "POST", path: "/orders", headers: &headers })
-        else {
+        let Admission::Collect(p) = admit(
+            &cfg,
+            &RequestHead { method: "POST", path: "/orders", headers: &headers, verified_claims: None },
+        ) else {
             continue;
         };
         if let Decision::Forward { claim, .. } = decide(&cfg, &p, &body, &store, i, i + 1) {

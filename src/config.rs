@@ -26,6 +26,30 @@ pub struct Config {
     pub max_waiters_per_key: u32,
     /// Requests one Envoy worker holds waiting in all (wait mode), at most.
     pub max_waiters: u32,
+    /// The principal from claims a JWT filter in front of this one verified, when configured.
+    pub jwt_principal: Option<JwtPrincipal>,
+    /// Live records one tenant or one principal may hold.
+    pub quota: Quota,
+}
+
+/// Where a verified caller identity comes from: Envoy's `jwt_authn` filter writes the claims of
+/// a token it verified into dynamic metadata (`payload_in_metadata`), which a client cannot set.
+/// Unlike a hash of the raw `Authorization` value, these claims stay the same when a client
+/// refreshes its token, so a retry with a refreshed token is the same caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JwtPrincipal {
+    /// The `payload_in_metadata` name of the jwt_authn provider(s).
+    pub payload: String,
+    /// Claims that together name the caller, in this order (e.g. `iss`, `sub`).
+    pub claims: Vec<String>,
+}
+
+/// Bounds on live records, so that one tenant or one caller cannot fill the store for all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    /// Applies only when `tenant_header` is set (otherwise there is one tenant: everybody).
+    pub per_tenant: u32,
+    pub per_principal: u32,
 }
 
 /// What a duplicate that arrives while the original is still processing gets.
@@ -175,9 +199,31 @@ const MAX_BODY_BYTES: u64 = 64 << 20;
 const DEFAULT_METHODS: [&str; 2] = ["POST", "PATCH"];
 const DEFAULT_STORE_STATUSES: [StatusPattern; 3] =
     [StatusPattern::Class(2), StatusPattern::Class(3), StatusPattern::Class(4)];
-const DEFAULT_RELEASE_STATUSES: [StatusPattern; 4] =
-    [StatusPattern::Class(5), StatusPattern::Code(408), StatusPattern::Code(425), StatusPattern::Code(429)];
+/// Statuses that say the request did not execute (or must be sent again): a server error, a
+/// timeout, too early, too many requests, and the ones that refuse the caller or the state
+/// (401, 403, 409). Keeping a 401 for the ttl would freeze a permission problem that is fixed a
+/// minute later; the validation answers (400, 422) and 404 describe the request itself and stay.
+const DEFAULT_RELEASE_STATUSES: [StatusPattern; 7] = [
+    StatusPattern::Class(5),
+    StatusPattern::Code(401),
+    StatusPattern::Code(403),
+    StatusPattern::Code(408),
+    StatusPattern::Code(409),
+    StatusPattern::Code(425),
+    StatusPattern::Code(429),
+];
 const DEFAULT_WAIT_TIMEOUT_MS: u64 = 10_000;
+/// Longest a held request may wait: beyond this a client is better served by a 409 and its own
+/// retry than by an open connection, and every time computed from it stays far from overflow.
+pub const MAX_WAIT_TIMEOUT_MS: u64 = 5 * 60_000;
+/// Request bodies one worker may hold for waiters at most (Envoy keeps a held request's body in
+/// its buffer): `max_waiters` x the largest `max_request_bytes` of the wait rules.
+pub const WAITER_MEMORY_BUDGET: u64 = 256 << 20;
+/// Default quotas, as fractions of the store's capacity: one caller can take a tenth of the
+/// store and one tenant a quarter, so filling it takes many identities at once.
+const DEFAULT_QUOTA_PRINCIPAL_DIVISOR: u32 = 10;
+const DEFAULT_QUOTA_TENANT_DIVISOR: u32 = 4;
+const MAX_JWT_CLAIMS: usize = 8;
 const DEFAULT_MAX_WAITERS_PER_KEY: u64 = 100;
 const DEFAULT_MAX_WAITERS: u64 = 1_000;
 const MAX_WAITERS_LIMIT: u64 = 100_000;
@@ -203,6 +249,8 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
             "routes",
             "max_waiters_per_key",
             "max_waiters",
+            "principal",
+            "quota",
         ],
     )?;
     let key_header =
@@ -223,7 +271,13 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         u32::try_from(n).map_err(|_| err(k, "out of range"))
     };
     let max_waiters_per_key = waiters("max_waiters_per_key", DEFAULT_MAX_WAITERS_PER_KEY)?;
-    let max_waiters = waiters("max_waiters", DEFAULT_MAX_WAITERS)?;
+    let jwt_principal = optional(top, "", "principal", jwt_principal)?;
+    let StoreConfig::Local { capacity } = store;
+    let (per_tenant, per_principal) = optional(top, "", "quota", quota)?.unwrap_or_default();
+    let quota = Quota {
+        per_tenant: per_tenant.unwrap_or((capacity / DEFAULT_QUOTA_TENANT_DIVISOR).max(1)),
+        per_principal: per_principal.unwrap_or((capacity / DEFAULT_QUOTA_PRINCIPAL_DIVISOR).max(1)),
+    };
 
     let routes = array(get(top, "routes").ok_or_else(|| err("routes", "required"))?, "routes")?;
     if routes.is_empty() {
@@ -239,6 +293,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         }
         rules.push(r);
     }
+    let max_waiters = max_waiters(top, &rules)?;
     Ok(Config {
         key_header,
         tenant_header,
@@ -248,7 +303,78 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         rules,
         max_waiters_per_key,
         max_waiters,
+        jwt_principal,
+        quota,
     })
+}
+
+/// Held requests keep their bodies in Envoy's buffers, so the number of waiters times the
+/// largest body a wait rule admits is memory one worker may have to hold. An explicit value over
+/// the budget is refused; the default shrinks to fit it.
+fn max_waiters(top: &Obj, rules: &[Rule]) -> Res<u32> {
+    let largest_body = rules
+        .iter()
+        .filter(|r| matches!(r.concurrency, Concurrency::Wait { .. }))
+        .map(|r| r.max_request_bytes)
+        .max();
+    let fits = |n: u64| largest_body.is_none_or(|b| n.saturating_mul(b) <= WAITER_MEMORY_BUDGET);
+    let n = match optional(top, "", "max_waiters", |v, f| uint(v, f, 1, MAX_WAITERS_LIMIT))? {
+        Some(n) if !fits(n) => {
+            return Err(err(
+                "max_waiters",
+                format!(
+                    "{n} waiters x {} request bytes (the largest max_request_bytes of a wait rule) \
+                     exceeds the {} MiB a worker may hold for waiters",
+                    largest_body.unwrap_or(0),
+                    WAITER_MEMORY_BUDGET >> 20
+                ),
+            ))
+        }
+        Some(n) => n,
+        None => match largest_body {
+            Some(b) => DEFAULT_MAX_WAITERS.min(WAITER_MEMORY_BUDGET / b).max(1),
+            None => DEFAULT_MAX_WAITERS,
+        },
+    };
+    u32::try_from(n).map_err(|_| err("max_waiters", "out of range"))
+}
+
+fn jwt_principal(v: &Value, path: &str) -> Res<JwtPrincipal> {
+    let o = object(v, path, &["jwt_payload", "claims"])?;
+    let payload = required(o, path, "jwt_payload", |v, f| {
+        let s = string(v, f)?;
+        if s.is_empty() || s.len() > MAX_HEADER_NAME_LEN {
+            return Err(err(f, format!("expected 1 to {MAX_HEADER_NAME_LEN} characters")));
+        }
+        Ok(s.to_owned())
+    })?;
+    let claims = required(o, path, "claims", |v, f| {
+        unique_list(v, f, |v, f| {
+            let s = string(v, f)?;
+            if s.is_empty() || s.len() > MAX_HEADER_NAME_LEN {
+                return Err(err(
+                    f,
+                    format!("expected a claim name of 1 to {MAX_HEADER_NAME_LEN} characters"),
+                ));
+            }
+            Ok(s.to_owned())
+        })
+    })?;
+    if claims.is_empty() || claims.len() > MAX_JWT_CLAIMS {
+        return Err(err(&key(path, "claims"), format!("expected 1 to {MAX_JWT_CLAIMS} claim names")));
+    }
+    Ok(JwtPrincipal { payload, claims })
+}
+
+/// The explicit bounds; an absent one takes its default from the store's capacity.
+fn quota(v: &Value, path: &str) -> Res<(Option<u32>, Option<u32>)> {
+    let o = object(v, path, &["per_tenant", "per_principal"])?;
+    let bound = |k: &str| -> Res<Option<u32>> {
+        optional(o, path, k, |v, f| uint(v, f, 1, MAX_CAPACITY))?
+            .map(|n| u32::try_from(n).map_err(|_| err(&key(path, k), "out of range")))
+            .transpose()
+    };
+    Ok((bound("per_tenant")?, bound("per_principal")?))
 }
 
 fn store(v: &Value, path: &str) -> Res<StoreConfig> {
@@ -337,6 +463,12 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
         optional(o, path, "replay_exclude_headers", |v, f| unique_list(v, f, header_name))?
             .unwrap_or_default();
     let wait_timeout_ms = optional(o, path, "wait_timeout", duration_ms)?;
+    if let Some(ms) = wait_timeout_ms.filter(|ms| *ms > MAX_WAIT_TIMEOUT_MS) {
+        return Err(err(
+            &key(path, "wait_timeout"),
+            format!("{ms} ms exceeds the longest wait, {} ms", MAX_WAIT_TIMEOUT_MS),
+        ));
+    }
     let concurrency = match optional(o, path, "concurrent", |v, f| string(v, f).map(str::to_owned))?
         .as_deref()
     {
@@ -698,7 +830,7 @@ mod tests {
             ignore_json_fields: vec![],
             statuses: StatusPolicy {
                 store: vec![Class(2), Class(3), Class(4)],
-                release: vec![Class(5), Code(408), Code(425), Code(429)],
+                release: vec![Class(5), Code(401), Code(403), Code(408), Code(409), Code(425), Code(429)],
             },
             replay_exclude_headers: vec![],
             concurrency: Concurrency::Reject,
@@ -732,6 +864,23 @@ mod tests {
             ("waiters zero", top(r#""max_waiters":0"#), "max_waiters"),
             ("waiters per key too many", top(r#""max_waiters_per_key":100001"#), "max_waiters_per_key"),
             ("replay exclude bad", route(r#""replay_exclude_headers":["set cookie"]"#), "routes[0].replay_exclude_headers[0]"),
+            ("wait_timeout over the bound", route(r#""concurrent":"wait","wait_timeout":"301s""#), "routes[0].wait_timeout"),
+            ("wait_timeout huge", route(r#""concurrent":"wait","wait_timeout":"99999999999999d""#), "routes[0].wait_timeout"),
+            ("waiters over the memory budget", r#"{"max_waiters":257,"routes":[{"name":"a","match":{"prefix":"/"},"concurrent":"wait"}]}"#.into(), "max_waiters"),
+            ("waiters x largest wait body", r#"{"max_waiters":100000,"routes":[{"name":"a","match":{"prefix":"/"},"concurrent":"wait","max_request_bytes":67108864}]}"#.into(), "max_waiters"),
+            // identity and quota
+            ("principal not object", top(r#""principal":"jwt""#), "principal"),
+            ("principal unknown field", top(r#""principal":{"jwt_payload":"p","claims":["sub"],"x":1}"#), "principal.x"),
+            ("principal payload missing", top(r#""principal":{"claims":["sub"]}"#), "principal.jwt_payload"),
+            ("principal payload empty", top(r#""principal":{"jwt_payload":"","claims":["sub"]}"#), "principal.jwt_payload"),
+            ("principal claims missing", top(r#""principal":{"jwt_payload":"p"}"#), "principal.claims"),
+            ("principal claims empty", top(r#""principal":{"jwt_payload":"p","claims":[]}"#), "principal.claims"),
+            ("principal claim duplicate", top(r#""principal":{"jwt_payload":"p","claims":["sub","sub"]}"#), "principal.claims[1]"),
+            ("principal claim number", top(r#""principal":{"jwt_payload":"p","claims":[1]}"#), "principal.claims[0]"),
+            ("quota not object", top(r#""quota":5"#), "quota"),
+            ("quota unknown field", top(r#""quota":{"per_route":5}"#), "quota.per_route"),
+            ("quota zero", top(r#""quota":{"per_principal":0}"#), "quota.per_principal"),
+            ("quota too big", top(r#""quota":{"per_tenant":10000001}"#), "quota.per_tenant"),
             ("route not object", r#"{"routes":[1]}"#.into(), "routes[0]"),
             // headers
             ("key header with space", top(r#""key_header":"idem key""#), "key_header"),
@@ -880,9 +1029,11 @@ mod tests {
               "max_response_bytes": 1048576,
               "fingerprint": {"headers": ["content-type"], "ignore_json_fields": ["/meta/sent_at"]},
               "store_statuses": ["2xx", "3xx", "4xx"],
-              "release_statuses": ["5xx", "408", "425", "429"]
+                  "release_statuses": ["5xx", "408", "425", "429"]
             }
-          ]
+          ],
+          "principal": {"jwt_payload": "jwt_payload", "claims": ["iss", "sub"]},
+          "quota": {"per_tenant": 5000, "per_principal": 100}
         }"#;
         let expected = Config {
             key_header: "idempotency-key".into(),
@@ -895,10 +1046,19 @@ mod tests {
                 require_key: true,
                 fingerprint_headers: vec!["content-type".into()],
                 ignore_json_fields: vec![vec!["meta".into(), "sent_at".into()]],
+                statuses: StatusPolicy {
+                    store: vec![Class(2), Class(3), Class(4)],
+                    release: vec![Class(5), Code(408), Code(425), Code(429)],
+                },
                 ..default_rule("orders", PathMatch::Prefix("/orders".into()))
             }],
             max_waiters_per_key: 100,
             max_waiters: 1_000,
+            jwt_principal: Some(JwtPrincipal {
+                payload: "jwt_payload".into(),
+                claims: vec!["iss".into(), "sub".into()],
+            }),
+            quota: Quota { per_tenant: 5000, per_principal: 100 },
         };
         assert_eq!(parse_str(json), Ok(expected));
     }
@@ -914,6 +1074,24 @@ mod tests {
     }
 
     #[test]
+    fn waiter_defaults_fit_the_memory_budget_and_quota_defaults_follow_capacity() {
+        let wait = |fields: &str| {
+            parse_str(&format!(
+                r#"{{{fields}"routes":[{{"name":"a","match":{{"prefix":"/"}},"concurrent":"wait","max_request_bytes":4194304}}]}}"#
+            ))
+        };
+        // 4 MiB bodies: the default 1000 waiters would hold 4 GiB; it shrinks to the budget.
+        assert_eq!(wait("").map(|c| c.max_waiters), Ok(64));
+        assert_eq!(wait(r#""max_waiters":64,"#).map(|c| c.max_waiters), Ok(64));
+        assert_eq!(wait(r#""max_waiters":65,"#).map_err(|e| e.field), Err("max_waiters".to_string()));
+        // Reject-mode rules hold nothing: no budget applies.
+        assert_eq!(parse_str(&top(r#""max_waiters":100000"#)).map(|c| c.max_waiters), Ok(100_000));
+        let small =
+            parse_str(&top(r#""store":{"type":"local","capacity":8},"quota":{"per_tenant":3}"#)).unwrap();
+        assert_eq!(small.quota, Quota { per_tenant: 3, per_principal: 1 });
+    }
+
+    #[test]
     fn minimal_config_yields_all_defaults() {
         let expected = Config {
             key_header: "idempotency-key".into(),
@@ -924,6 +1102,9 @@ mod tests {
             rules: vec![default_rule("a", PathMatch::Prefix("/".into()))],
             max_waiters_per_key: 100,
             max_waiters: 1_000,
+            jwt_principal: None,
+            // A tenth of the capacity per caller, a quarter per tenant.
+            quota: Quota { per_tenant: 25_000, per_principal: 10_000 },
         };
         assert_eq!(parse_str(r#"{"routes":[{"name":"a","match":{"prefix":"/"}}]}"#), Ok(expected));
     }

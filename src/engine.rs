@@ -13,8 +13,10 @@ use crate::fingerprint::{self, Fingerprint, FingerprintInput};
 use crate::key::{parse_key, KeyError};
 use crate::problem::{Kind, Problem};
 use crate::record::Snapshot;
-use crate::scope::{principal_digest, scope_id, ScopeId, ScopeParts};
-use crate::store::{Begin, Claim, ClaimAttempt, RecordStore};
+use crate::scope::{
+    jwt_principal_digest, normalize_authority, principal_digest, scope_id, tenant_digest, ScopeId, ScopeParts,
+};
+use crate::store::{Begin, Claim, ClaimAttempt, QuotaCharge, RecordStore};
 
 /// Header added to every replayed response.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
@@ -47,10 +49,18 @@ pub enum Outcome {
     WaitTimedOut,
     /// Not held because a waiter bound was reached: 409 at once.
     WaitRefused,
+    /// A new record refused because its tenant or principal holds its bound of live records.
+    QuotaExceeded,
+    /// A gRPC call on a protected route: refused, never executed (its replay could not be
+    /// faithful: Envoy turns local replies to gRPC calls into trailers-only errors).
+    GrpcRefused,
+    /// Envoy's router sent the request upstream more than once under one claim (route retry
+    /// policy, hedging, internal redirect).
+    UpstreamRetried,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 20] = [
+    pub const ALL: [Outcome; 23] = [
         Outcome::PassedThrough,
         Outcome::Claimed,
         Outcome::TakenOver,
@@ -71,6 +81,9 @@ impl Outcome {
         Outcome::Waiting,
         Outcome::WaitTimedOut,
         Outcome::WaitRefused,
+        Outcome::QuotaExceeded,
+        Outcome::GrpcRefused,
+        Outcome::UpstreamRetried,
     ];
 
     pub fn name(self) -> &'static str {
@@ -95,6 +108,9 @@ impl Outcome {
             Outcome::Waiting => "waiting",
             Outcome::WaitTimedOut => "wait_timed_out",
             Outcome::WaitRefused => "wait_refused",
+            Outcome::QuotaExceeded => "quota_exceeded",
+            Outcome::GrpcRefused => "grpc_refused",
+            Outcome::UpstreamRetried => "upstream_retried",
         }
     }
 
@@ -108,16 +124,21 @@ impl Outcome {
             Kind::StoreFull => Outcome::StoreFull,
             Kind::StoreUnavailable => Outcome::StoreError,
             Kind::ResponseNotStored => Outcome::NotReplayable,
+            Kind::QuotaExceeded => Outcome::QuotaExceeded,
+            Kind::GrpcNotSupported => Outcome::GrpcRefused,
         }
     }
 }
 
-/// The request as the glue read it: lowercase header names, raw values.
+/// The request as the glue read it: lowercase header names (pseudo-headers included), raw values.
 pub struct RequestHead<'a> {
     pub method: &'a str,
     /// `:path` as received, with the query.
     pub path: &'a str,
     pub headers: &'a [(String, Vec<u8>)],
+    /// The values of `Config::jwt_principal`'s claims, in its order, from the payload a JWT
+    /// filter in front verified; `None` when no verified payload exists for this request.
+    pub verified_claims: Option<&'a [Option<Vec<u8>>]>,
 }
 
 impl RequestHead<'_> {
@@ -131,6 +152,9 @@ impl RequestHead<'_> {
 pub struct Pending {
     pub rule: usize,
     pub scope: ScopeId,
+    /// Digest of the tenant's header values (None: no tenant header configured).
+    tenant: Option<[u8; 32]>,
+    principal: [u8; 32],
     method: String,
     path: String,
     query: Option<String>,
@@ -151,6 +175,24 @@ pub struct Reply {
     pub status: u16,
     pub headers: Vec<(String, Vec<u8>)>,
     pub body: Vec<u8>,
+    /// For a replay: the framing headers the stored response had, which Envoy's local-reply
+    /// path may drop or invent; the glue restores them when the reply passes its own encode
+    /// callback (`replay_header_fixes`).
+    pub replay_shape: Option<ReplayShape>,
+}
+
+/// What a replay's `content-type` and `content-length` must be, as the upstream sent them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayShape {
+    pub content_type: Option<Vec<u8>>,
+    pub content_length: Option<Vec<u8>>,
+}
+
+/// A change the glue makes to a replay's headers on their way out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderFix {
+    Set(&'static str, Vec<u8>),
+    Remove(&'static str),
 }
 
 impl Reply {
@@ -159,14 +201,45 @@ impl Reply {
             status: p.status,
             headers: p.response_headers().into_iter().map(|(n, v)| (n.to_string(), v.into_bytes())).collect(),
             body: p.body(),
+            replay_shape: None,
         }
     }
 
+    /// The stored response as a local reply. `content-length` is not handed to Envoy: its
+    /// local-reply path computes it from the body (and drops it for an empty one), so a stored
+    /// value only comes back through `replay_header_fixes` where the body cannot carry it
+    /// (HEAD, 204).
     pub fn replay(s: Snapshot) -> Reply {
-        let mut headers = s.headers;
+        let find = |name: &str| s.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+        let replay_shape =
+            ReplayShape { content_type: find("content-type"), content_length: find("content-length") };
+        let mut headers: Vec<_> = s.headers.into_iter().filter(|(n, _)| n != "content-length").collect();
         headers.push((REPLAYED_HEADER.to_string(), b"true".to_vec()));
-        Reply { status: s.status, headers, body: s.body }
+        Reply { status: s.status, headers, body: s.body, replay_shape: Some(replay_shape) }
     }
+}
+
+/// How a replay's headers, as Envoy's local-reply path prepared them (`sent_content_type`,
+/// `sent_content_length`), must change to be the stored ones again. Envoy drops
+/// `content-type` from a reply with an empty body and adds `text/plain` to a body without one
+/// (`Utility::prepareLocalReply`), and never keeps a `content-length` without a body.
+pub fn replay_header_fixes(
+    shape: &ReplayShape,
+    sent_content_type: Option<&[u8]>,
+    sent_content_length: Option<&[u8]>,
+) -> Vec<HeaderFix> {
+    let mut fixes = Vec::new();
+    match (&shape.content_type, sent_content_type) {
+        (Some(want), got) if got != Some(want.as_slice()) => {
+            fixes.push(HeaderFix::Set("content-type", want.clone()))
+        }
+        (None, Some(_)) => fixes.push(HeaderFix::Remove("content-type")),
+        _ => {}
+    }
+    if let (Some(want), None) = (&shape.content_length, sent_content_length) {
+        fixes.push(HeaderFix::Set("content-length", want.clone()));
+    }
+    fixes
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -205,12 +278,19 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
     if let Some(problem) = content_length_problem(rule, head) {
         return Admission::Reject(problem);
     }
-    let tenant = cfg.tenant_header.as_ref().map(|h| head.values(h).join(&b","[..]));
-    let principal_headers: Vec<(&str, Vec<&[u8]>)> =
-        cfg.principal_headers.iter().map(|h| (h.as_str(), head.values(h))).collect();
+    if is_grpc(head) {
+        return Admission::Reject(grpc_refused());
+    }
+    let tenant_values = cfg.tenant_header.as_ref().map(|h| head.values(h));
+    let principal = principal(cfg, head);
+    let authority = normalize_authority(
+        head.values(":authority").first().copied().unwrap_or_default(),
+        head.values(":scheme").first().copied().unwrap_or_default(),
+    );
     let scope = scope_id(&ScopeParts {
-        tenant: tenant.as_deref(),
-        principal: principal_digest(&principal_headers),
+        tenant: tenant_values.as_deref(),
+        principal,
+        authority: &authority,
         method: head.method,
         path,
         key: key.as_str(),
@@ -218,6 +298,8 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
     Admission::Collect(Pending {
         rule: rule_index,
         scope,
+        tenant: tenant_values.as_deref().map(tenant_digest),
+        principal,
         method: head.method.to_string(),
         path: path.to_string(),
         query: query.map(str::to_string),
@@ -228,6 +310,42 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
             .collect(),
         content_type: first_str(&head.values("content-type")),
     })
+}
+
+/// The caller: the verified claims when a JWT filter in front verified a token (stable across
+/// token refreshes), otherwise the configured principal headers' values.
+fn principal(cfg: &Config, head: &RequestHead) -> [u8; 32] {
+    if let (Some(jwt), Some(values)) = (&cfg.jwt_principal, head.verified_claims) {
+        let claims: Vec<(&str, Option<&[u8]>)> =
+            jwt.claims.iter().zip(values).map(|(name, v)| (name.as_str(), v.as_deref())).collect();
+        return jwt_principal_digest(&claims);
+    }
+    let principal_headers: Vec<(&str, Vec<&[u8]>)> =
+        cfg.principal_headers.iter().map(|h| (h.as_str(), head.values(h))).collect();
+    principal_digest(&principal_headers)
+}
+
+/// gRPC requests are recognised the way Envoy's local-reply path recognises them: by
+/// content-type, so exactly the requests whose replies Envoy would rewrite are refused.
+fn is_grpc(head: &RequestHead) -> bool {
+    head.values("content-type")
+        .first()
+        .is_some_and(|v| v.len() >= 16 && v[..16].eq_ignore_ascii_case(b"application/grpc"))
+}
+
+/// gRPC status UNIMPLEMENTED, set explicitly: Envoy keeps a `grpc-status` the reply carries
+/// instead of deriving one from the HTTP status.
+const GRPC_UNIMPLEMENTED: &str = "12";
+
+fn grpc_refused() -> Problem {
+    let mut p = Problem::new(
+        Kind::GrpcNotSupported,
+        415,
+        "gRPC calls cannot be protected by the idempotency filter: Envoy would rewrite their replays; \
+         exclude this route or method from the filter's rules",
+    );
+    p.headers.push(("grpc-status", GRPC_UNIMPLEMENTED.to_string()));
+    p
 }
 
 fn content_length_problem(rule: &Rule, head: &RequestHead) -> Option<Problem> {
@@ -274,21 +392,55 @@ pub fn decide(
     now_ms: u64,
     owner: u64,
 ) -> Decision {
-    let Some(rule) = cfg.rules.get(pending.rule) else {
-        // Pending values only come from `admit` with the same config; stay total regardless.
-        let p = Problem::new(Kind::StoreUnavailable, 503, "configuration changed while the request was held");
-        return respond_problem(p);
-    };
-    if body.len() as u64 > rule.max_request_bytes {
-        return respond_problem(too_large(rule));
+    match fingerprint_body(cfg, pending, body) {
+        Ok(fingerprint) => decide_fingerprinted(cfg, pending, fingerprint, store, now_ms, owner),
+        Err(problem) => respond_problem(problem),
     }
+}
+
+/// The request's fingerprint, computed once: a waiter keeps only these 32 bytes and is
+/// rechecked with them, never with its body again.
+pub fn fingerprint_body(cfg: &Config, pending: &Pending, body: &[u8]) -> Result<Fingerprint, Problem> {
+    let rule = rule_of(cfg, pending)?;
+    if body.len() as u64 > rule.max_request_bytes {
+        return Err(too_large(rule));
+    }
+    Ok(pending.fingerprint(rule, body))
+}
+
+fn rule_of<'c>(cfg: &'c Config, pending: &Pending) -> Result<&'c Rule, Problem> {
+    // Pending values only come from `admit` with the same config; stay total regardless.
+    cfg.rules.get(pending.rule).ok_or_else(|| {
+        Problem::new(Kind::StoreUnavailable, 503, "configuration changed while the request was held")
+    })
+}
+
+/// Step 2 for a request whose fingerprint is known: one atomic `begin` on the store.
+pub fn decide_fingerprinted(
+    cfg: &Config,
+    pending: &Pending,
+    fingerprint: Fingerprint,
+    store: &dyn RecordStore,
+    now_ms: u64,
+    owner: u64,
+) -> Decision {
+    let rule = match rule_of(cfg, pending) {
+        Ok(rule) => rule,
+        Err(problem) => return respond_problem(problem),
+    };
     let attempt = ClaimAttempt {
         scope: pending.scope,
-        fingerprint: pending.fingerprint(rule, body),
+        fingerprint,
         owner,
         now_ms,
         lease_ms: rule.processing_timeout_ms,
         ttl_ms: rule.ttl_ms,
+        quota: QuotaCharge {
+            tenant: pending.tenant,
+            principal: pending.principal,
+            per_tenant: cfg.quota.per_tenant,
+            per_principal: cfg.quota.per_principal,
+        },
     };
     let statuses = cfg.problem_statuses;
     match store.begin(&attempt) {
@@ -322,6 +474,17 @@ pub fn decide(
             Problem::new(Kind::StoreFull, 503, "no room for a new idempotency record; retry later")
                 .retry_after_ms(retry_after_ms),
         ),
+        Ok(Begin::QuotaExceeded { retry_after_ms, tenant }) => {
+            let who = if tenant { "this tenant" } else { "this caller" };
+            respond_problem(
+                Problem::new(
+                    Kind::QuotaExceeded,
+                    429,
+                    format!("{who} holds as many live idempotency records as allowed; retry when some expire"),
+                )
+                .retry_after_ms(retry_after_ms),
+            )
+        }
         Err(e) => {
             log::warn!("idempotency store error for {}: {e}", pending.scope.log_tag());
             respond_problem(
@@ -347,10 +510,11 @@ fn respond_problem(p: Problem) -> Decision {
     Decision::Respond { reply: Reply::problem(&p), outcome: Outcome::of_problem(p.kind) }
 }
 
-/// Headers that belong to one connection hop and never to a stored response (RFC 9110 7.6.1),
-/// plus `content-length`, which the replying proxy computes for the replayed body itself.
+/// Headers that belong to one connection hop and never to a stored response (RFC 9110 7.6.1).
+/// `content-length` is kept: a replay's body carries its own length, but a HEAD or 204 answer's
+/// stored value is restored from it (`Reply::replay`).
 const NOT_STORED_HEADERS: &[&str] =
-    &["connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "content-length"];
+    &["connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"];
 
 /// The response headers a snapshot keeps: all but hop-by-hop ones and the rule's exclusions.
 pub fn snapshot_headers(headers: Vec<(String, Vec<u8>)>, excluded: &[String]) -> Vec<(String, Vec<u8>)> {
@@ -379,6 +543,7 @@ mod tests {
     use crate::config::parse;
     use crate::local_store::LocalStore;
     use crate::record::State;
+    use crate::scope::tenant_digest;
     use crate::shared_data::FakeSharedData;
     use crate::store::Completion;
 
@@ -402,7 +567,7 @@ mod tests {
 
     fn admit_with(method: &str, path: &str, pairs: &[(&str, &str)]) -> Admission {
         let h = headers(pairs);
-        admit(&cfg(), &RequestHead { method, path, headers: &h })
+        admit(&cfg(), &RequestHead { method, path, headers: &h, verified_claims: None })
     }
 
     fn pending(pairs: &[(&str, &str)]) -> Pending {
@@ -437,7 +602,7 @@ mod tests {
     fn key_problems_use_the_configured_status() {
         let cfg = parse(br#"{"problem_statuses":{"invalid_key":422},"routes":[{"name":"a","match":{"prefix":"/"},"require_key":true}]}"#).unwrap();
         let h = headers(&[]);
-        match admit(&cfg, &RequestHead { method: "POST", path: "/", headers: &h }) {
+        match admit(&cfg, &RequestHead { method: "POST", path: "/", headers: &h, verified_claims: None }) {
             Admission::Reject(p) => assert_eq!(p.status, 422),
             other => panic!("{other:?}"),
         }
@@ -631,9 +796,156 @@ mod tests {
         );
         assert_eq!(
             kept,
-            headers(&[("content-type", "application/json"), ("set-cookie", "a=1"), ("set-cookie", "b=2")])
+            headers(&[
+                ("content-type", "application/json"),
+                ("content-length", "12"),
+                ("set-cookie", "a=1"),
+                ("set-cookie", "b=2")
+            ])
         );
         let without_cookies = snapshot_headers(kept, &["set-cookie".to_string()]);
-        assert_eq!(without_cookies, headers(&[("content-type", "application/json")]));
+        assert_eq!(
+            without_cookies,
+            headers(&[("content-type", "application/json"), ("content-length", "12")])
+        );
+    }
+
+    #[test]
+    fn grpc_calls_on_protected_routes_are_refused_with_an_explicit_grpc_status() {
+        let a = admit_with(
+            "POST",
+            "/orders",
+            &[("idempotency-key", "k"), ("content-type", "application/grpc+proto")],
+        );
+        match a {
+            Admission::Reject(p) => {
+                assert_eq!((p.kind, p.status), (Kind::GrpcNotSupported, 415));
+                assert!(p.response_headers().contains(&("grpc-status", "12".to_string())));
+            }
+            other => panic!("{other:?}"),
+        }
+        // Not protected (no key, not required): not our business.
+        assert_eq!(
+            admit_with("POST", "/carts", &[("content-type", "application/grpc")]),
+            Admission::PassThrough
+        );
+        assert!(matches!(
+            admit_with(
+                "POST",
+                "/orders",
+                &[("idempotency-key", "k"), ("content-type", "application/grpc-web")]
+            ),
+            Admission::Reject(_)
+        ));
+        assert!(matches!(
+            admit_with("POST", "/orders", &[("idempotency-key", "k"), ("content-type", "application/json")]),
+            Admission::Collect(_)
+        ));
+    }
+
+    #[test]
+    fn the_authority_is_part_of_the_scope() {
+        let at = |authority: &str| {
+            pending(&[("idempotency-key", "k"), (":authority", authority), (":scheme", "http")]).scope
+        };
+        assert_ne!(at("a.example"), at("b.example"));
+        assert_eq!(at("a.example"), at("A.Example:80"));
+        assert_ne!(at("a.example"), at("a.example:8080"));
+    }
+
+    #[test]
+    fn repeated_tenant_headers_are_not_one_joined_header() {
+        let joined = pending(&[("idempotency-key", "k"), ("x-tenant-id", "a,b")]);
+        let two = pending(&[("idempotency-key", "k"), ("x-tenant-id", "a"), ("x-tenant-id", "b")]);
+        assert_ne!(joined.scope, two.scope);
+        assert_ne!(joined.tenant, two.tenant);
+        assert_eq!(pending(&[("idempotency-key", "k")]).tenant, Some(tenant_digest(&[])));
+    }
+
+    #[test]
+    fn verified_claims_name_the_caller_across_token_refreshes() {
+        let cfg = parse(
+            br#"{"principal":{"jwt_payload":"jwt","claims":["iss","sub"]},
+            "routes":[{"name":"a","match":{"prefix":"/"}}]}"#,
+        )
+        .unwrap();
+        let scope = |auth: &str, claims: Option<&[Option<Vec<u8>>]>| {
+            let h = headers(&[("idempotency-key", "k"), ("authorization", auth)]);
+            match admit(
+                &cfg,
+                &RequestHead { method: "POST", path: "/", headers: &h, verified_claims: claims },
+            ) {
+                Admission::Collect(p) => p,
+                other => panic!("{other:?}"),
+            }
+        };
+        let u1 = [Some(b"iss".to_vec()), Some(b"u1".to_vec())];
+        let u2 = [Some(b"iss".to_vec()), Some(b"u2".to_vec())];
+        let first = scope("Bearer token-1", Some(&u1));
+        assert_eq!(first.scope, scope("Bearer token-1-refreshed", Some(&u1)).scope);
+        assert_eq!(first.principal, scope("Bearer token-1-refreshed", Some(&u1)).principal);
+        assert_ne!(first.scope, scope("Bearer token-1", Some(&u2)).scope);
+        // No verified payload: the raw header is the principal, and it never equals a JWT one.
+        let unverified = scope("Bearer token-1", None);
+        assert_ne!(first.scope, unverified.scope);
+        assert_ne!(unverified.scope, scope("Bearer token-2", None).scope);
+    }
+
+    #[test]
+    fn replay_headers_are_put_back_as_stored() {
+        let shape = |ct: Option<&str>, cl: Option<&str>| ReplayShape {
+            content_type: ct.map(|v| v.as_bytes().to_vec()),
+            content_length: cl.map(|v| v.as_bytes().to_vec()),
+        };
+        // Empty body: Envoy dropped content-type (and content-length for a HEAD answer).
+        assert_eq!(
+            replay_header_fixes(&shape(Some("application/json"), Some("42")), None, None),
+            vec![
+                HeaderFix::Set("content-type", b"application/json".to_vec()),
+                HeaderFix::Set("content-length", b"42".to_vec())
+            ]
+        );
+        // A body without content-type: Envoy invented text/plain.
+        assert_eq!(
+            replay_header_fixes(&shape(None, None), Some(b"text/plain"), Some(b"3")),
+            vec![HeaderFix::Remove("content-type")]
+        );
+        // Nothing rewritten: nothing to fix.
+        assert!(replay_header_fixes(&shape(Some("a/b"), Some("3")), Some(b"a/b"), Some(b"3")).is_empty());
+        let r = Reply::replay(Snapshot {
+            status: 200,
+            headers: headers(&[("content-type", "a/b"), ("content-length", "3"), ("x", "1")]),
+            body: b"abc".to_vec(),
+        });
+        assert!(r.headers.iter().all(|(n, _)| n != "content-length"), "{:?}", r.headers);
+        assert_eq!(r.replay_shape, Some(shape(Some("a/b"), Some("3"))));
+    }
+
+    #[test]
+    fn a_quota_refusal_is_a_429_with_retry_after() {
+        struct AtQuota;
+        impl RecordStore for AtQuota {
+            fn begin(&self, _: &ClaimAttempt) -> Result<Begin, crate::store::StoreError> {
+                Ok(Begin::QuotaExceeded { retry_after_ms: 2_500, tenant: true })
+            }
+            fn complete(
+                &self,
+                _: &Claim,
+                _: &Completion,
+            ) -> Result<crate::store::Settled, crate::store::StoreError> {
+                unreachable!()
+            }
+            fn release(&self, _: &Claim) -> Result<crate::store::Settled, crate::store::StoreError> {
+                unreachable!()
+            }
+            fn sweep(&self, _: u64) -> Result<u32, crate::store::StoreError> {
+                unreachable!()
+            }
+        }
+        let p = pending(&[("idempotency-key", "k")]);
+        let (r, outcome) = reply(decide(&cfg(), &p, b"x", &AtQuota, 0, 1));
+        assert_eq!((r.status, outcome), (429, Outcome::QuotaExceeded));
+        assert_eq!(header(&r, "retry-after"), Some(&b"3"[..]));
+        assert!(String::from_utf8_lossy(&r.body).contains("quota-exceeded"));
     }
 }

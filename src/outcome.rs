@@ -56,8 +56,20 @@ pub enum ResponsePlan {
     Keep,
 }
 
+/// What Envoy reports about a stream's end, as the glue read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamReport<'a> {
+    pub details: Option<&'a str>,
+    pub flags: u64,
+    /// False only when Envoy positively reports that no upstream host was ever selected (the
+    /// `upstream.address` property is empty): a `direct_response` route, or a rate limit or
+    /// ext_authz after this filter answered. A failed read counts as selected (unknown).
+    pub upstream_selected: bool,
+}
+
 /// Decides from the response headers (`details` readable there already).
-pub fn plan_response(rule: &Rule, status: Option<u16>, details: Option<&str>, flags: u64) -> ResponsePlan {
+pub fn plan_response(rule: &Rule, status: Option<u16>, report: StreamReport) -> ResponsePlan {
+    let StreamReport { details, .. } = report;
     match (details, status) {
         (Some(VIA_UPSTREAM), Some(status)) => match rule.statuses.disposition(status) {
             Disposition::Store => {
@@ -66,18 +78,19 @@ pub fn plan_response(rule: &Rule, status: Option<u16>, details: Option<&str>, fl
             }
             Disposition::Release => ResponsePlan::Release,
         },
-        _ => plan_unfinished(details, flags),
+        _ => plan_unfinished(report),
     }
 }
 
 /// Decides for a stream that ended without a captured upstream answer (a local reply, a reset,
 /// a client that went away).
-pub fn plan_unfinished(details: Option<&str>, flags: u64) -> ResponsePlan {
+pub fn plan_unfinished(report: StreamReport) -> ResponsePlan {
+    let StreamReport { details, flags, upstream_selected } = report;
     if flags & MAYBE_EXECUTED != 0 {
         return ResponsePlan::Keep;
     }
     let never_sent_details = details.is_some_and(|d| NEVER_SENT_DETAILS.iter().any(|p| d.starts_with(p)));
-    if never_sent_details || flags & NEVER_SENT != 0 {
+    if never_sent_details || flags & NEVER_SENT != 0 || !upstream_selected {
         ResponsePlan::Release
     } else {
         ResponsePlan::Keep
@@ -94,14 +107,18 @@ mod tests {
         cfg.rules[0].clone()
     }
 
+    fn sent(details: Option<&str>, flags: u64) -> StreamReport<'_> {
+        StreamReport { details, flags, upstream_selected: true }
+    }
+
     #[test]
     fn upstream_statuses_follow_the_rule() {
         let r = rule();
-        let plan = |s| plan_response(&r, Some(s), Some(VIA_UPSTREAM), 0);
+        let plan = |s| plan_response(&r, Some(s), sent(Some(VIA_UPSTREAM), 0));
         assert_eq!(plan(201), ResponsePlan::Capture { state: State::Succeeded, status: 201 });
         assert_eq!(plan(302), ResponsePlan::Capture { state: State::Succeeded, status: 302 });
         assert_eq!(plan(404), ResponsePlan::Capture { state: State::FailedFinal, status: 404 });
-        for s in [500, 503, 408, 425, 429] {
+        for s in [500, 503, 401, 403, 408, 409, 425, 429] {
             assert_eq!(plan(s), ResponsePlan::Release, "{s}");
         }
     }
@@ -113,11 +130,24 @@ mod tests {
         let plan = plan_response(
             &r,
             Some(200),
-            Some("upstream_reset_before_response_started{connection_failure}"),
-            0x20,
+            sent(Some("upstream_reset_before_response_started{connection_failure}"), 0x20),
         );
         assert_eq!(plan, ResponsePlan::Release);
-        assert_eq!(plan_response(&r, Some(200), None, 0), ResponsePlan::Keep);
+        assert_eq!(plan_response(&r, Some(200), sent(None, 0)), ResponsePlan::Keep);
+    }
+
+    #[test]
+    fn local_replies_that_never_selected_an_upstream_host_release() {
+        let r = rule();
+        for details in ["direct_response", "ext_authz_denied", "local_rate_limited"] {
+            let report = StreamReport { details: Some(details), flags: 0, upstream_selected: false };
+            assert_eq!(plan_response(&r, Some(200), report), ResponsePlan::Release, "{details}");
+            assert_eq!(plan_unfinished(report), ResponsePlan::Release, "{details}");
+        }
+        // A timeout is a timeout even if the address is somehow missing: it may have executed.
+        let timeout =
+            StreamReport { details: Some("response_timeout"), flags: 0x4, upstream_selected: false };
+        assert_eq!(plan_unfinished(timeout), ResponsePlan::Keep);
     }
 
     #[test]
@@ -134,7 +164,7 @@ mod tests {
             (Some("upstream_reset_before_response_started{connection_failure}"), 0x20 | 0x4),
         ];
         for (d, f) in cases {
-            assert_eq!(plan_unfinished(*d, *f), ResponsePlan::Keep, "{d:?} {f:#x}");
+            assert_eq!(plan_unfinished(sent(*d, *f)), ResponsePlan::Keep, "{d:?} {f:#x}");
         }
     }
 
@@ -148,7 +178,7 @@ mod tests {
             (Some("route_not_found"), 0x100),
         ];
         for (d, f) in cases {
-            assert_eq!(plan_unfinished(*d, *f), ResponsePlan::Release, "{d:?} {f:#x}");
+            assert_eq!(plan_unfinished(sent(*d, *f)), ResponsePlan::Release, "{d:?} {f:#x}");
         }
     }
 }

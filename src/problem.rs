@@ -16,6 +16,8 @@ pub enum Kind {
     StoreFull,
     StoreUnavailable,
     ResponseNotStored,
+    QuotaExceeded,
+    GrpcNotSupported,
 }
 
 impl Kind {
@@ -29,6 +31,8 @@ impl Kind {
             Kind::StoreFull => "store-full",
             Kind::StoreUnavailable => "store-unavailable",
             Kind::ResponseNotStored => "response-not-stored",
+            Kind::QuotaExceeded => "quota-exceeded",
+            Kind::GrpcNotSupported => "grpc-not-supported",
         }
     }
 
@@ -42,6 +46,8 @@ impl Kind {
             Kind::StoreFull => "Idempotency store is full",
             Kind::StoreUnavailable => "Idempotency store unavailable",
             Kind::ResponseNotStored => "Original response was not stored",
+            Kind::QuotaExceeded => "Too many live idempotency records",
+            Kind::GrpcNotSupported => "gRPC calls cannot be protected",
         }
     }
 }

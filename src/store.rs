@@ -24,6 +24,16 @@ pub struct ClaimAttempt {
     pub now_ms: u64,
     pub lease_ms: u64,
     pub ttl_ms: u64,
+    pub quota: QuotaCharge,
+}
+
+/// Who a new record counts against, and the bounds.
+#[derive(Debug, Clone, Copy)]
+pub struct QuotaCharge {
+    pub tenant: Option<[u8; 32]>,
+    pub principal: [u8; 32],
+    pub per_tenant: u32,
+    pub per_principal: u32,
 }
 
 /// A held claim: the right to execute and then complete or release the record.
@@ -51,6 +61,9 @@ pub enum Begin {
     InFlight { retry_after_ms: u64 },
     /// No room for a new record without evicting a live one.
     Full { retry_after_ms: u64 },
+    /// The tenant (or, when `tenant` is false, the principal) already holds its bound of live
+    /// records.
+    QuotaExceeded { retry_after_ms: u64, tenant: bool },
 }
 
 /// How a forwarded request ended, for `complete`.

@@ -30,6 +30,12 @@ pub fn attempt(scope_n: u64, fp: u8, owner: u64, now_ms: u64) -> ClaimAttempt {
         now_ms,
         lease_ms: LEASE,
         ttl_ms: TTL,
+        quota: crate::store::QuotaCharge {
+            tenant: None,
+            principal: [0; 32],
+            per_tenant: u32::MAX,
+            per_principal: u32::MAX,
+        },
     }
 }
 

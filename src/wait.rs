@@ -4,7 +4,8 @@
 //! bounds. The glue parks and wakes; `recheck` decides what a woken waiter gets.
 
 use crate::config::{Concurrency, Config};
-use crate::engine::{decide, in_flight_reply, Decision, Outcome, Pending, Reply};
+use crate::engine::{decide_fingerprinted, in_flight_reply, Decision, Outcome, Pending, Reply};
+use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeId;
 use crate::store::{Claim, RecordStore};
 
@@ -15,7 +16,8 @@ pub const RECHECK_EVERY_MS: u64 = 1_000;
 pub struct Waiter<H> {
     pub context_id: u32,
     pub pending: Pending,
-    pub body: Vec<u8>,
+    /// Computed once when the request parked; its body stays in Envoy's buffer, not here.
+    pub fingerprint: Fingerprint,
     /// After this the waiter gets 409, as in reject mode.
     pub give_up_at_ms: u64,
     /// When to look at the record again without being woken (lease end, fallback poll).
@@ -110,11 +112,16 @@ pub enum Recheck {
 
 /// The first wait: when to look again if no wake-up comes.
 pub fn first_recheck(now_ms: u64, lease_remaining_ms: u64, give_up_at_ms: u64) -> u64 {
-    (now_ms + lease_remaining_ms.min(RECHECK_EVERY_MS)).min(give_up_at_ms)
+    now_ms.saturating_add(lease_remaining_ms.min(RECHECK_EVERY_MS)).min(give_up_at_ms)
+}
+
+/// When a request parked now gives up: its rule's `wait_timeout` from now.
+pub fn give_up_at(cfg: &Config, pending: &Pending, now_ms: u64) -> u64 {
+    now_ms.saturating_add(wait_timeout_ms(cfg, pending).unwrap_or(0))
 }
 
 pub fn recheck<H>(cfg: &Config, w: &Waiter<H>, store: &dyn RecordStore, now_ms: u64, owner: u64) -> Recheck {
-    match decide(cfg, &w.pending, &w.body, store, now_ms, owner) {
+    match decide_fingerprinted(cfg, &w.pending, w.fingerprint, store, now_ms, owner) {
         Decision::Forward { claim, outcome } => Recheck::Forward { claim, outcome },
         Decision::Respond { reply, outcome } => Recheck::Respond { reply, outcome },
         Decision::Wait { lease_remaining_ms } if now_ms >= w.give_up_at_ms => Recheck::Respond {
@@ -139,7 +146,7 @@ pub fn wait_timeout_ms(cfg: &Config, pending: &Pending) -> Option<u64> {
 mod tests {
     use super::*;
     use crate::config::parse;
-    use crate::engine::{admit, Admission, RequestHead};
+    use crate::engine::{admit, decide, fingerprint_body, Admission, RequestHead};
     use crate::local_store::LocalStore;
     use crate::record::{Snapshot, State};
     use crate::shared_data::FakeSharedData;
@@ -155,17 +162,18 @@ mod tests {
 
     fn pending(cfg: &Config, key: &str) -> Pending {
         let h = vec![("idempotency-key".to_string(), key.as_bytes().to_vec())];
-        match admit(cfg, &RequestHead { method: "POST", path: "/", headers: &h }) {
+        match admit(cfg, &RequestHead { method: "POST", path: "/", headers: &h, verified_claims: None }) {
             Admission::Collect(p) => p,
             other => panic!("{other:?}"),
         }
     }
 
     fn waiter(cfg: &Config, ctx: u32, key: &str, now: u64) -> Waiter<()> {
+        let pending = pending(cfg, key);
         Waiter {
             context_id: ctx,
-            pending: pending(cfg, key),
-            body: b"x".to_vec(),
+            fingerprint: fingerprint_body(cfg, &pending, b"x").unwrap(),
+            pending,
             give_up_at_ms: now + 5_000,
             recheck_at_ms: first_recheck(now, 2_000, now + 5_000),
             handle: (),

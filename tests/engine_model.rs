@@ -62,7 +62,7 @@ fn pending(cfg: &Config, scope_key: u64) -> Pending {
         ("idempotency-key".to_string(), format!("key-{}", scope_key / 2).into_bytes()),
         ("authorization".to_string(), format!("caller-{}", scope_key % 2).into_bytes()),
     ];
-    match admit(cfg, &RequestHead { method: "POST", path: "/orders", headers: &h }) {
+    match admit(cfg, &RequestHead { method: "POST", path: "/orders", headers: &h, verified_claims: None }) {
         Admission::Collect(p) => p,
         other => panic!("{other:?}"),
     }

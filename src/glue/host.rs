@@ -52,6 +52,14 @@ extern "C" {
         return_value_data: *mut *mut u8,
         return_value_size: *mut usize,
     ) -> u32;
+    fn proxy_replace_header_map_value(
+        map_type: u32,
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
+    fn proxy_remove_header_map_value(map_type: u32, key_data: *const u8, key_size: usize) -> u32;
     fn proxy_get_property(
         path_data: *const u8,
         path_size: usize,
@@ -177,6 +185,17 @@ pub fn header_value(map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostEr
         NOT_FOUND => Ok(None),
         s => Err(HostError(s)),
     }
+}
+
+/// Sets a header (replacing every value it had).
+pub fn set_header(map_type: u32, name: &str, value: &[u8]) -> Result<(), HostError> {
+    check(unsafe {
+        proxy_replace_header_map_value(map_type, name.as_ptr(), name.len(), value.as_ptr(), value.len())
+    })
+}
+
+pub fn remove_header(map_type: u32, name: &str) -> Result<(), HostError> {
+    check(unsafe { proxy_remove_header_map_value(map_type, name.as_ptr(), name.len()) })
 }
 
 /// A property by path parts (`["response", "code_details"]`). None when absent.

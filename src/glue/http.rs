@@ -3,8 +3,11 @@
 
 use super::host::{self, HostError};
 use super::root::{Resumed, Shared, WaitHandle};
-use crate::engine::{self, Admission, Decision, Outcome, Pending, Reply, RequestHead};
-use crate::outcome::{plan_response, plan_unfinished, ResponsePlan};
+use crate::engine::{
+    self, Admission, Decision, HeaderFix, Outcome, Pending, ReplayShape, Reply, RequestHead,
+};
+use crate::fingerprint::Fingerprint;
+use crate::outcome::{plan_response, plan_unfinished, ResponsePlan, StreamReport};
 use crate::record::{Snapshot, State};
 use crate::store::{Claim, Completion, RecordStore, Settled};
 use crate::wait::{self, Waiter};
@@ -23,8 +26,9 @@ enum Phase {
     /// Protected request held until its body is complete.
     Collecting(Pending),
     /// We answered locally; our own reply comes back through the encode callbacks and must be
-    /// left alone (never snapshotted).
-    Answered,
+    /// left alone (never snapshotted), except that a replay's framing headers are put back to
+    /// what the upstream sent (Envoy's local-reply path rewrites them).
+    Answered { replay_shape: Option<ReplayShape> },
     /// Wait mode: held in the root's wait room until the original's outcome is known; the
     /// root resolves it (resume or answer) and leaves word in the handle.
     Waiting(WaitHandle),
@@ -49,11 +53,14 @@ pub struct Http {
     context_id: u32,
     shared: Option<Rc<Shared>>,
     phase: Phase,
+    /// The rule of a request that went upstream under a claim, until its stream ends: the
+    /// router's attempt count is only final in `on_log`.
+    forwarded_rule: Option<usize>,
 }
 
 impl Http {
     pub fn new(context_id: u32, shared: Option<Rc<Shared>>) -> Http {
-        Http { context_id, shared, phase: Phase::Idle }
+        Http { context_id, shared, phase: Phase::Idle, forwarded_rule: None }
     }
 
     fn count(&self, outcome: Outcome) {
@@ -63,7 +70,7 @@ impl Http {
     }
 
     fn reply(&mut self, reply: &Reply, details: &str) -> Action {
-        self.phase = Phase::Answered;
+        self.phase = Phase::Answered { replay_shape: reply.replay_shape.clone() };
         if let Err(HostError(s)) = host::send_response(reply.status, details, &reply.headers, &reply.body) {
             log::warn!("#{} could not send the local reply (host status {s})", self.context_id);
         }
@@ -98,7 +105,14 @@ impl Http {
                 return Action::Continue;
             }
         };
-        let head = RequestHead { method: &method, path: &path, headers: &headers };
+        let verified_claims =
+            shared.config.jwt_principal.as_ref().and_then(|jwt| verified_claims(&jwt.payload, &jwt.claims));
+        let head = RequestHead {
+            method: &method,
+            path: &path,
+            headers: &headers,
+            verified_claims: verified_claims.as_deref(),
+        };
         match engine::admit(&shared.config, &head) {
             Admission::PassThrough => {
                 self.count(Outcome::PassedThrough);
@@ -121,15 +135,29 @@ impl Http {
     }
 
     fn decide(&mut self, shared: &Shared, pending: &Pending, body: &[u8]) -> Action {
+        let fingerprint = match engine::fingerprint_body(&shared.config, pending, body) {
+            Ok(fingerprint) => fingerprint,
+            Err(problem) => {
+                self.count(Outcome::of_problem(problem.kind));
+                return self.reply(&Reply::problem(&problem), DETAILS_PROBLEM);
+            }
+        };
         let now_nanos = host::now_nanos().unwrap_or(0);
         let owner = shared.owner_token(self.context_id, now_nanos);
-        let decision =
-            engine::decide(&shared.config, pending, body, &shared.store, now_nanos / 1_000_000, owner);
+        let decision = engine::decide_fingerprinted(
+            &shared.config,
+            pending,
+            fingerprint,
+            &shared.store,
+            now_nanos / 1_000_000,
+            owner,
+        );
         match decision {
             Decision::Forward { claim, outcome } => {
                 self.count(outcome);
                 log::debug!("#{} {} key {}", self.context_id, outcome.name(), pending.scope.log_tag());
                 self.phase = Phase::Forwarded { claim, rule: pending.rule };
+                self.forwarded_rule = Some(pending.rule);
                 Action::Continue
             }
             Decision::Respond { reply, outcome } => {
@@ -139,7 +167,7 @@ impl Http {
                 self.reply(&reply, details)
             }
             Decision::Wait { lease_remaining_ms } => {
-                self.park(shared, pending, body, now_nanos / 1_000_000, lease_remaining_ms)
+                self.park(shared, pending, fingerprint, now_nanos / 1_000_000, lease_remaining_ms)
             }
         }
     }
@@ -148,12 +176,11 @@ impl Http {
         &mut self,
         shared: &Shared,
         pending: &Pending,
-        body: &[u8],
+        fingerprint: Fingerprint,
         now_ms: u64,
         lease_remaining_ms: u64,
     ) -> Action {
-        let timeout_ms = wait::wait_timeout_ms(&shared.config, pending).unwrap_or(0);
-        let give_up_at_ms = now_ms + timeout_ms;
+        let give_up_at_ms = wait::give_up_at(&shared.config, pending, now_ms);
         let handle: WaitHandle = Rc::new(Cell::new(None));
         let recheck_at_ms = if shared.ensure_advertised(now_ms) {
             now_ms
@@ -163,7 +190,7 @@ impl Http {
         let waiter = Waiter {
             context_id: self.context_id,
             pending: pending.clone(),
-            body: body.to_vec(),
+            fingerprint,
             give_up_at_ms,
             recheck_at_ms,
             handle: handle.clone(),
@@ -191,12 +218,45 @@ impl Http {
     /// A held request the root has resolved continues in the phase the root chose.
     fn take_resumed(&mut self) {
         if let Phase::Waiting(handle) = &self.phase {
-            match handle.get() {
-                Some(Resumed::Forwarded { claim, rule }) => self.phase = Phase::Forwarded { claim, rule },
-                Some(Resumed::Answered) => self.phase = Phase::Answered,
+            match handle.take() {
+                Some(Resumed::Forwarded { claim, rule }) => {
+                    self.phase = Phase::Forwarded { claim, rule };
+                    self.forwarded_rule = Some(rule);
+                }
+                Some(Resumed::Answered { replay_shape }) => self.phase = Phase::Answered { replay_shape },
                 None => {}
             }
         }
+    }
+
+    /// Puts a replay's `content-type` and `content-length` back to the stored ones.
+    fn restore_replay_headers(&self, shape: &ReplayShape) {
+        let sent = |name| host::header_value(host::MAP_RESPONSE_HEADERS, name).ok().flatten();
+        let (content_type, content_length) = (sent("content-type"), sent("content-length"));
+        for fix in engine::replay_header_fixes(shape, content_type.as_deref(), content_length.as_deref()) {
+            let result = match &fix {
+                HeaderFix::Set(name, value) => host::set_header(host::MAP_RESPONSE_HEADERS, name, value),
+                HeaderFix::Remove(name) => host::remove_header(host::MAP_RESPONSE_HEADERS, name),
+            };
+            if let Err(HostError(s)) = result {
+                log::warn!(
+                    "#{} could not restore a replayed header {fix:?} (host status {s})",
+                    self.context_id
+                );
+            }
+        }
+    }
+
+    /// Response flags, and whether an upstream host was ever selected; read only when the
+    /// answer is not a real upstream one, the only case where they matter.
+    fn stream_report() -> (u64, bool) {
+        let flags = host::property_u64(&["response", "flags"]).unwrap_or(0);
+        let upstream_selected = match host::property(&["upstream", "address"]) {
+            Ok(Some(address)) => !address.is_empty(),
+            Ok(None) => false,
+            Err(_) => true,
+        };
+        (flags, upstream_selected)
     }
 
     /// Waiters elsewhere may be able to proceed now that this record has an outcome.
@@ -284,6 +344,44 @@ impl Http {
     }
 }
 
+impl Http {
+    /// Envoy's router may send one claimed request upstream several times (route retry policy,
+    /// hedging, internal redirects): each attempt may execute. Count it, and say so once per
+    /// rule for the whole Envoy, so that an operator can remove the retry policy.
+    fn note_upstream_attempts(&self, shared: &Shared, rule: usize) {
+        let attempts = host::property_u64(&["upstream", "request_attempt_count"]).unwrap_or(0);
+        if attempts <= 1 {
+            return;
+        }
+        self.count(Outcome::UpstreamRetried);
+        if let Some(r) = shared.config.rules.get(rule) {
+            if shared.first_retry_warning(&r.name) {
+                log::warn!(
+                    "route rule {}: Envoy sent a protected request upstream {attempts} times under one \
+                     claim (route retry_policy, hedging or internal redirect); each attempt may execute: \
+                     disable Envoy retries on routes this filter protects",
+                    r.name
+                );
+            }
+        }
+    }
+}
+
+/// The configured claims of the token a JWT filter in front verified, from its dynamic metadata
+/// (only a verified token fills it; a client cannot). None when no claim is there at all: the
+/// request carried no verified token, and the principal falls back to the principal headers.
+fn verified_claims(payload: &str, claims: &[String]) -> Option<Vec<Option<Vec<u8>>>> {
+    let values: Vec<Option<Vec<u8>>> = claims
+        .iter()
+        .map(|claim| {
+            host::property(&["metadata", "filter_metadata", "envoy.filters.http.jwt_authn", payload, claim])
+                .ok()
+                .flatten()
+        })
+        .collect();
+    values.iter().any(Option::is_some).then_some(values)
+}
+
 impl Context for Http {}
 
 impl HttpContext for Http {
@@ -296,7 +394,7 @@ impl HttpContext for Http {
         let Some(shared) = self.shared.clone() else { return Action::Continue };
         let rule = match &self.phase {
             Phase::Collecting(p) => shared.config.rules.get(p.rule),
-            Phase::Answered => return Action::Pause,
+            Phase::Answered { .. } => return Action::Pause,
             _ => return Action::Continue,
         };
         // Refuse as soon as the buffered body outgrows the limit, not at its end.
@@ -315,7 +413,7 @@ impl HttpContext for Http {
         let Some(shared) = self.shared.clone() else { return Action::Continue };
         match self.phase {
             Phase::Collecting(_) => self.on_body_complete(&shared, usize::MAX),
-            Phase::Answered => Action::Pause,
+            Phase::Answered { .. } => Action::Pause,
             _ => Action::Continue,
         }
     }
@@ -323,6 +421,10 @@ impl HttpContext for Http {
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let Some(shared) = self.shared.clone() else { return Action::Continue };
         self.take_resumed();
+        if let Phase::Answered { replay_shape: Some(shape) } = &self.phase {
+            self.restore_replay_headers(shape);
+            return Action::Continue;
+        }
         let Phase::Forwarded { claim, rule } = self.phase else { return Action::Continue };
         let Some(rule_cfg) = shared.config.rules.get(rule) else { return Action::Continue };
         let status = host::header_value(host::MAP_RESPONSE_HEADERS, ":status")
@@ -331,12 +433,13 @@ impl HttpContext for Http {
             .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok());
         let details = host::property_string(&["response", "code_details"]);
         // A real upstream answer needs no flags; only local replies are classified by them.
-        let flags = if details.as_deref() == Some(crate::outcome::VIA_UPSTREAM) {
-            0
+        let (flags, upstream_selected) = if details.as_deref() == Some(crate::outcome::VIA_UPSTREAM) {
+            (0, true)
         } else {
-            host::property_u64(&["response", "flags"]).unwrap_or(0)
+            Self::stream_report()
         };
-        match plan_response(rule_cfg, status, details.as_deref(), flags) {
+        let report = StreamReport { details: details.as_deref(), flags, upstream_selected };
+        match plan_response(rule_cfg, status, report) {
             ResponsePlan::Capture { state, status } => {
                 let headers = host::header_pairs(host::MAP_RESPONSE_HEADERS).unwrap_or_default();
                 let headers = engine::snapshot_headers(headers, &rule_cfg.replay_exclude_headers);
@@ -400,9 +503,21 @@ impl HttpContext for Http {
     fn on_log(&mut self) {
         let Some(shared) = self.shared.clone() else { return };
         self.take_resumed();
+        if let Some(rule) = self.forwarded_rule.take() {
+            self.note_upstream_attempts(&shared, rule);
+        }
         let (claim, rule) = match std::mem::replace(&mut self.phase, Phase::Idle) {
             Phase::Forwarded { claim, rule } => (claim, rule),
-            Phase::Capturing(c) => (c.claim, c.rule),
+            Phase::Capturing(c) => {
+                // The upstream answered with a status worth keeping, so it executed; only its
+                // body never arrived whole (upstream reset mid-body, client gone). Keep the
+                // outcome without the body: a retry gets 410, never a second execution.
+                let cut = Capture { overflowed: true, body: Vec::new(), ..c };
+                log::debug!("#{} upstream answer cut mid-body: kept without its body", self.context_id);
+                self.phase = Phase::Capturing(cut);
+                self.finish_capture(&shared);
+                return;
+            }
             Phase::Waiting(_) => {
                 // The client left while held: nothing was claimed, just stop holding it.
                 shared.room.borrow_mut().leave(self.context_id);
@@ -412,8 +527,8 @@ impl HttpContext for Http {
             _ => return,
         };
         let details = host::property_string(&["response", "code_details"]);
-        let flags = host::property_u64(&["response", "flags"]).unwrap_or(0);
-        let plan = plan_unfinished(details.as_deref(), flags);
+        let (flags, upstream_selected) = Self::stream_report();
+        let plan = plan_unfinished(StreamReport { details: details.as_deref(), flags, upstream_selected });
         log::debug!("#{} stream ended unfinished ({details:?}, flags {flags:#x})", self.context_id);
         self.settle(&shared, plan, claim, rule);
     }

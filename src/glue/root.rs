@@ -24,11 +24,11 @@ const SLOW_EVERY_TICKS: u64 = 10;
 /// Wake-up messages handled per `on_queue_ready`, so one callback stays short.
 const MAX_MESSAGES_PER_READY: usize = 4096;
 
-/// How a held (waiting) request was resolved by its root; read by its HTTP context.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How a held (waiting) request was resolved by its root; read (once) by its HTTP context.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Resumed {
     Forwarded { claim: crate::store::Claim, rule: usize },
-    Answered,
+    Answered { replay_shape: Option<crate::engine::ReplayShape> },
 }
 
 pub type WaitHandle = Rc<Cell<Option<Resumed>>>;
@@ -173,13 +173,26 @@ impl Shared {
             }
             Recheck::Respond { reply, outcome } => {
                 self.metrics.count(outcome);
-                w.handle.set(Some(Resumed::Answered));
+                w.handle.set(Some(Resumed::Answered { replay_shape: reply.replay_shape.clone() }));
                 let details =
                     if outcome == Outcome::Replayed { "idempotency_replay" } else { "idempotency_problem" };
                 if let Err(e) = host::send_response(reply.status, details, &reply.headers, &reply.body) {
                     log::warn!("#{} could not answer a held request (host status {})", w.context_id, e.0);
                 }
             }
+        }
+    }
+
+    /// True the first time any worker of this Envoy asks for this rule: the retry warning is
+    /// logged once per rule, not once per request. The key space is the configured rule names.
+    pub fn first_retry_warning(&self, rule_name: &str) -> bool {
+        use crate::shared_data::SharedData;
+        let key = format!("idem:warned:retry:{rule_name}");
+        match HostSharedData.get(&key) {
+            Ok(read) if read.exists() => false,
+            // Creation is racy, so two workers may both log once: still bounded.
+            Ok(_) => HostSharedData.set(&key, b"1", None).is_ok(),
+            Err(_) => false,
         }
     }
 

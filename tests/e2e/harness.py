@@ -250,8 +250,12 @@ def request(
     data = _encode_body(body, items)
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.putrequest(method, path, skip_accept_encoding=True)
+        # The same Host as build_request() sends: the host is part of a record's scope, so a
+        # test mixing both clients must present one host.
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
         names = {k.lower() for k, _ in items}
+        if "host" not in names:
+            conn.putheader("host", host)
         for k, v in items:
             conn.putheader(k, v)
         if data is not None and "content-length" not in names and "transfer-encoding" not in names:

@@ -690,7 +690,8 @@ class Envoy(_Process):
         for r in self.extra_routes:
             r = json.loads(json.dumps(r))
             r.setdefault("request_body_buffer_limit", self.buffer_limit)
-            r["route"].setdefault("timeout", self.route_timeout)
+            if "route" in r:  # direct_response routes have no route action
+                r["route"].setdefault("timeout", self.route_timeout)
             routes.append(r)
         routes.append(
             {

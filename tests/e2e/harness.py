@@ -1012,6 +1012,13 @@ class Envoy(_Process):
                 raise AssertionError("%s is %d, expected >= %d" % (full, value, at_least))
             time.sleep(0.02)
 
+    def wait_idle(self, timeout: float = 5.0) -> None:
+        """Wait until no downstream request is active on the listener (Envoy destroys a stream,
+        after its filters' on_log/on_done, before it lowers this gauge): the outcome of a
+        request whose client or upstream went away has been handled."""
+        name = "http.ingress_http.downstream_rq_active"
+        wait_until(lambda: self.counter(name) == 0, timeout, what=name + " == 0")
+
     def prometheus(self) -> str:
         return self.admin("/stats/prometheus").body.decode()
 

@@ -112,7 +112,7 @@ def test_grpc_with_a_key_is_refused_never_executed(envoy, upstream, ctype):
     for _ in range(2):
         r = envoy.raw("POST", "/orders/Create", headers, GRPC_FRAME)
         assert r.status == 200, r
-        assert r.header("content-type", ) is not None and r.header("content-type").startswith(
+        assert r.header("content-type") is not None and r.header("content-type").startswith(
             "application/grpc"), r
         # trailers-only: grpc-status and grpc-message in the (only) header block, no body
         assert r.header("grpc-status") == "12", r

@@ -12,6 +12,8 @@ is remembered (method, path, sha256 of the body). Default answer: 201 with
     {"order_id": <execution number>, "path": ..., "method": ..., "received_bytes": <body length>}
 
 and headers content-type: application/json, x-execution: <n>, set-cookie: session=<n>.
+A HEAD request gets the headers of that answer (content-length included) without the body; a
+204 or 304 gets its headers without content-length or body.
 
 Test knobs (request headers, all optional):
     x-delay-ms: N            sleep N ms before answering (the execution is counted at once)
@@ -22,6 +24,10 @@ Test knobs (request headers, all optional):
     x-chunked: 1             chunked answer without trailers
     x-reset: before-headers  read the request, then drop the connection without answering
     x-reset: mid-body        send the headers (with content-length) and half the body, then drop
+    x-body-pause-ms: N       send the headers (with content-length) and half the body, pause N ms,
+                             then the rest (a response Envoy has only in part for a while)
+    x-content-type: VALUE    answer with content-type VALUE instead of the default
+    x-no-content-type: 1     answer without a content-type header
 
 Admin endpoints (not executions):
     GET  /_admin/executions            {"total": n, "by_key": {key: count}, "by_path": {path: count}}
@@ -260,6 +266,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 sort_keys=True,
             ).encode()
             headers.insert(0, ("content-type", "application/json"))
+        if self.headers.get("x-no-content-type") == "1":
+            headers = [h for h in headers if h[0] != "content-type"]
+        elif self.headers.get("x-content-type") is not None:
+            headers[0] = ("content-type", self.headers.get("x-content-type"))
 
         if reset == "mid-body":
             self.send_response(status)
@@ -269,6 +279,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(payload[: len(payload) // 2])
             self._abort()
+
+        pause_ms = int(self.headers.get("x-body-pause-ms") or 0)
+        if pause_ms > 0 and status not in (204, 304) and status >= 200:
+            self.send_response(status)
+            for name, value in headers:
+                self.send_header(name, value)
+            self.send_header("content-length", str(len(payload)))
+            self.end_headers()
+            half = len(payload) // 2
+            self.wfile.write(payload[:half])
+            self.wfile.flush()
+            time.sleep(pause_ms / 1000.0)
+            self.wfile.write(payload[half:])
+            return
 
         trailers = self.headers.get("x-trailers") == "1"
         chunked = trailers or self.headers.get("x-chunked") == "1"

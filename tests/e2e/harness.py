@@ -11,8 +11,10 @@ Logs go to tests/e2e/.logs/ (gitignored): one Envoy log per module, the upstream
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
+import hmac
 import http.client
 import importlib.util
 import json
@@ -49,6 +51,9 @@ OUTCOMES = (
     "too_large",
     "stored",
     "response_not_stored",
+    "upstream_retried",
+    "quota_exceeded",
+    "grpc_refused",
 )
 PROBLEM_TYPE = "urn:idempotency-filter:%s"
 
@@ -578,17 +583,118 @@ def filter_http_filter(
 
 
 def route(prefix: str, timeout: str | None = None, cluster: str = "orders",
-          exact: bool = False, buffer_limit: int | None = None) -> dict:
-    """An Envoy route entry for `extra_routes` (placed before the catch-all `/` route)."""
+          exact: bool = False, buffer_limit: int | None = None,
+          retry_policy: dict | None = None, per_filter: dict | None = None) -> dict:
+    """An Envoy route entry for `extra_routes` (placed before the catch-all `/` route).
+    `retry_policy`: the route's Envoy retry policy; `per_filter`: its typed_per_filter_config."""
     r: dict[str, Any] = {
         "match": {"path" if exact else "prefix": prefix},
         "route": {"cluster": cluster},
     }
     if timeout is not None:
         r["route"]["timeout"] = timeout
+    if retry_policy is not None:
+        r["route"]["retry_policy"] = retry_policy
     if buffer_limit is not None:
         r["request_body_buffer_limit"] = buffer_limit
+    if per_filter is not None:
+        r["typed_per_filter_config"] = per_filter
     return r
+
+
+def direct_response(prefix: str, status: int, body: str | None = None) -> dict:
+    """An `extra_routes` entry that Envoy answers itself (no upstream, no cluster)."""
+    r: dict[str, Any] = {"match": {"prefix": prefix}, "direct_response": {"status": status}}
+    if body is not None:
+        r["direct_response"]["body"] = {"inline_string": body}
+    return r
+
+
+# ---- JWT (jwt_authn in front of the filter) -----------------------------------------------
+
+
+def b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def mint_hs256(secret: bytes, claims: dict, kid: str = "test-key") -> str:
+    """A compact HS256 JWS (RFC 7515/7519) signed with `secret`, standard library only."""
+    header = {"alg": "HS256", "typ": "JWT", "kid": kid}
+    signing_input = (
+        b64url(json.dumps(header, separators=(",", ":")).encode())
+        + "."
+        + b64url(json.dumps(claims, separators=(",", ":")).encode())
+    )
+    sig = hmac.new(secret, signing_input.encode("ascii"), hashlib.sha256).digest()
+    return signing_input + "." + b64url(sig)
+
+
+def jwt_authn_filter(issuer: str, secret: bytes, payload_in_metadata: str = "jwt_payload",
+                     provider: str = "test", kid: str = "test-key") -> dict:
+    """An `envoy.filters.http.jwt_authn` http_filters entry (for `pre_filters`): one provider
+    with an inline HS256 `oct` JWKS, the token from `authorization: Bearer ...`, the verified
+    payload in dynamic metadata under `payload_in_metadata`, the Authorization header kept
+    (`forward`). Every path: a valid token or none (`allow_missing`); an invalid token gets 401."""
+    jwks = {"keys": [{"kty": "oct", "alg": "HS256", "kid": kid, "k": b64url(secret)}]}
+    return {
+        "name": "envoy.filters.http.jwt_authn",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+            "providers": {
+                provider: {
+                    "issuer": issuer,
+                    "local_jwks": {"inline_string": json.dumps(jwks)},
+                    "from_headers": [{"name": "authorization", "value_prefix": "Bearer "}],
+                    "payload_in_metadata": payload_in_metadata,
+                    "forward": True,
+                }
+            },
+            "rules": [
+                {
+                    "match": {"prefix": "/"},
+                    "requires": {
+                        "requires_any": {
+                            "requirements": [
+                                {"provider_name": provider},
+                                {"allow_missing": {}},
+                            ]
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+# ---- local rate limit (after the filter) ---------------------------------------------------
+
+LOCAL_RATELIMIT_TYPE = (
+    "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
+)
+
+
+def local_ratelimit_filter() -> dict:
+    """An `envoy.filters.http.local_ratelimit` http_filters entry with no bucket of its own:
+    it limits only the routes that carry `local_ratelimit_route(...)`."""
+    return {
+        "name": "envoy.filters.http.local_ratelimit",
+        "typed_config": {"@type": LOCAL_RATELIMIT_TYPE, "stat_prefix": "http_local_rate_limiter"},
+    }
+
+
+def local_ratelimit_route(max_tokens: int, fill_interval: str) -> dict:
+    """typed_per_filter_config for a route limited by `local_ratelimit_filter()` (answers 429)."""
+    always = {"default_value": {"numerator": 100, "denominator": "HUNDRED"}}
+    return {
+        "envoy.filters.http.local_ratelimit": {
+            "@type": LOCAL_RATELIMIT_TYPE,
+            "stat_prefix": "route_local_rate_limiter",
+            "token_bucket": {"max_tokens": max_tokens, "tokens_per_fill": max_tokens,
+                             "fill_interval": fill_interval},
+            "filter_enabled": dict(always, runtime_key="local_rate_limit_enabled"),
+            "filter_enforced": dict(always, runtime_key="local_rate_limit_enforced"),
+        }
+    }
 
 
 class EnvoyStartError(Fatal, RuntimeError):
@@ -601,6 +707,11 @@ class Envoy(_Process):
     filter_config: the filter's JSON configuration (dict, or a raw string), or None to run
     Envoy WITHOUT the wasm filter (harness self-test). Routes: `extra_routes` first, then
     `/unreachable` (to a cluster on a port that refuses connections), then `/` -> the upstream.
+    An `extra_routes` entry may be any Envoy route (e.g. `direct_response(...)`): only entries
+    with a `route` action get the default timeout.
+
+    HTTP filter chain: `pre_filters` (e.g. jwt_authn), the idempotency filter, `post_filters`
+    (e.g. a local rate limit that answers locally after the filter claimed), the router.
     """
 
     def __init__(
@@ -615,6 +726,8 @@ class Envoy(_Process):
         connection_buffer_limit: int | None = None,
         extra_routes: Sequence[dict] = (),
         extra_clusters: Sequence[dict] = (),
+        pre_filters: Sequence[dict] = (),
+        post_filters: Sequence[dict] = (),
         enable_trailers: bool = True,
         concurrency: int = 2,
         log_level: str = "info",
@@ -634,6 +747,8 @@ class Envoy(_Process):
         )
         self.extra_routes = list(extra_routes)
         self.extra_clusters = list(extra_clusters)
+        self.pre_filters = list(pre_filters)
+        self.post_filters = list(post_filters)
         self.enable_trailers = enable_trailers
         self.concurrency = concurrency
         self.log_level = log_level
@@ -707,11 +822,12 @@ class Envoy(_Process):
                 "request_body_buffer_limit": self.buffer_limit,
             }
         )
-        http_filters = []
+        http_filters = json.loads(json.dumps(self.pre_filters))
         if self.filter_config is not None:
             http_filters.append(
                 filter_http_filter(self.filter_config, self.wasm_path, self.failure_policy)
             )
+        http_filters += json.loads(json.dumps(self.post_filters))
         http_filters.append(
             {
                 "name": "envoy.filters.http.router",
@@ -899,6 +1015,13 @@ class Envoy(_Process):
             if time.monotonic() >= deadline:
                 raise AssertionError("%s is %d, expected >= %d" % (full, value, at_least))
             time.sleep(0.02)
+
+    def wait_idle(self, timeout: float = 5.0) -> None:
+        """Wait until no downstream request is active on the listener (Envoy destroys a stream,
+        after its filters' on_log/on_done, before it lowers this gauge): the outcome of a
+        request whose client or upstream went away has been handled."""
+        name = "http.ingress_http.downstream_rq_active"
+        wait_until(lambda: self.counter(name) == 0, timeout, what=name + " == 0")
 
     def prometheus(self) -> str:
         return self.admin("/stats/prometheus").body.decode()

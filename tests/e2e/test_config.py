@@ -1,5 +1,11 @@
 """Contract 14: a bad filter configuration stops Envoy from starting, and the log names the
-offending field. Plus: the shipped envoy/envoy.yaml passes `envoy --mode validate`."""
+offending field. Plus: the shipped envoy/envoy.yaml passes `envoy --mode validate`.
+
+Issue 8, item 5: wait-mode bounds are refused at start. With a `concurrent: "wait"` rule, waiters
+that could hold more than 256 MiB of request bodies per worker (`max_waiters` x the largest
+`max_request_bytes` of the wait rules) are refused naming `max_waiters`; a `wait_timeout` over
+5 minutes is refused naming `routes[0].wait_timeout`. Exactly at the bounds (and with a large
+body limit on a reject rule only) the configuration starts."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import subprocess
 import pytest
 
 import harness
+from harness import MiB
 
 FILTER_CONFIG = None  # this module starts its own Envoys
 
@@ -48,6 +55,19 @@ BAD = {
                                                                             processing_timeout="1m")),
                                     ["routes[0].processing_timeout"]),
     "empty-routes": (_mutate(lambda c: c.update(routes=[])), ["routes"]),
+    # 100000 waiters x 64 MiB bodies: far more than 256 MiB per worker
+    "wait-bodies-over-256mib": (_mutate(lambda c: (c.update(max_waiters=100000),
+                                                   c["routes"][0].update(concurrent="wait",
+                                                                         max_request_bytes=64 * MiB))),
+                                ["max_waiters"]),
+    # one waiter past the bound: 5 x 64 MiB = 320 MiB
+    "wait-bodies-just-over-256mib": (_mutate(lambda c: (c.update(max_waiters=5),
+                                                        c["routes"][0].update(concurrent="wait",
+                                                                              max_request_bytes=64 * MiB))),
+                                     ["max_waiters"]),
+    "wait-timeout-over-5m": (_mutate(lambda c: c["routes"][0].update(concurrent="wait",
+                                                                     wait_timeout="1h")),
+                             ["routes[0].wait_timeout"]),
     "not-json": ("{not json", []),
 }
 
@@ -61,6 +81,19 @@ def _start(envoy_bin, filter_wasm, cfg, name):
 
 def test_valid_baseline_starts(envoy_bin, filter_wasm):
     with _start(envoy_bin, filter_wasm, VALID, "config-valid") as proxy:
+        assert proxy.admin("/ready").status == 200
+
+
+def test_wait_bounds_at_the_limit_start(envoy_bin, filter_wasm):
+    # Guard for the two refusals above (passes today too): exactly 256 MiB of waiting bodies
+    # (4 x 64 MiB) and a wait_timeout of exactly 5 minutes start; a 64 MiB reject rule with
+    # many waiters does not count (only wait rules hold bodies).
+    cfg = copy.deepcopy(VALID)
+    cfg["max_waiters"] = 4
+    cfg["routes"][0].update(concurrent="wait", wait_timeout="5m", max_request_bytes=64 * MiB)
+    cfg["routes"].append({"name": "big-reject", "match": {"prefix": "/big"},
+                          "max_request_bytes": 64 * MiB})
+    with _start(envoy_bin, filter_wasm, cfg, "config-wait-at-limit") as proxy:
         assert proxy.admin("/ready").status == 200
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 
 import harness
 from harness import build_request, expected_body, new_key
@@ -177,3 +178,65 @@ def test_render_with_filter_is_valid_json():
         assert json.loads(value) == {"routes": []}
     finally:
         env.closed_port.close()
+
+
+# ---- issue 8 plumbing: filters around the (absent) idempotency filter, Envoy-made answers ----
+
+
+def _plain_envoy(envoy_bin, upstream, name, **options):
+    return harness.Envoy(envoy_bin, upstream.port, None, name=name, concurrency=1, **options)
+
+
+def test_jwt_authn_in_front_verifies_hs256_tokens(envoy_bin, upstream):
+    secret = b"harness-secret-0123456789abcdef0123"
+    issuer = "https://issuer.harness.test"
+    pre = [harness.jwt_authn_filter(issuer, secret, "jwt_payload")]
+    now = int(time.time())
+    claims = {"iss": issuer, "sub": "u1", "iat": now, "exp": now + 600, "jti": new_key()}
+    with _plain_envoy(envoy_bin, upstream, "harness-jwt", pre_filters=pre) as proxy:
+        key = new_key()
+        good = proxy.post("/orders", b"{}", {"idempotency-key": key, "authorization":
+                                             "Bearer " + harness.mint_hs256(secret, claims)})
+        assert good.status == 201, good
+        none = proxy.post("/orders", b"{}", {"idempotency-key": key})
+        assert none.status == 201, none  # allow_missing
+        forged = proxy.post("/orders", b"{}", {"idempotency-key": key, "authorization":
+                                               "Bearer " + harness.mint_hs256(b"x" * 32, claims)})
+        assert forged.status == 401, forged
+        assert upstream.executions(key) == 2
+
+
+def test_direct_response_route_and_local_ratelimit_after(envoy_bin, upstream):
+    routes = [harness.direct_response("/direct", 201, '{"direct":true}'),
+              harness.route("/limited", per_filter=harness.local_ratelimit_route(1, "60s"))]
+    with _plain_envoy(envoy_bin, upstream, "harness-local", extra_routes=routes,
+                      post_filters=[harness.local_ratelimit_filter()]) as proxy:
+        key = new_key()
+        d = proxy.post("/direct/x", b"{}", {"idempotency-key": key})
+        assert d.status == 201 and d.body == b'{"direct":true}', d
+        assert upstream.executions(key) == 0
+        statuses = [proxy.post("/limited", b"{}", {"idempotency-key": key}).status
+                    for _ in range(3)]
+        assert statuses == [201, 429, 429], statuses
+        assert upstream.executions(key) == 1
+        # other routes are not limited
+        assert [proxy.post("/orders", b"{}").status for _ in range(3)] == [201] * 3
+
+
+def test_upstream_content_type_knobs(envoy, upstream):
+    r = envoy.post("/orders", b"{}", {"x-no-content-type": "1"})
+    assert r.status == 201 and r.header("content-type") is None and r.body, r
+    r = envoy.post("/orders", b"{}", {"x-content-type": "application/json",
+                                      "x-response-bytes": "0"})
+    assert r.status == 201 and r.header("content-type") == "application/json", r
+    assert r.body == b"" and r.header("content-length") == "0", r
+    r = envoy.raw("HEAD", "/orders")
+    assert r.status == 201 and r.body == b"", r
+    assert int(r.header("content-length")) > 0 and r.header("content-type") == "application/json"
+
+
+def test_upstream_body_pause_knob(envoy, upstream):
+    t0 = time.monotonic()
+    r = envoy.post("/orders", b"{}", {"x-response-bytes": "5000", "x-body-pause-ms": "300"})
+    assert r.status == 201 and time.monotonic() - t0 >= 0.3, r
+    assert r.body == expected_body(int(r.header("x-execution")), 5000)

@@ -1,11 +1,19 @@
 """Contracts 6 and 7: what happens to a record for each kind of upstream outcome, and what a
-replay looks like."""
+replay looks like.
+
+Issue 8 (items 1 and 8):
+- a response whose status the upstream already sent (201) but whose body was cut (upstream reset
+  mid-body, client gone mid-download) is a known answer: a retry gets 410 `response-not-stored`
+  with `idempotent-original-status`, never 409 and never a second execution, not even after the
+  lease (`/short-lease`, processing_timeout 3s) has passed;
+- 401, 403 and 409 from the upstream mean "did not execute": released by default."""
 
 from __future__ import annotations
 
 import json
 import socket
 import struct
+import time
 
 import pytest
 
@@ -13,6 +21,7 @@ import harness
 from harness import assert_problem, build_request, expected_body, new_key, sha256
 
 MAX_RESPONSE = 65536
+LEASE_S = 3  # above the 1 s Envoy takes to close a connection whose response was cut
 
 FILTER_CONFIG = {
     "store": {"type": "local", "capacity": 10000},
@@ -20,6 +29,9 @@ FILTER_CONFIG = {
         {"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
          "max_response_bytes": MAX_RESPONSE},
         {"name": "unreachable", "match": {"prefix": "/unreachable"}, "require_key": True},
+        # a short lease: after it, today's filter lets a retry take over an unknown outcome
+        {"name": "short-lease", "match": {"prefix": "/short-lease"}, "require_key": True,
+         "max_response_bytes": MAX_RESPONSE, "processing_timeout": "%ds" % LEASE_S},
     ],
 }
 
@@ -95,6 +107,22 @@ def test_final_4xx_is_stored_and_replayed(envoy, upstream, status):
     assert again.body == first.body
     assert again.header("x-execution") == first.header("x-execution")
     assert upstream.executions(key) == 1
+
+
+@pytest.mark.parametrize("status", [401, 403, 409])
+def test_did_not_execute_statuses_release_the_key(envoy, upstream, status):
+    # 401/403 (the upstream refused the caller) and 409 (the upstream refused a conflicting
+    # state) say the operation did not run: a retry must execute again, not replay the refusal.
+    key = new_key()
+    released = envoy.idem("released")
+    first = _post(envoy, key, x_status=str(status))
+    assert first.status == status and not first.replayed, first
+    envoy.wait_counter("released", released + 1)
+    again = _post(envoy, key)
+    assert again.status == 201 and not again.replayed, again
+    assert upstream.executions(key) == 2
+    third = _post(envoy, key)
+    assert third.replayed and third.header("x-execution") == again.header("x-execution"), third
 
 
 @pytest.mark.parametrize("status", [500, 502, 503, 408, 425, 429])
@@ -201,18 +229,34 @@ def test_upstream_reset_before_headers_keeps_the_record(envoy, upstream):
     envoy.wait_counter("kept_unknown", unknown + 1)
 
 
-def test_upstream_reset_mid_body_keeps_the_record(envoy, upstream):
-    # A response cut in the middle of its body is never stored (a truncated replay would be
-    # worse than none): the outcome is unknown, the record waits for its lease.
+def _past_the_lease(since: float) -> None:
+    """Sleep until the short lease of a claim made at `since` (monotonic) has surely ended: after
+    it, a filter that still saw the outcome as unknown would let a retry take over."""
+    remaining = since + LEASE_S + 0.5 - time.monotonic()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+def _assert_not_stored_201(resp):
+    assert_problem(resp, 410, "response-not-stored")
+    assert resp.header("idempotent-original-status") == "201", resp
+
+
+def test_upstream_reset_mid_body_is_never_executed_again(envoy, upstream):
+    # The upstream sent 201 and its headers, then reset in the middle of the body: it executed.
+    # The truncated body is never stored (a truncated replay would be worse than none), but the
+    # answer is known, so a retry gets 410 with the original status, during and after the lease.
     key = new_key()
     hdrs = [("content-type", "application/json"), ("idempotency-key", key),
             ("x-reset", "mid-body"), ("x-response-bytes", "20000")]
-    first = envoy.raw("POST", "/orders", hdrs, BODY)
+    since = time.monotonic()
+    first = envoy.raw("POST", "/short-lease", hdrs, BODY)
     assert first.status == 201 and not first.complete, first
-    again = _post(envoy, key)
-    assert_problem(again, 409, "request-in-flight")
+    envoy.wait_idle()
+    _assert_not_stored_201(_post(envoy, key, path="/short-lease"))
+    _past_the_lease(since)
+    _assert_not_stored_201(_post(envoy, key, path="/short-lease"))
     assert upstream.executions(key) == 1
-
 
 def test_client_gone_while_the_upstream_works_keeps_the_record(envoy, upstream):
     key = new_key()
@@ -243,23 +287,46 @@ def test_client_gone_mid_request_body_claims_nothing(envoy, upstream):
 
 
 def test_client_gone_mid_response_never_gives_a_truncated_replay(envoy, upstream):
+    # The client leaves after 2000 bytes of a response the upstream sends at once: Envoy may or
+    # may not have had all of it. Either the whole response is replayed, or 410 with the original
+    # status; never 409, never a second execution, not even after the lease.
     key = new_key()
     size = MAX_RESPONSE - 4096
-    data = build_request("POST", "/orders", [("content-type", "application/json"),
-                                             ("idempotency-key", key),
-                                             ("x-response-bytes", str(size))], BODY)
+    data = build_request("POST", "/short-lease", [("content-type", "application/json"),
+                                                  ("idempotency-key", key),
+                                                  ("x-response-bytes", str(size))], BODY)
+    since = time.monotonic()
     got = harness.read_partial_and_disconnect(envoy.port, data, 2000)
     assert got.startswith(b"HTTP/1.1 201"), got[:200]
     assert upstream.executions(key) == 1
-    again = _post(envoy, key)
-    assert again.status in (201, 409), again
+    _past_the_lease(since)
+    again = _post(envoy, key, path="/short-lease")
     if again.replayed:
         # whatever was stored is the whole response of the one execution
         n = upstream.requests(key)[0]["n"]
+        assert again.status == 201, again
         assert again.header("x-execution") == str(n)
         assert again.body == expected_body(n, size)
-        assert upstream.executions(key) == 1
-    elif again.status == 409:
-        assert_problem(again, 409, "request-in-flight")
     else:
-        assert upstream.executions(key) == 2
+        _assert_not_stored_201(again)
+    assert upstream.executions(key) == 1
+
+
+def test_client_gone_mid_download_is_never_executed_again(envoy, upstream):
+    # The upstream sends 201, its headers and half the body, then pauses; the client reads a
+    # little and goes away. Envoy never has the whole response, so nothing can be stored, but
+    # the upstream executed: a retry gets 410 with the original status, even after the lease.
+    key = new_key()
+    data = build_request("POST", "/short-lease", [("content-type", "application/json"),
+                                                  ("idempotency-key", key),
+                                                  ("x-response-bytes", "20000"),
+                                                  ("x-body-pause-ms", "2000")], BODY)
+    since = time.monotonic()
+    got = harness.read_partial_and_disconnect(envoy.port, data, 2000)
+    assert got.startswith(b"HTTP/1.1 201"), got[:200]
+    assert upstream.executions(key) == 1
+    envoy.wait_idle()
+    _assert_not_stored_201(_post(envoy, key, path="/short-lease"))
+    _past_the_lease(since)
+    _assert_not_stored_201(_post(envoy, key, path="/short-lease"))
+    assert upstream.executions(key) == 1

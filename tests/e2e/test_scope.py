@@ -1,4 +1,9 @@
-"""Contract 3: a record belongs to (tenant, principal, method, path, key)."""
+"""Contract 3: a record belongs to (tenant, principal, method, path, key).
+
+Issue 8, item 7: ... and to the host. `Host: a.example` and `Host: b.example` are two records;
+the host is compared lower-cased and without the scheme's default port (`A.Example:80` is
+`a.example` on plain HTTP). One `x-tenant-id: a,b` header and two headers `a` + `b` are two
+different tenants. (Envoy's virtual host here has `domains: ["*"]`, so any host routes.)"""
 
 from __future__ import annotations
 
@@ -94,3 +99,45 @@ def test_same_key_with_another_method_is_independent(envoy, upstream):
     assert upstream.executions(key) == 2
     again = _call(envoy, key, method="PATCH", path="/orders/1")
     assert again.replayed and again.header("x-execution") == patch.header("x-execution")
+
+
+def _raw(envoy, key, host, extra=()):
+    headers = [("host", host), ("content-type", "application/json"),
+               ("idempotency-key", key)] + list(extra)
+    return envoy.raw("POST", "/orders", headers, BODY)
+
+
+def test_different_host_is_a_different_record(envoy, upstream):
+    key = new_key()
+    a = _raw(envoy, key, "a.example")
+    b = _raw(envoy, key, "b.example")
+    assert _fresh(a) and _fresh(b), (a, b)
+    assert upstream.executions(key) == 2
+    a2 = _raw(envoy, key, "a.example")
+    b2 = _raw(envoy, key, "b.example")
+    assert a2.replayed and a2.header("x-execution") == a.header("x-execution"), a2
+    assert b2.replayed and b2.header("x-execution") == b.header("x-execution"), b2
+    assert upstream.executions(key) == 2
+
+
+def test_host_is_lower_cased_and_the_default_port_dropped(envoy, upstream):
+    key = new_key()
+    a = _raw(envoy, key, "a.example")
+    assert _fresh(a), a
+    same = _raw(envoy, key, "A.Example:80")
+    assert same.replayed and same.header("x-execution") == a.header("x-execution"), same
+    # the normalized host is still compared, not ignored
+    other = _raw(envoy, key, "B.Example:80")
+    assert _fresh(other), other
+    assert upstream.executions(key) == 2
+
+
+def test_one_tenant_header_with_a_comma_is_not_two_headers(envoy, upstream):
+    key = new_key()
+    t = new_key()
+    joined = _raw(envoy, key, "a.example", [("x-tenant-id", "a%s,b%s" % (t, t))])
+    split = _raw(envoy, key, "a.example", [("x-tenant-id", "a" + t), ("x-tenant-id", "b" + t)])
+    assert _fresh(joined) and _fresh(split), (joined, split)
+    assert upstream.executions(key) == 2
+    again = _raw(envoy, key, "a.example", [("x-tenant-id", "a%s,b%s" % (t, t))])
+    assert again.replayed and again.header("x-execution") == joined.header("x-execution"), again

@@ -15,6 +15,8 @@ from harness import assert_problem, new_key, retry_after_seconds
 FILTER_CONFIG = {
     "store": {"type": "local", "capacity": 10000},
     "max_waiters_per_key": 100,
+    # x 1 MiB (default max_request_bytes) = 200 MiB of held bodies, inside the 256 MiB bound
+    "max_waiters": 200,
     "routes": [
         {"name": "wait", "match": {"prefix": "/wait"}, "require_key": True,
          "concurrent": "wait", "wait_timeout": "10s"},

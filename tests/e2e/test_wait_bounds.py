@@ -9,6 +9,7 @@ from harness import assert_problem, new_key
 
 FILTER_CONFIG = {
     "max_waiters_per_key": 2,
+    "max_waiters": 100,  # x 1 MiB bodies: inside the 256 MiB bound on held request bodies
     "routes": [{"name": "wait", "match": {"prefix": "/wait"}, "require_key": True,
                 "concurrent": "wait", "wait_timeout": "10s"}],
 }

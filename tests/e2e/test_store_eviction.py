@@ -1,0 +1,63 @@
+"""Issue 8, item 4: abandoned claims are evicted. capacity 8 is exactly one bucket of 8 entries.
+
+Eight claims whose outcome is unknown (`x-reset: before-headers`: the upstream got the request
+and dropped the connection) stay PROCESSING for their lease (processing_timeout 2s). While the
+leases are live, a new key gets 503 `store-full`; once they have ended, a new key evicts one of
+them and is forwarded (201), although the ttl (1h) is far away. Quota is set as large as the
+store so that only the store bounds this one principal (the default would be capacity/10 = 0).
+
+Today: 503 `store-full` until the ttl.
+"""
+
+from __future__ import annotations
+
+import time
+
+import harness
+from harness import assert_problem, new_key, retry_after_seconds
+
+LEASE_S = 2
+
+FILTER_CONFIG = {
+    "store": {"type": "local", "capacity": 8},
+    "quota": {"per_tenant": 8, "per_principal": 8},
+    "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
+                "ttl": "1h", "processing_timeout": "%ds" % LEASE_S}],
+}
+
+BODY = b'{"qty":1}'
+
+
+def _post(envoy, key, **extra):
+    headers = {"content-type": "application/json", "idempotency-key": key}
+    headers.update({k.replace("_", "-"): v for k, v in extra.items()})
+    return envoy.post("/orders", BODY, headers, timeout=30)
+
+
+def test_abandoned_claims_are_evicted_after_their_lease(envoy, upstream):
+    unknown = envoy.idem("kept_unknown")
+    since = time.monotonic()
+    keys = [new_key() for _ in range(8)]
+    for k in keys:
+        r = _post(envoy, k, x_reset="before-headers")
+        assert r.status == 503 and not r.replayed, r  # Envoy's own 503: the upstream reset
+    envoy.wait_counter("kept_unknown", unknown + 8)
+    assert all(upstream.executions(k) == 1 for k in keys)
+
+    # the leases are live: the store is full
+    ninth = new_key()
+    r = _post(envoy, ninth)
+    assert time.monotonic() - since < LEASE_S, "too slow to observe the live leases"
+    assert_problem(r, 503, "store-full")
+    retry_after_seconds(r)
+    assert upstream.executions(ninth) == 0
+
+    # past the leases the abandoned claims may be evicted: the new key is forwarded
+    remaining = since + LEASE_S + 0.5 - time.monotonic()
+    if remaining > 0:
+        time.sleep(remaining)
+    accepted = _post(envoy, ninth)
+    assert accepted.status == 201 and not accepted.replayed, accepted
+    assert upstream.executions(ninth) == 1
+    again = _post(envoy, ninth)
+    assert again.replayed and again.header("x-execution") == accepted.header("x-execution")

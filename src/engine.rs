@@ -289,6 +289,7 @@ pub fn decide(
         now_ms,
         lease_ms: rule.processing_timeout_ms,
         ttl_ms: rule.ttl_ms,
+        quota: None,
     };
     let statuses = cfg.problem_statuses;
     match store.begin(&attempt) {
@@ -320,6 +321,10 @@ pub fn decide(
         },
         Ok(Begin::Full { retry_after_ms }) => respond_problem(
             Problem::new(Kind::StoreFull, 503, "no room for a new idempotency record; retry later")
+                .retry_after_ms(retry_after_ms),
+        ),
+        Ok(Begin::QuotaExceeded { retry_after_ms, .. }) => respond_problem(
+            Problem::new(Kind::StoreFull, 503, "too many idempotency records for this caller; retry later")
                 .retry_after_ms(retry_after_ms),
         ),
         Err(e) => {

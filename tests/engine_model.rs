@@ -71,9 +71,8 @@ fn pending(cfg: &Config, scope_key: u64) -> Pending {
 fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
     let cfg = config(capacity);
     let data = FakeSharedData::new();
-    LocalStore::new(&data, capacity).create_keys().unwrap();
     let stores: Vec<LocalStore<&FakeSharedData>> =
-        (0..workers).map(|_| LocalStore::new(&data, capacity)).collect();
+        (0..workers).map(|w| LocalStore::open(&data, capacity, [w as u8; 32], 0).unwrap()).collect();
     let mut rng = Lcg(seed);
     let mut now = 1u64;
     let mut execs: Vec<Execution> = Vec::new();

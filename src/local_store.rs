@@ -335,6 +335,13 @@ impl<S: SharedData> LocalStore<S> {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Restored {
+    Placed,
+    Occupied,
+    Superseded,
+}
+
 /// The slot write a replacing or dropping writer makes after its bucket write, and what it found.
 enum Fenced {
     Done,
@@ -409,8 +416,10 @@ impl<S: SharedData> LocalStore<S> {
         if let Some(v) = slot.filter(|v| !v.entry.is_expired(now)) {
             // A live outcome here means its record completed while being dropped or replaced:
             // that completion stands. Put it back (if nobody did) and look again.
-            self.restore(bucket, position, &v, None)?;
-            return Ok(None);
+            if self.restore(bucket, position, &v, None)? != Restored::Superseded {
+                return Ok(None);
+            }
+            // Superseded outcomes are garbage: the fence below empties the slot.
         }
 
         let charged = match &a.quota {
@@ -509,8 +518,10 @@ impl<S: SharedData> LocalStore<S> {
             }
             let (slot, again) = self.read_slot(bucket, ours.position)?;
             if let Some(v) = slot.filter(|v| !v.belongs_to(ours) && !v.entry.is_expired(now)) {
-                self.restore(bucket, ours.position, &v, Some(ours))?;
-                return Ok(Fenced::RolledBack);
+                if self.restore(bucket, ours.position, &v, Some(ours))? != Restored::Superseded {
+                    return Ok(Fenced::RolledBack);
+                }
+                // Superseded by a newer record of its scope: nothing to give way to.
             }
             read = again;
         }
@@ -519,29 +530,30 @@ impl<S: SharedData> LocalStore<S> {
 
     /// Puts a committed outcome back at its position in the bucket: in place of its own
     /// processing entry, of `ours` (the entry whose fence found it), or in a free position.
-    /// Anything else there now is a newer writer whose own fence settles it.
     fn restore(
         &self,
         bucket: u32,
         position: u8,
         v: &SlotValue,
         ours: Option<&Entry>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Restored, StoreError> {
         let restored = Entry { position, ..v.entry };
         let is = |e: &Entry, o: &Entry| e.scope == o.scope && e.owner == o.owner;
         for _ in 0..CAS_ATTEMPTS {
             let (mut entries, read) = self.read_bucket(bucket)?;
             match entries.iter().position(|e| e.position == position) {
-                Some(i) if entries[i] == restored => return Ok(()),
+                Some(i) if entries[i] == restored => return Ok(Restored::Placed),
                 Some(i) if is(&entries[i], &restored) || ours.is_some_and(|o| is(&entries[i], o)) => {
                     entries[i] = restored;
                 }
-                Some(_) => return Ok(()),
-                None if entries.iter().any(|e| e.scope == restored.scope) => return Ok(()),
+                // A newer writer holds the position: its own fence settles the outcome.
+                Some(_) => return Ok(Restored::Occupied),
+                // The scope already has a newer record: this outcome was superseded.
+                None if entries.iter().any(|e| e.scope == restored.scope) => return Ok(Restored::Superseded),
                 None => entries.push(restored),
             }
             if self.write_bucket(bucket, &entries, &read)? {
-                return Ok(());
+                return Ok(Restored::Placed);
             }
         }
         Err(StoreError::Contention)
@@ -645,8 +657,13 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
     fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
         let Some((bucket, position)) = self.locate(claim) else { return Ok(Settled::Lost) };
         for _ in 0..CAS_ATTEMPTS {
+            let (committed, _) = self.read_slot(bucket, position)?;
             let (mut entries, read) = self.read_bucket(bucket)?;
             let Some(i) = self.owned(&entries, claim, position) else { return Ok(Settled::Lost) };
+            if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
+                // Completed (its promotion lost): an outcome is final, it cannot be released.
+                return Ok(Settled::Lost);
+            }
             let gone = entries.remove(i);
             if self.write_bucket(bucket, &entries, &read)? {
                 // Its slot is already empty: the claim fenced it and the owner never completed.
@@ -697,7 +714,7 @@ impl<S: SharedData> LocalStore<S> {
             let (current, committed, _) = self.resolve(bucket, e)?;
             if let Some(v) = committed.filter(|_| !current.is_expired(now_ms)) {
                 // Completed after all; only its promotion was lost.
-                self.restore(bucket, e.position, &v, None)?;
+                let _ = self.restore(bucket, e.position, &v, None)?;
                 continue;
             }
             let (_, read) = self.read_slot(bucket, e.position)?;
@@ -718,7 +735,7 @@ impl<S: SharedData> LocalStore<S> {
                 let (now_there, _) = self.read_slot(bucket, e.position)?;
                 if let Some(v) = now_there.filter(|v| v.belongs_to(&e) && !v.entry.is_expired(now_ms)) {
                     // Its owner committed between our checks: the record lives on.
-                    self.restore(bucket, e.position, &v, None)?;
+                    let _ = self.restore(bucket, e.position, &v, None)?;
                     continue;
                 }
             }
@@ -1095,6 +1112,7 @@ mod tests {
         // the lease: never in flight, never taken over.
         assert_eq!(w1.begin(&attempt(1, 1, 12, 20)).unwrap(), Begin::Replay(snapshot("kept")));
         assert_eq!(w1.begin(&attempt(1, 1, 13, LEASE * 2)).unwrap(), Begin::Replay(snapshot("kept")));
+        assert_eq!(w0.release(&c).unwrap(), Settled::Lost, "an outcome is final");
         b.data.force_cas_mismatches(0);
         assert_eq!(w1.begin(&attempt(1, 1, 14, LEASE * 3)).unwrap(), Begin::Replay(snapshot("kept")));
         assert_eq!(w0.complete(&c, &done("again", LEASE * 3)).unwrap(), Settled::Lost);

@@ -137,6 +137,22 @@ enum Refusal {
     NoRoom { retry_after_ms: u64 },
 }
 
+impl Refusal {
+    fn answer(self, tenant: bool) -> Begin {
+        match self {
+            Refusal::Exceeded { retry_after_ms } => Begin::QuotaExceeded { retry_after_ms, tenant },
+            // A quota key without room for a new identity is a full store, as a full bucket is.
+            Refusal::NoRoom { retry_after_ms } => Begin::Full { retry_after_ms },
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Apply {
+    DryRun,
+    Write,
+}
+
 impl<S: SharedData> LocalStore<S> {
     /// Prepares the store for traffic: creates every key of the layout that does not exist yet
     /// (keys that exist keep their records: shared data survives VM reloads), loads the shared
@@ -777,9 +793,18 @@ impl<S: SharedData> LocalStore<S> {
         let now = a.now_ms;
         let expires = now.saturating_add(a.ttl_ms);
         let until = expires.saturating_add(a.lease_ms);
+        let ids = self.identities(q);
+        // Look at every identity before charging any: a charge refunded after a later refusal
+        // would still have pushed its counter's `until_ms`, delaying its healing.
+        for (tenant, tag, limit) in ids.iter().skip(1) {
+            match self.increment(*tag, *limit, now, expires, until, Apply::DryRun)? {
+                Ok(()) => {}
+                Err(refusal) => return Ok(Err(refusal.answer(*tenant))),
+            }
+        }
         let mut charged = Charged::default();
-        for (tenant, tag, limit) in self.identities(q) {
-            let refusal = match self.increment(tag, limit, now, expires, until) {
+        for (tenant, tag, limit) in ids {
+            let refusal = match self.increment(tag, limit, now, expires, until, Apply::Write) {
                 Ok(Ok(())) => {
                     if tenant {
                         charged.flags |= FLAG_TENANT_CHARGED;
@@ -794,10 +819,7 @@ impl<S: SharedData> LocalStore<S> {
                 Err(e) => Err(e),
             };
             self.discharge(charged.flags, charged.tenant_tag, charged.principal_tag, now);
-            return Ok(Err(match refusal? {
-                Refusal::Exceeded { retry_after_ms } => Begin::QuotaExceeded { retry_after_ms, tenant },
-                Refusal::NoRoom { retry_after_ms } => Begin::Full { retry_after_ms },
-            }));
+            return Ok(Err(refusal?.answer(tenant)));
         }
         Ok(Ok(charged))
     }
@@ -809,6 +831,7 @@ impl<S: SharedData> LocalStore<S> {
         now: u64,
         expires: u64,
         until: u64,
+        apply: Apply,
     ) -> Result<Result<(), Refusal>, StoreError> {
         let key = self.quota_key(tag);
         for _ in 0..CAS_ATTEMPTS {
@@ -848,7 +871,7 @@ impl<S: SharedData> LocalStore<S> {
                     }
                 }
             }
-            if self.cas(&key, &record::encode_counters(&counters), &read)? {
+            if apply == Apply::DryRun || self.cas(&key, &record::encode_counters(&counters), &read)? {
                 return Ok(Ok(()));
             }
         }

@@ -586,9 +586,15 @@ impl<S: SharedData> LocalStore<S> {
     }
 
     /// Best effort: the committed outcome is already true; this only saves readers a slot read.
-    fn promote(&self, bucket: u32, committed: &Entry) -> Result<(), StoreError> {
+    /// `first` is the bucket as read for the ownership check: usually still current, so the
+    /// common case costs no second read.
+    fn promote(&self, bucket: u32, committed: &Entry, first: (Vec<Entry>, Read)) -> Result<(), StoreError> {
+        let mut current = Some(first);
         for _ in 0..CAS_ATTEMPTS {
-            let (mut entries, read) = self.read_bucket(bucket)?;
+            let (mut entries, read) = match current.take() {
+                Some(first) => first,
+                None => self.read_bucket(bucket)?,
+            };
             let Some(i) = entries.iter().position(|e| {
                 e.position == committed.position
                     && e.scope == committed.scope
@@ -634,7 +640,7 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
             // new owner's outcome. The bucket is only read here, so its contention cannot
             // starve the completion.
             let (committed, slot) = self.read_slot(bucket, position)?;
-            let (entries, _) = self.read_bucket(bucket)?;
+            let (entries, bucket_read) = self.read_bucket(bucket)?;
             let Some(i) = self.owned(&entries, claim, position) else { return Ok(Settled::Lost) };
             if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
                 // Already completed (its promotion lost): an outcome is final.
@@ -654,13 +660,14 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
                 (e, bytes)
             });
             if self.cas(&key, bytes, &slot)? {
-                if let Err(e) = self.promote(bucket, entry) {
+                let late = c.now_ms > entries[i].lease_deadline_ms;
+                if let Err(e) = self.promote(bucket, entry, (entries, bucket_read)) {
                     log::debug!(
                         "completion of {} committed, bucket not promoted: {e}",
                         claim.scope.log_tag()
                     );
                 }
-                if c.now_ms > entries[i].lease_deadline_ms {
+                if late {
                     // Completed after its lease: it lives past what its counters assumed.
                     self.extend_charge(entry, entry.expires_at_ms);
                 }

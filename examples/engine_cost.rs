@@ -17,8 +17,7 @@ fn main() {
     let n: u64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(20_000);
     let cfg = parse(br#"{"store":{"type":"local","capacity":100000},"routes":[{"name":"orders","match":{"prefix":"/orders","methods":["POST"]},"require_key":true}]}"#).expect("config");
     let data = FakeSharedData::new();
-    let store = LocalStore::new(&data, 100_000);
-    store.create_keys().expect("keys");
+    let store = LocalStore::open(&data, 100_000, [7; 32], 0).expect("store");
     let body = format!("{{\"item\":\"book\",\"qty\":1,\"pad\":\"{}\"}}", "x".repeat(980)).into_bytes();
     let response = Snapshot {
         status: 201,

@@ -435,12 +435,12 @@ pub fn decide_fingerprinted(
         now_ms,
         lease_ms: rule.processing_timeout_ms,
         ttl_ms: rule.ttl_ms,
-        quota: QuotaCharge {
+        quota: Some(QuotaCharge {
             tenant: pending.tenant,
             principal: pending.principal,
             per_tenant: cfg.quota.per_tenant,
             per_principal: cfg.quota.per_principal,
-        },
+        }),
     };
     let statuses = cfg.problem_statuses;
     match store.begin(&attempt) {

@@ -1,40 +1,100 @@
 //! The embedded store: records in Envoy's shared data, shared by every worker of one Envoy.
 //!
-//! Layout (namespace `idem:v1:<buckets>:`, so a capacity change starts a fresh namespace instead
-//! of misreading the old placement):
+//! Layout (namespace `idem:v2:<buckets>:`, so a capacity change starts a fresh namespace instead
+//! of misreading the old placement; the old one is retired, see below):
 //! - `b:<i>`     bucket i: up to ENTRIES_PER_BUCKET compact record entries (record.rs);
-//! - `s:<i>:<p>` the snapshot slot of position p in bucket i;
-//! - `sweep`     the sweep cursor, so workers share the sweeping instead of repeating it.
+//! - `s:<i>:<p>` the snapshot slot of position p in bucket i: the record's committed outcome;
+//! - `q:<j>`     quota key j: up to COUNTERS_PER_QUOTA_KEY live-record counters;
+//! - `sweep`     the sweep cursor, so workers share the sweeping instead of repeating it;
+//! - `ready`     set once every key above exists.
 //!
-//! Every key is created once, empty, by `create_keys` when the plugin is configured (the main
-//! thread configures before any worker serves), and never again. That is what makes claims safe:
-//! Envoy ignores the CAS on a write to a missing key, but every write here goes to a key that
-//! already exists, so each CAS really is compare-and-swap. It also bounds memory: keys are never
-//! deleted by Envoy, and this layout has a fixed number of them whatever keys clients send.
+//! Two keys are global: `idem:v2:secret` (the 32-byte placement secret every worker shares) and
+//! `idem:layouts` (the registry of namespaces in use, with heartbeats).
+//!
+//! Every key is created once, empty, by `open` when the plugin is configured (the main thread
+//! configures before any worker serves), and never again. That is what makes claims safe: Envoy
+//! ignores the CAS on a write to a missing key, but every write here goes to a key that already
+//! exists, so each CAS really is compare-and-swap. It also bounds memory: keys are never deleted
+//! by Envoy, and this layout has a fixed number of them whatever keys, tenants or principals
+//! clients send: `buckets * (ENTRIES_PER_BUCKET + 2) + 2` per namespace, plus the 2 global keys
+//! (with capacity C, buckets = ceil(C / 8)). Bytes per live record: one entry in its bucket
+//! (ENTRY_LEN = 117 B), its slot once completed (1 + 117 B plus the snapshot: status, headers,
+//! body), and at most two quota counters (COUNTER_LEN = 36 B each) shared by the identity's
+//! records.
+//!
+//! Commit point. A record's slot, not its bucket, is where a completion becomes true: `complete`
+//! CAS-writes the outcome into the slot and only then promotes the bucket entry, best effort. A
+//! slot is written only by its record's owner and by whoever just changed the entry at that
+//! position, so a busy bucket cannot starve a completion. Whenever a reader meets a processing
+//! entry it reads the slot first: an outcome there tagged with the entry's scope and owner means
+//! the record is completed. Whoever replaces or drops an entry (takeover, eviction, sweep) writes
+//! the slot afterwards as a CAS against a read taken before its bucket write ("fence"): an owner
+//! that checked its ownership before that bucket write and writes its outcome after it fails its
+//! CAS and sees it lost; an owner whose outcome landed first wins, and the fencer puts the
+//! completed record back (`restore`).
 
-use crate::record::{self, Entry, SlotValue, State, FLAG_BODY_NOT_STORED};
+use crate::record::{
+    self, Counter, Entry, Layout, SlotValue, State, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED,
+    FLAG_TENANT_CHARGED,
+};
+use crate::scope::ScopeId;
 use crate::shared_data::{Read, SharedData, SharedDataError};
-use crate::store::{Begin, Claim, ClaimAttempt, Completion, RecordStore, Settled, StoreError};
+use crate::store::{Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled, StoreError};
+use sha2::{Digest, Sha256};
 
-/// Entries per bucket: small enough that a bucket (about 750 bytes) is cheap to copy under the
+/// Entries per bucket: small enough that a bucket (about 950 bytes) is cheap to copy under the
 /// host's global shared-data lock on every request, large enough that uneven hashing rarely fills
 /// one bucket while others have room.
 pub const ENTRIES_PER_BUCKET: u8 = 8;
 
-/// CAS attempts before giving up with `Contention` (bounded: a retry storm must not spin a
-/// worker).
+/// Counters per quota key. There is one quota key per bucket, so the store holds two counters
+/// per record it can hold: room for a distinct tenant and principal for every live record, up
+/// to uneven hashing (a quota key with no room answers `Full`, as a full bucket does).
+pub const COUNTERS_PER_QUOTA_KEY: u8 = 16;
+
+/// CAS attempts on a bucket, quota key or registry before giving up with `Contention`
+/// (bounded: a retry storm must not spin a worker).
 const CAS_ATTEMPTS: usize = 16;
+
+/// Safety net for CAS loops on one slot. A slot CAS only loses to another write to the same slot
+/// between our read and our write, and the only writers of a slot are its record's owner and
+/// whoever just replaced or dropped the entry at that position. After such a write, our next
+/// ownership check fails (we return `Lost`) or our next CAS succeeds; so the loop ends within a
+/// few passes and this bound is never reached unless the host misbehaves.
+const SLOT_ATTEMPTS: usize = 1000;
 
 /// Buckets examined per sweep call.
 const SWEEP_BATCH: u32 = 64;
 
-/// Longest `retry-after` suggested when the store is full.
-const FULL_RETRY_CAP_MS: u64 = 60_000;
+/// Buckets of a retired namespace emptied per sweep call (each bucket has 10 keys).
+const RETIRE_BATCH: u32 = 16;
+
+/// A namespace whose heartbeat is older than this is retired. Every live root sweeps (and so
+/// beats) about once a second; after a config update the old roots are gone within seconds.
+pub const RETIRE_AFTER_MS: u64 = 30_000;
+
+/// Longest `retry-after` suggested when the store is full or a quota is reached.
+const RETRY_CAP_MS: u64 = 60_000;
+
+/// `retry-after` for a reached quota whose earliest record should have expired already: it still
+/// counts until a sweep drops it, and sweeps run every second.
+const QUOTA_RETRY_FALLBACK_MS: u64 = 1_000;
+
+pub const NAMESPACE: &str = "idem:v2:";
+pub const SECRET_KEY: &str = "idem:v2:secret";
+pub const LAYOUTS_KEY: &str = "idem:layouts";
+
+const PLACEMENT_TAG: &[u8] = b"idempotency-filter/placement/v2\0";
+const TENANT_QUOTA_TAG: &[u8] = b"idempotency-filter/quota/tenant/v2\0";
+const PRINCIPAL_QUOTA_TAG: &[u8] = b"idempotency-filter/quota/principal/v2\0";
 
 pub struct LocalStore<S: SharedData> {
     data: S,
     buckets: u32,
     prefix: String,
+    /// Keys placement and quota tags (see `keyed`).
+    secret: [u8; 32],
+    created: u32,
 }
 
 fn host(e: SharedDataError) -> StoreError {
@@ -44,10 +104,80 @@ fn host(e: SharedDataError) -> StoreError {
     }
 }
 
+fn prefix_of(buckets: u32) -> String {
+    format!("{NAMESPACE}{buckets}:")
+}
+
+fn bucket_key_in(prefix: &str, bucket: u32) -> String {
+    format!("{prefix}b:{bucket}")
+}
+
+fn slot_key_in(prefix: &str, bucket: u32, position: u8) -> String {
+    format!("{prefix}s:{bucket}:{position}")
+}
+
+fn quota_key_in(prefix: &str, index: u32) -> String {
+    format!("{prefix}q:{index}")
+}
+
+fn retry_hint(until_ms: u64, now_ms: u64) -> u64 {
+    until_ms.saturating_sub(now_ms).clamp(1, RETRY_CAP_MS)
+}
+
+/// What a new record was charged to: entry flags and tags.
+#[derive(Debug, Clone, Copy, Default)]
+struct Charged {
+    flags: u8,
+    tenant_tag: u64,
+    principal_tag: u64,
+}
+
+enum Refusal {
+    Exceeded { retry_after_ms: u64 },
+    NoRoom { retry_after_ms: u64 },
+}
+
+impl Refusal {
+    fn answer(self, tenant: bool) -> Begin {
+        match self {
+            Refusal::Exceeded { retry_after_ms } => Begin::QuotaExceeded { retry_after_ms, tenant },
+            // A quota key without room for a new identity is a full store, as a full bucket is.
+            Refusal::NoRoom { retry_after_ms } => Begin::Full { retry_after_ms },
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Apply {
+    DryRun,
+    Write,
+}
+
 impl<S: SharedData> LocalStore<S> {
+    /// Prepares the store for traffic: creates every key of the layout that does not exist yet
+    /// (keys that exist keep their records: shared data survives VM reloads), loads the shared
+    /// placement secret (installing `fresh_secret` if no worker did yet), and registers this
+    /// namespace in the layout registry. Call it where the main thread configures, before any
+    /// worker serves; `fresh_secret` must be unpredictable to clients.
+    pub fn open(data: S, capacity: u32, fresh_secret: [u8; 32], now_ms: u64) -> Result<Self, StoreError> {
+        let mut store = Self::unopened(data, capacity);
+        store.created = store.create_keys()?;
+        store.secret = store.load_secret(fresh_secret)?;
+        store.beat(now_ms)?;
+        Ok(store)
+    }
+
+    /// A handle for in-crate tests that manage the layout themselves (`create_keys`), or want a
+    /// layout that was never created. Its placement secret is fixed (all zeros), so only pair
+    /// it with other `new` handles, never with `open`ed ones.
+    #[cfg(test)]
     pub fn new(data: S, capacity: u32) -> Self {
+        Self::unopened(data, capacity)
+    }
+
+    fn unopened(data: S, capacity: u32) -> Self {
         let buckets = capacity.div_ceil(u32::from(ENTRIES_PER_BUCKET)).max(1);
-        LocalStore { data, buckets, prefix: format!("idem:v1:{buckets}:") }
+        LocalStore { data, buckets, prefix: prefix_of(buckets), secret: [0; 32], created: 0 }
     }
 
     pub fn buckets(&self) -> u32 {
@@ -59,16 +189,21 @@ impl<S: SharedData> LocalStore<S> {
         u64::from(self.buckets) * u64::from(ENTRIES_PER_BUCKET)
     }
 
+    /// Keys `open` had to create (0 when the layout survived a reload).
+    pub fn keys_created(&self) -> u32 {
+        self.created
+    }
+
     pub fn shared_data(&self) -> &S {
         &self.data
     }
 
     fn bucket_key(&self, bucket: u32) -> String {
-        format!("{}b:{bucket}", self.prefix)
+        bucket_key_in(&self.prefix, bucket)
     }
 
     fn slot_key(&self, bucket: u32, position: u8) -> String {
-        format!("{}s:{bucket}:{position}", self.prefix)
+        slot_key_in(&self.prefix, bucket, position)
     }
 
     fn cursor_key(&self) -> String {
@@ -79,40 +214,82 @@ impl<S: SharedData> LocalStore<S> {
         format!("{}ready", self.prefix)
     }
 
-    /// Creates every key of the layout that does not exist yet, empty. Keys that exist (shared
-    /// data survives VM reloads) keep their records. Returns how many keys were created.
-    pub fn create_keys(&self) -> Result<u32, StoreError> {
-        if self.data.get(&self.ready_key()).map_err(host)?.exists() {
-            return Ok(0);
-        }
+    pub(crate) fn create_keys(&self) -> Result<u32, StoreError> {
         let mut created = 0;
-        let mut ensure = |key: String| -> Result<(), StoreError> {
-            if !self.data.get(&key).map_err(host)?.exists() {
-                self.data.set(&key, &[], None).map_err(host)?;
+        let mut ensure = |key: &str| -> Result<(), StoreError> {
+            if !self.data.get(key).map_err(host)?.exists() {
+                self.data.set(key, &[], None).map_err(host)?;
                 created += 1;
             }
             Ok(())
         };
-        for b in 0..self.buckets {
-            ensure(self.bucket_key(b))?;
-            for p in 0..ENTRIES_PER_BUCKET {
-                ensure(self.slot_key(b, p))?;
-            }
+        // Created empty, so a creation race (set on a missing key ignores CAS) can only write
+        // the same empty value twice; the contents are then installed by CAS.
+        ensure(SECRET_KEY)?;
+        ensure(LAYOUTS_KEY)?;
+        if self.data.get(&self.ready_key()).map_err(host)?.exists() {
+            return Ok(created);
         }
-        ensure(self.cursor_key())?;
+        for b in 0..self.buckets {
+            ensure(&self.bucket_key(b))?;
+            for p in 0..ENTRIES_PER_BUCKET {
+                ensure(&self.slot_key(b, p))?;
+            }
+            ensure(&quota_key_in(&self.prefix, b))?;
+        }
+        ensure(&self.cursor_key())?;
         self.data.set(&self.ready_key(), b"1", None).map_err(host)?;
         Ok(created)
+    }
+
+    /// The first secret installed wins: install ours only while the key is still empty (a CAS
+    /// on an existing key), then read back whichever is there.
+    fn load_secret(&self, fresh: [u8; 32]) -> Result<[u8; 32], StoreError> {
+        for _ in 0..CAS_ATTEMPTS {
+            let read = self.data.get(SECRET_KEY).map_err(host)?;
+            if !read.exists() {
+                return Err(StoreError::Unavailable(format!("{SECRET_KEY} was never created")));
+            }
+            if let Some(v) = read.value {
+                return <[u8; 32]>::try_from(v.as_slice())
+                    .map_err(|_| StoreError::Corrupt(format!("{SECRET_KEY}: {} bytes", v.len())));
+            }
+            match self.data.set(SECRET_KEY, &fresh, read.cas) {
+                Ok(()) | Err(SharedDataError::CasMismatch) => {}
+                Err(e) => return Err(host(e)),
+            }
+        }
+        Err(StoreError::Contention)
+    }
+
+    /// Keyed hash. Placement and quota tags are keyed with the shared secret because the scope
+    /// id and the identity digests are public functions of what a client sends: unkeyed, an
+    /// attacker could compute offline which keys land in one bucket (or quota key) and fill it
+    /// for everybody placed there.
+    fn keyed(&self, domain: &[u8], data: &[u8]) -> u64 {
+        let mut h = Sha256::new();
+        h.update(domain);
+        h.update(self.secret);
+        h.update(data);
+        let d = h.finalize();
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&d[..8]);
+        u64::from_be_bytes(b)
+    }
+
+    fn bucket_of(&self, scope: &ScopeId) -> u32 {
+        // buckets >= 1, and the remainder is < buckets <= u32::MAX.
+        u32::try_from(self.keyed(PLACEMENT_TAG, &scope.0) % u64::from(self.buckets)).unwrap_or(0)
+    }
+
+    fn quota_key(&self, tag: u64) -> String {
+        quota_key_in(&self.prefix, u32::try_from(tag % u64::from(self.buckets)).unwrap_or(0))
     }
 
     fn locate(&self, claim: &Claim) -> Option<(u32, u8)> {
         let bucket = u32::try_from(claim.locator >> 8).ok()?;
         let position = u8::try_from(claim.locator & 0xff).ok()?;
         (bucket < self.buckets && position < ENTRIES_PER_BUCKET).then_some((bucket, position))
-    }
-
-    fn bucket_of(&self, scope: &crate::scope::ScopeId) -> u32 {
-        // buckets >= 1, and the remainder is < buckets <= u32::MAX.
-        u32::try_from(scope.placement() % u64::from(self.buckets)).unwrap_or(0)
     }
 
     /// Reads a bucket that must exist; a missing key means the layout was never created.
@@ -129,64 +306,273 @@ impl<S: SharedData> LocalStore<S> {
 
     /// CAS-writes a bucket. Ok(false): another writer got there first; re-read and retry.
     fn write_bucket(&self, bucket: u32, entries: &[Entry], read: &Read) -> Result<bool, StoreError> {
-        match self.data.set(&self.bucket_key(bucket), &record::encode_bucket(entries), read.cas) {
+        self.cas(&self.bucket_key(bucket), &record::encode_bucket(entries), read)
+    }
+
+    fn cas(&self, key: &str, bytes: &[u8], read: &Read) -> Result<bool, StoreError> {
+        if !read.exists() {
+            // Never create a key here: creation ignores CAS.
+            return Err(StoreError::Unavailable(format!("{key} was never created")));
+        }
+        match self.data.set(key, bytes, read.cas) {
             Ok(()) => Ok(true),
             Err(SharedDataError::CasMismatch) => Ok(false),
             Err(e) => Err(host(e)),
         }
     }
 
-    fn read_snapshot(&self, bucket: u32, entry: &Entry) -> Result<Option<SlotValue>, StoreError> {
-        let key = self.slot_key(bucket, entry.position);
+    /// Reads a slot that must exist, and the outcome it holds, whoever it belongs to.
+    fn read_slot(&self, bucket: u32, position: u8) -> Result<(Option<SlotValue>, Read), StoreError> {
+        let key = self.slot_key(bucket, position);
         let read = self.data.get(&key).map_err(host)?;
-        let Some(bytes) = read.value else { return Ok(None) };
-        let slot = record::decode_slot(&bytes).map_err(|e| StoreError::Corrupt(format!("{key}: {e:?}")))?;
-        // A slot may still hold the snapshot of an earlier record at this position, or already
-        // a newer one: only the snapshot tagged with this entry's scope and owner is its own.
-        Ok((slot.scope == entry.scope && slot.owner == entry.owner).then_some(slot))
+        if !read.exists() {
+            return Err(StoreError::Unavailable(format!("{key} was never created")));
+        }
+        let Some(bytes) = read.value.as_deref() else { return Ok((None, read)) };
+        let slot = record::decode_slot(bytes).map_err(|e| StoreError::Corrupt(format!("{key}: {e:?}")))?;
+        Ok((Some(slot), read))
     }
 
+    /// The entry as it really stands: a processing entry whose slot holds its committed outcome
+    /// is completed (its bucket promotion may have lost). Returns the slot read too, for a fence.
+    fn resolve(
+        &self,
+        bucket: u32,
+        e: &Entry,
+    ) -> Result<(Entry, Option<SlotValue>, Option<Read>), StoreError> {
+        if e.is_completed() {
+            return Ok((*e, None, None));
+        }
+        let (slot, read) = self.read_slot(bucket, e.position)?;
+        match slot.filter(|v| v.belongs_to(e)) {
+            Some(v) => Ok((Entry { position: e.position, ..v.entry }, Some(v), Some(read))),
+            None => Ok((*e, None, Some(read))),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Restored {
+    Placed,
+    Occupied,
+    Superseded,
+}
+
+/// The slot write a replacing or dropping writer makes after its bucket write, and what it found.
+enum Fenced {
+    Done,
+    /// An outcome committed before the fence: the completed record was put back instead.
+    RolledBack,
+}
+
+impl<S: SharedData> LocalStore<S> {
     fn begin_once(&self, a: &ClaimAttempt) -> Result<Option<Begin>, StoreError> {
         let bucket = self.bucket_of(&a.scope);
-        let (mut entries, read) = self.read_bucket(bucket)?;
-        entries.retain(|e| !e.is_expired(a.now_ms));
+        let (entries, read) = self.read_bucket(bucket)?;
+        let now = a.now_ms;
 
-        if let Some(i) = entries.iter().position(|e| e.scope == a.scope) {
-            let existing = entries[i];
-            if existing.fingerprint != a.fingerprint {
-                return Ok(Some(Begin::Mismatch));
-            }
-            match existing.state {
-                State::Succeeded | State::FailedFinal => {
-                    if !existing.body_stored() {
-                        return Ok(Some(Begin::NotStored { status: existing.status }));
+        let mut victim = None;
+        if let Some(existing) = entries.iter().find(|e| e.scope == a.scope).copied() {
+            let (current, committed, slot_read) = self.resolve(bucket, &existing)?;
+            if !current.is_expired(now) {
+                if current.fingerprint != a.fingerprint {
+                    return Ok(Some(Begin::Mismatch));
+                }
+                if current.is_completed() {
+                    if !current.body_stored() {
+                        return Ok(Some(Begin::NotStored { status: current.status }));
                     }
-                    return Ok(self
-                        .read_snapshot(bucket, &existing)?
-                        .map(|slot| Begin::Replay(slot.snapshot)));
+                    let snapshot = match committed {
+                        Some(v) => v.snapshot,
+                        None => self.read_snapshot(bucket, &existing)?,
+                    };
+                    return Ok(snapshot.map(Begin::Replay));
                 }
-                State::Processing if a.now_ms < existing.lease_deadline_ms => {
-                    return Ok(Some(Begin::InFlight {
-                        retry_after_ms: existing.lease_deadline_ms - a.now_ms,
-                    }));
+                if now < existing.lease_deadline_ms {
+                    return Ok(Some(Begin::InFlight { retry_after_ms: existing.lease_deadline_ms - now }));
                 }
-                State::Processing => {
-                    entries[i] = new_entry(existing.position, a);
-                    let claim = claim_for(bucket, existing.position, a);
-                    return Ok(self.write_bucket(bucket, &entries, &read)?.then_some(Begin::TookOver(claim)));
+                // The lease ended without an outcome: take the record over. It keeps its quota
+                // charge (same scope, so same tenant and principal): a takeover is not charged.
+                let next = Entry {
+                    owner: a.owner,
+                    lease_deadline_ms: now.saturating_add(a.lease_ms),
+                    expires_at_ms: now.saturating_add(a.ttl_ms),
+                    ..existing
+                };
+                let replaced: Vec<Entry> =
+                    entries.iter().map(|e| if e.position == existing.position { next } else { *e }).collect();
+                if !self.write_bucket(bucket, &replaced, &read)? {
+                    return Ok(None);
                 }
+                let Some(slot_read) = slot_read else { return Ok(None) };
+                return match self.fence(bucket, &next, slot_read, now)? {
+                    Fenced::RolledBack => Ok(None),
+                    Fenced::Done => {
+                        // The record lives past what its counters assumed when it was charged.
+                        self.extend_charge(&next, now.saturating_add(a.lease_ms).saturating_add(a.ttl_ms));
+                        Ok(Some(Begin::TookOver(claim_for(bucket, existing.position, a))))
+                    }
+                };
             }
+            // Expired (per its committed outcome, if any): absent, and its place is reused.
+            victim = Some(existing);
         }
 
-        let Some(position) = (0..ENTRIES_PER_BUCKET).find(|p| entries.iter().all(|e| e.position != *p))
-        else {
-            let soonest = entries.iter().map(|e| e.expires_at_ms).min().unwrap_or(a.now_ms);
-            let wait = soonest.saturating_sub(a.now_ms).clamp(1, FULL_RETRY_CAP_MS);
-            return Ok(Some(Begin::Full { retry_after_ms: wait }));
+        let free = (0..ENTRIES_PER_BUCKET).find(|p| entries.iter().all(|e| e.position != *p));
+        let (position, victim) = match (victim, free) {
+            (Some(v), _) => (v.position, Some(v)),
+            (None, Some(p)) => (p, None),
+            (None, None) => match self.evictable(bucket, &entries, now)? {
+                Ok(v) => (v.position, Some(v)),
+                Err(retry_after_ms) => return Ok(Some(Begin::Full { retry_after_ms })),
+            },
         };
-        entries.push(new_entry(position, a));
-        let claim = claim_for(bucket, position, a);
-        Ok(self.write_bucket(bucket, &entries, &read)?.then_some(Begin::Claimed(claim)))
+        // Read the slot before the bucket write: the fence below is a CAS against this read.
+        let (slot, slot_read) = self.read_slot(bucket, position)?;
+        if let Some(v) = slot.filter(|v| !v.entry.is_expired(now)) {
+            // A live outcome here means its record completed while being dropped or replaced:
+            // that completion stands. Put it back (if nobody did) and look again.
+            if self.restore(bucket, position, &v, None)? != Restored::Superseded {
+                return Ok(None);
+            }
+            // Superseded outcomes are garbage: the fence below empties the slot.
+        }
+
+        let charged = match &a.quota {
+            None => Charged::default(),
+            Some(q) => match self.charge(q, a)? {
+                Ok(c) => c,
+                Err(refusal) => return Ok(Some(refusal)),
+            },
+        };
+        let new = Entry {
+            position,
+            state: State::Processing,
+            flags: charged.flags,
+            status: 0,
+            scope: a.scope,
+            fingerprint: a.fingerprint,
+            owner: a.owner,
+            lease_deadline_ms: now.saturating_add(a.lease_ms),
+            expires_at_ms: now.saturating_add(a.ttl_ms),
+            charged_at_ms: now,
+            tenant_tag: charged.tenant_tag,
+            principal_tag: charged.principal_tag,
+        };
+        let mut next: Vec<Entry> = entries.iter().filter(|e| e.position != position).copied().collect();
+        next.push(new);
+        if !self.write_bucket(bucket, &next, &read)? {
+            self.uncharge(&new);
+            return Ok(None);
+        }
+        match self.fence(bucket, &new, slot_read, now)? {
+            Fenced::RolledBack => {
+                self.uncharge(&new);
+                Ok(None)
+            }
+            Fenced::Done => {
+                if let Some(v) = victim {
+                    self.uncharge(&v);
+                }
+                Ok(Some(Begin::Claimed(claim_for(bucket, position, a))))
+            }
+        }
+    }
+
+    /// An entry whose place a new record may take: expired, or processing past its lease with no
+    /// outcome in its slot (abandoned: exactly as safe to replace as a takeover is). Prefers the
+    /// one that ended first. Err: nothing evictable, and when something may become so.
+    fn evictable(&self, bucket: u32, entries: &[Entry], now: u64) -> Result<Result<Entry, u64>, StoreError> {
+        let ends = |e: &Entry| {
+            if e.is_completed() {
+                e.expires_at_ms
+            } else {
+                e.lease_deadline_ms.min(e.expires_at_ms)
+            }
+        };
+        let mut by_end: Vec<&Entry> = entries.iter().collect();
+        by_end.sort_by_key(|e| ends(e));
+        let mut soonest = u64::MAX;
+        for e in by_end {
+            if ends(e) > now {
+                soonest = soonest.min(ends(e));
+                continue;
+            }
+            let (current, _, _) = self.resolve(bucket, e)?;
+            if current.is_expired(now) || !current.is_completed() {
+                return Ok(Ok(*e));
+            }
+            soonest = soonest.min(current.expires_at_ms);
+        }
+        Ok(Err(retry_hint(soonest, now)))
+    }
+
+    /// The snapshot of a completed entry, if its slot holds this record's outcome.
+    fn read_snapshot(
+        &self,
+        bucket: u32,
+        entry: &Entry,
+    ) -> Result<Option<crate::record::Snapshot>, StoreError> {
+        let (slot, _) = self.read_slot(bucket, entry.position)?;
+        // A slot may still hold the outcome of an earlier record at this position, or already a
+        // newer one: only the outcome tagged with this entry's scope and owner is its own.
+        Ok(slot.filter(|v| v.belongs_to(entry)).and_then(|v| v.snapshot))
+    }
+
+    /// After putting `ours` at its position, empties the slot as a CAS against `pre` (read
+    /// before the bucket write). Any owner of the replaced record that checked ownership before
+    /// our bucket write and writes its outcome after this fails its CAS; an outcome that landed
+    /// first wins, and the bucket is rolled back to it.
+    fn fence(&self, bucket: u32, ours: &Entry, pre: Read, now: u64) -> Result<Fenced, StoreError> {
+        let key = self.slot_key(bucket, ours.position);
+        let mut read = pre;
+        for _ in 0..SLOT_ATTEMPTS {
+            // Written even when the slot is already empty: the write bumps the slot's CAS, which
+            // is what makes a late owner holding an older read fail.
+            if self.cas(&key, &[], &read)? {
+                return Ok(Fenced::Done);
+            }
+            let (slot, again) = self.read_slot(bucket, ours.position)?;
+            if let Some(v) = slot.filter(|v| !v.belongs_to(ours) && !v.entry.is_expired(now)) {
+                if self.restore(bucket, ours.position, &v, Some(ours))? != Restored::Superseded {
+                    return Ok(Fenced::RolledBack);
+                }
+                // Superseded by a newer record of its scope: nothing to give way to.
+            }
+            read = again;
+        }
+        Err(StoreError::Contention)
+    }
+
+    /// Puts a committed outcome back at its position in the bucket: in place of its own
+    /// processing entry, of `ours` (the entry whose fence found it), or in a free position.
+    fn restore(
+        &self,
+        bucket: u32,
+        position: u8,
+        v: &SlotValue,
+        ours: Option<&Entry>,
+    ) -> Result<Restored, StoreError> {
+        let restored = Entry { position, ..v.entry };
+        let is = |e: &Entry, o: &Entry| e.scope == o.scope && e.owner == o.owner;
+        for _ in 0..CAS_ATTEMPTS {
+            let (mut entries, read) = self.read_bucket(bucket)?;
+            match entries.iter().position(|e| e.position == position) {
+                Some(i) if entries[i] == restored => return Ok(Restored::Placed),
+                Some(i) if is(&entries[i], &restored) || ours.is_some_and(|o| is(&entries[i], o)) => {
+                    entries[i] = restored;
+                }
+                // A newer writer holds the position: its own fence settles the outcome.
+                Some(_) => return Ok(Restored::Occupied),
+                // The scope already has a newer record: this outcome was superseded.
+                None if entries.iter().any(|e| e.scope == restored.scope) => return Ok(Restored::Superseded),
+                None => entries.push(restored),
+            }
+            if self.write_bucket(bucket, &entries, &read)? {
+                return Ok(Restored::Placed);
+            }
+        }
+        Err(StoreError::Contention)
     }
 
     /// Index of the processing entry this claim owns, if it still owns one.
@@ -199,26 +585,30 @@ impl<S: SharedData> LocalStore<S> {
         })
     }
 
-    fn write_slot(&self, key: &str, bytes: &[u8], read: &Read) -> Result<bool, StoreError> {
-        match self.data.set(key, bytes, read.cas) {
-            Ok(()) => Ok(true),
-            Err(SharedDataError::CasMismatch) => Ok(false),
-            Err(e) => Err(host(e)),
+    /// Best effort: the committed outcome is already true; this only saves readers a slot read.
+    /// `first` is the bucket as read for the ownership check: usually still current, so the
+    /// common case costs no second read.
+    fn promote(&self, bucket: u32, committed: &Entry, first: (Vec<Entry>, Read)) -> Result<(), StoreError> {
+        let mut current = Some(first);
+        for _ in 0..CAS_ATTEMPTS {
+            let (mut entries, read) = match current.take() {
+                Some(first) => first,
+                None => self.read_bucket(bucket)?,
+            };
+            let Some(i) = entries.iter().position(|e| {
+                e.position == committed.position
+                    && e.scope == committed.scope
+                    && e.owner == committed.owner
+                    && !e.is_completed()
+            }) else {
+                return Ok(());
+            };
+            entries[i] = *committed;
+            if self.write_bucket(bucket, &entries, &read)? {
+                return Ok(());
+            }
         }
-    }
-}
-
-fn new_entry(position: u8, a: &ClaimAttempt) -> Entry {
-    Entry {
-        position,
-        state: State::Processing,
-        flags: 0,
-        status: 0,
-        scope: a.scope,
-        fingerprint: a.fingerprint,
-        owner: a.owner,
-        lease_deadline_ms: a.now_ms.saturating_add(a.lease_ms),
-        expires_at_ms: a.now_ms.saturating_add(a.ttl_ms),
+        Ok(())
     }
 }
 
@@ -237,36 +627,50 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
     }
 
     fn complete(&self, claim: &Claim, c: &Completion) -> Result<Settled, StoreError> {
+        if c.state == State::Processing {
+            return Err(StoreError::Corrupt("a completion must carry an outcome state".into()));
+        }
         let Some((bucket, position)) = self.locate(claim) else { return Ok(Settled::Lost) };
-        let slot_key = self.slot_key(bucket, position);
-        let encoded = c.snapshot.as_ref().map(|s| {
-            record::encode_slot(&SlotValue { scope: claim.scope, owner: claim.owner, snapshot: s.clone() })
-        });
-        for _ in 0..CAS_ATTEMPTS {
+        let key = self.slot_key(bucket, position);
+        let mut commit: Option<(Entry, Vec<u8>)> = None;
+        for _ in 0..SLOT_ATTEMPTS {
             // Slot first, then the ownership check, then the slot write as a CAS against that
-            // first read: an owner that lost its lease in between fails the CAS instead of
-            // overwriting the new owner's snapshot.
-            let slot = match encoded {
-                Some(_) => Some(self.data.get(&slot_key).map_err(host)?),
-                None => None,
-            };
-            let (mut entries, read) = self.read_bucket(bucket)?;
+            // first read: an owner that lost its record in between fails the CAS (whoever took
+            // the position fenced the slot after its bucket write) instead of overwriting the
+            // new owner's outcome. The bucket is only read here, so its contention cannot
+            // starve the completion.
+            let (committed, slot) = self.read_slot(bucket, position)?;
+            let (entries, bucket_read) = self.read_bucket(bucket)?;
             let Some(i) = self.owned(&entries, claim, position) else { return Ok(Settled::Lost) };
-            if let (Some(bytes), Some(slot)) = (encoded.as_deref(), slot.as_ref()) {
-                if !slot.exists() {
-                    return Err(StoreError::Unavailable(format!("{slot_key} was never created")));
-                }
-                if !self.write_slot(&slot_key, bytes, slot)? {
-                    continue;
-                }
+            if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
+                // Already completed (its promotion lost): an outcome is final.
+                return Ok(Settled::Lost);
             }
-            let e = &mut entries[i];
-            e.state = c.state;
-            e.status = c.status;
-            e.flags = if encoded.is_some() { 0 } else { FLAG_BODY_NOT_STORED };
-            e.expires_at_ms = c.now_ms.saturating_add(c.ttl_ms);
-            entries.retain(|e| !e.is_expired(c.now_ms));
-            if self.write_bucket(bucket, &entries, &read)? {
+            let (entry, bytes) = commit.get_or_insert_with(|| {
+                let mut e = entries[i];
+                e.state = c.state;
+                e.status = c.status;
+                e.flags = if c.snapshot.is_some() {
+                    e.flags & !FLAG_BODY_NOT_STORED
+                } else {
+                    e.flags | FLAG_BODY_NOT_STORED
+                };
+                e.expires_at_ms = c.now_ms.saturating_add(c.ttl_ms);
+                let bytes = record::encode_slot(&SlotValue { entry: e, snapshot: c.snapshot.clone() });
+                (e, bytes)
+            });
+            if self.cas(&key, bytes, &slot)? {
+                let late = c.now_ms > entries[i].lease_deadline_ms;
+                if let Err(e) = self.promote(bucket, entry, (entries, bucket_read)) {
+                    log::debug!(
+                        "completion of {} committed, bucket not promoted: {e}",
+                        claim.scope.log_tag()
+                    );
+                }
+                if late {
+                    // Completed after its lease: it lives past what its counters assumed.
+                    self.extend_charge(entry, entry.expires_at_ms);
+                }
                 return Ok(Settled::Done);
             }
         }
@@ -276,10 +680,17 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
     fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
         let Some((bucket, position)) = self.locate(claim) else { return Ok(Settled::Lost) };
         for _ in 0..CAS_ATTEMPTS {
+            let (committed, _) = self.read_slot(bucket, position)?;
             let (mut entries, read) = self.read_bucket(bucket)?;
             let Some(i) = self.owned(&entries, claim, position) else { return Ok(Settled::Lost) };
-            entries.remove(i);
+            if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
+                // Completed (its promotion lost): an outcome is final, it cannot be released.
+                return Ok(Settled::Lost);
+            }
+            let gone = entries.remove(i);
             if self.write_bucket(bucket, &entries, &read)? {
+                // Its slot is already empty: the claim fenced it and the owner never completed.
+                self.uncharge(&gone);
                 return Ok(Settled::Done);
             }
         }
@@ -287,6 +698,7 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
     }
 
     fn sweep(&self, now_ms: u64) -> Result<u32, StoreError> {
+        let housekeeping = self.housekeep(now_ms);
         let cursor_key = self.cursor_key();
         let cursor = self.data.get(&cursor_key).map_err(host)?;
         if !cursor.exists() {
@@ -303,74 +715,342 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
         let next = ((u64::from(start) + u64::from(batch)) % u64::from(self.buckets)) as u32;
         // Taking the range by CAS spreads sweeping over the workers; a worker that loses the race
         // simply skips this tick.
-        match self.data.set(&cursor_key, &next.to_be_bytes(), cursor.cas) {
-            Ok(()) => {}
-            Err(SharedDataError::CasMismatch) => return Ok(0),
-            Err(e) => return Err(host(e)),
+        if !self.cas(&cursor_key, &next.to_be_bytes(), &cursor)? {
+            return housekeeping.map(|()| 0);
         }
         let mut swept = 0;
         for k in 0..batch {
             let bucket = ((u64::from(start) + u64::from(k)) % u64::from(self.buckets)) as u32;
             swept += self.sweep_bucket(bucket, now_ms)?;
         }
-        Ok(swept)
+        housekeeping.map(|()| swept)
     }
 }
 
 impl<S: SharedData> LocalStore<S> {
     fn sweep_bucket(&self, bucket: u32, now_ms: u64) -> Result<u32, StoreError> {
         let (entries, _) = self.read_bucket(bucket)?;
-        let expired: Vec<Entry> = entries.iter().filter(|e| e.is_expired(now_ms)).copied().collect();
-        if expired.is_empty() {
-            return Ok(0);
+        // Read the slots first: emptying one is a CAS against this read, so an outcome committed
+        // after it (or a newer record's fence) is never wiped.
+        let mut dropped = Vec::new();
+        for e in entries.iter().filter(|e| e.is_expired(now_ms)) {
+            let (current, committed, _) = self.resolve(bucket, e)?;
+            if let Some(v) = committed.filter(|_| !current.is_expired(now_ms)) {
+                // Completed after all; only its promotion was lost.
+                let _ = self.restore(bucket, e.position, &v, None)?;
+                continue;
+            }
+            let (_, read) = self.read_slot(bucket, e.position)?;
+            dropped.push((*e, read));
         }
-        // Read the slots first: clearing one is a CAS against this read, so a snapshot written
-        // by a newer record after the bucket check below is never wiped.
-        let mut slots = Vec::with_capacity(expired.len());
-        for e in &expired {
-            let key = self.slot_key(bucket, e.position);
-            let read = self.data.get(&key).map_err(host)?;
-            slots.push((e.position, key, read));
+        if dropped.is_empty() {
+            return Ok(0);
         }
         let (mut entries, read) = self.read_bucket(bucket)?;
-        let before = entries.len();
-        entries.retain(|e| !e.is_expired(now_ms));
-        let removed = before - entries.len();
-        if removed == 0 || !self.write_bucket(bucket, &entries, &read)? {
+        entries.retain(|e| !dropped.iter().any(|(d, _)| d == e));
+        if !self.write_bucket(bucket, &entries, &read)? {
             return Ok(0);
         }
-        for (position, key, slot) in slots {
-            let reused = entries.iter().any(|e| e.position == position);
-            if slot.value.is_some() && !reused {
-                match self.data.set(&key, &[], slot.cas) {
-                    Ok(()) | Err(SharedDataError::CasMismatch) => {}
-                    Err(e) => return Err(host(e)),
+        let mut swept = 0;
+        for (e, slot) in dropped {
+            let key = self.slot_key(bucket, e.position);
+            if slot.value.is_some() && !self.cas(&key, &[], &slot)? {
+                let (now_there, _) = self.read_slot(bucket, e.position)?;
+                if let Some(v) = now_there.filter(|v| v.belongs_to(&e) && !v.entry.is_expired(now_ms)) {
+                    // Its owner committed between our checks: the record lives on.
+                    let _ = self.restore(bucket, e.position, &v, None)?;
+                    continue;
+                }
+            }
+            self.uncharge(&e);
+            swept += 1;
+        }
+        Ok(swept)
+    }
+}
+
+/// Quota. Each identity (tenant, principal) has a counter of its live records, found by a keyed
+/// tag in one of the fixed quota keys (the tag, not the identity, picks the key and names the
+/// counter, so an attacker can neither aim at one key nor make a key per identity).
+///
+/// A new record is charged before its bucket write (refunded if that write or its fence loses);
+/// a record is discharged when it is released, evicted or swept. A charge or discharge lost to a
+/// crash between two writes must not lock an identity out for good, so counters heal:
+/// - a counter reads as 0 once `until_ms` has passed. `until_ms` is the latest instant any
+///   record it counts can still be live: claim + lease + ttl when charged, pushed later by a
+///   takeover and by a completion after the lease;
+/// - the first charge after that starts a new epoch (`since_ms`); a discharge of a record
+///   charged before the epoch is ignored, so stale records cannot eat into the new count.
+///
+/// Approximations, all bounded by a record's ttl: a record counts from its charge until it is
+/// dropped, so an expired record still counts until a sweep or an eviction drops it (at most one
+/// sweep cycle); a lost refund or discharge counts until `until_ms`; an extension of `until_ms`
+/// that loses its CAS races lets a record outlive its counter (under-counting until it expires).
+impl<S: SharedData> LocalStore<S> {
+    fn identities(&self, q: &QuotaCharge) -> Vec<(bool, u64, u32)> {
+        let mut ids = Vec::with_capacity(2);
+        if let Some(t) = q.tenant {
+            ids.push((true, self.keyed(TENANT_QUOTA_TAG, &t), q.per_tenant));
+        }
+        ids.push((false, self.keyed(PRINCIPAL_QUOTA_TAG, &q.principal), q.per_principal));
+        ids
+    }
+
+    fn charge(&self, q: &QuotaCharge, a: &ClaimAttempt) -> Result<Result<Charged, Begin>, StoreError> {
+        let now = a.now_ms;
+        let expires = now.saturating_add(a.ttl_ms);
+        let until = expires.saturating_add(a.lease_ms);
+        let ids = self.identities(q);
+        // Look at every identity before charging any: a charge refunded after a later refusal
+        // would still have pushed its counter's `until_ms`, delaying its healing.
+        for (tenant, tag, limit) in ids.iter().skip(1) {
+            match self.increment(*tag, *limit, now, expires, until, Apply::DryRun)? {
+                Ok(()) => {}
+                Err(refusal) => return Ok(Err(refusal.answer(*tenant))),
+            }
+        }
+        let mut charged = Charged::default();
+        for (tenant, tag, limit) in ids {
+            let refusal = match self.increment(tag, limit, now, expires, until, Apply::Write) {
+                Ok(Ok(())) => {
+                    if tenant {
+                        charged.flags |= FLAG_TENANT_CHARGED;
+                        charged.tenant_tag = tag;
+                    } else {
+                        charged.flags |= FLAG_PRINCIPAL_CHARGED;
+                        charged.principal_tag = tag;
+                    }
+                    continue;
+                }
+                Ok(Err(r)) => Ok(r),
+                Err(e) => Err(e),
+            };
+            self.discharge(charged.flags, charged.tenant_tag, charged.principal_tag, now);
+            return Ok(Err(refusal?.answer(tenant)));
+        }
+        Ok(Ok(charged))
+    }
+
+    fn increment(
+        &self,
+        tag: u64,
+        limit: u32,
+        now: u64,
+        expires: u64,
+        until: u64,
+        apply: Apply,
+    ) -> Result<Result<(), Refusal>, StoreError> {
+        let key = self.quota_key(tag);
+        for _ in 0..CAS_ATTEMPTS {
+            let read = self.data.get(&key).map_err(host)?;
+            let mut counters = record::decode_counters(read.bytes())
+                .map_err(|e| StoreError::Corrupt(format!("{key}: {e:?}")))?;
+            // Counters that read as 0 give their room to other identities.
+            counters.retain(|c| c.tag == tag || (c.count > 0 && now < c.until_ms));
+            let found = counters.iter().position(|c| c.tag == tag);
+            match found.and_then(|i| counters.get_mut(i)) {
+                Some(c) if c.count > 0 && now < c.until_ms => {
+                    if c.count >= limit {
+                        // When the earliest record counted may have stopped counting; if that
+                        // is past, it awaits a sweep, which runs every second.
+                        let wait =
+                            if c.soonest_ms > now { c.soonest_ms - now } else { QUOTA_RETRY_FALLBACK_MS };
+                        return Ok(Err(Refusal::Exceeded { retry_after_ms: wait.clamp(1, RETRY_CAP_MS) }));
+                    }
+                    c.count += 1;
+                    c.soonest_ms = if c.soonest_ms > now { c.soonest_ms.min(expires) } else { expires };
+                    c.until_ms = c.until_ms.max(until);
+                }
+                _ => {
+                    if limit == 0 {
+                        return Ok(Err(Refusal::Exceeded { retry_after_ms: RETRY_CAP_MS }));
+                    }
+                    // A new identity, or one whose counter healed: a new epoch.
+                    let fresh =
+                        Counter { tag, count: 1, since_ms: now, soonest_ms: expires, until_ms: until };
+                    match found {
+                        Some(i) => counters[i] = fresh,
+                        None if counters.len() >= usize::from(COUNTERS_PER_QUOTA_KEY) => {
+                            let soonest = counters.iter().map(|c| c.until_ms).min().unwrap_or(now);
+                            return Ok(Err(Refusal::NoRoom { retry_after_ms: retry_hint(soonest, now) }));
+                        }
+                        None => counters.push(fresh),
+                    }
+                }
+            }
+            if apply == Apply::DryRun || self.cas(&key, &record::encode_counters(&counters), &read)? {
+                return Ok(Ok(()));
+            }
+        }
+        Err(StoreError::Contention)
+    }
+
+    /// Best effort (see the quota notes): a lost discharge heals when its counter's `until_ms`
+    /// passes.
+    fn discharge(&self, flags: u8, tenant_tag: u64, principal_tag: u64, charged_at_ms: u64) {
+        for (flag, tag) in [(FLAG_TENANT_CHARGED, tenant_tag), (FLAG_PRINCIPAL_CHARGED, principal_tag)] {
+            if flags & flag != 0 {
+                if let Err(e) = self.adjust(tag, charged_at_ms, None) {
+                    log::debug!("quota discharge lost: {e}");
                 }
             }
         }
-        Ok(u32::try_from(removed).unwrap_or(u32::MAX))
+    }
+
+    fn uncharge(&self, e: &Entry) {
+        self.discharge(e.flags, e.tenant_tag, e.principal_tag, e.charged_at_ms);
+    }
+
+    /// Best effort: pushes the counters' `until_ms` so they cover the record until `until_ms`.
+    fn extend_charge(&self, e: &Entry, until_ms: u64) {
+        for (flag, tag) in [(FLAG_TENANT_CHARGED, e.tenant_tag), (FLAG_PRINCIPAL_CHARGED, e.principal_tag)] {
+            if e.flags & flag != 0 {
+                if let Err(err) = self.adjust(tag, e.charged_at_ms, Some(until_ms)) {
+                    log::debug!("quota extension lost: {err}");
+                }
+            }
+        }
+    }
+
+    /// Decrements the counter of `tag` (extend: None) or pushes its `until_ms`, for a record
+    /// charged at `charged_at_ms`; records of an earlier epoch are no longer counted.
+    fn adjust(&self, tag: u64, charged_at_ms: u64, extend: Option<u64>) -> Result<(), StoreError> {
+        let key = self.quota_key(tag);
+        for _ in 0..CAS_ATTEMPTS {
+            let read = self.data.get(&key).map_err(host)?;
+            let mut counters = record::decode_counters(read.bytes())
+                .map_err(|e| StoreError::Corrupt(format!("{key}: {e:?}")))?;
+            let Some(i) =
+                counters.iter().position(|c| c.tag == tag && c.since_ms <= charged_at_ms && c.count > 0)
+            else {
+                return Ok(());
+            };
+            match extend {
+                Some(until) if counters[i].until_ms >= until => return Ok(()),
+                Some(until) => counters[i].until_ms = until,
+                None if counters[i].count == 1 => {
+                    counters.remove(i);
+                }
+                None => counters[i].count -= 1,
+            }
+            if self.cas(&key, &record::encode_counters(&counters), &read)? {
+                return Ok(());
+            }
+        }
+        Err(StoreError::Contention)
+    }
+}
+
+/// Retirement of namespaces left behind by a capacity change. Envoy never frees keys, but their
+/// values can be emptied: every live root beats its namespace in `idem:layouts` on each sweep,
+/// and a namespace not beaten for RETIRE_AFTER_MS has no root left (two configs alive at once
+/// both beat, so neither retires the other). Sweeps then empty its keys a batch per call and
+/// drop it from the registry. A namespace revived during retirement (a config rolled back within
+/// seconds) beats again and stops it, but can lose the records of the batch being emptied at that
+/// moment.
+impl<S: SharedData> LocalStore<S> {
+    fn housekeep(&self, now_ms: u64) -> Result<(), StoreError> {
+        let layouts = self.beat(now_ms)?;
+        let stale = layouts
+            .iter()
+            .find(|l| l.buckets != self.buckets && now_ms >= l.beat_ms.saturating_add(RETIRE_AFTER_MS));
+        match stale {
+            Some(old) => self.retire_step(*old),
+            None => Ok(()),
+        }
+    }
+
+    fn beat(&self, now_ms: u64) -> Result<Vec<Layout>, StoreError> {
+        for _ in 0..CAS_ATTEMPTS {
+            let read = self.data.get(LAYOUTS_KEY).map_err(host)?;
+            let mut layouts = record::decode_layouts(read.bytes())
+                .map_err(|e| StoreError::Corrupt(format!("{LAYOUTS_KEY}: {e:?}")))?;
+            match layouts.iter_mut().find(|l| l.buckets == self.buckets) {
+                Some(l) if l.beat_ms >= now_ms && l.cursor == 0 => return Ok(layouts),
+                Some(l) => {
+                    l.beat_ms = l.beat_ms.max(now_ms);
+                    l.cursor = 0;
+                }
+                None => layouts.push(Layout { buckets: self.buckets, beat_ms: now_ms, cursor: 0 }),
+            }
+            if self.cas(LAYOUTS_KEY, &record::encode_layouts(&layouts), &read)? {
+                return Ok(layouts);
+            }
+        }
+        Err(StoreError::Contention)
+    }
+
+    fn retire_step(&self, old: Layout) -> Result<(), StoreError> {
+        let start = old.cursor.min(old.buckets);
+        let end = start.saturating_add(RETIRE_BATCH).min(old.buckets);
+        let finished = end >= old.buckets;
+        // Take the batch by CAS on the registry, as the sweep cursor does: roots share the work,
+        // and a namespace that beat again in the meantime is left alone.
+        let read = self.data.get(LAYOUTS_KEY).map_err(host)?;
+        let mut layouts = record::decode_layouts(read.bytes())
+            .map_err(|e| StoreError::Corrupt(format!("{LAYOUTS_KEY}: {e:?}")))?;
+        let Some(i) = layouts.iter().position(|l| *l == old) else { return Ok(()) };
+        if finished {
+            layouts.remove(i);
+        } else {
+            layouts[i].cursor = end;
+        }
+        if !self.cas(LAYOUTS_KEY, &record::encode_layouts(&layouts), &read)? {
+            return Ok(());
+        }
+        let prefix = prefix_of(old.buckets);
+        for b in start..end {
+            self.empty(&bucket_key_in(&prefix, b))?;
+            for p in 0..ENTRIES_PER_BUCKET {
+                self.empty(&slot_key_in(&prefix, b, p))?;
+            }
+            self.empty(&quota_key_in(&prefix, b))?;
+        }
+        if finished {
+            self.empty(&format!("{prefix}sweep"))?;
+            self.empty(&format!("{prefix}ready"))?;
+        }
+        Ok(())
+    }
+
+    /// Empties a key's value if it holds one; never creates a key.
+    fn empty(&self, key: &str) -> Result<(), StoreError> {
+        let read = self.data.get(key).map_err(host)?;
+        if read.value.is_some() {
+            match self.data.set(key, &[], read.cas) {
+                Ok(()) | Err(SharedDataError::CasMismatch) => {}
+                Err(e) => return Err(host(e)),
+            }
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::record::Snapshot;
     use crate::shared_data::{FakeSharedData, Interleave};
-    use crate::store_conformance::{attempt, claimed, done, snapshot, Backend, LEASE};
+    use crate::store_conformance::{attempt, charged, claimed, done, snapshot, Backend, LEASE, TTL};
 
     struct Local {
         data: FakeSharedData,
         capacity: u32,
     }
 
+    fn open<S: SharedData>(data: S, capacity: u32, seed: u8) -> LocalStore<S> {
+        LocalStore::open(data, capacity, [seed; 32], 0).unwrap()
+    }
+
     impl Backend for Local {
         fn with_capacity(capacity: u32) -> Self {
             let local = Local { data: FakeSharedData::new(), capacity };
-            LocalStore::new(&local.data, capacity).create_keys().unwrap();
+            open(&local.data, capacity, 1);
             local
         }
-        fn worker(&self, _n: u8) -> Box<dyn RecordStore + '_> {
-            Box::new(LocalStore::new(&self.data, self.capacity))
+        fn worker(&self, n: u8) -> Box<dyn RecordStore + '_> {
+            // Each worker brings its own fresh secret; the first one installed is shared.
+            Box::new(open(&self.data, self.capacity, n.wrapping_add(2)))
         }
     }
 
@@ -378,20 +1058,29 @@ mod tests {
         crate::conformance_suite!(super::Local);
     }
 
+    fn only_bucket(data: &FakeSharedData) -> Vec<Entry> {
+        record::decode_bucket(data.get("idem:v2:1:b:0").unwrap().bytes(), ENTRIES_PER_BUCKET).unwrap()
+    }
+
     #[test]
     fn key_space_is_fixed_whatever_keys_clients_send() {
         let b = Local::with_capacity(64);
         let w = b.worker(0);
         let keys_after_setup = b.data.key_count();
-        assert_eq!(keys_after_setup, 8 + 8 * 8 + 2);
+        // 8 buckets, 64 slots, 8 quota keys, sweep cursor, ready marker; secret and registry.
+        assert_eq!(keys_after_setup, 8 + 8 * 8 + 8 + 2 + 2);
         let mut now = 0;
         for n in 0..5_000u64 {
             now += 7;
-            match w.begin(&crate::store::ClaimAttempt { ttl_ms: 50, ..attempt(n, 1, n + 1, now) }).unwrap() {
+            let a = ClaimAttempt {
+                ttl_ms: 50,
+                ..charged(n, n + 1, now, (n % 251) as u8, Some((n % 7) as u8), (3, 2))
+            };
+            match w.begin(&a).unwrap() {
                 Begin::Claimed(c) => {
-                    w.complete(&c, &crate::store::Completion { ttl_ms: 50, ..done("x", now) }).unwrap();
+                    w.complete(&c, &Completion { ttl_ms: 50, ..done("x", now) }).unwrap();
                 }
-                Begin::Full { .. } => {}
+                Begin::Full { .. } | Begin::QuotaExceeded { .. } => {}
                 other => panic!("{other:?}"),
             }
             w.sweep(now).unwrap();
@@ -405,15 +1094,17 @@ mod tests {
         let w = b.worker(0);
         let c = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
         w.complete(&c, &done("kept", 1)).unwrap();
-        // A reloaded VM (FAIL_RELOAD, config update) configures again against the same data.
-        assert_eq!(LocalStore::new(&b.data, 64).create_keys().unwrap(), 0);
-        assert_eq!(w.begin(&attempt(1, 1, 12, 2)).unwrap(), Begin::Replay(snapshot("kept")));
+        // A reloaded VM (FAIL_RELOAD, config update) configures again against the same data,
+        // with a fresh secret of its own: the installed one stays, so placement does too.
+        let reloaded = LocalStore::open(&b.data, 64, [0xee; 32], 2).unwrap();
+        assert_eq!(reloaded.keys_created(), 0);
+        assert_eq!(reloaded.begin(&attempt(1, 1, 12, 2)).unwrap(), Begin::Replay(snapshot("kept")));
     }
 
     #[test]
     fn claims_fail_closed_when_the_layout_was_never_created() {
         let data = FakeSharedData::new();
-        let store = LocalStore::new(&data, 64);
+        let store = LocalStore::unopened(&data, 64);
         assert!(matches!(store.begin(&attempt(1, 1, 1, 0)), Err(StoreError::Unavailable(_))));
         assert_eq!(data.key_count(), 0, "a claim must never create a key: creation ignores CAS");
     }
@@ -431,11 +1122,61 @@ mod tests {
     #[test]
     fn unreadable_bucket_is_reported_and_left_alone() {
         let b = Local::with_capacity(8);
-        let store = LocalStore::new(&b.data, 8);
+        let store = open(&b.data, 8, 3);
         let key = store.bucket_key(0);
         b.data.poke(&key, b"\x09garbage");
         assert!(matches!(store.begin(&attempt(1, 1, 1, 0)), Err(StoreError::Corrupt(_))));
         assert_eq!(b.data.get(&key).unwrap().bytes(), b"\x09garbage");
+    }
+
+    #[test]
+    fn a_completion_survives_a_bucket_that_loses_every_write() {
+        // Item 3: today's store gave up after 16 lost bucket CASes (Contention) and the answer
+        // was lost. The slot is the commit point now; the bucket only catches up.
+        let b = Local::with_capacity(64);
+        let (w0, w1) = (b.worker(0), b.worker(1));
+        let c = claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
+        b.data.force_cas_mismatches_on(":b:", 1000);
+        assert_eq!(w0.complete(&c, &done("kept", 10)).unwrap(), Settled::Done);
+        // Readers see the outcome even while the bucket still says processing, and even after
+        // the lease: never in flight, never taken over.
+        assert_eq!(w1.begin(&attempt(1, 1, 12, 20)).unwrap(), Begin::Replay(snapshot("kept")));
+        assert_eq!(w1.begin(&attempt(1, 1, 13, LEASE * 2)).unwrap(), Begin::Replay(snapshot("kept")));
+        assert_eq!(w0.release(&c).unwrap(), Settled::Lost, "an outcome is final");
+        b.data.force_cas_mismatches(0);
+        assert_eq!(w1.begin(&attempt(1, 1, 14, LEASE * 3)).unwrap(), Begin::Replay(snapshot("kept")));
+        assert_eq!(w0.complete(&c, &done("again", LEASE * 3)).unwrap(), Settled::Lost);
+    }
+
+    #[test]
+    fn a_cut_response_is_never_executed_again_even_when_the_bucket_is_busy() {
+        let b = Local::with_capacity(64);
+        let w = b.worker(0);
+        let c = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
+        b.data.force_cas_mismatches_on(":b:", 1000);
+        let cut = Completion { state: State::Succeeded, status: 201, snapshot: None, now_ms: 5, ttl_ms: TTL };
+        assert_eq!(w.complete(&c, &cut).unwrap(), Settled::Done);
+        assert_eq!(w.begin(&attempt(1, 1, 12, LEASE + 1)).unwrap(), Begin::NotStored { status: 201 });
+    }
+
+    #[test]
+    fn an_outcome_whose_promotion_was_lost_is_never_evicted() {
+        let b = Local::with_capacity(8);
+        let w = b.worker(0);
+        let mut claims = Vec::new();
+        for n in 1..=8 {
+            claims.push(claimed(w.begin(&attempt(n, 1, n, 0)).unwrap()));
+        }
+        b.data.force_cas_mismatches_on(":b:", 1000);
+        assert_eq!(w.complete(&claims[0], &done("one", 1)).unwrap(), Settled::Done);
+        b.data.force_cas_mismatches(0);
+        assert_eq!(only_bucket(&b.data).iter().filter(|e| e.is_completed()).count(), 0, "promotion lost");
+        // Past every lease: seven abandoned claims give their place, the completed one does not.
+        for k in 0..7 {
+            assert!(matches!(w.begin(&attempt(100 + k, 1, 100 + k, LEASE)).unwrap(), Begin::Claimed(_)));
+        }
+        assert!(matches!(w.begin(&attempt(200, 1, 200, LEASE)).unwrap(), Begin::Full { .. }));
+        assert_eq!(w.begin(&attempt(1, 1, 201, LEASE)).unwrap(), Begin::Replay(snapshot("one")));
     }
 
     #[test]
@@ -444,14 +1185,13 @@ mod tests {
         // slot write, its lease expires, worker 1 takes over AND completes. Worker 0's write
         // must fail (CAS) and its completion report Lost; worker 1's snapshot survives.
         let data = FakeSharedData::new();
-        LocalStore::new(&data, 8).create_keys().unwrap();
-        let w1 = LocalStore::new(&data, 8);
-        let old = claimed(LocalStore::new(&data, 8).begin(&attempt(1, 1, 11, 0)).unwrap());
+        let w1 = open(&data, 8, 1);
+        let old = claimed(open(&data, 8, 2).begin(&attempt(1, 1, 11, 0)).unwrap());
         let racing = Interleave::new(&data, ":s:", 2, || {
             let new = claimed(w1.begin(&attempt(1, 1, 12, LEASE)).unwrap());
             assert_eq!(w1.complete(&new, &done("new", LEASE + 1)).unwrap(), Settled::Done);
         });
-        let w0 = LocalStore::new(&racing, 8);
+        let w0 = open(&racing, 8, 3);
         // 1st slot op: the read; the other worker runs before the 2nd (the write).
         let result = w0.complete(&old, &done("old", LEASE + 2)).unwrap();
         assert_eq!(result, Settled::Lost);
@@ -459,16 +1199,16 @@ mod tests {
     }
 
     #[test]
-    fn takeover_between_ownership_check_and_bucket_write_loses_cleanly() {
+    fn a_takeover_between_ownership_check_and_commit_wins() {
+        // The takeover's fence (a slot write after its bucket write) fails the old owner's
+        // commit, which then sees the record is no longer its own.
         let data = FakeSharedData::new();
-        LocalStore::new(&data, 8).create_keys().unwrap();
-        let w1 = LocalStore::new(&data, 8);
-        let old = claimed(LocalStore::new(&data, 8).begin(&attempt(1, 1, 11, 0)).unwrap());
-        // Fire right before worker 0's bucket write (its 2nd bucket op: read, then write).
-        let racing = Interleave::new(&data, ":b:", 2, || {
+        let w1 = open(&data, 8, 1);
+        let old = claimed(open(&data, 8, 2).begin(&attempt(1, 1, 11, 0)).unwrap());
+        let racing = Interleave::new(&data, ":s:", 2, || {
             claimed(w1.begin(&attempt(1, 1, 12, LEASE)).unwrap());
         });
-        let w0 = LocalStore::new(&racing, 8);
+        let w0 = open(&racing, 8, 3);
         assert_eq!(w0.complete(&old, &done("old", LEASE + 2)).unwrap(), Settled::Lost);
         assert_eq!(
             w1.begin(&attempt(1, 1, 13, LEASE + 3)).unwrap(),
@@ -477,16 +1217,115 @@ mod tests {
     }
 
     #[test]
+    fn a_takeover_after_the_commit_replays_instead() {
+        // The old owner committed; before it promotes the bucket entry, a retry arrives after
+        // the lease. It must see the outcome in the slot: a replay, not a second execution.
+        let data = FakeSharedData::new();
+        let w1 = open(&data, 8, 1);
+        let old = claimed(open(&data, 8, 2).begin(&attempt(1, 1, 11, 0)).unwrap());
+        let seen = std::cell::RefCell::new(None);
+        // Bucket ops of complete: the ownership read, then the promotion read.
+        let racing = Interleave::new(&data, ":b:", 2, || {
+            *seen.borrow_mut() = Some(w1.begin(&attempt(1, 1, 12, LEASE + 1)).unwrap());
+        });
+        let w0 = open(&racing, 8, 3);
+        assert_eq!(w0.complete(&old, &done("old", LEASE)).unwrap(), Settled::Done);
+        assert_eq!(seen.borrow_mut().take(), Some(Begin::Replay(snapshot("old"))));
+    }
+
+    #[test]
+    fn an_outcome_committed_before_the_takeover_fence_wins() {
+        // The old owner checked ownership before the takeover's bucket write and committed
+        // right after it, before the fence: the fence fails, the taker puts the completed
+        // record back and answers with its replay.
+        let data = FakeSharedData::new();
+        let w0 = open(&data, 8, 1);
+        claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
+        let entry = only_bucket(&data)[0];
+        let slot_key = w0.slot_key(0, entry.position);
+        let outcome = SlotValue {
+            entry: Entry { state: State::Succeeded, status: 201, expires_at_ms: LEASE + TTL, ..entry },
+            snapshot: Some(snapshot("old")),
+        };
+        // Slot ops of a takeover: the read (resolve), the slot pre-read... then the fence.
+        let racing = Interleave::new(&data, ":s:", 2, || {
+            let r = data.get(&slot_key).unwrap();
+            data.set(&slot_key, &record::encode_slot(&outcome), r.cas).unwrap();
+        });
+        let w1 = open(&racing, 8, 2);
+        assert_eq!(w1.begin(&attempt(1, 1, 12, LEASE)).unwrap(), Begin::Replay(snapshot("old")));
+        let restored = only_bucket(&data)[0];
+        assert_eq!((restored.owner, restored.state), (11, State::Succeeded));
+    }
+
+    #[test]
+    fn placement_is_keyed_by_the_shared_secret() {
+        let (d1, d2) = (FakeSharedData::new(), FakeSharedData::new());
+        let (a, b) = (open(&d1, 8 * 64, 1), open(&d2, 8 * 64, 2));
+        let differ = (0..64)
+            .filter(|n| {
+                a.bucket_of(&crate::store_conformance::scope(*n))
+                    != b.bucket_of(&crate::store_conformance::scope(*n))
+            })
+            .count();
+        assert!(differ > 32, "placement must depend on the secret ({differ} of 64 differ)");
+        let public = (0..64)
+            .filter(|n| {
+                let s = crate::store_conformance::scope(*n);
+                u64::from(a.bucket_of(&s)) == s.placement() % 64
+            })
+            .count();
+        assert!(public < 16, "placement must not be the public function of the scope ({public})");
+        // Every worker shares the first secret installed, whatever fresh secret it brought.
+        let c = open(&d1, 8 * 64, 9);
+        assert_eq!(c.secret, a.secret);
+        assert_eq!(a.secret, [1; 32]);
+    }
+
+    #[test]
+    fn a_secret_installed_by_a_racing_worker_is_the_one_used() {
+        let data = FakeSharedData::new();
+        let first = LocalStore::unopened(&data, 8);
+        first.create_keys().unwrap();
+        // Another worker installs its secret between our read and our CAS.
+        let racing = Interleave::new(&data, "secret", 2, || {
+            let r = data.get(SECRET_KEY).unwrap();
+            data.set(SECRET_KEY, &[5; 32], r.cas).unwrap();
+        });
+        let late = LocalStore::open(&racing, 8, [6; 32], 0).unwrap();
+        assert_eq!(late.secret, [5; 32]);
+    }
+
+    #[test]
+    fn eviction_empties_the_snapshot_slots_it_frees() {
+        let b = Local::with_capacity(8);
+        let w = b.worker(0);
+        let big = Snapshot { status: 201, headers: vec![], body: vec![b'x'; 10_000] };
+        for n in 1..=8 {
+            let c = claimed(w.begin(&attempt(n, 1, n, 0)).unwrap());
+            let completion = Completion { snapshot: Some(big.clone()), ..done("x", 0) };
+            w.complete(&c, &completion).unwrap();
+        }
+        assert!(b.data.value_bytes() > 80_000);
+        // Expired records are not dropped by a completion any more, only where room is needed.
+        for n in 100..108 {
+            assert!(matches!(w.begin(&attempt(n, 1, n, TTL)).unwrap(), Begin::Claimed(_)));
+        }
+        assert!(b.data.value_bytes() < 2_000, "{}", b.data.value_bytes());
+    }
+
+    #[test]
     fn sweep_frees_the_snapshot_memory_of_expired_records() {
         let b = Local::with_capacity(8);
         let w = b.worker(0);
         let c = claimed(w.begin(&attempt(1, 1, 1, 0)).unwrap());
         w.complete(&c, &done("big", 0)).unwrap();
-        assert!(b.data.value_bytes() > 0);
-        let swept = w.sweep(crate::store_conformance::TTL).unwrap();
+        let before = b.data.value_bytes();
+        let swept = w.sweep(TTL).unwrap();
         assert_eq!(swept, 1);
-        // Only the sweep cursor and the ready marker hold bytes now.
-        assert!(b.data.value_bytes() <= 8, "{}", b.data.value_bytes());
+        // What stays: the cursor, the ready marker, the secret and the layout registry.
+        let after = b.data.value_bytes();
+        assert!(after <= 4 + 1 + 32 + 2 + 16, "{before} -> {after}");
     }
 
     #[test]
@@ -499,9 +1338,108 @@ mod tests {
         }
         let mut swept = 0;
         for _ in 0..4 {
-            swept += w0.sweep(crate::store_conformance::TTL).unwrap();
-            swept += w1.sweep(crate::store_conformance::TTL).unwrap();
+            swept += w0.sweep(TTL).unwrap();
+            swept += w1.sweep(TTL).unwrap();
         }
         assert_eq!(swept, 100, "200 buckets, 64 per call, 8 calls cover all exactly once or more");
+    }
+
+    #[test]
+    fn a_lost_discharge_heals_when_its_records_cannot_be_live() {
+        let b = Local::with_capacity(8);
+        let w = b.worker(0);
+        claimed(w.begin(&charged(1, 11, 0, 1, None, (10, 1))).unwrap());
+        // A crash between the bucket write and the discharge: the record is gone, the count
+        // stays.
+        b.data.poke("idem:v2:1:b:0", &[]);
+        assert!(matches!(
+            w.begin(&charged(2, 12, 1, 1, None, (10, 1))).unwrap(),
+            Begin::QuotaExceeded { .. }
+        ));
+        assert!(matches!(
+            w.begin(&charged(2, 13, TTL + LEASE - 1, 1, None, (10, 1))).unwrap(),
+            Begin::QuotaExceeded { .. }
+        ));
+        claimed(w.begin(&charged(2, 14, TTL + LEASE, 1, None, (10, 1))).unwrap());
+    }
+
+    #[test]
+    fn a_stale_discharge_does_not_eat_into_a_new_epoch() {
+        let b = Local::with_capacity(64);
+        let w = b.worker(0);
+        // Charged at 0, abandoned, never swept: the counter heals at TTL + LEASE.
+        claimed(w.begin(&charged(1, 11, 0, 1, None, (10, 1))).unwrap());
+        let t = TTL + LEASE;
+        claimed(w.begin(&charged(2, 12, t, 1, None, (10, 1))).unwrap());
+        // Now the old record is swept: its discharge belongs to the old epoch and is ignored.
+        for _ in 0..8 {
+            w.sweep(t).unwrap();
+        }
+        assert!(matches!(
+            w.begin(&charged(3, 13, t + 1, 1, None, (10, 1))).unwrap(),
+            Begin::QuotaExceeded { .. }
+        ));
+    }
+
+    #[test]
+    fn a_quota_key_without_room_answers_full() {
+        let b = Local::with_capacity(8);
+        let w = b.worker(0);
+        let foreign: Vec<Counter> = (0..u64::from(COUNTERS_PER_QUOTA_KEY))
+            .map(|tag| Counter {
+                tag: tag + 1_000,
+                count: 1,
+                since_ms: 0,
+                soonest_ms: TTL,
+                until_ms: TTL + LEASE,
+            })
+            .collect();
+        b.data.poke("idem:v2:1:q:0", &record::encode_counters(&foreign));
+        let r = w.begin(&charged(1, 11, 0, 1, None, (10, 10))).unwrap();
+        assert_eq!(r, Begin::Full { retry_after_ms: TTL + LEASE });
+        // Unquoted attempts are not affected, and counters that read as 0 give their room.
+        assert!(matches!(w.begin(&attempt(1, 1, 12, 1)).unwrap(), Begin::Claimed(_)));
+        claimed(w.begin(&charged(2, 13, TTL + LEASE, 1, None, (10, 10))).unwrap());
+    }
+
+    #[test]
+    fn a_retired_namespace_is_emptied_while_a_live_one_is_left_alone() {
+        let data = FakeSharedData::new();
+        let a = LocalStore::open(&data, 64, [1; 32], 0).unwrap();
+        for n in 0..40 {
+            let long = ClaimAttempt { ttl_ms: 1 << 40, ..charged(n, n + 1, 0, 1, Some(2), (100, 100)) };
+            if let Begin::Claimed(c) = a.begin(&long).unwrap() {
+                a.complete(&c, &Completion { ttl_ms: 1 << 40, ..done("a", 0) }).unwrap();
+            }
+        }
+        let a_bytes = data.value_bytes();
+        // A new config with another capacity; the old roots still run for a while.
+        let b = LocalStore::open(&data, 8 * 100, [2; 32], 1_000).unwrap();
+        let mut now = 1_000;
+        for _ in 0..60 {
+            now += 1_000;
+            a.sweep(now).unwrap();
+            b.sweep(now).unwrap();
+        }
+        assert!(data.value_bytes() >= a_bytes, "a beating namespace is never touched");
+        assert_eq!(a.begin(&attempt(0, 1, 99, now)).unwrap(), Begin::Replay(snapshot("a")));
+        // The old roots are gone: after RETIRE_AFTER_MS, B's sweeps empty A progressively.
+        let keys = data.key_count();
+        for _ in 0..(RETIRE_AFTER_MS / 1_000 + 8) {
+            now += 1_000;
+            b.sweep(now).unwrap();
+        }
+        let prefix = prefix_of(a.buckets());
+        for bucket in 0..a.buckets() {
+            assert_eq!(data.get(&bucket_key_in(&prefix, bucket)).unwrap().value, None);
+            assert_eq!(data.get(&quota_key_in(&prefix, bucket)).unwrap().value, None);
+            for p in 0..ENTRIES_PER_BUCKET {
+                assert_eq!(data.get(&slot_key_in(&prefix, bucket, p)).unwrap().value, None);
+            }
+        }
+        assert_eq!(data.key_count(), keys, "retiring empties values and creates nothing");
+        let layouts = record::decode_layouts(data.get(LAYOUTS_KEY).unwrap().bytes()).unwrap();
+        assert_eq!(layouts.iter().map(|l| l.buckets).collect::<Vec<_>>(), vec![b.buckets()]);
+        assert!(data.value_bytes() < 200, "{} bytes left", data.value_bytes());
     }
 }

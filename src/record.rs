@@ -1,23 +1,33 @@
-//! Record formats: the compact entries kept in a store bucket, and the response snapshot.
+//! Record formats: the compact entries kept in a store bucket, the snapshot slot, the quota
+//! counters and the layout registry.
 //!
-//! Stability contract (record format v1). These bytes outlive the module that wrote them: shared
+//! Stability contract (record format v2). These bytes outlive the module that wrote them: shared
 //! data survives a VM reload (FAIL_RELOAD, config updates with the same vm_id), so a new build
 //! must read what the old one wrote, or refuse it. Every value starts with a format version byte;
 //! a decoder meets an unknown version or malformed bytes with an error, never a panic or a guess,
-//! and the store treats such a bucket as unusable rather than overwriting live records it cannot
-//! read. Changing a layout means a new version byte and a new store namespace.
+//! and the store treats such a value as unusable rather than overwriting live records it cannot
+//! read. Changing a layout means a new version byte and a new store namespace (v2 lives under
+//! `idem:v2:`; v1 values are refused as an unknown version).
 //!
-//! Bucket v1:  [1u8][count u8] then `count` entries of ENTRY_LEN bytes:
-//!   position u8 | state u8 | flags u8 | status u16 | scope [32] | fingerprint [32] |
-//!   owner u64 | lease_deadline_ms u64 | expires_at_ms u64          (integers big-endian)
-//! Snapshot v1: [1u8] | scope [32] | owner u64 | status u16 | header count u16 |
+//! Entry v2 (ENTRY_LEN bytes, integers big-endian):
+//!   position u8 | state u8 | flags u8 | status u16 | scope [32] | fingerprint [32] | owner u64 |
+//!   lease_deadline_ms u64 | expires_at_ms u64 | charged_at_ms u64 | tenant_tag u64 |
+//!   principal_tag u64
+//! Bucket v2:   [2u8][count u8 >= 1] then `count` entries (an empty bucket is an empty value).
+//! Slot v2:     [2u8] | entry (completed: the record's outcome) | snapshot unless the entry's
+//!   flags say the body was not stored. Snapshot: status u16 | header count u16 |
 //!   per header: name len u16, name, value len u32, value | body len u32 | body
+//! Quota v2:    [2u8][count u8 >= 1] then counters: tag u64 | count u32 | since_ms u64 |
+//!   soonest_ms u64 | until_ms u64
+//! Layouts v2:  [2u8][count u8 >= 1] then layouts: buckets u32 | beat_ms u64 | cursor u32
 
 use crate::fingerprint::Fingerprint;
 use crate::scope::ScopeId;
 
-pub const FORMAT_V1: u8 = 1;
-pub const ENTRY_LEN: usize = 1 + 1 + 1 + 2 + 32 + 32 + 8 + 8 + 8;
+pub const FORMAT_V2: u8 = 2;
+pub const ENTRY_LEN: usize = 1 + 1 + 1 + 2 + 32 + 32 + 8 * 6;
+pub const COUNTER_LEN: usize = 8 + 4 + 8 + 8 + 8;
+pub const LAYOUT_LEN: usize = 4 + 8 + 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
@@ -44,8 +54,14 @@ impl State {
     }
 }
 
-/// Entry flag: the outcome is known but the body was too large to keep.
+/// Entry flag: the outcome is known but the body was not kept (over the size limit, or the
+/// response was cut after the upstream's status was seen).
 pub const FLAG_BODY_NOT_STORED: u8 = 1;
+/// Entry flag: the record counts against its tenant's quota (`tenant_tag`).
+pub const FLAG_TENANT_CHARGED: u8 = 2;
+/// Entry flag: the record counts against its principal's quota (`principal_tag`).
+pub const FLAG_PRINCIPAL_CHARGED: u8 = 4;
+const KNOWN_FLAGS: u8 = FLAG_BODY_NOT_STORED | FLAG_TENANT_CHARGED | FLAG_PRINCIPAL_CHARGED;
 
 /// One record header, small enough that a bucket of them stays cheap to copy under the host's
 /// global shared-data lock.
@@ -59,12 +75,17 @@ pub struct Entry {
     pub status: u16,
     pub scope: ScopeId,
     pub fingerprint: Fingerprint,
-    /// Token of the claim that owns the record; also tags its snapshot.
+    /// Token of the claim that owns the record; also tags its slot.
     pub owner: u64,
     /// While processing: after this instant a retry may take the claim over.
     pub lease_deadline_ms: u64,
     /// After this instant the record is absent.
     pub expires_at_ms: u64,
+    /// When the record was charged to its quota counters (their epoch check, local_store.rs).
+    pub charged_at_ms: u64,
+    /// Keyed quota tags of the tenant and principal charged (meaningful with their flags).
+    pub tenant_tag: u64,
+    pub principal_tag: u64,
 }
 
 impl Entry {
@@ -74,6 +95,9 @@ impl Entry {
     pub fn body_stored(&self) -> bool {
         self.flags & FLAG_BODY_NOT_STORED == 0
     }
+    pub fn is_completed(&self) -> bool {
+        self.state != State::Processing
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,10 +105,70 @@ pub enum DecodeError {
     UnknownVersion(u8),
     Truncated,
     BadState(u8),
+    BadFlags(u8),
     BadPosition(u8),
     DuplicatePosition(u8),
+    Duplicate,
     TrailingBytes,
     NonCanonical,
+}
+
+fn read_entry(r: &mut Reader) -> Result<Entry, DecodeError> {
+    let position = r.u8()?;
+    let state_code = r.u8()?;
+    let state = State::from_code(state_code).ok_or(DecodeError::BadState(state_code))?;
+    let flags = r.u8()?;
+    if flags & !KNOWN_FLAGS != 0 {
+        return Err(DecodeError::BadFlags(flags));
+    }
+    Ok(Entry {
+        position,
+        state,
+        flags,
+        status: r.u16()?,
+        scope: ScopeId(r.array()?),
+        fingerprint: Fingerprint(r.array()?),
+        owner: r.u64()?,
+        lease_deadline_ms: r.u64()?,
+        expires_at_ms: r.u64()?,
+        charged_at_ms: r.u64()?,
+        tenant_tag: r.u64()?,
+        principal_tag: r.u64()?,
+    })
+}
+
+fn write_entry(out: &mut Vec<u8>, e: &Entry) {
+    out.push(e.position);
+    out.push(e.state.code());
+    out.push(e.flags);
+    out.extend_from_slice(&e.status.to_be_bytes());
+    out.extend_from_slice(&e.scope.0);
+    out.extend_from_slice(&e.fingerprint.0);
+    for n in [e.owner, e.lease_deadline_ms, e.expires_at_ms, e.charged_at_ms, e.tenant_tag, e.principal_tag] {
+        out.extend_from_slice(&n.to_be_bytes());
+    }
+}
+
+/// Reads `[version][count >= 1]` (callers handle the empty value, the empty list, first).
+fn list_header(r: &mut Reader) -> Result<u8, DecodeError> {
+    let version = r.u8()?;
+    if version != FORMAT_V2 {
+        return Err(DecodeError::UnknownVersion(version));
+    }
+    let count = r.u8()?;
+    if count == 0 {
+        // An empty list is written as an empty value; one encoding per value keeps readers and
+        // writers byte-for-byte in agreement.
+        return Err(DecodeError::NonCanonical);
+    }
+    Ok(count)
+}
+
+fn list_out(len: usize, item_len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(2 + len * item_len);
+    out.push(FORMAT_V2);
+    out.push(u8::try_from(len).unwrap_or(u8::MAX));
+    out
 }
 
 /// Decodes a bucket. An empty value (a fresh or emptied key) is an empty bucket.
@@ -93,38 +177,17 @@ pub fn decode_bucket(bytes: &[u8], max_entries: u8) -> Result<Vec<Entry>, Decode
         return Ok(Vec::new());
     }
     let mut r = Reader::new(bytes);
-    let version = r.u8()?;
-    if version != FORMAT_V1 {
-        return Err(DecodeError::UnknownVersion(version));
-    }
-    let count = r.u8()?;
-    if count == 0 {
-        // An empty bucket is written as an empty value; one encoding per bucket keeps readers
-        // and writers byte-for-byte in agreement.
-        return Err(DecodeError::NonCanonical);
-    }
+    let count = list_header(&mut r)?;
     let mut entries: Vec<Entry> = Vec::with_capacity(usize::from(count));
     for _ in 0..count {
-        let position = r.u8()?;
-        if position >= max_entries {
-            return Err(DecodeError::BadPosition(position));
+        let e = read_entry(&mut r)?;
+        if e.position >= max_entries {
+            return Err(DecodeError::BadPosition(e.position));
         }
-        if entries.iter().any(|e| e.position == position) {
-            return Err(DecodeError::DuplicatePosition(position));
+        if entries.iter().any(|x| x.position == e.position) {
+            return Err(DecodeError::DuplicatePosition(e.position));
         }
-        let state_code = r.u8()?;
-        let state = State::from_code(state_code).ok_or(DecodeError::BadState(state_code))?;
-        entries.push(Entry {
-            position,
-            state,
-            flags: r.u8()?,
-            status: r.u16()?,
-            scope: ScopeId(r.array()?),
-            fingerprint: Fingerprint(r.array()?),
-            owner: r.u64()?,
-            lease_deadline_ms: r.u64()?,
-            expires_at_ms: r.u64()?,
-        });
+        entries.push(e);
     }
     if !r.rest().is_empty() {
         return Err(DecodeError::TrailingBytes);
@@ -136,19 +199,9 @@ pub fn encode_bucket(entries: &[Entry]) -> Vec<u8> {
     if entries.is_empty() {
         return Vec::new();
     }
-    let mut out = Vec::with_capacity(2 + entries.len() * ENTRY_LEN);
-    out.push(FORMAT_V1);
-    out.push(u8::try_from(entries.len()).unwrap_or(u8::MAX));
+    let mut out = list_out(entries.len(), ENTRY_LEN);
     for e in entries.iter().take(usize::from(u8::MAX)) {
-        out.push(e.position);
-        out.push(e.state.code());
-        out.push(e.flags);
-        out.extend_from_slice(&e.status.to_be_bytes());
-        out.extend_from_slice(&e.scope.0);
-        out.extend_from_slice(&e.fingerprint.0);
-        out.extend_from_slice(&e.owner.to_be_bytes());
-        out.extend_from_slice(&e.lease_deadline_ms.to_be_bytes());
-        out.extend_from_slice(&e.expires_at_ms.to_be_bytes());
+        write_entry(&mut out, e);
     }
     out
 }
@@ -161,22 +214,38 @@ pub struct Snapshot {
     pub body: Vec<u8>,
 }
 
-/// The snapshot as kept in a slot, tagged with the record it belongs to so that a reader can
-/// tell a current snapshot from a stale one left by an earlier record in the same slot.
+/// A completed record as kept in its snapshot slot: the slot is the record's commit point, so it
+/// carries the whole outcome (the entry, completed) besides the snapshot, tagged by the entry's
+/// scope and owner so that a reader can tell the current record's outcome from a stale one left
+/// by an earlier record at the same position.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotValue {
-    pub scope: ScopeId,
-    pub owner: u64,
-    pub snapshot: Snapshot,
+    pub entry: Entry,
+    /// None exactly when the entry's flags say the body was not stored.
+    pub snapshot: Option<Snapshot>,
+}
+
+impl SlotValue {
+    pub fn belongs_to(&self, e: &Entry) -> bool {
+        self.entry.scope == e.scope && self.entry.owner == e.owner
+    }
 }
 
 pub fn encode_slot(v: &SlotValue) -> Vec<u8> {
-    let s = &v.snapshot;
-    let headers_len: usize = s.headers.iter().map(|(n, val)| 6 + n.len() + val.len()).sum();
-    let mut out = Vec::with_capacity(1 + 32 + 8 + 2 + 2 + headers_len + 4 + s.body.len());
-    out.push(FORMAT_V1);
-    out.extend_from_slice(&v.scope.0);
-    out.extend_from_slice(&v.owner.to_be_bytes());
+    let snapshot_len = v.snapshot.as_ref().map_or(0, |s| {
+        8 + s.headers.iter().map(|(n, val)| 6 + n.len() + val.len()).sum::<usize>() + s.body.len()
+    });
+    let mut out = Vec::with_capacity(1 + ENTRY_LEN + snapshot_len);
+    out.push(FORMAT_V2);
+    let mut entry = v.entry;
+    // The flag and the snapshot's presence must agree, or the bytes would have two meanings.
+    if v.snapshot.is_some() {
+        entry.flags &= !FLAG_BODY_NOT_STORED;
+    } else {
+        entry.flags |= FLAG_BODY_NOT_STORED;
+    }
+    write_entry(&mut out, &entry);
+    let Some(s) = &v.snapshot else { return out };
     out.extend_from_slice(&s.status.to_be_bytes());
     // Header counts and sizes are bounded by Envoy's header limits (far below these widths);
     // anything beyond is dropped rather than wrapped, so a decoder never mis-frames.
@@ -202,11 +271,20 @@ pub fn encode_slot(v: &SlotValue) -> Vec<u8> {
 pub fn decode_slot(bytes: &[u8]) -> Result<SlotValue, DecodeError> {
     let mut r = Reader::new(bytes);
     let version = r.u8()?;
-    if version != FORMAT_V1 {
+    if version != FORMAT_V2 {
         return Err(DecodeError::UnknownVersion(version));
     }
-    let scope = ScopeId(r.array()?);
-    let owner = r.u64()?;
+    let entry = read_entry(&mut r)?;
+    if !entry.is_completed() {
+        // Only outcomes are committed to a slot; a processing record lives in its bucket alone.
+        return Err(DecodeError::BadState(entry.state.code()));
+    }
+    if !entry.body_stored() {
+        if !r.rest().is_empty() {
+            return Err(DecodeError::TrailingBytes);
+        }
+        return Ok(SlotValue { entry, snapshot: None });
+    }
     let status = r.u16()?;
     let count = r.u16()?;
     let mut headers = Vec::with_capacity(usize::from(count).min(256));
@@ -221,7 +299,103 @@ pub fn decode_slot(bytes: &[u8]) -> Result<SlotValue, DecodeError> {
     if !r.rest().is_empty() {
         return Err(DecodeError::TrailingBytes);
     }
-    Ok(SlotValue { scope, owner, snapshot: Snapshot { status, headers, body } })
+    Ok(SlotValue { entry, snapshot: Some(Snapshot { status, headers, body }) })
+}
+
+/// Live-record count of one quota identity (tenant or principal), keyed by its tag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counter {
+    pub tag: u64,
+    pub count: u32,
+    /// Start of the counter's current epoch: records charged before it are no longer counted.
+    pub since_ms: u64,
+    /// Expiry of the earliest record charged in this epoch (a hint for `retry-after`).
+    pub soonest_ms: u64,
+    /// Latest instant any record counted here can still be live; after it the counter reads 0.
+    pub until_ms: u64,
+}
+
+pub fn decode_counters(bytes: &[u8]) -> Result<Vec<Counter>, DecodeError> {
+    if bytes.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut r = Reader::new(bytes);
+    let count = list_header(&mut r)?;
+    let mut counters: Vec<Counter> = Vec::with_capacity(usize::from(count));
+    for _ in 0..count {
+        let c = Counter {
+            tag: r.u64()?,
+            count: r.u32()?,
+            since_ms: r.u64()?,
+            soonest_ms: r.u64()?,
+            until_ms: r.u64()?,
+        };
+        if counters.iter().any(|x| x.tag == c.tag) {
+            return Err(DecodeError::Duplicate);
+        }
+        counters.push(c);
+    }
+    if !r.rest().is_empty() {
+        return Err(DecodeError::TrailingBytes);
+    }
+    Ok(counters)
+}
+
+pub fn encode_counters(counters: &[Counter]) -> Vec<u8> {
+    if counters.is_empty() {
+        return Vec::new();
+    }
+    let mut out = list_out(counters.len(), COUNTER_LEN);
+    for c in counters.iter().take(usize::from(u8::MAX)) {
+        out.extend_from_slice(&c.tag.to_be_bytes());
+        out.extend_from_slice(&c.count.to_be_bytes());
+        out.extend_from_slice(&c.since_ms.to_be_bytes());
+        out.extend_from_slice(&c.soonest_ms.to_be_bytes());
+        out.extend_from_slice(&c.until_ms.to_be_bytes());
+    }
+    out
+}
+
+/// One store namespace in use (named by its bucket count), with its heartbeat and, once it is
+/// being retired, how far its keys have been emptied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub buckets: u32,
+    pub beat_ms: u64,
+    pub cursor: u32,
+}
+
+pub fn decode_layouts(bytes: &[u8]) -> Result<Vec<Layout>, DecodeError> {
+    if bytes.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut r = Reader::new(bytes);
+    let count = list_header(&mut r)?;
+    let mut layouts: Vec<Layout> = Vec::with_capacity(usize::from(count));
+    for _ in 0..count {
+        let l = Layout { buckets: r.u32()?, beat_ms: r.u64()?, cursor: r.u32()? };
+        if layouts.iter().any(|x| x.buckets == l.buckets) {
+            return Err(DecodeError::Duplicate);
+        }
+        layouts.push(l);
+    }
+    if !r.rest().is_empty() {
+        return Err(DecodeError::TrailingBytes);
+    }
+    Ok(layouts)
+}
+
+pub fn encode_layouts(layouts: &[Layout]) -> Vec<u8> {
+    if layouts.is_empty() {
+        return Vec::new();
+    }
+    let mut out = list_out(layouts.len(), LAYOUT_LEN);
+    for l in layouts.iter().take(usize::from(u8::MAX)) {
+        out.extend_from_slice(&l.buckets.to_be_bytes());
+        out.extend_from_slice(&l.beat_ms.to_be_bytes());
+        out.extend_from_slice(&l.cursor.to_be_bytes());
+    }
+    out
 }
 
 struct Reader<'a> {
@@ -270,13 +444,16 @@ mod tests {
         Entry {
             position,
             state: State::Succeeded,
-            flags: 0,
+            flags: FLAG_PRINCIPAL_CHARGED,
             status: 201,
             scope: ScopeId([position; 32]),
             fingerprint: Fingerprint([7; 32]),
             owner,
             lease_deadline_ms: 10,
             expires_at_ms: 99,
+            charged_at_ms: 1,
+            tenant_tag: 0,
+            principal_tag: 0xfeed,
         }
     }
 
@@ -294,7 +471,8 @@ mod tests {
     fn bucket_decoder_refuses_bad_bytes() {
         let good = encode_bucket(&[entry(1, 1)]);
         assert_eq!(decode_bucket(&[9, 0], 8), Err(DecodeError::UnknownVersion(9)));
-        assert_eq!(decode_bucket(&[1, 0], 8), Err(DecodeError::NonCanonical));
+        assert_eq!(decode_bucket(&[1, 1], 8), Err(DecodeError::UnknownVersion(1)), "v1 is refused");
+        assert_eq!(decode_bucket(&[2, 0], 8), Err(DecodeError::NonCanonical));
         assert_eq!(decode_bucket(&good[..good.len() - 1], 8), Err(DecodeError::Truncated));
         let mut extra = good.clone();
         extra.push(0);
@@ -303,6 +481,9 @@ mod tests {
         let mut bad_state = good.clone();
         bad_state[3] = 9;
         assert_eq!(decode_bucket(&bad_state, 8), Err(DecodeError::BadState(9)));
+        let mut bad_flags = good.clone();
+        bad_flags[4] = 0x80;
+        assert_eq!(decode_bucket(&bad_flags, 8), Err(DecodeError::BadFlags(0x80)));
         let dup = encode_bucket(&[entry(1, 1), entry(1, 2)]);
         assert_eq!(decode_bucket(&dup, 8), Err(DecodeError::DuplicatePosition(1)));
     }
@@ -310,18 +491,46 @@ mod tests {
     #[test]
     fn every_truncation_of_a_slot_is_an_error() {
         let v = SlotValue {
-            scope: ScopeId([3; 32]),
-            owner: 42,
-            snapshot: Snapshot {
+            entry: entry(3, 42),
+            snapshot: Some(Snapshot {
                 status: 201,
                 headers: vec![("set-cookie".into(), b"a=b".to_vec()), ("x".into(), vec![0xff])],
                 body: b"{\"id\":1}".to_vec(),
-            },
+            }),
         };
         let bytes = encode_slot(&v);
         assert_eq!(decode_slot(&bytes), Ok(v));
         for n in 0..bytes.len() {
             assert!(decode_slot(&bytes[..n]).is_err(), "prefix {n}");
         }
+    }
+
+    #[test]
+    fn a_slot_without_body_carries_the_outcome_alone() {
+        let v = SlotValue {
+            entry: Entry { flags: FLAG_BODY_NOT_STORED | FLAG_TENANT_CHARGED, ..entry(2, 5) },
+            snapshot: None,
+        };
+        let bytes = encode_slot(&v);
+        assert_eq!(bytes.len(), 1 + ENTRY_LEN);
+        assert_eq!(decode_slot(&bytes), Ok(v));
+        // A processing entry is never a committed outcome.
+        let processing =
+            SlotValue { entry: Entry { state: State::Processing, ..entry(2, 5) }, snapshot: None };
+        assert_eq!(decode_slot(&encode_slot(&processing)), Err(DecodeError::BadState(1)));
+    }
+
+    #[test]
+    fn counters_and_layouts_round_trip_and_refuse_duplicates() {
+        let c = Counter { tag: 9, count: 3, since_ms: 1, soonest_ms: 2, until_ms: 3 };
+        let bytes = encode_counters(&[c, Counter { tag: 10, ..c }]);
+        assert_eq!(bytes.len(), 2 + 2 * COUNTER_LEN);
+        assert_eq!(decode_counters(&bytes), Ok(vec![c, Counter { tag: 10, ..c }]));
+        assert_eq!(decode_counters(&encode_counters(&[c, c])), Err(DecodeError::Duplicate));
+        let l = Layout { buckets: 8, beat_ms: 5, cursor: 0 };
+        assert_eq!(decode_layouts(&encode_layouts(&[l])), Ok(vec![l]));
+        assert_eq!(decode_layouts(&encode_layouts(&[l, l])), Err(DecodeError::Duplicate));
+        assert_eq!(decode_layouts(&[]), Ok(vec![]));
+        assert_eq!(decode_counters(&[2, 0]), Err(DecodeError::NonCanonical));
     }
 }

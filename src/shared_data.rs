@@ -62,6 +62,8 @@ struct FakeInner {
     next_cas: Cas,
     /// Armed by tests to make the next `set`s fail as if another worker had just written.
     forced_mismatches: u32,
+    /// When set, only keys containing this fragment are subject to `forced_mismatches`.
+    forced_only: Option<String>,
     gets: u64,
     sets: u64,
 }
@@ -89,7 +91,17 @@ impl FakeSharedData {
     /// The next `n` CAS writes to existing keys fail with a mismatch (the key's CAS is bumped, as
     /// if another worker wrote the same value in between).
     pub fn force_cas_mismatches(&self, n: u32) {
-        self.inner.borrow_mut().forced_mismatches = n;
+        let mut inner = self.inner.borrow_mut();
+        inner.forced_mismatches = n;
+        inner.forced_only = None;
+    }
+
+    /// Like `force_cas_mismatches`, but only CAS writes to keys containing `fragment` lose: a
+    /// busy bucket without busy snapshot slots, for instance.
+    pub fn force_cas_mismatches_on(&self, fragment: &str, n: u32) {
+        let mut inner = self.inner.borrow_mut();
+        inner.forced_mismatches = n;
+        inner.forced_only = Some(fragment.to_string());
     }
 
     /// Raw overwrite, for tests that corrupt stored bytes.
@@ -126,7 +138,8 @@ impl SharedData for FakeSharedData {
         inner.sets += 1;
         if let Some((_, current)) = inner.map.get(key) {
             let current = *current;
-            if inner.forced_mismatches > 0 && cas.is_some() {
+            let targeted = inner.forced_only.as_deref().is_none_or(|f| key.contains(f));
+            if inner.forced_mismatches > 0 && cas.is_some() && targeted {
                 inner.forced_mismatches -= 1;
                 let bumped = inner.bump();
                 if let Some(entry) = inner.map.get_mut(key) {

@@ -7,7 +7,14 @@
 //!   is there, atomically across every worker sharing the store;
 //! - only the current owner's `complete`/`release` changes a processing record; a late call by
 //!   an owner whose lease was taken over reports `Lost` and changes nothing;
-//! - a live record is never evicted to make room: a full store answers `Full`;
+//! - a completion by the current owner is never dropped, however busy the store is: once
+//!   `complete` returns `Done`, every later `begin` sees the outcome until it expires;
+//! - a live record (a completed one before its expiry, a processing one within its lease) is
+//!   never evicted to make room: a full store answers `Full`. A processing record whose lease
+//!   ended without an outcome is abandoned and may give its place to a new record;
+//! - a new record is charged to its tenant and principal: once an identity holds its bound of
+//!   live records, `begin` answers `QuotaExceeded` instead of claiming; takeovers, replays,
+//!   mismatches and in-flight answers are not charged;
 //! - expired records read as absent and their space is reclaimed by `sweep`.
 
 use crate::fingerprint::Fingerprint;
@@ -24,13 +31,16 @@ pub struct ClaimAttempt {
     pub now_ms: u64,
     pub lease_ms: u64,
     pub ttl_ms: u64,
-    pub quota: QuotaCharge,
+    /// The quota a new record is charged to; None: no quota applies.
+    pub quota: Option<QuotaCharge>,
 }
 
-/// Who a new record counts against, and the bounds.
-#[derive(Debug, Clone, Copy)]
+/// Who a new record counts against, and their bounds on live records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QuotaCharge {
+    /// Unkeyed SHA-256 of the tenant; None when no tenant header is configured (no tenant quota).
     pub tenant: Option<[u8; 32]>,
+    /// Unkeyed SHA-256 of the principal (`scope::principal_digest`).
     pub principal: [u8; 32],
     pub per_tenant: u32,
     pub per_principal: u32,
@@ -61,8 +71,8 @@ pub enum Begin {
     InFlight { retry_after_ms: u64 },
     /// No room for a new record without evicting a live one.
     Full { retry_after_ms: u64 },
-    /// The tenant (or, when `tenant` is false, the principal) already holds its bound of live
-    /// records.
+    /// The tenant (`tenant: true`) or else the principal already holds its bound of live
+    /// records; `retry_after_ms` hints when one of them may have stopped counting.
     QuotaExceeded { retry_after_ms: u64, tenant: bool },
 }
 
@@ -71,7 +81,8 @@ pub enum Begin {
 pub struct Completion {
     pub state: State,
     pub status: u16,
-    /// None when the body was over `max_response_bytes`: the outcome is kept without it.
+    /// None when the body is not kept (over `max_response_bytes`, or the response was cut after
+    /// the upstream's status was seen): the outcome is kept without it and never re-executed.
     pub snapshot: Option<Snapshot>,
     pub now_ms: u64,
     pub ttl_ms: u64,
@@ -86,7 +97,8 @@ pub enum Settled {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreError {
-    /// Every CAS attempt lost to other writers.
+    /// Every CAS attempt lost to other writers (`begin` and `release` only: `complete` does not
+    /// give up while the caller owns the record).
     Contention,
     /// The store cannot be used (host error, missing pre-created key).
     Unavailable(String),
@@ -108,6 +120,8 @@ pub trait RecordStore {
     fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError>;
     fn complete(&self, claim: &Claim, completion: &Completion) -> Result<Settled, StoreError>;
     fn release(&self, claim: &Claim) -> Result<Settled, StoreError>;
-    /// Reclaims expired records in the next part of the store; returns how many were removed.
+    /// Reclaims expired records in the next part of the store, and whatever housekeeping the
+    /// backend needs (called about once a second by every live root); returns how many records
+    /// were removed.
     fn sweep(&self, now_ms: u64) -> Result<u32, StoreError>;
 }

@@ -5,7 +5,7 @@
 use crate::fingerprint::Fingerprint;
 use crate::record::{Snapshot, State};
 use crate::scope::ScopeId;
-use crate::store::{Begin, Claim, ClaimAttempt, Completion, RecordStore, Settled};
+use crate::store::{Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled};
 
 pub const LEASE: u64 = 1_000;
 pub const TTL: u64 = 10_000;
@@ -30,12 +30,27 @@ pub fn attempt(scope_n: u64, fp: u8, owner: u64, now_ms: u64) -> ClaimAttempt {
         now_ms,
         lease_ms: LEASE,
         ttl_ms: TTL,
-        quota: crate::store::QuotaCharge {
-            tenant: None,
-            principal: [0; 32],
-            per_tenant: u32::MAX,
-            per_principal: u32::MAX,
-        },
+        quota: None,
+    }
+}
+
+/// An attempt charged to principal `principal` (and tenant `tenant`, if any) with these bounds.
+pub fn charged(
+    scope_n: u64,
+    owner: u64,
+    now_ms: u64,
+    principal: u8,
+    tenant: Option<u8>,
+    bounds: (u32, u32),
+) -> ClaimAttempt {
+    ClaimAttempt {
+        quota: Some(QuotaCharge {
+            tenant: tenant.map(|t| [t; 32]),
+            principal: [principal; 32],
+            per_tenant: bounds.0,
+            per_principal: bounds.1,
+        }),
+        ..attempt(scope_n, 1, owner, now_ms)
     }
 }
 
@@ -215,6 +230,161 @@ pub fn racing_workers_make_exactly_one_claim<B: Backend>() {
     assert_eq!(claims, 1, "{a:?} {c:?}");
 }
 
+pub fn a_late_completion_by_the_owner_is_kept<B: Backend>() {
+    // The lease ended but nobody took the record over: the owner still owns it, and its
+    // outcome is final: no later request may take the record over and execute again.
+    let b = B::with_capacity(64);
+    let (w0, w1) = (b.worker(0), b.worker(1));
+    let c = claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
+    assert_eq!(w0.complete(&c, &done("late", LEASE * 3)).unwrap(), Settled::Done);
+    assert_eq!(w1.begin(&attempt(1, 1, 12, LEASE * 3 + 1)).unwrap(), Begin::Replay(snapshot("late")));
+    let c2 = claimed(w0.begin(&attempt(2, 1, 13, 0)).unwrap());
+    let cut =
+        Completion { state: State::Succeeded, status: 201, snapshot: None, now_ms: LEASE * 2, ttl_ms: TTL };
+    assert_eq!(w0.complete(&c2, &cut).unwrap(), Settled::Done);
+    assert_eq!(w1.begin(&attempt(2, 1, 14, LEASE * 4)).unwrap(), Begin::NotStored { status: 201 });
+}
+
+/// Fills a capacity-8 store: `completed` records completed at 0, the rest left processing.
+/// Returns the completed scope numbers and the processing ones with their claims.
+fn fill<B: Backend>(b: &B, completed: usize) -> (Vec<u64>, Vec<(u64, Claim)>) {
+    let w = b.worker(0);
+    let (mut done_scopes, mut open) = (Vec::new(), Vec::new());
+    let mut n = 0;
+    while done_scopes.len() + open.len() < 8 && n < 10_000 {
+        n += 1;
+        match w.begin(&attempt(n, 1, n, 0)).unwrap() {
+            Begin::Claimed(c) if done_scopes.len() < completed => {
+                w.complete(&c, &done(&format!("r{n}"), 0)).unwrap();
+                done_scopes.push(n);
+            }
+            Begin::Claimed(c) => open.push((n, c)),
+            Begin::Full { .. } => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    (done_scopes, open)
+}
+
+pub fn an_abandoned_claim_gives_its_place_after_its_lease<B: Backend>() {
+    let b = B::with_capacity(8);
+    let w = b.worker(1);
+    let (done_scopes, open) = fill(&b, 7);
+    assert_eq!(open.len(), 1);
+    // Within the lease the abandoned claim is live: the store is full.
+    assert!(matches!(w.begin(&attempt(20_000, 1, 90_001, LEASE - 1)).unwrap(), Begin::Full { .. }));
+    // After it, its place goes to a new record.
+    assert!(matches!(w.begin(&attempt(20_000, 1, 90_002, LEASE)).unwrap(), Begin::Claimed(_)));
+    // Completed records within their ttl are never evicted: the next new record is refused.
+    let refused = w.begin(&attempt(20_001, 1, 90_003, LEASE + 1)).unwrap();
+    assert!(
+        matches!(refused, Begin::Full { retry_after_ms } if (1..=60_000).contains(&retry_after_ms)),
+        "{refused:?}"
+    );
+    for n in done_scopes {
+        assert_eq!(w.begin(&attempt(n, 1, 7, LEASE + 2)).unwrap(), Begin::Replay(snapshot(&format!("r{n}"))));
+    }
+    // The evicted claim's owner finds it gone.
+    assert_eq!(b.worker(0).complete(&open[0].1, &done("gone", LEASE + 3)).unwrap(), Settled::Lost);
+}
+
+pub fn a_late_completion_of_an_abandoned_claim_keeps_its_place<B: Backend>() {
+    let b = B::with_capacity(8);
+    let (w0, w1) = (b.worker(0), b.worker(1));
+    let (_, open) = fill(&b, 0);
+    // Every claim is past its lease; one of them completes late (its owner still owns it).
+    let (kept, claim) = open[3];
+    assert_eq!(w0.complete(&claim, &done("kept", LEASE + 5)).unwrap(), Settled::Done);
+    // Seven new records evict the seven abandoned claims, never the completed one.
+    for k in 0..7 {
+        let r = w1.begin(&attempt(30_000 + k, 1, 95_000 + k, LEASE + 6)).unwrap();
+        assert!(matches!(r, Begin::Claimed(_)), "{k}: {r:?}");
+    }
+    assert!(matches!(w1.begin(&attempt(30_100, 1, 96_000, LEASE + 7)).unwrap(), Begin::Full { .. }));
+    assert_eq!(w1.begin(&attempt(kept, 1, 96_001, LEASE + 8)).unwrap(), Begin::Replay(snapshot("kept")));
+}
+
+pub fn the_principal_quota_bounds_new_records<B: Backend>() {
+    let b = B::with_capacity(64);
+    let (w0, w1) = (b.worker(0), b.worker(1));
+    let bounds = (100, 2);
+    let a = claimed(w0.begin(&charged(1, 11, 0, 1, None, bounds)).unwrap());
+    claimed(w1.begin(&charged(2, 12, 1, 1, None, bounds)).unwrap());
+    let refused = w0.begin(&charged(3, 13, 2, 1, None, bounds)).unwrap();
+    assert!(
+        matches!(refused, Begin::QuotaExceeded { tenant: false, retry_after_ms } if (1..=60_000).contains(&retry_after_ms)),
+        "{refused:?}"
+    );
+    // Another principal is not affected.
+    claimed(w0.begin(&charged(3, 14, 3, 2, None, bounds)).unwrap());
+    // Answers about existing records are not charged.
+    assert_eq!(
+        w1.begin(&charged(1, 15, 4, 1, None, bounds)).unwrap(),
+        Begin::InFlight { retry_after_ms: LEASE - 4 }
+    );
+    w0.complete(&a, &done("a", 5)).unwrap();
+    assert_eq!(w1.begin(&charged(1, 16, 6, 1, None, bounds)).unwrap(), Begin::Replay(snapshot("a")));
+    assert_eq!(
+        w1.begin(&ClaimAttempt {
+            fingerprint: crate::fingerprint::Fingerprint([9; 32]),
+            ..charged(1, 17, 7, 1, None, bounds)
+        })
+        .unwrap(),
+        Begin::Mismatch
+    );
+    // A completed record still counts; a released one stops counting.
+    assert!(matches!(w0.begin(&charged(4, 18, 8, 1, None, bounds)).unwrap(), Begin::QuotaExceeded { .. }));
+    let c = claimed(w0.begin(&charged(5, 19, 9, 3, None, bounds)).unwrap());
+    w0.release(&c).unwrap();
+    claimed(w0.begin(&charged(6, 20, 10, 3, None, bounds)).unwrap());
+    claimed(w0.begin(&charged(7, 21, 11, 3, None, bounds)).unwrap());
+}
+
+pub fn the_tenant_quota_bounds_all_its_principals<B: Backend>() {
+    let b = B::with_capacity(64);
+    let w = b.worker(0);
+    let bounds = (2, 10);
+    claimed(w.begin(&charged(1, 11, 0, 1, Some(7), bounds)).unwrap());
+    claimed(w.begin(&charged(2, 12, 0, 2, Some(7), bounds)).unwrap());
+    let refused = w.begin(&charged(3, 13, 0, 3, Some(7), bounds)).unwrap();
+    assert!(matches!(refused, Begin::QuotaExceeded { tenant: true, .. }), "{refused:?}");
+    // The refused principal was not charged: with another tenant it still has all its room.
+    claimed(w.begin(&charged(4, 14, 0, 3, Some(8), (100, 1))).unwrap());
+}
+
+pub fn a_takeover_is_not_charged<B: Backend>() {
+    let b = B::with_capacity(64);
+    let (w0, w1) = (b.worker(0), b.worker(1));
+    claimed(w0.begin(&charged(1, 11, 0, 1, None, (10, 1))).unwrap());
+    let taken = w1.begin(&charged(1, 12, LEASE, 1, None, (10, 1))).unwrap();
+    assert!(matches!(taken, Begin::TookOver(_)), "{taken:?}");
+    assert!(matches!(
+        w1.begin(&charged(2, 13, LEASE + 1, 1, None, (10, 1))).unwrap(),
+        Begin::QuotaExceeded { .. }
+    ));
+}
+
+pub fn a_quota_never_locks_an_identity_out_for_good<B: Backend>() {
+    // Records that expire stop counting once swept, and a counter whose records have all
+    // expired reads as empty even before any sweep.
+    let b = B::with_capacity(64);
+    let w = b.worker(0);
+    let c = claimed(w.begin(&charged(1, 11, 0, 1, None, (10, 1))).unwrap());
+    w.complete(&c, &done("a", 0)).unwrap();
+    assert!(matches!(
+        w.begin(&charged(2, 12, TTL - 1, 1, None, (10, 1))).unwrap(),
+        Begin::QuotaExceeded { .. }
+    ));
+    for _ in 0..64 {
+        w.sweep(TTL).unwrap();
+    }
+    let c = claimed(w.begin(&charged(2, 13, TTL, 1, None, (10, 1))).unwrap());
+    let _ = c;
+    // Abandoned and never swept: free again once the record cannot be live any more.
+    let late = 2 * TTL + 2 * LEASE;
+    claimed(w.begin(&charged(3, 14, late, 1, None, (10, 1))).unwrap());
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($backend:ty) => {
@@ -266,6 +436,34 @@ macro_rules! conformance_suite {
         #[test]
         fn sweep_reclaims_expired_records() {
             $crate::store_conformance::sweep_reclaims_expired_records::<$backend>();
+        }
+        #[test]
+        fn a_late_completion_by_the_owner_is_kept() {
+            $crate::store_conformance::a_late_completion_by_the_owner_is_kept::<$backend>();
+        }
+        #[test]
+        fn an_abandoned_claim_gives_its_place_after_its_lease() {
+            $crate::store_conformance::an_abandoned_claim_gives_its_place_after_its_lease::<$backend>();
+        }
+        #[test]
+        fn a_late_completion_of_an_abandoned_claim_keeps_its_place() {
+            $crate::store_conformance::a_late_completion_of_an_abandoned_claim_keeps_its_place::<$backend>();
+        }
+        #[test]
+        fn the_principal_quota_bounds_new_records() {
+            $crate::store_conformance::the_principal_quota_bounds_new_records::<$backend>();
+        }
+        #[test]
+        fn the_tenant_quota_bounds_all_its_principals() {
+            $crate::store_conformance::the_tenant_quota_bounds_all_its_principals::<$backend>();
+        }
+        #[test]
+        fn a_takeover_is_not_charged() {
+            $crate::store_conformance::a_takeover_is_not_charged::<$backend>();
+        }
+        #[test]
+        fn a_quota_never_locks_an_identity_out_for_good() {
+            $crate::store_conformance::a_quota_never_locks_an_identity_out_for_good::<$backend>();
         }
         #[test]
         fn racing_workers_make_exactly_one_claim() {

@@ -49,7 +49,9 @@ struct InFlight {
 
 fn config(capacity: u32) -> Config {
     let json = format!(
-        r#"{{"store":{{"type":"local","capacity":{capacity}}},"routes":[{{"name":"r","match":{{"prefix":"/"}},
+        // Quotas are lifted here: this model checks execution and replay guarantees; the quota
+        // has its own model below (`quotas_and_eviction_hold_under_random_interleavings`).
+        r#"{{"store":{{"type":"local","capacity":{capacity}}},"quota":{{"per_tenant":10000000,"per_principal":10000000}},"routes":[{{"name":"r","match":{{"prefix":"/"}},
         "require_key":true,"ttl":"{TTL_MS}ms","processing_timeout":"{LEASE_MS}ms"}}]}}"#
     );
     parse(json.as_bytes()).unwrap()
@@ -71,9 +73,8 @@ fn pending(cfg: &Config, scope_key: u64) -> Pending {
 fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
     let cfg = config(capacity);
     let data = FakeSharedData::new();
-    LocalStore::new(&data, capacity).create_keys().unwrap();
     let stores: Vec<LocalStore<&FakeSharedData>> =
-        (0..workers).map(|_| LocalStore::new(&data, capacity)).collect();
+        (0..workers).map(|w| LocalStore::open(&data, capacity, [w as u8; 32], 0).unwrap()).collect();
     let mut rng = Lcg(seed);
     let mut now = 1u64;
     let mut execs: Vec<Execution> = Vec::new();
@@ -219,5 +220,376 @@ fn guarantees_hold_under_random_interleavings() {
 fn guarantees_hold_under_capacity_pressure() {
     for seed in 1000..1100u64 {
         run(seed, 3, 8, 40, 600);
+    }
+}
+
+/// Store-level model with quotas and eviction: every arrival is charged to its scope's tenant
+/// and principal, the store is small enough that abandoned claims get evicted, and the model
+/// predicts what the store may and must answer:
+/// - a new record is never claimed while its tenant or principal already holds its bound of
+///   live records (the store must refuse), and a quota refusal only comes when the identity has
+///   that many records the store may still count (charged in the counter's current epoch, not
+///   released, not replaced, the counter not healed);
+/// - no live record is ever evicted: probing a live scope with another payload is a mismatch;
+/// - never two owners executing one scope while a record lives; an evicted or taken-over owner
+///   never completes.
+mod quota_model {
+    use super::Lcg;
+    use idempotency_filter::fingerprint::Fingerprint;
+    use idempotency_filter::local_store::LocalStore;
+    use idempotency_filter::record::{Snapshot, State};
+    use idempotency_filter::scope::ScopeId;
+    use idempotency_filter::shared_data::FakeSharedData;
+    use idempotency_filter::store::{
+        Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled,
+    };
+    use std::collections::HashMap;
+
+    const LEASE: u64 = 1_000;
+    const TTL: u64 = 4_000;
+    const PRINCIPALS: u64 = 6;
+    const TENANTS: u64 = 2;
+    const PER_PRINCIPAL: u32 = 3;
+    const PER_TENANT: u32 = 8;
+
+    #[derive(Debug, Clone)]
+    struct Exec {
+        scope: u64,
+        payload: u8,
+        claim: Claim,
+        /// The record this execution belongs to (the index of the execution that created it;
+        /// takeovers keep it) and when it was charged.
+        record: usize,
+        charged_at: u64,
+        lease_deadline: u64,
+        completed_at: Option<u64>,
+        /// Released, lost, replaced or abandoned-and-gone: it no longer holds the record.
+        ended: bool,
+        released: bool,
+    }
+
+    impl Exec {
+        fn live(&self, now: u64) -> bool {
+            match self.completed_at {
+                Some(c) => now < c + TTL,
+                None => !self.ended && now < self.lease_deadline,
+            }
+        }
+    }
+
+    #[derive(Debug, Clone, Copy, Default)]
+    struct Epoch {
+        since: u64,
+        until: u64,
+    }
+
+    #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+    enum Id {
+        Tenant(u64),
+        Principal(u64),
+    }
+
+    fn ids(scope: u64) -> [(Id, u32); 2] {
+        [(Id::Tenant(scope % TENANTS), PER_TENANT), (Id::Principal(scope % PRINCIPALS), PER_PRINCIPAL)]
+    }
+
+    fn scope_id(n: u64) -> ScopeId {
+        use sha2::{Digest, Sha256};
+        ScopeId(Sha256::digest(n.to_be_bytes()).into())
+    }
+
+    fn attempt(scope: u64, payload: u8, owner: u64, now: u64, quota: bool) -> ClaimAttempt {
+        ClaimAttempt {
+            scope: scope_id(scope),
+            fingerprint: Fingerprint([payload; 32]),
+            owner,
+            now_ms: now,
+            lease_ms: LEASE,
+            ttl_ms: TTL,
+            quota: quota.then(|| QuotaCharge {
+                tenant: Some([(scope % TENANTS) as u8; 32]),
+                principal: [100 + (scope % PRINCIPALS) as u8; 32],
+                per_tenant: PER_TENANT,
+                per_principal: PER_PRINCIPAL,
+            }),
+        }
+    }
+
+    struct Model {
+        execs: Vec<Exec>,
+        epochs: HashMap<Id, Epoch>,
+    }
+
+    impl Model {
+        fn live_count(&self, id: Id, now: u64) -> u32 {
+            self.execs.iter().filter(|e| e.live(now) && ids(e.scope).iter().any(|(i, _)| *i == id)).count()
+                as u32
+        }
+
+        /// Records the store may still count for `id`: charged in the current epoch, not
+        /// released and not replaced by a newer record of their scope.
+        fn countable(&self, id: Id, now: u64) -> u32 {
+            let epoch = self.epochs.get(&id).copied().unwrap_or_default();
+            if now >= epoch.until {
+                return 0;
+            }
+            let mut records: Vec<usize> = Vec::new();
+            for e in &self.execs {
+                let newest = self.execs.iter().filter(|x| x.scope == e.scope).map(|x| x.record).max();
+                if ids(e.scope).iter().any(|(i, _)| *i == id)
+                    && e.charged_at >= epoch.since
+                    && newest == Some(e.record)
+                    && !self.execs.iter().any(|x| x.record == e.record && x.released)
+                    && !records.contains(&e.record)
+                {
+                    records.push(e.record);
+                }
+            }
+            records.len() as u32
+        }
+
+        fn charge(&mut self, scope: u64, now: u64) {
+            for (id, _) in ids(scope) {
+                let epoch = self.epochs.entry(id).or_default();
+                if now >= epoch.until {
+                    *epoch = Epoch { since: now, until: now + LEASE + TTL };
+                } else {
+                    epoch.until = epoch.until.max(now + LEASE + TTL);
+                }
+            }
+        }
+
+        fn extend(&mut self, scope: u64, charged_at: u64, until: u64) {
+            for (id, _) in ids(scope) {
+                let epoch = self.epochs.entry(id).or_default();
+                if charged_at >= epoch.since && now_lt(charged_at, epoch.until) {
+                    epoch.until = epoch.until.max(until);
+                }
+            }
+        }
+    }
+
+    fn now_lt(a: u64, b: u64) -> bool {
+        a < b
+    }
+
+    pub fn run(
+        seed: u64,
+        workers: usize,
+        capacity: u32,
+        scopes: u64,
+        steps: usize,
+    ) -> HashMap<&'static str, u32> {
+        let data = FakeSharedData::new();
+        let stores: Vec<LocalStore<&FakeSharedData>> =
+            (0..workers).map(|w| LocalStore::open(&data, capacity, [w as u8; 32], 0).unwrap()).collect();
+        let mut rng = Lcg(seed);
+        let mut now = 1u64;
+        let mut m = Model { execs: Vec::new(), epochs: HashMap::new() };
+        let mut in_flight: Vec<Vec<usize>> = (0..workers).map(|_| Vec::new()).collect();
+        let mut owner = 0u64;
+        let mut counts: HashMap<&'static str, u32> = HashMap::new();
+
+        for step in 0..steps {
+            let w = rng.below(workers as u64) as usize;
+            let ctx = format!("seed {seed} step {step} worker {w} now {now}");
+            match rng.below(12) {
+                0..=4 => {
+                    let scope = rng.below(scopes);
+                    let payload = rng.below(4).min(1) as u8;
+                    owner += 1;
+                    let begin = stores[w].begin(&attempt(scope, payload, owner, now, true)).unwrap();
+                    let prior_live = m.execs.iter().any(|e| e.scope == scope && e.live(now));
+                    match begin {
+                        Begin::Claimed(claim) => {
+                            *counts.entry("claimed").or_default() += 1;
+                            assert!(!prior_live, "new record while one lives ({ctx})");
+                            for (id, bound) in ids(scope) {
+                                assert!(
+                                    m.live_count(id, now) < bound,
+                                    "{id:?} already holds {bound} live records, yet a new one was claimed ({ctx})"
+                                );
+                            }
+                            for e in m.execs.iter_mut().filter(|e| e.scope == scope) {
+                                e.ended = true;
+                            }
+                            m.charge(scope, now);
+                            m.execs.push(Exec {
+                                scope,
+                                payload,
+                                claim,
+                                record: m.execs.len(),
+                                charged_at: now,
+                                lease_deadline: now + LEASE,
+                                completed_at: None,
+                                ended: false,
+                                released: false,
+                            });
+                            in_flight[w].push(m.execs.len() - 1);
+                        }
+                        Begin::TookOver(claim) => {
+                            *counts.entry("taken_over").or_default() += 1;
+                            assert!(!prior_live, "takeover while the record lives ({ctx})");
+                            let prev = m
+                                .execs
+                                .iter()
+                                .rposition(|e| e.scope == scope && e.completed_at.is_none() && !e.released)
+                                .unwrap_or_else(|| panic!("takeover of nothing ({ctx})"));
+                            let (record, charged_at) = (m.execs[prev].record, m.execs[prev].charged_at);
+                            m.execs[prev].ended = true;
+                            m.extend(scope, charged_at, now + LEASE + TTL);
+                            m.execs.push(Exec {
+                                scope,
+                                payload,
+                                claim,
+                                record,
+                                charged_at,
+                                lease_deadline: now + LEASE,
+                                completed_at: None,
+                                ended: false,
+                                released: false,
+                            });
+                            in_flight[w].push(m.execs.len() - 1);
+                        }
+                        Begin::Replay(s) => {
+                            *counts.entry("replayed").or_default() += 1;
+                            let id: usize =
+                                String::from_utf8_lossy(&s.body).trim_start_matches("exec-").parse().unwrap();
+                            let e = &m.execs[id];
+                            assert_eq!(
+                                (e.scope, e.payload),
+                                (scope, payload),
+                                "replay of another request ({ctx})"
+                            );
+                            assert!(
+                                e.completed_at.is_some() && e.live(now),
+                                "replay of a dead record ({ctx})"
+                            );
+                        }
+                        Begin::NotStored { .. } => {
+                            *counts.entry("not_stored").or_default() += 1;
+                            assert!(
+                                m.execs
+                                    .iter()
+                                    .any(|e| e.scope == scope && e.completed_at.is_some() && e.live(now)),
+                                "not-stored answer without a completed record ({ctx})"
+                            );
+                        }
+                        Begin::Mismatch => {
+                            assert!(
+                                m.execs.iter().any(|e| e.scope == scope
+                                    && e.payload != payload
+                                    // An abandoned claim still names its payload until its ttl.
+                                    && (e.live(now)
+                                        || (e.completed_at.is_none()
+                                            && !e.released
+                                            && now < e.lease_deadline - LEASE + TTL))),
+                                "mismatch without a record of another payload ({ctx})"
+                            );
+                        }
+                        Begin::InFlight { .. } => {
+                            assert!(
+                                m.execs
+                                    .iter()
+                                    .any(|e| e.scope == scope && e.completed_at.is_none() && e.live(now)),
+                                "in flight without a live claim ({ctx})"
+                            );
+                        }
+                        Begin::Full { .. } => *counts.entry("full").or_default() += 1,
+                        Begin::QuotaExceeded { tenant, .. } => {
+                            *counts.entry("quota").or_default() += 1;
+                            assert!(!prior_live, "an existing record's answer was charged ({ctx})");
+                            let (id, bound) = ids(scope)[usize::from(!tenant)];
+                            assert!(
+                                m.countable(id, now) >= bound,
+                                "{id:?} refused with only {} countable records ({ctx})",
+                                m.countable(id, now)
+                            );
+                        }
+                    }
+                }
+                5..=6 => {
+                    if in_flight[w].is_empty() {
+                        continue;
+                    }
+                    let i = rng.below(in_flight[w].len() as u64) as usize;
+                    let x = in_flight[w].swap_remove(i);
+                    // Now and then the response is cut after its status: kept without a body.
+                    let body = (rng.below(5) > 0).then(|| Snapshot {
+                        status: 201,
+                        headers: vec![],
+                        body: format!("exec-{x}").into_bytes(),
+                    });
+                    let c = Completion {
+                        state: State::Succeeded,
+                        status: 201,
+                        snapshot: body,
+                        now_ms: now,
+                        ttl_ms: TTL,
+                    };
+                    let settled = stores[w].complete(&m.execs[x].claim, &c).unwrap();
+                    if settled == Settled::Done {
+                        assert!(!m.execs[x].ended, "an owner that lost its claim completed it ({ctx})");
+                        m.execs[x].completed_at = Some(now);
+                        if now > m.execs[x].lease_deadline {
+                            let (scope, charged_at) = (m.execs[x].scope, m.execs[x].charged_at);
+                            m.extend(scope, charged_at, now + TTL);
+                        }
+                    } else {
+                        m.execs[x].ended = true;
+                    }
+                }
+                7 => {
+                    if let Some(x) = in_flight[w].pop() {
+                        let settled = stores[w].release(&m.execs[x].claim).unwrap();
+                        if settled == Settled::Done {
+                            assert!(!m.execs[x].ended, "an owner that lost its claim released it ({ctx})");
+                            m.execs[x].released = true;
+                        }
+                        m.execs[x].ended = true;
+                    }
+                }
+                8 => {
+                    // Outcome unknown: the claim is simply left (abandoned).
+                    if !in_flight[w].is_empty() {
+                        let i = rng.below(in_flight[w].len() as u64) as usize;
+                        in_flight[w].swap_remove(i);
+                    }
+                }
+                9 => {
+                    stores[w].sweep(now).unwrap();
+                }
+                10 => {
+                    // Probe a scope the model believes live with another payload: a live record
+                    // answers Mismatch; an evicted or forgotten one would be claimed.
+                    let live: Vec<u64> = m.execs.iter().filter(|e| e.live(now)).map(|e| e.scope).collect();
+                    if live.is_empty() {
+                        continue;
+                    }
+                    let scope = live[rng.below(live.len() as u64) as usize];
+                    owner += 1;
+                    let probe = stores[w].begin(&attempt(scope, 99, owner, now, false)).unwrap();
+                    assert_eq!(probe, Begin::Mismatch, "live record of scope {scope} is gone ({ctx})");
+                }
+                _ => now += rng.below(LEASE / 2),
+            }
+        }
+        counts
+    }
+}
+
+#[test]
+fn quotas_and_eviction_hold_under_random_interleavings() {
+    let mut total: HashMap<&'static str, u32> = HashMap::new();
+    for seed in 1..=120u64 {
+        let workers = 2 + (seed % 3) as usize;
+        // 16 records in 2 buckets: capacity pressure and eviction; 64: the quota binds first.
+        let capacity = if seed % 2 == 0 { 16 } else { 64 };
+        for (k, v) in quota_model::run(seed, workers, capacity, 24, 700) {
+            *total.entry(k).or_default() += v;
+        }
+    }
+    for outcome in ["claimed", "taken_over", "replayed", "not_stored", "full", "quota"] {
+        assert!(total.get(outcome).copied().unwrap_or(0) > 0, "the runs never saw {outcome}: {total:?}");
     }
 }

@@ -248,8 +248,16 @@ impl Root {
             .map_err(|e| format!("cannot read the plugin configuration: host status {}", e.0))?;
         let config = config::parse(&bytes).map_err(|e| e.to_string())?;
         let StoreConfig::Local { capacity } = config.store;
-        let store = LocalStore::new(HostSharedData, capacity);
-        let created = store.create_keys().map_err(|e| format!("cannot prepare the local store: {e}"))?;
+        // The store's placement secret; each RandomState is seeded from the WASI random source.
+        let fresh_secret: [u8; 32] = std::array::from_fn(|i| {
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_usize(i / 8);
+            h.finish().to_be_bytes()[i % 8]
+        });
+        let now_ms = host::now_nanos().unwrap_or(0) / 1_000_000;
+        let store = LocalStore::open(HostSharedData, capacity, fresh_secret, now_ms)
+            .map_err(|e| format!("cannot prepare the local store: {e}"))?;
+        let created = store.keys_created();
         log::info!(
             "configured {} route rule(s); local store: {} records in {} buckets ({} keys created)",
             config.rules.len(),

@@ -124,6 +124,9 @@ fn retry_hint(until_ms: u64, now_ms: u64) -> u64 {
     until_ms.saturating_sub(now_ms).clamp(1, RETRY_CAP_MS)
 }
 
+/// The entry flags that say a record counts against a quota.
+const CHARGE_FLAGS: u8 = FLAG_TENANT_CHARGED | FLAG_PRINCIPAL_CHARGED;
+
 /// What a new record was charged to: entry flags and tags.
 #[derive(Debug, Clone, Copy, Default)]
 struct Charged {
@@ -392,21 +395,49 @@ impl<S: SharedData> LocalStore<S> {
                     return Ok(Some(Begin::InFlight { retry_after_ms: existing.lease_deadline_ms - now }));
                 }
                 // The lease ended without an outcome: take the record over. It keeps its quota
-                // charge (same scope, so same tenant and principal): a takeover is not charged.
-                let next = Entry {
+                // charge (same scope, so same tenant and principal): a takeover is not charged,
+                // unless the sweep already dropped the charge of this abandoned claim; then it is
+                // live again and counts again (or a cycle of takeovers would hold records
+                // beyond any quota).
+                let mut next = Entry {
                     owner: a.owner,
                     lease_deadline_ms: now.saturating_add(a.lease_ms),
                     expires_at_ms: now.saturating_add(a.ttl_ms),
                     ..existing
                 };
+                let recharged = match &a.quota {
+                    Some(q) if existing.flags & CHARGE_FLAGS == 0 => match self.charge(q, a)? {
+                        Ok(c) => {
+                            next.flags |= c.flags;
+                            next.tenant_tag = c.tenant_tag;
+                            next.principal_tag = c.principal_tag;
+                            next.charged_at_ms = now;
+                            true
+                        }
+                        Err(refusal) => return Ok(Some(refusal)),
+                    },
+                    _ => false,
+                };
+                let refund = |next: &Entry| {
+                    if recharged {
+                        self.uncharge(next);
+                    }
+                };
                 let replaced: Vec<Entry> =
                     entries.iter().map(|e| if e.position == existing.position { next } else { *e }).collect();
                 if !self.write_bucket(bucket, &replaced, &read)? {
+                    refund(&next);
                     return Ok(None);
                 }
-                let Some(slot_read) = slot_read else { return Ok(None) };
+                let Some(slot_read) = slot_read else {
+                    refund(&next);
+                    return Ok(None);
+                };
                 return match self.fence(bucket, &next, slot_read, now)? {
-                    Fenced::RolledBack => Ok(None),
+                    Fenced::RolledBack => {
+                        refund(&next);
+                        Ok(None)
+                    }
                     Fenced::Done => {
                         // The record lives past what its counters assumed when it was charged.
                         self.extend_charge(&next, now.saturating_add(a.lease_ms).saturating_add(a.ttl_ms));
@@ -633,6 +664,14 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
         let Some((bucket, position)) = self.locate(claim) else { return Ok(Settled::Lost) };
         let key = self.slot_key(bucket, position);
         let mut commit: Option<(Entry, Vec<u8>)> = None;
+        // A late completion of a claim whose charge the sweep dropped (abandoned) makes a live
+        // record again: it counts again, past any bound, since its upstream already executed.
+        let mut recharged: Option<Entry> = None;
+        let refund = |recharged: &Option<Entry>| {
+            if let Some(e) = recharged {
+                self.uncharge(e);
+            }
+        };
         for _ in 0..SLOT_ATTEMPTS {
             // Slot first, then the ownership check, then the slot write as a CAS against that
             // first read: an owner that lost its record in between fails the CAS (whoever took
@@ -641,13 +680,21 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
             // starve the completion.
             let (committed, slot) = self.read_slot(bucket, position)?;
             let (entries, bucket_read) = self.read_bucket(bucket)?;
-            let Some(i) = self.owned(&entries, claim, position) else { return Ok(Settled::Lost) };
+            let Some(i) = self.owned(&entries, claim, position) else {
+                refund(&recharged);
+                return Ok(Settled::Lost);
+            };
             if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
                 // Already completed (its promotion lost): an outcome is final.
+                refund(&recharged);
                 return Ok(Settled::Lost);
             }
             let (entry, bytes) = commit.get_or_insert_with(|| {
                 let mut e = entries[i];
+                if e.flags & CHARGE_FLAGS == 0 && (e.tenant_tag != 0 || e.principal_tag != 0) {
+                    self.recharge(&mut e, c.now_ms, c.now_ms.saturating_add(c.ttl_ms));
+                    recharged = Some(e);
+                }
                 e.state = c.state;
                 e.status = c.status;
                 e.flags = if c.snapshot.is_some() {
@@ -674,6 +721,7 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
                 return Ok(Settled::Done);
             }
         }
+        refund(&recharged);
         Err(StoreError::Contention)
     }
 
@@ -722,12 +770,48 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
         for k in 0..batch {
             let bucket = ((u64::from(start) + u64::from(k)) % u64::from(self.buckets)) as u32;
             swept += self.sweep_bucket(bucket, now_ms)?;
+            self.discharge_abandoned(bucket, now_ms)?;
         }
         housekeeping.map(|()| swept)
     }
 }
 
 impl<S: SharedData> LocalStore<S> {
+    /// Claims whose lease ended without an outcome stop counting against their quota: a client
+    /// whose requests keep being cut off (mobile networks, impatient clients) must not lock
+    /// itself out until the ttl. The entry stays, for takeover and for refusing a different
+    /// payload; a takeover charges it again. An owner that commits between the check and the
+    /// bucket write leaves its completed record uncounted (a bounded under-count).
+    fn discharge_abandoned(&self, bucket: u32, now_ms: u64) -> Result<(), StoreError> {
+        let (entries, read) = self.read_bucket(bucket)?;
+        let mut abandoned = Vec::new();
+        for e in entries.iter().filter(|e| {
+            !e.is_completed()
+                && e.lease_deadline_ms <= now_ms
+                && !e.is_expired(now_ms)
+                && e.flags & CHARGE_FLAGS != 0
+        }) {
+            let (current, _, _) = self.resolve(bucket, e)?;
+            if !current.is_completed() {
+                abandoned.push(*e);
+            }
+        }
+        if abandoned.is_empty() {
+            return Ok(());
+        }
+        let next: Vec<Entry> = entries
+            .iter()
+            .map(|e| if abandoned.contains(e) { Entry { flags: e.flags & !CHARGE_FLAGS, ..*e } } else { *e })
+            .collect();
+        // Losing the race is fine: the next sweep pass looks again.
+        if self.write_bucket(bucket, &next, &read)? {
+            for e in &abandoned {
+                self.uncharge(e);
+            }
+        }
+        Ok(())
+    }
+
     fn sweep_bucket(&self, bucket: u32, now_ms: u64) -> Result<u32, StoreError> {
         let (entries, _) = self.read_bucket(bucket)?;
         // Read the slots first: emptying one is a CAS against this read, so an outcome committed
@@ -895,6 +979,22 @@ impl<S: SharedData> LocalStore<S> {
                 }
             }
         }
+    }
+
+    /// Counts a record again whose charge was dropped (see `discharge_abandoned`), without a
+    /// bound: only for records that are live whatever the quota says. A lost increment leaves
+    /// it uncounted (an under-count bounded by its ttl).
+    fn recharge(&self, e: &mut Entry, now: u64, expires: u64) {
+        for (flag, tag) in [(FLAG_TENANT_CHARGED, e.tenant_tag), (FLAG_PRINCIPAL_CHARGED, e.principal_tag)] {
+            if tag == 0 {
+                continue;
+            }
+            match self.increment(tag, u32::MAX, now, expires, expires, Apply::Write) {
+                Ok(Ok(())) => e.flags |= flag,
+                Ok(Err(_)) | Err(_) => log::debug!("quota recharge lost"),
+            }
+        }
+        e.charged_at_ms = now;
     }
 
     fn uncharge(&self, e: &Entry) {

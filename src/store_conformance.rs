@@ -364,6 +364,34 @@ pub fn a_takeover_is_not_charged<B: Backend>() {
     ));
 }
 
+pub fn an_abandoned_claim_stops_counting_once_swept<B: Backend>() {
+    // A claim whose lease ended without an outcome is no longer live for the quota: a client
+    // whose requests keep being cut off must not lock itself out for the ttl. The record itself
+    // stays (a different payload is still refused), and taking it over charges it again.
+    let b = B::with_capacity(64);
+    let w = b.worker(0);
+    claimed(w.begin(&charged(1, 11, 0, 1, None, (10, 1))).unwrap());
+    assert!(matches!(w.begin(&charged(2, 12, 1, 1, None, (10, 1))).unwrap(), Begin::QuotaExceeded { .. }));
+    for _ in 0..2 {
+        w.sweep(LEASE).unwrap();
+    }
+    claimed(w.begin(&charged(2, 13, LEASE + 1, 1, None, (10, 1))).unwrap());
+    let other_payload = ClaimAttempt {
+        fingerprint: crate::fingerprint::Fingerprint([9; 32]),
+        ..charged(1, 14, LEASE + 2, 1, None, (10, 1))
+    };
+    assert_eq!(w.begin(&other_payload).unwrap(), Begin::Mismatch);
+    let takeover = w.begin(&charged(1, 15, LEASE + 3, 1, None, (10, 1))).unwrap();
+    assert!(matches!(takeover, Begin::QuotaExceeded { tenant: false, .. }), "{takeover:?}");
+    // With room in the quota, the takeover goes ahead and counts.
+    let taken = w.begin(&charged(1, 16, LEASE + 4, 1, None, (10, 2))).unwrap();
+    assert!(matches!(taken, Begin::TookOver(_)), "{taken:?}");
+    assert!(matches!(
+        w.begin(&charged(3, 17, LEASE + 5, 1, None, (10, 2))).unwrap(),
+        Begin::QuotaExceeded { .. }
+    ));
+}
+
 pub fn a_quota_never_locks_an_identity_out_for_good<B: Backend>() {
     // Records that expire stop counting once swept, and a counter whose records have all
     // expired reads as empty even before any sweep.
@@ -460,6 +488,10 @@ macro_rules! conformance_suite {
         #[test]
         fn a_takeover_is_not_charged() {
             $crate::store_conformance::a_takeover_is_not_charged::<$backend>();
+        }
+        #[test]
+        fn an_abandoned_claim_stops_counting_once_swept() {
+            $crate::store_conformance::an_abandoned_claim_stops_counting_once_swept::<$backend>();
         }
         #[test]
         fn a_quota_never_locks_an_identity_out_for_good() {

@@ -1,7 +1,8 @@
 # idempotency-filter: build the Wasm module, test it, run the demo.
 #
 #   make build      target/…/idempotency_filter.wasm -> dist/idempotency_filter.wasm
-#   make test       lint, unit tests (cargo test), fuzz and bench smoke, end-to-end tests (real Envoy)
+#   make check      the fast loop: fmt, clippy (native and wasm32), cargo test
+#   make test       the whole suite: check, fuzz and bench smoke, end-to-end tests (real Envoy)
 #   make bench      what the filter costs next to Envoy alone (writes BENCHMARKS.md); see bench/bench.mk
 #   make run        demo: orders upstream on :8080 behind Envoy on :10000 (admin :9901)
 #   make validate   envoy --mode validate on every shipped Envoy config
@@ -33,7 +34,8 @@ ENVOY_BIN ?= $(shell $(VENV_PY) -c '$(ENVOY_LOOKUP)' 2>/dev/null)
 ENVOY_CONFIGS := $(wildcard envoy/*.yaml)
 PYTEST_ARGS ?=
 
-.PHONY: help tools build validate run unit lint e2e test versions clean distclean fuzz fuzz-smoke
+.PHONY: help tools build validate run unit lint check e2e test versions clean distclean fuzz fuzz-smoke \
+	wasm-target nightly
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -58,8 +60,16 @@ WASM_OPT ?= $(shell command -v wasm-opt 2>/dev/null)
 WASM_OPT_FLAGS := -O3 --enable-bulk-memory --enable-sign-ext --enable-nontrapping-float-to-int \
 	--enable-mutable-globals
 
-build:
-	rustup target add $(WASM_TARGET)
+# Prerequisites a fresh machine lacks, installed by the targets that need them (rustup does
+# nothing when they are already there).
+wasm-target:
+	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
+
+# cargo-fuzz needs the nightly toolchain.
+nightly:
+	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+
+build: wasm-target
 	$(CARGO) build --release --target $(WASM_TARGET)
 	@mkdir -p dist
 	@if [ -n "$(WASM_OPT)" ]; then \
@@ -141,10 +151,10 @@ define run_fuzz
 	done
 endef
 
-fuzz-smoke: $(CARGO_FUZZ)
+fuzz-smoke: nightly $(CARGO_FUZZ)
 	$(call run_fuzz,$(FUZZ_SMOKE_SECONDS))
 
-fuzz: $(CARGO_FUZZ)
+fuzz: nightly $(CARGO_FUZZ)
 	$(call run_fuzz,$(FUZZ_SECONDS))
 
 # ---- tests ---------------------------------------------------------------------------------
@@ -154,7 +164,7 @@ unit:
 
 # Formatting, and clippy on both builds: the native one (engine + tests) and the wasm32 one
 # (which alone compiles the glue). unwrap/expect/panic are denied outside tests (Cargo.toml).
-lint:
+lint: wasm-target
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
 	$(CARGO) clippy --release --target $(WASM_TARGET) -- -D warnings
@@ -162,9 +172,10 @@ lint:
 e2e: build tools
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) $(VENV_PY) -m pytest tests/e2e -q $(PYTEST_ARGS)
 
+check: lint unit
+
 test:
-	$(MAKE) --no-print-directory lint
-	$(MAKE) --no-print-directory unit
+	$(MAKE) --no-print-directory check
 	$(MAKE) --no-print-directory fuzz-smoke
 	$(MAKE) --no-print-directory bench-smoke
 	$(MAKE) --no-print-directory e2e

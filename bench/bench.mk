@@ -30,7 +30,7 @@ bench-bins:
 	  --manifest-path bench/noop-filter/Cargo.toml
 
 # The wake-up latency section is appended after run.py, which rewrites BENCHMARKS.md.
-BENCH_WAKE = $(VENV_PY) bench/wake_latency.py --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM)
+BENCH_WAKE = $(VENV_PY) -m bench.wake_latency --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM)
 
 bench: build tools bench-bins
 	$(BENCH_RUN) --memory $(if $(filter 0 no off false,$(BENCH_MEMORY)),off,on) --command "make bench" $(BENCH_ARGS)

@@ -7,7 +7,7 @@ filter until the original completes. Latency = waiter's response time - original
 time, both seen by this client, so it includes the client's own scheduling (an upper bound of
 the filter's wake-up path: shared-queue message, on_queue_ready, recheck, local reply).
 
-Usage: python bench/wake_latency.py --envoy BIN --wasm dist/idempotency_filter.wasm
+Usage (from the repository root): python -m bench.wake_latency --envoy BIN --wasm dist/idempotency_filter.wasm
        [--samples 150] [--waiters 4] [--append BENCHMARKS.md] [--smoke]
 """
 
@@ -21,10 +21,12 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "e2e"))
+from idemkit import REPO_ROOT
+from idemkit.client import new_key
+from idemkit.envoy import OrdersProxy
+from idemkit.process import Upstream, fresh_log_dir, wait_until
 
-import harness  # noqa: E402  (the e2e harness renders and runs Envoy and the demo upstream)
+LOG_ROOT = REPO_ROOT / "bench" / ".out"  # gitignored (bench/.gitignore)
 
 CONFIG = {
     "store": {"type": "local", "capacity": 100000},
@@ -45,7 +47,7 @@ def measure(envoy, upstream, samples, waiters):
     lat_ms = []
     errors = 0
     for _ in range(samples):
-        key = harness.new_key()
+        key = new_key()
         headers = {"idempotency-key": key, "content-type": "application/json", "x-delay-ms": "50"}
         done = {}
 
@@ -55,7 +57,7 @@ def measure(envoy, upstream, samples, waiters):
 
         t = threading.Thread(target=original)
         t.start()
-        harness.wait_until(lambda: upstream.executions(key) == 1, 10, what="the original upstream")
+        wait_until(lambda: upstream.executions(key) == 1, 10, what="the original upstream")
         results = []
 
         def waiter():
@@ -90,10 +92,11 @@ def main():
     args = ap.parse_args()
     if args.smoke:
         args.samples = 5
-    upstream = harness.Upstream("wake-upstream").start()
-    envoy = harness.Envoy(args.envoy, upstream.port, CONFIG, wasm_path=Path(args.wasm).resolve(),
-                          name="wake-envoy", concurrency=args.concurrency,
-                          component_log_level="wasm:info").start()
+    upstream = Upstream("wake-upstream", log_dir=fresh_log_dir("wake-upstream", LOG_ROOT)).start()
+    envoy = OrdersProxy(args.envoy, upstream.port, CONFIG, wasm_path=Path(args.wasm).resolve(),
+                        name="wake-envoy", concurrency=args.concurrency,
+                        component_log_level="wasm:info",
+                        log_dir=fresh_log_dir("wake-envoy", LOG_ROOT)).start()
     try:
         lat, errors = measure(envoy, upstream, args.samples, args.waiters)
     finally:

@@ -79,6 +79,14 @@ def expected_body(execution: int, size: int) -> bytes:
     return response_body(execution, size)
 
 
+def key_headers(key: str, **extra: str) -> dict[str, str]:
+    """JSON content-type, `idempotency-key: key`, then `extra` as headers with `_` read as `-`
+    (x_delay_ms="50" is `x-delay-ms: 50`); a later name replaces an earlier one."""
+    headers = {"content-type": "application/json", "idempotency-key": key}
+    headers.update({k.replace("_", "-"): v for k, v in extra.items()})
+    return headers
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -90,43 +90,14 @@ validate: build tools
 
 # ---- demo ----------------------------------------------------------------------------------
 
-# Envoy's own startup chatter is hidden; the filter's messages (wasm) are shown.
-# For every request's decision: make run ENVOY_LOG='--log-level info --component-log-level wasm:debug'
+# demo/run.py starts the upstream and Envoy through the kit (idemkit/), prints what to try, and
+# stops both on Ctrl-C. Envoy's own startup chatter is hidden; the filter's messages (wasm) are
+# shown. For every request's decision:
+#   make run ENVOY_LOG='--log-level info --component-log-level wasm:debug'
 ENVOY_LOG ?= --log-level warn --component-log-level wasm:info
 
-define DEMO_HELP
-
-orders upstream on 127.0.0.1:8080, Envoy on 127.0.0.1:10000 (admin 127.0.0.1:9901).
-Try, from another shell (Ctrl-C here stops both):
-
-  K=order-$$RANDOM
-
-  # 1. first call: 201, executed by the upstream
-  curl -si localhost:10000/orders -H "idempotency-key: $$K" -H 'content-type: application/json' -d '{"item":"book","qty":1}'
-
-  # 2. the same call again: a replay (same body, header idempotent-replayed: true)
-  curl -si localhost:10000/orders -H "idempotency-key: $$K" -H 'content-type: application/json' -d '{"item":"book","qty":1}'
-
-  # 3. same key, different body: 422 application/problem+json
-  curl -si localhost:10000/orders -H "idempotency-key: $$K" -H 'content-type: application/json' -d '{"item":"book","qty":2}'
-
-  # 4. in-flight conflict: a slow call (3 s) in the background, then the same key again: 409
-  curl -s -o /dev/null -w 'slow call: %{http_code}\n' localhost:10000/orders -H "idempotency-key: $$K-slow" -H 'x-delay-ms: 3000' -d '{}' &
-  sleep 0.5; curl -si localhost:10000/orders -H "idempotency-key: $$K-slow" -d '{}'
-
-  # how often the upstream really executed, and the filter's counters
-  curl -s localhost:8080/_admin/executions; echo; curl -s 'localhost:9901/stats?filter=wasmcustom'
-
-endef
-export DEMO_HELP
-
 run: build tools
-	@set -euo pipefail; \
-	$(PYTHON) demo/orders_upstream.py --host 127.0.0.1 --port 8080 & up=$$!; \
-	trap 'kill $$up 2>/dev/null || true' EXIT; \
-	trap 'exit 130' INT TERM; \
-	echo "$$DEMO_HELP"; \
-	"$(ENVOY_BIN)" -c envoy/envoy.yaml --concurrency 2 --disable-hot-restart $(ENVOY_LOG)
+	$(PYTHON) -m demo.run --envoy "$(ENVOY_BIN)" $(ENVOY_LOG)
 
 # ---- fuzzing -------------------------------------------------------------------------------
 

@@ -6,10 +6,11 @@
 #                       writes BENCHMARKS.md and bench/results.svg (BENCH_MEMORY=0: no memory phase)
 #   make bench-memory   the memory phase alone (1,000,000 distinct keys, RSS sampled)
 #   make bench-smoke    a few seconds of everything; fails only if the harness fails, never on numbers
-#   (make bench also measures wait mode's wake-up latency: bench/wake_latency.py)
+#   (make bench and bench-smoke also measure wait mode's wake-up latency: bench/wake_latency.py)
 #
 # BENCH_ARGS passes options to bench/run.py, e.g. BENCH_ARGS='--rounds 20 --duration 3'
-# (`$(VENV_PY) bench/run.py --help` lists them).
+# (`$(VENV_PY) -m bench.run --help` lists them). bench/run.py alone writes BENCHMARKS.md; it and
+# the kit it uses (idemkit/) are imported from the repository root, where make runs them.
 
 BENCH_TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 BENCH_LOADGEN := $(BENCH_TARGET_DIR)/release/loadgen
@@ -17,7 +18,7 @@ BENCH_NOOP_WASM := $(BENCH_TARGET_DIR)/wasm32-wasip1/release/noop_filter.wasm
 BENCH_MEMORY ?= 1
 BENCH_ARGS ?=
 
-BENCH_RUN = $(VENV_PY) bench/run.py --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM) \
+BENCH_RUN = $(VENV_PY) -m bench.run --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM) \
 	--noop-wasm $(BENCH_NOOP_WASM) --loadgen $(BENCH_LOADGEN)
 
 .PHONY: bench bench-memory bench-smoke bench-bins
@@ -29,16 +30,11 @@ bench-bins:
 	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) $(CARGO) build --release --quiet --target wasm32-wasip1 \
 	  --manifest-path bench/noop-filter/Cargo.toml
 
-# The wake-up latency section is appended after run.py, which rewrites BENCHMARKS.md.
-BENCH_WAKE = $(VENV_PY) bench/wake_latency.py --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM)
-
 bench: build tools bench-bins
 	$(BENCH_RUN) --memory $(if $(filter 0 no off false,$(BENCH_MEMORY)),off,on) --command "make bench" $(BENCH_ARGS)
-	$(BENCH_WAKE) --append BENCHMARKS.md
 
 bench-memory: build tools bench-bins
 	$(BENCH_RUN) --memory only --command "make bench-memory" $(BENCH_ARGS)
 
 bench-smoke: build tools bench-bins
 	$(BENCH_RUN) --smoke --command "make bench-smoke" $(BENCH_ARGS)
-	$(BENCH_WAKE) --smoke

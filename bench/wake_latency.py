@@ -7,8 +7,10 @@ filter until the original completes. Latency = waiter's response time - original
 time, both seen by this client, so it includes the client's own scheduling (an upper bound of
 the filter's wake-up path: shared-queue message, on_queue_ready, recheck, local reply).
 
-Usage: python bench/wake_latency.py --envoy BIN --wasm dist/idempotency_filter.wasm
-       [--samples 150] [--waiters 4] [--append BENCHMARKS.md] [--smoke]
+bench/run.py runs it (`make bench`, `make bench-smoke`) and puts the result in BENCHMARKS.md.
+Alone, it only prints (from the repository root):
+    python -m bench.wake_latency --envoy BIN --wasm dist/idempotency_filter.wasm
+        [--samples 150] [--waiters 4] [--smoke]
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "e2e"))
-
-import harness  # noqa: E402  (the e2e harness renders and runs Envoy and the demo upstream)
+from bench import OUT_DIR
+from idemkit.client import new_key
+from idemkit.envoy import OrdersProxy
+from idemkit.process import Upstream, fresh_log_dir, wait_until
 
 CONFIG = {
     "store": {"type": "local", "capacity": 100000},
@@ -45,7 +47,7 @@ def measure(envoy, upstream, samples, waiters):
     lat_ms = []
     errors = 0
     for _ in range(samples):
-        key = harness.new_key()
+        key = new_key()
         headers = {"idempotency-key": key, "content-type": "application/json", "x-delay-ms": "50"}
         done = {}
 
@@ -55,7 +57,7 @@ def measure(envoy, upstream, samples, waiters):
 
         t = threading.Thread(target=original)
         t.start()
-        harness.wait_until(lambda: upstream.executions(key) == 1, 10, what="the original upstream")
+        wait_until(lambda: upstream.executions(key) == 1, 10, what="the original upstream")
         results = []
 
         def waiter():
@@ -77,53 +79,51 @@ def measure(envoy, upstream, samples, waiters):
     return lat_ms, errors
 
 
-def main():
+def run(envoy_bin: str, wasm: str, samples: int = 150, waiters: int = 4,
+        concurrency: int = 2) -> tuple[dict, list[float]]:
+    """Start the demo upstream and a wait-mode Envoy (logs in bench/.out), measure, stop them.
+    Returns the summary and the latencies (ms)."""
+    upstream = Upstream("wake-upstream", log_dir=fresh_log_dir("wake-upstream", OUT_DIR)).start()
+    try:
+        envoy = OrdersProxy(envoy_bin, upstream.port, CONFIG, wasm_path=Path(wasm).resolve(),
+                            name="wake-envoy", concurrency=concurrency,
+                            component_log_level="wasm:info",
+                            log_dir=fresh_log_dir("wake-envoy", OUT_DIR)).start()
+        try:
+            lat, errors = measure(envoy, upstream, samples, waiters)
+        finally:
+            envoy.stop()
+    finally:
+        upstream.stop()
+    result = {
+        "samples": len(lat), "errors": errors, "originals": samples, "waiters_per_sample": waiters,
+        "concurrency": concurrency,
+        "p50_ms": round(percentile(lat, 50), 3), "p99_ms": round(percentile(lat, 99), 3),
+        "max_ms": round(max(lat), 3) if lat else None,
+        "mean_ms": round(statistics.fmean(lat), 3) if lat else None,
+    }
+    return result, lat
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--envoy", required=True)
     ap.add_argument("--wasm", required=True)
     ap.add_argument("--samples", type=int, default=150)
     ap.add_argument("--waiters", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=2)
-    ap.add_argument("--append", help="append a section to this Markdown file")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="a few samples; fail only if the harness fails")
     args = ap.parse_args()
     if args.smoke:
         args.samples = 5
-    upstream = harness.Upstream("wake-upstream").start()
-    envoy = harness.Envoy(args.envoy, upstream.port, CONFIG, wasm_path=Path(args.wasm).resolve(),
-                          name="wake-envoy", concurrency=args.concurrency,
-                          component_log_level="wasm:info").start()
-    try:
-        lat, errors = measure(envoy, upstream, args.samples, args.waiters)
-    finally:
-        envoy.stop()
-        upstream.stop()
-    result = {
-        "samples": len(lat), "errors": errors, "waiters_per_sample": args.waiters,
-        "concurrency": args.concurrency,
-        "p50_ms": round(percentile(lat, 50), 3), "p99_ms": round(percentile(lat, 99), 3),
-        "max_ms": round(max(lat), 3) if lat else None,
-        "mean_ms": round(statistics.fmean(lat), 3) if lat else None,
-    }
+    result, lat = run(args.envoy, args.wasm, args.samples, args.waiters, args.concurrency)
     print("wait-mode wake-up latency:", json.dumps(result))
     if args.verbose:
         print([round(x) for x in lat])
-    if errors or not lat:
-        print("wake-up measurement failed: %d bad responses" % errors, file=sys.stderr)
+    if result["errors"] or not lat:
+        print("wake-up measurement failed: %d bad responses" % result["errors"], file=sys.stderr)
         return 1
-    if args.append:
-        with open(args.append, "a", encoding="utf-8") as f:
-            f.write(
-                "\n## Wait mode: wake-up latency\n\n"
-                "Time from the original's response to a held duplicate's response (`bench/wake_latency.py`): "
-                "Envoy `--concurrency %d` with a wait-mode route, %d samples x %d duplicates on fresh "
-                "connections (spread over the workers), upstream delay 50 ms, measured by the client.\n\n"
-                "| samples | p50 ms | p99 ms | max ms |\n|---:|---:|---:|---:|\n| %d | %.3f | %.3f | %.3f |\n\n"
-                "The wake-up is a message on each worker's shared queue, handled in `on_queue_ready` "
-                "on the waiter's own thread; the 1 s fallback recheck would show as ~1000 ms.\n"
-                % (args.concurrency, args.samples, args.waiters, len(lat), result["p50_ms"],
-                   result["p99_ms"], result["max_ms"]))
     return 0
 
 

@@ -17,8 +17,6 @@ its report.
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -26,21 +24,9 @@ from pathlib import Path
 import pytest
 
 import harness
+from idemkit.envoy import default_binary
 
 _DEFAULT_WASM = harness.REPO_ROOT / "dist" / "idempotency_filter.wasm"
-
-
-def _default_envoy_bin() -> Path | None:
-    spec = importlib.util.find_spec("envoy")
-    if spec and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            candidate = Path(loc) / "_bin" / "envoy"
-            if candidate.exists():
-                return candidate
-    found = sorted(
-        glob.glob(str(harness.REPO_ROOT / ".tools/venv/lib/python*/site-packages/envoy/_bin/envoy"))
-    )
-    return Path(found[-1]) if found else None
 
 
 def pytest_sessionstart(session):
@@ -52,7 +38,7 @@ def pytest_sessionstart(session):
 @pytest.fixture(scope="session")
 def envoy_bin() -> Path:
     raw = os.environ.get("ENVOY_BIN")
-    path = harness.env_path("ENVOY_BIN", Path()) if raw else _default_envoy_bin()
+    path = harness.env_path("ENVOY_BIN", Path()) if raw else default_binary()
     if path is None or not path.is_file() or not os.access(path, os.X_OK):
         pytest.fail(
             "Envoy binary not found (ENVOY_BIN=%r); run `make tools` or set ENVOY_BIN" % (raw,),

@@ -7,7 +7,7 @@ import re
 import threading
 
 import harness
-from harness import assert_problem, new_key, retry_after_seconds
+from harness import assert_problem, key_headers, new_key, retry_after_seconds
 
 FILTER_CONFIG = {
     "store": {"type": "local", "capacity": 10000},
@@ -27,12 +27,6 @@ ENVOY_OPTIONS = {
 }
 
 BODY = b'{"item":"book","qty":1}'
-
-
-def _headers(key, **extra):
-    h = {"content-type": "application/json", "idempotency-key": key}
-    h.update({k.replace("_", "-"): v for k, v in extra.items()})
-    return h
 
 
 class Background(threading.Thread):
@@ -63,11 +57,11 @@ class Background(threading.Thread):
 def test_in_flight_is_409_and_the_original_is_replayed_after(envoy, upstream):
     key = new_key()
     in_flight_before = envoy.idem("in_flight")
-    slow = Background(envoy, "/orders", _headers(key, x_delay_ms="1500"))
+    slow = Background(envoy, "/orders", key_headers(key, x_delay_ms="1500"))
     harness.wait_until(lambda: upstream.executions(key) == 1, 10, what="the upstream to get it")
 
     for _ in range(2):
-        r = envoy.post("/orders", BODY, _headers(key, x_delay_ms="1500"))
+        r = envoy.post("/orders", BODY, key_headers(key, x_delay_ms="1500"))
         assert_problem(r, 409, "request-in-flight")
         retry_after_seconds(r)
 
@@ -76,7 +70,7 @@ def test_in_flight_is_409_and_the_original_is_replayed_after(envoy, upstream):
     envoy.wait_counter("in_flight", in_flight_before + 2)
 
     # the 409s were not stored: the next retry replays the original 201
-    again = envoy.post("/orders", BODY, _headers(key))
+    again = envoy.post("/orders", BODY, key_headers(key))
     assert again.status == 201 and again.replayed, again
     assert again.header("x-execution") == original.header("x-execution")
     assert again.body == original.body
@@ -98,7 +92,7 @@ def test_parallel_identical_requests_execute_once(envoy, upstream):
     def one(i):
         barrier.wait(10)
         # each thread uses its own connection, so the kernel spreads them over both workers
-        results[i] = envoy.post("/orders", BODY, _headers(key, x_delay_ms="500"), timeout=30)
+        results[i] = envoy.post("/orders", BODY, key_headers(key, x_delay_ms="500"), timeout=30)
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
@@ -128,7 +122,7 @@ def test_parallel_identical_requests_execute_once(envoy, upstream):
     assert len(grew) == 2, after
 
     # and afterwards everybody gets the one response
-    again = envoy.post("/orders", BODY, _headers(key))
+    again = envoy.post("/orders", BODY, key_headers(key))
     assert again.replayed and again.body == fresh[0].body, again
 
 
@@ -139,20 +133,20 @@ def test_router_timeout_keeps_the_record_then_the_lease_expires(envoy, upstream)
     unknown_before = envoy.idem("kept_unknown")
 
     # The upstream takes 4s, Envoy gives up after 0.5s: 504, outcome unknown.
-    timed_out = envoy.post(path, BODY, _headers(key, x_delay_ms="4000"))
+    timed_out = envoy.post(path, BODY, key_headers(key, x_delay_ms="4000"))
     assert timed_out.status == 504, timed_out
     assert upstream.executions(key) == 1
     envoy.wait_counter("kept_unknown", unknown_before + 1)
 
     # Within the 2s lease the record is still PROCESSING.
-    r = envoy.post(path, BODY, _headers(key))
+    r = envoy.post(path, BODY, key_headers(key))
     assert_problem(r, 409, "request-in-flight")
     retry_after_seconds(r)
     assert upstream.executions(key) == 1
 
     # Once the lease has passed, a retry takes the record over and executes.
     def takeover():
-        resp = envoy.post(path, BODY, _headers(key))
+        resp = envoy.post(path, BODY, key_headers(key))
         if resp.status == 409:
             return None
         return resp
@@ -163,7 +157,7 @@ def test_router_timeout_keeps_the_record_then_the_lease_expires(envoy, upstream)
     envoy.wait_counter("taken_over", taken_over_before + 1)
 
     # ... and its response is what later retries get.
-    again = envoy.post(path, BODY, _headers(key))
+    again = envoy.post(path, BODY, key_headers(key))
     assert again.status == 201 and again.replayed, again
     assert again.header("x-execution") == taken.header("x-execution")
     assert upstream.executions(key) == 2
@@ -171,9 +165,9 @@ def test_router_timeout_keeps_the_record_then_the_lease_expires(envoy, upstream)
 
 def test_retry_after_is_an_integer_number_of_seconds(envoy, upstream):
     key = new_key()
-    slow = Background(envoy, "/orders", _headers(key, x_delay_ms="1000"))
+    slow = Background(envoy, "/orders", key_headers(key, x_delay_ms="1000"))
     harness.wait_until(lambda: upstream.executions(key) == 1, 10, what="the upstream to get it")
-    r = envoy.post("/orders", BODY, _headers(key))
+    r = envoy.post("/orders", BODY, key_headers(key))
     assert_problem(r, 409, "request-in-flight")
     value = r.header("retry-after")
     assert re.fullmatch(r"[1-9][0-9]*", value), value

@@ -20,7 +20,7 @@ import threading
 import time
 
 import harness
-from harness import assert_problem, mint_hs256, new_key
+from harness import assert_problem, key_headers, mint_hs256, new_key
 
 ISSUER = "https://issuer.e2e.test"
 SECRET = b"e2e-hs256-shared-secret-0123456789abcdef"
@@ -47,10 +47,9 @@ def token(sub: str, secret: bytes = SECRET, issued_ago: int = 0, issuer: str = I
 
 
 def _post(envoy, key, tok=None, timeout=15.0, **extra):
-    headers = {"content-type": "application/json", "idempotency-key": key}
     if tok is not None:
-        headers["authorization"] = "Bearer " + tok
-    headers.update({k.replace("_", "-"): v for k, v in extra.items()})
+        extra.setdefault("authorization", "Bearer " + tok)
+    headers = key_headers(key, **extra)
     return envoy.post("/orders", BODY, headers, timeout=timeout)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 
 import harness
-from harness import assert_problem, new_key, retry_after_seconds
+from harness import assert_problem, key_headers, new_key, retry_after_seconds
 
 PER_PRINCIPAL = 3
 PER_TENANT = 5
@@ -33,11 +33,10 @@ BODY = b'{"item":"book","qty":1}'
 
 
 def _post(envoy, key, tenant, principal, timeout=15.0, **extra):
-    headers = {"content-type": "application/json", "idempotency-key": key,
-               "authorization": "Bearer " + principal}
+    extra.setdefault("authorization", "Bearer " + principal)
     if tenant is not None:
-        headers["x-tenant-id"] = tenant
-    headers.update({k.replace("_", "-"): v for k, v in extra.items()})
+        extra.setdefault("x_tenant_id", tenant)
+    headers = key_headers(key, **extra)
     return envoy.post("/orders", BODY, headers, timeout=timeout)
 
 

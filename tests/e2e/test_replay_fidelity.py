@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import new_key
+from harness import key_headers, new_key
 
 FILTER_CONFIG = {
     "store": {"type": "local", "capacity": 1000},
@@ -42,19 +42,13 @@ def _header_set(resp):
     return sorted((k.lower(), v) for k, v in resp.headers if k.lower() not in VOLATILE)
 
 
-def _headers(key, **extra):
-    h = {"content-type": "application/json", "idempotency-key": key}
-    h.update({k.replace("_", "-"): v for k, v in extra.items()})
-    return h
-
-
 def test_empty_body_keeps_its_content_type(envoy, upstream):
     key = new_key()
-    first = envoy.post("/orders", BODY, _headers(key, x_content_type="application/json",
+    first = envoy.post("/orders", BODY, key_headers(key, x_content_type="application/json",
                                                  x_response_bytes="0"))
     assert first.status == 201 and first.body == b"", first
     assert first.header("content-type") == "application/json", first
-    again = envoy.post("/orders", BODY, _headers(key))
+    again = envoy.post("/orders", BODY, key_headers(key))
     assert again.status == 201 and again.replayed, again
     assert again.header("content-type") == "application/json", again
     assert again.body == b"" and again.header("content-length") == "0", again
@@ -63,10 +57,10 @@ def test_empty_body_keeps_its_content_type(envoy, upstream):
 
 def test_204_replays_with_the_same_headers(envoy, upstream):
     key = new_key()
-    first = envoy.raw("POST", "/orders", list(_headers(key, x_status="204").items()), BODY)
+    first = envoy.raw("POST", "/orders", list(key_headers(key, x_status="204").items()), BODY)
     assert first.status == 204 and first.body == b"" and not first.replayed, first
     assert first.header("content-type") == "application/json", first  # the upstream sent one
-    again = envoy.raw("POST", "/orders", list(_headers(key).items()), BODY)
+    again = envoy.raw("POST", "/orders", list(key_headers(key).items()), BODY)
     assert again.status == 204 and again.replayed and again.body == b"", again
     assert _header_set(again) == _header_set(first), "replay %r\nfirst  %r" % (
         _header_set(again), _header_set(first))
@@ -75,9 +69,9 @@ def test_204_replays_with_the_same_headers(envoy, upstream):
 
 def test_body_without_content_type_stays_without(envoy, upstream):
     key = new_key()
-    first = envoy.post("/orders", BODY, _headers(key, x_no_content_type="1"))
+    first = envoy.post("/orders", BODY, key_headers(key, x_no_content_type="1"))
     assert first.status == 201 and first.body and first.header("content-type") is None, first
-    again = envoy.post("/orders", BODY, _headers(key))
+    again = envoy.post("/orders", BODY, key_headers(key))
     assert again.status == 201 and again.replayed, again
     assert again.header("content-type") is None, again
     assert again.body == first.body

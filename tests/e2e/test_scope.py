@@ -7,7 +7,7 @@ different tenants. (Envoy's virtual host here has `domains: ["*"]`, so any host 
 
 from __future__ import annotations
 
-from harness import new_key
+from harness import key_headers, new_key
 
 FILTER_CONFIG = {
     "key_header": "idempotency-key",
@@ -21,13 +21,28 @@ BODY = b'{"item":"book","qty":1}'
 
 
 def _call(envoy, key, method="POST", path="/orders", **extra):
-    headers = {"content-type": "application/json", "idempotency-key": key}
-    headers.update({k.replace("_", "-"): v for k, v in extra.items()})
+    headers = key_headers(key, **extra)
     return envoy.request(method, path, BODY, headers)
 
 
 def _fresh(r):
     return r.status == 201 and not r.replayed
+
+
+def _two_records(envoy, upstream, key, one: dict, other: dict):
+    """The same key with `one` and with `other` (keyword arguments of _call) executes twice:
+    two records. Returns both responses."""
+    a = _call(envoy, key, **one)
+    b = _call(envoy, key, **other)
+    assert _fresh(a) and _fresh(b), (a, b)
+    assert upstream.executions(key) == 2
+    return a, b
+
+
+def _replays(envoy, key, first, **extra):
+    """The call `extra` again replays `first`."""
+    again = _call(envoy, key, **extra)
+    assert again.replayed and again.header("x-execution") == first.header("x-execution"), again
 
 
 def test_same_principal_replays(envoy, upstream):
@@ -54,12 +69,9 @@ def test_different_principal_is_a_different_record(envoy, upstream):
 
 def test_different_tenant_is_a_different_record(envoy, upstream):
     key = new_key()
-    t1 = _call(envoy, key, authorization="Bearer alice", x_tenant_id="t1")
-    t2 = _call(envoy, key, authorization="Bearer alice", x_tenant_id="t2")
-    assert _fresh(t1) and _fresh(t2), (t1, t2)
-    assert upstream.executions(key) == 2
-    again = _call(envoy, key, authorization="Bearer alice", x_tenant_id="t2")
-    assert again.replayed and again.header("x-execution") == t2.header("x-execution")
+    t1, t2 = _two_records(envoy, upstream, key, {"authorization": "Bearer alice", "x_tenant_id": "t1"},
+                          {"authorization": "Bearer alice", "x_tenant_id": "t2"})
+    _replays(envoy, key, t2, authorization="Bearer alice", x_tenant_id="t2")
 
 
 def test_anonymous_callers_share_records(envoy, upstream):
@@ -93,12 +105,9 @@ def test_same_key_on_another_path_is_independent(envoy, upstream):
 
 def test_same_key_with_another_method_is_independent(envoy, upstream):
     key = new_key()
-    post = _call(envoy, key, method="POST", path="/orders/1")
-    patch = _call(envoy, key, method="PATCH", path="/orders/1")
-    assert _fresh(post) and _fresh(patch), (post, patch)
-    assert upstream.executions(key) == 2
-    again = _call(envoy, key, method="PATCH", path="/orders/1")
-    assert again.replayed and again.header("x-execution") == patch.header("x-execution")
+    _, patch = _two_records(envoy, upstream, key, {"method": "POST", "path": "/orders/1"},
+                            {"method": "PATCH", "path": "/orders/1"})
+    _replays(envoy, key, patch, method="PATCH", path="/orders/1")
 
 
 def _raw(envoy, key, host, extra=()):

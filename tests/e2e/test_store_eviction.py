@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import time
 
-import harness
-from harness import assert_problem, new_key, retry_after_seconds
+from harness import assert_problem, key_headers, new_key, retry_after_seconds
 
 LEASE_S = 2
 
@@ -30,8 +29,7 @@ BODY = b'{"qty":1}'
 
 
 def _post(envoy, key, **extra):
-    headers = {"content-type": "application/json", "idempotency-key": key}
-    headers.update({k.replace("_", "-"): v for k, v in extra.items()})
+    headers = key_headers(key, **extra)
     return envoy.post("/orders", BODY, headers, timeout=30)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 import harness
-from harness import new_key
+from harness import key_headers, new_key
 
 RULE = "retried-orders"
 
@@ -35,8 +35,7 @@ _FILTER_WARNING = re.compile(r"\]\[(warning|error|critical)\]\[wasm\].*wasm log"
 
 
 def _post(envoy, key, **extra):
-    headers = {"content-type": "application/json", "idempotency-key": key}
-    headers.update({k.replace("_", "-"): v for k, v in extra.items()})
+    headers = key_headers(key, **extra)
     return envoy.post("/retried", BODY, headers)
 
 

@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import harness
-from harness import assert_problem, new_key, retry_after_seconds
+from harness import assert_problem, key_headers, new_key, retry_after_seconds
 
 FILTER_CONFIG = {
     "store": {"type": "local", "capacity": 10000},
@@ -30,12 +30,6 @@ ENVOY_OPTIONS = {"concurrency": 4}
 BODY = b'{"item":"book","qty":1}'
 
 
-def _headers(key, **extra):
-    h = {"content-type": "application/json", "idempotency-key": key}
-    h.update({k.replace("_", "-"): v for k, v in extra.items()})
-    return h
-
-
 def _parallel(envoy, n, path, headers, body=BODY, stagger=0.0):
     def one(i):
         if stagger:
@@ -49,7 +43,7 @@ def _parallel(envoy, n, path, headers, body=BODY, stagger=0.0):
 def test_64_waiters_get_the_original_result(envoy, upstream):
     key = new_key()
     before = envoy.idem("waiting")
-    responses = _parallel(envoy, 64, "/wait", _headers(key, x_delay_ms="300"))
+    responses = _parallel(envoy, 64, "/wait", key_headers(key, x_delay_ms="300"))
     assert upstream.executions(key) == 1
     assert all(r.status == 201 for r in responses), [r.status for r in responses]
     assert len({r.body for r in responses}) == 1, "every response carries the original's body"
@@ -60,7 +54,7 @@ def test_64_waiters_get_the_original_result(envoy, upstream):
 
 def test_reject_mode_answers_409_and_executes_once(envoy, upstream):
     key = new_key()
-    responses = _parallel(envoy, 64, "/reject", _headers(key, x_delay_ms="300"))
+    responses = _parallel(envoy, 64, "/reject", key_headers(key, x_delay_ms="300"))
     assert upstream.executions(key) == 1
     statuses = [r.status for r in responses]
     assert all(s in (201, 409) for s in statuses), statuses
@@ -74,11 +68,11 @@ def test_released_original_lets_exactly_one_waiter_execute(envoy, upstream):
     key = new_key()
     released_before = envoy.idem("released")
     original = threading.Thread(target=lambda: results.append(
-        envoy.post("/wait", BODY, _headers(key, x_delay_ms="500", x_fail_first="503"), timeout=30)))
+        envoy.post("/wait", BODY, key_headers(key, x_delay_ms="500", x_fail_first="503"), timeout=30)))
     results = []
     original.start()
     harness.wait_until(lambda: upstream.executions(key) == 1, 10, what="the original to reach the upstream")
-    waiters = _parallel(envoy, 10, "/wait", _headers(key, x_delay_ms="200", x_fail_first="503"))
+    waiters = _parallel(envoy, 10, "/wait", key_headers(key, x_delay_ms="200", x_fail_first="503"))
     original.join(30)
     assert results and results[0].status == 503 and not results[0].replayed
     assert envoy.idem("released") == released_before + 1
@@ -91,11 +85,11 @@ def test_released_original_lets_exactly_one_waiter_execute(envoy, upstream):
 def test_waiter_past_wait_timeout_gets_409(envoy, upstream):
     key = new_key()
     timed_out_before = envoy.idem("wait_timed_out")
-    slow = threading.Thread(target=lambda: envoy.post("/short", BODY, _headers(key, x_delay_ms="3000"), timeout=30))
+    slow = threading.Thread(target=lambda: envoy.post("/short", BODY, key_headers(key, x_delay_ms="3000"), timeout=30))
     slow.start()
     harness.wait_until(lambda: upstream.executions(key) == 1, 10, what="the original to reach the upstream")
     started = time.monotonic()
-    r = envoy.post("/short", BODY, _headers(key), timeout=30)
+    r = envoy.post("/short", BODY, key_headers(key), timeout=30)
     waited = time.monotonic() - started
     assert_problem(r, 409, "request-in-flight")
     retry_after_seconds(r)
@@ -107,18 +101,18 @@ def test_waiter_past_wait_timeout_gets_409(envoy, upstream):
 
 def test_waiter_whose_client_leaves_leaves_nothing_behind(envoy, upstream):
     key = new_key()
-    slow = threading.Thread(target=lambda: envoy.post("/wait", BODY, _headers(key, x_delay_ms="1500"), timeout=30))
+    slow = threading.Thread(target=lambda: envoy.post("/wait", BODY, key_headers(key, x_delay_ms="1500"), timeout=30))
     slow.start()
     harness.wait_until(lambda: upstream.executions(key) == 1, 10, what="the original to reach the upstream")
     waiting_before = envoy.idem("waiting")
-    data = harness.build_request("POST", "/wait", _headers(key), BODY)
+    data = harness.build_request("POST", "/wait", key_headers(key), BODY)
     with socket.create_connection(("127.0.0.1", envoy.port), timeout=5) as s:
         s.sendall(data)
         harness.wait_until(lambda: envoy.idem("waiting") == waiting_before + 1, 5, what="the duplicate to be held")
     # The client is gone. The original completes; nothing was executed for the dropped waiter,
     # no error was counted, and later retries replay normally.
     slow.join(30)
-    r = envoy.post("/wait", BODY, _headers(key), timeout=30)
+    r = envoy.post("/wait", BODY, key_headers(key), timeout=30)
     assert r.status == 201 and r.replayed
     assert upstream.executions(key) == 1
     assert envoy.idem("store_error") == 0
@@ -133,7 +127,7 @@ def test_stress_2000_requests_over_200_keys(envoy, upstream):
 
     def one(key):
         time.sleep(rng.random() * 0.05)
-        return key, envoy.post("/wait", BODY, _headers(key, x_delay_ms=str(rng.randint(0, 80))), timeout=60)
+        return key, envoy.post("/wait", BODY, key_headers(key, x_delay_ms=str(rng.randint(0, 80))), timeout=60)
 
     with ThreadPoolExecutor(max_workers=48) as pool:
         results = list(pool.map(one, plan))

@@ -1,0 +1,44 @@
+"""The benchmarks (`make bench`, `make bench-smoke`, `make bench-memory`; bench/bench.mk), run as
+modules from the repository root: `python -m bench.run --help`.
+
+    bench/run.py           command line: runs the phases, writes the raw results and the report
+    bench/phases.py        the Envoys of the benchmark and its phases (rounds, memory)
+    bench/load.py          the load generator (bench/loadgen, Rust) and the statistics
+    bench/wake_latency.py  wait mode's wake-up latency (run by run.py too)
+    bench/report.py        BENCHMARKS.md; bench/report_svg.py: bench/results.svg
+
+Envoy processes, bootstraps and HTTP come from the kit (idemkit/).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from idemkit import REPO_ROOT as REPO
+
+OUT_DIR = REPO / "bench" / ".out"  # gitignored (bench/.gitignore): configs, logs, raw results
+
+
+class HarnessError(RuntimeError):
+    """The benchmark could not be run as designed (never raised for slow numbers)."""
+
+
+def log(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def rel(p: Path | str) -> str:
+    """A path relative to the repository when it is inside it (files never name this machine)."""
+    p = Path(p)
+    try:
+        return str(p.resolve().relative_to(REPO))
+    except ValueError:
+        return str(p)
+
+
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"

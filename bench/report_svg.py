@@ -1,0 +1,147 @@
+"""bench/results.svg: throughput and p99 per scenario, and the memory curve, drawn by hand from a
+bench.report.Report (no plotting library: the bench is standard library only)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bench.report import Report
+
+
+def render(rep: Report) -> str:
+    """A hand-written SVG: throughput and p99 per scenario, and the memory curve."""
+    b = rep.b
+    mem = b.memory
+    W = 940
+    panel_w, top, bottom = 390, 80, 320
+    H = 420 if not mem else 740
+    colors = {1: "#6b7280", 2: "#9ca3af", 3: "#60a5fa", 4: "#2563eb", 5: "#16a34a"}
+
+    def esc(t: str) -> str:
+        return t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
+        'font-family="Helvetica, Arial, sans-serif" font-size="12">',
+        f'<rect width="{W}" height="{H}" fill="#ffffff"/>',
+        f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15" font-weight="bold">'
+        f'idempotency filter vs Envoy alone: {b.args.connections} connections, '
+        f'{b.args.rounds} interleaved rounds x {b.args.duration:g} s per scenario</text>',
+    ]
+
+    def nice_max(v: float) -> float:
+        """A round axis maximum: a multiple of a 1-2-5 step, with at most 6 intervals."""
+        if v <= 0 or v != v:
+            return 1.0
+        exp = 10.0 ** math.floor(math.log10(v / 6))
+        for m in (1, 2, 5, 10):
+            step = m * exp
+            if math.ceil(v / step) <= 6:
+                return math.ceil(v / step) * step
+        return math.ceil(v / (10 * exp)) * 10 * exp
+
+    def tick_step(vmax: float) -> float:
+        exp = 10.0 ** math.floor(math.log10(vmax / 6))
+        for m in (1, 2, 5, 10):
+            if vmax / (m * exp) <= 6 + 1e-9:
+                return m * exp
+        return vmax / 4
+
+    def axes(x0: float, y_top: float, y_bottom: float, width: float, vmax: float, fmt) -> None:
+        h = y_bottom - y_top
+        step = tick_step(vmax)
+        n = int(round(vmax / step))
+        for i in range(n + 1):
+            v = step * i
+            y = y_bottom - h * v / vmax
+            parts.append(f'<line x1="{x0}" y1="{y:.1f}" x2="{x0 + width}" y2="{y:.1f}" stroke="#e5e7eb"/>')
+            parts.append(f'<text x="{x0 - 6}" y="{y + 4:.1f}" text-anchor="end" fill="#374151">{fmt(v)}</text>')
+        parts.append(f'<line x1="{x0}" y1="{y_bottom}" x2="{x0 + width}" y2="{y_bottom}" stroke="#111827"/>')
+
+    def bars(x0: float, title: str, values: dict[int, float], whiskers: dict[int, tuple[float, float]] | None,
+             fmt, second: dict[int, float] | None = None, second_label: str = "") -> None:
+        allv = list(values.values()) + [w[1] for w in (whiskers or {}).values()] + list((second or {}).values())
+        vmax = nice_max(max([v for v in allv if v == v] or [1]))
+        h = bottom - top
+        parts.append(f'<text x="{x0 + panel_w / 2}" y="{top - 34}" text-anchor="middle" font-size="13">{esc(title)}</text>')
+        axes(x0, top, bottom, panel_w, vmax, fmt)
+        slot = panel_w / max(1, len(values))
+        bw = slot * (0.36 if second else 0.6)
+        for i, (sid, v) in enumerate(values.items()):
+            cx = x0 + slot * (i + 0.5)
+            bx = cx - (bw if second else bw / 2)
+            if v == v:
+                y = bottom - h * v / vmax
+                label_y = min(y, bottom - h * whiskers[sid][1] / vmax) if whiskers and sid in whiskers else y
+                parts.append(f'<rect x="{bx:.1f}" y="{y:.1f}" width="{bw:.1f}" height="{bottom - y:.1f}" fill="{colors[sid]}"/>')
+                parts.append(f'<text x="{bx + bw / 2:.1f}" y="{label_y - 5:.1f}" text-anchor="middle" font-size="10">{fmt(v)}</text>')
+            if whiskers and sid in whiskers:
+                lo, hi = whiskers[sid]
+                ylo, yhi = bottom - h * lo / vmax, bottom - h * hi / vmax
+                wx = bx + bw / 2
+                parts.append(f'<line x1="{wx:.1f}" y1="{ylo:.1f}" x2="{wx:.1f}" y2="{yhi:.1f}" stroke="#111827"/>')
+                for yy in (ylo, yhi):
+                    parts.append(f'<line x1="{wx - 5:.1f}" y1="{yy:.1f}" x2="{wx + 5:.1f}" y2="{yy:.1f}" stroke="#111827"/>')
+            if second and sid in second and second[sid] == second[sid]:
+                v2 = second[sid]
+                y2 = bottom - h * v2 / vmax
+                parts.append(f'<rect x="{cx:.1f}" y="{y2:.1f}" width="{bw:.1f}" height="{bottom - y2:.1f}" '
+                             f'fill="{colors[sid]}" fill-opacity="0.35" stroke="{colors[sid]}"/>')
+                parts.append(f'<text x="{cx + bw / 2:.1f}" y="{y2 - 4:.1f}" text-anchor="middle" font-size="10">{fmt(v2)}</text>')
+            parts.append(f'<text x="{cx:.1f}" y="{bottom + 16}" text-anchor="middle" font-weight="bold">{sid}</text>')
+        if second:
+            parts.append(f'<rect x="{x0 + 20}" y="{top - 24}" width="10" height="10" fill="#2563eb"/>'
+                         f'<text x="{x0 + 34}" y="{top - 15}" font-size="10">closed loop (each at saturation)</text>'
+                         f'<rect x="{x0 + 210}" y="{top - 24}" width="10" height="10" fill="#2563eb" fill-opacity="0.35" stroke="#2563eb"/>'
+                         f'<text x="{x0 + 224}" y="{top - 15}" font-size="10">{esc(second_label)}</text>')
+
+    rps = {sid: r["rps"]["median"] for sid, r in rep.rows.items()}
+    wh = {sid: (r["rps"]["min"], r["rps"]["max"]) for sid, r in rep.rows.items()}
+    bars(70, "Throughput, req/s (median of rounds; whiskers min..max)", rps, wh, lambda v: f"{v:,.0f}")
+    p99 = {sid: r["p99"] / 1000 for sid, r in rep.rows.items()}
+    p99o = {sid: r["open_p99"] / 1000 for sid, r in rep.rows.items()} if b.open_rate else None
+    bars(530, "p99 latency, ms", p99, None, lambda v: f"{v:.2f}", p99o,
+         f"open loop, {b.open_rate:.0f} req/s" if b.open_rate else "")
+    legend_y = bottom + 42
+    for i, sc in enumerate(b.scenarios):
+        x = 70 + (i % 2) * 460
+        y = legend_y + (i // 2) * 18
+        parts.append(f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{colors[sc.sid]}"/>')
+        parts.append(f'<text x="{x + 18}" y="{y}">{sc.sid} {esc(sc.title)}</text>')
+
+    if mem and mem["samples"]:
+        samples = mem["samples"]
+        x0, y_top, y_bottom, width = 70, 480, 670, 830
+        parts.append(f'<text x="{x0 + width / 2}" y="{y_bottom + 34}" text-anchor="middle" fill="#374151">'
+                     'requests sent (each with a new key)</text>')
+        xs = [max(0, x["requests"]) for x in samples]
+        ys = [x["rss_kib"] / 1024 for x in samples]
+        xmax = nice_max(max(xs) or 1)
+        bound = mem["idle_kib"].get("VmRSS", 0) / 1024 + mem["bound_records_mib"]
+        ymax = nice_max(max(max(ys), bound) * 1.08)
+        parts.append(f'<text x="{x0 + width / 2}" y="{y_top - 22}" text-anchor="middle" font-size="13">'
+                     f'Memory under unique keys: Envoy RSS (MiB) vs requests with distinct keys '
+                     f'(capacity 100000, ttl {esc(mem["ttl"])})</text>')
+        axes(x0, y_top, y_bottom, width, ymax, lambda v: f"{v:.0f}")
+        h = y_bottom - y_top
+        xstep = tick_step(xmax)
+        for i in range(int(round(xmax / xstep)) + 1):
+            v = xstep * i
+            x = x0 + width * v / xmax
+            parts.append(f'<text x="{x:.1f}" y="{y_bottom + 16}" text-anchor="middle" fill="#374151">{v:,.0f}</text>')
+        yb = y_bottom - h * bound / ymax
+        parts.append(f'<line x1="{x0}" y1="{yb:.1f}" x2="{x0 + width}" y2="{yb:.1f}" stroke="#dc2626" stroke-dasharray="6 4"/>')
+        parts.append(f'<text x="{x0 + width - 4}" y="{yb - 5:.1f}" text-anchor="end" fill="#dc2626" font-size="11">'
+                     f'bound: fixed cost + capacity x {mem["per_record"]} B = {bound:.0f} MiB</text>')
+        cap_x = x0 + width * 100000 / xmax
+        if 100000 <= xmax:
+            parts.append(f'<line x1="{cap_x:.1f}" y1="{y_top}" x2="{cap_x:.1f}" y2="{y_bottom}" stroke="#9ca3af" stroke-dasharray="3 3"/>')
+            parts.append(f'<text x="{cap_x + 4:.1f}" y="{y_top + 12}" fill="#6b7280" font-size="10">100,000 requests (= capacity)</text>')
+        pts = " ".join(f"{x0 + width * xv / xmax:.1f},{y_bottom - h * yv / ymax:.1f}" for xv, yv in zip(xs, ys))
+        parts.append(f'<polyline points="{pts}" fill="none" stroke="#2563eb" stroke-width="2"/>')
+        for xv, yv in zip(xs, ys):
+            parts.append(f'<circle cx="{x0 + width * xv / xmax:.1f}" cy="{y_bottom - h * yv / ymax:.1f}" r="2" fill="#2563eb"/>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,15 @@
+"""idemkit: the Python kit shared by the end-to-end tests (tests/e2e), the benchmarks (bench/)
+and the demo (`make run`). Standard library only.
+
+    idemkit.client     HTTP client: http.client requests and a raw HTTP/1.1 client
+    idemkit.process    processes: wait_until, the demo upstream (demo/orders_upstream.py)
+    idemkit.envoy      a real Envoy process: start, readiness, admin, stats, /proc CPU and memory
+    idemkit.bootstrap  Envoy bootstrap builder (clusters, routes, the Wasm filter, jwt_authn, ...)
+
+Imported from the repository root: pytest finds it through `pythonpath` in tests/e2e/pytest.ini,
+the bench and the demo run as modules from the root (`python -m bench.run`, `python -m demo.run`).
+"""
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,315 @@
+"""Envoy bootstrap builder: the pieces every Envoy of the kit is made of (listener, HTTP
+connection manager, static clusters, routes, the Wasm filter, jwt_authn, local rate limit), and
+`orders_proxy`, the proxy the e2e tests and the wake-up measurement run in front of the demo
+upstream. Plain dicts, written as JSON for `envoy -c`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+MiB = 1024 * 1024
+LOCALHOST = "127.0.0.1"
+
+
+def _copy(value: Any) -> Any:
+    """A deep copy of a JSON value (callers may reuse what they passed)."""
+    return json.loads(json.dumps(value))
+
+
+def socket_address(port: int) -> dict:
+    return {"socket_address": {"address": LOCALHOST, "port_value": port}}
+
+
+def cluster(name: str, port: int, http_protocol_options: dict | None = None) -> dict:
+    """A STATIC cluster of one endpoint, 127.0.0.1:`port`, spoken to in HTTP/1.1."""
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http_protocol_options": http_protocol_options or {}},
+            }
+        },
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket_address(port)}}]}],
+        },
+    }
+
+
+def router() -> dict:
+    return {
+        "name": "envoy.filters.http.router",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+        },
+    }
+
+
+def http_connection_manager(routes: list[dict], http_filters: list[dict],
+                            stat_prefix: str = "ingress_http",
+                            http_protocol_options: dict | None = None) -> dict:
+    """The listener's network filter: one virtual host for every domain with `routes`, then
+    `http_filters` and the router."""
+    hcm: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": stat_prefix,
+        "codec_type": "AUTO",
+        "request_timeout": "60s",
+        "stream_idle_timeout": "30s",
+    }
+    if http_protocol_options is not None:
+        hcm["http_protocol_options"] = http_protocol_options
+    hcm["route_config"] = {
+        "name": "local_route",
+        "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}],
+    }
+    hcm["http_filters"] = http_filters + [router()]
+    return {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+
+
+def bootstrap(hcm: dict, clusters: list[dict], connection_buffer_limit: int = 2 * MiB,
+              max_connections: int | None = None) -> dict:
+    """Admin and one listener, both on 127.0.0.1 port 0 (the kernel chooses; `Envoy` reads the
+    ports back). `max_connections`: the overload manager's downstream connection limit."""
+    config: dict[str, Any] = {"admin": {"address": socket_address(0)}}
+    if max_connections is not None:
+        config["overload_manager"] = {
+            "resource_monitors": [
+                {
+                    "name": "envoy.resource_monitors.global_downstream_max_connections",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                        "max_active_downstream_connections": max_connections,
+                    },
+                }
+            ]
+        }
+    config["static_resources"] = {
+        "listeners": [
+            {
+                "name": "ingress",
+                "address": socket_address(0),
+                "per_connection_buffer_limit_bytes": connection_buffer_limit,
+                "filter_chains": [{"filters": [hcm]}],
+            }
+        ],
+        "clusters": clusters,
+    }
+    return config
+
+
+def wasm_filter(name: str, wasm_path: Path | str, configuration: str,
+                failure_policy: str = "FAIL_RELOAD") -> dict:
+    """An http_filters entry that loads the proxy-wasm module `wasm_path` (V8) with the plugin
+    configuration string `configuration`; `name` is also its root_id and vm_id."""
+    return {
+        "name": name,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": {
+                "name": name,
+                "root_id": name,
+                "failure_policy": failure_policy,
+                "reload_config": {"backoff": {"base_interval": "1s", "max_interval": "10s"}},
+                "allow_on_headers_stop_iteration": True,
+                "vm_config": {
+                    "vm_id": name,
+                    "runtime": "envoy.wasm.runtime.v8",
+                    "code": {"local": {"filename": str(wasm_path)}},
+                },
+                "configuration": {
+                    "@type": "type.googleapis.com/google.protobuf.StringValue",
+                    "value": configuration,
+                },
+            },
+        },
+    }
+
+
+def filter_http_filter(filter_config: dict | str, wasm_path: Path | str,
+                       failure_policy: str = "FAIL_RELOAD") -> dict:
+    """The Envoy http_filters entry that loads the idempotency filter."""
+    value = filter_config if isinstance(filter_config, str) else json.dumps(filter_config)
+    return wasm_filter("idempotency", wasm_path, value, failure_policy)
+
+
+def route(prefix: str, timeout: str | None = None, cluster: str = "orders",
+          exact: bool = False, buffer_limit: int | None = None,
+          retry_policy: dict | None = None, per_filter: dict | None = None) -> dict:
+    """An Envoy route entry for `extra_routes` (placed before the catch-all `/` route).
+    `retry_policy`: the route's Envoy retry policy; `per_filter`: its typed_per_filter_config."""
+    r: dict[str, Any] = {
+        "match": {"path" if exact else "prefix": prefix},
+        "route": {"cluster": cluster},
+    }
+    if timeout is not None:
+        r["route"]["timeout"] = timeout
+    if retry_policy is not None:
+        r["route"]["retry_policy"] = retry_policy
+    if buffer_limit is not None:
+        r["request_body_buffer_limit"] = buffer_limit
+    if per_filter is not None:
+        r["typed_per_filter_config"] = per_filter
+    return r
+
+
+def direct_response(prefix: str, status: int, body: str | None = None) -> dict:
+    """An `extra_routes` entry that Envoy answers itself (no upstream, no cluster)."""
+    r: dict[str, Any] = {"match": {"prefix": prefix}, "direct_response": {"status": status}}
+    if body is not None:
+        r["direct_response"]["body"] = {"inline_string": body}
+    return r
+
+
+# ---- JWT (jwt_authn in front of the filter) -----------------------------------------------
+
+
+def b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def mint_hs256(secret: bytes, claims: dict, kid: str = "test-key") -> str:
+    """A compact HS256 JWS (RFC 7515/7519) signed with `secret`, standard library only."""
+    header = {"alg": "HS256", "typ": "JWT", "kid": kid}
+    signing_input = (
+        b64url(json.dumps(header, separators=(",", ":")).encode())
+        + "."
+        + b64url(json.dumps(claims, separators=(",", ":")).encode())
+    )
+    sig = hmac.new(secret, signing_input.encode("ascii"), hashlib.sha256).digest()
+    return signing_input + "." + b64url(sig)
+
+
+def jwt_authn_filter(issuer: str, secret: bytes, payload_in_metadata: str = "jwt_payload",
+                     provider: str = "test", kid: str = "test-key") -> dict:
+    """An `envoy.filters.http.jwt_authn` http_filters entry (for `pre_filters`): one provider
+    with an inline HS256 `oct` JWKS, the token from `authorization: Bearer ...`, the verified
+    payload in dynamic metadata under `payload_in_metadata`, the Authorization header kept
+    (`forward`). Every path: a valid token or none (`allow_missing`); an invalid token gets 401."""
+    jwks = {"keys": [{"kty": "oct", "alg": "HS256", "kid": kid, "k": b64url(secret)}]}
+    return {
+        "name": "envoy.filters.http.jwt_authn",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+            "providers": {
+                provider: {
+                    "issuer": issuer,
+                    "local_jwks": {"inline_string": json.dumps(jwks)},
+                    "from_headers": [{"name": "authorization", "value_prefix": "Bearer "}],
+                    "payload_in_metadata": payload_in_metadata,
+                    "forward": True,
+                }
+            },
+            "rules": [
+                {
+                    "match": {"prefix": "/"},
+                    "requires": {
+                        "requires_any": {
+                            "requirements": [
+                                {"provider_name": provider},
+                                {"allow_missing": {}},
+                            ]
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+# ---- local rate limit (after the filter) ---------------------------------------------------
+
+LOCAL_RATELIMIT_TYPE = (
+    "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
+)
+
+
+def local_ratelimit_filter() -> dict:
+    """An `envoy.filters.http.local_ratelimit` http_filters entry with no bucket of its own:
+    it limits only the routes that carry `local_ratelimit_route(...)`."""
+    return {
+        "name": "envoy.filters.http.local_ratelimit",
+        "typed_config": {"@type": LOCAL_RATELIMIT_TYPE, "stat_prefix": "http_local_rate_limiter"},
+    }
+
+
+def local_ratelimit_route(max_tokens: int, fill_interval: str) -> dict:
+    """typed_per_filter_config for a route limited by `local_ratelimit_filter()` (answers 429)."""
+    always = {"default_value": {"numerator": 100, "denominator": "HUNDRED"}}
+    return {
+        "envoy.filters.http.local_ratelimit": {
+            "@type": LOCAL_RATELIMIT_TYPE,
+            "stat_prefix": "route_local_rate_limiter",
+            "token_bucket": {"max_tokens": max_tokens, "tokens_per_fill": max_tokens,
+                             "fill_interval": fill_interval},
+            "filter_enabled": dict(always, runtime_key="local_rate_limit_enabled"),
+            "filter_enforced": dict(always, runtime_key="local_rate_limit_enforced"),
+        }
+    }
+
+
+
+def orders_proxy(
+    upstream_port: int,
+    unreachable_port: int,
+    filter_config: dict | str | None,
+    wasm_path: Path | str | None = None,
+    route_timeout: str = "5s",
+    buffer_limit: int = 2 * MiB,
+    connection_buffer_limit: int | None = None,
+    extra_routes: Sequence[dict] = (),
+    extra_clusters: Sequence[dict] = (),
+    pre_filters: Sequence[dict] = (),
+    post_filters: Sequence[dict] = (),
+    enable_trailers: bool = True,
+    failure_policy: str = "FAIL_RELOAD",
+) -> dict:
+    """The proxy in front of the orders upstream (cluster `orders`).
+
+    filter_config: the filter's JSON configuration (dict, or a raw string), or None for Envoy
+    WITHOUT the wasm filter. Routes: `extra_routes` first, then `/unreachable` (cluster
+    `unreachable`, on `unreachable_port`, which should refuse connections), then `/` -> the
+    upstream. An `extra_routes` entry may be any Envoy route (e.g. `direct_response(...)`): only
+    entries with a `route` action get the default timeout.
+
+    HTTP filter chain: `pre_filters` (e.g. jwt_authn), the idempotency filter, `post_filters`
+    (e.g. a local rate limit that answers locally after the filter claimed), the router.
+    """
+    if filter_config is not None and wasm_path is None:
+        raise ValueError("a filter configuration needs wasm_path")
+    routes = []
+    for r in _copy(list(extra_routes)):
+        r.setdefault("request_body_buffer_limit", buffer_limit)
+        if "route" in r:  # direct_response routes have no route action
+            r["route"].setdefault("timeout", route_timeout)
+        routes.append(r)
+    for prefix, cluster_name in (("/unreachable", "unreachable"), ("/", "orders")):
+        routes.append(
+            {
+                "match": {"prefix": prefix},
+                "route": {"cluster": cluster_name, "timeout": route_timeout},
+                "request_body_buffer_limit": buffer_limit,
+            }
+        )
+    http_filters = _copy(list(pre_filters))
+    if filter_config is not None:
+        http_filters.append(filter_http_filter(filter_config, wasm_path, failure_policy))
+    http_filters += _copy(list(post_filters))
+    trailers = {"enable_trailers": enable_trailers}
+    hcm = http_connection_manager(routes, http_filters, "ingress_http", trailers)
+    clusters = [
+        cluster("orders", upstream_port, trailers),
+        cluster("unreachable", unreachable_port, trailers),
+    ] + list(extra_clusters)
+    return bootstrap(
+        hcm, clusters, buffer_limit if connection_buffer_limit is None else connection_buffer_limit
+    )

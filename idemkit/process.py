@@ -1,0 +1,212 @@
+"""Processes the kit starts, and waiting for them: `wait_until`, the base class that stops a
+process and keeps the registry of live ones (for failure reports), and `Upstream`, the demo
+orders upstream (demo/orders_upstream.py) as a subprocess.
+
+Every process binds 127.0.0.1; ports are chosen by the kernel (port 0) and read back, so there
+is no port race, unless the caller asks for a fixed port (the demo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any, Callable
+
+from idemkit import REPO_ROOT
+from idemkit.client import Response, request
+
+UPSTREAM_SCRIPT = REPO_ROOT / "demo" / "orders_upstream.py"
+
+# Live processes, newest last; the e2e conftest dumps their logs into the report of a failed test.
+LIVE: list["Process"] = []
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ClosedPort:
+    """A port that refuses connections for as long as this object lives: the socket is bound
+    (so nobody else gets the port) but never listens, so a connect gets ECONNREFUSED."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class Fatal(Exception):
+    """Raised inside a wait_until predicate: stop waiting at once."""
+
+
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    what: str = "condition",
+) -> Any:
+    """Poll `predicate` until it returns a truthy value (returned) or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (Fatal, AssertionError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - polled condition may fail while starting
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                "timed out after %.1fs waiting for %s%s"
+                % (timeout, what, " (last error: %r)" % last_exc if last_exc else "")
+            )
+        time.sleep(interval)
+
+
+def tail(path: Path | None, lines: int = 200) -> str:
+    if path is None or not path.exists():
+        return "(no file)"
+    with open(path, "rb") as f:
+        data = f.read()
+    text = data.decode("utf-8", "replace").splitlines()
+    return "\n".join(text[-lines:]) if text else "(empty)"
+
+
+
+def fresh_log_dir(name: str, root: Path) -> Path:
+    """A new directory below `root` named after `name` (plus a random suffix)."""
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=re.sub(r"[^A-Za-z0-9_.-]", "_", name) + "-", dir=root))
+
+
+class Process:
+    """A subprocess of the kit. Subclasses set `proc` and say what to show when a test fails.
+    `log_root`: where a process without an explicit log directory keeps its logs."""
+
+    name = "process"
+    proc: subprocess.Popen | None = None
+    log_root = Path(tempfile.gettempdir()) / "idemkit-logs"
+
+    def _log_dir(self, log_dir: Path | None) -> Path:
+        return log_dir or fresh_log_dir(self.name, self.log_root)
+
+    def failure_report(self) -> str:
+        raise NotImplementedError
+
+    def _register(self) -> None:
+        LIVE.append(self)
+
+    def _unregister(self) -> None:
+        with contextlib.suppress(ValueError):
+            LIVE.remove(self)
+
+    def _terminate(self, grace: float = 5.0) -> int | None:
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        self._unregister()
+        return proc.returncode
+
+
+class Upstream(Process):
+    """demo/orders_upstream.py as a subprocess on a free port (or on `port`)."""
+
+    def __init__(self, name: str = "upstream", log_dir: Path | None = None, port: int = 0) -> None:
+        self.name = name
+        self.log_dir = self._log_dir(log_dir)
+        self.stdout_path = self.log_dir / "upstream.stdout"
+        self.stderr_path = self.log_dir / "upstream.stderr"
+        self.requested_port = port
+        self.port = 0
+
+    def start(self, timeout: float = 10.0) -> "Upstream":
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-u", str(UPSTREAM_SCRIPT), "--host", "127.0.0.1",
+                 "--port", str(self.requested_port)],
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO_ROOT,
+            )
+        self._register()
+
+        def bound_port():
+            if self.proc.poll() is not None:
+                raise Fatal("upstream exited with %s" % self.proc.returncode)
+            m = re.search(rb"listening on http://[^:]+:(\d+)", self.stdout_path.read_bytes())
+            return int(m.group(1)) if m else 0
+
+        try:
+            self.port = wait_until(bound_port, timeout, what="the upstream to bind")
+            wait_until(lambda: self._get("/_admin/health").status == 200, timeout,
+                       what="upstream /_admin/health")
+        except Exception:
+            self.stop()
+            raise RuntimeError("upstream did not start:\n" + self.failure_report())
+        return self
+
+    def _get(self, path: str, method: str = "GET") -> Response:
+        return request(self.port, method, path, timeout=5)
+
+    def executions(self, key: str | None = None):
+        """Executions of `key` (int), or without a key the whole {"total", "by_key", ...}."""
+        if key is None:
+            return self._get("/_admin/executions").json()
+        q = urllib.parse.quote(key, safe="", encoding="latin-1")
+        return self._get("/_admin/executions?key=" + q).json()["count"]
+
+    def path_executions(self, path: str) -> int:
+        q = urllib.parse.quote(path, safe="", encoding="latin-1")
+        return self._get("/_admin/executions?path=" + q).json()["count"]
+
+    def total(self) -> int:
+        return self.executions()["total"]
+
+    def requests(self, key: str | None = None) -> list[dict]:
+        if key is None:
+            return self._get("/_admin/requests").json()
+        q = urllib.parse.quote(key, safe="", encoding="latin-1")
+        return self._get("/_admin/requests?key=" + q).json()
+
+    def reset(self) -> None:
+        assert self._get("/_admin/reset", "POST").status == 200
+
+    def stderr_text(self) -> str:
+        return self.stderr_path.read_text("utf-8", "replace") if self.stderr_path.exists() else ""
+
+    def failure_report(self) -> str:
+        rc = self.proc.poll() if self.proc else None
+        return "upstream port=%s running=%s\n--- %s (tail) ---\n%s" % (
+            self.port,
+            rc is None,
+            self.stderr_path,
+            tail(self.stderr_path, 100),
+        )
+
+    def stop(self) -> None:
+        self._terminate(grace=3)

@@ -9,13 +9,13 @@
 //!    yields forward-with-claim, replay, or a problem reply.
 
 use crate::config::{Concurrency, Config, Rule};
-use crate::fingerprint::{self, Fingerprint, FingerprintInput};
-use crate::key::{parse_key, KeyError};
-use crate::problem::{Kind, Problem};
-use crate::record::Snapshot;
-use crate::scope::{
+use crate::identity::fingerprint::{self, Fingerprint, FingerprintInput};
+use crate::identity::key::{parse_key, KeyError};
+use crate::identity::scope::{
     jwt_principal_digest, normalize_authority, principal_digest, scope_id, tenant_digest, ScopeId, ScopeParts,
 };
+use crate::problem::{Kind, Problem};
+use crate::store::record::Snapshot;
 use crate::store::{Begin, Claim, ClaimAttempt, QuotaCharge, RecordStore};
 
 /// Header added to every replayed response.
@@ -541,10 +541,10 @@ pub fn snapshot_headers(headers: Vec<(String, Vec<u8>)>, excluded: &[String]) ->
 mod tests {
     use super::*;
     use crate::config::parse;
-    use crate::local_store::LocalStore;
-    use crate::record::State;
-    use crate::scope::tenant_digest;
-    use crate::shared_data::FakeSharedData;
+    use crate::identity::scope::tenant_digest;
+    use crate::store::local::LocalStore;
+    use crate::store::record::State;
+    use crate::store::shared_data::FakeSharedData;
     use crate::store::Completion;
 
     const CONFIG: &str = r#"{

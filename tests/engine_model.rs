@@ -11,9 +11,9 @@
 
 use idempotency_filter::config::{parse, Config};
 use idempotency_filter::engine::{admit, decide, Admission, Decision, Outcome, Pending, RequestHead};
-use idempotency_filter::local_store::LocalStore;
-use idempotency_filter::record::{Snapshot, State};
-use idempotency_filter::shared_data::FakeSharedData;
+use idempotency_filter::store::local::LocalStore;
+use idempotency_filter::store::record::{Snapshot, State};
+use idempotency_filter::store::shared_data::FakeSharedData;
 use idempotency_filter::store::{Claim, Completion, RecordStore, Settled};
 use std::collections::HashMap;
 
@@ -235,11 +235,11 @@ fn guarantees_hold_under_capacity_pressure() {
 ///   never completes.
 mod quota_model {
     use super::Lcg;
-    use idempotency_filter::fingerprint::Fingerprint;
-    use idempotency_filter::local_store::LocalStore;
-    use idempotency_filter::record::{Snapshot, State};
-    use idempotency_filter::scope::ScopeId;
-    use idempotency_filter::shared_data::FakeSharedData;
+    use idempotency_filter::identity::fingerprint::Fingerprint;
+    use idempotency_filter::identity::scope::ScopeId;
+    use idempotency_filter::store::local::LocalStore;
+    use idempotency_filter::store::record::{Snapshot, State};
+    use idempotency_filter::store::shared_data::FakeSharedData;
     use idempotency_filter::store::{
         Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled,
     };

@@ -2,7 +2,7 @@
 //! `Result`: the SDK's own wrappers `panic!` on any status they did not expect and unwrap UTF-8
 //! in header maps, and a panic kills the VM for every request on the worker.
 
-use crate::shared_data::{Cas, Read, SharedData, SharedDataError};
+use crate::store::shared_data::{Cas, Read, SharedData, SharedDataError};
 use std::ptr::{null, null_mut};
 
 const OK: u32 = 0;

@@ -6,9 +6,9 @@ use super::root::{Resumed, Shared, WaitHandle};
 use crate::engine::{
     self, Admission, Decision, HeaderFix, Outcome, Pending, ReplayShape, Reply, RequestHead,
 };
-use crate::fingerprint::Fingerprint;
-use crate::outcome::{plan_response, plan_unfinished, ResponsePlan, StreamReport};
-use crate::record::{Snapshot, State};
+use crate::identity::fingerprint::Fingerprint;
+use crate::settlement::{plan_response, plan_unfinished, ResponsePlan, StreamReport};
+use crate::store::record::{Snapshot, State};
 use crate::store::{Claim, Completion, RecordStore, Settled};
 use crate::wait::{self, Waiter};
 use proxy_wasm::traits::{Context, HttpContext};
@@ -433,7 +433,7 @@ impl HttpContext for Http {
             .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok());
         let details = host::property_string(&["response", "code_details"]);
         // A real upstream answer needs no flags; only local replies are classified by them.
-        let (flags, upstream_selected) = if details.as_deref() == Some(crate::outcome::VIA_UPSTREAM) {
+        let (flags, upstream_selected) = if details.as_deref() == Some(crate::settlement::VIA_UPSTREAM) {
             (0, true)
         } else {
             Self::stream_report()

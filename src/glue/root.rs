@@ -6,11 +6,11 @@ use super::host::{self, HostSharedData};
 use super::http::Http;
 use crate::config::{self, Config, StoreConfig};
 use crate::engine::Outcome;
-use crate::local_store::LocalStore;
-use crate::scope::ScopeId;
+use crate::identity::scope::ScopeId;
+use crate::store::local::LocalStore;
 use crate::store::RecordStore;
+use crate::wait::wake::{self, Registry};
 use crate::wait::{self, Recheck, WaitRoom, Waiter};
-use crate::wake::{self, Registry};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
 use std::cell::{Cell, RefCell};
@@ -186,7 +186,7 @@ impl Shared {
     /// True the first time any worker of this Envoy asks for this rule: the retry warning is
     /// logged once per rule, not once per request. The key space is the configured rule names.
     pub fn first_retry_warning(&self, rule_name: &str) -> bool {
-        use crate::shared_data::SharedData;
+        use crate::store::shared_data::SharedData;
         let key = format!("idem:warned:retry:{rule_name}");
         match HostSharedData.get(&key) {
             Ok(read) if read.exists() => false,

@@ -2,9 +2,9 @@
 //! HTTP cache conformance suite. A backend provides a fresh store and two "workers" that share
 //! it; `conformance_suite!` instantiates every test for it.
 
-use crate::fingerprint::Fingerprint;
-use crate::record::{Snapshot, State};
-use crate::scope::ScopeId;
+use crate::identity::fingerprint::Fingerprint;
+use crate::identity::scope::ScopeId;
+use crate::store::record::{Snapshot, State};
 use crate::store::{Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled};
 
 pub const LEASE: u64 = 1_000;
@@ -326,7 +326,7 @@ pub fn the_principal_quota_bounds_new_records<B: Backend>() {
     assert_eq!(w1.begin(&charged(1, 16, 6, 1, None, bounds)).unwrap(), Begin::Replay(snapshot("a")));
     assert_eq!(
         w1.begin(&ClaimAttempt {
-            fingerprint: crate::fingerprint::Fingerprint([9; 32]),
+            fingerprint: crate::identity::fingerprint::Fingerprint([9; 32]),
             ..charged(1, 17, 7, 1, None, bounds)
         })
         .unwrap(),
@@ -377,7 +377,7 @@ pub fn an_abandoned_claim_stops_counting_once_swept<B: Backend>() {
     }
     claimed(w.begin(&charged(2, 13, LEASE + 1, 1, None, (10, 1))).unwrap());
     let other_payload = ClaimAttempt {
-        fingerprint: crate::fingerprint::Fingerprint([9; 32]),
+        fingerprint: crate::identity::fingerprint::Fingerprint([9; 32]),
         ..charged(1, 14, LEASE + 2, 1, None, (10, 1))
     };
     assert_eq!(w.begin(&other_payload).unwrap(), Begin::Mismatch);
@@ -418,88 +418,88 @@ macro_rules! conformance_suite {
     ($backend:ty) => {
         #[test]
         fn first_claim_then_in_flight() {
-            $crate::store_conformance::first_claim_then_in_flight::<$backend>();
+            $crate::store::conformance::first_claim_then_in_flight::<$backend>();
         }
         #[test]
         fn completed_record_replays_byte_for_byte() {
-            $crate::store_conformance::completed_record_replays_byte_for_byte::<$backend>();
+            $crate::store::conformance::completed_record_replays_byte_for_byte::<$backend>();
         }
         #[test]
         fn different_fingerprint_is_a_mismatch_and_changes_nothing() {
-            $crate::store_conformance::different_fingerprint_is_a_mismatch_and_changes_nothing::<$backend>();
+            $crate::store::conformance::different_fingerprint_is_a_mismatch_and_changes_nothing::<$backend>();
         }
         #[test]
         fn failed_final_replays_too() {
-            $crate::store_conformance::failed_final_replays_too::<$backend>();
+            $crate::store::conformance::failed_final_replays_too::<$backend>();
         }
         #[test]
         fn release_lets_the_next_request_execute() {
-            $crate::store_conformance::release_lets_the_next_request_execute::<$backend>();
+            $crate::store::conformance::release_lets_the_next_request_execute::<$backend>();
         }
         #[test]
         fn expired_lease_is_taken_over_and_the_old_owner_cannot_write() {
-            $crate::store_conformance::expired_lease_is_taken_over_and_the_old_owner_cannot_write::<$backend>(
+            $crate::store::conformance::expired_lease_is_taken_over_and_the_old_owner_cannot_write::<$backend>(
             );
         }
         #[test]
         fn expired_lease_with_another_payload_is_still_a_mismatch() {
-            $crate::store_conformance::expired_lease_with_another_payload_is_still_a_mismatch::<$backend>();
+            $crate::store::conformance::expired_lease_with_another_payload_is_still_a_mismatch::<$backend>();
         }
         #[test]
         fn records_expire_after_their_ttl() {
-            $crate::store_conformance::records_expire_after_their_ttl::<$backend>();
+            $crate::store::conformance::records_expire_after_their_ttl::<$backend>();
         }
         #[test]
         fn outcome_without_body_is_never_executed_again() {
-            $crate::store_conformance::outcome_without_body_is_never_executed_again::<$backend>();
+            $crate::store::conformance::outcome_without_body_is_never_executed_again::<$backend>();
         }
         #[test]
         fn scopes_are_independent() {
-            $crate::store_conformance::scopes_are_independent::<$backend>();
+            $crate::store::conformance::scopes_are_independent::<$backend>();
         }
         #[test]
         fn a_full_store_refuses_and_never_evicts_live_records() {
-            $crate::store_conformance::a_full_store_refuses_and_never_evicts_live_records::<$backend>();
+            $crate::store::conformance::a_full_store_refuses_and_never_evicts_live_records::<$backend>();
         }
         #[test]
         fn sweep_reclaims_expired_records() {
-            $crate::store_conformance::sweep_reclaims_expired_records::<$backend>();
+            $crate::store::conformance::sweep_reclaims_expired_records::<$backend>();
         }
         #[test]
         fn a_late_completion_by_the_owner_is_kept() {
-            $crate::store_conformance::a_late_completion_by_the_owner_is_kept::<$backend>();
+            $crate::store::conformance::a_late_completion_by_the_owner_is_kept::<$backend>();
         }
         #[test]
         fn an_abandoned_claim_gives_its_place_after_its_lease() {
-            $crate::store_conformance::an_abandoned_claim_gives_its_place_after_its_lease::<$backend>();
+            $crate::store::conformance::an_abandoned_claim_gives_its_place_after_its_lease::<$backend>();
         }
         #[test]
         fn a_late_completion_of_an_abandoned_claim_keeps_its_place() {
-            $crate::store_conformance::a_late_completion_of_an_abandoned_claim_keeps_its_place::<$backend>();
+            $crate::store::conformance::a_late_completion_of_an_abandoned_claim_keeps_its_place::<$backend>();
         }
         #[test]
         fn the_principal_quota_bounds_new_records() {
-            $crate::store_conformance::the_principal_quota_bounds_new_records::<$backend>();
+            $crate::store::conformance::the_principal_quota_bounds_new_records::<$backend>();
         }
         #[test]
         fn the_tenant_quota_bounds_all_its_principals() {
-            $crate::store_conformance::the_tenant_quota_bounds_all_its_principals::<$backend>();
+            $crate::store::conformance::the_tenant_quota_bounds_all_its_principals::<$backend>();
         }
         #[test]
         fn a_takeover_is_not_charged() {
-            $crate::store_conformance::a_takeover_is_not_charged::<$backend>();
+            $crate::store::conformance::a_takeover_is_not_charged::<$backend>();
         }
         #[test]
         fn an_abandoned_claim_stops_counting_once_swept() {
-            $crate::store_conformance::an_abandoned_claim_stops_counting_once_swept::<$backend>();
+            $crate::store::conformance::an_abandoned_claim_stops_counting_once_swept::<$backend>();
         }
         #[test]
         fn a_quota_never_locks_an_identity_out_for_good() {
-            $crate::store_conformance::a_quota_never_locks_an_identity_out_for_good::<$backend>();
+            $crate::store::conformance::a_quota_never_locks_an_identity_out_for_good::<$backend>();
         }
         #[test]
         fn racing_workers_make_exactly_one_claim() {
-            $crate::store_conformance::racing_workers_make_exactly_one_claim::<$backend>();
+            $crate::store::conformance::racing_workers_make_exactly_one_claim::<$backend>();
         }
     };
 }

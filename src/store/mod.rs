@@ -1,6 +1,6 @@
 //! The record store interface the engine decides against. Every backend (Envoy shared data now,
 //! etcd for a fleet later) implements it and passes the same conformance suite
-//! (`store_conformance.rs`).
+//! (`store/conformance.rs`).
 //!
 //! Contract, per scope (tenant, principal, method, path, key):
 //! - at most one live record; `begin` either claims it for exactly one caller or reports what
@@ -17,9 +17,15 @@
 //!   mismatches and in-flight answers are not charged;
 //! - expired records read as absent and their space is reclaimed by `sweep`.
 
-use crate::fingerprint::Fingerprint;
-use crate::record::{Snapshot, State};
-use crate::scope::ScopeId;
+#[cfg(test)]
+pub mod conformance;
+pub mod local;
+pub mod record;
+pub mod shared_data;
+
+use crate::identity::fingerprint::Fingerprint;
+use crate::identity::scope::ScopeId;
+use crate::store::record::{Snapshot, State};
 
 /// What `begin` needs to know about the request.
 #[derive(Debug, Clone, Copy)]

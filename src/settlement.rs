@@ -8,7 +8,7 @@
 //! until its lease ends, because releasing then would turn a timeout into a second execution.
 
 use crate::config::{Disposition, Rule};
-use crate::record::State;
+use crate::store::record::State;
 
 pub const VIA_UPSTREAM: &str = "via_upstream";
 

@@ -7,7 +7,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use crate::canonical_json::{self, CanonicalError, JsonValue as Value};
+use crate::json::{self, JsonError, JsonValue as Value, MemberOrder};
 
 /// Compiled, validated configuration. Built once per `on_configure`, shared by every request.
 #[derive(Debug, Clone, PartialEq)]
@@ -229,6 +229,10 @@ const DEFAULT_MAX_WAITERS: u64 = 1_000;
 const MAX_WAITERS_LIMIT: u64 = 100_000;
 const MAX_HEADER_NAME_LEN: usize = 128;
 const MAX_ROUTE_NAME_LEN: usize = 64;
+/// Nesting the configuration may use. Its own constant, not the canonical form's: the two
+/// limits happen to be equal, but changing the fingerprint contract must not change which
+/// configurations Envoy accepts.
+const MAX_NESTING: usize = 64;
 
 /// An object's members in document order, so the first unknown field is the one reported.
 type Obj<'j> = [(Cow<'j, str>, Value<'j>)];
@@ -236,7 +240,7 @@ type Res<T> = Result<T, ConfigError>;
 
 /// Parses and validates the plugin configuration.
 pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
-    let doc = canonical_json::parse(bytes).map_err(json_error)?;
+    let doc = json::read(bytes, MAX_NESTING, MemberOrder::Document).map_err(json_error)?;
     let top = object(
         &doc,
         "",
@@ -670,20 +674,18 @@ fn index(parent: &str, i: usize) -> String {
 }
 
 /// The parser's wording talks about a request body; this names the configuration instead.
-fn json_error(e: CanonicalError) -> ConfigError {
+fn json_error(e: JsonError) -> ConfigError {
     let reason = match e {
-        CanonicalError::InvalidUtf8 => "not valid UTF-8".to_owned(),
-        CanonicalError::ByteOrderMark => "starts with a UTF-8 byte order mark".to_owned(),
-        CanonicalError::Empty => "empty: expected a JSON object".to_owned(),
-        CanonicalError::Syntax { offset } => format!("not valid JSON: syntax error at byte {offset}"),
-        CanonicalError::DuplicateMember => "not valid JSON: an object has a duplicate member name".to_owned(),
-        CanonicalError::TooDeep => {
-            format!("not valid JSON: nested deeper than {} levels", canonical_json::MAX_DEPTH)
-        }
-        CanonicalError::LoneSurrogate => {
+        JsonError::InvalidUtf8 => "not valid UTF-8".to_owned(),
+        JsonError::ByteOrderMark => "starts with a UTF-8 byte order mark".to_owned(),
+        JsonError::Empty => "empty: expected a JSON object".to_owned(),
+        JsonError::Syntax { offset } => format!("not valid JSON: syntax error at byte {offset}"),
+        JsonError::DuplicateMember => "not valid JSON: an object has a duplicate member name".to_owned(),
+        JsonError::TooDeep { limit } => format!("not valid JSON: nested deeper than {limit} levels"),
+        JsonError::LoneSurrogate => {
             "not valid JSON: a string escape holds an unpaired UTF-16 surrogate".to_owned()
         }
-        CanonicalError::TrailingData => "not valid JSON: data after the top-level value".to_owned(),
+        JsonError::TrailingData => "not valid JSON: data after the top-level value".to_owned(),
     };
     err("", reason)
 }

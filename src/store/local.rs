@@ -33,12 +33,12 @@
 //! CAS and sees it lost; an owner whose outcome landed first wins, and the fencer puts the
 //! completed record back (`restore`).
 
-use crate::record::{
+use crate::identity::scope::ScopeId;
+use crate::store::record::{
     self, Counter, Entry, Layout, SlotValue, State, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED,
     FLAG_TENANT_CHARGED,
 };
-use crate::scope::ScopeId;
-use crate::shared_data::{Read, SharedData, SharedDataError};
+use crate::store::shared_data::{Read, SharedData, SharedDataError};
 use crate::store::{Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled, StoreError};
 use sha2::{Digest, Sha256};
 
@@ -543,7 +543,7 @@ impl<S: SharedData> LocalStore<S> {
         &self,
         bucket: u32,
         entry: &Entry,
-    ) -> Result<Option<crate::record::Snapshot>, StoreError> {
+    ) -> Result<Option<crate::store::record::Snapshot>, StoreError> {
         let (slot, _) = self.read_slot(bucket, entry.position)?;
         // A slot may still hold the outcome of an earlier record at this position, or already a
         // newer one: only the outcome tagged with this entry's scope and owner is its own.
@@ -1129,9 +1129,9 @@ impl<S: SharedData> LocalStore<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::Snapshot;
-    use crate::shared_data::{FakeSharedData, Interleave};
-    use crate::store_conformance::{attempt, charged, claimed, done, snapshot, Backend, LEASE, TTL};
+    use crate::store::conformance::{attempt, charged, claimed, done, snapshot, Backend, LEASE, TTL};
+    use crate::store::record::Snapshot;
+    use crate::store::shared_data::{FakeSharedData, Interleave};
 
     struct Local {
         data: FakeSharedData,
@@ -1364,14 +1364,14 @@ mod tests {
         let (a, b) = (open(&d1, 8 * 64, 1), open(&d2, 8 * 64, 2));
         let differ = (0..64)
             .filter(|n| {
-                a.bucket_of(&crate::store_conformance::scope(*n))
-                    != b.bucket_of(&crate::store_conformance::scope(*n))
+                a.bucket_of(&crate::store::conformance::scope(*n))
+                    != b.bucket_of(&crate::store::conformance::scope(*n))
             })
             .count();
         assert!(differ > 32, "placement must depend on the secret ({differ} of 64 differ)");
         let public = (0..64)
             .filter(|n| {
-                let s = crate::store_conformance::scope(*n);
+                let s = crate::store::conformance::scope(*n);
                 u64::from(a.bucket_of(&s)) == s.placement() % 64
             })
             .count();

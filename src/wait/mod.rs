@@ -3,10 +3,12 @@
 //! root context (per worker thread): who waits for which record, until when, within which
 //! bounds. The glue parks and wakes; `recheck` decides what a woken waiter gets.
 
+pub mod wake;
+
 use crate::config::{Concurrency, Config};
 use crate::engine::{decide_fingerprinted, in_flight_reply, Decision, Outcome, Pending, Reply};
-use crate::fingerprint::Fingerprint;
-use crate::scope::ScopeId;
+use crate::identity::fingerprint::Fingerprint;
+use crate::identity::scope::ScopeId;
 use crate::store::{Claim, RecordStore};
 
 /// Longest a waiter goes without looking at its record again, even if no wake-up message
@@ -147,9 +149,9 @@ mod tests {
     use super::*;
     use crate::config::parse;
     use crate::engine::{admit, decide, fingerprint_body, Admission, RequestHead};
-    use crate::local_store::LocalStore;
-    use crate::record::{Snapshot, State};
-    use crate::shared_data::FakeSharedData;
+    use crate::store::local::LocalStore;
+    use crate::store::record::{Snapshot, State};
+    use crate::store::shared_data::FakeSharedData;
     use crate::store::Completion;
 
     fn cfg() -> Config {

@@ -6,6 +6,7 @@ pub mod engine;
 pub mod fuzz_checks;
 pub mod identity;
 pub mod json;
+pub mod metrics;
 pub mod problem;
 pub mod settlement;
 pub mod store;

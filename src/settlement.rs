@@ -104,7 +104,7 @@ mod tests {
 
     fn rule() -> Rule {
         let cfg = parse(br#"{"routes":[{"name":"r","match":{"prefix":"/"}}]}"#).unwrap();
-        cfg.rules[0].clone()
+        (*cfg.rules[0]).clone()
     }
 
     fn sent(details: Option<&str>, flags: u64) -> StreamReport<'_> {

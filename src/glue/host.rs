@@ -341,20 +341,24 @@ fn decode_pairs(bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
 pub struct HostSharedData;
 
 impl SharedData for HostSharedData {
-    fn get(&self, key: &str) -> Result<Read, SharedDataError> {
+    fn get(&self, data_key: &str) -> Result<Read, SharedDataError> {
         let mut data = null_mut();
         let mut size = 0usize;
         let mut cas = 0u32;
-        match unsafe { proxy_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas) } {
+        match unsafe {
+            proxy_get_shared_data(data_key.as_ptr(), data_key.len(), &mut data, &mut size, &mut cas)
+        } {
             OK => Ok(Read { value: unsafe { take(data, size) }, cas: (cas != 0).then_some(cas as Cas) }),
             NOT_FOUND => Ok(Read::default()),
             s => Err(SharedDataError::Host(s)),
         }
     }
 
-    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
+    fn set(&self, data_key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
         let ptr = if value.is_empty() { null() } else { value.as_ptr() };
-        match unsafe { proxy_set_shared_data(key.as_ptr(), key.len(), ptr, value.len(), cas.unwrap_or(0)) } {
+        match unsafe {
+            proxy_set_shared_data(data_key.as_ptr(), data_key.len(), ptr, value.len(), cas.unwrap_or(0))
+        } {
             OK => Ok(()),
             CAS_MISMATCH => Err(SharedDataError::CasMismatch),
             s => Err(SharedDataError::Host(s)),

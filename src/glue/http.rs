@@ -2,11 +2,11 @@
 //! response, and settles the claim.
 
 use super::host::{self, HostError};
-use super::root::{Resumed, Shared, WaitHandle};
-use crate::engine::{
-    self, Admission, Decision, HeaderFix, Outcome, Pending, ReplayShape, Reply, RequestHead,
-};
+use super::root::{PluginState, Resumed, WaitHandle};
+use crate::config::{Concurrency, Rule};
+use crate::engine::{self, Admission, Decision, HeaderFix, Pending, ReplayShape, Reply, RequestHead};
 use crate::identity::fingerprint::Fingerprint;
+use crate::metrics::Counter;
 use crate::settlement::{plan_response, plan_unfinished, ResponsePlan, StreamReport};
 use crate::store::record::{Snapshot, State};
 use crate::store::{Claim, Completion, RecordStore, Settled};
@@ -33,14 +33,14 @@ enum Phase {
     /// root resolves it (resume or answer) and leaves word in the handle.
     Waiting(WaitHandle),
     /// Forwarded with a claim; waiting for the response.
-    Forwarded { claim: Claim, rule: usize },
+    Forwarded { claim: Claim, rule: Rc<Rule> },
     /// A real upstream answer worth keeping; its body is being copied as it streams by.
     Capturing(Capture),
 }
 
 struct Capture {
     claim: Claim,
-    rule: usize,
+    rule: Rc<Rule>,
     state: State,
     status: u16,
     headers: Vec<(String, Vec<u8>)>,
@@ -51,21 +51,21 @@ struct Capture {
 
 pub struct Http {
     context_id: u32,
-    shared: Option<Rc<Shared>>,
+    plugin: Option<Rc<PluginState>>,
     phase: Phase,
     /// The rule of a request that went upstream under a claim, until its stream ends: the
     /// router's attempt count is only final in `on_log`.
-    forwarded_rule: Option<usize>,
+    forwarded_rule: Option<Rc<Rule>>,
 }
 
 impl Http {
-    pub fn new(context_id: u32, shared: Option<Rc<Shared>>) -> Http {
-        Http { context_id, shared, phase: Phase::Idle, forwarded_rule: None }
+    pub fn new(context_id: u32, plugin: Option<Rc<PluginState>>) -> Http {
+        Http { context_id, plugin, phase: Phase::Idle, forwarded_rule: None }
     }
 
-    fn count(&self, outcome: Outcome) {
-        if let Some(s) = &self.shared {
-            s.metrics.count(outcome);
+    fn count(&self, counter: Counter) {
+        if let Some(s) = &self.plugin {
+            s.metrics.count(counter);
         }
     }
 
@@ -81,7 +81,7 @@ impl Http {
         host::now_nanos().map(|n| n / 1_000_000).unwrap_or(0)
     }
 
-    fn on_headers(&mut self, shared: &Shared, end_of_stream: bool) -> Action {
+    fn on_headers(&mut self, plugin: &PluginState, end_of_stream: bool) -> Action {
         // Match the route on two small reads first: unprotected traffic never pays for a copy
         // of the whole header map.
         let method =
@@ -90,8 +90,8 @@ impl Http {
         let method = String::from_utf8_lossy(&method);
         let path = String::from_utf8_lossy(&path);
         let path_only = path.split('?').next().unwrap_or_default();
-        if shared.config.rule_for(&method, path_only).is_none() {
-            self.count(Outcome::PassedThrough);
+        if plugin.config.rule_for(&method, path_only).is_none() {
+            self.count(Counter::PassedThrough);
             return Action::Continue;
         }
         let headers = match host::header_pairs(host::MAP_REQUEST_HEADERS) {
@@ -101,31 +101,31 @@ impl Http {
                     "#{} cannot read request headers (host status {s}); passing through",
                     self.context_id
                 );
-                self.count(Outcome::PassedThrough);
+                self.count(Counter::PassedThrough);
                 return Action::Continue;
             }
         };
         let verified_claims =
-            shared.config.jwt_principal.as_ref().and_then(|jwt| verified_claims(&jwt.payload, &jwt.claims));
+            plugin.config.jwt_principal.as_ref().and_then(|jwt| verified_claims(&jwt.payload, &jwt.claims));
         let head = RequestHead {
             method: &method,
             path: &path,
             headers: &headers,
             verified_claims: verified_claims.as_deref(),
         };
-        match engine::admit(&shared.config, &head) {
+        match engine::admit(&plugin.config, &head) {
             Admission::PassThrough => {
-                self.count(Outcome::PassedThrough);
+                self.count(Counter::PassedThrough);
                 Action::Continue
             }
             Admission::Reject(problem) => {
-                self.count(Outcome::of_problem(problem.kind));
+                self.count(Counter::of_problem(problem.kind));
                 log::debug!("#{} refused at headers: {}", self.context_id, problem.kind.slug());
                 self.reply(&Reply::problem(&problem), DETAILS_PROBLEM)
             }
             Admission::Collect(pending) => {
                 if end_of_stream {
-                    self.decide(shared, &pending, &[])
+                    self.decide(plugin, &pending, &[])
                 } else {
                     self.phase = Phase::Collecting(pending);
                     Action::Pause
@@ -134,55 +134,55 @@ impl Http {
         }
     }
 
-    fn decide(&mut self, shared: &Shared, pending: &Pending, body: &[u8]) -> Action {
-        let fingerprint = match engine::fingerprint_body(&shared.config, pending, body) {
+    fn decide(&mut self, plugin: &PluginState, pending: &Pending, body: &[u8]) -> Action {
+        let fingerprint = match engine::fingerprint_body(pending, body) {
             Ok(fingerprint) => fingerprint,
             Err(problem) => {
-                self.count(Outcome::of_problem(problem.kind));
+                self.count(Counter::of_problem(problem.kind));
                 return self.reply(&Reply::problem(&problem), DETAILS_PROBLEM);
             }
         };
         let now_nanos = host::now_nanos().unwrap_or(0);
-        let owner = shared.owner_token(self.context_id, now_nanos);
+        let owner = plugin.owner_token(self.context_id, now_nanos);
         let decision = engine::decide_fingerprinted(
-            &shared.config,
+            &plugin.config,
             pending,
             fingerprint,
-            &shared.store,
+            &plugin.store,
             now_nanos / 1_000_000,
             owner,
         );
         match decision {
-            Decision::Forward { claim, outcome } => {
-                self.count(outcome);
-                log::debug!("#{} {} key {}", self.context_id, outcome.name(), pending.scope.log_tag());
-                self.phase = Phase::Forwarded { claim, rule: pending.rule };
-                self.forwarded_rule = Some(pending.rule);
+            Decision::Forward { claim, counter } => {
+                self.count(counter);
+                log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
+                self.phase = Phase::Forwarded { claim, rule: Rc::clone(&pending.rule) };
+                self.forwarded_rule = Some(Rc::clone(&pending.rule));
                 Action::Continue
             }
-            Decision::Respond { reply, outcome } => {
-                self.count(outcome);
-                log::debug!("#{} {} key {}", self.context_id, outcome.name(), pending.scope.log_tag());
-                let details = if outcome == Outcome::Replayed { DETAILS_REPLAY } else { DETAILS_PROBLEM };
+            Decision::Respond { reply, counter } => {
+                self.count(counter);
+                log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
+                let details = if counter == Counter::Replayed { DETAILS_REPLAY } else { DETAILS_PROBLEM };
                 self.reply(&reply, details)
             }
             Decision::Wait { lease_remaining_ms } => {
-                self.park(shared, pending, fingerprint, now_nanos / 1_000_000, lease_remaining_ms)
+                self.park(plugin, pending, fingerprint, now_nanos / 1_000_000, lease_remaining_ms)
             }
         }
     }
 
     fn park(
         &mut self,
-        shared: &Shared,
+        plugin: &PluginState,
         pending: &Pending,
         fingerprint: Fingerprint,
         now_ms: u64,
         lease_remaining_ms: u64,
     ) -> Action {
-        let give_up_at_ms = wait::give_up_at(&shared.config, pending, now_ms);
+        let give_up_at_ms = wait::give_up_at(pending, now_ms);
         let handle: WaitHandle = Rc::new(Cell::new(None));
-        let recheck_at_ms = if shared.ensure_advertised(now_ms) {
+        let recheck_at_ms = if plugin.ensure_advertised(now_ms) {
             now_ms
         } else {
             wait::first_recheck(now_ms, lease_remaining_ms, give_up_at_ms)
@@ -195,22 +195,22 @@ impl Http {
             recheck_at_ms,
             handle: handle.clone(),
         };
-        let parked = shared.room.borrow_mut().park(waiter);
+        let parked = plugin.room.borrow_mut().park(waiter);
         match parked {
             Ok(()) => {
-                self.count(Outcome::Waiting);
+                self.count(Counter::Waiting);
                 log::debug!("#{} waiting for key {}", self.context_id, pending.scope.log_tag());
                 self.phase = Phase::Waiting(handle);
                 Action::Pause
             }
             Err(refused) => {
-                self.count(Outcome::WaitRefused);
+                self.count(Counter::WaitRefused);
                 log::debug!(
                     "#{} not held ({refused:?} bound) for key {}",
                     self.context_id,
                     pending.scope.log_tag()
                 );
-                self.reply(&engine::in_flight_reply(&shared.config, lease_remaining_ms), DETAILS_PROBLEM)
+                self.reply(&engine::in_flight_reply(&plugin.config, lease_remaining_ms), DETAILS_PROBLEM)
             }
         }
     }
@@ -220,8 +220,8 @@ impl Http {
         if let Phase::Waiting(handle) = &self.phase {
             match handle.take() {
                 Some(Resumed::Forwarded { claim, rule }) => {
+                    self.forwarded_rule = Some(Rc::clone(&rule));
                     self.phase = Phase::Forwarded { claim, rule };
-                    self.forwarded_rule = Some(rule);
                 }
                 Some(Resumed::Answered { replay_shape }) => self.phase = Phase::Answered { replay_shape },
                 None => {}
@@ -260,24 +260,19 @@ impl Http {
     }
 
     /// Waiters elsewhere may be able to proceed now that this record has an outcome.
-    fn wake_waiters(&self, shared: &Shared, rule: usize, claim: &Claim) {
-        let waits = shared
-            .config
-            .rules
-            .get(rule)
-            .is_some_and(|r| matches!(r.concurrency, crate::config::Concurrency::Wait { .. }));
-        if waits {
-            shared.broadcast(&claim.scope);
+    fn wake_waiters(&self, plugin: &PluginState, rule: &Rule, claim: &Claim) {
+        if matches!(rule.concurrency, Concurrency::Wait { .. }) {
+            plugin.broadcast(&claim.scope);
         }
     }
 
     /// The whole request body is in Envoy's buffer (end of stream, or trailers follow it).
-    fn on_body_complete(&mut self, shared: &Shared, size: usize) -> Action {
+    fn on_body_complete(&mut self, plugin: &PluginState, size: usize) -> Action {
         let Phase::Collecting(pending) = std::mem::replace(&mut self.phase, Phase::Idle) else {
             return Action::Continue;
         };
         match host::buffer(host::BUFFER_REQUEST_BODY, 0, size) {
-            Ok(body) => self.decide(shared, &pending, &body),
+            Ok(body) => self.decide(plugin, &pending, &body),
             Err(HostError(s)) => {
                 log::warn!("#{} cannot read the request body (host status {s})", self.context_id);
                 let problem = crate::problem::Problem::new(
@@ -286,37 +281,36 @@ impl Http {
                     "the request body could not be read; retry later",
                 )
                 .retry_after_ms(1000);
-                self.count(Outcome::StoreError);
+                self.count(Counter::StoreError);
                 self.reply(&Reply::problem(&problem), DETAILS_PROBLEM)
             }
         }
     }
 
-    fn settle(&mut self, shared: &Shared, plan: ResponsePlan, claim: Claim, rule: usize) {
+    fn settle(&mut self, plugin: &PluginState, plan: ResponsePlan, claim: Claim, rule: &Rule) {
         match plan {
             ResponsePlan::Release => {
-                let outcome = match shared.store.release(&claim) {
+                let counter = match plugin.store.release(&claim) {
                     Ok(Settled::Done) => {
-                        self.wake_waiters(shared, rule, &claim);
-                        Outcome::Released
+                        self.wake_waiters(plugin, rule, &claim);
+                        Counter::Released
                     }
-                    Ok(Settled::Lost) => Outcome::CompletionLost,
+                    Ok(Settled::Lost) => Counter::CompletionLost,
                     Err(e) => {
                         log::warn!("#{} release failed: {e}", self.context_id);
-                        Outcome::StoreError
+                        Counter::StoreError
                     }
                 };
-                self.count(outcome);
+                self.count(counter);
             }
-            ResponsePlan::Keep => self.count(Outcome::KeptUnknown),
+            ResponsePlan::Keep => self.count(Counter::KeptUnknown),
             ResponsePlan::Capture { .. } => {}
         }
         log::debug!("#{} settled {:?} key {}", self.context_id, plan, claim.scope.log_tag());
     }
 
-    fn finish_capture(&mut self, shared: &Shared) {
+    fn finish_capture(&mut self, plugin: &PluginState) {
         let Phase::Capturing(c) = std::mem::replace(&mut self.phase, Phase::Idle) else { return };
-        let Some(rule) = shared.config.rules.get(c.rule) else { return };
         let snapshot =
             (!c.overflowed).then_some(Snapshot { status: c.status, headers: c.headers, body: c.body });
         let completion = Completion {
@@ -324,23 +318,23 @@ impl Http {
             status: c.status,
             snapshot,
             now_ms: self.now_ms(),
-            ttl_ms: rule.ttl_ms,
+            ttl_ms: c.rule.ttl_ms,
         };
-        let settled = shared.store.complete(&c.claim, &completion);
+        let settled = plugin.store.complete(&c.claim, &completion);
         if settled == Ok(Settled::Done) {
-            self.wake_waiters(shared, c.rule, &c.claim);
+            self.wake_waiters(plugin, &c.rule, &c.claim);
         }
-        let outcome = match settled {
-            Ok(Settled::Done) if c.overflowed => Outcome::ResponseNotStored,
-            Ok(Settled::Done) => Outcome::Stored,
-            Ok(Settled::Lost) => Outcome::CompletionLost,
+        let counter = match settled {
+            Ok(Settled::Done) if c.overflowed => Counter::ResponseNotStored,
+            Ok(Settled::Done) => Counter::Stored,
+            Ok(Settled::Lost) => Counter::CompletionLost,
             Err(e) => {
                 log::warn!("#{} storing the response failed: {e}", self.context_id);
-                Outcome::StoreError
+                Counter::StoreError
             }
         };
-        self.count(outcome);
-        log::debug!("#{} {} key {}", self.context_id, outcome.name(), c.claim.scope.log_tag());
+        self.count(counter);
+        log::debug!("#{} {} key {}", self.context_id, counter.name(), c.claim.scope.log_tag());
     }
 }
 
@@ -348,21 +342,19 @@ impl Http {
     /// Envoy's router may send one claimed request upstream several times (route retry policy,
     /// hedging, internal redirects): each attempt may execute. Count it, and say so once per
     /// rule for the whole Envoy, so that an operator can remove the retry policy.
-    fn note_upstream_attempts(&self, shared: &Shared, rule: usize) {
+    fn note_upstream_attempts(&self, plugin: &PluginState, r: &Rule) {
         let attempts = host::property_u64(&["upstream", "request_attempt_count"]).unwrap_or(0);
         if attempts <= 1 {
             return;
         }
-        self.count(Outcome::UpstreamRetried);
-        if let Some(r) = shared.config.rules.get(rule) {
-            if shared.first_retry_warning(&r.name) {
-                log::warn!(
-                    "route rule {}: Envoy sent a protected request upstream {attempts} times under one \
-                     claim (route retry_policy, hedging or internal redirect); each attempt may execute: \
-                     disable Envoy retries on routes this filter protects",
-                    r.name
-                );
-            }
+        self.count(Counter::UpstreamRetried);
+        if plugin.first_retry_warning(&r.name) {
+            log::warn!(
+                "route rule {}: Envoy sent a protected request upstream {attempts} times under one \
+                 claim (route retry_policy, hedging or internal redirect); each attempt may execute: \
+                 disable Envoy retries on routes this filter protects",
+                r.name
+            );
         }
     }
 }
@@ -386,47 +378,48 @@ impl Context for Http {}
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let Some(shared) = self.shared.clone() else { return Action::Continue };
-        self.on_headers(&shared, end_of_stream)
+        let Some(plugin) = self.plugin.clone() else { return Action::Continue };
+        self.on_headers(&plugin, end_of_stream)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let Some(plugin) = self.plugin.clone() else { return Action::Continue };
         let rule = match &self.phase {
-            Phase::Collecting(p) => shared.config.rules.get(p.rule),
+            Phase::Collecting(p) => Some(Rc::clone(&p.rule)),
             Phase::Answered { .. } => return Action::Pause,
             _ => return Action::Continue,
         };
         // Refuse as soon as the buffered body outgrows the limit, not at its end.
         if let Some(rule) = rule.filter(|r| body_size as u64 > r.max_request_bytes) {
-            self.count(Outcome::TooLarge);
-            return self.reply(&Reply::problem(&engine::too_large(rule)), DETAILS_PROBLEM);
+            self.count(Counter::TooLarge);
+            return self.reply(&Reply::problem(&engine::too_large(&rule)), DETAILS_PROBLEM);
         }
         if end_of_stream {
-            self.on_body_complete(&shared, body_size)
+            self.on_body_complete(&plugin, body_size)
         } else {
             Action::Pause
         }
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let Some(plugin) = self.plugin.clone() else { return Action::Continue };
         match self.phase {
-            Phase::Collecting(_) => self.on_body_complete(&shared, usize::MAX),
+            Phase::Collecting(_) => self.on_body_complete(&plugin, usize::MAX),
             Phase::Answered { .. } => Action::Pause,
             _ => Action::Continue,
         }
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let Some(plugin) = self.plugin.clone() else { return Action::Continue };
         self.take_resumed();
         if let Phase::Answered { replay_shape: Some(shape) } = &self.phase {
             self.restore_replay_headers(shape);
             return Action::Continue;
         }
-        let Phase::Forwarded { claim, rule } = self.phase else { return Action::Continue };
-        let Some(rule_cfg) = shared.config.rules.get(rule) else { return Action::Continue };
+        let Phase::Forwarded { claim, rule } = &self.phase else { return Action::Continue };
+        let (claim, rule) = (*claim, Rc::clone(rule));
+        let rule_cfg = &rule;
         let status = host::header_value(host::MAP_RESPONSE_HEADERS, ":status")
             .ok()
             .flatten()
@@ -453,22 +446,22 @@ impl HttpContext for Http {
                     overflowed: false,
                 });
                 if end_of_stream {
-                    self.finish_capture(&shared);
+                    self.finish_capture(&plugin);
                 }
             }
             plan => {
                 self.phase = Phase::Idle;
-                self.settle(&shared, plan, claim, rule);
+                self.settle(&plugin, plan, claim, &rule);
             }
         }
         Action::Continue
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let Some(plugin) = self.plugin.clone() else { return Action::Continue };
         self.take_resumed();
         if let Phase::Capturing(c) = &mut self.phase {
-            let limit = shared.config.rules.get(c.rule).map(|r| r.max_response_bytes).unwrap_or(0);
+            let limit = c.rule.max_response_bytes;
             if !c.overflowed && body_size > 0 {
                 // The body streams through untouched; we keep a copy of each chunk as it passes.
                 match host::buffer(host::BUFFER_RESPONSE_BODY, 0, body_size) {
@@ -487,24 +480,24 @@ impl HttpContext for Http {
                 }
             }
             if end_of_stream {
-                self.finish_capture(&shared);
+                self.finish_capture(&plugin);
             }
         }
         Action::Continue
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
-        let Some(shared) = self.shared.clone() else { return Action::Continue };
+        let Some(plugin) = self.plugin.clone() else { return Action::Continue };
         // With trailers the last body frame never says end of stream.
-        self.finish_capture(&shared);
+        self.finish_capture(&plugin);
         Action::Continue
     }
 
     fn on_log(&mut self) {
-        let Some(shared) = self.shared.clone() else { return };
+        let Some(plugin) = self.plugin.clone() else { return };
         self.take_resumed();
         if let Some(rule) = self.forwarded_rule.take() {
-            self.note_upstream_attempts(&shared, rule);
+            self.note_upstream_attempts(&plugin, &rule);
         }
         let (claim, rule) = match std::mem::replace(&mut self.phase, Phase::Idle) {
             Phase::Forwarded { claim, rule } => (claim, rule),
@@ -515,12 +508,12 @@ impl HttpContext for Http {
                 let cut = Capture { overflowed: true, body: Vec::new(), ..c };
                 log::debug!("#{} upstream answer cut mid-body: kept without its body", self.context_id);
                 self.phase = Phase::Capturing(cut);
-                self.finish_capture(&shared);
+                self.finish_capture(&plugin);
                 return;
             }
             Phase::Waiting(_) => {
                 // The client left while held: nothing was claimed, just stop holding it.
-                shared.room.borrow_mut().leave(self.context_id);
+                plugin.room.borrow_mut().leave(self.context_id);
                 log::debug!("#{} held request's client went away", self.context_id);
                 return;
             }
@@ -530,6 +523,6 @@ impl HttpContext for Http {
         let (flags, upstream_selected) = Self::stream_report();
         let plan = plan_unfinished(StreamReport { details: details.as_deref(), flags, upstream_selected });
         log::debug!("#{} stream ended unfinished ({details:?}, flags {flags:#x})", self.context_id);
-        self.settle(&shared, plan, claim, rule);
+        self.settle(&plugin, plan, claim, &rule);
     }
 }

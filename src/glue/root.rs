@@ -5,8 +5,8 @@
 use super::host::{self, HostSharedData};
 use super::http::Http;
 use crate::config::{self, Config, StoreConfig};
-use crate::engine::Outcome;
 use crate::identity::scope::ScopeId;
+use crate::metrics::Counter;
 use crate::store::local::LocalStore;
 use crate::store::RecordStore;
 use crate::wait::wake::{self, Registry};
@@ -27,7 +27,7 @@ const MAX_MESSAGES_PER_READY: usize = 4096;
 /// How a held (waiting) request was resolved by its root; read (once) by its HTTP context.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Resumed {
-    Forwarded { claim: crate::store::Claim, rule: usize },
+    Forwarded { claim: crate::store::Claim, rule: Rc<crate::config::Rule> },
     Answered { replay_shape: Option<crate::engine::ReplayShape> },
 }
 
@@ -56,7 +56,7 @@ impl Metrics {
             }
         };
         Metrics {
-            outcomes: Outcome::ALL
+            outcomes: Counter::ALL
                 .iter()
                 .map(|o| define(format!("idempotency.requests.{}", o.name())))
                 .collect(),
@@ -64,8 +64,8 @@ impl Metrics {
         }
     }
 
-    pub fn count(&self, outcome: Outcome) {
-        let index = Outcome::ALL.iter().position(|o| *o == outcome);
+    pub fn count(&self, counter: Counter) {
+        let index = Counter::ALL.iter().position(|o| *o == counter);
         if let Some(Some(id)) = index.and_then(|i| self.outcomes.get(i)) {
             host::increment(*id, 1);
         }
@@ -79,7 +79,7 @@ impl Metrics {
 }
 
 /// What every HTTP context of this plugin shares.
-pub struct Shared {
+pub struct PluginState {
     pub config: Config,
     pub store: LocalStore<HostSharedData>,
     pub metrics: Metrics,
@@ -95,7 +95,7 @@ pub struct Shared {
     advertised: Cell<bool>,
 }
 
-impl Shared {
+impl PluginState {
     /// Tells every worker that this record's outcome may be known, so that its waiters look.
     pub fn broadcast(&self, scope: &ScopeId) {
         // Read the registry now rather than trust the list cached at the last heartbeat: a
@@ -159,9 +159,9 @@ impl Shared {
             Recheck::KeepWaiting { recheck_at_ms } => {
                 self.room.borrow_mut().repark(Waiter { recheck_at_ms, ..w });
             }
-            Recheck::Forward { claim, outcome } => {
-                self.metrics.count(outcome);
-                w.handle.set(Some(Resumed::Forwarded { claim, rule: w.pending.rule }));
+            Recheck::Forward { claim, counter } => {
+                self.metrics.count(counter);
+                w.handle.set(Some(Resumed::Forwarded { claim, rule: Rc::clone(&w.pending.rule) }));
                 if let Err(e) = host::resume_request() {
                     log::warn!(
                         "#{} could not resume a held request (host status {}); releasing its claim",
@@ -171,11 +171,11 @@ impl Shared {
                     let _ = self.store.release(&claim);
                 }
             }
-            Recheck::Respond { reply, outcome } => {
-                self.metrics.count(outcome);
+            Recheck::Respond { reply, counter } => {
+                self.metrics.count(counter);
                 w.handle.set(Some(Resumed::Answered { replay_shape: reply.replay_shape.clone() }));
                 let details =
-                    if outcome == Outcome::Replayed { "idempotency_replay" } else { "idempotency_problem" };
+                    if counter == Counter::Replayed { "idempotency_replay" } else { "idempotency_problem" };
                 if let Err(e) = host::send_response(reply.status, details, &reply.headers, &reply.body) {
                     log::warn!("#{} could not answer a held request (host status {})", w.context_id, e.0);
                 }
@@ -187,11 +187,11 @@ impl Shared {
     /// logged once per rule, not once per request. The key space is the configured rule names.
     pub fn first_retry_warning(&self, rule_name: &str) -> bool {
         use crate::store::shared_data::SharedData;
-        let key = format!("idem:warned:retry:{rule_name}");
-        match HostSharedData.get(&key) {
+        let data_key = format!("idem:warned:retry:{rule_name}");
+        match HostSharedData.get(&data_key) {
             Ok(read) if read.exists() => false,
             // Creation is racy, so two workers may both log once: still bounded.
-            Ok(_) => HostSharedData.set(&key, b"1", None).is_ok(),
+            Ok(_) => HostSharedData.set(&data_key, b"1", None).is_ok(),
             Err(_) => false,
         }
     }
@@ -212,38 +212,38 @@ impl Shared {
 
 pub struct Root {
     context_id: u32,
-    shared: Option<Rc<Shared>>,
+    plugin: Option<Rc<PluginState>>,
     ticks: u64,
 }
 
 impl Root {
     pub fn new(context_id: u32) -> Root {
-        Root { context_id, shared: None, ticks: 0 }
+        Root { context_id, plugin: None, ticks: 0 }
     }
 
     /// Once a second: reclaim expired records, and beat in the wake registry (only roots that
     /// tick beat, so the short-lived canary VM's queue is never advertised).
-    fn slow_tick(shared: &Shared, now_ms: u64) {
-        match shared.store.sweep(now_ms) {
+    fn slow_tick(plugin: &PluginState, now_ms: u64) {
+        match plugin.store.sweep(now_ms) {
             Ok(0) => {}
             Ok(n) => {
-                shared.metrics.count_swept(n);
+                plugin.metrics.count_swept(n);
                 log::debug!("swept {n} expired record(s)");
             }
             Err(e) => log::warn!("sweep failed: {e}"),
         }
-        if shared.queue_id.is_some() {
-            match shared.registry.heartbeat(&shared.queue_name, now_ms) {
+        if plugin.queue_id.is_some() {
+            match plugin.registry.heartbeat(&plugin.queue_name, now_ms) {
                 Ok(names) => {
-                    shared.advertised.set(true);
-                    shared.set_peers(names);
+                    plugin.advertised.set(true);
+                    plugin.set_peers(names);
                 }
                 Err(e) => log::warn!("wake registry heartbeat failed: {e}"),
             }
         }
     }
 
-    fn configure(&mut self) -> Result<Rc<Shared>, String> {
+    fn configure(&mut self) -> Result<Rc<PluginState>, String> {
         let bytes = host::buffer(host::BUFFER_PLUGIN_CONFIGURATION, 0, usize::MAX)
             .map_err(|e| format!("cannot read the plugin configuration: host status {}", e.0))?;
         let config = config::parse(&bytes).map_err(|e| e.to_string())?;
@@ -283,7 +283,7 @@ impl Root {
             }
         };
         let room = RefCell::new(WaitRoom::new(config.max_waiters_per_key, config.max_waiters));
-        Ok(Rc::new(Shared {
+        Ok(Rc::new(PluginState {
             config,
             store,
             metrics: Metrics::define(),
@@ -301,10 +301,10 @@ impl Root {
 
 impl Context for Root {
     fn on_done(&mut self) -> bool {
-        if let Some(shared) = &self.shared {
+        if let Some(plugin) = &self.plugin {
             // Stop advertising a queue nobody will read.
             let now_ms = host::now_nanos().map(|n| n / 1_000_000).unwrap_or(0);
-            let _ = shared.registry.remove(&shared.queue_name, now_ms);
+            let _ = plugin.registry.remove(&plugin.queue_name, now_ms);
         }
         true
     }
@@ -314,8 +314,8 @@ impl RootContext for Root {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
         super::follow_host_log_level();
         match self.configure() {
-            Ok(shared) => {
-                self.shared = Some(shared);
+            Ok(plugin) => {
+                self.plugin = Some(plugin);
                 if let Err(e) = host::set_tick_period_ms(TICK_MS) {
                     log::warn!(
                         "no sweep timer (host status {}); expired records are reclaimed on reuse only",
@@ -333,21 +333,21 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        let Some(shared) = self.shared.clone() else { return };
+        let Some(plugin) = self.plugin.clone() else { return };
         let Ok(now) = host::now_nanos() else { return };
         let now_ms = now / 1_000_000;
         if self.ticks.is_multiple_of(SLOW_EVERY_TICKS) {
-            Self::slow_tick(&shared, now_ms);
+            Self::slow_tick(&plugin, now_ms);
         }
         self.ticks = self.ticks.wrapping_add(1);
-        let due = shared.room.borrow_mut().due(now_ms);
+        let due = plugin.room.borrow_mut().due(now_ms);
         for w in due {
-            shared.recheck(w);
+            plugin.recheck(w);
         }
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
-        let Some(shared) = self.shared.clone() else { return };
+        let Some(plugin) = self.plugin.clone() else { return };
         for _ in 0..MAX_MESSAGES_PER_READY {
             let message = match host::dequeue(queue_id) {
                 Ok(Some(m)) => m,
@@ -358,15 +358,15 @@ impl RootContext for Root {
                 }
             };
             let Ok(scope) = <[u8; 32]>::try_from(message.as_slice()) else { continue };
-            let woken = shared.room.borrow_mut().wake(&ScopeId(scope));
+            let woken = plugin.room.borrow_mut().wake(&ScopeId(scope));
             for w in woken {
-                shared.recheck(w);
+                plugin.recheck(w);
             }
         }
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Http::new(context_id, self.shared.clone())))
+        Some(Box::new(Http::new(context_id, self.plugin.clone())))
     }
 
     fn get_type(&self) -> Option<ContextType> {

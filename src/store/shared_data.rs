@@ -45,8 +45,8 @@ impl Read {
 }
 
 pub trait SharedData {
-    fn get(&self, key: &str) -> Result<Read, SharedDataError>;
-    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError>;
+    fn get(&self, data_key: &str) -> Result<Read, SharedDataError>;
+    fn set(&self, data_key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError>;
 }
 
 /// In-memory fake with Envoy's exact semantics, for unit tests of pure logic. Several "workers"
@@ -105,10 +105,10 @@ impl FakeSharedData {
     }
 
     /// Raw overwrite, for tests that corrupt stored bytes.
-    pub fn poke(&self, key: &str, value: &[u8]) {
+    pub fn poke(&self, data_key: &str, value: &[u8]) {
         let mut inner = self.inner.borrow_mut();
         let cas = inner.bump();
-        inner.map.insert(key.to_string(), (value.to_vec(), cas));
+        inner.map.insert(data_key.to_string(), (value.to_vec(), cas));
     }
 }
 
@@ -123,26 +123,26 @@ impl FakeInner {
 }
 
 impl SharedData for FakeSharedData {
-    fn get(&self, key: &str) -> Result<Read, SharedDataError> {
+    fn get(&self, data_key: &str) -> Result<Read, SharedDataError> {
         let mut inner = self.inner.borrow_mut();
         inner.gets += 1;
-        Ok(match inner.map.get(key) {
+        Ok(match inner.map.get(data_key) {
             None => Read { value: None, cas: None },
             Some((v, cas)) if v.is_empty() => Read { value: None, cas: Some(*cas) },
             Some((v, cas)) => Read { value: Some(v.clone()), cas: Some(*cas) },
         })
     }
 
-    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
+    fn set(&self, data_key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
         let mut inner = self.inner.borrow_mut();
         inner.sets += 1;
-        if let Some((_, current)) = inner.map.get(key) {
+        if let Some((_, current)) = inner.map.get(data_key) {
             let current = *current;
-            let targeted = inner.forced_only.as_deref().is_none_or(|f| key.contains(f));
+            let targeted = inner.forced_only.as_deref().is_none_or(|f| data_key.contains(f));
             if inner.forced_mismatches > 0 && cas.is_some() && targeted {
                 inner.forced_mismatches -= 1;
                 let bumped = inner.bump();
-                if let Some(entry) = inner.map.get_mut(key) {
+                if let Some(entry) = inner.map.get_mut(data_key) {
                     entry.1 = bumped;
                 }
                 return Err(SharedDataError::CasMismatch);
@@ -155,18 +155,18 @@ impl SharedData for FakeSharedData {
         }
         // A missing key is inserted whatever the CAS: this is the trap the store designs around.
         let new_cas = inner.bump();
-        inner.map.insert(key.to_string(), (value.to_vec(), new_cas));
+        inner.map.insert(data_key.to_string(), (value.to_vec(), new_cas));
         Ok(())
     }
 }
 
 /// Several workers share one store: each holds a reference.
 impl<T: SharedData + ?Sized> SharedData for &T {
-    fn get(&self, key: &str) -> Result<Read, SharedDataError> {
-        (**self).get(key)
+    fn get(&self, data_key: &str) -> Result<Read, SharedDataError> {
+        (**self).get(data_key)
     }
-    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
-        (**self).set(key, value, cas)
+    fn set(&self, data_key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
+        (**self).set(data_key, value, cas)
     }
 }
 
@@ -192,8 +192,8 @@ impl<'a, S: SharedData> Interleave<'a, S> {
         }
     }
 
-    fn maybe_fire(&self, key: &str) {
-        if !key.contains(self.trigger) {
+    fn maybe_fire(&self, data_key: &str) {
+        if !data_key.contains(self.trigger) {
             return;
         }
         let n = self.before_nth.get();
@@ -208,13 +208,13 @@ impl<'a, S: SharedData> Interleave<'a, S> {
 
 #[cfg(test)]
 impl<S: SharedData> SharedData for Interleave<'_, S> {
-    fn get(&self, key: &str) -> Result<Read, SharedDataError> {
-        self.maybe_fire(key);
-        self.inner.get(key)
+    fn get(&self, data_key: &str) -> Result<Read, SharedDataError> {
+        self.maybe_fire(data_key);
+        self.inner.get(data_key)
     }
-    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
-        self.maybe_fire(key);
-        self.inner.set(key, value, cas)
+    fn set(&self, data_key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
+        self.maybe_fire(data_key);
+        self.inner.set(data_key, value, cas)
     }
 }
 

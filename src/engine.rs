@@ -427,9 +427,9 @@ mod tests {
     use super::*;
     use crate::config::parse;
     use crate::identity::scope::tenant_digest;
+    use crate::store::fake::FakeSharedData;
     use crate::store::local::LocalStore;
     use crate::store::record::State;
-    use crate::store::shared_data::FakeSharedData;
     use crate::store::Completion;
 
     const CONFIG: &str = r#"{

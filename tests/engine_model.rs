@@ -12,9 +12,9 @@
 use idempotency_filter::config::{parse, Config};
 use idempotency_filter::engine::{admit, decide, Admission, Decision, Pending, RequestHead};
 use idempotency_filter::metrics::Counter;
+use idempotency_filter::store::fake::FakeSharedData;
 use idempotency_filter::store::local::LocalStore;
 use idempotency_filter::store::record::{Snapshot, State};
-use idempotency_filter::store::shared_data::FakeSharedData;
 use idempotency_filter::store::{Claim, Completion, RecordStore, Settled};
 use std::collections::HashMap;
 
@@ -238,9 +238,9 @@ mod quota_model {
     use super::Lcg;
     use idempotency_filter::identity::fingerprint::Fingerprint;
     use idempotency_filter::identity::scope::ScopeId;
+    use idempotency_filter::store::fake::FakeSharedData;
     use idempotency_filter::store::local::LocalStore;
     use idempotency_filter::store::record::{Snapshot, State};
-    use idempotency_filter::store::shared_data::FakeSharedData;
     use idempotency_filter::store::{
         Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled,
     };

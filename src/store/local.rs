@@ -173,7 +173,7 @@ impl<S: SharedData> LocalStore<S> {
     /// A handle for in-crate tests that manage the layout themselves (`create_keys`), or want a
     /// layout that was never created. Its placement secret is fixed (all zeros), so only pair
     /// it with other `new` handles, never with `open`ed ones.
-    #[cfg(test)]
+    #[cfg(feature = "testing")]
     pub fn new(data: S, capacity: u32) -> Self {
         Self::unopened(data, capacity)
     }
@@ -1131,8 +1131,8 @@ impl<S: SharedData> LocalStore<S> {
 mod tests {
     use super::*;
     use crate::store::conformance::{attempt, charged, claimed, done, snapshot, Backend, LEASE, TTL};
+    use crate::store::fake::{FakeSharedData, Interleave};
     use crate::store::record::Snapshot;
-    use crate::store::shared_data::{FakeSharedData, Interleave};
 
     struct Local {
         data: FakeSharedData,

@@ -17,8 +17,10 @@
 //!   mismatches and in-flight answers are not charged;
 //! - expired records read as absent and their space is reclaimed by `sweep`.
 
-#[cfg(test)]
+#[cfg(feature = "testing")]
 pub mod conformance;
+#[cfg(feature = "testing")]
+pub mod fake;
 pub mod local;
 pub mod record;
 pub mod shared_data;

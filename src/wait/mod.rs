@@ -150,9 +150,9 @@ mod tests {
     use super::*;
     use crate::config::parse;
     use crate::engine::{admit, decide, fingerprint_body, Admission, RequestHead};
+    use crate::store::fake::FakeSharedData;
     use crate::store::local::LocalStore;
     use crate::store::record::{Snapshot, State};
-    use crate::store::shared_data::FakeSharedData;
     use crate::store::Completion;
 
     fn cfg() -> Config {

@@ -127,7 +127,7 @@ impl<S: SharedData> Registry<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::shared_data::FakeSharedData;
+    use crate::store::fake::FakeSharedData;
 
     #[test]
     fn workers_see_each_other_and_stale_queues_drop_out() {

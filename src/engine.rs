@@ -17,7 +17,7 @@ use crate::identity::scope::{
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
 use crate::store::record::Snapshot;
-use crate::store::{Begin, Claim, ClaimAttempt, QuotaCharge, RecordStore};
+use crate::store::{Begin, Claim, ClaimAttempt, QuotaCharge, RecordStore, StoreError};
 use std::rc::Rc;
 
 /// Header added to every replayed response.
@@ -303,7 +303,8 @@ pub fn fingerprint_body(pending: &Pending, body: &[u8]) -> Result<Fingerprint, P
     Ok(pending.fingerprint(body))
 }
 
-/// Step 2 for a request whose fingerprint is known: one atomic `begin` on the store.
+/// Step 2 for a request whose fingerprint is known: one atomic `begin` on the store, asked
+/// and answered at once (a store that answers later goes through `flow::RequestFlow`).
 pub fn decide_fingerprinted(
     cfg: &Config,
     pending: &Pending,
@@ -312,8 +313,21 @@ pub fn decide_fingerprinted(
     now_ms: u64,
     owner: u64,
 ) -> Decision {
+    let attempt = claim_attempt(cfg, pending, fingerprint, now_ms, owner);
+    decision_of(cfg, pending, store.begin(&attempt))
+}
+
+/// What `begin` is asked for this request: its scope and fingerprint, a fresh owner, the rule's
+/// lease and ttl, and the quota a new record is charged to.
+pub fn claim_attempt(
+    cfg: &Config,
+    pending: &Pending,
+    fingerprint: Fingerprint,
+    now_ms: u64,
+    owner: u64,
+) -> ClaimAttempt {
     let rule = &pending.rule;
-    let attempt = ClaimAttempt {
+    ClaimAttempt {
         scope: pending.scope,
         fingerprint,
         owner,
@@ -326,9 +340,14 @@ pub fn decide_fingerprinted(
             per_tenant: cfg.quota.per_tenant,
             per_principal: cfg.quota.per_principal,
         }),
-    };
+    }
+}
+
+/// What the store's answer to `begin` means for the request.
+pub fn decision_of(cfg: &Config, pending: &Pending, begun: Result<Begin, StoreError>) -> Decision {
+    let rule = &pending.rule;
     let statuses = cfg.problem_statuses;
-    match store.begin(&attempt) {
+    match begun {
         Ok(Begin::Claimed(claim)) => Decision::Forward { claim, counter: Counter::Claimed },
         Ok(Begin::TookOver(claim)) => Decision::Forward { claim, counter: Counter::TakenOver },
         Ok(Begin::Replay(snapshot)) => Decision::Respond { reply: Reply::replay(snapshot), counter: Counter::Replayed },
@@ -372,12 +391,16 @@ pub fn decide_fingerprinted(
         }
         Err(e) => {
             log::warn!("idempotency store error for {}: {e}", pending.scope.log_tag());
-            respond_problem(
-                Problem::new(Kind::StoreUnavailable, 503, "the idempotency store could not be used; retry later")
-                    .retry_after_ms(1000),
-            )
+            respond_problem(store_unavailable())
         }
     }
+}
+
+/// 503 with `retry-after`: the store failed or did not answer in time. Fail closed: nothing
+/// executes without a claim.
+pub fn store_unavailable() -> Problem {
+    Problem::new(Kind::StoreUnavailable, 503, "the idempotency store could not be used; retry later")
+        .retry_after_ms(1000)
 }
 
 /// 409 (or the configured status) with `retry-after`: the original is still processing.
@@ -391,7 +414,7 @@ pub fn in_flight_reply(cfg: &Config, retry_after_ms: u64) -> Reply {
     Reply::problem(&p)
 }
 
-fn respond_problem(p: Problem) -> Decision {
+pub fn respond_problem(p: Problem) -> Decision {
     Decision::Respond { reply: Reply::problem(&p), counter: Counter::of_problem(p.kind) }
 }
 

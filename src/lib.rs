@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod engine;
+pub mod flow;
 #[cfg(feature = "testing")]
 pub mod fuzz_checks;
 pub mod identity;

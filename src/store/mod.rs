@@ -30,7 +30,7 @@ use crate::identity::scope::ScopeId;
 use crate::store::record::{Snapshot, State};
 
 /// What `begin` needs to know about the request.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClaimAttempt {
     pub scope: ScopeId,
     pub fingerprint: Fingerprint,
@@ -132,4 +132,43 @@ pub trait RecordStore {
     /// backend needs (called about once a second by every live root); returns how many records
     /// were removed.
     fn sweep(&self, now_ms: u64) -> Result<u32, StoreError>;
+}
+
+/// One conversation with the store, as data: the engine says what to perform, the glue performs
+/// it (the local store at once on shared data; a remote store as a callout while the request
+/// stays paused) and hands back the `StoreAnswer`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreOp {
+    Begin(ClaimAttempt),
+    Complete { claim: Claim, completion: Completion },
+    Release(Claim),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreAnswer {
+    Begun(Result<Begin, StoreError>),
+    Settled(Result<Settled, StoreError>),
+}
+
+impl StoreOp {
+    /// Performs the operation on a store that answers synchronously.
+    pub fn perform(&self, store: &dyn RecordStore) -> StoreAnswer {
+        match self {
+            StoreOp::Begin(attempt) => StoreAnswer::Begun(store.begin(attempt)),
+            StoreOp::Complete { claim, completion } => {
+                StoreAnswer::Settled(store.complete(claim, completion))
+            }
+            StoreOp::Release(claim) => StoreAnswer::Settled(store.release(claim)),
+        }
+    }
+
+    /// The answer a store that could not be reached in time gives: the operation's own kind of
+    /// failure, so that the one who asked handles it as any other store error.
+    pub fn unanswered(&self, why: &str) -> StoreAnswer {
+        let e = StoreError::Unavailable(why.to_string());
+        match self {
+            StoreOp::Begin(_) => StoreAnswer::Begun(Err(e)),
+            StoreOp::Complete { .. } | StoreOp::Release(_) => StoreAnswer::Settled(Err(e)),
+        }
+    }
 }

@@ -6,11 +6,11 @@
 pub mod wake;
 
 use crate::config::{Concurrency, Config};
-use crate::engine::{decide_fingerprinted, in_flight_reply, Decision, Pending, Reply};
+use crate::engine::{claim_attempt, decision_of, in_flight_reply, Decision, Pending, Reply};
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
-use crate::store::{Claim, RecordStore};
+use crate::store::{Begin, Claim, RecordStore, StoreAnswer, StoreError, StoreOp};
 
 /// Longest a waiter goes without looking at its record again, even if no wake-up message
 /// reaches it (a lost message must cost latency, never a wrong answer or a stuck request).
@@ -123,8 +123,24 @@ pub fn give_up_at(pending: &Pending, now_ms: u64) -> u64 {
     now_ms.saturating_add(wait_timeout_ms(pending).unwrap_or(0))
 }
 
+/// `recheck` against a store that answers at once.
 pub fn recheck<H>(cfg: &Config, w: &Waiter<H>, store: &dyn RecordStore, now_ms: u64, owner: u64) -> Recheck {
-    match decide_fingerprinted(cfg, &w.pending, w.fingerprint, store, now_ms, owner) {
+    let op = StoreOp::Begin(claim_attempt(cfg, &w.pending, w.fingerprint, now_ms, owner));
+    match op.perform(store) {
+        StoreAnswer::Begun(begun) => recheck_answered(cfg, w, begun, now_ms),
+        other => recheck_answered(cfg, w, Err(StoreError::Unavailable(format!("{other:?}"))), now_ms),
+    }
+}
+
+/// What a woken waiter gets, from the store's answer to its `begin` (asked with
+/// `engine::claim_attempt`).
+pub fn recheck_answered<H>(
+    cfg: &Config,
+    w: &Waiter<H>,
+    begun: Result<Begin, StoreError>,
+    now_ms: u64,
+) -> Recheck {
+    match decision_of(cfg, &w.pending, begun) {
         Decision::Forward { claim, counter } => Recheck::Forward { claim, counter },
         Decision::Respond { reply, counter } => Recheck::Respond { reply, counter },
         Decision::Wait { lease_remaining_ms } if now_ms >= w.give_up_at_ms => Recheck::Respond {

@@ -10,7 +10,7 @@ use crate::engine::{claim_attempt, decision_of, in_flight_reply, Decision, Pendi
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
-use crate::store::{Begin, Claim, RecordStore, StoreAnswer, StoreError, StoreOp};
+use crate::store::{Claim, RecordStore, StoreAnswer, StoreError, StoreOp};
 
 /// Longest a waiter goes without looking at its record again, even if no wake-up message
 /// reaches it (a lost message must cost latency, never a wrong answer or a stuck request).
@@ -125,21 +125,20 @@ pub fn give_up_at(pending: &Pending, now_ms: u64) -> u64 {
 
 /// `recheck` against a store that answers at once.
 pub fn recheck<H>(cfg: &Config, w: &Waiter<H>, store: &dyn RecordStore, now_ms: u64, owner: u64) -> Recheck {
-    let op = StoreOp::Begin(claim_attempt(cfg, &w.pending, w.fingerprint, now_ms, owner));
-    match op.perform(store) {
-        StoreAnswer::Begun(begun) => recheck_answered(cfg, w, begun, now_ms),
-        other => recheck_answered(cfg, w, Err(StoreError::Unavailable(format!("{other:?}"))), now_ms),
-    }
+    recheck_answered(cfg, w, recheck_op(cfg, w, now_ms, owner).perform(store), now_ms)
 }
 
-/// What a woken waiter gets, from the store's answer to its `begin` (asked with
-/// `engine::claim_attempt`).
-pub fn recheck_answered<H>(
-    cfg: &Config,
-    w: &Waiter<H>,
-    begun: Result<Begin, StoreError>,
-    now_ms: u64,
-) -> Recheck {
+/// What a waiter asks the store when it looks at its record again: a fresh `begin`.
+pub fn recheck_op<H>(cfg: &Config, w: &Waiter<H>, now_ms: u64, owner: u64) -> StoreOp {
+    StoreOp::Begin(claim_attempt(cfg, &w.pending, w.fingerprint, now_ms, owner))
+}
+
+/// What a woken waiter gets, from the store's answer to its `recheck_op`.
+pub fn recheck_answered<H>(cfg: &Config, w: &Waiter<H>, answer: StoreAnswer, now_ms: u64) -> Recheck {
+    let begun = match answer {
+        StoreAnswer::Begun(begun) => begun,
+        other => Err(StoreError::Unavailable(format!("not an answer to begin: {other:?}"))),
+    };
     match decision_of(cfg, &w.pending, begun) {
         Decision::Forward { claim, counter } => Recheck::Forward { claim, counter },
         Decision::Respond { reply, counter } => Recheck::Respond { reply, counter },

@@ -3,6 +3,7 @@
 //! UTF-8 in header maps, and a panic kills the VM for every request on the worker. `AbiHost`
 //! offers them to the rest of the glue as the `Host` trait.
 
+use super::pairs::{decode_pairs, encode_pairs};
 use super::{Host, HostError, LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_WARN};
 
 /// Always logged, whatever the level: a refused configuration, a panic.
@@ -297,47 +298,6 @@ fn increment(metric: u32, by: i64) {
         // A lost increment is not worth failing a request for.
         let _ = unsafe { proxy_increment_metric(metric, by) };
     }
-}
-
-/// proxy-wasm map serialization: count, then (name len, value len) pairs, then the NUL-ended
-/// names and values.
-fn encode_pairs(pairs: &[(String, Vec<u8>)]) -> Vec<u8> {
-    let size: usize = 4 + pairs.iter().map(|(n, v)| 8 + n.len() + v.len() + 2).sum::<usize>();
-    let mut out = Vec::with_capacity(size);
-    out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
-    for (n, v) in pairs {
-        out.extend_from_slice(&(n.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-    }
-    for (n, v) in pairs {
-        out.extend_from_slice(n.as_bytes());
-        out.push(0);
-        out.extend_from_slice(v);
-        out.push(0);
-    }
-    out
-}
-
-fn decode_pairs(bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
-    let word = |at: usize| -> Option<usize> {
-        Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize)
-    };
-    if bytes.is_empty() {
-        return Some(Vec::new());
-    }
-    let count = word(0)?;
-    let mut pairs = Vec::with_capacity(count.min(1024));
-    let mut p = 4usize.checked_add(count.checked_mul(8)?)?;
-    for i in 0..count {
-        let name_len = word(4 + i * 8)?;
-        let value_len = word(8 + i * 8)?;
-        let name = bytes.get(p..p.checked_add(name_len)?)?;
-        p = p.checked_add(name_len + 1)?;
-        let value = bytes.get(p..p.checked_add(value_len)?)?;
-        p = p.checked_add(value_len + 1)?;
-        pairs.push((String::from_utf8_lossy(name).into_owned(), value.to_vec()));
-    }
-    Some(pairs)
 }
 
 /// Envoy, through the raw ABI; its shared data is this plugin's vm_id's.

@@ -6,6 +6,7 @@
 //! the SDK's context traits, both wasm32 only and without decisions of their own.
 
 pub mod http;
+pub mod pairs;
 pub mod plugin;
 pub mod root;
 

@@ -112,6 +112,9 @@ pub enum StoreError {
     Unavailable(String),
     /// Stored bytes this build cannot read; they are left alone, not overwritten.
     Corrupt(String),
+    /// No answer came in time (a store across the network). Whether the operation happened is
+    /// unknown, so it is handled as a failure: fail closed.
+    TimedOut,
 }
 
 impl std::fmt::Display for StoreError {
@@ -120,6 +123,7 @@ impl std::fmt::Display for StoreError {
             StoreError::Contention => write!(f, "store contention: CAS retries exhausted"),
             StoreError::Unavailable(m) => write!(f, "store unavailable: {m}"),
             StoreError::Corrupt(m) => write!(f, "store holds unreadable data: {m}"),
+            StoreError::TimedOut => write!(f, "store did not answer in time"),
         }
     }
 }
@@ -159,16 +163,6 @@ impl StoreOp {
                 StoreAnswer::Settled(store.complete(claim, completion))
             }
             StoreOp::Release(claim) => StoreAnswer::Settled(store.release(claim)),
-        }
-    }
-
-    /// The answer a store that could not be reached in time gives: the operation's own kind of
-    /// failure, so that the one who asked handles it as any other store error.
-    pub fn unanswered(&self, why: &str) -> StoreAnswer {
-        let e = StoreError::Unavailable(why.to_string());
-        match self {
-            StoreOp::Begin(_) => StoreAnswer::Begun(Err(e)),
-            StoreOp::Complete { .. } | StoreOp::Release(_) => StoreAnswer::Settled(Err(e)),
         }
     }
 }

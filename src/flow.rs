@@ -358,9 +358,9 @@ impl RequestFlow {
             (Phase::Settling { claim, rule, done }, StoreAnswer::Settled(settled)) => {
                 Output::go(self.settled(&claim, &rule, done, settled))
             }
-            (phase, answer) => {
+            (phase, _) => {
                 // An answer nobody here asked for (a late one after a timeout): nothing to do.
-                log::debug!("#{} ignored a store answer in {phase:?}: {answer:?}", self.context_id);
+                log::debug!("#{} ignored a store answer nobody was waiting for", self.context_id);
                 self.phase = phase;
                 Output::go(Vec::new())
             }

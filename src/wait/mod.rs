@@ -137,7 +137,7 @@ pub fn recheck_op<H>(cfg: &Config, w: &Waiter<H>, now_ms: u64, owner: u64) -> St
 pub fn recheck_answered<H>(cfg: &Config, w: &Waiter<H>, answer: StoreAnswer, now_ms: u64) -> Recheck {
     let begun = match answer {
         StoreAnswer::Begun(begun) => begun,
-        other => Err(StoreError::Unavailable(format!("not an answer to begin: {other:?}"))),
+        StoreAnswer::Settled(_) => Err(StoreError::Unavailable("a settlement answered a begin".into())),
     };
     match decision_of(cfg, &w.pending, begun) {
         Decision::Forward { claim, counter } => Recheck::Forward { claim, counter },

@@ -266,6 +266,19 @@ mod tests {
     }
 
     #[test]
+    fn without_a_configuration_every_stream_goes_on_untouched() {
+        let h = FakeHost::default();
+        let root = Root::new(1, h.clone());
+        let mut http = root.http_context(2);
+        *h.0.request_headers.borrow_mut() = pairs(&[(":method", "POST"), (":path", "/orders")]);
+        assert_eq!(http.on_request_headers(false), Verdict::Continue);
+        assert_eq!(http.on_request_body(2, true), Verdict::Continue);
+        assert_eq!(http.on_response_headers(true), Verdict::Continue);
+        http.on_log();
+        assert!(h.0.calls.borrow().is_empty());
+    }
+
+    #[test]
     fn a_replay_gets_its_stored_content_type_back() {
         let h = host();
         let root = root(&h);

@@ -437,7 +437,8 @@ fn hex_digit(nibble: u8) -> u8 {
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)] // a failing unwrap is a failing test
 mod tests {
     use super::*;
-    use crate::identity::canonical::{canonicalize, MAX_DEPTH as CANONICAL_DEPTH};
+    /// The canonical form's depth, so that these tests read what request bodies read.
+    const CANONICAL_DEPTH: usize = 64;
 
     fn read_doc(bytes: &[u8]) -> Result<JsonValue<'_>, JsonError> {
         read(bytes, CANONICAL_DEPTH, MemberOrder::Document)
@@ -502,37 +503,6 @@ mod tests {
         let JsonValue::Array(items) = v else { unreachable!() };
         assert!(matches!(&items[0], JsonValue::String(Cow::Borrowed("plain"))));
         assert!(matches!(&items[1], JsonValue::String(Cow::Owned(o)) if o == "esc\"aped"));
-    }
-
-    #[test]
-    fn at_the_canonical_depth_it_rejects_exactly_what_canonicalize_rejects() {
-        let deep = nested(CANONICAL_DEPTH + 1, "[", "]");
-        let ok_deep = nested(CANONICAL_DEPTH, "{\"a\":", "}");
-        let inputs: [&[u8]; 16] = [
-            b"",
-            b" \t",
-            b"\xEF\xBB\xBF{}",
-            b"\"\xff\"",
-            b"{\"a\":1,\"a\":2}",
-            br#"{"x":[{"b":1,"c":2,"\u0062":3}]}"#,
-            br#"{"a":{"a":1},"b":{"a":2}}"#,
-            b"[1,]",
-            b"01",
-            b"{} {}",
-            br#""\ud800""#,
-            deep.as_bytes(),
-            ok_deep.as_bytes(),
-            b"[1.5e-3,\"\\u0000\",{}]",
-            b"{\"a\":1",
-            b"tru",
-        ];
-        for input in inputs {
-            let mut out = Vec::new();
-            let canonical = canonicalize(input, &[], &mut out);
-            assert_eq!(read_doc(input).map(|_| ()), canonical, "{:?}", String::from_utf8_lossy(input));
-        }
-        assert_eq!(read_doc(b"{\"a\":1,\"a\":2}"), Err(JsonError::DuplicateMember));
-        assert_eq!(read_doc(b"[1,]"), Err(JsonError::Syntax { offset: 3 }));
     }
 
     #[test]

@@ -454,6 +454,41 @@ mod tests {
         assert!(JsonError::TooDeep { limit: MAX_DEPTH }.to_string().contains("64"));
     }
 
+    fn read_doc(bytes: &[u8]) -> Result<JsonValue<'_>, JsonError> {
+        json::read(bytes, MAX_DEPTH, MemberOrder::Document)
+    }
+
+    #[test]
+    fn at_the_canonical_depth_it_rejects_exactly_what_canonicalize_rejects() {
+        let deep = nested(MAX_DEPTH + 1, "[", "]");
+        let ok_deep = nested(MAX_DEPTH, "{\"a\":", "}");
+        let inputs: [&[u8]; 16] = [
+            b"",
+            b" \t",
+            b"\xEF\xBB\xBF{}",
+            b"\"\xff\"",
+            b"{\"a\":1,\"a\":2}",
+            br#"{"x":[{"b":1,"c":2,"\u0062":3}]}"#,
+            br#"{"a":{"a":1},"b":{"a":2}}"#,
+            b"[1,]",
+            b"01",
+            b"{} {}",
+            br#""\ud800""#,
+            deep.as_bytes(),
+            ok_deep.as_bytes(),
+            b"[1.5e-3,\"\\u0000\",{}]",
+            b"{\"a\":1",
+            b"tru",
+        ];
+        for input in inputs {
+            let mut out = Vec::new();
+            let canonical = canonicalize(input, &[], &mut out);
+            assert_eq!(read_doc(input).map(|_| ()), canonical, "{:?}", String::from_utf8_lossy(input));
+        }
+        assert_eq!(read_doc(b"{\"a\":1,\"a\":2}"), Err(JsonError::DuplicateMember));
+        assert_eq!(read_doc(b"[1,]"), Err(JsonError::Syntax { offset: 3 }));
+    }
+
     // ---- property-style tests with a self-contained deterministic generator ----
 
     /// Knuth's MMIX LCG; the high bits are used because the low ones have short periods.

@@ -7,9 +7,9 @@
 
 use idempotency_filter::config::parse;
 use idempotency_filter::engine::{admit, decide, Admission, Decision, RequestHead};
-use idempotency_filter::local_store::LocalStore;
-use idempotency_filter::record::{Snapshot, State};
-use idempotency_filter::shared_data::FakeSharedData;
+use idempotency_filter::store::fake::FakeSharedData;
+use idempotency_filter::store::local::LocalStore;
+use idempotency_filter::store::record::{Snapshot, State};
 use idempotency_filter::store::{Completion, RecordStore};
 use std::time::Instant;
 

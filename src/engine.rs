@@ -9,126 +9,21 @@
 //!    yields forward-with-claim, replay, or a problem reply.
 
 use crate::config::{Concurrency, Config, Rule};
-use crate::fingerprint::{self, Fingerprint, FingerprintInput};
-use crate::key::{parse_key, KeyError};
-use crate::problem::{Kind, Problem};
-use crate::record::Snapshot;
-use crate::scope::{
+use crate::identity::fingerprint::{self, Fingerprint, FingerprintInput};
+use crate::identity::key::{parse_key, KeyError};
+use crate::identity::scope::{
     jwt_principal_digest, normalize_authority, principal_digest, scope_id, tenant_digest, ScopeId, ScopeParts,
 };
-use crate::store::{Begin, Claim, ClaimAttempt, QuotaCharge, RecordStore};
+use crate::metrics::Counter;
+use crate::problem::{Kind, Problem};
+use crate::store::record::Snapshot;
+use crate::store::{Begin, Claim, ClaimAttempt, QuotaCharge, RecordStore, StoreError};
+use std::rc::Rc;
 
 /// Header added to every replayed response.
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// Header carrying the original status when the original body was not stored.
 pub const ORIGINAL_STATUS_HEADER: &str = "idempotent-original-status";
-
-/// Request outcomes, one counter each (`idempotency.requests.<name>`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    PassedThrough,
-    Claimed,
-    TakenOver,
-    Replayed,
-    NotReplayable,
-    Mismatch,
-    InFlight,
-    MissingKey,
-    InvalidKey,
-    TooLarge,
-    StoreFull,
-    StoreError,
-    Stored,
-    ResponseNotStored,
-    Released,
-    KeptUnknown,
-    CompletionLost,
-    /// Held in wait mode (counted once per held request).
-    Waiting,
-    /// Held, then answered 409 when `wait_timeout` passed.
-    WaitTimedOut,
-    /// Not held because a waiter bound was reached: 409 at once.
-    WaitRefused,
-    /// A new record refused because its tenant or principal holds its bound of live records.
-    QuotaExceeded,
-    /// A gRPC call on a protected route: refused, never executed (its replay could not be
-    /// faithful: Envoy turns local replies to gRPC calls into trailers-only errors).
-    GrpcRefused,
-    /// Envoy's router sent the request upstream more than once under one claim (route retry
-    /// policy, hedging, internal redirect).
-    UpstreamRetried,
-}
-
-impl Outcome {
-    pub const ALL: [Outcome; 23] = [
-        Outcome::PassedThrough,
-        Outcome::Claimed,
-        Outcome::TakenOver,
-        Outcome::Replayed,
-        Outcome::NotReplayable,
-        Outcome::Mismatch,
-        Outcome::InFlight,
-        Outcome::MissingKey,
-        Outcome::InvalidKey,
-        Outcome::TooLarge,
-        Outcome::StoreFull,
-        Outcome::StoreError,
-        Outcome::Stored,
-        Outcome::ResponseNotStored,
-        Outcome::Released,
-        Outcome::KeptUnknown,
-        Outcome::CompletionLost,
-        Outcome::Waiting,
-        Outcome::WaitTimedOut,
-        Outcome::WaitRefused,
-        Outcome::QuotaExceeded,
-        Outcome::GrpcRefused,
-        Outcome::UpstreamRetried,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Outcome::PassedThrough => "passed_through",
-            Outcome::Claimed => "claimed",
-            Outcome::TakenOver => "taken_over",
-            Outcome::Replayed => "replayed",
-            Outcome::NotReplayable => "not_replayable",
-            Outcome::Mismatch => "mismatch",
-            Outcome::InFlight => "in_flight",
-            Outcome::MissingKey => "missing_key",
-            Outcome::InvalidKey => "invalid_key",
-            Outcome::TooLarge => "too_large",
-            Outcome::StoreFull => "store_full",
-            Outcome::StoreError => "store_error",
-            Outcome::Stored => "stored",
-            Outcome::ResponseNotStored => "response_not_stored",
-            Outcome::Released => "released",
-            Outcome::KeptUnknown => "kept_unknown",
-            Outcome::CompletionLost => "completion_lost",
-            Outcome::Waiting => "waiting",
-            Outcome::WaitTimedOut => "wait_timed_out",
-            Outcome::WaitRefused => "wait_refused",
-            Outcome::QuotaExceeded => "quota_exceeded",
-            Outcome::GrpcRefused => "grpc_refused",
-            Outcome::UpstreamRetried => "upstream_retried",
-        }
-    }
-
-    pub fn of_problem(kind: Kind) -> Outcome {
-        match kind {
-            Kind::MissingKey => Outcome::MissingKey,
-            Kind::InvalidKey => Outcome::InvalidKey,
-            Kind::PayloadMismatch => Outcome::Mismatch,
-            Kind::RequestInFlight => Outcome::InFlight,
-            Kind::RequestTooLarge => Outcome::TooLarge,
-            Kind::StoreFull => Outcome::StoreFull,
-            Kind::StoreUnavailable => Outcome::StoreError,
-            Kind::ResponseNotStored => Outcome::NotReplayable,
-            Kind::QuotaExceeded => Outcome::QuotaExceeded,
-            Kind::GrpcNotSupported => Outcome::GrpcRefused,
-        }
-    }
-}
 
 /// The request as the glue read it: lowercase header names (pseudo-headers included), raw values.
 pub struct RequestHead<'a> {
@@ -150,7 +45,9 @@ impl RequestHead<'_> {
 /// A protected request waiting for its body.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pending {
-    pub rule: usize,
+    /// The rule it matched, resolved once at admission: it holds for the request's whole life,
+    /// even across a configuration update.
+    pub rule: Rc<Rule>,
     pub scope: ScopeId,
     /// Digest of the tenant's header values (None: no tenant header configured).
     tenant: Option<[u8; 32]>,
@@ -245,9 +142,9 @@ pub fn replay_header_fixes(
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     /// Forward upstream; the claim must later be completed or released.
-    Forward { claim: Claim, outcome: Outcome },
+    Forward { claim: Claim, counter: Counter },
     /// Answer locally (replay or problem) without calling the upstream.
-    Respond { reply: Reply, outcome: Outcome },
+    Respond { reply: Reply, counter: Counter },
     /// Wait mode: the original is processing; hold this request (wait.rs).
     Wait { lease_remaining_ms: u64 },
 }
@@ -266,8 +163,7 @@ fn first_str(values: &[&[u8]]) -> Option<String> {
 /// Step 1, at request headers.
 pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
     let (path, query) = split_path(head.path);
-    let Some((rule_index, rule)) = cfg.rules.iter().enumerate().find(|(_, r)| r.matches(head.method, path))
-    else {
+    let Some(rule) = cfg.rule_for(head.method, path) else {
         return Admission::PassThrough;
     };
     let key = match parse_key(&head.values(&cfg.key_header)) {
@@ -296,7 +192,7 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
         key: key.as_str(),
     });
     Admission::Collect(Pending {
-        rule: rule_index,
+        rule: Rc::clone(rule),
         scope,
         tenant: tenant_values.as_deref().map(tenant_digest),
         principal,
@@ -365,7 +261,7 @@ pub fn too_large(rule: &Rule) -> Problem {
 }
 
 impl Pending {
-    pub fn fingerprint(&self, rule: &Rule, body: &[u8]) -> Fingerprint {
+    pub fn fingerprint(&self, body: &[u8]) -> Fingerprint {
         let header_values: Vec<(&str, Vec<&[u8]>)> = self
             .fingerprint_headers
             .iter()
@@ -379,7 +275,7 @@ impl Pending {
             content_type: self.content_type.as_deref(),
             body,
         };
-        fingerprint::fingerprint(&input, &rule.ignore_json_fields).0
+        fingerprint::fingerprint(&input, &self.rule.ignore_json_fields).0
     }
 }
 
@@ -392,7 +288,7 @@ pub fn decide(
     now_ms: u64,
     owner: u64,
 ) -> Decision {
-    match fingerprint_body(cfg, pending, body) {
+    match fingerprint_body(pending, body) {
         Ok(fingerprint) => decide_fingerprinted(cfg, pending, fingerprint, store, now_ms, owner),
         Err(problem) => respond_problem(problem),
     }
@@ -400,22 +296,15 @@ pub fn decide(
 
 /// The request's fingerprint, computed once: a waiter keeps only these 32 bytes and is
 /// rechecked with them, never with its body again.
-pub fn fingerprint_body(cfg: &Config, pending: &Pending, body: &[u8]) -> Result<Fingerprint, Problem> {
-    let rule = rule_of(cfg, pending)?;
-    if body.len() as u64 > rule.max_request_bytes {
-        return Err(too_large(rule));
+pub fn fingerprint_body(pending: &Pending, body: &[u8]) -> Result<Fingerprint, Problem> {
+    if body.len() as u64 > pending.rule.max_request_bytes {
+        return Err(too_large(&pending.rule));
     }
-    Ok(pending.fingerprint(rule, body))
+    Ok(pending.fingerprint(body))
 }
 
-fn rule_of<'c>(cfg: &'c Config, pending: &Pending) -> Result<&'c Rule, Problem> {
-    // Pending values only come from `admit` with the same config; stay total regardless.
-    cfg.rules.get(pending.rule).ok_or_else(|| {
-        Problem::new(Kind::StoreUnavailable, 503, "configuration changed while the request was held")
-    })
-}
-
-/// Step 2 for a request whose fingerprint is known: one atomic `begin` on the store.
+/// Step 2 for a request whose fingerprint is known: one atomic `begin` on the store, asked
+/// and answered at once (a store that answers later goes through `flow::RequestFlow`).
 pub fn decide_fingerprinted(
     cfg: &Config,
     pending: &Pending,
@@ -424,11 +313,21 @@ pub fn decide_fingerprinted(
     now_ms: u64,
     owner: u64,
 ) -> Decision {
-    let rule = match rule_of(cfg, pending) {
-        Ok(rule) => rule,
-        Err(problem) => return respond_problem(problem),
-    };
-    let attempt = ClaimAttempt {
+    let attempt = claim_attempt(cfg, pending, fingerprint, now_ms, owner);
+    decision_of(cfg, pending, store.begin(&attempt))
+}
+
+/// What `begin` is asked for this request: its scope and fingerprint, a fresh owner, the rule's
+/// lease and ttl, and the quota a new record is charged to.
+pub fn claim_attempt(
+    cfg: &Config,
+    pending: &Pending,
+    fingerprint: Fingerprint,
+    now_ms: u64,
+    owner: u64,
+) -> ClaimAttempt {
+    let rule = &pending.rule;
+    ClaimAttempt {
         scope: pending.scope,
         fingerprint,
         owner,
@@ -441,12 +340,17 @@ pub fn decide_fingerprinted(
             per_tenant: cfg.quota.per_tenant,
             per_principal: cfg.quota.per_principal,
         }),
-    };
+    }
+}
+
+/// What the store's answer to `begin` means for the request.
+pub fn decision_of(cfg: &Config, pending: &Pending, begun: Result<Begin, StoreError>) -> Decision {
+    let rule = &pending.rule;
     let statuses = cfg.problem_statuses;
-    match store.begin(&attempt) {
-        Ok(Begin::Claimed(claim)) => Decision::Forward { claim, outcome: Outcome::Claimed },
-        Ok(Begin::TookOver(claim)) => Decision::Forward { claim, outcome: Outcome::TakenOver },
-        Ok(Begin::Replay(snapshot)) => Decision::Respond { reply: Reply::replay(snapshot), outcome: Outcome::Replayed },
+    match begun {
+        Ok(Begin::Claimed(claim)) => Decision::Forward { claim, counter: Counter::Claimed },
+        Ok(Begin::TookOver(claim)) => Decision::Forward { claim, counter: Counter::TakenOver },
+        Ok(Begin::Replay(snapshot)) => Decision::Respond { reply: Reply::replay(snapshot), counter: Counter::Replayed },
         Ok(Begin::NotStored { status }) => {
             let mut p = Problem::new(
                 Kind::ResponseNotStored,
@@ -467,7 +371,7 @@ pub fn decide_fingerprinted(
         Ok(Begin::InFlight { retry_after_ms }) => match rule.concurrency {
             Concurrency::Wait { .. } => Decision::Wait { lease_remaining_ms: retry_after_ms },
             Concurrency::Reject => {
-                Decision::Respond { reply: in_flight_reply(cfg, retry_after_ms), outcome: Outcome::InFlight }
+                Decision::Respond { reply: in_flight_reply(cfg, retry_after_ms), counter: Counter::InFlight }
             }
         },
         Ok(Begin::Full { retry_after_ms }) => respond_problem(
@@ -487,12 +391,16 @@ pub fn decide_fingerprinted(
         }
         Err(e) => {
             log::warn!("idempotency store error for {}: {e}", pending.scope.log_tag());
-            respond_problem(
-                Problem::new(Kind::StoreUnavailable, 503, "the idempotency store could not be used; retry later")
-                    .retry_after_ms(1000),
-            )
+            respond_problem(store_unavailable())
         }
     }
+}
+
+/// 503 with `retry-after`: the store failed or did not answer in time. Fail closed: nothing
+/// executes without a claim.
+pub fn store_unavailable() -> Problem {
+    Problem::new(Kind::StoreUnavailable, 503, "the idempotency store could not be used; retry later")
+        .retry_after_ms(1000)
 }
 
 /// 409 (or the configured status) with `retry-after`: the original is still processing.
@@ -506,8 +414,8 @@ pub fn in_flight_reply(cfg: &Config, retry_after_ms: u64) -> Reply {
     Reply::problem(&p)
 }
 
-fn respond_problem(p: Problem) -> Decision {
-    Decision::Respond { reply: Reply::problem(&p), outcome: Outcome::of_problem(p.kind) }
+pub fn respond_problem(p: Problem) -> Decision {
+    Decision::Respond { reply: Reply::problem(&p), counter: Counter::of_problem(p.kind) }
 }
 
 /// Headers that belong to one connection hop and never to a stored response (RFC 9110 7.6.1).
@@ -541,10 +449,10 @@ pub fn snapshot_headers(headers: Vec<(String, Vec<u8>)>, excluded: &[String]) ->
 mod tests {
     use super::*;
     use crate::config::parse;
-    use crate::local_store::LocalStore;
-    use crate::record::State;
-    use crate::scope::tenant_digest;
-    use crate::shared_data::FakeSharedData;
+    use crate::identity::scope::tenant_digest;
+    use crate::store::fake::FakeSharedData;
+    use crate::store::local::LocalStore;
+    use crate::store::record::State;
     use crate::store::Completion;
 
     const CONFIG: &str = r#"{
@@ -668,9 +576,9 @@ mod tests {
         }
     }
 
-    fn reply(d: Decision) -> (Reply, Outcome) {
+    fn reply(d: Decision) -> (Reply, Counter) {
         match d {
-            Decision::Respond { reply, outcome } => (reply, outcome),
+            Decision::Respond { reply, counter } => (reply, counter),
             other => panic!("{other:?}"),
         }
     }
@@ -698,8 +606,8 @@ mod tests {
         };
         w.store().complete(&claim, &completion).unwrap();
         // Same JSON, other member order and whitespace, ignored field changed: a replay.
-        let (r, outcome) = reply(w.decide(&p, br#"{ "sent_at":"t2", "a": 1 }"#, 6, 2));
-        assert_eq!(outcome, Outcome::Replayed);
+        let (r, counter) = reply(w.decide(&p, br#"{ "sent_at":"t2", "a": 1 }"#, 6, 2));
+        assert_eq!(counter, Counter::Replayed);
         assert_eq!((r.status, r.body.as_slice()), (201, &b"{\"id\":7}"[..]));
         assert_eq!(header(&r, "x-id"), Some(&b"7"[..]));
         assert_eq!(header(&r, REPLAYED_HEADER), Some(&b"true"[..]));
@@ -710,15 +618,15 @@ mod tests {
         let w = World::new();
         let p = pending(&[("idempotency-key", "k")]);
         forward(w.decide(&p, b"one", 0, 1));
-        let (r, outcome) = reply(w.decide(&p, b"two", 1, 2));
-        assert_eq!((r.status, outcome), (409, Outcome::Mismatch));
+        let (r, counter) = reply(w.decide(&p, b"two", 1, 2));
+        assert_eq!((r.status, counter), (409, Counter::Mismatch));
         let header_changed = pending(&[("idempotency-key", "k"), ("x-api-version", "2")]);
-        assert_eq!(reply(w.decide(&header_changed, b"one", 2, 3)).1, Outcome::Mismatch);
+        assert_eq!(reply(w.decide(&header_changed, b"one", 2, 3)).1, Counter::Mismatch);
         let query_changed = match admit_with("POST", "/orders?x=2", &[("idempotency-key", "k")]) {
             Admission::Collect(p) => p,
             other => panic!("{other:?}"),
         };
-        assert_eq!(reply(w.decide(&query_changed, b"one", 3, 4)).1, Outcome::Mismatch);
+        assert_eq!(reply(w.decide(&query_changed, b"one", 3, 4)).1, Counter::Mismatch);
     }
 
     #[test]
@@ -726,8 +634,8 @@ mod tests {
         let w = World::new();
         let p = pending(&[("idempotency-key", "k")]);
         forward(w.decide(&p, b"x", 0, 1));
-        let (r, outcome) = reply(w.decide(&p, b"x", 2_500, 2));
-        assert_eq!((r.status, outcome), (409, Outcome::InFlight));
+        let (r, counter) = reply(w.decide(&p, b"x", 2_500, 2));
+        assert_eq!((r.status, counter), (409, Counter::InFlight));
         assert_eq!(header(&r, "retry-after"), Some(&b"28"[..]));
         assert_eq!(header(&r, "content-type"), Some(&b"application/problem+json"[..]));
     }
@@ -738,7 +646,7 @@ mod tests {
         let p = pending(&[("idempotency-key", "k")]);
         forward(w.decide(&p, b"x", 0, 1));
         match w.decide(&p, b"x", 30_000, 2) {
-            Decision::Forward { outcome, .. } => assert_eq!(outcome, Outcome::TakenOver),
+            Decision::Forward { counter, .. } => assert_eq!(counter, Counter::TakenOver),
             other => panic!("{other:?}"),
         }
     }
@@ -747,8 +655,8 @@ mod tests {
     fn an_oversized_body_is_refused_and_claims_nothing() {
         let w = World::new();
         let p = pending(&[("idempotency-key", "k")]);
-        let (r, outcome) = reply(w.decide(&p, &[b'x'; 101], 0, 1));
-        assert_eq!((r.status, outcome), (413, Outcome::TooLarge));
+        let (r, counter) = reply(w.decide(&p, &[b'x'; 101], 0, 1));
+        assert_eq!((r.status, counter), (413, Counter::TooLarge));
         forward(w.decide(&p, b"small", 1, 2));
     }
 
@@ -760,8 +668,8 @@ mod tests {
         let completion =
             Completion { state: State::Succeeded, status: 200, snapshot: None, now_ms: 1, ttl_ms: 1000 };
         w.store().complete(&claim, &completion).unwrap();
-        let (r, outcome) = reply(w.decide(&p, b"x", 2, 2));
-        assert_eq!((r.status, outcome), (410, Outcome::NotReplayable));
+        let (r, counter) = reply(w.decide(&p, b"x", 2, 2));
+        assert_eq!((r.status, counter), (410, Counter::NotReplayable));
         assert_eq!(header(&r, ORIGINAL_STATUS_HEADER), Some(&b"200"[..]));
     }
 
@@ -769,8 +677,8 @@ mod tests {
     fn store_trouble_fails_closed_with_503() {
         let data = FakeSharedData::new(); // layout never created
         let p = pending(&[("idempotency-key", "k")]);
-        let (r, outcome) = reply(decide(&cfg(), &p, b"x", &LocalStore::new(&data, 64), 0, 1));
-        assert_eq!((r.status, outcome), (503, Outcome::StoreError));
+        let (r, counter) = reply(decide(&cfg(), &p, b"x", &LocalStore::new(&data, 64), 0, 1));
+        assert_eq!((r.status, counter), (503, Counter::StoreError));
         assert!(header(&r, "retry-after").is_some());
     }
 
@@ -943,8 +851,8 @@ mod tests {
             }
         }
         let p = pending(&[("idempotency-key", "k")]);
-        let (r, outcome) = reply(decide(&cfg(), &p, b"x", &AtQuota, 0, 1));
-        assert_eq!((r.status, outcome), (429, Outcome::QuotaExceeded));
+        let (r, counter) = reply(decide(&cfg(), &p, b"x", &AtQuota, 0, 1));
+        assert_eq!((r.status, counter), (429, Counter::QuotaExceeded));
         assert_eq!(header(&r, "retry-after"), Some(&b"3"[..]));
         assert!(String::from_utf8_lossy(&r.body).contains("quota-exceeded"));
     }

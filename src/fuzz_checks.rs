@@ -2,8 +2,11 @@
 //! input kept in `fuzz/regressions/`, by plain `cargo test`. Each function panics when a property
 //! fails, which is what the fuzzer reports; none may panic on its own for any input.
 
-use crate::canonical_json::canonicalize;
-use crate::record::{
+// A failing property must panic: that is what the fuzzer reports.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use crate::identity::canonical::canonicalize;
+use crate::store::record::{
     decode_bucket, decode_counters, decode_layouts, decode_slot, encode_bucket, encode_counters,
     encode_layouts, encode_slot,
 };
@@ -11,13 +14,13 @@ use crate::record::{
 /// Key parser: total; an accepted key is 1..=255 visible ASCII, and its bare form parses to it.
 pub fn key(data: &[u8]) {
     let values: Vec<&[u8]> = data.split(|b| *b == b'\n').take(3).collect();
-    if let Ok(k) = crate::key::parse_key(&values) {
+    if let Ok(k) = crate::identity::key::parse_key(&values) {
         let s = k.as_str();
-        assert!(!s.is_empty() && s.len() <= crate::key::MAX_KEY_LEN);
+        assert!(!s.is_empty() && s.len() <= crate::identity::key::MAX_KEY_LEN);
         assert!(s.bytes().all(|b| (0x21..=0x7e).contains(&b)));
         if !s.starts_with('"') {
             assert_eq!(
-                crate::key::parse_key(&[s.as_bytes()]).map(|k2| k2.as_str().to_string()),
+                crate::identity::key::parse_key(&[s.as_bytes()]).map(|k2| k2.as_str().to_string()),
                 Ok(s.to_string())
             );
         }
@@ -93,7 +96,7 @@ mod tests {
     /// them), except those named as refused or truncated.
     #[test]
     fn kept_record_inputs_decode_as_v2() {
-        use crate::record::{decode_bucket, decode_counters, decode_layouts, decode_slot};
+        use crate::store::record::{decode_bucket, decode_counters, decode_layouts, decode_slot};
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/regressions/record");
         for entry in std::fs::read_dir(dir).unwrap().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();

@@ -1,23 +1,19 @@
 //! Idempotency-Key filter for Envoy. The engine (everything but `glue`) is pure Rust and runs
 //! under plain `cargo test`; `glue` adapts it to Envoy's proxy-wasm host. See ARCHITECTURE.md.
 
-pub mod canonical_json;
 pub mod config;
 pub mod engine;
-pub mod fingerprint;
+pub mod flow;
+#[cfg(feature = "testing")]
 pub mod fuzz_checks;
-pub mod key;
-pub mod local_store;
-pub mod outcome;
+pub mod identity;
+pub mod json;
+pub mod metrics;
 pub mod problem;
-pub mod record;
-pub mod scope;
-pub mod shared_data;
+pub mod settlement;
 pub mod store;
-#[cfg(test)]
-pub mod store_conformance;
 pub mod wait;
-pub mod wake;
 
-#[cfg(target_arch = "wasm32")]
+// Native builds compile the glue for its tests only: the shipped adapter is the wasm32 one.
+#[cfg(any(target_arch = "wasm32", test))]
 mod glue;

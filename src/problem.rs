@@ -1,7 +1,7 @@
 //! The filter's own error replies: RFC 9457 `application/problem+json`, as data the glue sends.
 
-use crate::canonical_json::emit_string;
-use crate::key::KeyError;
+use crate::identity::key::KeyError;
+use crate::json::emit_string;
 
 /// Problem type URIs: stable identifiers clients may branch on (documented in the README).
 pub const TYPE_PREFIX: &str = "urn:idempotency-filter:";
@@ -115,7 +115,11 @@ impl Problem {
 #[allow(clippy::unwrap_used)] // a failing unwrap is a failing test
 mod tests {
     use super::*;
-    use crate::canonical_json::{parse, JsonValue};
+    use crate::json::{read, JsonError, JsonValue, MemberOrder};
+
+    fn parse(body: &[u8]) -> Result<JsonValue<'_>, JsonError> {
+        read(body, 4, MemberOrder::Document)
+    }
 
     fn string(s: &str) -> JsonValue<'static> {
         JsonValue::String(s.to_owned().into())

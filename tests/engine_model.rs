@@ -10,10 +10,11 @@
 #![allow(clippy::unwrap_used, clippy::panic)]
 
 use idempotency_filter::config::{parse, Config};
-use idempotency_filter::engine::{admit, decide, Admission, Decision, Outcome, Pending, RequestHead};
-use idempotency_filter::local_store::LocalStore;
-use idempotency_filter::record::{Snapshot, State};
-use idempotency_filter::shared_data::FakeSharedData;
+use idempotency_filter::engine::{admit, decide, Admission, Decision, Pending, RequestHead};
+use idempotency_filter::metrics::Counter;
+use idempotency_filter::store::fake::FakeSharedData;
+use idempotency_filter::store::local::LocalStore;
+use idempotency_filter::store::record::{Snapshot, State};
 use idempotency_filter::store::{Claim, Completion, RecordStore, Settled};
 use std::collections::HashMap;
 
@@ -93,8 +94,8 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
                 let p = pending(&cfg, scope_key);
                 let body = format!("payload-{payload}");
                 match decide(&cfg, &p, body.as_bytes(), &stores[w], now, owner) {
-                    Decision::Forward { claim, outcome } => {
-                        *counts.entry(outcome.name()).or_default() += 1;
+                    Decision::Forward { claim, counter } => {
+                        *counts.entry(counter.name()).or_default() += 1;
                         for e in execs.iter().filter(|e| e.scope_key == scope_key) {
                             let lease_live = !e.ended && e.completed_at.is_none() && now < e.lease_deadline;
                             let response_live = e.completed_at.is_some_and(|c| now < c + TTL_MS);
@@ -119,10 +120,10 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
                         in_flight[w].push(InFlight { exec: execs.len() - 1, claim });
                     }
                     Decision::Wait { .. } => panic!("reject mode never waits ({ctx})"),
-                    Decision::Respond { reply, outcome } => {
-                        *counts.entry(outcome.name()).or_default() += 1;
-                        match outcome {
-                            Outcome::Replayed => {
+                    Decision::Respond { reply, counter } => {
+                        *counts.entry(counter.name()).or_default() += 1;
+                        match counter {
+                            Counter::Replayed => {
                                 let id: usize = String::from_utf8_lossy(&reply.body)
                                     .trim_start_matches("exec-")
                                     .parse()
@@ -138,7 +139,7 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
                                     "replay of a dead record ({ctx})"
                                 );
                             }
-                            Outcome::Mismatch => {
+                            Counter::Mismatch => {
                                 let live_other = execs.iter().any(|e| {
                                     e.scope_key == scope_key
                                         && e.payload != payload
@@ -148,7 +149,7 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
                                 });
                                 assert!(live_other, "mismatch without a record of another payload ({ctx})");
                             }
-                            Outcome::InFlight | Outcome::StoreFull => {}
+                            Counter::InFlight | Counter::StoreFull => {}
                             other => panic!("unexpected {other:?} ({ctx})"),
                         }
                     }
@@ -189,7 +190,7 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
                 }
             }
             7 => {
-                // Outcome unknown (timeout, reset, client gone): the claim is simply left.
+                // Counter unknown (timeout, reset, client gone): the claim is simply left.
                 if !in_flight[w].is_empty() {
                     let i = rng.below(in_flight[w].len() as u64) as usize;
                     in_flight[w].swap_remove(i);
@@ -235,11 +236,11 @@ fn guarantees_hold_under_capacity_pressure() {
 ///   never completes.
 mod quota_model {
     use super::Lcg;
-    use idempotency_filter::fingerprint::Fingerprint;
-    use idempotency_filter::local_store::LocalStore;
-    use idempotency_filter::record::{Snapshot, State};
-    use idempotency_filter::scope::ScopeId;
-    use idempotency_filter::shared_data::FakeSharedData;
+    use idempotency_filter::identity::fingerprint::Fingerprint;
+    use idempotency_filter::identity::scope::ScopeId;
+    use idempotency_filter::store::fake::FakeSharedData;
+    use idempotency_filter::store::local::LocalStore;
+    use idempotency_filter::store::record::{Snapshot, State};
     use idempotency_filter::store::{
         Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled,
     };
@@ -550,7 +551,7 @@ mod quota_model {
                     }
                 }
                 8 => {
-                    // Outcome unknown: the claim is simply left (abandoned).
+                    // Counter unknown: the claim is simply left (abandoned).
                     if !in_flight[w].is_empty() {
                         let i = rng.below(in_flight[w].len() as u64) as usize;
                         in_flight[w].swap_remove(i);

@@ -1,32 +1,24 @@
-//! The only code that talks to Envoy. Raw proxy-wasm ABI calls, each status turned into a
-//! `Result`: the SDK's own wrappers `panic!` on any status they did not expect and unwrap UTF-8
-//! in header maps, and a panic kills the VM for every request on the worker.
+//! The only code that talks to Envoy (wasm32 only). Raw proxy-wasm ABI calls, each status turned
+//! into a `Result`: the SDK's own wrappers `panic!` on any status they did not expect and unwrap
+//! UTF-8 in header maps, and a panic kills the VM for every request on the worker. `AbiHost`
+//! offers them to the rest of the glue as the `Host` trait.
 
-use crate::shared_data::{Cas, Read, SharedData, SharedDataError};
+use super::pairs::{decode_pairs, encode_pairs};
+use super::{Host, HostError, LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_WARN};
+
+/// Always logged, whatever the level: a refused configuration, a panic.
+pub const LOG_CRITICAL: u32 = 5;
+use crate::store::shared_data::{Cas, Read, SharedData, SharedDataError};
+use std::cell::Cell;
 use std::ptr::{null, null_mut};
 
 const OK: u32 = 0;
 const NOT_FOUND: u32 = 1;
 const CAS_MISMATCH: u32 = 8;
 
-pub const MAP_REQUEST_HEADERS: u32 = 0;
-pub const MAP_RESPONSE_HEADERS: u32 = 2;
-pub const BUFFER_REQUEST_BODY: u32 = 0;
-pub const BUFFER_RESPONSE_BODY: u32 = 1;
-pub const BUFFER_PLUGIN_CONFIGURATION: u32 = 7;
 const METRIC_COUNTER: u32 = 0;
 const STREAM_HTTP_REQUEST: u32 = 0;
 const EMPTY: u32 = 7;
-
-pub const LOG_DEBUG: u32 = 1;
-pub const LOG_INFO: u32 = 2;
-pub const LOG_WARN: u32 = 3;
-pub const LOG_ERROR: u32 = 4;
-pub const LOG_CRITICAL: u32 = 5;
-
-/// A host call the host refused, with its status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HostError(pub u32);
 
 extern "C" {
     fn proxy_log(level: u32, message_data: *const u8, message_size: usize) -> u32;
@@ -140,7 +132,7 @@ pub fn log(level: u32, message: &str) {
     let _ = unsafe { proxy_log(level, message.as_ptr(), message.len()) };
 }
 
-pub fn log_level() -> u32 {
+fn log_level() -> u32 {
     let mut level = LOG_INFO;
     match unsafe { proxy_get_log_level(&mut level) } {
         OK => level,
@@ -148,17 +140,38 @@ pub fn log_level() -> u32 {
     }
 }
 
-pub fn now_nanos() -> Result<u64, HostError> {
+fn now_nanos() -> Result<u64, HostError> {
     let mut t = 0u64;
     check(unsafe { proxy_get_current_time_nanoseconds(&mut t) })?;
     Ok(t)
 }
 
-pub fn set_tick_period_ms(ms: u32) -> Result<(), HostError> {
+thread_local! {
+    /// The last time the host told; the VM is single-threaded, this is one cell.
+    static LAST_NOW_MS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The one clock of the filter. A failed read answers the last time read instead of 0: time 0
+/// would make every lease look long expired and let a retry take over a live claim.
+fn now_ms() -> u64 {
+    match now_nanos() {
+        Ok(nanos) => {
+            let ms = nanos / 1_000_000;
+            LAST_NOW_MS.with(|last| last.set(ms));
+            ms
+        }
+        Err(e) => {
+            log::warn!("host clock unreadable (status {}); using the last time read", e.0);
+            LAST_NOW_MS.with(Cell::get)
+        }
+    }
+}
+
+fn set_tick_period_ms(ms: u32) -> Result<(), HostError> {
     check(unsafe { proxy_set_tick_period_milliseconds(ms) })
 }
 
-pub fn buffer(buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostError> {
+fn buffer(buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostError> {
     let mut data = null_mut();
     let mut size = 0usize;
     match unsafe { proxy_get_buffer_bytes(buffer_type, start, max, &mut data, &mut size) } {
@@ -169,7 +182,7 @@ pub fn buffer(buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, Hos
 }
 
 /// All pairs of a header map, values as raw bytes (they need not be UTF-8).
-pub fn header_pairs(map_type: u32) -> Result<Vec<(String, Vec<u8>)>, HostError> {
+fn header_pairs(map_type: u32) -> Result<Vec<(String, Vec<u8>)>, HostError> {
     let mut data = null_mut();
     let mut size = 0usize;
     check(unsafe { proxy_get_header_map_pairs(map_type, &mut data, &mut size) })?;
@@ -177,7 +190,7 @@ pub fn header_pairs(map_type: u32) -> Result<Vec<(String, Vec<u8>)>, HostError> 
     decode_pairs(&bytes).ok_or(HostError(u32::MAX))
 }
 
-pub fn header_value(map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+fn header_value(map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostError> {
     let mut data = null_mut();
     let mut size = 0usize;
     match unsafe { proxy_get_header_map_value(map_type, name.as_ptr(), name.len(), &mut data, &mut size) } {
@@ -188,18 +201,18 @@ pub fn header_value(map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostEr
 }
 
 /// Sets a header (replacing every value it had).
-pub fn set_header(map_type: u32, name: &str, value: &[u8]) -> Result<(), HostError> {
+fn set_header(map_type: u32, name: &str, value: &[u8]) -> Result<(), HostError> {
     check(unsafe {
         proxy_replace_header_map_value(map_type, name.as_ptr(), name.len(), value.as_ptr(), value.len())
     })
 }
 
-pub fn remove_header(map_type: u32, name: &str) -> Result<(), HostError> {
+fn remove_header(map_type: u32, name: &str) -> Result<(), HostError> {
     check(unsafe { proxy_remove_header_map_value(map_type, name.as_ptr(), name.len()) })
 }
 
 /// A property by path parts (`["response", "code_details"]`). None when absent.
-pub fn property(path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
+fn property(path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
     let serialized = path.join("\0");
     let mut data = null_mut();
     let mut size = 0usize;
@@ -210,16 +223,7 @@ pub fn property(path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
     }
 }
 
-pub fn property_u64(path: &[&str]) -> Option<u64> {
-    let bytes = property(path).ok()??;
-    Some(u64::from_le_bytes(<[u8; 8]>::try_from(bytes.as_slice()).ok()?))
-}
-
-pub fn property_string(path: &[&str]) -> Option<String> {
-    property(path).ok()?.map(|b| String::from_utf8_lossy(&b).into_owned())
-}
-
-pub fn send_response(
+fn send_response(
     status: u16,
     details: &str,
     headers: &[(String, Vec<u8>)],
@@ -241,24 +245,24 @@ pub fn send_response(
 }
 
 /// Resumes the held request of the effective context (see `set_effective_context`).
-pub fn resume_request() -> Result<(), HostError> {
+fn resume_request() -> Result<(), HostError> {
     check(unsafe { proxy_continue_stream(STREAM_HTTP_REQUEST) })
 }
 
 /// Makes later calls in this callback act on another context of this VM; fails (without harm)
 /// when that context is gone, e.g. its client went away.
-pub fn set_effective_context(context_id: u32) -> Result<(), HostError> {
+fn set_effective_context(context_id: u32) -> Result<(), HostError> {
     check(unsafe { proxy_set_effective_context(context_id) })
 }
 
-pub fn register_queue(name: &str) -> Result<u32, HostError> {
+fn register_queue(name: &str) -> Result<u32, HostError> {
     let mut id = 0u32;
     check(unsafe { proxy_register_shared_queue(name.as_ptr(), name.len(), &mut id) })?;
     Ok(id)
 }
 
 /// The queue's id, or None when no VM of this vm_id registered that name.
-pub fn resolve_queue(name: &str) -> Result<Option<u32>, HostError> {
+fn resolve_queue(name: &str) -> Result<Option<u32>, HostError> {
     let mut id = 0u32;
     // An empty vm_id means this plugin's own vm_id.
     match unsafe { proxy_resolve_shared_queue(null(), 0, name.as_ptr(), name.len(), &mut id) } {
@@ -268,12 +272,12 @@ pub fn resolve_queue(name: &str) -> Result<Option<u32>, HostError> {
     }
 }
 
-pub fn enqueue(queue_id: u32, message: &[u8]) -> Result<(), HostError> {
+fn enqueue(queue_id: u32, message: &[u8]) -> Result<(), HostError> {
     check(unsafe { proxy_enqueue_shared_queue(queue_id, message.as_ptr(), message.len()) })
 }
 
 /// The next message, None when the queue is empty.
-pub fn dequeue(queue_id: u32) -> Result<Option<Vec<u8>>, HostError> {
+fn dequeue(queue_id: u32) -> Result<Option<Vec<u8>>, HostError> {
     let mut data = null_mut();
     let mut size = 0usize;
     match unsafe { proxy_dequeue_shared_queue(queue_id, &mut data, &mut size) } {
@@ -283,78 +287,108 @@ pub fn dequeue(queue_id: u32) -> Result<Option<Vec<u8>>, HostError> {
     }
 }
 
-pub fn define_counter(name: &str) -> Result<u32, HostError> {
+fn define_counter(name: &str) -> Result<u32, HostError> {
     let mut id = 0u32;
     check(unsafe { proxy_define_metric(METRIC_COUNTER, name.as_ptr(), name.len(), &mut id) })?;
     Ok(id)
 }
 
-pub fn increment(metric: u32, by: i64) {
+fn increment(metric: u32, by: i64) {
     if by > 0 {
         // A lost increment is not worth failing a request for.
         let _ = unsafe { proxy_increment_metric(metric, by) };
     }
 }
 
-/// proxy-wasm map serialization: count, then (name len, value len) pairs, then the NUL-ended
-/// names and values.
-fn encode_pairs(pairs: &[(String, Vec<u8>)]) -> Vec<u8> {
-    let size: usize = 4 + pairs.iter().map(|(n, v)| 8 + n.len() + v.len() + 2).sum::<usize>();
-    let mut out = Vec::with_capacity(size);
-    out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
-    for (n, v) in pairs {
-        out.extend_from_slice(&(n.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+/// Envoy, through the raw ABI; its shared data is this plugin's vm_id's.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AbiHost;
+
+impl Host for AbiHost {
+    fn now_ms(&self) -> u64 {
+        now_ms()
     }
-    for (n, v) in pairs {
-        out.extend_from_slice(n.as_bytes());
-        out.push(0);
-        out.extend_from_slice(v);
-        out.push(0);
+    fn log_level(&self) -> u32 {
+        log_level()
     }
-    out
+    fn log_critical(&self, message: &str) {
+        log(LOG_CRITICAL, message)
+    }
+    fn set_tick_period_ms(&self, ms: u32) -> Result<(), HostError> {
+        set_tick_period_ms(ms)
+    }
+    fn buffer(&self, buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostError> {
+        buffer(buffer_type, start, max)
+    }
+    fn header_pairs(&self, map_type: u32) -> Result<Vec<(String, Vec<u8>)>, HostError> {
+        header_pairs(map_type)
+    }
+    fn header_value(&self, map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        header_value(map_type, name)
+    }
+    fn set_header(&self, map_type: u32, name: &str, value: &[u8]) -> Result<(), HostError> {
+        set_header(map_type, name, value)
+    }
+    fn remove_header(&self, map_type: u32, name: &str) -> Result<(), HostError> {
+        remove_header(map_type, name)
+    }
+    fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
+        property(path)
+    }
+    fn send_response(
+        &self,
+        status: u16,
+        details: &str,
+        headers: &[(String, Vec<u8>)],
+        body: &[u8],
+    ) -> Result<(), HostError> {
+        send_response(status, details, headers, body)
+    }
+    fn resume_request(&self) -> Result<(), HostError> {
+        resume_request()
+    }
+    fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {
+        set_effective_context(context_id)
+    }
+    fn register_queue(&self, name: &str) -> Result<u32, HostError> {
+        register_queue(name)
+    }
+    fn resolve_queue(&self, name: &str) -> Result<Option<u32>, HostError> {
+        resolve_queue(name)
+    }
+    fn enqueue(&self, queue_id: u32, message: &[u8]) -> Result<(), HostError> {
+        enqueue(queue_id, message)
+    }
+    fn dequeue(&self, queue_id: u32) -> Result<Option<Vec<u8>>, HostError> {
+        dequeue(queue_id)
+    }
+    fn define_counter(&self, name: &str) -> Result<u32, HostError> {
+        define_counter(name)
+    }
+    fn increment(&self, metric: u32, by: i64) {
+        increment(metric, by)
+    }
 }
 
-fn decode_pairs(bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
-    let word = |at: usize| -> Option<usize> {
-        Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize)
-    };
-    if bytes.is_empty() {
-        return Some(Vec::new());
-    }
-    let count = word(0)?;
-    let mut pairs = Vec::with_capacity(count.min(1024));
-    let mut p = 4usize.checked_add(count.checked_mul(8)?)?;
-    for i in 0..count {
-        let name_len = word(4 + i * 8)?;
-        let value_len = word(8 + i * 8)?;
-        let name = bytes.get(p..p.checked_add(name_len)?)?;
-        p = p.checked_add(name_len + 1)?;
-        let value = bytes.get(p..p.checked_add(value_len)?)?;
-        p = p.checked_add(value_len + 1)?;
-        pairs.push((String::from_utf8_lossy(name).into_owned(), value.to_vec()));
-    }
-    Some(pairs)
-}
-
-/// Envoy's shared data for this plugin's vm_id.
-pub struct HostSharedData;
-
-impl SharedData for HostSharedData {
-    fn get(&self, key: &str) -> Result<Read, SharedDataError> {
+impl SharedData for AbiHost {
+    fn get(&self, data_key: &str) -> Result<Read, SharedDataError> {
         let mut data = null_mut();
         let mut size = 0usize;
         let mut cas = 0u32;
-        match unsafe { proxy_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas) } {
+        match unsafe {
+            proxy_get_shared_data(data_key.as_ptr(), data_key.len(), &mut data, &mut size, &mut cas)
+        } {
             OK => Ok(Read { value: unsafe { take(data, size) }, cas: (cas != 0).then_some(cas as Cas) }),
             NOT_FOUND => Ok(Read::default()),
             s => Err(SharedDataError::Host(s)),
         }
     }
 
-    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
+    fn set(&self, data_key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
         let ptr = if value.is_empty() { null() } else { value.as_ptr() };
-        match unsafe { proxy_set_shared_data(key.as_ptr(), key.len(), ptr, value.len(), cas.unwrap_or(0)) } {
+        match unsafe {
+            proxy_set_shared_data(data_key.as_ptr(), data_key.len(), ptr, value.len(), cas.unwrap_or(0))
+        } {
             OK => Ok(()),
             CAS_MISMATCH => Err(SharedDataError::CasMismatch),
             s => Err(SharedDataError::Host(s)),

@@ -1,31 +1,90 @@
 //! The proxy-wasm adapter: Envoy's callbacks in, the engine's decisions out as host calls.
-//! Compiled for wasm32 only, so no native test can reach a host call.
+//!
+//! Everything here but `host.rs` and `sdk.rs` is written against the `Host` trait and compiles
+//! natively, so `cargo test` drives the callbacks against a fake host (`fake_host.rs`) that
+//! records calls and injects failures. `host.rs` is the raw ABI behind the trait and `sdk.rs`
+//! the SDK's context traits, both wasm32 only and without decisions of their own.
 
+pub mod http;
+pub mod pairs;
+pub mod plugin;
+pub mod root;
+
+#[cfg(test)]
+mod fake_host;
+#[cfg(target_arch = "wasm32")]
 mod host;
-mod http;
-mod root;
+#[cfg(target_arch = "wasm32")]
+mod sdk;
 
-use proxy_wasm::traits::RootContext;
+use crate::store::shared_data::SharedData;
 
-static LOGGER: host::HostLogger = host::HostLogger;
+/// A host call the host refused, with its status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostError(pub u32);
 
-proxy_wasm::main! {{
-    // Our own logger and panic hook instead of the SDK's: both of its versions unwrap host calls.
-    // No host calls here: Envoy refuses them while the module initializes.
-    let _ = log::set_logger(&LOGGER);
-    std::panic::set_hook(Box::new(|info| host::log(host::LOG_CRITICAL, &format!("{info}"))));
-    proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> { Box::new(root::Root::new(context_id)) });
-}}
+pub const MAP_REQUEST_HEADERS: u32 = 0;
+pub const MAP_RESPONSE_HEADERS: u32 = 2;
+pub const BUFFER_REQUEST_BODY: u32 = 0;
+pub const BUFFER_RESPONSE_BODY: u32 = 1;
+pub const BUFFER_PLUGIN_CONFIGURATION: u32 = 7;
+
+pub const LOG_TRACE: u32 = 0;
+pub const LOG_DEBUG: u32 = 1;
+pub const LOG_INFO: u32 = 2;
+pub const LOG_WARN: u32 = 3;
+pub const LOG_ERROR: u32 = 4;
+
+/// The host calls the glue makes, each status as a `Result` (none may panic). Shared data comes
+/// with it: the store and the wake registry live there.
+pub trait Host: SharedData + Clone {
+    /// The filter's one clock, in milliseconds. Never fails: what a failed clock read means is
+    /// decided once, by the implementation.
+    fn now_ms(&self) -> u64;
+    fn log_level(&self) -> u32;
+    /// A line that must reach the log whatever the log level (a refused configuration).
+    fn log_critical(&self, message: &str);
+    fn set_tick_period_ms(&self, ms: u32) -> Result<(), HostError>;
+    fn buffer(&self, buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostError>;
+    fn header_pairs(&self, map_type: u32) -> Result<Vec<(String, Vec<u8>)>, HostError>;
+    fn header_value(&self, map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostError>;
+    /// Sets a header (replacing every value it had).
+    fn set_header(&self, map_type: u32, name: &str, value: &[u8]) -> Result<(), HostError>;
+    fn remove_header(&self, map_type: u32, name: &str) -> Result<(), HostError>;
+    /// A property by path parts (`["response", "code_details"]`). None when absent.
+    fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError>;
+    fn send_response(
+        &self,
+        status: u16,
+        details: &str,
+        headers: &[(String, Vec<u8>)],
+        body: &[u8],
+    ) -> Result<(), HostError>;
+    /// Resumes the held request of the effective context (see `set_effective_context`).
+    fn resume_request(&self) -> Result<(), HostError>;
+    /// Makes later calls in this callback act on another context of this VM; fails (without
+    /// harm) when that context is gone, e.g. its client went away.
+    fn set_effective_context(&self, context_id: u32) -> Result<(), HostError>;
+    fn register_queue(&self, name: &str) -> Result<u32, HostError>;
+    /// The queue's id, or None when no VM of this vm_id registered that name.
+    fn resolve_queue(&self, name: &str) -> Result<Option<u32>, HostError>;
+    fn enqueue(&self, queue_id: u32, message: &[u8]) -> Result<(), HostError>;
+    /// The next message, None when the queue is empty.
+    fn dequeue(&self, queue_id: u32) -> Result<Option<Vec<u8>>, HostError>;
+    fn define_counter(&self, name: &str) -> Result<u32, HostError>;
+    /// A lost increment is not worth failing a request for: no result.
+    fn increment(&self, metric: u32, by: i64);
+}
 
 /// Follows Envoy's log level for the wasm component, so that debug lines are not even formatted
 /// unless someone asked for them.
-fn follow_host_log_level() {
-    log::set_max_level(match host::log_level() {
-        0 => log::LevelFilter::Trace,
-        1 => log::LevelFilter::Debug,
-        2 => log::LevelFilter::Info,
-        3 => log::LevelFilter::Warn,
-        4 => log::LevelFilter::Error,
+pub fn log_filter(host_level: u32) -> log::LevelFilter {
+    match host_level {
+        LOG_TRACE => log::LevelFilter::Trace,
+        LOG_DEBUG => log::LevelFilter::Debug,
+        LOG_INFO => log::LevelFilter::Info,
+        LOG_WARN => log::LevelFilter::Warn,
+        LOG_ERROR => log::LevelFilter::Error,
         _ => log::LevelFilter::Off,
-    });
+    }
 }

@@ -1,6 +1,6 @@
 //! The record store interface the engine decides against. Every backend (Envoy shared data now,
 //! etcd for a fleet later) implements it and passes the same conformance suite
-//! (`store_conformance.rs`).
+//! (`store/conformance.rs`).
 //!
 //! Contract, per scope (tenant, principal, method, path, key):
 //! - at most one live record; `begin` either claims it for exactly one caller or reports what
@@ -17,12 +17,20 @@
 //!   mismatches and in-flight answers are not charged;
 //! - expired records read as absent and their space is reclaimed by `sweep`.
 
-use crate::fingerprint::Fingerprint;
-use crate::record::{Snapshot, State};
-use crate::scope::ScopeId;
+#[cfg(feature = "testing")]
+pub mod conformance;
+#[cfg(feature = "testing")]
+pub mod fake;
+pub mod local;
+pub mod record;
+pub mod shared_data;
+
+use crate::identity::fingerprint::Fingerprint;
+use crate::identity::scope::ScopeId;
+use crate::store::record::{Snapshot, State};
 
 /// What `begin` needs to know about the request.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClaimAttempt {
     pub scope: ScopeId,
     pub fingerprint: Fingerprint,
@@ -104,6 +112,9 @@ pub enum StoreError {
     Unavailable(String),
     /// Stored bytes this build cannot read; they are left alone, not overwritten.
     Corrupt(String),
+    /// No answer came in time (a store across the network). Whether the operation happened is
+    /// unknown, so it is handled as a failure: fail closed.
+    TimedOut,
 }
 
 impl std::fmt::Display for StoreError {
@@ -112,6 +123,7 @@ impl std::fmt::Display for StoreError {
             StoreError::Contention => write!(f, "store contention: CAS retries exhausted"),
             StoreError::Unavailable(m) => write!(f, "store unavailable: {m}"),
             StoreError::Corrupt(m) => write!(f, "store holds unreadable data: {m}"),
+            StoreError::TimedOut => write!(f, "store did not answer in time"),
         }
     }
 }
@@ -124,4 +136,33 @@ pub trait RecordStore {
     /// backend needs (called about once a second by every live root); returns how many records
     /// were removed.
     fn sweep(&self, now_ms: u64) -> Result<u32, StoreError>;
+}
+
+/// One conversation with the store, as data: the engine says what to perform, the glue performs
+/// it (the local store at once on shared data; a remote store as a callout while the request
+/// stays paused) and hands back the `StoreAnswer`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreOp {
+    Begin(ClaimAttempt),
+    Complete { claim: Claim, completion: Completion },
+    Release(Claim),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreAnswer {
+    Begun(Result<Begin, StoreError>),
+    Settled(Result<Settled, StoreError>),
+}
+
+impl StoreOp {
+    /// Performs the operation on a store that answers synchronously.
+    pub fn perform(&self, store: &dyn RecordStore) -> StoreAnswer {
+        match self {
+            StoreOp::Begin(attempt) => StoreAnswer::Begun(store.begin(attempt)),
+            StoreOp::Complete { claim, completion } => {
+                StoreAnswer::Settled(store.complete(claim, completion))
+            }
+            StoreOp::Release(claim) => StoreAnswer::Settled(store.release(claim)),
+        }
+    }
 }

@@ -6,8 +6,9 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::rc::Rc;
 
-use crate::canonical_json::{self, CanonicalError, JsonValue as Value};
+use crate::json::{self, JsonError, JsonValue as Value, MemberOrder};
 
 /// Compiled, validated configuration. Built once per `on_configure`, shared by every request.
 #[derive(Debug, Clone, PartialEq)]
@@ -20,8 +21,9 @@ pub struct Config {
     pub principal_headers: Vec<String>,
     pub store: StoreConfig,
     pub problem_statuses: ProblemStatuses,
-    /// Ordered; the first matching rule applies.
-    pub rules: Vec<Rule>,
+    /// Ordered; the first matching rule applies. Shared, so that a held request carries its
+    /// rule with it instead of an index to look up again.
+    pub rules: Vec<Rc<Rule>>,
     /// Requests one Envoy worker holds waiting for the same record (wait mode), at most.
     pub max_waiters_per_key: u32,
     /// Requests one Envoy worker holds waiting in all (wait mode), at most.
@@ -79,14 +81,14 @@ pub struct ProblemStatuses {
     pub in_flight: u16,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PathMatch {
     Prefix(String),
     Exact(String),
 }
 
 /// One status code or a whole class (`"2xx"`).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StatusPattern {
     Code(u16),
     /// 1..=5 for 1xx..5xx.
@@ -102,13 +104,13 @@ pub enum Disposition {
     Release,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StatusPolicy {
     pub store: Vec<StatusPattern>,
     pub release: Vec<StatusPattern>,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rule {
     pub name: String,
     pub path: PathMatch,
@@ -179,7 +181,7 @@ impl Rule {
 }
 
 impl Config {
-    pub fn rule_for(&self, method: &str, path_without_query: &str) -> Option<&Rule> {
+    pub fn rule_for(&self, method: &str, path_without_query: &str) -> Option<&Rc<Rule>> {
         self.rules.iter().find(|r| r.matches(method, path_without_query))
     }
 }
@@ -228,7 +230,11 @@ const DEFAULT_MAX_WAITERS_PER_KEY: u64 = 100;
 const DEFAULT_MAX_WAITERS: u64 = 1_000;
 const MAX_WAITERS_LIMIT: u64 = 100_000;
 const MAX_HEADER_NAME_LEN: usize = 128;
-const MAX_ROUTE_NAME_LEN: usize = 64;
+const MAX_RULE_NAME_LEN: usize = 64;
+/// Nesting the configuration may use. Its own constant, not the canonical form's: the two
+/// limits happen to be equal, but changing the fingerprint contract must not change which
+/// configurations Envoy accepts.
+const MAX_NESTING: usize = 64;
 
 /// An object's members in document order, so the first unknown field is the one reported.
 type Obj<'j> = [(Cow<'j, str>, Value<'j>)];
@@ -236,7 +242,7 @@ type Res<T> = Result<T, ConfigError>;
 
 /// Parses and validates the plugin configuration.
 pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
-    let doc = canonical_json::parse(bytes).map_err(json_error)?;
+    let doc = json::read(bytes, MAX_NESTING, MemberOrder::Document).map_err(json_error)?;
     let top = object(
         &doc,
         "",
@@ -283,7 +289,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     if routes.is_empty() {
         return Err(err("routes", "must contain at least one route"));
     }
-    let mut rules: Vec<Rule> = Vec::with_capacity(routes.len());
+    let mut rules: Vec<Rc<Rule>> = Vec::with_capacity(routes.len());
     for (i, v) in routes.iter().enumerate() {
         let path = index("routes", i);
         let r = rule(v, &path)?;
@@ -291,7 +297,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         if rules.iter().any(|x| x.name == r.name) {
             return Err(err(&key(&path, "name"), format!("duplicate route name {:?}", r.name)));
         }
-        rules.push(r);
+        rules.push(Rc::new(r));
     }
     let max_waiters = max_waiters(top, &rules)?;
     Ok(Config {
@@ -311,7 +317,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
 /// Held requests keep their bodies in Envoy's buffers, so the number of waiters times the
 /// largest body a wait rule admits is memory one worker may have to hold. An explicit value over
 /// the budget is refused; the default shrinks to fit it.
-fn max_waiters(top: &Obj, rules: &[Rule]) -> Res<u32> {
+fn max_waiters(top: &Obj, rules: &[Rc<Rule>]) -> Res<u32> {
     let largest_body = rules
         .iter()
         .filter(|r| matches!(r.concurrency, Concurrency::Wait { .. }))
@@ -429,8 +435,8 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
             "wait_timeout",
         ],
     )?;
-    let name = required(o, path, "name", route_name)?;
-    let (path_match, methods) = required(o, path, "match", route_match)?;
+    let name = required(o, path, "name", rule_name)?;
+    let (path_match, methods) = required(o, path, "match", rule_match)?;
     let require_key = optional(o, path, "require_key", boolean)?.unwrap_or(false);
     let ttl_ms = optional(o, path, "ttl", duration_ms)?.unwrap_or(DEFAULT_TTL_MS);
     let processing_timeout_ms =
@@ -500,19 +506,19 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
     })
 }
 
-fn route_name(v: &Value, path: &str) -> Res<String> {
+fn rule_name(v: &Value, path: &str) -> Res<String> {
     let s = string(v, path)?;
     let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-');
-    if s.is_empty() || s.len() > MAX_ROUTE_NAME_LEN || !s.chars().all(ok_char) {
+    if s.is_empty() || s.len() > MAX_RULE_NAME_LEN || !s.chars().all(ok_char) {
         return Err(err(
             path,
-            format!("{s:?} is not a route name: expected 1 to {MAX_ROUTE_NAME_LEN} of A-Z a-z 0-9 _ . -"),
+            format!("{s:?} is not a route name: expected 1 to {MAX_RULE_NAME_LEN} of A-Z a-z 0-9 _ . -"),
         ));
     }
     Ok(s.to_owned())
 }
 
-fn route_match(v: &Value, path: &str) -> Res<(PathMatch, Vec<String>)> {
+fn rule_match(v: &Value, path: &str) -> Res<(PathMatch, Vec<String>)> {
     let o = object(v, path, &["prefix", "exact", "methods"])?;
     let path_match = match (get(o, "prefix"), get(o, "exact")) {
         (Some(p), None) => PathMatch::Prefix(url_path(p, &key(path, "prefix"))?),
@@ -670,20 +676,18 @@ fn index(parent: &str, i: usize) -> String {
 }
 
 /// The parser's wording talks about a request body; this names the configuration instead.
-fn json_error(e: CanonicalError) -> ConfigError {
+fn json_error(e: JsonError) -> ConfigError {
     let reason = match e {
-        CanonicalError::InvalidUtf8 => "not valid UTF-8".to_owned(),
-        CanonicalError::ByteOrderMark => "starts with a UTF-8 byte order mark".to_owned(),
-        CanonicalError::Empty => "empty: expected a JSON object".to_owned(),
-        CanonicalError::Syntax { offset } => format!("not valid JSON: syntax error at byte {offset}"),
-        CanonicalError::DuplicateMember => "not valid JSON: an object has a duplicate member name".to_owned(),
-        CanonicalError::TooDeep => {
-            format!("not valid JSON: nested deeper than {} levels", canonical_json::MAX_DEPTH)
-        }
-        CanonicalError::LoneSurrogate => {
+        JsonError::InvalidUtf8 => "not valid UTF-8".to_owned(),
+        JsonError::ByteOrderMark => "starts with a UTF-8 byte order mark".to_owned(),
+        JsonError::Empty => "empty: expected a JSON object".to_owned(),
+        JsonError::Syntax { offset } => format!("not valid JSON: syntax error at byte {offset}"),
+        JsonError::DuplicateMember => "not valid JSON: an object has a duplicate member name".to_owned(),
+        JsonError::TooDeep { limit } => format!("not valid JSON: nested deeper than {limit} levels"),
+        JsonError::LoneSurrogate => {
             "not valid JSON: a string escape holds an unpaired UTF-16 surrogate".to_owned()
         }
-        CanonicalError::TrailingData => "not valid JSON: data after the top-level value".to_owned(),
+        JsonError::TrailingData => "not valid JSON: data after the top-level value".to_owned(),
     };
     err("", reason)
 }
@@ -797,7 +801,7 @@ mod tests {
     }
 
     /// Extra fields inside an otherwise minimal route.
-    fn route(fields: &str) -> String {
+    fn rule_json(fields: &str) -> String {
         format!(r#"{{"routes":[{{"name":"a","match":{{"prefix":"/"}},{fields}}}]}}"#)
     }
 
@@ -811,7 +815,7 @@ mod tests {
 
     fn only_rule(json: &str) -> Rule {
         match parse_str(json) {
-            Ok(mut c) if c.rules.len() == 1 => c.rules.remove(0),
+            Ok(mut c) if c.rules.len() == 1 => (*c.rules.remove(0)).clone(),
             other => unreachable!("{json}: {other:?}"),
         }
     }
@@ -849,7 +853,7 @@ mod tests {
             ("top-level null", "null".into(), ""),
             ("top-level string", r#""x""#.into(), ""),
             ("duplicate top-level key", r#"{"routes":[{"name":"a","match":{"prefix":"/"}}],"routes":[{"name":"b","match":{"prefix":"/"}}]}"#.into(), ""),
-            ("duplicate nested key", route(r#""ttl":"1h","ttl":"2h""#), ""),
+            ("duplicate nested key", rule_json(r#""ttl":"1h","ttl":"2h""#), ""),
             ("byte order mark", "\u{feff}{}".into(), ""),
             ("trailing data", format!("{} x", top(r#""key_header":"k""#)), ""),
             ("unknown top-level field", top(r#""foo":1"#), "foo"),
@@ -857,15 +861,15 @@ mod tests {
             ("routes not array", r#"{"routes":{}}"#.into(), "routes"),
             ("empty routes", r#"{"routes":[]}"#.into(), "routes"),
             // wait mode and replay
-            ("concurrent unknown", route(r#""concurrent":"queue""#), "routes[0].concurrent"),
-            ("concurrent not string", route(r#""concurrent":true"#), "routes[0].concurrent"),
-            ("wait_timeout without wait", route(r#""wait_timeout":"5s""#), "routes[0].wait_timeout"),
-            ("wait_timeout bad", route(r#""concurrent":"wait","wait_timeout":"5""#), "routes[0].wait_timeout"),
+            ("concurrent unknown", rule_json(r#""concurrent":"queue""#), "routes[0].concurrent"),
+            ("concurrent not string", rule_json(r#""concurrent":true"#), "routes[0].concurrent"),
+            ("wait_timeout without wait", rule_json(r#""wait_timeout":"5s""#), "routes[0].wait_timeout"),
+            ("wait_timeout bad", rule_json(r#""concurrent":"wait","wait_timeout":"5""#), "routes[0].wait_timeout"),
             ("waiters zero", top(r#""max_waiters":0"#), "max_waiters"),
             ("waiters per key too many", top(r#""max_waiters_per_key":100001"#), "max_waiters_per_key"),
-            ("replay exclude bad", route(r#""replay_exclude_headers":["set cookie"]"#), "routes[0].replay_exclude_headers[0]"),
-            ("wait_timeout over the bound", route(r#""concurrent":"wait","wait_timeout":"301s""#), "routes[0].wait_timeout"),
-            ("wait_timeout huge", route(r#""concurrent":"wait","wait_timeout":"99999999999999d""#), "routes[0].wait_timeout"),
+            ("replay exclude bad", rule_json(r#""replay_exclude_headers":["set cookie"]"#), "routes[0].replay_exclude_headers[0]"),
+            ("wait_timeout over the bound", rule_json(r#""concurrent":"wait","wait_timeout":"301s""#), "routes[0].wait_timeout"),
+            ("wait_timeout huge", rule_json(r#""concurrent":"wait","wait_timeout":"99999999999999d""#), "routes[0].wait_timeout"),
             ("waiters over the memory budget", r#"{"max_waiters":257,"routes":[{"name":"a","match":{"prefix":"/"},"concurrent":"wait"}]}"#.into(), "max_waiters"),
             ("waiters x largest wait body", r#"{"max_waiters":100000,"routes":[{"name":"a","match":{"prefix":"/"},"concurrent":"wait","max_request_bytes":67108864}]}"#.into(), "max_waiters"),
             // identity and quota
@@ -921,7 +925,7 @@ mod tests {
             ("problem status 500", top(r#""problem_statuses":{"in_flight":500}"#), "problem_statuses.in_flight"),
             ("problem status string", top(r#""problem_statuses":{"in_flight":"409"}"#), "problem_statuses.in_flight"),
             // route name
-            ("unknown route field", route(r#""foo":1"#), "routes[0].foo"),
+            ("unknown route field", rule_json(r#""foo":1"#), "routes[0].foo"),
             ("name missing", r#"{"routes":[{"match":{"prefix":"/"}}]}"#.into(), "routes[0].name"),
             ("name empty", r#"{"routes":[{"name":"","match":{"prefix":"/"}}]}"#.into(), "routes[0].name"),
             ("name with space", r#"{"routes":[{"name":"a b","match":{"prefix":"/"}}]}"#.into(), "routes[0].name"),
@@ -943,64 +947,64 @@ mod tests {
             ("method bad token", matcher(r#"{"prefix":"/","methods":["PO ST"]}"#), "routes[0].match.methods[0]"),
             ("method duplicate after uppercasing", matcher(r#"{"prefix":"/","methods":["post","POST"]}"#), "routes[0].match.methods[1]"),
             // booleans and durations
-            ("require_key string", route(r#""require_key":"yes""#), "routes[0].require_key"),
-            ("ttl empty", route(r#""ttl":"""#), "routes[0].ttl"),
-            ("ttl no unit", route(r#""ttl":"10""#), "routes[0].ttl"),
-            ("ttl fraction", route(r#""ttl":"1.5s""#), "routes[0].ttl"),
-            ("ttl negative", route(r#""ttl":"-1s""#), "routes[0].ttl"),
-            ("ttl zero", route(r#""ttl":"0s""#), "routes[0].ttl"),
-            ("ttl bad unit", route(r#""ttl":"10x""#), "routes[0].ttl"),
-            ("ttl uppercase unit", route(r#""ttl":"10S""#), "routes[0].ttl"),
-            ("ttl leading space", route(r#""ttl":" 10s""#), "routes[0].ttl"),
-            ("ttl trailing space", route(r#""ttl":"10s ""#), "routes[0].ttl"),
-            ("ttl unit only", route(r#""ttl":"s""#), "routes[0].ttl"),
-            ("ttl two units", route(r#""ttl":"1h30m""#), "routes[0].ttl"),
-            ("ttl number", route(r#""ttl":10"#), "routes[0].ttl"),
-            ("ttl null", route(r#""ttl":null"#), "routes[0].ttl"),
-            ("ttl digits overflow", route(r#""ttl":"99999999999999999999ms""#), "routes[0].ttl"),
-            ("ttl ms overflow", route(r#""ttl":"213503982335d""#), "routes[0].ttl"),
-            ("processing timeout zero", route(r#""processing_timeout":"0ms""#), "routes[0].processing_timeout"),
-            ("processing timeout above ttl", route(r#""ttl":"10s","processing_timeout":"11s""#), "routes[0].processing_timeout"),
-            ("default processing timeout above ttl", route(r#""ttl":"1s""#), "routes[0].processing_timeout"),
+            ("require_key string", rule_json(r#""require_key":"yes""#), "routes[0].require_key"),
+            ("ttl empty", rule_json(r#""ttl":"""#), "routes[0].ttl"),
+            ("ttl no unit", rule_json(r#""ttl":"10""#), "routes[0].ttl"),
+            ("ttl fraction", rule_json(r#""ttl":"1.5s""#), "routes[0].ttl"),
+            ("ttl negative", rule_json(r#""ttl":"-1s""#), "routes[0].ttl"),
+            ("ttl zero", rule_json(r#""ttl":"0s""#), "routes[0].ttl"),
+            ("ttl bad unit", rule_json(r#""ttl":"10x""#), "routes[0].ttl"),
+            ("ttl uppercase unit", rule_json(r#""ttl":"10S""#), "routes[0].ttl"),
+            ("ttl leading space", rule_json(r#""ttl":" 10s""#), "routes[0].ttl"),
+            ("ttl trailing space", rule_json(r#""ttl":"10s ""#), "routes[0].ttl"),
+            ("ttl unit only", rule_json(r#""ttl":"s""#), "routes[0].ttl"),
+            ("ttl two units", rule_json(r#""ttl":"1h30m""#), "routes[0].ttl"),
+            ("ttl number", rule_json(r#""ttl":10"#), "routes[0].ttl"),
+            ("ttl null", rule_json(r#""ttl":null"#), "routes[0].ttl"),
+            ("ttl digits overflow", rule_json(r#""ttl":"99999999999999999999ms""#), "routes[0].ttl"),
+            ("ttl ms overflow", rule_json(r#""ttl":"213503982335d""#), "routes[0].ttl"),
+            ("processing timeout zero", rule_json(r#""processing_timeout":"0ms""#), "routes[0].processing_timeout"),
+            ("processing timeout above ttl", rule_json(r#""ttl":"10s","processing_timeout":"11s""#), "routes[0].processing_timeout"),
+            ("default processing timeout above ttl", rule_json(r#""ttl":"1s""#), "routes[0].processing_timeout"),
             // sizes
-            ("request bytes zero", route(r#""max_request_bytes":0"#), "routes[0].max_request_bytes"),
-            ("request bytes negative", route(r#""max_request_bytes":-1"#), "routes[0].max_request_bytes"),
-            ("request bytes float", route(r#""max_request_bytes":1.5"#), "routes[0].max_request_bytes"),
-            ("request bytes exponent", route(r#""max_request_bytes":1e3"#), "routes[0].max_request_bytes"),
-            ("request bytes above 64 MiB", route(r#""max_request_bytes":67108865"#), "routes[0].max_request_bytes"),
-            ("request bytes string", route(r#""max_request_bytes":"1""#), "routes[0].max_request_bytes"),
-            ("response bytes zero", route(r#""max_response_bytes":0"#), "routes[0].max_response_bytes"),
-            ("response bytes huge", route(r#""max_response_bytes":18446744073709551616"#), "routes[0].max_response_bytes"),
+            ("request bytes zero", rule_json(r#""max_request_bytes":0"#), "routes[0].max_request_bytes"),
+            ("request bytes negative", rule_json(r#""max_request_bytes":-1"#), "routes[0].max_request_bytes"),
+            ("request bytes float", rule_json(r#""max_request_bytes":1.5"#), "routes[0].max_request_bytes"),
+            ("request bytes exponent", rule_json(r#""max_request_bytes":1e3"#), "routes[0].max_request_bytes"),
+            ("request bytes above 64 MiB", rule_json(r#""max_request_bytes":67108865"#), "routes[0].max_request_bytes"),
+            ("request bytes string", rule_json(r#""max_request_bytes":"1""#), "routes[0].max_request_bytes"),
+            ("response bytes zero", rule_json(r#""max_response_bytes":0"#), "routes[0].max_response_bytes"),
+            ("response bytes huge", rule_json(r#""max_response_bytes":18446744073709551616"#), "routes[0].max_response_bytes"),
             // fingerprint
-            ("fingerprint not object", route(r#""fingerprint":[]"#), "routes[0].fingerprint"),
-            ("fingerprint unknown field", route(r#""fingerprint":{"foo":1}"#), "routes[0].fingerprint.foo"),
-            ("fingerprint header bad", route(r#""fingerprint":{"headers":["content type"]}"#), "routes[0].fingerprint.headers[0]"),
-            ("fingerprint header duplicate", route(r#""fingerprint":{"headers":["A","a"]}"#), "routes[0].fingerprint.headers[1]"),
-            ("pointer empty", route(r#""fingerprint":{"ignore_json_fields":[""]}"#), "routes[0].fingerprint.ignore_json_fields[0]"),
-            ("pointer without slash", route(r#""fingerprint":{"ignore_json_fields":["a/b"]}"#), "routes[0].fingerprint.ignore_json_fields[0]"),
-            ("pointer bad escape", route(r#""fingerprint":{"ignore_json_fields":["/a~2"]}"#), "routes[0].fingerprint.ignore_json_fields[0]"),
-            ("pointer dangling tilde", route(r#""fingerprint":{"ignore_json_fields":["/ok","/a~"]}"#), "routes[0].fingerprint.ignore_json_fields[1]"),
-            ("pointer not string", route(r#""fingerprint":{"ignore_json_fields":[1]}"#), "routes[0].fingerprint.ignore_json_fields[0]"),
+            ("fingerprint not object", rule_json(r#""fingerprint":[]"#), "routes[0].fingerprint"),
+            ("fingerprint unknown field", rule_json(r#""fingerprint":{"foo":1}"#), "routes[0].fingerprint.foo"),
+            ("fingerprint header bad", rule_json(r#""fingerprint":{"headers":["content type"]}"#), "routes[0].fingerprint.headers[0]"),
+            ("fingerprint header duplicate", rule_json(r#""fingerprint":{"headers":["A","a"]}"#), "routes[0].fingerprint.headers[1]"),
+            ("pointer empty", rule_json(r#""fingerprint":{"ignore_json_fields":[""]}"#), "routes[0].fingerprint.ignore_json_fields[0]"),
+            ("pointer without slash", rule_json(r#""fingerprint":{"ignore_json_fields":["a/b"]}"#), "routes[0].fingerprint.ignore_json_fields[0]"),
+            ("pointer bad escape", rule_json(r#""fingerprint":{"ignore_json_fields":["/a~2"]}"#), "routes[0].fingerprint.ignore_json_fields[0]"),
+            ("pointer dangling tilde", rule_json(r#""fingerprint":{"ignore_json_fields":["/ok","/a~"]}"#), "routes[0].fingerprint.ignore_json_fields[1]"),
+            ("pointer not string", rule_json(r#""fingerprint":{"ignore_json_fields":[1]}"#), "routes[0].fingerprint.ignore_json_fields[0]"),
             (
                 "pointer error in second route",
                 r#"{"routes":[{"name":"a","match":{"prefix":"/a"}},{"name":"b","match":{"prefix":"/b"},"fingerprint":{"ignore_json_fields":["/x","/y","z"]}}]}"#.into(),
                 "routes[1].fingerprint.ignore_json_fields[2]",
             ),
             // statuses
-            ("statuses not array", route(r#""store_statuses":"2xx""#), "routes[0].store_statuses"),
-            ("status number", route(r#""store_statuses":[200]"#), "routes[0].store_statuses[0]"),
-            ("status class 6xx", route(r#""store_statuses":["6xx"]"#), "routes[0].store_statuses[0]"),
-            ("status class 0xx", route(r#""store_statuses":["0xx"]"#), "routes[0].store_statuses[0]"),
-            ("status half class", route(r#""store_statuses":["2x0"]"#), "routes[0].store_statuses[0]"),
-            ("status 600", route(r#""store_statuses":["600"]"#), "routes[0].store_statuses[0]"),
-            ("status 099", route(r#""store_statuses":["099"]"#), "routes[0].store_statuses[0]"),
-            ("status two digits", route(r#""store_statuses":["20"]"#), "routes[0].store_statuses[0]"),
-            ("status four digits", route(r#""store_statuses":["2000"]"#), "routes[0].store_statuses[0]"),
-            ("status with sign", route(r#""release_statuses":["+50"]"#), "routes[0].release_statuses[0]"),
-            ("status duplicate class", route(r#""store_statuses":["2xx","2XX"]"#), "routes[0].store_statuses[1]"),
-            ("status duplicate code", route(r#""release_statuses":["500","500"]"#), "routes[0].release_statuses[1]"),
-            ("code in both lists", route(r#""store_statuses":["429"]"#), "routes[0].release_statuses"),
-            ("class in both lists", route(r#""store_statuses":["5xx"]"#), "routes[0].release_statuses"),
+            ("statuses not array", rule_json(r#""store_statuses":"2xx""#), "routes[0].store_statuses"),
+            ("status number", rule_json(r#""store_statuses":[200]"#), "routes[0].store_statuses[0]"),
+            ("status class 6xx", rule_json(r#""store_statuses":["6xx"]"#), "routes[0].store_statuses[0]"),
+            ("status class 0xx", rule_json(r#""store_statuses":["0xx"]"#), "routes[0].store_statuses[0]"),
+            ("status half class", rule_json(r#""store_statuses":["2x0"]"#), "routes[0].store_statuses[0]"),
+            ("status 600", rule_json(r#""store_statuses":["600"]"#), "routes[0].store_statuses[0]"),
+            ("status 099", rule_json(r#""store_statuses":["099"]"#), "routes[0].store_statuses[0]"),
+            ("status two digits", rule_json(r#""store_statuses":["20"]"#), "routes[0].store_statuses[0]"),
+            ("status four digits", rule_json(r#""store_statuses":["2000"]"#), "routes[0].store_statuses[0]"),
+            ("status with sign", rule_json(r#""release_statuses":["+50"]"#), "routes[0].release_statuses[0]"),
+            ("status duplicate class", rule_json(r#""store_statuses":["2xx","2XX"]"#), "routes[0].store_statuses[1]"),
+            ("status duplicate code", rule_json(r#""release_statuses":["500","500"]"#), "routes[0].release_statuses[1]"),
+            ("code in both lists", rule_json(r#""store_statuses":["429"]"#), "routes[0].release_statuses"),
+            ("class in both lists", rule_json(r#""store_statuses":["5xx"]"#), "routes[0].release_statuses"),
         ];
         for (name, json, field) in cases {
             match parse_str(&json) {
@@ -1051,7 +1055,8 @@ mod tests {
                     release: vec![Class(5), Code(408), Code(425), Code(429)],
                 },
                 ..default_rule("orders", PathMatch::Prefix("/orders".into()))
-            }],
+            }
+            .into()],
             max_waiters_per_key: 100,
             max_waiters: 1_000,
             jwt_principal: Some(JwtPrincipal {
@@ -1065,12 +1070,12 @@ mod tests {
 
     #[test]
     fn wait_mode_and_replay_exclusions() {
-        let r = only_rule(&route(r#""concurrent":"wait","replay_exclude_headers":["Set-Cookie"]"#));
+        let r = only_rule(&rule_json(r#""concurrent":"wait","replay_exclude_headers":["Set-Cookie"]"#));
         assert_eq!(r.concurrency, Concurrency::Wait { timeout_ms: 10_000 });
         assert_eq!(r.replay_exclude_headers, vec!["set-cookie".to_string()]);
-        let r = only_rule(&route(r#""concurrent":"wait","wait_timeout":"250ms""#));
+        let r = only_rule(&rule_json(r#""concurrent":"wait","wait_timeout":"250ms""#));
         assert_eq!(r.concurrency, Concurrency::Wait { timeout_ms: 250 });
-        assert_eq!(only_rule(&route(r#""concurrent":"reject""#)).concurrency, Concurrency::Reject);
+        assert_eq!(only_rule(&rule_json(r#""concurrent":"reject""#)).concurrency, Concurrency::Reject);
     }
 
     #[test]
@@ -1099,7 +1104,7 @@ mod tests {
             principal_headers: vec!["authorization".into()],
             store: StoreConfig::Local { capacity: 100_000 },
             problem_statuses: ProblemStatuses { invalid_key: 400, mismatch: 422, in_flight: 409 },
-            rules: vec![default_rule("a", PathMatch::Prefix("/".into()))],
+            rules: vec![default_rule("a", PathMatch::Prefix("/".into())).into()],
             max_waiters_per_key: 100,
             max_waiters: 1_000,
             jwt_principal: None,
@@ -1144,7 +1149,7 @@ mod tests {
 
     #[test]
     fn accepts_boundaries() {
-        let r = only_rule(&route(
+        let r = only_rule(&rule_json(
             r#""max_request_bytes":1,"max_response_bytes":67108864,"ttl":"1ms","processing_timeout":"1ms""#,
         ));
         assert_eq!(
@@ -1179,18 +1184,18 @@ mod tests {
             ("213503982334d", 213_503_982_334 * 86_400_000),
         ];
         for (text, ms) in cases {
-            let r = only_rule(&route(&format!(r#""ttl":"{text}","processing_timeout":"1ms""#)));
+            let r = only_rule(&rule_json(&format!(r#""ttl":"{text}","processing_timeout":"1ms""#)));
             assert_eq!(r.ttl_ms, ms, "{text}");
         }
     }
 
     #[test]
     fn duration_error_states_the_grammar() {
-        let e = parse_str(&route(r#""ttl":"10x""#));
+        let e = parse_str(&rule_json(r#""ttl":"10x""#));
         let expected =
             r#""10x" is not a duration: expected digits followed by ms, s, m, h or d (e.g. "30s")"#;
         assert_eq!(e.map_err(|e| e.reason), Err(expected.to_owned()));
-        let e = parse_str(&route(r#""ttl":10"#));
+        let e = parse_str(&rule_json(r#""ttl":10"#));
         assert!(e.is_err_and(|e| e.reason.contains("digits followed by ms, s, m, h or d")));
     }
 
@@ -1205,14 +1210,15 @@ mod tests {
             ("/~1~0", &["/~"]),
         ];
         for (pointer, tokens) in cases {
-            let r = only_rule(&route(&format!(r#""fingerprint":{{"ignore_json_fields":["{pointer}"]}}"#)));
+            let r =
+                only_rule(&rule_json(&format!(r#""fingerprint":{{"ignore_json_fields":["{pointer}"]}}"#)));
             assert_eq!(r.ignore_json_fields, [tokens.to_vec()], "{pointer}");
         }
     }
 
     #[test]
     fn status_entries_parse() {
-        let r = only_rule(&route(
+        let r = only_rule(&rule_json(
             r#""store_statuses":["1xx","2Xx","100","599"],"release_statuses":["5xx","200"]"#,
         ));
         assert_eq!(r.statuses.store, [Class(1), Class(2), Code(100), Code(599)]);
@@ -1221,7 +1227,7 @@ mod tests {
 
     #[test]
     fn errors_display_with_field() {
-        let e = parse_str(&route(r#""fingerprint":{"foo":1}"#));
+        let e = parse_str(&rule_json(r#""fingerprint":{"foo":1}"#));
         assert_eq!(
             e.map_err(|e| e.to_string()),
             Err("invalid configuration: field `routes[0].fingerprint.foo`: unknown field".to_owned())
@@ -1254,7 +1260,7 @@ mod tests {
             e.map_err(|e| e.reason),
             Err("expected an integer from 1 to 10000000, got 1e3".to_owned())
         );
-        let e = parse_str(&route(r#""max_request_bytes":1.0"#));
+        let e = parse_str(&rule_json(r#""max_request_bytes":1.0"#));
         assert!(e.is_err_and(|e| e.reason.ends_with("got 1.0")));
     }
 
@@ -1273,7 +1279,7 @@ mod tests {
 
     #[test]
     fn first_unknown_field_in_document_order_is_reported() {
-        let e = parse_str(&route(r#""zzz":1,"aaa":2"#));
+        let e = parse_str(&rule_json(r#""zzz":1,"aaa":2"#));
         assert_eq!(e.map_err(|e| e.field), Err("routes[0].zzz".to_owned()));
     }
 

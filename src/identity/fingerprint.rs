@@ -10,7 +10,7 @@ use std::fmt;
 
 use sha2::{Digest, Sha256};
 
-use crate::canonical_json::canonicalize;
+use crate::identity::canonical::canonicalize;
 
 /// Kept in step with `DOMAIN_TAG` (a test checks it), so a record can say which encoding made its
 /// digest.

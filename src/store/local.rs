@@ -33,12 +33,12 @@
 //! CAS and sees it lost; an owner whose outcome landed first wins, and the fencer puts the
 //! completed record back (`restore`).
 
-use crate::record::{
+use crate::identity::scope::ScopeId;
+use crate::store::record::{
     self, Counter, Entry, Layout, SlotValue, State, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED,
     FLAG_TENANT_CHARGED,
 };
-use crate::scope::ScopeId;
-use crate::shared_data::{Read, SharedData, SharedDataError};
+use crate::store::shared_data::{Read, SharedData, SharedDataError};
 use crate::store::{Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled, StoreError};
 use sha2::{Digest, Sha256};
 
@@ -173,7 +173,7 @@ impl<S: SharedData> LocalStore<S> {
     /// A handle for in-crate tests that manage the layout themselves (`create_keys`), or want a
     /// layout that was never created. Its placement secret is fixed (all zeros), so only pair
     /// it with other `new` handles, never with `open`ed ones.
-    #[cfg(test)]
+    #[cfg(feature = "testing")]
     pub fn new(data: S, capacity: u32) -> Self {
         Self::unopened(data, capacity)
     }
@@ -219,9 +219,9 @@ impl<S: SharedData> LocalStore<S> {
 
     pub(crate) fn create_keys(&self) -> Result<u32, StoreError> {
         let mut created = 0;
-        let mut ensure = |key: &str| -> Result<(), StoreError> {
-            if !self.data.get(key).map_err(host)?.exists() {
-                self.data.set(key, &[], None).map_err(host)?;
+        let mut ensure = |data_key: &str| -> Result<(), StoreError> {
+            if !self.data.get(data_key).map_err(host)?.exists() {
+                self.data.set(data_key, &[], None).map_err(host)?;
                 created += 1;
             }
             Ok(())
@@ -297,13 +297,13 @@ impl<S: SharedData> LocalStore<S> {
 
     /// Reads a bucket that must exist; a missing key means the layout was never created.
     fn read_bucket(&self, bucket: u32) -> Result<(Vec<Entry>, Read), StoreError> {
-        let key = self.bucket_key(bucket);
-        let read = self.data.get(&key).map_err(host)?;
+        let data_key = self.bucket_key(bucket);
+        let read = self.data.get(&data_key).map_err(host)?;
         if !read.exists() {
-            return Err(StoreError::Unavailable(format!("{key} was never created")));
+            return Err(StoreError::Unavailable(format!("{data_key} was never created")));
         }
         let entries = record::decode_bucket(read.bytes(), ENTRIES_PER_BUCKET)
-            .map_err(|e| StoreError::Corrupt(format!("{key}: {e:?}")))?;
+            .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e:?}")))?;
         Ok((entries, read))
     }
 
@@ -312,12 +312,12 @@ impl<S: SharedData> LocalStore<S> {
         self.cas(&self.bucket_key(bucket), &record::encode_bucket(entries), read)
     }
 
-    fn cas(&self, key: &str, bytes: &[u8], read: &Read) -> Result<bool, StoreError> {
+    fn cas(&self, data_key: &str, bytes: &[u8], read: &Read) -> Result<bool, StoreError> {
         if !read.exists() {
             // Never create a key here: creation ignores CAS.
-            return Err(StoreError::Unavailable(format!("{key} was never created")));
+            return Err(StoreError::Unavailable(format!("{data_key} was never created")));
         }
-        match self.data.set(key, bytes, read.cas) {
+        match self.data.set(data_key, bytes, read.cas) {
             Ok(()) => Ok(true),
             Err(SharedDataError::CasMismatch) => Ok(false),
             Err(e) => Err(host(e)),
@@ -326,13 +326,14 @@ impl<S: SharedData> LocalStore<S> {
 
     /// Reads a slot that must exist, and the outcome it holds, whoever it belongs to.
     fn read_slot(&self, bucket: u32, position: u8) -> Result<(Option<SlotValue>, Read), StoreError> {
-        let key = self.slot_key(bucket, position);
-        let read = self.data.get(&key).map_err(host)?;
+        let data_key = self.slot_key(bucket, position);
+        let read = self.data.get(&data_key).map_err(host)?;
         if !read.exists() {
-            return Err(StoreError::Unavailable(format!("{key} was never created")));
+            return Err(StoreError::Unavailable(format!("{data_key} was never created")));
         }
         let Some(bytes) = read.value.as_deref() else { return Ok((None, read)) };
-        let slot = record::decode_slot(bytes).map_err(|e| StoreError::Corrupt(format!("{key}: {e:?}")))?;
+        let slot =
+            record::decode_slot(bytes).map_err(|e| StoreError::Corrupt(format!("{data_key}: {e:?}")))?;
         Ok((Some(slot), read))
     }
 
@@ -543,7 +544,7 @@ impl<S: SharedData> LocalStore<S> {
         &self,
         bucket: u32,
         entry: &Entry,
-    ) -> Result<Option<crate::record::Snapshot>, StoreError> {
+    ) -> Result<Option<crate::store::record::Snapshot>, StoreError> {
         let (slot, _) = self.read_slot(bucket, entry.position)?;
         // A slot may still hold the outcome of an earlier record at this position, or already a
         // newer one: only the outcome tagged with this entry's scope and owner is its own.
@@ -555,12 +556,12 @@ impl<S: SharedData> LocalStore<S> {
     /// our bucket write and writes its outcome after this fails its CAS; an outcome that landed
     /// first wins, and the bucket is rolled back to it.
     fn fence(&self, bucket: u32, ours: &Entry, pre: Read, now: u64) -> Result<Fenced, StoreError> {
-        let key = self.slot_key(bucket, ours.position);
+        let data_key = self.slot_key(bucket, ours.position);
         let mut read = pre;
         for _ in 0..SLOT_ATTEMPTS {
             // Written even when the slot is already empty: the write bumps the slot's CAS, which
             // is what makes a late owner holding an older read fail.
-            if self.cas(&key, &[], &read)? {
+            if self.cas(&data_key, &[], &read)? {
                 return Ok(Fenced::Done);
             }
             let (slot, again) = self.read_slot(bucket, ours.position)?;
@@ -662,7 +663,7 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
             return Err(StoreError::Corrupt("a completion must carry an outcome state".into()));
         }
         let Some((bucket, position)) = self.locate(claim) else { return Ok(Settled::Lost) };
-        let key = self.slot_key(bucket, position);
+        let data_key = self.slot_key(bucket, position);
         let mut commit: Option<(Entry, Vec<u8>)> = None;
         // A late completion of a claim whose charge the sweep dropped (abandoned) makes a live
         // record again: it counts again, past any bound, since its upstream already executed.
@@ -706,7 +707,7 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
                 let bytes = record::encode_slot(&SlotValue { entry: e, snapshot: c.snapshot.clone() });
                 (e, bytes)
             });
-            if self.cas(&key, bytes, &slot)? {
+            if self.cas(&data_key, bytes, &slot)? {
                 let late = c.now_ms > entries[i].lease_deadline_ms;
                 if let Err(e) = self.promote(bucket, entry, (entries, bucket_read)) {
                     log::debug!(
@@ -837,8 +838,8 @@ impl<S: SharedData> LocalStore<S> {
         }
         let mut swept = 0;
         for (e, slot) in dropped {
-            let key = self.slot_key(bucket, e.position);
-            if slot.value.is_some() && !self.cas(&key, &[], &slot)? {
+            let data_key = self.slot_key(bucket, e.position);
+            if slot.value.is_some() && !self.cas(&data_key, &[], &slot)? {
                 let (now_there, _) = self.read_slot(bucket, e.position)?;
                 if let Some(v) = now_there.filter(|v| v.belongs_to(&e) && !v.entry.is_expired(now_ms)) {
                     // Its owner committed between our checks: the record lives on.
@@ -924,11 +925,11 @@ impl<S: SharedData> LocalStore<S> {
         until: u64,
         apply: Apply,
     ) -> Result<Result<(), Refusal>, StoreError> {
-        let key = self.quota_key(tag);
+        let data_key = self.quota_key(tag);
         for _ in 0..CAS_ATTEMPTS {
-            let read = self.data.get(&key).map_err(host)?;
+            let read = self.data.get(&data_key).map_err(host)?;
             let mut counters = record::decode_counters(read.bytes())
-                .map_err(|e| StoreError::Corrupt(format!("{key}: {e:?}")))?;
+                .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e:?}")))?;
             // Counters that read as 0 give their room to other identities.
             counters.retain(|c| c.tag == tag || (c.count > 0 && now < c.until_ms));
             let found = counters.iter().position(|c| c.tag == tag);
@@ -962,7 +963,7 @@ impl<S: SharedData> LocalStore<S> {
                     }
                 }
             }
-            if apply == Apply::DryRun || self.cas(&key, &record::encode_counters(&counters), &read)? {
+            if apply == Apply::DryRun || self.cas(&data_key, &record::encode_counters(&counters), &read)? {
                 return Ok(Ok(()));
             }
         }
@@ -1015,11 +1016,11 @@ impl<S: SharedData> LocalStore<S> {
     /// Decrements the counter of `tag` (extend: None) or pushes its `until_ms`, for a record
     /// charged at `charged_at_ms`; records of an earlier epoch are no longer counted.
     fn adjust(&self, tag: u64, charged_at_ms: u64, extend: Option<u64>) -> Result<(), StoreError> {
-        let key = self.quota_key(tag);
+        let data_key = self.quota_key(tag);
         for _ in 0..CAS_ATTEMPTS {
-            let read = self.data.get(&key).map_err(host)?;
+            let read = self.data.get(&data_key).map_err(host)?;
             let mut counters = record::decode_counters(read.bytes())
-                .map_err(|e| StoreError::Corrupt(format!("{key}: {e:?}")))?;
+                .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e:?}")))?;
             let Some(i) =
                 counters.iter().position(|c| c.tag == tag && c.since_ms <= charged_at_ms && c.count > 0)
             else {
@@ -1033,7 +1034,7 @@ impl<S: SharedData> LocalStore<S> {
                 }
                 None => counters[i].count -= 1,
             }
-            if self.cas(&key, &record::encode_counters(&counters), &read)? {
+            if self.cas(&data_key, &record::encode_counters(&counters), &read)? {
                 return Ok(());
             }
         }
@@ -1114,10 +1115,10 @@ impl<S: SharedData> LocalStore<S> {
     }
 
     /// Empties a key's value if it holds one; never creates a key.
-    fn empty(&self, key: &str) -> Result<(), StoreError> {
-        let read = self.data.get(key).map_err(host)?;
+    fn empty(&self, data_key: &str) -> Result<(), StoreError> {
+        let read = self.data.get(data_key).map_err(host)?;
         if read.value.is_some() {
-            match self.data.set(key, &[], read.cas) {
+            match self.data.set(data_key, &[], read.cas) {
                 Ok(()) | Err(SharedDataError::CasMismatch) => {}
                 Err(e) => return Err(host(e)),
             }
@@ -1129,9 +1130,9 @@ impl<S: SharedData> LocalStore<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::Snapshot;
-    use crate::shared_data::{FakeSharedData, Interleave};
-    use crate::store_conformance::{attempt, charged, claimed, done, snapshot, Backend, LEASE, TTL};
+    use crate::store::conformance::{attempt, charged, claimed, done, snapshot, Backend, LEASE, TTL};
+    use crate::store::fake::{FakeSharedData, Interleave};
+    use crate::store::record::Snapshot;
 
     struct Local {
         data: FakeSharedData,
@@ -1185,7 +1186,7 @@ mod tests {
             }
             w.sweep(now).unwrap();
         }
-        assert_eq!(b.data.key_count(), keys_after_setup, "Envoy never frees a key: none may be added");
+        assert_eq!(b.data.key_count(), keys_after_setup, "Envoy never frees a data_key: none may be added");
     }
 
     #[test]
@@ -1206,7 +1207,7 @@ mod tests {
         let data = FakeSharedData::new();
         let store = LocalStore::unopened(&data, 64);
         assert!(matches!(store.begin(&attempt(1, 1, 1, 0)), Err(StoreError::Unavailable(_))));
-        assert_eq!(data.key_count(), 0, "a claim must never create a key: creation ignores CAS");
+        assert_eq!(data.key_count(), 0, "a claim must never create a data_key: creation ignores CAS");
     }
 
     #[test]
@@ -1223,10 +1224,10 @@ mod tests {
     fn unreadable_bucket_is_reported_and_left_alone() {
         let b = Local::with_capacity(8);
         let store = open(&b.data, 8, 3);
-        let key = store.bucket_key(0);
-        b.data.poke(&key, b"\x09garbage");
+        let data_key = store.bucket_key(0);
+        b.data.poke(&data_key, b"\x09garbage");
         assert!(matches!(store.begin(&attempt(1, 1, 1, 0)), Err(StoreError::Corrupt(_))));
-        assert_eq!(b.data.get(&key).unwrap().bytes(), b"\x09garbage");
+        assert_eq!(b.data.get(&data_key).unwrap().bytes(), b"\x09garbage");
     }
 
     #[test]
@@ -1364,14 +1365,14 @@ mod tests {
         let (a, b) = (open(&d1, 8 * 64, 1), open(&d2, 8 * 64, 2));
         let differ = (0..64)
             .filter(|n| {
-                a.bucket_of(&crate::store_conformance::scope(*n))
-                    != b.bucket_of(&crate::store_conformance::scope(*n))
+                a.bucket_of(&crate::store::conformance::scope(*n))
+                    != b.bucket_of(&crate::store::conformance::scope(*n))
             })
             .count();
         assert!(differ > 32, "placement must depend on the secret ({differ} of 64 differ)");
         let public = (0..64)
             .filter(|n| {
-                let s = crate::store_conformance::scope(*n);
+                let s = crate::store::conformance::scope(*n);
                 u64::from(a.bucket_of(&s)) == s.placement() % 64
             })
             .count();

@@ -6,7 +6,7 @@
 //!
 //! Registry format v1: [1u8][count u8] then per queue: [name len u8][name][heartbeat_ms u64 BE].
 
-use crate::shared_data::{SharedData, SharedDataError};
+use crate::store::shared_data::{SharedData, SharedDataError};
 use crate::store::StoreError;
 
 pub const REGISTRY_KEY: &str = "idem:v1:wake-queues";
@@ -127,7 +127,7 @@ impl<S: SharedData> Registry<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shared_data::FakeSharedData;
+    use crate::store::fake::FakeSharedData;
 
     #[test]
     fn workers_see_each_other_and_stale_queues_drop_out() {

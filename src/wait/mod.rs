@@ -3,11 +3,14 @@
 //! root context (per worker thread): who waits for which record, until when, within which
 //! bounds. The glue parks and wakes; `recheck` decides what a woken waiter gets.
 
+pub mod wake;
+
 use crate::config::{Concurrency, Config};
-use crate::engine::{decide_fingerprinted, in_flight_reply, Decision, Outcome, Pending, Reply};
-use crate::fingerprint::Fingerprint;
-use crate::scope::ScopeId;
-use crate::store::{Claim, RecordStore};
+use crate::engine::{claim_attempt, decision_of, in_flight_reply, Decision, Pending, Reply};
+use crate::identity::fingerprint::Fingerprint;
+use crate::identity::scope::ScopeId;
+use crate::metrics::Counter;
+use crate::store::{Claim, RecordStore, StoreAnswer, StoreError, StoreOp};
 
 /// Longest a waiter goes without looking at its record again, even if no wake-up message
 /// reaches it (a lost message must cost latency, never a wrong answer or a stuck request).
@@ -103,9 +106,9 @@ impl<H> WaitRoom<H> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Recheck {
     /// It became the owner (the original was released, or its lease ended): forward it.
-    Forward { claim: Claim, outcome: Outcome },
+    Forward { claim: Claim, counter: Counter },
     /// Answer it (replay, or a problem such as 409 after `wait_timeout`).
-    Respond { reply: Reply, outcome: Outcome },
+    Respond { reply: Reply, counter: Counter },
     /// Still processing: wait on, until `recheck_at_ms` at the latest.
     KeepWaiting { recheck_at_ms: u64 },
 }
@@ -116,17 +119,32 @@ pub fn first_recheck(now_ms: u64, lease_remaining_ms: u64, give_up_at_ms: u64) -
 }
 
 /// When a request parked now gives up: its rule's `wait_timeout` from now.
-pub fn give_up_at(cfg: &Config, pending: &Pending, now_ms: u64) -> u64 {
-    now_ms.saturating_add(wait_timeout_ms(cfg, pending).unwrap_or(0))
+pub fn give_up_at(pending: &Pending, now_ms: u64) -> u64 {
+    now_ms.saturating_add(wait_timeout_ms(pending).unwrap_or(0))
 }
 
+/// `recheck` against a store that answers at once.
 pub fn recheck<H>(cfg: &Config, w: &Waiter<H>, store: &dyn RecordStore, now_ms: u64, owner: u64) -> Recheck {
-    match decide_fingerprinted(cfg, &w.pending, w.fingerprint, store, now_ms, owner) {
-        Decision::Forward { claim, outcome } => Recheck::Forward { claim, outcome },
-        Decision::Respond { reply, outcome } => Recheck::Respond { reply, outcome },
+    recheck_answered(cfg, w, recheck_op(cfg, w, now_ms, owner).perform(store), now_ms)
+}
+
+/// What a waiter asks the store when it looks at its record again: a fresh `begin`.
+pub fn recheck_op<H>(cfg: &Config, w: &Waiter<H>, now_ms: u64, owner: u64) -> StoreOp {
+    StoreOp::Begin(claim_attempt(cfg, &w.pending, w.fingerprint, now_ms, owner))
+}
+
+/// What a woken waiter gets, from the store's answer to its `recheck_op`.
+pub fn recheck_answered<H>(cfg: &Config, w: &Waiter<H>, answer: StoreAnswer, now_ms: u64) -> Recheck {
+    let begun = match answer {
+        StoreAnswer::Begun(begun) => begun,
+        StoreAnswer::Settled(_) => Err(StoreError::Unavailable("a settlement answered a begin".into())),
+    };
+    match decision_of(cfg, &w.pending, begun) {
+        Decision::Forward { claim, counter } => Recheck::Forward { claim, counter },
+        Decision::Respond { reply, counter } => Recheck::Respond { reply, counter },
         Decision::Wait { lease_remaining_ms } if now_ms >= w.give_up_at_ms => Recheck::Respond {
             reply: in_flight_reply(cfg, lease_remaining_ms),
-            outcome: Outcome::WaitTimedOut,
+            counter: Counter::WaitTimedOut,
         },
         Decision::Wait { lease_remaining_ms } => {
             Recheck::KeepWaiting { recheck_at_ms: first_recheck(now_ms, lease_remaining_ms, w.give_up_at_ms) }
@@ -135,8 +153,8 @@ pub fn recheck<H>(cfg: &Config, w: &Waiter<H>, store: &dyn RecordStore, now_ms: 
 }
 
 /// The wait timeout of the rule a pending request matched, if it waits at all.
-pub fn wait_timeout_ms(cfg: &Config, pending: &Pending) -> Option<u64> {
-    match cfg.rules.get(pending.rule)?.concurrency {
+pub fn wait_timeout_ms(pending: &Pending) -> Option<u64> {
+    match pending.rule.concurrency {
         Concurrency::Wait { timeout_ms } => Some(timeout_ms),
         Concurrency::Reject => None,
     }
@@ -147,9 +165,9 @@ mod tests {
     use super::*;
     use crate::config::parse;
     use crate::engine::{admit, decide, fingerprint_body, Admission, RequestHead};
-    use crate::local_store::LocalStore;
-    use crate::record::{Snapshot, State};
-    use crate::shared_data::FakeSharedData;
+    use crate::store::fake::FakeSharedData;
+    use crate::store::local::LocalStore;
+    use crate::store::record::{Snapshot, State};
     use crate::store::Completion;
 
     fn cfg() -> Config {
@@ -172,7 +190,7 @@ mod tests {
         let pending = pending(cfg, key);
         Waiter {
             context_id: ctx,
-            fingerprint: fingerprint_body(cfg, &pending, b"x").unwrap(),
+            fingerprint: fingerprint_body(&pending, b"x").unwrap(),
             pending,
             give_up_at_ms: now + 5_000,
             recheck_at_ms: first_recheck(now, 2_000, now + 5_000),
@@ -225,8 +243,8 @@ mod tests {
         // timed-out wait. After the lease it would have been a takeover instead.
         let impatient = Waiter { give_up_at_ms: 1_500, ..waiter(&c, 7, "a", 10) };
         match recheck(&c, &impatient, &store, 1_500, 3) {
-            Recheck::Respond { reply, outcome } => {
-                assert_eq!((reply.status, outcome), (409, Outcome::WaitTimedOut));
+            Recheck::Respond { reply, counter } => {
+                assert_eq!((reply.status, counter), (409, Counter::WaitTimedOut));
             }
             other => panic!("{other:?}"),
         }
@@ -241,8 +259,8 @@ mod tests {
         };
         store.complete(&claim, &completion).unwrap();
         match recheck(&c, &w, &store, 201, 4) {
-            Recheck::Respond { reply, outcome } => {
-                assert_eq!((reply.body.as_slice(), outcome), (&b"done"[..], Outcome::Replayed))
+            Recheck::Respond { reply, counter } => {
+                assert_eq!((reply.body.as_slice(), counter), (&b"done"[..], Counter::Replayed))
             }
             other => panic!("{other:?}"),
         }
@@ -256,7 +274,7 @@ mod tests {
         let (w1, w2) = (waiter(&c, 8, "b", 300), waiter(&c, 9, "b", 300));
         assert!(matches!(
             recheck(&c, &w1, &store, 301, 6),
-            Recheck::Forward { outcome: Outcome::Claimed, .. }
+            Recheck::Forward { counter: Counter::Claimed, .. }
         ));
         assert!(matches!(recheck(&c, &w2, &store, 302, 7), Recheck::KeepWaiting { .. }));
     }

@@ -8,7 +8,7 @@
 //! until its lease ends, because releasing then would turn a timeout into a second execution.
 
 use crate::config::{Disposition, Rule};
-use crate::record::State;
+use crate::store::record::State;
 
 pub const VIA_UPSTREAM: &str = "via_upstream";
 
@@ -104,7 +104,7 @@ mod tests {
 
     fn rule() -> Rule {
         let cfg = parse(br#"{"routes":[{"name":"r","match":{"prefix":"/"}}]}"#).unwrap();
-        cfg.rules[0].clone()
+        (*cfg.rules[0]).clone()
     }
 
     fn sent(details: Option<&str>, flags: u64) -> StreamReport<'_> {

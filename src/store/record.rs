@@ -21,8 +21,8 @@
 //!   soonest_ms u64 | until_ms u64
 //! Layouts v2:  [2u8][count u8 >= 1] then layouts: buckets u32 | beat_ms u64 | cursor u32
 
-use crate::fingerprint::Fingerprint;
-use crate::scope::ScopeId;
+use crate::identity::fingerprint::Fingerprint;
+use crate::identity::scope::ScopeId;
 
 pub const FORMAT_V2: u8 = 2;
 pub const ENTRY_LEN: usize = 1 + 1 + 1 + 2 + 32 + 32 + 8 * 6;

@@ -1,11 +1,17 @@
-//! The store contract (store.rs), written once and run against every backend, like Envoy's
+//! The store contract (`store/mod.rs`), written once and run against every backend, like Envoy's
 //! HTTP cache conformance suite. A backend provides a fresh store and two "workers" that share
 //! it; `conformance_suite!` instantiates every test for it.
 
-use crate::fingerprint::Fingerprint;
-use crate::record::{Snapshot, State};
-use crate::scope::ScopeId;
-use crate::store::{Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled};
+// A failing assertion is the suite's job; it never runs inside Envoy.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use crate::identity::fingerprint::Fingerprint;
+use crate::identity::scope::ScopeId;
+use crate::store::record::{Snapshot, State};
+use crate::store::{
+    Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled, StoreAnswer, StoreError,
+    StoreOp,
+};
 
 pub const LEASE: u64 = 1_000;
 pub const TTL: u64 = 10_000;
@@ -15,6 +21,42 @@ pub const TTL: u64 = 10_000;
 pub trait Backend {
     fn with_capacity(capacity: u32) -> Self;
     fn worker(&self, n: u8) -> Box<dyn RecordStore + '_>;
+}
+
+/// A worker that talks to its store only through `StoreOp`s and `StoreAnswer`s, the way the
+/// engine does: every case checks the contract through the same conversation the filter has.
+pub struct ThroughOps<'a>(Box<dyn RecordStore + 'a>);
+
+pub fn through_ops<B: Backend>(b: &B, n: u8) -> ThroughOps<'_> {
+    ThroughOps(b.worker(n))
+}
+
+fn mismatched(answer: StoreAnswer) -> StoreError {
+    StoreError::Unavailable(format!("answer of the wrong kind: {answer:?}"))
+}
+
+impl RecordStore for ThroughOps<'_> {
+    fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
+        match StoreOp::Begin(*attempt).perform(&*self.0) {
+            StoreAnswer::Begun(begun) => begun,
+            other => Err(mismatched(other)),
+        }
+    }
+    fn complete(&self, claim: &Claim, completion: &Completion) -> Result<Settled, StoreError> {
+        match (StoreOp::Complete { claim: *claim, completion: completion.clone() }).perform(&*self.0) {
+            StoreAnswer::Settled(settled) => settled,
+            other => Err(mismatched(other)),
+        }
+    }
+    fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
+        match StoreOp::Release(*claim).perform(&*self.0) {
+            StoreAnswer::Settled(settled) => settled,
+            other => Err(mismatched(other)),
+        }
+    }
+    fn sweep(&self, now_ms: u64) -> Result<u32, StoreError> {
+        self.0.sweep(now_ms)
+    }
 }
 
 pub fn scope(n: u64) -> ScopeId {
@@ -78,14 +120,14 @@ pub fn claimed(b: Begin) -> Claim {
 
 pub fn first_claim_then_in_flight<B: Backend>() {
     let b = B::with_capacity(64);
-    let (w0, w1) = (b.worker(0), b.worker(1));
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
     assert_eq!(w1.begin(&attempt(1, 1, 12, 400)).unwrap(), Begin::InFlight { retry_after_ms: 600 });
 }
 
 pub fn completed_record_replays_byte_for_byte<B: Backend>() {
     let b = B::with_capacity(64);
-    let (w0, w1) = (b.worker(0), b.worker(1));
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     let c = claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
     assert_eq!(w0.complete(&c, &done("a", 10)).unwrap(), Settled::Done);
     assert_eq!(w1.begin(&attempt(1, 1, 12, 20)).unwrap(), Begin::Replay(snapshot("a")));
@@ -94,7 +136,7 @@ pub fn completed_record_replays_byte_for_byte<B: Backend>() {
 
 pub fn different_fingerprint_is_a_mismatch_and_changes_nothing<B: Backend>() {
     let b = B::with_capacity(64);
-    let w = b.worker(0);
+    let w = through_ops(&b, 0);
     let c = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
     assert_eq!(w.begin(&attempt(1, 2, 12, 1)).unwrap(), Begin::Mismatch);
     w.complete(&c, &done("a", 10)).unwrap();
@@ -104,7 +146,7 @@ pub fn different_fingerprint_is_a_mismatch_and_changes_nothing<B: Backend>() {
 
 pub fn failed_final_replays_too<B: Backend>() {
     let b = B::with_capacity(64);
-    let w = b.worker(0);
+    let w = through_ops(&b, 0);
     let c = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
     let s = Snapshot { status: 400, headers: vec![], body: b"bad".to_vec() };
     let completion = Completion {
@@ -120,7 +162,7 @@ pub fn failed_final_replays_too<B: Backend>() {
 
 pub fn release_lets_the_next_request_execute<B: Backend>() {
     let b = B::with_capacity(64);
-    let (w0, w1) = (b.worker(0), b.worker(1));
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     let c = claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
     assert_eq!(w0.release(&c).unwrap(), Settled::Done);
     assert!(matches!(w1.begin(&attempt(1, 1, 12, 1)).unwrap(), Begin::Claimed(_)));
@@ -130,7 +172,7 @@ pub fn release_lets_the_next_request_execute<B: Backend>() {
 
 pub fn expired_lease_is_taken_over_and_the_old_owner_cannot_write<B: Backend>() {
     let b = B::with_capacity(64);
-    let (w0, w1) = (b.worker(0), b.worker(1));
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     let old = claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
     let taken = w1.begin(&attempt(1, 1, 12, LEASE)).unwrap();
     assert!(matches!(taken, Begin::TookOver(_)), "{taken:?}");
@@ -149,14 +191,14 @@ pub fn expired_lease_is_taken_over_and_the_old_owner_cannot_write<B: Backend>() 
 
 pub fn expired_lease_with_another_payload_is_still_a_mismatch<B: Backend>() {
     let b = B::with_capacity(64);
-    let w = b.worker(0);
+    let w = through_ops(&b, 0);
     claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
     assert_eq!(w.begin(&attempt(1, 2, 12, LEASE * 2)).unwrap(), Begin::Mismatch);
 }
 
 pub fn records_expire_after_their_ttl<B: Backend>() {
     let b = B::with_capacity(64);
-    let w = b.worker(0);
+    let w = through_ops(&b, 0);
     let c = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
     w.complete(&c, &done("a", 100)).unwrap();
     assert_eq!(w.begin(&attempt(1, 1, 12, 100 + TTL - 1)).unwrap(), Begin::Replay(snapshot("a")));
@@ -165,7 +207,7 @@ pub fn records_expire_after_their_ttl<B: Backend>() {
 
 pub fn outcome_without_body_is_never_executed_again<B: Backend>() {
     let b = B::with_capacity(64);
-    let w = b.worker(0);
+    let w = through_ops(&b, 0);
     let c = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
     let completion =
         Completion { state: State::Succeeded, status: 201, snapshot: None, now_ms: 1, ttl_ms: TTL };
@@ -175,7 +217,7 @@ pub fn outcome_without_body_is_never_executed_again<B: Backend>() {
 
 pub fn scopes_are_independent<B: Backend>() {
     let b = B::with_capacity(64);
-    let w = b.worker(0);
+    let w = through_ops(&b, 0);
     let c = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
     w.complete(&c, &done("one", 1)).unwrap();
     assert!(matches!(w.begin(&attempt(2, 1, 12, 2)).unwrap(), Begin::Claimed(_)));
@@ -183,7 +225,7 @@ pub fn scopes_are_independent<B: Backend>() {
 
 pub fn a_full_store_refuses_and_never_evicts_live_records<B: Backend>() {
     let b = B::with_capacity(8);
-    let w = b.worker(0);
+    let w = through_ops(&b, 0);
     let mut live = Vec::new();
     let mut n = 0;
     while live.len() < 8 && n < 10_000 {
@@ -205,7 +247,7 @@ pub fn a_full_store_refuses_and_never_evicts_live_records<B: Backend>() {
 
 pub fn sweep_reclaims_expired_records<B: Backend>() {
     let b = B::with_capacity(64);
-    let w = b.worker(0);
+    let w = through_ops(&b, 0);
     for n in 1..=5 {
         let c = claimed(w.begin(&attempt(n, 1, n, 0)).unwrap());
         w.complete(&c, &done("x", 0)).unwrap();
@@ -223,7 +265,7 @@ pub fn sweep_reclaims_expired_records<B: Backend>() {
 
 pub fn racing_workers_make_exactly_one_claim<B: Backend>() {
     let b = B::with_capacity(64);
-    let (w0, w1) = (b.worker(0), b.worker(1));
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     let a = w0.begin(&attempt(1, 1, 11, 0)).unwrap();
     let c = w1.begin(&attempt(1, 1, 12, 0)).unwrap();
     let claims = [&a, &c].iter().filter(|b| matches!(b, Begin::Claimed(_))).count();
@@ -234,7 +276,7 @@ pub fn a_late_completion_by_the_owner_is_kept<B: Backend>() {
     // The lease ended but nobody took the record over: the owner still owns it, and its
     // outcome is final: no later request may take the record over and execute again.
     let b = B::with_capacity(64);
-    let (w0, w1) = (b.worker(0), b.worker(1));
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     let c = claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
     assert_eq!(w0.complete(&c, &done("late", LEASE * 3)).unwrap(), Settled::Done);
     assert_eq!(w1.begin(&attempt(1, 1, 12, LEASE * 3 + 1)).unwrap(), Begin::Replay(snapshot("late")));
@@ -248,7 +290,7 @@ pub fn a_late_completion_by_the_owner_is_kept<B: Backend>() {
 /// Fills a capacity-8 store: `completed` records completed at 0, the rest left processing.
 /// Returns the completed scope numbers and the processing ones with their claims.
 fn fill<B: Backend>(b: &B, completed: usize) -> (Vec<u64>, Vec<(u64, Claim)>) {
-    let w = b.worker(0);
+    let w = through_ops(b, 0);
     let (mut done_scopes, mut open) = (Vec::new(), Vec::new());
     let mut n = 0;
     while done_scopes.len() + open.len() < 8 && n < 10_000 {
@@ -268,7 +310,7 @@ fn fill<B: Backend>(b: &B, completed: usize) -> (Vec<u64>, Vec<(u64, Claim)>) {
 
 pub fn an_abandoned_claim_gives_its_place_after_its_lease<B: Backend>() {
     let b = B::with_capacity(8);
-    let w = b.worker(1);
+    let w = through_ops(&b, 1);
     let (done_scopes, open) = fill(&b, 7);
     assert_eq!(open.len(), 1);
     // Within the lease the abandoned claim is live: the store is full.
@@ -285,12 +327,12 @@ pub fn an_abandoned_claim_gives_its_place_after_its_lease<B: Backend>() {
         assert_eq!(w.begin(&attempt(n, 1, 7, LEASE + 2)).unwrap(), Begin::Replay(snapshot(&format!("r{n}"))));
     }
     // The evicted claim's owner finds it gone.
-    assert_eq!(b.worker(0).complete(&open[0].1, &done("gone", LEASE + 3)).unwrap(), Settled::Lost);
+    assert_eq!(through_ops(&b, 0).complete(&open[0].1, &done("gone", LEASE + 3)).unwrap(), Settled::Lost);
 }
 
 pub fn a_late_completion_of_an_abandoned_claim_keeps_its_place<B: Backend>() {
     let b = B::with_capacity(8);
-    let (w0, w1) = (b.worker(0), b.worker(1));
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     let (_, open) = fill(&b, 0);
     // Every claim is past its lease; one of them completes late (its owner still owns it).
     let (kept, claim) = open[3];
@@ -306,7 +348,7 @@ pub fn a_late_completion_of_an_abandoned_claim_keeps_its_place<B: Backend>() {
 
 pub fn the_principal_quota_bounds_new_records<B: Backend>() {
     let b = B::with_capacity(64);
-    let (w0, w1) = (b.worker(0), b.worker(1));
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     let bounds = (100, 2);
     let a = claimed(w0.begin(&charged(1, 11, 0, 1, None, bounds)).unwrap());
     claimed(w1.begin(&charged(2, 12, 1, 1, None, bounds)).unwrap());
@@ -326,7 +368,7 @@ pub fn the_principal_quota_bounds_new_records<B: Backend>() {
     assert_eq!(w1.begin(&charged(1, 16, 6, 1, None, bounds)).unwrap(), Begin::Replay(snapshot("a")));
     assert_eq!(
         w1.begin(&ClaimAttempt {
-            fingerprint: crate::fingerprint::Fingerprint([9; 32]),
+            fingerprint: crate::identity::fingerprint::Fingerprint([9; 32]),
             ..charged(1, 17, 7, 1, None, bounds)
         })
         .unwrap(),
@@ -342,7 +384,7 @@ pub fn the_principal_quota_bounds_new_records<B: Backend>() {
 
 pub fn the_tenant_quota_bounds_all_its_principals<B: Backend>() {
     let b = B::with_capacity(64);
-    let w = b.worker(0);
+    let w = through_ops(&b, 0);
     let bounds = (2, 10);
     claimed(w.begin(&charged(1, 11, 0, 1, Some(7), bounds)).unwrap());
     claimed(w.begin(&charged(2, 12, 0, 2, Some(7), bounds)).unwrap());
@@ -354,7 +396,7 @@ pub fn the_tenant_quota_bounds_all_its_principals<B: Backend>() {
 
 pub fn a_takeover_is_not_charged<B: Backend>() {
     let b = B::with_capacity(64);
-    let (w0, w1) = (b.worker(0), b.worker(1));
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     claimed(w0.begin(&charged(1, 11, 0, 1, None, (10, 1))).unwrap());
     let taken = w1.begin(&charged(1, 12, LEASE, 1, None, (10, 1))).unwrap();
     assert!(matches!(taken, Begin::TookOver(_)), "{taken:?}");
@@ -369,7 +411,7 @@ pub fn an_abandoned_claim_stops_counting_once_swept<B: Backend>() {
     // whose requests keep being cut off must not lock itself out for the ttl. The record itself
     // stays (a different payload is still refused), and taking it over charges it again.
     let b = B::with_capacity(64);
-    let w = b.worker(0);
+    let w = through_ops(&b, 0);
     claimed(w.begin(&charged(1, 11, 0, 1, None, (10, 1))).unwrap());
     assert!(matches!(w.begin(&charged(2, 12, 1, 1, None, (10, 1))).unwrap(), Begin::QuotaExceeded { .. }));
     for _ in 0..2 {
@@ -377,7 +419,7 @@ pub fn an_abandoned_claim_stops_counting_once_swept<B: Backend>() {
     }
     claimed(w.begin(&charged(2, 13, LEASE + 1, 1, None, (10, 1))).unwrap());
     let other_payload = ClaimAttempt {
-        fingerprint: crate::fingerprint::Fingerprint([9; 32]),
+        fingerprint: crate::identity::fingerprint::Fingerprint([9; 32]),
         ..charged(1, 14, LEASE + 2, 1, None, (10, 1))
     };
     assert_eq!(w.begin(&other_payload).unwrap(), Begin::Mismatch);
@@ -396,7 +438,7 @@ pub fn a_quota_never_locks_an_identity_out_for_good<B: Backend>() {
     // Records that expire stop counting once swept, and a counter whose records have all
     // expired reads as empty even before any sweep.
     let b = B::with_capacity(64);
-    let w = b.worker(0);
+    let w = through_ops(&b, 0);
     let c = claimed(w.begin(&charged(1, 11, 0, 1, None, (10, 1))).unwrap());
     w.complete(&c, &done("a", 0)).unwrap();
     assert!(matches!(
@@ -418,88 +460,88 @@ macro_rules! conformance_suite {
     ($backend:ty) => {
         #[test]
         fn first_claim_then_in_flight() {
-            $crate::store_conformance::first_claim_then_in_flight::<$backend>();
+            $crate::store::conformance::first_claim_then_in_flight::<$backend>();
         }
         #[test]
         fn completed_record_replays_byte_for_byte() {
-            $crate::store_conformance::completed_record_replays_byte_for_byte::<$backend>();
+            $crate::store::conformance::completed_record_replays_byte_for_byte::<$backend>();
         }
         #[test]
         fn different_fingerprint_is_a_mismatch_and_changes_nothing() {
-            $crate::store_conformance::different_fingerprint_is_a_mismatch_and_changes_nothing::<$backend>();
+            $crate::store::conformance::different_fingerprint_is_a_mismatch_and_changes_nothing::<$backend>();
         }
         #[test]
         fn failed_final_replays_too() {
-            $crate::store_conformance::failed_final_replays_too::<$backend>();
+            $crate::store::conformance::failed_final_replays_too::<$backend>();
         }
         #[test]
         fn release_lets_the_next_request_execute() {
-            $crate::store_conformance::release_lets_the_next_request_execute::<$backend>();
+            $crate::store::conformance::release_lets_the_next_request_execute::<$backend>();
         }
         #[test]
         fn expired_lease_is_taken_over_and_the_old_owner_cannot_write() {
-            $crate::store_conformance::expired_lease_is_taken_over_and_the_old_owner_cannot_write::<$backend>(
+            $crate::store::conformance::expired_lease_is_taken_over_and_the_old_owner_cannot_write::<$backend>(
             );
         }
         #[test]
         fn expired_lease_with_another_payload_is_still_a_mismatch() {
-            $crate::store_conformance::expired_lease_with_another_payload_is_still_a_mismatch::<$backend>();
+            $crate::store::conformance::expired_lease_with_another_payload_is_still_a_mismatch::<$backend>();
         }
         #[test]
         fn records_expire_after_their_ttl() {
-            $crate::store_conformance::records_expire_after_their_ttl::<$backend>();
+            $crate::store::conformance::records_expire_after_their_ttl::<$backend>();
         }
         #[test]
         fn outcome_without_body_is_never_executed_again() {
-            $crate::store_conformance::outcome_without_body_is_never_executed_again::<$backend>();
+            $crate::store::conformance::outcome_without_body_is_never_executed_again::<$backend>();
         }
         #[test]
         fn scopes_are_independent() {
-            $crate::store_conformance::scopes_are_independent::<$backend>();
+            $crate::store::conformance::scopes_are_independent::<$backend>();
         }
         #[test]
         fn a_full_store_refuses_and_never_evicts_live_records() {
-            $crate::store_conformance::a_full_store_refuses_and_never_evicts_live_records::<$backend>();
+            $crate::store::conformance::a_full_store_refuses_and_never_evicts_live_records::<$backend>();
         }
         #[test]
         fn sweep_reclaims_expired_records() {
-            $crate::store_conformance::sweep_reclaims_expired_records::<$backend>();
+            $crate::store::conformance::sweep_reclaims_expired_records::<$backend>();
         }
         #[test]
         fn a_late_completion_by_the_owner_is_kept() {
-            $crate::store_conformance::a_late_completion_by_the_owner_is_kept::<$backend>();
+            $crate::store::conformance::a_late_completion_by_the_owner_is_kept::<$backend>();
         }
         #[test]
         fn an_abandoned_claim_gives_its_place_after_its_lease() {
-            $crate::store_conformance::an_abandoned_claim_gives_its_place_after_its_lease::<$backend>();
+            $crate::store::conformance::an_abandoned_claim_gives_its_place_after_its_lease::<$backend>();
         }
         #[test]
         fn a_late_completion_of_an_abandoned_claim_keeps_its_place() {
-            $crate::store_conformance::a_late_completion_of_an_abandoned_claim_keeps_its_place::<$backend>();
+            $crate::store::conformance::a_late_completion_of_an_abandoned_claim_keeps_its_place::<$backend>();
         }
         #[test]
         fn the_principal_quota_bounds_new_records() {
-            $crate::store_conformance::the_principal_quota_bounds_new_records::<$backend>();
+            $crate::store::conformance::the_principal_quota_bounds_new_records::<$backend>();
         }
         #[test]
         fn the_tenant_quota_bounds_all_its_principals() {
-            $crate::store_conformance::the_tenant_quota_bounds_all_its_principals::<$backend>();
+            $crate::store::conformance::the_tenant_quota_bounds_all_its_principals::<$backend>();
         }
         #[test]
         fn a_takeover_is_not_charged() {
-            $crate::store_conformance::a_takeover_is_not_charged::<$backend>();
+            $crate::store::conformance::a_takeover_is_not_charged::<$backend>();
         }
         #[test]
         fn an_abandoned_claim_stops_counting_once_swept() {
-            $crate::store_conformance::an_abandoned_claim_stops_counting_once_swept::<$backend>();
+            $crate::store::conformance::an_abandoned_claim_stops_counting_once_swept::<$backend>();
         }
         #[test]
         fn a_quota_never_locks_an_identity_out_for_good() {
-            $crate::store_conformance::a_quota_never_locks_an_identity_out_for_good::<$backend>();
+            $crate::store::conformance::a_quota_never_locks_an_identity_out_for_good::<$backend>();
         }
         #[test]
         fn racing_workers_make_exactly_one_claim() {
-            $crate::store_conformance::racing_workers_make_exactly_one_claim::<$backend>();
+            $crate::store::conformance::racing_workers_make_exactly_one_claim::<$backend>();
         }
     };
 }

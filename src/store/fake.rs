@@ -1,53 +1,13 @@
-//! The host seam for Envoy's shared-data key/value map, and a fake that reproduces its rules.
-//!
-//! Envoy (proxy-wasm-cpp-host `shared_data.cc`, checked on Envoy 1.40) gives one process-wide map
-//! per `vm_id`, shared by every worker thread, with these rules, all of which the store relies on
-//! or works around:
-//! - `get` on a missing key returns neither value nor CAS. `get` on a key whose value is empty
-//!   returns no value but a CAS, so "missing" and "emptied" can be told apart.
-//! - `set` on an EXISTING key with a non-zero CAS fails with a mismatch unless the CAS is current;
-//!   a successful `set` gives the key a new CAS. `set` with no CAS overwrites unconditionally.
-//! - `set` on a MISSING key ignores the CAS and inserts. Two workers that both saw a key missing
-//!   both "create" it and both succeed: creation is racy, so claims must only ever CAS keys that
-//!   already exist.
-//! - Keys are never deleted; writing an empty value keeps the key. The key space must be bounded.
-//! - CAS values come from one counter shared by all keys; it skips 0.
+//! The test kit's shared data: an in-memory map with Envoy's exact rules (see
+//! `shared_data.rs`), and a wrapper that interleaves another worker's steps at an exact point.
+//! Behind the `testing` feature: never part of the shipped filter.
 
+// A failing assertion is the test kit's job; it never runs inside Envoy.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use crate::store::shared_data::{Cas, Read, SharedData, SharedDataError};
 use std::cell::RefCell;
 use std::collections::HashMap;
-
-/// A CAS token as handed out by the host (never 0).
-pub type Cas = u32;
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SharedDataError {
-    /// The CAS given to `set` is not the key's current one: someone wrote in between.
-    CasMismatch,
-    /// The host refused the call for another reason (status code as the host reported it).
-    Host(u32),
-}
-
-/// One read: the value (None when missing or empty) and the CAS (None only when the key is
-/// missing).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Read {
-    pub value: Option<Vec<u8>>,
-    pub cas: Option<Cas>,
-}
-
-impl Read {
-    pub fn exists(&self) -> bool {
-        self.cas.is_some()
-    }
-    pub fn bytes(&self) -> &[u8] {
-        self.value.as_deref().unwrap_or(&[])
-    }
-}
-
-pub trait SharedData {
-    fn get(&self, key: &str) -> Result<Read, SharedDataError>;
-    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError>;
-}
 
 /// In-memory fake with Envoy's exact semantics, for unit tests of pure logic. Several "workers"
 /// share one instance (`&FakeSharedData`); interleavings are written out step by step in tests.
@@ -105,10 +65,10 @@ impl FakeSharedData {
     }
 
     /// Raw overwrite, for tests that corrupt stored bytes.
-    pub fn poke(&self, key: &str, value: &[u8]) {
+    pub fn poke(&self, data_key: &str, value: &[u8]) {
         let mut inner = self.inner.borrow_mut();
         let cas = inner.bump();
-        inner.map.insert(key.to_string(), (value.to_vec(), cas));
+        inner.map.insert(data_key.to_string(), (value.to_vec(), cas));
     }
 }
 
@@ -123,26 +83,26 @@ impl FakeInner {
 }
 
 impl SharedData for FakeSharedData {
-    fn get(&self, key: &str) -> Result<Read, SharedDataError> {
+    fn get(&self, data_key: &str) -> Result<Read, SharedDataError> {
         let mut inner = self.inner.borrow_mut();
         inner.gets += 1;
-        Ok(match inner.map.get(key) {
+        Ok(match inner.map.get(data_key) {
             None => Read { value: None, cas: None },
             Some((v, cas)) if v.is_empty() => Read { value: None, cas: Some(*cas) },
             Some((v, cas)) => Read { value: Some(v.clone()), cas: Some(*cas) },
         })
     }
 
-    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
+    fn set(&self, data_key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
         let mut inner = self.inner.borrow_mut();
         inner.sets += 1;
-        if let Some((_, current)) = inner.map.get(key) {
+        if let Some((_, current)) = inner.map.get(data_key) {
             let current = *current;
-            let targeted = inner.forced_only.as_deref().is_none_or(|f| key.contains(f));
+            let targeted = inner.forced_only.as_deref().is_none_or(|f| data_key.contains(f));
             if inner.forced_mismatches > 0 && cas.is_some() && targeted {
                 inner.forced_mismatches -= 1;
                 let bumped = inner.bump();
-                if let Some(entry) = inner.map.get_mut(key) {
+                if let Some(entry) = inner.map.get_mut(data_key) {
                     entry.1 = bumped;
                 }
                 return Err(SharedDataError::CasMismatch);
@@ -155,25 +115,14 @@ impl SharedData for FakeSharedData {
         }
         // A missing key is inserted whatever the CAS: this is the trap the store designs around.
         let new_cas = inner.bump();
-        inner.map.insert(key.to_string(), (value.to_vec(), new_cas));
+        inner.map.insert(data_key.to_string(), (value.to_vec(), new_cas));
         Ok(())
-    }
-}
-
-/// Several workers share one store: each holds a reference.
-impl<T: SharedData + ?Sized> SharedData for &T {
-    fn get(&self, key: &str) -> Result<Read, SharedDataError> {
-        (**self).get(key)
-    }
-    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
-        (**self).set(key, value, cas)
     }
 }
 
 /// Test wrapper that runs another worker's steps at an exact point of this worker's sequence:
 /// just before this worker's n-th operation on a key containing `trigger`. Deterministic
 /// interleavings without threads.
-#[cfg(test)]
 pub struct Interleave<'a, S: SharedData> {
     pub inner: &'a S,
     pub trigger: &'static str,
@@ -181,7 +130,6 @@ pub struct Interleave<'a, S: SharedData> {
     pub action: RefCell<Option<Box<dyn FnOnce() + 'a>>>,
 }
 
-#[cfg(test)]
 impl<'a, S: SharedData> Interleave<'a, S> {
     pub fn new(inner: &'a S, trigger: &'static str, nth: u32, action: impl FnOnce() + 'a) -> Self {
         Interleave {
@@ -192,8 +140,8 @@ impl<'a, S: SharedData> Interleave<'a, S> {
         }
     }
 
-    fn maybe_fire(&self, key: &str) {
-        if !key.contains(self.trigger) {
+    fn maybe_fire(&self, data_key: &str) {
+        if !data_key.contains(self.trigger) {
             return;
         }
         let n = self.before_nth.get();
@@ -206,21 +154,21 @@ impl<'a, S: SharedData> Interleave<'a, S> {
     }
 }
 
-#[cfg(test)]
 impl<S: SharedData> SharedData for Interleave<'_, S> {
-    fn get(&self, key: &str) -> Result<Read, SharedDataError> {
-        self.maybe_fire(key);
-        self.inner.get(key)
+    fn get(&self, data_key: &str) -> Result<Read, SharedDataError> {
+        self.maybe_fire(data_key);
+        self.inner.get(data_key)
     }
-    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
-        self.maybe_fire(key);
-        self.inner.set(key, value, cas)
+    fn set(&self, data_key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
+        self.maybe_fire(data_key);
+        self.inner.set(data_key, value, cas)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::shared_data::{Read, SharedData, SharedDataError};
 
     #[test]
     fn missing_key_reads_as_neither_value_nor_cas() {

@@ -1,0 +1,1002 @@
+//! One request's life as a pure state machine: Envoy's callbacks come in as events, and what
+//! the glue must do goes out as data (`Step`s and a `Verdict`). The store is asked through
+//! `Step::Store` and answers through `store_answered`, in the same callback (the local store)
+//! or a later one (a store across the network); an answer that never comes is
+//! `store_timed_out`, an ordinary transition that fails closed with 503.
+//!
+//! ```text
+//! Idle ─head─► Collecting ─body─► AwaitingBegin ─answer─► Forwarded ─response head─► Capturing
+//!   │              │                   │                     │                        │ end
+//!   └ pass         └ refuse            ├ reply ► Answered     └ release/keep ►        ▼
+//!                                      └ wait ► Parking ─► Waiting ─root resumes─►  Settling ─answer─► Idle
+//! ```
+//!
+//! The flow reads what a decision needs through `StreamFacts`, one read at a time, so that the
+//! glue never reads (pays a host call for) what no decision looks at.
+
+use crate::config::{Concurrency, Config, Rule};
+use crate::engine::{self, Admission, Decision, HeaderFix, Pending, ReplayShape, Reply, RequestHead};
+use crate::identity::fingerprint::Fingerprint;
+use crate::identity::scope::ScopeId;
+use crate::metrics::Counter;
+use crate::problem::{Kind, Problem};
+use crate::settlement::{plan_response, plan_unfinished, ResponsePlan, StreamReport, VIA_UPSTREAM};
+use crate::store::record::{Snapshot, State};
+use crate::store::{Claim, Completion, Settled, StoreAnswer, StoreError, StoreOp};
+use crate::wait::{self, Recheck, Refused};
+use std::rc::Rc;
+
+/// `response.code_details` of the filter's own replies, so logs tell them apart.
+pub const DETAILS_REPLAY: &str = "idempotency_replay";
+pub const DETAILS_PROBLEM: &str = "idempotency_problem";
+
+/// A host read that failed; the glue has logged the host's status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unreadable;
+
+/// What the flow may read about its stream, and when it is. Each method is one host call in
+/// the glue; absent values are `None`, failed reads are `Unreadable` where a decision depends
+/// on telling the two apart.
+pub trait StreamFacts {
+    fn now_ms(&mut self) -> u64;
+    /// A fresh claim owner token (unique per claim).
+    fn owner_token(&mut self) -> u64;
+    fn request_header(&mut self, name: &str) -> Option<Vec<u8>>;
+    fn request_headers(&mut self) -> Result<Vec<(String, Vec<u8>)>, Unreadable>;
+    fn request_body(&mut self, size: usize) -> Result<Vec<u8>, Unreadable>;
+    fn response_header(&mut self, name: &str) -> Option<Vec<u8>>;
+    fn response_headers(&mut self) -> Vec<(String, Vec<u8>)>;
+    fn response_body(&mut self, size: usize) -> Result<Vec<u8>, Unreadable>;
+    fn property(&mut self, path: &[&str]) -> Result<Option<Vec<u8>>, Unreadable>;
+}
+
+/// What the glue does, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Add one to this counter.
+    Count(Counter),
+    /// Send this local reply (the stream stays paused; it comes back through the encode
+    /// callbacks).
+    Reply { reply: Reply, details: &'static str },
+    /// Perform this store operation, then hand its answer to `store_answered` (or, if none
+    /// comes in time, call `store_timed_out`).
+    Store(StoreOp),
+    /// Hold the request in the wait room, then tell `parked` whether it was admitted.
+    Park(ParkPlan),
+    /// This record may have an outcome now: wake its waiters on every worker.
+    Wake(ScopeId),
+    /// Change the response headers (a replay's framing headers, back as stored).
+    FixHeaders(Vec<HeaderFix>),
+    /// The held request's client went away: take it out of the wait room.
+    LeaveWaitRoom,
+    /// Envoy sent this claimed request upstream several times: warn, once per rule per Envoy.
+    WarnRetried { rule: String, attempts: u64 },
+}
+
+/// The answer to the callback: let the stream go on, or hold it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Continue,
+    Pause,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Output {
+    pub steps: Vec<Step>,
+    pub verdict: Verdict,
+}
+
+impl Output {
+    fn go(steps: Vec<Step>) -> Output {
+        Output { steps, verdict: Verdict::Continue }
+    }
+    fn hold(steps: Vec<Step>) -> Output {
+        Output { steps, verdict: Verdict::Pause }
+    }
+}
+
+/// How to hold a waiter: its record, until when, and when to look again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParkPlan {
+    pub pending: Pending,
+    pub fingerprint: Fingerprint,
+    pub give_up_at_ms: u64,
+    pub lease_remaining_ms: u64,
+    pub now_ms: u64,
+}
+
+impl ParkPlan {
+    /// When to look at the record again without a wake-up. A worker whose wake-up queue was
+    /// advertised only now may have missed a completion that happened meanwhile: at once.
+    pub fn recheck_at_ms(&self, queue_just_advertised: bool) -> u64 {
+        if queue_just_advertised {
+            self.now_ms
+        } else {
+            wait::first_recheck(self.now_ms, self.lease_remaining_ms, self.give_up_at_ms)
+        }
+    }
+}
+
+/// How a held request was resolved by its root (read once by its stream).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resumed {
+    Forwarded { claim: Claim, rule: Rc<Rule> },
+    Answered { replay_shape: Option<ReplayShape> },
+}
+
+/// What the root does for a waiter it looked at again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WaiterPlan {
+    /// Still processing: put it back, to look again at this time.
+    Repark { recheck_at_ms: u64 },
+    /// It owns the record now: count, leave word, resume it. If it cannot be resumed, `release`
+    /// its claim (nothing was sent upstream).
+    Resume { counter: Counter, resumed: Resumed, release: StoreOp },
+    /// Answer it (replay, problem, or 409 after its wait timeout): count, leave word, reply.
+    Answer { counter: Counter, resumed: Resumed, reply: Reply, details: &'static str },
+}
+
+/// What a woken waiter's recheck means for the root.
+pub fn waiter_plan(recheck: Recheck, rule: &Rc<Rule>) -> WaiterPlan {
+    match recheck {
+        Recheck::KeepWaiting { recheck_at_ms } => WaiterPlan::Repark { recheck_at_ms },
+        Recheck::Forward { claim, counter } => WaiterPlan::Resume {
+            counter,
+            resumed: Resumed::Forwarded { claim, rule: Rc::clone(rule) },
+            release: StoreOp::Release(claim),
+        },
+        Recheck::Respond { reply, counter } => WaiterPlan::Answer {
+            counter,
+            resumed: Resumed::Answered { replay_shape: reply.replay_shape.clone() },
+            details: details_for(counter),
+            reply,
+        },
+    }
+}
+
+fn details_for(counter: Counter) -> &'static str {
+    if counter == Counter::Replayed {
+        DETAILS_REPLAY
+    } else {
+        DETAILS_PROBLEM
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Capture {
+    claim: Claim,
+    rule: Rc<Rule>,
+    state: State,
+    status: u16,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+    /// The body outgrew `max_response_bytes`, or was cut: the outcome is kept without it.
+    overflowed: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Phase {
+    /// Not (or no longer) our business.
+    Idle,
+    /// Protected request held until its body is complete.
+    Collecting(Pending),
+    /// `begin` asked; the request stays held until the store answers.
+    AwaitingBegin { pending: Pending, fingerprint: Fingerprint, now_ms: u64 },
+    /// Wait mode: asked to be parked in the wait room.
+    Parking { pending: Pending, lease_remaining_ms: u64 },
+    /// Held in the wait room; the root resolves it (`resumed`).
+    Waiting,
+    /// We answered locally; our own reply comes back through the encode callbacks and must be
+    /// left alone (never snapshotted), except that a replay's framing headers are put back.
+    Answered { replay_shape: Option<ReplayShape> },
+    /// Forwarded with a claim; waiting for the response.
+    Forwarded { claim: Claim, rule: Rc<Rule> },
+    /// A real upstream answer worth keeping; its body is copied as it streams by.
+    Capturing(Capture),
+    /// `complete` or `release` asked; the answer only decides what is counted and who is woken.
+    Settling { claim: Claim, rule: Rc<Rule>, done: Counter },
+}
+
+/// One request's state. `context_id` only names it in logs.
+#[derive(Debug)]
+pub struct RequestFlow {
+    context_id: u32,
+    phase: Phase,
+    /// The rule of a request that went upstream under a claim, until its stream ends: the
+    /// router's attempt count is only final then.
+    forwarded_rule: Option<Rc<Rule>>,
+}
+
+impl RequestFlow {
+    pub fn new(context_id: u32) -> RequestFlow {
+        RequestFlow { context_id, phase: Phase::Idle, forwarded_rule: None }
+    }
+
+    /// True while a store operation this flow asked for has not been answered.
+    pub fn awaiting_store(&self) -> bool {
+        matches!(self.phase, Phase::AwaitingBegin { .. } | Phase::Settling { .. })
+    }
+
+    /// True while the request is held in the wait room.
+    pub fn waiting(&self) -> bool {
+        matches!(self.phase, Phase::Waiting)
+    }
+
+    fn answer(&mut self, reply: Reply, details: &'static str, mut steps: Vec<Step>) -> Output {
+        self.phase = Phase::Answered { replay_shape: reply.replay_shape.clone() };
+        steps.push(Step::Reply { reply, details });
+        Output::hold(steps)
+    }
+
+    fn refuse(&mut self, problem: &Problem) -> Output {
+        let counter = Counter::of_problem(problem.kind);
+        self.answer(Reply::problem(problem), DETAILS_PROBLEM, vec![Step::Count(counter)])
+    }
+
+    /// Request headers. Unprotected traffic costs two small reads, never a copy of the whole
+    /// header map.
+    pub fn request_headers(
+        &mut self,
+        cfg: &Config,
+        facts: &mut dyn StreamFacts,
+        end_of_stream: bool,
+    ) -> Output {
+        let passed = || Output::go(vec![Step::Count(Counter::PassedThrough)]);
+        let method = facts.request_header(":method").unwrap_or_default();
+        let path = facts.request_header(":path").unwrap_or_default();
+        let method = String::from_utf8_lossy(&method);
+        let path = String::from_utf8_lossy(&path);
+        let path_only = path.split('?').next().unwrap_or_default();
+        if cfg.rule_for(&method, path_only).is_none() {
+            return passed();
+        }
+        let Ok(headers) = facts.request_headers() else {
+            log::warn!("#{} cannot read request headers; passing through", self.context_id);
+            return passed();
+        };
+        let verified_claims =
+            cfg.jwt_principal.as_ref().and_then(|jwt| verified_claims(facts, &jwt.payload, &jwt.claims));
+        let head = RequestHead {
+            method: &method,
+            path: &path,
+            headers: &headers,
+            verified_claims: verified_claims.as_deref(),
+        };
+        match engine::admit(cfg, &head) {
+            Admission::PassThrough => passed(),
+            Admission::Reject(problem) => {
+                log::debug!("#{} refused at headers: {}", self.context_id, problem.kind.slug());
+                self.refuse(&problem)
+            }
+            Admission::Collect(pending) if end_of_stream => {
+                self.body_complete(cfg, pending, Ok(Vec::new()), facts)
+            }
+            Admission::Collect(pending) => {
+                self.phase = Phase::Collecting(pending);
+                Output::hold(Vec::new())
+            }
+        }
+    }
+
+    /// A request body frame; `size` is all that Envoy has buffered so far.
+    pub fn request_body(
+        &mut self,
+        cfg: &Config,
+        facts: &mut dyn StreamFacts,
+        size: usize,
+        end_of_stream: bool,
+    ) -> Output {
+        let rule = match &self.phase {
+            Phase::Collecting(p) => Rc::clone(&p.rule),
+            Phase::Answered { .. } => return Output::hold(Vec::new()),
+            _ => return Output::go(Vec::new()),
+        };
+        // Refuse as soon as the buffered body outgrows the limit, not at its end.
+        if size as u64 > rule.max_request_bytes {
+            return self.refuse(&engine::too_large(&rule));
+        }
+        if end_of_stream {
+            self.read_body(cfg, facts, size)
+        } else {
+            Output::hold(Vec::new())
+        }
+    }
+
+    /// Request trailers: the body before them is complete.
+    pub fn request_trailers(&mut self, cfg: &Config, facts: &mut dyn StreamFacts) -> Output {
+        match self.phase {
+            Phase::Collecting(_) => self.read_body(cfg, facts, usize::MAX),
+            Phase::Answered { .. } => Output::hold(Vec::new()),
+            _ => Output::go(Vec::new()),
+        }
+    }
+
+    fn read_body(&mut self, cfg: &Config, facts: &mut dyn StreamFacts, size: usize) -> Output {
+        let Phase::Collecting(pending) = std::mem::replace(&mut self.phase, Phase::Idle) else {
+            return Output::go(Vec::new());
+        };
+        let body = facts.request_body(size);
+        self.body_complete(cfg, pending, body, facts)
+    }
+
+    fn body_complete(
+        &mut self,
+        cfg: &Config,
+        pending: Pending,
+        body: Result<Vec<u8>, Unreadable>,
+        facts: &mut dyn StreamFacts,
+    ) -> Output {
+        let Ok(body) = body else {
+            log::warn!("#{} cannot read the request body", self.context_id);
+            let problem =
+                Problem::new(Kind::StoreUnavailable, 503, "the request body could not be read; retry later")
+                    .retry_after_ms(1000);
+            return self.answer(
+                Reply::problem(&problem),
+                DETAILS_PROBLEM,
+                vec![Step::Count(Counter::StoreError)],
+            );
+        };
+        let fingerprint = match engine::fingerprint_body(&pending, &body) {
+            Ok(fingerprint) => fingerprint,
+            Err(problem) => return self.refuse(&problem),
+        };
+        let now_ms = facts.now_ms();
+        let owner = facts.owner_token();
+        let attempt = engine::claim_attempt(cfg, &pending, fingerprint, now_ms, owner);
+        self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms };
+        Output::hold(vec![Step::Store(StoreOp::Begin(attempt))])
+    }
+
+    /// The store answered the operation this flow asked for.
+    pub fn store_answered(&mut self, cfg: &Config, answer: StoreAnswer) -> Output {
+        match (std::mem::replace(&mut self.phase, Phase::Idle), answer) {
+            (Phase::AwaitingBegin { pending, fingerprint, now_ms }, StoreAnswer::Begun(begun)) => {
+                let decision = engine::decision_of(cfg, &pending, begun);
+                self.decided(pending, fingerprint, now_ms, decision)
+            }
+            (Phase::Settling { claim, rule, done }, StoreAnswer::Settled(settled)) => {
+                Output::go(self.settled(&claim, &rule, done, settled))
+            }
+            (phase, _) => {
+                // An answer nobody here asked for (a late one after a timeout): nothing to do.
+                log::debug!("#{} ignored a store answer nobody was waiting for", self.context_id);
+                self.phase = phase;
+                Output::go(Vec::new())
+            }
+        }
+    }
+
+    /// The store did not answer in time: as a store error (fail closed, 503 for a request that
+    /// waits for its claim).
+    pub fn store_timed_out(&mut self, cfg: &Config) -> Output {
+        let answer = match &self.phase {
+            Phase::AwaitingBegin { .. } => {
+                StoreAnswer::Begun(Err(StoreError::Unavailable("no answer in time".into())))
+            }
+            Phase::Settling { .. } => {
+                StoreAnswer::Settled(Err(StoreError::Unavailable("no answer in time".into())))
+            }
+            _ => return Output::go(Vec::new()),
+        };
+        self.store_answered(cfg, answer)
+    }
+
+    fn decided(
+        &mut self,
+        pending: Pending,
+        fingerprint: Fingerprint,
+        now_ms: u64,
+        decision: Decision,
+    ) -> Output {
+        match decision {
+            Decision::Forward { claim, counter } => {
+                log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
+                self.forwarded_rule = Some(Rc::clone(&pending.rule));
+                self.phase = Phase::Forwarded { claim, rule: pending.rule };
+                Output::go(vec![Step::Count(counter)])
+            }
+            Decision::Respond { reply, counter } => {
+                log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
+                self.answer(reply, details_for(counter), vec![Step::Count(counter)])
+            }
+            Decision::Wait { lease_remaining_ms } => {
+                let plan = ParkPlan {
+                    give_up_at_ms: wait::give_up_at(&pending, now_ms),
+                    pending: pending.clone(),
+                    fingerprint,
+                    lease_remaining_ms,
+                    now_ms,
+                };
+                self.phase = Phase::Parking { pending, lease_remaining_ms };
+                Output::hold(vec![Step::Park(plan)])
+            }
+        }
+    }
+
+    /// Whether the wait room took the request.
+    pub fn parked(&mut self, cfg: &Config, admitted: Result<(), Refused>) -> Output {
+        let Phase::Parking { pending, lease_remaining_ms } = std::mem::replace(&mut self.phase, Phase::Idle)
+        else {
+            return Output::go(Vec::new());
+        };
+        match admitted {
+            Ok(()) => {
+                log::debug!("#{} waiting for key {}", self.context_id, pending.scope.log_tag());
+                self.phase = Phase::Waiting;
+                Output::hold(vec![Step::Count(Counter::Waiting)])
+            }
+            Err(refused) => {
+                log::debug!(
+                    "#{} not held ({refused:?} bound) for key {}",
+                    self.context_id,
+                    pending.scope.log_tag()
+                );
+                let reply = engine::in_flight_reply(cfg, lease_remaining_ms);
+                self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::WaitRefused)])
+            }
+        }
+    }
+
+    /// The root resolved this held request (resumed it or answered it).
+    pub fn resumed(&mut self, resumed: Resumed) {
+        if !self.waiting() {
+            return;
+        }
+        match resumed {
+            Resumed::Forwarded { claim, rule } => {
+                self.forwarded_rule = Some(Rc::clone(&rule));
+                self.phase = Phase::Forwarded { claim, rule };
+            }
+            Resumed::Answered { replay_shape } => self.phase = Phase::Answered { replay_shape },
+        }
+    }
+
+    /// Response headers.
+    pub fn response_headers(&mut self, facts: &mut dyn StreamFacts, end_of_stream: bool) -> Output {
+        if let Phase::Answered { replay_shape: Some(shape) } = &self.phase {
+            let (content_type, content_length) =
+                (facts.response_header("content-type"), facts.response_header("content-length"));
+            let fixes =
+                engine::replay_header_fixes(shape, content_type.as_deref(), content_length.as_deref());
+            let steps = if fixes.is_empty() { Vec::new() } else { vec![Step::FixHeaders(fixes)] };
+            return Output::go(steps);
+        }
+        let Phase::Forwarded { claim, rule } = &self.phase else { return Output::go(Vec::new()) };
+        let (claim, rule) = (*claim, Rc::clone(rule));
+        let status =
+            facts.response_header(":status").and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok());
+        let details = property_string(facts, &["response", "code_details"]);
+        // A real upstream answer needs no flags; only local replies are classified by them.
+        let (flags, upstream_selected) =
+            if details.as_deref() == Some(VIA_UPSTREAM) { (0, true) } else { stream_report(facts) };
+        let report = StreamReport { details: details.as_deref(), flags, upstream_selected };
+        match plan_response(&rule, status, report) {
+            ResponsePlan::Capture { state, status } => {
+                let headers =
+                    engine::snapshot_headers(facts.response_headers(), &rule.replay_exclude_headers);
+                self.phase = Phase::Capturing(Capture {
+                    claim,
+                    rule,
+                    state,
+                    status,
+                    headers,
+                    body: Vec::new(),
+                    overflowed: false,
+                });
+                let steps = if end_of_stream { self.finish_capture(facts) } else { Vec::new() };
+                Output::go(steps)
+            }
+            plan => Output::go(self.settle(plan, claim, rule)),
+        }
+    }
+
+    /// A response body frame of `size` bytes: copied as it streams by, never held.
+    pub fn response_body(&mut self, facts: &mut dyn StreamFacts, size: usize, end_of_stream: bool) -> Output {
+        let Phase::Capturing(c) = &mut self.phase else { return Output::go(Vec::new()) };
+        if !c.overflowed && size > 0 {
+            match facts.response_body(size) {
+                Ok(chunk) if (c.body.len() + chunk.len()) as u64 <= c.rule.max_response_bytes => {
+                    c.body.extend_from_slice(&chunk)
+                }
+                Ok(_) | Err(Unreadable) => {
+                    c.overflowed = true;
+                    c.body = Vec::new();
+                }
+            }
+        }
+        let steps = if end_of_stream { self.finish_capture(facts) } else { Vec::new() };
+        Output::go(steps)
+    }
+
+    /// Response trailers: with them the last body frame never says end of stream.
+    pub fn response_trailers(&mut self, facts: &mut dyn StreamFacts) -> Output {
+        Output::go(self.finish_capture(facts))
+    }
+
+    /// The stream is over (Envoy's `on_log`), however it ended.
+    pub fn stream_ended(&mut self, facts: &mut dyn StreamFacts) -> Output {
+        let mut steps = Vec::new();
+        if let Some(rule) = self.forwarded_rule.take() {
+            let attempts = property_u64(facts, &["upstream", "request_attempt_count"]).unwrap_or(0);
+            if attempts > 1 {
+                steps.push(Step::Count(Counter::UpstreamRetried));
+                steps.push(Step::WarnRetried { rule: rule.name.clone(), attempts });
+            }
+        }
+        match std::mem::replace(&mut self.phase, Phase::Idle) {
+            Phase::Forwarded { claim, rule } => {
+                let details = property_string(facts, &["response", "code_details"]);
+                let (flags, upstream_selected) = stream_report(facts);
+                let plan =
+                    plan_unfinished(StreamReport { details: details.as_deref(), flags, upstream_selected });
+                log::debug!("#{} stream ended unfinished ({details:?}, flags {flags:#x})", self.context_id);
+                steps.extend(self.settle(plan, claim, rule));
+            }
+            Phase::Capturing(c) => {
+                // The upstream answered with a status worth keeping, so it executed; only its
+                // body never arrived whole (upstream reset mid-body, client gone). Keep the
+                // outcome without the body: a retry gets 410, never a second execution.
+                log::debug!("#{} upstream answer cut mid-body: kept without its body", self.context_id);
+                self.phase = Phase::Capturing(Capture { overflowed: true, body: Vec::new(), ..c });
+                steps.extend(self.finish_capture(facts));
+            }
+            Phase::Waiting => {
+                // The client left while held: nothing was claimed, just stop holding it.
+                log::debug!("#{} held request's client went away", self.context_id);
+                steps.push(Step::LeaveWaitRoom);
+            }
+            phase => self.phase = phase,
+        }
+        Output::go(steps)
+    }
+
+    fn settle(&mut self, plan: ResponsePlan, claim: Claim, rule: Rc<Rule>) -> Vec<Step> {
+        log::debug!("#{} settled {:?} key {}", self.context_id, plan, claim.scope.log_tag());
+        match plan {
+            ResponsePlan::Release => {
+                self.phase = Phase::Settling { claim, rule, done: Counter::Released };
+                vec![Step::Store(StoreOp::Release(claim))]
+            }
+            ResponsePlan::Keep => {
+                self.phase = Phase::Idle;
+                vec![Step::Count(Counter::KeptUnknown)]
+            }
+            ResponsePlan::Capture { .. } => {
+                self.phase = Phase::Idle;
+                Vec::new()
+            }
+        }
+    }
+
+    fn finish_capture(&mut self, facts: &mut dyn StreamFacts) -> Vec<Step> {
+        let Phase::Capturing(c) = std::mem::replace(&mut self.phase, Phase::Idle) else { return Vec::new() };
+        let snapshot =
+            (!c.overflowed).then_some(Snapshot { status: c.status, headers: c.headers, body: c.body });
+        let completion = Completion {
+            state: c.state,
+            status: c.status,
+            snapshot,
+            now_ms: facts.now_ms(),
+            ttl_ms: c.rule.ttl_ms,
+        };
+        let done = if c.overflowed { Counter::ResponseNotStored } else { Counter::Stored };
+        self.phase = Phase::Settling { claim: c.claim, rule: c.rule, done };
+        vec![Step::Store(StoreOp::Complete { claim: c.claim, completion })]
+    }
+
+    fn settled(
+        &mut self,
+        claim: &Claim,
+        rule: &Rule,
+        done: Counter,
+        settled: Result<Settled, StoreError>,
+    ) -> Vec<Step> {
+        let mut steps = Vec::new();
+        let counter = match settled {
+            Ok(Settled::Done) => {
+                // Waiters elsewhere may be able to proceed now that this record has an outcome.
+                if matches!(rule.concurrency, Concurrency::Wait { .. }) {
+                    steps.push(Step::Wake(claim.scope));
+                }
+                done
+            }
+            Ok(Settled::Lost) => Counter::CompletionLost,
+            Err(e) => {
+                log::warn!("#{} settling the claim failed: {e}", self.context_id);
+                Counter::StoreError
+            }
+        };
+        log::debug!("#{} {} key {}", self.context_id, counter.name(), claim.scope.log_tag());
+        steps.push(Step::Count(counter));
+        steps
+    }
+}
+
+fn property_string(facts: &mut dyn StreamFacts, path: &[&str]) -> Option<String> {
+    facts.property(path).ok()?.map(|b| String::from_utf8_lossy(&b).into_owned())
+}
+
+fn property_u64(facts: &mut dyn StreamFacts, path: &[&str]) -> Option<u64> {
+    let bytes = facts.property(path).ok()??;
+    Some(u64::from_le_bytes(<[u8; 8]>::try_from(bytes.as_slice()).ok()?))
+}
+
+/// Response flags, and whether an upstream host was ever selected: an empty or absent
+/// `upstream.address` says none was; a failed read says nothing, so it counts as selected.
+fn stream_report(facts: &mut dyn StreamFacts) -> (u64, bool) {
+    let flags = property_u64(facts, &["response", "flags"]).unwrap_or(0);
+    let upstream_selected = match facts.property(&["upstream", "address"]) {
+        Ok(Some(address)) => !address.is_empty(),
+        Ok(None) => false,
+        Err(Unreadable) => true,
+    };
+    (flags, upstream_selected)
+}
+
+/// The configured claims of the token a JWT filter in front verified, from its dynamic metadata
+/// (only a verified token fills it; a client cannot). None when no claim is there at all: the
+/// request carried no verified token, and the principal falls back to the principal headers.
+fn verified_claims(
+    facts: &mut dyn StreamFacts,
+    payload: &str,
+    claims: &[String],
+) -> Option<Vec<Option<Vec<u8>>>> {
+    let values: Vec<Option<Vec<u8>>> = claims
+        .iter()
+        .map(|claim| {
+            facts
+                .property(&["metadata", "filter_metadata", "envoy.filters.http.jwt_authn", payload, claim])
+                .ok()
+                .flatten()
+        })
+        .collect();
+    values.iter().any(Option::is_some).then_some(values)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse;
+    use crate::store::fake::FakeSharedData;
+    use crate::store::local::LocalStore;
+    use crate::store::RecordStore;
+    use std::collections::HashMap;
+
+    const CONFIG: &str = r#"{"routes":[
+        {"name":"orders","match":{"prefix":"/orders"},"require_key":true,"max_response_bytes":8},
+        {"name":"waits","match":{"prefix":"/wait"},"require_key":true,"concurrent":"wait"}]}"#;
+
+    fn cfg() -> Config {
+        parse(CONFIG.as_bytes()).unwrap()
+    }
+
+    /// A stream as Envoy would report it; `None` properties are absent, listed ones unreadable.
+    #[derive(Default)]
+    struct Facts {
+        now_ms: u64,
+        owner: u64,
+        request: Vec<(String, Vec<u8>)>,
+        request_body: Option<Vec<u8>>,
+        response: Vec<(String, Vec<u8>)>,
+        response_body: Vec<u8>,
+        properties: HashMap<String, Vec<u8>>,
+        unreadable: Vec<String>,
+    }
+
+    impl Facts {
+        fn post(path: &str, key: &str, body: &[u8]) -> Facts {
+            Facts {
+                request: vec![
+                    (":method".into(), b"POST".to_vec()),
+                    (":path".into(), path.as_bytes().to_vec()),
+                    ("idempotency-key".into(), key.as_bytes().to_vec()),
+                ],
+                request_body: Some(body.to_vec()),
+                ..Facts::default()
+            }
+        }
+        fn upstream_answer(mut self, status: u16, body: &[u8]) -> Facts {
+            self.response = vec![(":status".into(), status.to_string().into_bytes())];
+            self.response_body = body.to_vec();
+            self.properties.insert("response\0code_details".into(), b"via_upstream".to_vec());
+            self
+        }
+        fn local_reply(mut self, details: &str, flags: u64, upstream_address: &str) -> Facts {
+            self.response = vec![(":status".into(), b"503".to_vec())];
+            self.properties.insert("response\0code_details".into(), details.as_bytes().to_vec());
+            self.properties.insert("response\0flags".into(), flags.to_le_bytes().to_vec());
+            self.properties.insert("upstream\0address".into(), upstream_address.as_bytes().to_vec());
+            self
+        }
+    }
+
+    impl StreamFacts for Facts {
+        fn now_ms(&mut self) -> u64 {
+            self.now_ms
+        }
+        fn owner_token(&mut self) -> u64 {
+            self.owner += 1;
+            self.owner
+        }
+        fn request_header(&mut self, name: &str) -> Option<Vec<u8>> {
+            self.request.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+        }
+        fn request_headers(&mut self) -> Result<Vec<(String, Vec<u8>)>, Unreadable> {
+            Ok(self.request.clone())
+        }
+        fn request_body(&mut self, _size: usize) -> Result<Vec<u8>, Unreadable> {
+            self.request_body.clone().ok_or(Unreadable)
+        }
+        fn response_header(&mut self, name: &str) -> Option<Vec<u8>> {
+            self.response.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+        }
+        fn response_headers(&mut self) -> Vec<(String, Vec<u8>)> {
+            self.response.clone()
+        }
+        fn response_body(&mut self, size: usize) -> Result<Vec<u8>, Unreadable> {
+            Ok(self.response_body.iter().copied().take(size).collect())
+        }
+        fn property(&mut self, path: &[&str]) -> Result<Option<Vec<u8>>, Unreadable> {
+            let key = path.join("\0");
+            if self.unreadable.contains(&key) {
+                return Err(Unreadable);
+            }
+            Ok(self.properties.get(&key).cloned())
+        }
+    }
+
+    struct World {
+        data: FakeSharedData,
+    }
+
+    impl World {
+        fn new() -> World {
+            let w = World { data: FakeSharedData::new() };
+            LocalStore::new(&w.data, 64).create_keys().unwrap();
+            w
+        }
+        fn store(&self) -> LocalStore<&FakeSharedData> {
+            LocalStore::new(&self.data, 64)
+        }
+    }
+
+    /// Performs store steps at once, as the glue does with the local store; returns the other
+    /// steps in order and the last verdict.
+    fn run(flow: &mut RequestFlow, out: Output, store: &dyn RecordStore) -> (Vec<Step>, Verdict) {
+        let mut verdict = out.verdict;
+        let mut done = Vec::new();
+        let mut queue: std::collections::VecDeque<Step> = out.steps.into();
+        while let Some(step) = queue.pop_front() {
+            match step {
+                Step::Store(op) => {
+                    let more = flow.store_answered(&cfg(), op.perform(store));
+                    verdict = more.verdict;
+                    queue.extend(more.steps);
+                }
+                other => done.push(other),
+            }
+        }
+        (done, verdict)
+    }
+
+    fn counters(steps: &[Step]) -> Vec<Counter> {
+        steps.iter().filter_map(|s| if let Step::Count(c) = s { Some(*c) } else { None }).collect()
+    }
+
+    fn reply_of(steps: &[Step]) -> (&Reply, &'static str) {
+        steps
+            .iter()
+            .find_map(|s| if let Step::Reply { reply, details } = s { Some((reply, *details)) } else { None })
+            .unwrap()
+    }
+
+    fn header<'r>(r: &'r Reply, name: &str) -> Option<&'r [u8]> {
+        r.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice())
+    }
+
+    /// Headers, then the whole body: where the store is asked.
+    fn to_begin(flow: &mut RequestFlow, facts: &mut Facts) -> Output {
+        let c = cfg();
+        assert_eq!(flow.request_headers(&c, facts, false), Output::hold(Vec::new()));
+        let size = facts.request_body.as_ref().map_or(0, Vec::len);
+        flow.request_body(&c, facts, size, true)
+    }
+
+    fn begun(flow: &mut RequestFlow, facts: &mut Facts, store: &dyn RecordStore) -> (Vec<Step>, Verdict) {
+        let out = to_begin(flow, facts);
+        run(flow, out, store)
+    }
+
+    #[test]
+    fn a_claimed_request_is_captured_completed_and_then_replayed() {
+        let w = World::new();
+        let mut facts = Facts::post("/orders", "k", b"{}").upstream_answer(201, b"{\"id\":1}");
+        let mut flow = RequestFlow::new(1);
+        let (steps, verdict) = begun(&mut flow, &mut facts, &w.store());
+        assert_eq!((counters(&steps), verdict), (vec![Counter::Claimed], Verdict::Continue));
+        assert_eq!(flow.response_headers(&mut facts, false), Output::go(Vec::new()));
+        let out = flow.response_body(&mut facts, 8, true);
+        let (steps, _) = run(&mut flow, out, &w.store());
+        assert_eq!(counters(&steps), vec![Counter::Stored]);
+        // A retry: replayed, with our details string, and its headers fixed on the way out.
+        let mut retry_facts = Facts::post("/orders", "k", b"{}");
+        let mut retry = RequestFlow::new(2);
+        let (steps, verdict) = begun(&mut retry, &mut retry_facts, &w.store());
+        assert_eq!((counters(&steps), verdict), (vec![Counter::Replayed], Verdict::Pause));
+        let (reply, details) = reply_of(&steps);
+        assert_eq!((reply.status, reply.body.as_slice(), details), (201, &b"{\"id\":1}"[..], DETAILS_REPLAY));
+        // Envoy's local-reply path invented a content-type the upstream never sent.
+        retry_facts.response = vec![("content-type".into(), b"text/plain".to_vec())];
+        let out = retry.response_headers(&mut retry_facts, false);
+        assert_eq!(out, Output::go(vec![Step::FixHeaders(vec![HeaderFix::Remove("content-type")])]));
+    }
+
+    #[test]
+    fn a_store_answer_may_come_in_a_later_callback() {
+        let w = World::new();
+        let mut facts = Facts::post("/orders", "k", b"x");
+        let mut flow = RequestFlow::new(1);
+        let out = to_begin(&mut flow, &mut facts);
+        assert_eq!(out.verdict, Verdict::Pause);
+        let [Step::Store(op)] = out.steps.as_slice() else { panic!("{out:?}") };
+        assert!(flow.awaiting_store());
+        // Nothing else happens while the request is held; then the answer arrives.
+        let answer = op.perform(&w.store());
+        let out = flow.store_answered(&cfg(), answer);
+        assert_eq!(out, Output::go(vec![Step::Count(Counter::Claimed)]));
+        assert!(!flow.awaiting_store());
+    }
+
+    #[test]
+    fn a_store_that_never_answers_fails_closed_with_503_and_retry_after() {
+        let w = World::new();
+        let mut facts = Facts::post("/orders", "k", b"x");
+        let mut flow = RequestFlow::new(1);
+        let out = to_begin(&mut flow, &mut facts);
+        let [Step::Store(op)] = out.steps.as_slice() else { panic!("{out:?}") };
+        let op = op.clone();
+        let out = flow.store_timed_out(&cfg());
+        assert_eq!((counters(&out.steps), out.verdict), (vec![Counter::StoreError], Verdict::Pause));
+        let (reply, details) = reply_of(&out.steps);
+        assert_eq!((reply.status, details), (503, DETAILS_PROBLEM));
+        assert!(header(reply, "retry-after").is_some());
+        assert!(String::from_utf8_lossy(&reply.body).contains("store-unavailable"));
+        // The answer that comes too late changes nothing.
+        assert_eq!(flow.store_answered(&cfg(), op.perform(&w.store())), Output::go(Vec::new()));
+        // A settlement that never gets its answer is counted as a store error.
+        let mut facts = Facts::post("/orders", "k2", b"x").upstream_answer(201, b"");
+        let mut flow = RequestFlow::new(2);
+        begun(&mut flow, &mut facts, &w.store());
+        let out = flow.response_headers(&mut facts, true);
+        assert!(matches!(out.steps.as_slice(), [Step::Store(StoreOp::Complete { .. })]));
+        assert_eq!(flow.store_timed_out(&cfg()).steps, vec![Step::Count(Counter::StoreError)]);
+    }
+
+    #[test]
+    fn an_unavailable_store_is_503_and_an_unreadable_body_too() {
+        let data = FakeSharedData::new(); // layout never created
+        let mut facts = Facts::post("/orders", "k", b"x");
+        let mut flow = RequestFlow::new(1);
+        let (steps, _) = begun(&mut flow, &mut facts, &LocalStore::new(&data, 64));
+        assert_eq!((counters(&steps), reply_of(&steps).0.status), (vec![Counter::StoreError], 503));
+
+        let mut facts = Facts { request_body: None, ..Facts::post("/orders", "k", b"") };
+        let mut flow = RequestFlow::new(2);
+        flow.request_headers(&cfg(), &mut facts, false);
+        let out = flow.request_body(&cfg(), &mut facts, 3, true);
+        assert_eq!(counters(&out.steps), vec![Counter::StoreError]);
+        let (reply, _) = reply_of(&out.steps);
+        assert_eq!(reply.status, 503);
+        assert!(header(reply, "retry-after").is_some());
+    }
+
+    #[test]
+    fn releases_keeps_and_cut_responses() {
+        let w = World::new();
+        let forwarded = |key: &str, facts: &mut Facts| {
+            let mut flow = RequestFlow::new(1);
+            let (steps, _) = begun(&mut flow, facts, &w.store());
+            assert_eq!(counters(&steps), vec![Counter::Claimed], "{key}");
+            flow
+        };
+        // No upstream host was ever selected (a direct response): release.
+        let mut facts = Facts::post("/orders", "a", b"x").local_reply("direct_response", 0, "");
+        let mut flow = forwarded("a", &mut facts);
+        let out = flow.response_headers(&mut facts, true);
+        assert_eq!(counters(&run(&mut flow, out, &w.store()).0), vec![Counter::Released]);
+        // The address cannot be read: it may have been sent, keep.
+        let mut facts = Facts::post("/orders", "b", b"x").local_reply("ext_authz_denied", 0, "");
+        facts.unreadable.push("upstream\0address".into());
+        let mut flow = forwarded("b", &mut facts);
+        assert_eq!(flow.response_headers(&mut facts, true).steps, vec![Step::Count(Counter::KeptUnknown)]);
+        // A timeout: keep.
+        let mut facts = Facts::post("/orders", "c", b"x").local_reply("response_timeout", 0x4, "10.0.0.1:80");
+        let mut flow = forwarded("c", &mut facts);
+        assert_eq!(flow.stream_ended(&mut facts).steps, vec![Step::Count(Counter::KeptUnknown)]);
+        // Cut mid-body: completed without the body, a retry gets 410.
+        let mut facts = Facts::post("/orders", "d", b"x").upstream_answer(201, b"abc");
+        let mut flow = forwarded("d", &mut facts);
+        flow.response_headers(&mut facts, false);
+        flow.response_body(&mut facts, 3, false);
+        let out = flow.stream_ended(&mut facts);
+        let [Step::Store(StoreOp::Complete { completion, .. })] = out.steps.as_slice() else {
+            panic!("{out:?}")
+        };
+        assert_eq!(completion.snapshot, None);
+        assert_eq!(counters(&run(&mut flow, out, &w.store()).0), vec![Counter::ResponseNotStored]);
+        let mut retry = RequestFlow::new(9);
+        let (steps, _) = begun(&mut retry, &mut Facts::post("/orders", "d", b"x"), &w.store());
+        assert_eq!(reply_of(&steps).0.status, 410);
+    }
+
+    #[test]
+    fn a_body_over_the_limit_is_kept_without_it_and_router_retries_are_reported() {
+        let w = World::new();
+        let mut facts = Facts::post("/orders", "k", b"x").upstream_answer(200, b"123456789");
+        facts.properties.insert("upstream\0request_attempt_count".into(), 2u64.to_le_bytes().to_vec());
+        let mut flow = RequestFlow::new(1);
+        begun(&mut flow, &mut facts, &w.store());
+        flow.response_headers(&mut facts, false);
+        let out = flow.response_body(&mut facts, 9, true);
+        assert_eq!(counters(&run(&mut flow, out, &w.store()).0), vec![Counter::ResponseNotStored]);
+        let out = flow.stream_ended(&mut facts);
+        assert_eq!(
+            out.steps,
+            vec![
+                Step::Count(Counter::UpstreamRetried),
+                Step::WarnRetried { rule: "orders".into(), attempts: 2 }
+            ]
+        );
+    }
+
+    #[test]
+    fn wait_mode_parks_refuses_resumes_and_wakes() {
+        let w = World::new();
+        let mut first = RequestFlow::new(1);
+        let mut facts = Facts::post("/wait", "k", b"x").upstream_answer(201, b"ok");
+        begun(&mut first, &mut facts, &w.store());
+        // A duplicate: asked to park; refused by the room's bounds, it gets 409 at once.
+        let mut dup = RequestFlow::new(2);
+        let (steps, verdict) = begun(&mut dup, &mut Facts::post("/wait", "k", b"x"), &w.store());
+        let [Step::Park(plan)] = steps.as_slice() else { panic!("{steps:?}") };
+        assert_eq!(verdict, Verdict::Pause);
+        assert_eq!(plan.recheck_at_ms(true), plan.now_ms);
+        assert!(plan.recheck_at_ms(false) > plan.now_ms);
+        let out = dup.parked(&cfg(), Err(Refused::PerKey));
+        assert_eq!(counters(&out.steps), vec![Counter::WaitRefused]);
+        assert_eq!(reply_of(&out.steps).0.status, 409);
+        // Admitted: held; its client leaving takes it out of the room.
+        let mut held = RequestFlow::new(3);
+        begun(&mut held, &mut Facts::post("/wait", "k", b"x"), &w.store());
+        assert_eq!(held.parked(&cfg(), Ok(())), Output::hold(vec![Step::Count(Counter::Waiting)]));
+        assert_eq!(held.stream_ended(&mut Facts::default()).steps, vec![Step::LeaveWaitRoom]);
+        // The original completes: its waiters are woken.
+        first.response_headers(&mut facts, false);
+        let out = first.response_body(&mut facts, 2, true);
+        let (steps, _) = run(&mut first, out, &w.store());
+        assert!(matches!(steps.as_slice(), [Step::Wake(_), Step::Count(Counter::Stored)]), "{steps:?}");
+        // A waiter resumed by its root continues as a forwarded request.
+        let mut resumed = RequestFlow::new(4);
+        begun(&mut resumed, &mut Facts::post("/wait", "other", b"x"), &w.store());
+        resumed.resumed(Resumed::Answered { replay_shape: None });
+        assert!(!resumed.waiting(), "only a waiting flow takes word from its root");
+    }
+
+    #[test]
+    fn a_waiter_plan_releases_the_claim_if_it_cannot_resume() {
+        let rule = cfg().rules[1].clone();
+        let claim = Claim { scope: ScopeId([1; 32]), owner: 7, locator: 0 };
+        match waiter_plan(Recheck::Forward { claim, counter: Counter::Claimed }, &rule) {
+            WaiterPlan::Resume { counter, release, .. } => {
+                assert_eq!((counter, release), (Counter::Claimed, StoreOp::Release(claim)))
+            }
+            other => panic!("{other:?}"),
+        }
+        let reply = Reply { status: 200, headers: vec![], body: vec![], replay_shape: None };
+        match waiter_plan(Recheck::Respond { reply, counter: Counter::Replayed }, &rule) {
+            WaiterPlan::Answer { details, .. } => assert_eq!(details, DETAILS_REPLAY),
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -1,0 +1,434 @@
+//! A host for native tests of the glue: Envoy's shared data (the fake with its rules), header
+//! maps, buffers and properties a test sets, queues and counters, a record of every call that
+//! changes something, and failures injected per call.
+
+use super::http::Http;
+use super::root::Root;
+use super::{Host, HostError, MAP_REQUEST_HEADERS};
+use crate::flow::Verdict;
+use crate::store::fake::FakeSharedData;
+use crate::store::shared_data::{Cas, Read, SharedData, SharedDataError};
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Call {
+    SendResponse {
+        context: u32,
+        status: u16,
+        details: String,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+    },
+    Resume {
+        context: u32,
+    },
+    SetHeader {
+        name: String,
+        value: Vec<u8>,
+    },
+    RemoveHeader {
+        name: String,
+    },
+    Critical(String),
+}
+
+#[derive(Default)]
+pub struct Inner {
+    data: FakeSharedData,
+    pub now_ms: Cell<u64>,
+    pub config: RefCell<Vec<u8>>,
+    pub request_headers: RefCell<Vec<(String, Vec<u8>)>>,
+    pub request_body: RefCell<Vec<u8>>,
+    pub response_headers: RefCell<Vec<(String, Vec<u8>)>>,
+    pub response_body: RefCell<Vec<u8>>,
+    pub properties: RefCell<HashMap<String, Vec<u8>>>,
+    /// Host calls (by method name) that fail with this status.
+    pub failing: RefCell<HashMap<&'static str, u32>>,
+    pub calls: RefCell<Vec<Call>>,
+    queues: RefCell<Vec<(String, VecDeque<Vec<u8>>)>>,
+    metrics: RefCell<Vec<(String, i64)>>,
+    effective: Cell<u32>,
+}
+
+#[derive(Clone, Default)]
+pub struct FakeHost(pub Rc<Inner>);
+
+impl FakeHost {
+    fn fails(&self, call: &'static str) -> Result<(), HostError> {
+        match self.0.failing.borrow().get(call) {
+            Some(status) => Err(HostError(*status)),
+            None => Ok(()),
+        }
+    }
+
+    pub fn fail(&self, call: &'static str, status: u32) {
+        self.0.failing.borrow_mut().insert(call, status);
+    }
+
+    pub fn counter(&self, name: &str) -> i64 {
+        let full = format!("idempotency.requests.{name}");
+        self.0.metrics.borrow().iter().find(|(n, _)| *n == full).map_or(0, |(_, v)| *v)
+    }
+
+    pub fn replies(&self) -> Vec<(u32, u16, String)> {
+        self.0
+            .calls
+            .borrow()
+            .iter()
+            .filter_map(|c| match c {
+                Call::SendResponse { context, status, details, .. } => {
+                    Some((*context, *status, details.clone()))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Sets the map Envoy would show (pseudo-headers included).
+    fn map(&self, map_type: u32) -> &RefCell<Vec<(String, Vec<u8>)>> {
+        if map_type == MAP_REQUEST_HEADERS {
+            &self.0.request_headers
+        } else {
+            &self.0.response_headers
+        }
+    }
+}
+
+impl SharedData for FakeHost {
+    fn get(&self, data_key: &str) -> Result<Read, SharedDataError> {
+        self.0.data.get(data_key)
+    }
+    fn set(&self, data_key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
+        self.0.data.set(data_key, value, cas)
+    }
+}
+
+impl Host for FakeHost {
+    fn now_ms(&self) -> u64 {
+        self.0.now_ms.get()
+    }
+    fn log_level(&self) -> u32 {
+        super::LOG_INFO
+    }
+    fn log_critical(&self, message: &str) {
+        self.0.calls.borrow_mut().push(Call::Critical(message.to_string()));
+    }
+    fn set_tick_period_ms(&self, _ms: u32) -> Result<(), HostError> {
+        self.fails("set_tick_period_ms")
+    }
+    fn buffer(&self, buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostError> {
+        self.fails("buffer")?;
+        let source = match buffer_type {
+            super::BUFFER_PLUGIN_CONFIGURATION => self.0.config.borrow().clone(),
+            super::BUFFER_REQUEST_BODY => self.0.request_body.borrow().clone(),
+            _ => self.0.response_body.borrow().clone(),
+        };
+        Ok(source.into_iter().skip(start).take(max).collect())
+    }
+    fn header_pairs(&self, map_type: u32) -> Result<Vec<(String, Vec<u8>)>, HostError> {
+        self.fails("header_pairs")?;
+        Ok(self.map(map_type).borrow().clone())
+    }
+    fn header_value(&self, map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        self.fails("header_value")?;
+        Ok(self.map(map_type).borrow().iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()))
+    }
+    fn set_header(&self, map_type: u32, name: &str, value: &[u8]) -> Result<(), HostError> {
+        self.fails("set_header")?;
+        let mut map = self.map(map_type).borrow_mut();
+        map.retain(|(n, _)| n != name);
+        map.push((name.to_string(), value.to_vec()));
+        self.0.calls.borrow_mut().push(Call::SetHeader { name: name.to_string(), value: value.to_vec() });
+        Ok(())
+    }
+    fn remove_header(&self, map_type: u32, name: &str) -> Result<(), HostError> {
+        self.fails("remove_header")?;
+        self.map(map_type).borrow_mut().retain(|(n, _)| n != name);
+        self.0.calls.borrow_mut().push(Call::RemoveHeader { name: name.to_string() });
+        Ok(())
+    }
+    fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
+        self.fails("property")?;
+        Ok(self.0.properties.borrow().get(&path.join(".")).cloned())
+    }
+    fn send_response(
+        &self,
+        status: u16,
+        details: &str,
+        headers: &[(String, Vec<u8>)],
+        body: &[u8],
+    ) -> Result<(), HostError> {
+        self.fails("send_response")?;
+        self.0.calls.borrow_mut().push(Call::SendResponse {
+            context: self.0.effective.get(),
+            status,
+            details: details.to_string(),
+            headers: headers.to_vec(),
+            body: body.to_vec(),
+        });
+        Ok(())
+    }
+    fn resume_request(&self) -> Result<(), HostError> {
+        self.fails("resume_request")?;
+        self.0.calls.borrow_mut().push(Call::Resume { context: self.0.effective.get() });
+        Ok(())
+    }
+    fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {
+        self.fails("set_effective_context")?;
+        self.0.effective.set(context_id);
+        Ok(())
+    }
+    fn register_queue(&self, name: &str) -> Result<u32, HostError> {
+        self.fails("register_queue")?;
+        let mut queues = self.0.queues.borrow_mut();
+        queues.push((name.to_string(), VecDeque::new()));
+        Ok(queues.len() as u32 - 1)
+    }
+    fn resolve_queue(&self, name: &str) -> Result<Option<u32>, HostError> {
+        Ok(self.0.queues.borrow().iter().position(|(n, _)| n == name).map(|i| i as u32))
+    }
+    fn enqueue(&self, queue_id: u32, message: &[u8]) -> Result<(), HostError> {
+        let mut queues = self.0.queues.borrow_mut();
+        let (_, q) = queues.get_mut(queue_id as usize).ok_or(HostError(1))?;
+        q.push_back(message.to_vec());
+        Ok(())
+    }
+    fn dequeue(&self, queue_id: u32) -> Result<Option<Vec<u8>>, HostError> {
+        let mut queues = self.0.queues.borrow_mut();
+        let (_, q) = queues.get_mut(queue_id as usize).ok_or(HostError(1))?;
+        Ok(q.pop_front())
+    }
+    fn define_counter(&self, name: &str) -> Result<u32, HostError> {
+        let mut metrics = self.0.metrics.borrow_mut();
+        metrics.push((name.to_string(), 0));
+        Ok(metrics.len() as u32 - 1)
+    }
+    fn increment(&self, metric: u32, by: i64) {
+        if let Some((_, v)) = self.0.metrics.borrow_mut().get_mut(metric as usize) {
+            *v += by;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CONFIG: &str = r#"{"store":{"type":"local","capacity":64},"routes":[
+        {"name":"orders","match":{"prefix":"/orders"},"require_key":true},
+        {"name":"waits","match":{"prefix":"/wait"},"require_key":true,"concurrent":"wait"}]}"#;
+
+    fn host() -> FakeHost {
+        let h = FakeHost::default();
+        *h.0.config.borrow_mut() = CONFIG.as_bytes().to_vec();
+        h.0.now_ms.set(1_000);
+        h
+    }
+
+    fn root(h: &FakeHost) -> Root<FakeHost> {
+        let mut root = Root::new(1, h.clone());
+        assert!(root.on_configure());
+        root
+    }
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+        list.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
+    }
+
+    /// A POST with a key, headers and body in the host, the whole body at once.
+    fn post(h: &FakeHost, http: &mut Http<FakeHost>, path: &str, key: &str) -> Verdict {
+        *h.0.request_headers.borrow_mut() = pairs(&[
+            (":method", "POST"),
+            (":path", path),
+            ("idempotency-key", key),
+            ("content-type", "application/json"),
+        ]);
+        *h.0.request_body.borrow_mut() = b"{}".to_vec();
+        assert_eq!(http.on_request_headers(false), Verdict::Pause);
+        http.on_request_body(2, true)
+    }
+
+    fn upstream_answers(h: &FakeHost, status: &str, body: &[u8]) {
+        *h.0.response_headers.borrow_mut() =
+            pairs(&[(":status", status), ("content-type", "application/json")]);
+        *h.0.response_body.borrow_mut() = body.to_vec();
+        h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
+    }
+
+    #[test]
+    fn a_refused_configuration_is_logged_in_one_line() {
+        let h = FakeHost::default();
+        *h.0.config.borrow_mut() = br#"{"routes":[]}"#.to_vec();
+        assert!(!Root::new(1, h.clone()).on_configure());
+        assert!(matches!(h.0.calls.borrow().as_slice(), [Call::Critical(m)] if m.contains("routes")));
+    }
+
+    #[test]
+    fn without_a_configuration_every_stream_goes_on_untouched() {
+        let h = FakeHost::default();
+        let root = Root::new(1, h.clone());
+        let mut http = root.http_context(2);
+        *h.0.request_headers.borrow_mut() = pairs(&[(":method", "POST"), (":path", "/orders")]);
+        assert_eq!(http.on_request_headers(false), Verdict::Continue);
+        assert_eq!(http.on_request_body(2, true), Verdict::Continue);
+        assert_eq!(http.on_response_headers(true), Verdict::Continue);
+        http.on_log();
+        assert!(h.0.calls.borrow().is_empty());
+    }
+
+    #[test]
+    fn a_replay_gets_its_stored_content_type_back() {
+        let h = host();
+        let root = root(&h);
+        let mut first = root.http_context(2);
+        assert_eq!(post(&h, &mut first, "/orders", "k"), Verdict::Continue);
+        upstream_answers(&h, "201", b"{\"id\":1}");
+        assert_eq!(first.on_response_headers(false), Verdict::Continue);
+        assert_eq!(first.on_response_body(8, true), Verdict::Continue);
+        first.on_log();
+        assert_eq!((h.counter("claimed"), h.counter("stored")), (1, 1));
+
+        let mut retry = root.http_context(3);
+        assert_eq!(post(&h, &mut retry, "/orders", "k"), Verdict::Pause);
+        assert_eq!(h.replies(), vec![(0, 201, "idempotency_replay".to_string())]);
+        // Envoy's local-reply path replaced the stored content-type with its own.
+        *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201"), ("content-type", "text/plain")]);
+        assert_eq!(retry.on_response_headers(false), Verdict::Continue);
+        assert!(h
+            .0
+            .calls
+            .borrow()
+            .contains(&Call::SetHeader { name: "content-type".into(), value: b"application/json".to_vec() }));
+    }
+
+    #[test]
+    fn an_unreadable_request_body_is_a_503() {
+        let h = host();
+        let root = root(&h);
+        let mut http = root.http_context(2);
+        h.fail("buffer", 2);
+        assert_eq!(post(&h, &mut http, "/orders", "k"), Verdict::Pause);
+        assert_eq!(h.replies(), vec![(0, 503, "idempotency_problem".to_string())]);
+        assert_eq!(h.counter("store_error"), 1);
+    }
+
+    #[test]
+    fn no_upstream_host_releases_the_claim_and_a_cut_body_keeps_the_outcome_without_it() {
+        let h = host();
+        let root = root(&h);
+        let mut http = root.http_context(2);
+        post(&h, &mut http, "/orders", "k");
+        // A direct response: upstream.address is empty.
+        *h.0.response_headers.borrow_mut() = pairs(&[(":status", "200")]);
+        h.0.properties.borrow_mut().insert("response.code_details".into(), b"direct_response".to_vec());
+        h.0.properties.borrow_mut().insert("upstream.address".into(), Vec::new());
+        http.on_response_headers(true);
+        assert_eq!(h.counter("released"), 1);
+        // Released: the retry executes.
+        let mut again = root.http_context(3);
+        assert_eq!(post(&h, &mut again, "/orders", "k"), Verdict::Continue);
+        upstream_answers(&h, "201", b"abcdef");
+        again.on_response_headers(false);
+        again.on_response_body(3, false);
+        again.on_log(); // the upstream reset mid-body
+        assert_eq!(h.counter("response_not_stored"), 1);
+        let mut late = root.http_context(4);
+        post(&h, &mut late, "/orders", "k");
+        assert_eq!(h.replies().last().map(|r| r.1), Some(410));
+    }
+
+    /// The original (context 2) and a duplicate held in wait mode (context 3).
+    fn original_and_waiter(h: &FakeHost, root: &Root<FakeHost>) -> (Http<FakeHost>, Http<FakeHost>) {
+        let mut original = root.http_context(2);
+        assert_eq!(post(h, &mut original, "/wait", "w"), Verdict::Continue);
+        let mut waiter = root.http_context(3);
+        assert_eq!(post(h, &mut waiter, "/wait", "w"), Verdict::Pause);
+        assert_eq!(h.counter("waiting"), 1);
+        (original, waiter)
+    }
+
+    #[test]
+    fn a_woken_waiter_is_answered_with_the_replay() {
+        let h = host();
+        let mut root = root(&h);
+        let (mut original, mut waiter) = original_and_waiter(&h, &root);
+        upstream_answers(&h, "201", b"ok");
+        original.on_response_headers(false);
+        original.on_response_body(2, true);
+        root.on_queue_ready(0);
+        assert_eq!(h.replies(), vec![(3, 201, "idempotency_replay".to_string())]);
+        assert_eq!(h.counter("replayed"), 1);
+        // The replay passes the waiter's encode callbacks: not captured as an upstream answer.
+        assert_eq!(waiter.on_response_headers(true), Verdict::Continue);
+        assert_eq!(h.counter("stored"), 1);
+    }
+
+    #[test]
+    fn a_waiter_whose_client_left_gets_nothing() {
+        let h = host();
+        let mut root = root(&h);
+        let (mut original, _waiter) = original_and_waiter(&h, &root);
+        upstream_answers(&h, "201", b"ok");
+        original.on_response_headers(false);
+        original.on_response_body(2, true);
+        h.fail("set_effective_context", 1);
+        root.on_queue_ready(0);
+        assert!(h.replies().is_empty());
+        assert_eq!(h.counter("replayed"), 0);
+    }
+
+    #[test]
+    fn a_waiter_that_cannot_be_resumed_releases_its_claim() {
+        let h = host();
+        let mut root = root(&h);
+        let (mut original, _waiter) = original_and_waiter(&h, &root);
+        // The upstream answers 503: released, so the waiter becomes the owner.
+        upstream_answers(&h, "503", b"");
+        original.on_response_headers(true);
+        assert_eq!(h.counter("released"), 1);
+        h.fail("resume_request", 1);
+        root.on_queue_ready(0);
+        assert_eq!(h.counter("claimed"), 2);
+        // Its claim was released: the next request claims instead of being told to wait.
+        let mut next = root.http_context(4);
+        assert_eq!(post(&h, &mut next, "/wait", "w"), Verdict::Continue);
+        assert_eq!(h.counter("claimed"), 3);
+    }
+
+    #[test]
+    fn trailers_end_the_request_body_and_the_captured_response() {
+        let h = host();
+        let mut root = root(&h);
+        let mut http = root.http_context(2);
+        *h.0.request_headers.borrow_mut() =
+            pairs(&[(":method", "POST"), (":path", "/orders"), ("idempotency-key", "t")]);
+        *h.0.request_body.borrow_mut() = b"x".to_vec();
+        assert_eq!(http.on_request_headers(false), Verdict::Pause);
+        assert_eq!(http.on_request_body(1, false), Verdict::Pause);
+        assert_eq!(http.on_request_trailers(), Verdict::Continue);
+        upstream_answers(&h, "200", b"ok");
+        http.on_response_headers(false);
+        http.on_response_body(2, false);
+        assert_eq!(http.on_response_trailers(), Verdict::Continue);
+        assert_eq!(h.counter("stored"), 1);
+        // The root that goes away stops advertising its wake-up queue.
+        let registry = crate::wait::wake::Registry::new(h.clone());
+        root.on_tick();
+        assert_eq!(registry.live(1_000).unwrap().len(), 1);
+        assert!(root.on_done());
+        assert!(registry.live(1_000).unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_tick_sweeps_and_gives_up_on_waiters_after_their_timeout() {
+        let h = host();
+        let mut root = root(&h);
+        let (_original, _waiter) = original_and_waiter(&h, &root);
+        h.0.now_ms.set(1_000 + 10_001);
+        root.on_tick();
+        assert_eq!(h.replies(), vec![(3, 409, "idempotency_problem".to_string())]);
+        assert_eq!(h.counter("wait_timed_out"), 1);
+    }
+}

@@ -1,0 +1,238 @@
+//! What one root context and all its HTTP contexts share: the configuration, the store, the
+//! metric ids, the wait room and this worker's wake-up queue. Held by the root, never in
+//! statics, because after a config update the old and new root contexts share one VM.
+
+use super::{Host, BUFFER_PLUGIN_CONFIGURATION};
+use crate::config::{self, Config, StoreConfig};
+use crate::flow::Resumed;
+use crate::identity::scope::ScopeId;
+use crate::metrics::Counter;
+use crate::store::local::LocalStore;
+use crate::store::{StoreAnswer, StoreOp};
+use crate::wait::wake::{self, Registry};
+use crate::wait::WaitRoom;
+use std::cell::{Cell, RefCell};
+use std::hash::{BuildHasher, Hasher};
+use std::rc::Rc;
+
+/// Where the root leaves word for a held request it resolved; read once by its HTTP context.
+pub type WaitHandle = Rc<Cell<Option<Resumed>>>;
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A random value from the host's WASI random source (each RandomState is seeded from it).
+fn random_u64(mix: u64) -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(mix);
+    h.finish()
+}
+
+/// Counter ids, defined once per root context (define_metric hands out a new id per call).
+pub struct Metrics {
+    counters: Vec<Option<u32>>,
+    swept: Option<u32>,
+}
+
+impl Metrics {
+    fn define<H: Host>(host: &H) -> Metrics {
+        let define = |name: String| match host.define_counter(&name) {
+            Ok(id) => Some(id),
+            Err(e) => {
+                log::warn!("cannot define metric {name}: host status {}", e.0);
+                None
+            }
+        };
+        Metrics {
+            counters: Counter::ALL
+                .iter()
+                .map(|c| define(format!("idempotency.requests.{}", c.name())))
+                .collect(),
+            swept: define("idempotency.records.swept".to_string()),
+        }
+    }
+}
+
+pub struct PluginState<H: Host> {
+    pub host: H,
+    pub config: Config,
+    pub store: LocalStore<H>,
+    metrics: Metrics,
+    tokens: Cell<u64>,
+    seed: u64,
+    pub room: RefCell<WaitRoom<WaitHandle>>,
+    registry: Registry<H>,
+    queue_name: String,
+    pub queue_id: Option<u32>,
+    /// Live wake queues of all workers (refreshed by the heartbeat), with resolved ids.
+    peers: RefCell<Vec<(String, Option<u32>)>>,
+    /// This root's queue is in the registry (a heartbeat succeeded).
+    advertised: Cell<bool>,
+}
+
+impl<H: Host> PluginState<H> {
+    /// Reads and checks the configuration and prepares everything traffic needs; the error is
+    /// the one line that tells the operator why Envoy refused the configuration.
+    pub fn configure(host: H, context_id: u32) -> Result<PluginState<H>, String> {
+        let bytes = host
+            .buffer(BUFFER_PLUGIN_CONFIGURATION, 0, usize::MAX)
+            .map_err(|e| format!("cannot read the plugin configuration: host status {}", e.0))?;
+        let config = config::parse(&bytes).map_err(|e| e.to_string())?;
+        let StoreConfig::Local { capacity } = config.store;
+        // The store's placement secret.
+        let fresh_secret: [u8; 32] = std::array::from_fn(|i| {
+            random_u64((i / 8) as u64).to_be_bytes().get(i % 8).copied().unwrap_or(0)
+        });
+        let now_ms = host.now_ms();
+        let store = LocalStore::open(host.clone(), capacity, fresh_secret, now_ms)
+            .map_err(|e| format!("cannot prepare the local store: {e}"))?;
+        log::info!(
+            "configured {} route rule(s); local store: {} records in {} buckets ({} keys created)",
+            config.rules.len(),
+            store.capacity(),
+            store.buckets(),
+            store.keys_created()
+        );
+        let seed = random_u64(u64::from(context_id) ^ now_ms.rotate_left(32));
+        let registry = Registry::new(host.clone());
+        registry.create_key().map_err(|e| format!("cannot prepare wait-mode wake-ups: {e}"))?;
+        let queue_name = wake::queue_name(seed);
+        let queue_id = match host.register_queue(&queue_name) {
+            Ok(id) => Some(id),
+            Err(e) => {
+                log::warn!("no wake-up queue (host status {}); waiters on this worker rely on rechecks", e.0);
+                None
+            }
+        };
+        let room = RefCell::new(WaitRoom::new(config.max_waiters_per_key, config.max_waiters));
+        Ok(PluginState {
+            metrics: Metrics::define(&host),
+            host,
+            config,
+            store,
+            tokens: Cell::new(0),
+            seed,
+            room,
+            registry,
+            queue_name,
+            queue_id,
+            peers: RefCell::new(Vec::new()),
+            advertised: Cell::new(false),
+        })
+    }
+
+    pub fn count(&self, counter: Counter) {
+        let index = Counter::ALL.iter().position(|c| *c == counter);
+        if let Some(Some(id)) = index.and_then(|i| self.metrics.counters.get(i)) {
+            self.host.increment(*id, 1);
+        }
+    }
+
+    pub fn count_swept(&self, n: u32) {
+        if let (Some(id), true) = (self.metrics.swept, n > 0) {
+            self.host.increment(id, i64::from(n));
+        }
+    }
+
+    /// The local store answers at once, on shared data.
+    pub fn perform(&self, op: &StoreOp) -> StoreAnswer {
+        op.perform(&self.store)
+    }
+
+    /// Tells every worker that this record's outcome may be known, so that its waiters look.
+    pub fn broadcast(&self, scope: &ScopeId) {
+        // Read the registry now rather than trust the list cached at the last heartbeat: a
+        // worker that started since would otherwise miss this wake-up (and wait for a recheck).
+        if let Ok(names) = self.registry.live(self.host.now_ms()) {
+            self.set_peers(names);
+        }
+        let mut peers = self.peers.borrow_mut();
+        for (name, id) in peers.iter_mut() {
+            if id.is_none() {
+                *id = self.host.resolve_queue(name).ok().flatten();
+            }
+            if let Some(queue) = *id {
+                if let Err(e) = self.host.enqueue(queue, &scope.0) {
+                    log::debug!(
+                        "wake-up to {name} failed (host status {}); its waiters recheck on their own",
+                        e.0
+                    );
+                }
+            }
+        }
+    }
+
+    /// Puts this worker's queue in the registry before its first waiter parks (ticks do it
+    /// within 100 ms of start, but a request may come first). Returns true when it had to: a
+    /// completion that happened meanwhile could not have reached this queue, so the caller
+    /// rechecks at once instead of trusting a wake-up.
+    pub fn ensure_advertised(&self, now_ms: u64) -> bool {
+        if self.advertised.get() || self.queue_id.is_none() {
+            return false;
+        }
+        self.heartbeat(now_ms);
+        true
+    }
+
+    /// Beats in the wake registry (only roots that tick beat, so the short-lived canary VM's
+    /// queue is never advertised).
+    pub fn heartbeat(&self, now_ms: u64) {
+        if self.queue_id.is_none() {
+            return;
+        }
+        match self.registry.heartbeat(&self.queue_name, now_ms) {
+            Ok(names) => {
+                self.advertised.set(true);
+                self.set_peers(names);
+            }
+            Err(e) => log::warn!("wake registry heartbeat failed: {e}"),
+        }
+    }
+
+    /// Stops advertising a queue nobody will read.
+    pub fn withdraw(&self) {
+        let _ = self.registry.remove(&self.queue_name, self.host.now_ms());
+    }
+
+    /// Replaces the peer list, keeping the queue ids already resolved.
+    fn set_peers(&self, names: Vec<String>) {
+        let mut peers = self.peers.borrow_mut();
+        let known = std::mem::take(&mut *peers);
+        *peers = names
+            .into_iter()
+            .map(|n| {
+                let id = known.iter().find(|(k, _)| *k == n).and_then(|(_, id)| *id);
+                (n, id)
+            })
+            .collect();
+    }
+
+    /// True the first time any worker of this Envoy asks for this rule: the retry warning is
+    /// logged once per rule, not once per request. The key space is the configured rule names.
+    pub fn first_retry_warning(&self, rule_name: &str) -> bool {
+        let data_key = format!("idem:warned:retry:{rule_name}");
+        match self.host.get(&data_key) {
+            Ok(read) if read.exists() => false,
+            // Creation is racy, so two workers may both log once: still bounded.
+            Ok(_) => self.host.set(&data_key, b"1", None).is_ok(),
+            Err(_) => false,
+        }
+    }
+
+    /// A claim owner token: unique per claim across workers and VMs with overwhelming
+    /// probability (a random per-root seed, the time, the context and a counter), never 0.
+    pub fn owner_token(&self, context_id: u32, now_ms: u64) -> u64 {
+        let n = self.tokens.get().wrapping_add(1);
+        self.tokens.set(n);
+        // Unique per root by the counter, across roots by the random seed; the time and context
+        // only spread the values. A cheap bijective mix, not a hash: tokens need uniqueness,
+        // not secrecy (they never leave shared data).
+        let mixed =
+            splitmix64(self.seed ^ splitmix64(n ^ (u64::from(context_id) << 40) ^ now_ms.rotate_left(17)));
+        mixed.max(1)
+    }
+}

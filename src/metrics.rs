@@ -1,0 +1,111 @@
+//! The filter's counters: what happened to each request, by name. The names are a contract
+//! with dashboards and with the end-to-end tests, so a variant is never renamed.
+
+use crate::problem::Kind;
+
+/// What happened to a request, one counter each (`idempotency.requests.<name>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counter {
+    PassedThrough,
+    Claimed,
+    TakenOver,
+    Replayed,
+    NotReplayable,
+    Mismatch,
+    InFlight,
+    MissingKey,
+    InvalidKey,
+    TooLarge,
+    StoreFull,
+    StoreError,
+    Stored,
+    ResponseNotStored,
+    Released,
+    KeptUnknown,
+    CompletionLost,
+    /// Held in wait mode (counted once per held request).
+    Waiting,
+    /// Held, then answered 409 when `wait_timeout` passed.
+    WaitTimedOut,
+    /// Not held because a waiter bound was reached: 409 at once.
+    WaitRefused,
+    /// A new record refused because its tenant or principal holds its bound of live records.
+    QuotaExceeded,
+    /// A gRPC call on a protected route: refused, never executed (its replay could not be
+    /// faithful: Envoy turns local replies to gRPC calls into trailers-only errors).
+    GrpcRefused,
+    /// Envoy's router sent the request upstream more than once under one claim (route retry
+    /// policy, hedging, internal redirect).
+    UpstreamRetried,
+}
+
+impl Counter {
+    pub const ALL: [Counter; 23] = [
+        Counter::PassedThrough,
+        Counter::Claimed,
+        Counter::TakenOver,
+        Counter::Replayed,
+        Counter::NotReplayable,
+        Counter::Mismatch,
+        Counter::InFlight,
+        Counter::MissingKey,
+        Counter::InvalidKey,
+        Counter::TooLarge,
+        Counter::StoreFull,
+        Counter::StoreError,
+        Counter::Stored,
+        Counter::ResponseNotStored,
+        Counter::Released,
+        Counter::KeptUnknown,
+        Counter::CompletionLost,
+        Counter::Waiting,
+        Counter::WaitTimedOut,
+        Counter::WaitRefused,
+        Counter::QuotaExceeded,
+        Counter::GrpcRefused,
+        Counter::UpstreamRetried,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Counter::PassedThrough => "passed_through",
+            Counter::Claimed => "claimed",
+            Counter::TakenOver => "taken_over",
+            Counter::Replayed => "replayed",
+            Counter::NotReplayable => "not_replayable",
+            Counter::Mismatch => "mismatch",
+            Counter::InFlight => "in_flight",
+            Counter::MissingKey => "missing_key",
+            Counter::InvalidKey => "invalid_key",
+            Counter::TooLarge => "too_large",
+            Counter::StoreFull => "store_full",
+            Counter::StoreError => "store_error",
+            Counter::Stored => "stored",
+            Counter::ResponseNotStored => "response_not_stored",
+            Counter::Released => "released",
+            Counter::KeptUnknown => "kept_unknown",
+            Counter::CompletionLost => "completion_lost",
+            Counter::Waiting => "waiting",
+            Counter::WaitTimedOut => "wait_timed_out",
+            Counter::WaitRefused => "wait_refused",
+            Counter::QuotaExceeded => "quota_exceeded",
+            Counter::GrpcRefused => "grpc_refused",
+            Counter::UpstreamRetried => "upstream_retried",
+        }
+    }
+
+    pub fn of_problem(kind: Kind) -> Counter {
+        match kind {
+            Kind::MissingKey => Counter::MissingKey,
+            Kind::InvalidKey => Counter::InvalidKey,
+            Kind::PayloadMismatch => Counter::Mismatch,
+            Kind::RequestInFlight => Counter::InFlight,
+            Kind::RequestTooLarge => Counter::TooLarge,
+            Kind::StoreFull => Counter::StoreFull,
+            Kind::StoreUnavailable => Counter::StoreError,
+            Kind::ResponseNotStored => Counter::NotReplayable,
+            Kind::QuotaExceeded => Counter::QuotaExceeded,
+            Kind::GrpcNotSupported => Counter::GrpcRefused,
+        }
+    }
+}

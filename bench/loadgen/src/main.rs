@@ -193,7 +193,10 @@ fn parse_args() -> Result<Opts, String> {
     };
     let mut have_addr = false;
     let secs = |s: &str, what: &str| -> Result<f64, String> {
-        s.parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0).ok_or_else(|| format!("{what}: bad number {s:?}"))
+        s.parse::<f64>()
+            .ok()
+            .filter(|v| v.is_finite() && *v >= 0.0)
+            .ok_or_else(|| format!("{what}: bad number {s:?}"))
     };
     while let Some(a) = args.next() {
         if a == "-h" || a == "--help" {
@@ -225,7 +228,9 @@ fn parse_args() -> Result<Opts, String> {
                 let d = secs(&val()?, "--duration")?;
                 o.duration = (d > 0.0).then(|| Duration::from_secs_f64(d));
             }
-            "--requests" => o.requests = Some(val()?.parse().map_err(|_| "--requests: bad number".to_string())?),
+            "--requests" => {
+                o.requests = Some(val()?.parse().map_err(|_| "--requests: bad number".to_string())?)
+            }
             "--rate" => {
                 let r = secs(&val()?, "--rate")?;
                 if r <= 0.0 {
@@ -233,7 +238,9 @@ fn parse_args() -> Result<Opts, String> {
                 }
                 o.rate = Some(r);
             }
-            "--body-bytes" => o.body_bytes = val()?.parse().map_err(|_| "--body-bytes: bad number".to_string())?,
+            "--body-bytes" => {
+                o.body_bytes = val()?.parse().map_err(|_| "--body-bytes: bad number".to_string())?
+            }
             "--header" => o.headers.push(parse_header(&val()?)?),
             "--key-header" => o.key_header = val()?,
             "--key-prefix" => o.keys = Keys::Unique(val()?),
@@ -352,7 +359,12 @@ struct Answer {
 }
 
 /// Reads one HTTP/1.1 response from `s` (content-length or chunked), using `buf` as scratch.
-fn read_response(s: &mut TcpStream, buf: &mut Vec<u8>, want: &Option<(String, String)>, bytes_in: &mut u64) -> io::Result<Answer> {
+fn read_response(
+    s: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    want: &Option<(String, String)>,
+    bytes_in: &mut u64,
+) -> io::Result<Answer> {
     buf.clear();
     let mut chunk = [0u8; 16384];
     let head_end = loop {
@@ -399,7 +411,10 @@ fn read_response(s: &mut TcpStream, buf: &mut Vec<u8>, want: &Option<(String, St
         while buf.len() < need {
             let n = s.read(&mut chunk)?;
             if n == 0 {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed inside a response"));
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "connection closed inside a response",
+                ));
             }
             *bytes_in += n as u64;
             buf.extend_from_slice(&chunk[..n]);
@@ -486,7 +501,13 @@ struct WorkerResult {
     tally: Tally,
 }
 
-fn worker(o: Arc<Opts>, tpl: Arc<Template>, shared: Arc<Shared>, barrier: Arc<Barrier>, index: usize) -> WorkerResult {
+fn worker(
+    o: Arc<Opts>,
+    tpl: Arc<Template>,
+    shared: Arc<Shared>,
+    barrier: Arc<Barrier>,
+    index: usize,
+) -> WorkerResult {
     let mut hist = Histogram::new();
     let mut tally = Tally::default();
     let mut conn = match connect(&o) {
@@ -569,7 +590,8 @@ fn worker(o: Arc<Opts>, tpl: Arc<Template>, shared: Arc<Shared>, barrier: Arc<Ba
             }
         }
         let Some(s) = conn.as_mut() else { continue };
-        let result = s.write_all(&req).and_then(|_| read_response(s, &mut buf, &o.expect_header, &mut tally.bytes_in));
+        let result =
+            s.write_all(&req).and_then(|_| read_response(s, &mut buf, &o.expect_header, &mut tally.bytes_in));
         match result {
             Ok(a) => {
                 let us = t0.elapsed().as_micros() as u64;
@@ -652,7 +674,14 @@ fn main() -> ExitCode {
     let mut hist = Histogram::new();
     let mut t = Tally::default();
     for h in handles {
-        let r = h.join().unwrap_or_else(|_| WorkerResult { hist: Histogram::new(), tally: Tally { io_errors: 1, first_error: Some("a connection thread panicked".into()), ..Tally::default() } });
+        let r = h.join().unwrap_or_else(|_| WorkerResult {
+            hist: Histogram::new(),
+            tally: Tally {
+                io_errors: 1,
+                first_error: Some("a connection thread panicked".into()),
+                ..Tally::default()
+            },
+        });
         hist.merge(&r.hist);
         for (k, v) in r.tally.statuses {
             *t.statuses.entry(k).or_default() += v;

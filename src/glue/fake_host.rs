@@ -339,6 +339,25 @@ mod tests {
         assert_eq!(h.replies().last().map(|r| r.1), Some(410));
     }
 
+    #[test]
+    fn the_router_retry_warning_is_claimed_once_per_rule_by_one_worker() {
+        let h = host();
+        let _ = root(&h);
+        let keys = h.0.data.key_count();
+        let (worker1, worker2) = (
+            crate::glue::plugin::PluginState::configure(h.clone(), 1).unwrap(),
+            crate::glue::plugin::PluginState::configure(h.clone(), 2).unwrap(),
+        );
+        assert!(worker1.first_retry_warning("orders"));
+        assert!(!worker2.first_retry_warning("orders"));
+        assert!(!worker1.first_retry_warning("orders"));
+        assert!(worker2.first_retry_warning("waits"));
+        // Every flag existed before traffic: asking created no data key.
+        assert_eq!(h.0.data.key_count(), keys);
+        assert!(!worker1.first_retry_warning("no-such-rule"));
+        assert_eq!(h.0.data.key_count(), keys);
+    }
+
     /// The original (context 2) and a duplicate held in wait mode (context 3).
     fn original_and_waiter(h: &FakeHost, root: &Root<FakeHost>) -> (Http<FakeHost>, Http<FakeHost>) {
         let mut original = root.http_context(2);

@@ -97,6 +97,15 @@ impl<H: Host> PluginState<H> {
             store.buckets(),
             store.keys_created()
         );
+        for rule in &config.rules {
+            let data_key = retry_warning_key(&rule.name);
+            let exists =
+                host.get(&data_key).map_err(|e| format!("cannot prepare {data_key}: {e:?}"))?.exists();
+            if !exists {
+                // Racy creation is harmless here: every creator writes the same empty value.
+                host.set(&data_key, &[], None).map_err(|e| format!("cannot prepare {data_key}: {e:?}"))?;
+            }
+        }
         let seed = random_u64(u64::from(context_id) ^ now_ms.rotate_left(32));
         let registry = Registry::new(host.clone());
         registry.create_key().map_err(|e| format!("cannot prepare wait-mode wake-ups: {e}"))?;
@@ -212,14 +221,15 @@ impl<H: Host> PluginState<H> {
     }
 
     /// True the first time any worker of this Envoy asks for this rule: the retry warning is
-    /// logged once per rule, not once per request. The key space is the configured rule names.
+    /// logged once per rule, not once per request. The flag's data key was created empty when
+    /// the plugin was configured, so marking it is a real compare-and-swap: exactly one worker
+    /// wins, and no key is ever created on the request path.
     pub fn first_retry_warning(&self, rule_name: &str) -> bool {
-        let data_key = format!("idem:warned:retry:{rule_name}");
-        match self.host.get(&data_key) {
-            Ok(read) if read.exists() => false,
-            // Creation is racy, so two workers may both log once: still bounded.
-            Ok(_) => self.host.set(&data_key, b"1", None).is_ok(),
-            Err(_) => false,
+        match self.host.get(&retry_warning_key(rule_name)) {
+            Ok(read) if read.exists() && read.value.is_none() => {
+                self.host.set(&retry_warning_key(rule_name), b"1", read.cas).is_ok()
+            }
+            _ => false,
         }
     }
 
@@ -235,4 +245,10 @@ impl<H: Host> PluginState<H> {
             splitmix64(self.seed ^ splitmix64(n ^ (u64::from(context_id) << 40) ^ now_ms.rotate_left(17)));
         mixed.max(1)
     }
+}
+
+/// Data key of the once-per-Envoy warning that a rule's requests went upstream more than once;
+/// one per configured rule name, created at configure time.
+fn retry_warning_key(rule_name: &str) -> String {
+    format!("idem:warned:retry:{rule_name}")
 }

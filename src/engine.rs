@@ -446,7 +446,7 @@ pub fn snapshot_headers(headers: Vec<(String, Vec<u8>)>, excluded: &[String]) ->
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::config::parse;
     use crate::identity::scope::tenant_digest;
@@ -551,17 +551,18 @@ mod tests {
         assert_eq!(base.scope, other_query.scope);
     }
 
-    struct World {
+    /// A local store of 64 records over the shared-data fake, for engine and flow tests.
+    pub(crate) struct World {
         data: FakeSharedData,
     }
 
     impl World {
-        fn new() -> World {
+        pub(crate) fn new() -> World {
             let w = World { data: FakeSharedData::new() };
             LocalStore::new(&w.data, 64).create_keys().unwrap();
             w
         }
-        fn store(&self) -> LocalStore<&FakeSharedData> {
+        pub(crate) fn store(&self) -> LocalStore<&FakeSharedData> {
             LocalStore::new(&self.data, 64)
         }
         fn decide(&self, p: &Pending, body: &[u8], now: u64, owner: u64) -> Decision {

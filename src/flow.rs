@@ -746,20 +746,7 @@ mod tests {
         }
     }
 
-    struct World {
-        data: FakeSharedData,
-    }
-
-    impl World {
-        fn new() -> World {
-            let w = World { data: FakeSharedData::new() };
-            LocalStore::new(&w.data, 64).create_keys().unwrap();
-            w
-        }
-        fn store(&self) -> LocalStore<&FakeSharedData> {
-            LocalStore::new(&self.data, 64)
-        }
-    }
+    use crate::engine::tests::World;
 
     /// Performs store steps at once, as the glue does with the local store; returns the other
     /// steps in order and the last verdict.

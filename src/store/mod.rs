@@ -19,6 +19,7 @@
 
 #[cfg(feature = "testing")]
 pub mod conformance;
+pub mod etcd;
 #[cfg(feature = "testing")]
 pub mod fake;
 pub mod local;

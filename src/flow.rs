@@ -197,6 +197,34 @@ enum Phase {
     Settling { claim: Claim, rule: Rc<Rule>, done: Counter },
 }
 
+/// What a store that cannot be used means for a request waiting for its claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailMode {
+    /// 503 `store-unavailable` with `retry-after`; nothing is forwarded (the default: a request
+    /// without a claim could execute twice).
+    Closed,
+    /// Forward without a claim, so without protection, and count it (`store_bypassed`): for
+    /// routes where availability matters more than at-most-once.
+    Open,
+}
+
+/// A `complete` or `release` the flow handed over to be settled by someone who outlives the
+/// stream (the root, for a store across the network); `settlement_steps` says what its answer
+/// means.
+#[derive(Debug, Clone)]
+pub struct Settlement {
+    pub context_id: u32,
+    pub claim: Claim,
+    pub rule: Rc<Rule>,
+    pub done: Counter,
+}
+
+/// What a handed-over settlement's answer means: the same counts and wake-ups as when the flow
+/// itself is answered.
+pub fn settlement_steps(s: &Settlement, settled: Result<Settled, StoreError>) -> Vec<Step> {
+    settled_steps(s.context_id, &s.claim, &s.rule, s.done, settled)
+}
+
 /// One request's state. `context_id` only names it in logs.
 #[derive(Debug)]
 pub struct RequestFlow {
@@ -380,6 +408,42 @@ impl RequestFlow {
             _ => return Output::go(Vec::new()),
         };
         self.store_answered(cfg, answer)
+    }
+
+    /// The store could not be used (it failed or did not answer in time). For a request waiting
+    /// for its claim, `mode` decides: fail closed (503) or forward unprotected. A settlement
+    /// is counted as a store error either way (the response is already on its way).
+    pub fn store_failed(&mut self, cfg: &Config, error: StoreError, mode: FailMode) -> Output {
+        match (&self.phase, mode) {
+            (Phase::AwaitingBegin { pending, .. }, FailMode::Open) => {
+                log::debug!(
+                    "#{} store unavailable ({error}); forwarding key {} unprotected",
+                    self.context_id,
+                    pending.scope.log_tag()
+                );
+                self.phase = Phase::Idle;
+                Output::go(vec![Step::Count(Counter::StoreBypassed)])
+            }
+            (Phase::AwaitingBegin { .. }, FailMode::Closed) => {
+                self.store_answered(cfg, StoreAnswer::Begun(Err(error)))
+            }
+            (Phase::Settling { .. }, _) => self.store_answered(cfg, StoreAnswer::Settled(Err(error))),
+            _ => Output::go(Vec::new()),
+        }
+    }
+
+    /// Takes the `complete`/`release` this flow is waiting for out of its hands, for someone
+    /// who outlives the stream to settle (`settlement_steps`); the flow is done with the record.
+    pub fn hand_off_settlement(&mut self) -> Option<Settlement> {
+        match std::mem::replace(&mut self.phase, Phase::Idle) {
+            Phase::Settling { claim, rule, done } => {
+                Some(Settlement { context_id: self.context_id, claim, rule, done })
+            }
+            phase => {
+                self.phase = phase;
+                None
+            }
+        }
     }
 
     fn decided(
@@ -592,25 +656,35 @@ impl RequestFlow {
         done: Counter,
         settled: Result<Settled, StoreError>,
     ) -> Vec<Step> {
-        let mut steps = Vec::new();
-        let counter = match settled {
-            Ok(Settled::Done) => {
-                // Waiters elsewhere may be able to proceed now that this record has an outcome.
-                if matches!(rule.concurrency, Concurrency::Wait { .. }) {
-                    steps.push(Step::Wake(claim.scope));
-                }
-                done
-            }
-            Ok(Settled::Lost) => Counter::CompletionLost,
-            Err(e) => {
-                log::warn!("#{} settling the claim failed: {e}", self.context_id);
-                Counter::StoreError
-            }
-        };
-        log::debug!("#{} {} key {}", self.context_id, counter.name(), claim.scope.log_tag());
-        steps.push(Step::Count(counter));
-        steps
+        settled_steps(self.context_id, claim, rule, done, settled)
     }
+}
+
+fn settled_steps(
+    context_id: u32,
+    claim: &Claim,
+    rule: &Rule,
+    done: Counter,
+    settled: Result<Settled, StoreError>,
+) -> Vec<Step> {
+    let mut steps = Vec::new();
+    let counter = match settled {
+        Ok(Settled::Done) => {
+            // Waiters elsewhere may be able to proceed now that this record has an outcome.
+            if matches!(rule.concurrency, Concurrency::Wait { .. }) {
+                steps.push(Step::Wake(claim.scope));
+            }
+            done
+        }
+        Ok(Settled::Lost) => Counter::CompletionLost,
+        Err(e) => {
+            log::warn!("#{} settling the claim failed: {e}", context_id);
+            Counter::StoreError
+        }
+    };
+    log::debug!("#{} {} key {}", context_id, counter.name(), claim.scope.log_tag());
+    steps.push(Step::Count(counter));
+    steps
 }
 
 fn property_string(facts: &mut dyn StreamFacts, path: &[&str]) -> Option<String> {
@@ -858,6 +932,52 @@ mod tests {
         let out = flow.response_headers(&mut facts, true);
         assert!(matches!(out.steps.as_slice(), [Step::Store(StoreOp::Complete { .. })]));
         assert_eq!(flow.store_timed_out(&cfg()).steps, vec![Step::Count(Counter::StoreError)]);
+    }
+
+    #[test]
+    fn a_failed_store_fails_closed_or_forwards_unprotected_by_the_fail_mode() {
+        let w = World::new();
+        let mut facts = Facts::post("/orders", "k", b"x");
+        let mut flow = RequestFlow::new(1);
+        to_begin(&mut flow, &mut facts);
+        let out = flow.store_failed(&cfg(), StoreError::TimedOut, FailMode::Closed);
+        assert_eq!(counters(&out.steps), vec![Counter::StoreError]);
+        assert_eq!(reply_of(&out.steps).0.status, 503);
+        // Fail open: forwarded, no claim held, so nothing is settled when the response ends.
+        let mut facts = Facts::post("/orders", "k", b"x").upstream_answer(201, b"");
+        let mut flow = RequestFlow::new(2);
+        to_begin(&mut flow, &mut facts);
+        let out = flow.store_failed(&cfg(), StoreError::Unavailable("down".into()), FailMode::Open);
+        assert_eq!(out, Output::go(vec![Step::Count(Counter::StoreBypassed)]));
+        assert!(!flow.awaiting_store());
+        assert_eq!(flow.response_headers(&mut facts, true), Output::go(Vec::new()));
+        assert_eq!(flow.stream_ended(&mut facts), Output::go(Vec::new()));
+        // A settlement's failure is a store error whatever the mode.
+        let mut facts = Facts::post("/orders", "k3", b"x").upstream_answer(201, b"");
+        let mut flow = RequestFlow::new(3);
+        begun(&mut flow, &mut facts, &w.store());
+        flow.response_headers(&mut facts, true);
+        let out = flow.store_failed(&cfg(), StoreError::TimedOut, FailMode::Open);
+        assert_eq!(out.steps, vec![Step::Count(Counter::StoreError)]);
+    }
+
+    #[test]
+    fn a_handed_off_settlement_is_counted_by_whoever_settles_it() {
+        let w = World::new();
+        let mut facts = Facts::post("/orders", "k", b"x").upstream_answer(201, b"");
+        let mut flow = RequestFlow::new(1);
+        begun(&mut flow, &mut facts, &w.store());
+        let out = flow.response_headers(&mut facts, true);
+        let [Step::Store(op)] = out.steps.as_slice() else { panic!("{out:?}") };
+        let settlement = flow.hand_off_settlement().expect("settling");
+        assert!(!flow.awaiting_store());
+        assert!(flow.hand_off_settlement().is_none());
+        let StoreAnswer::Settled(settled) = op.perform(&w.store()) else { panic!() };
+        assert_eq!(settlement_steps(&settlement, settled), vec![Step::Count(Counter::Stored)]);
+        assert_eq!(
+            settlement_steps(&settlement, Ok(Settled::Lost)),
+            vec![Step::Count(Counter::CompletionLost)]
+        );
     }
 
     #[test]

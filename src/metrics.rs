@@ -37,10 +37,13 @@ pub enum Counter {
     /// Envoy's router sent the request upstream more than once under one claim (route retry
     /// policy, hedging, internal redirect).
     UpstreamRetried,
+    /// The store could not be used and the route's store fails open (`on_error: "fail_open"`):
+    /// forwarded without a claim, so without protection.
+    StoreBypassed,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 23] = [
+    pub const ALL: [Counter; 24] = [
         Counter::PassedThrough,
         Counter::Claimed,
         Counter::TakenOver,
@@ -64,6 +67,7 @@ impl Counter {
         Counter::QuotaExceeded,
         Counter::GrpcRefused,
         Counter::UpstreamRetried,
+        Counter::StoreBypassed,
     ];
 
     pub fn name(self) -> &'static str {
@@ -91,6 +95,7 @@ impl Counter {
             Counter::QuotaExceeded => "quota_exceeded",
             Counter::GrpcRefused => "grpc_refused",
             Counter::UpstreamRetried => "upstream_retried",
+            Counter::StoreBypassed => "store_bypassed",
         }
     }
 

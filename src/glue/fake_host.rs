@@ -32,6 +32,15 @@ pub enum Call {
         name: String,
     },
     Critical(String),
+    /// A callout, made while `context` was the effective context.
+    Dispatch {
+        context: u32,
+        token: u32,
+        cluster: String,
+        headers: Vec<(String, String)>,
+        body: Vec<u8>,
+        timeout_ms: u32,
+    },
 }
 
 #[derive(Default)]
@@ -44,6 +53,12 @@ pub struct Inner {
     pub response_headers: RefCell<Vec<(String, Vec<u8>)>>,
     pub response_body: RefCell<Vec<u8>>,
     pub properties: RefCell<HashMap<String, Vec<u8>>>,
+    /// The answer `on_http_call_response` reads (headers, body).
+    pub call_response_headers: RefCell<Vec<(String, Vec<u8>)>>,
+    pub call_response_body: RefCell<Vec<u8>>,
+    /// Clusters the fake Envoy knows; a callout elsewhere is refused with BadArgument.
+    pub clusters: RefCell<Vec<String>>,
+    tokens: Cell<u32>,
     /// Host calls (by method name) that fail with this status.
     pub failing: RefCell<HashMap<&'static str, u32>>,
     pub calls: RefCell<Vec<Call>>,
@@ -88,11 +103,16 @@ impl FakeHost {
 
     /// Sets the map Envoy would show (pseudo-headers included).
     fn map(&self, map_type: u32) -> &RefCell<Vec<(String, Vec<u8>)>> {
-        if map_type == MAP_REQUEST_HEADERS {
-            &self.0.request_headers
-        } else {
-            &self.0.response_headers
+        match map_type {
+            MAP_REQUEST_HEADERS => &self.0.request_headers,
+            super::MAP_HTTP_CALL_RESPONSE_HEADERS => &self.0.call_response_headers,
+            _ => &self.0.response_headers,
         }
+    }
+
+    /// The callouts made so far.
+    pub fn dispatches(&self) -> Vec<Call> {
+        self.0.calls.borrow().iter().filter(|c| matches!(c, Call::Dispatch { .. })).cloned().collect()
     }
 }
 
@@ -123,6 +143,7 @@ impl Host for FakeHost {
         let source = match buffer_type {
             super::BUFFER_PLUGIN_CONFIGURATION => self.0.config.borrow().clone(),
             super::BUFFER_REQUEST_BODY => self.0.request_body.borrow().clone(),
+            super::BUFFER_HTTP_CALL_RESPONSE_BODY => self.0.call_response_body.borrow().clone(),
             _ => self.0.response_body.borrow().clone(),
         };
         Ok(source.into_iter().skip(start).take(max).collect())
@@ -204,6 +225,32 @@ impl Host for FakeHost {
         let mut metrics = self.0.metrics.borrow_mut();
         metrics.push((name.to_string(), 0));
         Ok(metrics.len() as u32 - 1)
+    }
+    fn dispatch_http_call(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout_ms: u32,
+    ) -> Result<u32, HostError> {
+        self.fails("dispatch_http_call")?;
+        let has = |name: &str| headers.iter().any(|(n, _)| *n == name);
+        // Envoy's rules: a known cluster, the three pseudo-headers, else BadArgument.
+        let known = self.0.clusters.borrow().iter().any(|c| c == cluster);
+        if !(known && has(":method") && has(":path") && has(":authority")) {
+            return Err(HostError(2));
+        }
+        let token = self.0.tokens.get() + 1;
+        self.0.tokens.set(token);
+        self.0.calls.borrow_mut().push(Call::Dispatch {
+            context: self.0.effective.get(),
+            token,
+            cluster: cluster.to_string(),
+            headers: headers.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect(),
+            body: body.to_vec(),
+            timeout_ms,
+        });
+        Ok(token)
     }
     fn increment(&self, metric: u32, by: i64) {
         if let Some((_, v)) = self.0.metrics.borrow_mut().get_mut(metric as usize) {
@@ -345,8 +392,8 @@ mod tests {
         let _ = root(&h);
         let keys = h.0.data.key_count();
         let (worker1, worker2) = (
-            crate::glue::plugin::PluginState::configure(h.clone(), 1).unwrap(),
-            crate::glue::plugin::PluginState::configure(h.clone(), 2).unwrap(),
+            crate::glue::plugin::PluginState::configure_with(h.clone(), 1, None).unwrap(),
+            crate::glue::plugin::PluginState::configure_with(h.clone(), 2, None).unwrap(),
         );
         assert!(worker1.first_retry_warning("orders"));
         assert!(!worker2.first_retry_warning("orders"));
@@ -449,5 +496,252 @@ mod tests {
         root.on_tick();
         assert_eq!(h.replies(), vec![(3, 409, "idempotency_problem".to_string())]);
         assert_eq!(h.counter("wait_timed_out"), 1);
+    }
+}
+
+/// The glue with a store across the network: callouts for `begin` from the stream, settlements
+/// from the root, and every way a callout can fail.
+#[cfg(test)]
+mod remote_tests {
+    use super::*;
+    use crate::flow::FailMode;
+    use crate::glue::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore, Request};
+    use crate::store::{Begin, Claim, Settled, StoreAnswer, StoreError, StoreOp};
+
+    const CONFIG: &str = r#"{"routes":[{"name":"orders","match":{"prefix":"/orders"},"require_key":true}]}"#;
+
+    /// A store that claims on a 200 answer to its one call and settles on a 200 answer to its
+    /// one call; anything else is Unavailable (as the etcd exchanges map them).
+    struct Scripted(RemoteSettings);
+
+    struct OneCall(StoreOp);
+
+    impl Conversation for OneCall {
+        fn step(&mut self, answer: Option<Answer>, _now_ms: u64) -> Next {
+            let Some(answer) = answer else {
+                return Next::Call(Request { path: "/v3/kv/txn", body: b"{}".to_vec(), token: None });
+            };
+            let ok = answer.status == Some(200);
+            let error = || StoreError::Unavailable(format!("answer {:?}", answer.status));
+            Next::Done(match &self.0 {
+                StoreOp::Begin(a) => StoreAnswer::Begun(if ok {
+                    Ok(Begin::Claimed(Claim { scope: a.scope, owner: a.owner, locator: 7 }))
+                } else {
+                    Err(error())
+                }),
+                _ => StoreAnswer::Settled(if ok { Ok(Settled::Done) } else { Err(error()) }),
+            })
+        }
+    }
+
+    impl RemoteStore for Scripted {
+        fn settings(&self) -> &RemoteSettings {
+            &self.0
+        }
+        fn start(&self, op: StoreOp) -> Box<dyn Conversation> {
+            Box::new(OneCall(op))
+        }
+    }
+
+    fn host() -> FakeHost {
+        let h = FakeHost::default();
+        *h.0.config.borrow_mut() = CONFIG.as_bytes().to_vec();
+        h.0.now_ms.set(1_000);
+        h.0.clusters.borrow_mut().push("etcd".into());
+        h
+    }
+
+    fn root(h: &FakeHost, cluster: &str, on_error: FailMode) -> Root<FakeHost> {
+        let mut root = Root::new(1, h.clone());
+        let settings = RemoteSettings { cluster: cluster.into(), timeout_ms: 250, on_error };
+        assert!(root.on_configure_with(Some(Box::new(Scripted(settings)))));
+        root
+    }
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+        list.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
+    }
+
+    fn post(h: &FakeHost, http: &mut Http<FakeHost>) -> Verdict {
+        *h.0.request_headers.borrow_mut() =
+            pairs(&[(":method", "POST"), (":path", "/orders"), ("idempotency-key", "k")]);
+        *h.0.request_body.borrow_mut() = b"{}".to_vec();
+        assert_eq!(http.on_request_headers(false), Verdict::Pause);
+        http.on_request_body(2, true)
+    }
+
+    /// What the next `on_http_call_response` reads: a status (None: Envoy's failure report,
+    /// no `:status`) and a body.
+    fn store_answers(h: &FakeHost, status: Option<&str>, body: &[u8]) {
+        *h.0.call_response_headers.borrow_mut() =
+            status.map(|s| pairs(&[(":status", s)])).unwrap_or_default();
+        *h.0.call_response_body.borrow_mut() = body.to_vec();
+    }
+
+    fn last_token(h: &FakeHost) -> u32 {
+        match h.dispatches().last() {
+            Some(Call::Dispatch { token, .. }) => *token,
+            _ => panic!("no callout"),
+        }
+    }
+
+    fn resumed(h: &FakeHost) -> usize {
+        h.0.calls.borrow().iter().filter(|c| matches!(c, Call::Resume { .. })).count()
+    }
+
+    type Sent = (u16, Vec<(String, Vec<u8>)>, Vec<u8>);
+
+    fn problem_reply(h: &FakeHost) -> Sent {
+        h.0.calls
+            .borrow()
+            .iter()
+            .rev()
+            .find_map(|c| match c {
+                Call::SendResponse { status, headers, body, .. } => {
+                    Some((*status, headers.clone(), body.clone()))
+                }
+                _ => None,
+            })
+            .expect("a reply")
+    }
+
+    fn assert_store_unavailable(h: &FakeHost) {
+        let (status, headers, body) = problem_reply(h);
+        assert_eq!(status, 503);
+        assert!(headers.iter().any(|(n, _)| n == "retry-after"), "{headers:?}");
+        assert!(String::from_utf8_lossy(&body).contains("store-unavailable"));
+        assert_eq!(resumed(h), 0, "nothing may be forwarded");
+        assert_eq!(h.counter("store_error"), 1);
+    }
+
+    #[test]
+    fn begin_is_a_callout_while_the_request_stays_paused_and_its_answer_resumes_it() {
+        let h = host();
+        let root = root(&h, "etcd", FailMode::Closed);
+        let mut http = root.http_context(2);
+        h.0.effective.set(2);
+        assert_eq!(post(&h, &mut http), Verdict::Pause);
+        let dispatches = h.dispatches();
+        let [Call::Dispatch { context: 2, cluster, headers, timeout_ms: 250, .. }] = dispatches.as_slice()
+        else {
+            panic!("{dispatches:?}")
+        };
+        assert_eq!(cluster, "etcd");
+        for pseudo in [":method", ":path", ":authority"] {
+            assert!(headers.iter().any(|(n, _)| n == pseudo));
+        }
+        store_answers(&h, Some("200"), b"{}");
+        http.on_http_call_response(last_token(&h), 2);
+        assert_eq!(resumed(&h), 1);
+        assert_eq!(h.counter("claimed"), 1);
+    }
+
+    #[test]
+    fn a_missing_cluster_refuses_the_callout_and_fails_closed_with_503() {
+        let h = host();
+        let root = root(&h, "no-such-cluster", FailMode::Closed);
+        let mut http = root.http_context(2);
+        assert_eq!(post(&h, &mut http), Verdict::Pause);
+        assert!(h.dispatches().is_empty());
+        assert_store_unavailable(&h);
+    }
+
+    #[test]
+    fn an_answer_without_status_fails_closed() {
+        let h = host();
+        let root = root(&h, "etcd", FailMode::Closed);
+        let mut http = root.http_context(2);
+        post(&h, &mut http);
+        store_answers(&h, None, b"");
+        http.on_http_call_response(last_token(&h), 0);
+        assert_store_unavailable(&h);
+    }
+
+    #[test]
+    fn a_timeout_fails_closed_and_a_late_answer_is_ignored() {
+        let h = host();
+        let mut root = root(&h, "etcd", FailMode::Closed);
+        let mut http = root.http_context(2);
+        post(&h, &mut http);
+        let token = last_token(&h);
+        store_answers(&h, Some("504"), b"upstream request timeout");
+        http.on_http_call_response(token, 24);
+        assert_store_unavailable(&h);
+        let calls = h.0.calls.borrow().len();
+        // A second answer for the same token, or one for a token nobody awaits: nothing happens.
+        store_answers(&h, Some("200"), b"{}");
+        http.on_http_call_response(token, 2);
+        http.on_http_call_response(token + 40, 2);
+        root.on_http_call_response(token + 41, 2);
+        assert_eq!(h.0.calls.borrow().len(), calls);
+        assert_eq!((h.counter("claimed"), h.counter("store_error")), (0, 1));
+    }
+
+    #[test]
+    fn fail_open_forwards_unprotected_and_counts_every_bypass() {
+        let h = host();
+        let root = root(&h, "no-such-cluster", FailMode::Open);
+        for id in [2, 3] {
+            let mut http = root.http_context(id);
+            assert_eq!(post(&h, &mut http), Verdict::Continue);
+        }
+        assert_eq!((h.counter("store_bypassed"), h.counter("store_error")), (2, 0));
+        assert!(h.replies().is_empty());
+        // A timeout resumes the paused request.
+        let h = host();
+        let root = self::root(&h, "etcd", FailMode::Open);
+        let mut timed_out = root.http_context(4);
+        post(&h, &mut timed_out);
+        store_answers(&h, Some("504"), b"");
+        timed_out.on_http_call_response(last_token(&h), 0);
+        assert_eq!(resumed(&h), 1);
+        assert_eq!((h.counter("store_bypassed"), h.counter("store_error")), (1, 0));
+        assert!(h.replies().is_empty());
+    }
+
+    #[test]
+    fn the_completion_is_dispatched_by_the_root_and_survives_the_end_of_its_stream() {
+        let h = host();
+        let mut root = root(&h, "etcd", FailMode::Closed);
+        let mut http = root.http_context(2);
+        h.0.effective.set(2);
+        post(&h, &mut http);
+        store_answers(&h, Some("200"), b"{}");
+        http.on_http_call_response(last_token(&h), 2);
+        *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201")]);
+        *h.0.response_body.borrow_mut() = b"{}".to_vec();
+        h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
+        http.on_response_headers(false);
+        http.on_response_body(2, true);
+        // Not dispatched by the stream: handed to the root, which is woken through its queue.
+        assert_eq!(h.dispatches().len(), 1);
+        http.on_log();
+        drop(http);
+        h.0.effective.set(1); // the root's own callback
+        let queue = 0;
+        root.on_queue_ready(queue);
+        let Some(Call::Dispatch { context: 1, token, .. }) = h.dispatches().last().cloned() else {
+            panic!("{:?}", h.dispatches())
+        };
+        assert_eq!(h.counter("stored"), 0);
+        root.on_http_call_response(token, 2);
+        assert_eq!(h.counter("stored"), 1);
+        // Without a wake-up (no queue), the next tick starts it.
+        let h2 = host();
+        h2.fail("register_queue", 1);
+        let mut root2 = self::root(&h2, "etcd", FailMode::Closed);
+        let mut http2 = root2.http_context(2);
+        post(&h2, &mut http2);
+        store_answers(&h2, Some("200"), b"{}");
+        http2.on_http_call_response(last_token(&h2), 2);
+        *h2.0.response_headers.borrow_mut() = pairs(&[(":status", "500")]);
+        h2.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
+        http2.on_response_headers(true);
+        assert_eq!(h2.dispatches().len(), 1);
+        root2.on_tick();
+        assert_eq!(h2.dispatches().len(), 2);
+        store_answers(&h2, None, b"");
+        root2.on_http_call_response(last_token(&h2), 0);
+        assert_eq!(h2.counter("store_error"), 1);
     }
 }

@@ -300,6 +300,28 @@ fn increment(metric: u32, by: i64) {
     }
 }
 
+/// The one host call made through the SDK rather than the raw ABI: the SDK's dispatcher owns
+/// `proxy_on_http_call_response` and routes an answer by the token its own wrapper registered
+/// for the calling context; a token dispatched around it would make the dispatcher panic when
+/// the answer comes. The wrapper returns BadArgument (unknown cluster, missing pseudo-header)
+/// and InternalFailure as errors; it panics only on a status Envoy's `httpCall` never returns.
+fn dispatch_http_call(
+    cluster: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout_ms: u32,
+) -> Result<u32, HostError> {
+    let body = (!body.is_empty()).then_some(body);
+    proxy_wasm::hostcalls::dispatch_http_call(
+        cluster,
+        headers.to_vec(),
+        body,
+        Vec::new(),
+        std::time::Duration::from_millis(u64::from(timeout_ms)),
+    )
+    .map_err(|status| HostError(status as u32))
+}
+
 /// Envoy, through the raw ABI; its shared data is this plugin's vm_id's.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct AbiHost;
@@ -364,6 +386,15 @@ impl Host for AbiHost {
     }
     fn define_counter(&self, name: &str) -> Result<u32, HostError> {
         define_counter(name)
+    }
+    fn dispatch_http_call(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout_ms: u32,
+    ) -> Result<u32, HostError> {
+        dispatch_http_call(cluster, headers, body, timeout_ms)
     }
     fn increment(&self, metric: u32, by: i64) {
         increment(metric, by)

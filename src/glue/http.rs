@@ -2,12 +2,14 @@
 //! is `flow::RequestFlow`'s; what remains here is which host call carries out which step, and
 //! how a failed host call is reported.
 
-use super::plugin::{PluginState, WaitHandle};
+use super::plugin::{PluginState, Store, WaitHandle};
+use super::remote::{self, Answer, Conversation, Next, Outcome, RemoteStore};
 use super::{
     Host, HostError, BUFFER_REQUEST_BODY, BUFFER_RESPONSE_BODY, MAP_REQUEST_HEADERS, MAP_RESPONSE_HEADERS,
 };
 use crate::engine::HeaderFix;
-use crate::flow::{Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict};
+use crate::flow::{FailMode, Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict};
+use crate::store::{StoreAnswer, StoreError, StoreOp};
 use crate::wait::Waiter;
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -64,11 +66,14 @@ pub struct Http<H: Host> {
     flow: RequestFlow,
     /// Set while the request is held in the wait room: where the root leaves word.
     wait_handle: Option<WaitHandle>,
+    /// The remote store's `begin` in progress: the token of its callout and the conversation
+    /// its answer goes to. The request stays paused meanwhile.
+    call: Option<(u32, Box<dyn Conversation>)>,
 }
 
 impl<H: Host> Http<H> {
     pub fn new(context_id: u32, plugin: Option<Rc<PluginState<H>>>) -> Http<H> {
-        Http { context_id, plugin, flow: RequestFlow::new(context_id), wait_handle: None }
+        Http { context_id, plugin, flow: RequestFlow::new(context_id), wait_handle: None, call: None }
     }
 
     /// Runs one callback: without a configuration nothing is ours and the stream goes on.
@@ -114,6 +119,82 @@ impl<H: Host> Http<H> {
         self.callback(|flow, _, facts| flow.stream_ended(facts));
     }
 
+    /// The answer to a callout this context dispatched (the remote store's `begin`). A token
+    /// that is not the one awaited (a late answer after the request was answered) is ignored.
+    pub fn on_http_call_response(&mut self, token: u32, body_size: usize) {
+        let Some(plugin) = self.plugin.clone() else { return };
+        let Store::Remote(store) = &plugin.store else { return };
+        let Some((awaited, conversation)) = self.call.take() else {
+            log::debug!("#{} ignored a callout answer nobody was waiting for", self.context_id);
+            return;
+        };
+        if awaited != token {
+            log::debug!("#{} ignored the answer to callout {token}", self.context_id);
+            self.call = Some((awaited, conversation));
+            return;
+        }
+        let out = match remote::read_answer(&plugin.host, body_size) {
+            Outcome::TimedOut => Some(self.store_failed(&plugin, store.as_ref(), StoreError::TimedOut)),
+            Outcome::Answered(answer) => self.converse(&plugin, store.as_ref(), conversation, Some(answer)),
+        };
+        if let Some(out) = out {
+            if self.perform(&plugin, out) == Verdict::Continue {
+                if let Err(HostError(s)) = plugin.host.resume_request() {
+                    log::warn!("#{} could not resume the request (host status {s})", self.context_id);
+                }
+            }
+        }
+    }
+
+    /// Takes a conversation with the remote store one step: a callout (the request stays
+    /// paused; no output yet) or the store's answer for the flow.
+    fn converse(
+        &mut self,
+        plugin: &PluginState<H>,
+        store: &dyn RemoteStore,
+        mut conversation: Box<dyn Conversation>,
+        answer: Option<Answer>,
+    ) -> Option<Output> {
+        match conversation.step(answer, plugin.host.now_ms()) {
+            Next::Call(request) => match remote::dispatch(&plugin.host, store.settings(), &request) {
+                Ok(token) => {
+                    self.call = Some((token, conversation));
+                    None
+                }
+                Err(HostError(s)) => {
+                    log::warn!(
+                        "#{} callout to cluster {} refused (host status {s})",
+                        self.context_id,
+                        store.settings().cluster
+                    );
+                    let error = StoreError::Unavailable(format!("callout refused (host status {s})"));
+                    Some(self.store_failed(plugin, store, error))
+                }
+            },
+            Next::Done(StoreAnswer::Begun(Err(
+                error @ (StoreError::Unavailable(_) | StoreError::TimedOut),
+            ))) => Some(self.store_failed(plugin, store, error)),
+            Next::Done(answer) => Some(self.flow.store_answered(&plugin.config, answer)),
+        }
+    }
+
+    /// The remote store could not be used: the store's fail mode decides (a fail-open bypass is
+    /// logged at most once a second per worker; it is counted every time).
+    fn store_failed(
+        &mut self,
+        plugin: &PluginState<H>,
+        store: &dyn RemoteStore,
+        error: StoreError,
+    ) -> Output {
+        let mode = store.settings().on_error;
+        if mode == FailMode::Open && plugin.bypass_log_due(plugin.host.now_ms()) {
+            log::warn!(
+                "idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)"
+            );
+        }
+        self.flow.store_failed(&plugin.config, error, mode)
+    }
+
     /// Carries out the steps in order. The local store answers at once, so a store step's answer
     /// goes straight back to the flow, and the verdict is the flow's last word.
     fn perform(&mut self, plugin: &PluginState<H>, out: Output) -> Verdict {
@@ -134,7 +215,22 @@ impl<H: Host> Http<H> {
                     }
                     None
                 }
-                Step::Store(op) => Some(self.flow.store_answered(&plugin.config, plugin.perform(&op))),
+                Step::Store(op) => match &plugin.store {
+                    Store::Local(_) => Some(self.flow.store_answered(&plugin.config, plugin.perform(&op))),
+                    Store::Remote(store) => match op {
+                        StoreOp::Begin(_) => {
+                            let conversation = store.start(op);
+                            self.converse(plugin, store.as_ref(), conversation, None)
+                        }
+                        // Settled by the root: the stream may end before the store answers.
+                        op => {
+                            if let Some(settlement) = self.flow.hand_off_settlement() {
+                                plugin.settle_from_root(store.as_ref(), op, settlement);
+                            }
+                            None
+                        }
+                    },
+                },
                 Step::Park(plan) => {
                     let handle: WaitHandle = Rc::new(Cell::new(None));
                     let recheck_at_ms = plan.recheck_at_ms(plugin.ensure_advertised(plan.now_ms));

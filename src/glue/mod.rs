@@ -5,9 +5,11 @@
 //! records calls and injects failures. `host.rs` is the raw ABI behind the trait and `sdk.rs`
 //! the SDK's context traits, both wasm32 only and without decisions of their own.
 
+pub mod etcd;
 pub mod http;
 pub mod pairs;
 pub mod plugin;
+pub mod remote;
 pub mod root;
 
 #[cfg(test)]
@@ -25,8 +27,10 @@ pub struct HostError(pub u32);
 
 pub const MAP_REQUEST_HEADERS: u32 = 0;
 pub const MAP_RESPONSE_HEADERS: u32 = 2;
+pub const MAP_HTTP_CALL_RESPONSE_HEADERS: u32 = 6;
 pub const BUFFER_REQUEST_BODY: u32 = 0;
 pub const BUFFER_RESPONSE_BODY: u32 = 1;
+pub const BUFFER_HTTP_CALL_RESPONSE_BODY: u32 = 4;
 pub const BUFFER_PLUGIN_CONFIGURATION: u32 = 7;
 
 pub const LOG_TRACE: u32 = 0;
@@ -72,6 +76,16 @@ pub trait Host: SharedData + Clone {
     /// The next message, None when the queue is empty.
     fn dequeue(&self, queue_id: u32) -> Result<Option<Vec<u8>>, HostError>;
     fn define_counter(&self, name: &str) -> Result<u32, HostError>;
+    /// Starts an HTTP callout on `cluster`; its answer comes to `on_http_call_response` of the
+    /// context that dispatched it, with this token. Refused (BadArgument) when the cluster is
+    /// unknown or a pseudo-header is missing. `timeout_ms` 0 would mean none: never pass it.
+    fn dispatch_http_call(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout_ms: u32,
+    ) -> Result<u32, HostError>;
     /// A lost increment is not worth failing a request for: no result.
     fn increment(&self, metric: u32, by: i64);
 }

@@ -2,16 +2,18 @@
 //! metric ids, the wait room and this worker's wake-up queue. Held by the root, never in
 //! statics, because after a config update the old and new root contexts share one VM.
 
+use super::remote::{Conversation, RemoteStore};
 use super::{Host, BUFFER_PLUGIN_CONFIGURATION};
 use crate::config::{self, Config, StoreConfig};
-use crate::flow::Resumed;
+use crate::flow::{Resumed, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::store::local::LocalStore;
-use crate::store::{StoreAnswer, StoreOp};
+use crate::store::{StoreAnswer, StoreError, StoreOp};
 use crate::wait::wake::{self, Registry};
 use crate::wait::WaitRoom;
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::rc::Rc;
 
@@ -57,10 +59,40 @@ impl Metrics {
     }
 }
 
+/// Where the records live: this Envoy's shared data, or a store the whole fleet shares.
+pub enum Store<H: Host> {
+    Local(LocalStore<H>),
+    Remote(Box<dyn RemoteStore>),
+}
+
+/// A `complete`/`release` the root carries out for a stream that may already be gone.
+pub struct RootSettlement {
+    pub conversation: Box<dyn Conversation>,
+    pub settlement: Settlement,
+}
+
+/// What a worker's root is settling on behalf of its streams.
+#[derive(Default)]
+pub struct Settlements {
+    /// Handed over, not yet started (the root starts them in its next callback).
+    pub queued: Vec<RootSettlement>,
+    /// Waiting for the answer to the callout with this token.
+    pub in_flight: HashMap<u32, RootSettlement>,
+}
+
+/// The message a stream leaves on its own worker's wake queue so that the root runs at once
+/// (a wake-up is a 32-byte scope id, so the two never mix).
+pub const SETTLE_NOW: &[u8] = b"settle";
+
+/// Fail-open bypasses are logged at most this often per worker.
+const BYPASS_LOG_EVERY_MS: u64 = 1000;
+
 pub struct PluginState<H: Host> {
     pub host: H,
     pub config: Config,
-    pub store: LocalStore<H>,
+    pub store: Store<H>,
+    pub settlements: RefCell<Settlements>,
+    last_bypass_log_ms: Cell<Option<u64>>,
     metrics: Metrics,
     tokens: Cell<u64>,
     seed: u64,
@@ -77,7 +109,13 @@ pub struct PluginState<H: Host> {
 impl<H: Host> PluginState<H> {
     /// Reads and checks the configuration and prepares everything traffic needs; the error is
     /// the one line that tells the operator why Envoy refused the configuration.
-    pub fn configure(host: H, context_id: u32) -> Result<PluginState<H>, String> {
+    /// `remote`: the store across the network, when the configuration names one (the native
+    /// tests script one); None opens the local store.
+    pub fn configure_with(
+        host: H,
+        context_id: u32,
+        remote: Option<Box<dyn RemoteStore>>,
+    ) -> Result<PluginState<H>, String> {
         let bytes = host
             .buffer(BUFFER_PLUGIN_CONFIGURATION, 0, usize::MAX)
             .map_err(|e| format!("cannot read the plugin configuration: host status {}", e.0))?;
@@ -88,15 +126,28 @@ impl<H: Host> PluginState<H> {
             random_u64((i / 8) as u64).to_be_bytes().get(i % 8).copied().unwrap_or(0)
         });
         let now_ms = host.now_ms();
-        let store = LocalStore::open(host.clone(), capacity, fresh_secret, now_ms)
-            .map_err(|e| format!("cannot prepare the local store: {e}"))?;
-        log::info!(
-            "configured {} route rule(s); local store: {} records in {} buckets ({} keys created)",
-            config.rules.len(),
-            store.capacity(),
-            store.buckets(),
-            store.keys_created()
-        );
+        let store = match remote {
+            Some(remote) => {
+                log::info!(
+                    "configured {} route rule(s); remote store on cluster {}",
+                    config.rules.len(),
+                    remote.settings().cluster
+                );
+                Store::Remote(remote)
+            }
+            None => {
+                let store = LocalStore::open(host.clone(), capacity, fresh_secret, now_ms)
+                    .map_err(|e| format!("cannot prepare the local store: {e}"))?;
+                log::info!(
+                    "configured {} route rule(s); local store: {} records in {} buckets ({} keys created)",
+                    config.rules.len(),
+                    store.capacity(),
+                    store.buckets(),
+                    store.keys_created()
+                );
+                Store::Local(store)
+            }
+        };
         for rule in &config.rules {
             let data_key = retry_warning_key(&rule.name);
             let exists =
@@ -123,6 +174,8 @@ impl<H: Host> PluginState<H> {
             host,
             config,
             store,
+            settlements: RefCell::new(Settlements::default()),
+            last_bypass_log_ms: Cell::new(None),
             tokens: Cell::new(0),
             seed,
             room,
@@ -147,9 +200,46 @@ impl<H: Host> PluginState<H> {
         }
     }
 
-    /// The local store answers at once, on shared data.
+    /// The local store answers at once, on shared data. A remote store cannot answer within a
+    /// callback; only wait mode asks this of it, and the configuration refuses wait mode with
+    /// a remote store, so this is an error, not a blocking call.
     pub fn perform(&self, op: &StoreOp) -> StoreAnswer {
-        op.perform(&self.store)
+        match &self.store {
+            Store::Local(store) => op.perform(store),
+            Store::Remote(_) => {
+                let error = StoreError::Unavailable("a remote store cannot answer at once".into());
+                match op {
+                    StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),
+                    _ => StoreAnswer::Settled(Err(error)),
+                }
+            }
+        }
+    }
+
+    /// Hands a settlement to this worker's root, which outlives the stream (a callout is
+    /// cancelled with the context that owns it, and a response's end is exactly when streams
+    /// end). The root runs it from its own callback: at once through its queue, else at its
+    /// next tick.
+    pub fn settle_from_root(&self, remote: &dyn RemoteStore, op: StoreOp, settlement: Settlement) {
+        let conversation = remote.start(op);
+        self.settlements.borrow_mut().queued.push(RootSettlement { conversation, settlement });
+        if let Some(queue) = self.queue_id {
+            if let Err(e) = self.host.enqueue(queue, SETTLE_NOW) {
+                log::debug!("cannot wake the root (host status {}); it settles at its next tick", e.0);
+            }
+        }
+    }
+
+    /// True when a fail-open bypass should be logged now (at most once a second per worker:
+    /// a store outage must not flood the log with one line per request).
+    pub fn bypass_log_due(&self, now_ms: u64) -> bool {
+        match self.last_bypass_log_ms.get() {
+            Some(last) if now_ms.saturating_sub(last) < BYPASS_LOG_EVERY_MS => false,
+            _ => {
+                self.last_bypass_log_ms.set(Some(now_ms));
+                true
+            }
+        }
     }
 
     /// Tells every worker that this record's outcome may be known, so that its waiters look.

@@ -2,11 +2,12 @@
 //! per plugin per thread (main and each worker).
 
 use super::http::Http;
-use super::plugin::{PluginState, WaitHandle};
+use super::plugin::{PluginState, RootSettlement, Store, WaitHandle};
+use super::remote::{self, Answer, Next, Outcome, RemoteStore};
 use super::{log_filter, Host, HostError};
-use crate::flow::{waiter_plan, WaiterPlan};
+use crate::flow::{settlement_steps, waiter_plan, Step, WaiterPlan};
 use crate::identity::scope::ScopeId;
-use crate::store::RecordStore;
+use crate::store::{RecordStore, Settled, StoreAnswer, StoreError};
 use crate::wait::{self, Waiter};
 use std::rc::Rc;
 
@@ -32,8 +33,13 @@ impl<H: Host> Root<H> {
     /// False makes Envoy refuse the configuration; the reason is logged in one line naming
     /// the field.
     pub fn on_configure(&mut self) -> bool {
+        self.on_configure_with(None)
+    }
+
+    /// `on_configure` with the remote store given (the native tests script one).
+    pub fn on_configure_with(&mut self, remote: Option<Box<dyn RemoteStore>>) -> bool {
         log::set_max_level(log_filter(self.host.log_level()));
-        match PluginState::configure(self.host.clone(), self.context_id) {
+        match PluginState::configure_with(self.host.clone(), self.context_id, remote) {
             Ok(plugin) => {
                 self.plugin = Some(Rc::new(plugin));
                 if let Err(HostError(s)) = self.host.set_tick_period_ms(TICK_MS) {
@@ -60,9 +66,16 @@ impl<H: Host> Root<H> {
     pub fn on_tick(&mut self) {
         let Some(plugin) = self.plugin.clone() else { return };
         let now_ms = self.host.now_ms();
+        // Settlements handed over without a wake-up (no queue, or the enqueue failed).
+        start_settlements(&plugin);
         if self.ticks.is_multiple_of(SLOW_EVERY_TICKS) {
-            // Once a second: reclaim expired records, and beat in the wake registry.
-            match plugin.store.sweep(now_ms) {
+            // Once a second: reclaim expired records (a remote store expires its own), and beat
+            // in the wake registry.
+            let swept = match &plugin.store {
+                Store::Local(store) => store.sweep(now_ms),
+                Store::Remote(_) => Ok(0),
+            };
+            match swept {
                 Ok(0) => {}
                 Ok(n) => {
                     plugin.count_swept(n);
@@ -81,6 +94,8 @@ impl<H: Host> Root<H> {
 
     pub fn on_queue_ready(&mut self, queue_id: u32) {
         let Some(plugin) = self.plugin.clone() else { return };
+        // A stream handed over a settlement and left `SETTLE_NOW` (skipped below: not a scope).
+        start_settlements(&plugin);
         for _ in 0..MAX_MESSAGES_PER_READY {
             let message = match self.host.dequeue(queue_id) {
                 Ok(Some(m)) => m,
@@ -95,6 +110,21 @@ impl<H: Host> Root<H> {
             for w in woken {
                 recheck(&plugin, w);
             }
+        }
+    }
+
+    /// The answer to a callout the root dispatched: the next step of a settlement.
+    pub fn on_http_call_response(&mut self, token: u32, body_size: usize) {
+        let Some(plugin) = self.plugin.clone() else { return };
+        let Store::Remote(store) = &plugin.store else { return };
+        let call = plugin.settlements.borrow_mut().in_flight.remove(&token);
+        let Some(call) = call else {
+            log::debug!("root ignored the answer to callout {token}");
+            return;
+        };
+        match remote::read_answer(&plugin.host, body_size) {
+            Outcome::TimedOut => finish_settlement(&plugin, call, Err(StoreError::TimedOut)),
+            Outcome::Answered(answer) => converse(&plugin, store.as_ref(), call, Some(answer)),
         }
     }
 
@@ -135,6 +165,57 @@ fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>) {
             {
                 log::warn!("#{} could not answer a held request (host status {s})", w.context_id);
             }
+        }
+    }
+}
+
+/// Starts the settlements streams handed over since the root last ran; from here on the root
+/// owns their callouts, so they go on after their streams end.
+fn start_settlements<H: Host>(plugin: &PluginState<H>) {
+    let Store::Remote(store) = &plugin.store else { return };
+    let queued = std::mem::take(&mut plugin.settlements.borrow_mut().queued);
+    for call in queued {
+        converse(plugin, store.as_ref(), call, None);
+    }
+}
+
+/// Takes a settlement's conversation one step: its next callout, or its end.
+fn converse<H: Host>(
+    plugin: &PluginState<H>,
+    store: &dyn RemoteStore,
+    mut call: RootSettlement,
+    answer: Option<Answer>,
+) {
+    match call.conversation.step(answer, plugin.host.now_ms()) {
+        Next::Call(request) => match remote::dispatch(&plugin.host, store.settings(), &request) {
+            Ok(token) => {
+                plugin.settlements.borrow_mut().in_flight.insert(token, call);
+            }
+            Err(HostError(s)) => {
+                let error = StoreError::Unavailable(format!("callout refused (host status {s})"));
+                finish_settlement(plugin, call, Err(error));
+            }
+        },
+        Next::Done(StoreAnswer::Settled(settled)) => finish_settlement(plugin, call, settled),
+        Next::Done(StoreAnswer::Begun(_)) => {
+            let error = StoreError::Unavailable("the store answered a settlement with a claim".into());
+            finish_settlement(plugin, call, Err(error));
+        }
+    }
+}
+
+/// Counts what became of a settlement and wakes its record's waiters, as its stream would have.
+fn finish_settlement<H: Host>(
+    plugin: &PluginState<H>,
+    call: RootSettlement,
+    settled: Result<Settled, StoreError>,
+) {
+    for step in settlement_steps(&call.settlement, settled) {
+        match step {
+            Step::Count(counter) => plugin.count(counter),
+            Step::Wake(scope) => plugin.broadcast(&scope),
+            // A settlement's answer only counts and wakes.
+            _ => {}
         }
     }
 }

@@ -33,6 +33,16 @@ impl Context for SdkRoot {
     fn on_done(&mut self) -> bool {
         self.0.on_done()
     }
+
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        _num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        self.0.on_http_call_response(token_id, body_size)
+    }
 }
 
 impl RootContext for SdkRoot {
@@ -59,7 +69,17 @@ impl RootContext for SdkRoot {
 
 struct SdkHttp(Http<AbiHost>);
 
-impl Context for SdkHttp {}
+impl Context for SdkHttp {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        _num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        self.0.on_http_call_response(token_id, body_size)
+    }
+}
 
 impl HttpContext for SdkHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {

@@ -1,0 +1,57 @@
+//! The etcd store (`store::etcd`) as the glue's `RemoteStore`: its exchanges are the
+//! conversations, its calls the callouts. Nothing is decided here.
+
+use super::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore, Request};
+use crate::flow::FailMode;
+use crate::store::etcd::{EtcdStore, Exchange, ExchangeStep, HttpAnswer, OnStoreError};
+use crate::store::StoreOp;
+use std::rc::Rc;
+
+// Built by `PluginState` once the configuration parses `store.type: "etcd"` (config/, backend
+// branch); until that lands nothing constructs it in the shipped module.
+#[allow(dead_code)]
+pub struct EtcdRemote {
+    store: Rc<EtcdStore>,
+    settings: RemoteSettings,
+}
+
+impl EtcdRemote {
+    #[allow(dead_code)]
+    pub fn new(store: EtcdStore) -> EtcdRemote {
+        let s = store.settings();
+        let settings = RemoteSettings {
+            cluster: s.cluster.clone(),
+            // Envoy reads 0 as "no timeout": a callout is always bounded.
+            timeout_ms: u32::try_from(s.timeout_ms).unwrap_or(u32::MAX).max(1),
+            on_error: match s.on_error {
+                OnStoreError::FailClosed => FailMode::Closed,
+                OnStoreError::FailOpen => FailMode::Open,
+            },
+        };
+        EtcdRemote { store: Rc::new(store), settings }
+    }
+}
+
+impl RemoteStore for EtcdRemote {
+    fn settings(&self) -> &RemoteSettings {
+        &self.settings
+    }
+    fn start(&self, op: StoreOp) -> Box<dyn Conversation> {
+        Box::new(EtcdConversation { store: Rc::clone(&self.store), exchange: self.store.start(op) })
+    }
+}
+
+struct EtcdConversation {
+    store: Rc<EtcdStore>,
+    exchange: Exchange,
+}
+
+impl Conversation for EtcdConversation {
+    fn step(&mut self, answer: Option<Answer>, now_ms: u64) -> Next {
+        let answer = answer.map(|a| HttpAnswer { status: a.status, body: a.body });
+        match self.exchange.step(&self.store, answer, now_ms) {
+            ExchangeStep::Call { path, body, token } => Next::Call(Request { path, body, token }),
+            ExchangeStep::Done(answer) => Next::Done(answer),
+        }
+    }
+}

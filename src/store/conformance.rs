@@ -19,6 +19,14 @@ pub const TTL: u64 = 10_000;
 /// A store under test: `worker(0)` and `worker(1)` are two independent handles on one backing
 /// store, as two Envoy worker threads would hold.
 pub trait Backend {
+    /// Whether the store has a capacity bound (the local store's fixed key space). A bounded
+    /// store answers `Full` rather than evict a live record; an unbounded one (etcd) never
+    /// refuses a new record for room. The cases about room state both.
+    const BOUNDED: bool = true;
+    /// Whether `sweep` is what reclaims expired records (and reports them). A store whose
+    /// records are collected otherwise (etcd's leases) sweeps nothing; for every store, an
+    /// expired record reads as absent, swept or not.
+    const RECLAIMS_BY_SWEEP: bool = true;
     fn with_capacity(capacity: u32) -> Self;
     fn worker(&self, n: u8) -> Box<dyn RecordStore + '_>;
 }
@@ -237,12 +245,20 @@ pub fn a_full_store_refuses_and_never_evicts_live_records<B: Backend>() {
         }
     }
     let refused = w.begin(&attempt(n + 1, 1, 99_999, 1)).unwrap();
-    assert!(matches!(refused, Begin::Full { retry_after_ms } if retry_after_ms >= 1), "{refused:?}");
+    if B::BOUNDED {
+        assert!(matches!(refused, Begin::Full { retry_after_ms } if retry_after_ms >= 1), "{refused:?}");
+    } else {
+        assert!(
+            matches!(refused, Begin::Claimed(_)),
+            "an unbounded store never runs out of room: {refused:?}"
+        );
+    }
+    // Whatever the store's room, no live record was evicted for a new one.
     for (scope_n, _) in &live {
         assert!(matches!(w.begin(&attempt(*scope_n, 1, 7, 2)).unwrap(), Begin::InFlight { .. }));
     }
-    // Once they expire, room comes back.
-    assert!(matches!(w.begin(&attempt(n + 1, 1, 100_000, TTL)).unwrap(), Begin::Claimed(_)));
+    // Once they expire, room comes back (a scope never used, so it is a new record everywhere).
+    assert!(matches!(w.begin(&attempt(n + 2, 1, 100_000, TTL)).unwrap(), Begin::Claimed(_)));
 }
 
 pub fn sweep_reclaims_expired_records<B: Backend>() {
@@ -260,7 +276,11 @@ pub fn sweep_reclaims_expired_records<B: Backend>() {
     for _ in 0..64 {
         swept += w.sweep(TTL).unwrap();
     }
-    assert_eq!(swept, 5);
+    assert_eq!(swept, if B::RECLAIMS_BY_SWEEP { 5 } else { 0 });
+    // Swept or not, every expired record reads as absent: another payload makes a new record.
+    for n in 1..=5 {
+        assert!(matches!(w.begin(&attempt(n, 2, 100 + n, TTL)).unwrap(), Begin::Claimed(_)), "{n}");
+    }
 }
 
 pub fn racing_workers_make_exactly_one_claim<B: Backend>() {
@@ -313,6 +333,23 @@ pub fn an_abandoned_claim_gives_its_place_after_its_lease<B: Backend>() {
     let w = through_ops(&b, 1);
     let (done_scopes, open) = fill(&b, 7);
     assert_eq!(open.len(), 1);
+    if !B::BOUNDED {
+        // Nothing is ever evicted: new records are claimed beside every live one, the completed
+        // records replay, and the abandoned claim stays its owner's to complete late.
+        for (k, now) in [(0, LEASE - 1), (1, LEASE), (2, LEASE + 1)] {
+            let r = w.begin(&attempt(20_000 + k, 1, 90_001 + k, now)).unwrap();
+            assert!(matches!(r, Begin::Claimed(_)), "{k}: {r:?}");
+        }
+        for n in done_scopes {
+            assert_eq!(
+                w.begin(&attempt(n, 1, 7, LEASE + 2)).unwrap(),
+                Begin::Replay(snapshot(&format!("r{n}")))
+            );
+        }
+        assert_eq!(through_ops(&b, 0).complete(&open[0].1, &done("late", LEASE + 3)).unwrap(), Settled::Done);
+        assert_eq!(w.begin(&attempt(open[0].0, 1, 8, LEASE + 4)).unwrap(), Begin::Replay(snapshot("late")));
+        return;
+    }
     // Within the lease the abandoned claim is live: the store is full.
     assert!(matches!(w.begin(&attempt(20_000, 1, 90_001, LEASE - 1)).unwrap(), Begin::Full { .. }));
     // After it, its place goes to a new record.
@@ -342,7 +379,13 @@ pub fn a_late_completion_of_an_abandoned_claim_keeps_its_place<B: Backend>() {
         let r = w1.begin(&attempt(30_000 + k, 1, 95_000 + k, LEASE + 6)).unwrap();
         assert!(matches!(r, Begin::Claimed(_)), "{k}: {r:?}");
     }
-    assert!(matches!(w1.begin(&attempt(30_100, 1, 96_000, LEASE + 7)).unwrap(), Begin::Full { .. }));
+    // Then a bounded store is full; an unbounded one claims it too.
+    let next = w1.begin(&attempt(30_100, 1, 96_000, LEASE + 7)).unwrap();
+    if B::BOUNDED {
+        assert!(matches!(next, Begin::Full { .. }), "{next:?}");
+    } else {
+        assert!(matches!(next, Begin::Claimed(_)), "{next:?}");
+    }
     assert_eq!(w1.begin(&attempt(kept, 1, 96_001, LEASE + 8)).unwrap(), Begin::Replay(snapshot("kept")));
 }
 

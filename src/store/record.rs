@@ -269,14 +269,27 @@ pub fn encode_slot(v: &SlotValue) -> Vec<u8> {
 }
 
 pub fn decode_slot(bytes: &[u8]) -> Result<SlotValue, DecodeError> {
+    // Only outcomes are committed to a slot; a processing record lives in its bucket alone.
+    decode_slot_layout(bytes, false)
+}
+
+/// Decodes a whole record as the etcd store keeps it under one key: the slot layout, whose entry
+/// may also be processing (a claim, which has no snapshot: `encode_slot` of a processing entry
+/// without one). Written with `encode_slot`.
+pub fn decode_record(bytes: &[u8]) -> Result<SlotValue, DecodeError> {
+    decode_slot_layout(bytes, true)
+}
+
+fn decode_slot_layout(bytes: &[u8], claims_allowed: bool) -> Result<SlotValue, DecodeError> {
     let mut r = Reader::new(bytes);
     let version = r.u8()?;
     if version != FORMAT_V2 {
         return Err(DecodeError::UnknownVersion(version));
     }
     let entry = read_entry(&mut r)?;
-    if !entry.is_completed() {
-        // Only outcomes are committed to a slot; a processing record lives in its bucket alone.
+    // A claim (etcd only) never has a snapshot.
+    let claim_ok = claims_allowed && !entry.body_stored();
+    if !entry.is_completed() && !claim_ok {
         return Err(DecodeError::BadState(entry.state.code()));
     }
     if !entry.body_stored() {

@@ -1,39 +1,164 @@
 //! (`testing`) A `RecordStore` over etcd that drives `Exchange`s with a blocking std::net
-//! HTTP/1.1 client: the conformance suite runs against a real etcd through the same exchanges the
-//! filter performs as callouts.
+//! HTTP/1.1 client: the conformance suite runs against a real etcd through exactly the exchanges
+//! the filter performs as callouts. Never in the shipped filter (no sockets in Wasm).
 
-use std::net::SocketAddr;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
 
-use crate::store::etcd::{EtcdSettings, EtcdStore};
-use crate::store::{Begin, Claim, ClaimAttempt, Completion, RecordStore, Settled, StoreError};
+use crate::store::etcd::{EtcdSettings, EtcdStore, ExchangeStep, HttpAnswer};
+use crate::store::{
+    Begin, Claim, ClaimAttempt, Completion, RecordStore, Settled, StoreAnswer, StoreError, StoreOp,
+};
+
+/// An exchange makes a handful of calls; more means it is looping.
+const MAX_CALLS: usize = 16;
+const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub struct BlockingEtcd {
     pub addr: SocketAddr,
     store: EtcdStore,
+    /// (path, whether a token was sent) of every call made, for tests of the sequence.
+    calls: std::cell::RefCell<Vec<(&'static str, bool)>>,
 }
 
 impl BlockingEtcd {
     pub fn new(addr: SocketAddr, settings: EtcdSettings) -> BlockingEtcd {
-        BlockingEtcd { addr, store: EtcdStore::new(settings) }
+        BlockingEtcd { addr, store: EtcdStore::new(settings), calls: std::cell::RefCell::new(Vec::new()) }
     }
 
     pub fn store(&self) -> &EtcdStore {
         &self.store
     }
+
+    /// The calls made so far (path, token sent), oldest first.
+    pub fn calls(&self) -> Vec<(&'static str, bool)> {
+        self.calls.borrow().clone()
+    }
+
+    /// Carries out `op` with the clock at `now_ms` (the op's own time: the suite's clock is
+    /// virtual, and leases are granted relative to it).
+    pub fn perform(&self, op: StoreOp, now_ms: u64) -> StoreAnswer {
+        let mut exchange = self.store.start(op);
+        let mut answer = None;
+        for _ in 0..MAX_CALLS {
+            match exchange.step(&self.store, answer.take(), now_ms) {
+                ExchangeStep::Done(done) => return done,
+                ExchangeStep::Call { path, body, token } => {
+                    self.calls.borrow_mut().push((path, token.is_some()));
+                    answer = Some(self.post(path, &body, token.as_deref()));
+                }
+            }
+        }
+        StoreAnswer::Settled(Err(StoreError::Unavailable("the exchange did not finish".into())))
+    }
+
+    /// One HTTP/1.1 POST on a fresh connection. Any I/O failure is a failed callout (no status),
+    /// as Envoy reports a reset.
+    pub fn post(&self, path: &str, body: &[u8], token: Option<&str>) -> HttpAnswer {
+        self.try_post(path, body, token).unwrap_or(HttpAnswer { status: None, body: Vec::new() })
+    }
+
+    fn try_post(&self, path: &str, body: &[u8], token: Option<&str>) -> std::io::Result<HttpAnswer> {
+        let mut stream = TcpStream::connect_timeout(&self.addr, IO_TIMEOUT)?;
+        stream.set_read_timeout(Some(IO_TIMEOUT))?;
+        stream.set_write_timeout(Some(IO_TIMEOUT))?;
+        let mut request = format!(
+            "POST {path} HTTP/1.1\r\nhost: etcd\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+            body.len()
+        );
+        if let Some(t) = token {
+            request.push_str(&format!("authorization: {t}\r\n"));
+        }
+        request.push_str("\r\n");
+        stream.write_all(request.as_bytes())?;
+        stream.write_all(body)?;
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw)?;
+        parse_response(&raw).ok_or_else(|| std::io::Error::other("malformed HTTP response"))
+    }
+}
+
+fn parse_response(raw: &[u8]) -> Option<HttpAnswer> {
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = std::str::from_utf8(&raw[..split]).ok()?;
+    let rest = &raw[split + 4..];
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines.next()?.split(' ').nth(1)?.parse().ok()?;
+    let chunked = lines.any(|l| {
+        let l = l.to_ascii_lowercase();
+        l.starts_with("transfer-encoding:") && l.contains("chunked")
+    });
+    let body = if chunked { dechunk(rest)? } else { rest.to_vec() };
+    Some(HttpAnswer { status: Some(status), body })
+}
+
+fn dechunk(mut rest: &[u8]) -> Option<Vec<u8>> {
+    let mut body = Vec::new();
+    loop {
+        let end = rest.windows(2).position(|w| w == b"\r\n")?;
+        let size_text = std::str::from_utf8(&rest[..end]).ok()?;
+        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
+        rest = &rest[end + 2..];
+        if size == 0 {
+            return Some(body);
+        }
+        body.extend_from_slice(rest.get(..size)?);
+        rest = rest.get(size + 2..)?;
+    }
+}
+
+fn begun(answer: StoreAnswer) -> Result<Begin, StoreError> {
+    match answer {
+        StoreAnswer::Begun(b) => b,
+        StoreAnswer::Settled(Err(e)) => Err(e),
+        other => Err(StoreError::Unavailable(format!("answer of the wrong kind: {other:?}"))),
+    }
+}
+
+fn settled(answer: StoreAnswer) -> Result<Settled, StoreError> {
+    match answer {
+        StoreAnswer::Settled(s) => s,
+        other => Err(StoreError::Unavailable(format!("answer of the wrong kind: {other:?}"))),
+    }
 }
 
 impl RecordStore for BlockingEtcd {
-    fn begin(&self, _attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
-        Err(StoreError::Unavailable("not yet".into()))
+    fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
+        begun(self.perform(StoreOp::Begin(*attempt), attempt.now_ms))
     }
-    fn complete(&self, _claim: &Claim, _completion: &Completion) -> Result<Settled, StoreError> {
-        Err(StoreError::Unavailable("not yet".into()))
+    fn complete(&self, claim: &Claim, completion: &Completion) -> Result<Settled, StoreError> {
+        settled(
+            self.perform(
+                StoreOp::Complete { claim: *claim, completion: completion.clone() },
+                completion.now_ms,
+            ),
+        )
     }
-    fn release(&self, _claim: &Claim) -> Result<Settled, StoreError> {
-        Err(StoreError::Unavailable("not yet".into()))
+    fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
+        // A release writes no lease, so its clock does not matter.
+        settled(self.perform(StoreOp::Release(*claim), 0))
     }
-    /// Leases collect expired records; nothing to sweep.
+    /// Leases collect expired records (and expired ones already read as absent): nothing to
+    /// sweep.
     fn sweep(&self, _now_ms: u64) -> Result<u32, StoreError> {
         Ok(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn responses_with_length_or_chunks_are_read() {
+        let plain = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}";
+        assert_eq!(parse_response(plain), Some(HttpAnswer { status: Some(200), body: b"{}".to_vec() }));
+        let chunked = b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n4\r\n\":1}\r\n0\r\n\r\n";
+        assert_eq!(
+            parse_response(chunked),
+            Some(HttpAnswer { status: Some(404), body: b"{\"a\":1}".to_vec() })
+        );
+        assert_eq!(parse_response(b"garbage"), None);
     }
 }

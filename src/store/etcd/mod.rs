@@ -4,10 +4,18 @@
 //! (`ExchangeStep::Call`) and is fed their answers until it is `Done`. The glue performs the
 //! calls as Envoy callouts; `blocking` (tests only) performs them over std::net.
 
+mod base64;
 #[cfg(feature = "testing")]
 pub mod blocking;
+mod wire;
 
-use crate::store::{StoreAnswer, StoreError, StoreOp};
+use std::cell::RefCell;
+
+use crate::store::record::{
+    self, Entry, SlotValue, State, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED,
+};
+use crate::store::{Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp};
+use wire::{Guard, Refused, TxnOp};
 
 /// What to do when etcd cannot be used (unreachable, erroring, too slow).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -62,15 +70,42 @@ pub enum ExchangeStep {
     Done(StoreAnswer),
 }
 
-/// Per worker (one per root context): the lease cache and the auth token.
+/// Records whose expiry falls in the same window share one etcd lease, which ends after the
+/// window: a worker grants one lease per window in use, never one per request.
+pub const LEASE_WINDOW_MS: u64 = 10_000;
+/// Added to every lease's TTL: covers the time between the grant and the puts that use it.
+const LEASE_SLACK_S: u64 = 2;
+/// Leases a worker keeps: one per window in use (claims and completions of each ttl in use).
+const CACHED_LEASES: usize = 16;
+/// Transactions lost to other writers before `begin` gives up (`Contention`).
+const TXN_ATTEMPTS: u8 = 3;
+/// Upper bound of a retry-after hint (as the local store).
+const RETRY_CAP_MS: u64 = 60_000;
+
+#[derive(Debug, Clone, Copy)]
+struct CachedLease {
+    window_end_ms: u64,
+    id: i64,
+}
+
+/// Per worker (one per root context): the leases granted per expiry window and the auth token.
+/// Workers never share them (each has its own), so the cells are only touched by one thread.
 #[derive(Debug)]
 pub struct EtcdStore {
     settings: EtcdSettings,
+    leases: RefCell<Vec<CachedLease>>,
+    token: RefCell<Option<String>>,
+}
+
+/// The end of the lease window a record expiring at `expires_at_ms` belongs to: strictly after
+/// its expiry, so the record's lease never ends before the record does.
+fn window_end(expires_at_ms: u64) -> u64 {
+    (expires_at_ms / LEASE_WINDOW_MS).saturating_add(1).saturating_mul(LEASE_WINDOW_MS)
 }
 
 impl EtcdStore {
     pub fn new(settings: EtcdSettings) -> EtcdStore {
-        EtcdStore { settings }
+        EtcdStore { settings, leases: RefCell::new(Vec::new()), token: RefCell::new(None) }
     }
 
     pub fn settings(&self) -> &EtcdSettings {
@@ -79,23 +114,577 @@ impl EtcdStore {
 
     /// Starts one store operation; drive it with `Exchange::step`.
     pub fn start(&self, op: StoreOp) -> Exchange {
-        Exchange { op }
+        Exchange {
+            op,
+            stage: Stage::Start,
+            pending: None,
+            authenticating: false,
+            reauthenticated: false,
+            lease_regranted: false,
+            attempts: 0,
+            write: None,
+        }
+    }
+
+    fn lease_for(&self, window_end_ms: u64, now_ms: u64) -> Option<i64> {
+        let mut leases = self.leases.borrow_mut();
+        leases.retain(|l| l.window_end_ms > now_ms);
+        leases.iter().find(|l| l.window_end_ms == window_end_ms).map(|l| l.id)
+    }
+
+    fn remember_lease(&self, window_end_ms: u64, id: i64) {
+        let mut leases = self.leases.borrow_mut();
+        leases.retain(|l| l.window_end_ms != window_end_ms);
+        if leases.len() >= CACHED_LEASES {
+            // The soonest window is the one least likely to be asked for again.
+            if let Some(i) = leases.iter().enumerate().min_by_key(|(_, l)| l.window_end_ms).map(|(i, _)| i) {
+                leases.swap_remove(i);
+            }
+        }
+        leases.push(CachedLease { window_end_ms, id });
+    }
+
+    fn forget_lease(&self, id: i64) {
+        self.leases.borrow_mut().retain(|l| l.id != id);
+    }
+
+    fn token(&self) -> Option<String> {
+        self.token.borrow().clone()
+    }
+
+    fn key(&self, parts: &[&str]) -> Vec<u8> {
+        let mut key = self.settings.prefix.clone().into_bytes();
+        for p in parts {
+            key.extend_from_slice(p.as_bytes());
+        }
+        key
+    }
+
+    /// `<prefix>r/<scope hex>`: the record.
+    fn record_key(&self, scope: &crate::identity::scope::ScopeId) -> Vec<u8> {
+        self.key(&["r/", &hex(&scope.0)])
+    }
+
+    /// `<prefix>q/<t|p>/<tag hex16>/`: one identity's quota index; below it one key per record
+    /// counted, `<until hex16>/<scope hex>`, where `until` is when the record stops counting.
+    /// Keys sort by `until`, so the live ones are a range starting at now.
+    fn index_prefix(&self, tenant: bool, tag: u64) -> Vec<u8> {
+        self.key(&["q/", if tenant { "t/" } else { "p/" }, &format!("{tag:016x}/")])
+    }
+
+    fn index_keys(&self, e: &Entry) -> Vec<Vec<u8>> {
+        let until = counts_until(e);
+        let mut keys = Vec::new();
+        for (flag, tenant, tag) in
+            [(FLAG_TENANT_CHARGED, true, e.tenant_tag), (FLAG_PRINCIPAL_CHARGED, false, e.principal_tag)]
+        {
+            if e.flags & flag != 0 {
+                let mut key = self.index_prefix(tenant, tag);
+                key.extend_from_slice(format!("{until:016x}/{}", hex(&e.scope.0)).as_bytes());
+                keys.push(key);
+            }
+        }
+        keys
+    }
+
+    /// The live part of an identity's index at `now_ms`: keys whose `until` is after now.
+    fn live_index(&self, tenant: bool, tag: u64, now_ms: u64) -> TxnOp {
+        let prefix = self.index_prefix(tenant, tag);
+        let mut key = prefix.clone();
+        key.extend_from_slice(format!("{:016x}", now_ms.saturating_add(1)).as_bytes());
+        let mut range_end = prefix;
+        // '/' + 1: the first key after every key under the prefix.
+        if let Some(last) = range_end.last_mut() {
+            *last = b'0';
+        }
+        TxnOp::Range { key, range_end: Some(range_end), limit: 1, keys_only: true }
     }
 }
 
-/// One `StoreOp` carried out as a sequence of HTTP calls to etcd's JSON gateway.
+/// When a record stops counting against its quota: a claim at the end of its lease (an abandoned
+/// claim must not lock its client out for the ttl, as the local store's sweep discharges it), a
+/// completed record at its expiry.
+fn counts_until(e: &Entry) -> u64 {
+    if e.is_completed() {
+        e.expires_at_ms
+    } else {
+        e.lease_deadline_ms.min(e.expires_at_ms)
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A quota tag: the first 8 bytes of the identity's digest. A collision (2^-64 per pair) merges
+/// two identities' quotas, nothing worse; the tag keeps the digest itself out of etcd's keys.
+fn tag_of(digest: &[u8; 32]) -> u64 {
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    u64::from_be_bytes(first)
+}
+
+/// Where an exchange is: which answer it waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Start,
+    /// begin: the record and the quota indexes, read in one transaction.
+    BeginRead,
+    /// complete/release: the record, to check ownership and find its index keys.
+    SettleRead,
+    LeaseGrant,
+    /// The guarded write.
+    Write,
+    Finished,
+}
+
+/// A guarded write waiting for its lease (or sent).
+#[derive(Debug, Clone)]
+struct Write {
+    guard: Guard,
+    /// The record to put (None: delete it, a release).
+    record: Option<Entry>,
+    snapshot: Option<record::Snapshot>,
+    /// Index keys to delete (the replaced record's).
+    stale_index: Vec<Vec<u8>>,
+    lease: i64,
+    window_end_ms: u64,
+    /// What a successful write means.
+    won: Won,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Won {
+    Claimed,
+    TookOver,
+    Settled,
+}
+
+/// One `StoreOp` carried out as a sequence of HTTP calls to etcd's JSON gateway. Pure state
+/// machine: the caller performs each `Call` and feeds its answer back.
 #[derive(Debug)]
 pub struct Exchange {
     op: StoreOp,
+    stage: Stage,
+    /// The last call made for the operation itself, sent again after a re-authentication.
+    pending: Option<(&'static str, Vec<u8>)>,
+    authenticating: bool,
+    reauthenticated: bool,
+    lease_regranted: bool,
+    attempts: u8,
+    write: Option<Write>,
+}
+
+/// What the exchange does next, inside `step`.
+enum Next {
+    Call(&'static str, Vec<u8>, Stage),
+    Begun(Begin),
+    Settled(Settled),
 }
 
 impl Exchange {
     /// First call with `answer: None`; afterwards with the answer to the last `Call`.
-    pub fn step(&mut self, _store: &EtcdStore, _answer: Option<HttpAnswer>, _now_ms: u64) -> ExchangeStep {
-        let error = StoreError::Unavailable("not yet".into());
-        ExchangeStep::Done(match self.op {
-            StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),
-            StoreOp::Complete { .. } | StoreOp::Release(_) => StoreAnswer::Settled(Err(error)),
+    pub fn step(&mut self, store: &EtcdStore, answer: Option<HttpAnswer>, now_ms: u64) -> ExchangeStep {
+        match self.advance(store, answer, now_ms) {
+            Ok(step) => step,
+            Err(error) => self.finish(Err(error)),
+        }
+    }
+
+    fn finish(&mut self, outcome: Result<Next, StoreError>) -> ExchangeStep {
+        self.stage = Stage::Finished;
+        let begin = matches!(self.op, StoreOp::Begin(_));
+        ExchangeStep::Done(match outcome {
+            Ok(Next::Begun(b)) => StoreAnswer::Begun(Ok(b)),
+            Ok(Next::Settled(s)) => StoreAnswer::Settled(Ok(s)),
+            Ok(Next::Call(..)) | Err(_) if begin => {
+                StoreAnswer::Begun(Err(outcome.err().unwrap_or_else(|| unusable("no answer"))))
+            }
+            Ok(Next::Call(..)) | Err(_) => {
+                StoreAnswer::Settled(Err(outcome.err().unwrap_or_else(|| unusable("no answer"))))
+            }
         })
     }
+
+    fn advance(
+        &mut self,
+        store: &EtcdStore,
+        answer: Option<HttpAnswer>,
+        now_ms: u64,
+    ) -> Result<ExchangeStep, StoreError> {
+        let next = match (self.stage, answer) {
+            (Stage::Start, None) => self.first(store)?,
+            (Stage::Start, Some(_)) => return Err(unusable("an answer before any call")),
+            (Stage::Finished, _) => return Err(unusable("the exchange had already finished")),
+            (_, None) => return Err(unusable("no answer to the last call")),
+            (stage, Some(answer)) => {
+                if self.authenticating {
+                    return self.authenticated(store, &answer);
+                }
+                match wire::body(answer.status, &answer.body) {
+                    Err(Refused::InvalidToken) if store.settings.auth.is_some() && !self.reauthenticated => {
+                        // Tokens expire (and die with an etcd restart): one fresh token, once.
+                        self.reauthenticated = true;
+                        *store.token.borrow_mut() = None;
+                        return Ok(self.authenticate(store));
+                    }
+                    Err(Refused::LeaseNotFound) if stage == Stage::Write && !self.lease_regranted => {
+                        self.lease_regranted = true;
+                        match self.write.as_ref() {
+                            Some(w) => {
+                                store.forget_lease(w.lease);
+                                self.grant(w.window_end_ms, now_ms)
+                            }
+                            None => return Err(unusable("a write without its plan")),
+                        }
+                    }
+                    Err(refused) => return Err(refused.into_error()),
+                    Ok(body) => match stage {
+                        Stage::BeginRead => {
+                            let txn = wire::read_txn(&body).map_err(Refused::into_error)?;
+                            self.begin_read(store, &txn, now_ms)?
+                        }
+                        Stage::SettleRead => {
+                            let range = wire::read_range(&body).map_err(Refused::into_error)?;
+                            self.settle_read(store, &range, now_ms)?
+                        }
+                        Stage::LeaseGrant => {
+                            let id = wire::read_lease_id(&body).map_err(Refused::into_error)?;
+                            let Some(w) = self.write.as_mut() else {
+                                return Err(unusable("a lease without a write"));
+                            };
+                            store.remember_lease(w.window_end_ms, id);
+                            w.lease = id;
+                            self.write_call(store)?
+                        }
+                        Stage::Write => {
+                            let txn = wire::read_txn(&body).map_err(Refused::into_error)?;
+                            self.written(store, &txn)?
+                        }
+                        Stage::Start | Stage::Finished => return Err(unusable("no call was made")),
+                    },
+                }
+            }
+        };
+        Ok(match next {
+            Next::Call(path, body, stage) => self.call(store, path, body, stage),
+            done => self.finish(Ok(done)),
+        })
+    }
+
+    /// Sends a call for the operation, authenticating first when there is no token yet.
+    fn call(&mut self, store: &EtcdStore, path: &'static str, body: Vec<u8>, stage: Stage) -> ExchangeStep {
+        self.stage = stage;
+        self.pending = Some((path, body));
+        if store.settings.auth.is_some() && store.token.borrow().is_none() {
+            return self.authenticate(store);
+        }
+        self.resend(store)
+    }
+
+    fn resend(&self, store: &EtcdStore) -> ExchangeStep {
+        let (path, body) = self.pending.clone().unwrap_or((wire::RANGE, Vec::new()));
+        ExchangeStep::Call { path, body, token: store.token() }
+    }
+
+    fn authenticate(&mut self, store: &EtcdStore) -> ExchangeStep {
+        self.authenticating = true;
+        let body = match &store.settings.auth {
+            Some(a) => wire::authenticate(&a.username, &a.password),
+            None => Vec::new(),
+        };
+        ExchangeStep::Call { path: wire::AUTHENTICATE, body, token: None }
+    }
+
+    fn authenticated(&mut self, store: &EtcdStore, answer: &HttpAnswer) -> Result<ExchangeStep, StoreError> {
+        self.authenticating = false;
+        let token = wire::body(answer.status, &answer.body)
+            .and_then(|body| wire::read_token(&body))
+            .map_err(|refused| match refused {
+                Refused::Unusable(m) => StoreError::Unavailable(format!("authenticate: {m}")),
+                other => other.into_error(),
+            })?;
+        *store.token.borrow_mut() = Some(token);
+        if self.pending.is_none() {
+            return Err(unusable("authenticated with nothing to send"));
+        }
+        Ok(self.resend(store))
+    }
+
+    fn first(&mut self, store: &EtcdStore) -> Result<Next, StoreError> {
+        match &self.op {
+            StoreOp::Begin(a) => Ok(self.begin_read_call(store, a)),
+            StoreOp::Complete { claim, completion } => {
+                if completion.state == State::Processing {
+                    return Err(StoreError::Corrupt("a completion must carry an outcome state".into()));
+                }
+                Ok(Next::Call(wire::RANGE, wire::range(&store.record_key(&claim.scope)), Stage::SettleRead))
+            }
+            StoreOp::Release(claim) => {
+                Ok(Next::Call(wire::RANGE, wire::range(&store.record_key(&claim.scope)), Stage::SettleRead))
+            }
+        }
+    }
+
+    /// One transaction reads the record and, for a charged attempt, the live parts of its
+    /// identities' quota indexes (first key and count), all at one revision.
+    fn begin_read_call(&self, store: &EtcdStore, a: &ClaimAttempt) -> Next {
+        let mut reads = vec![TxnOp::Range {
+            key: store.record_key(&a.scope),
+            range_end: None,
+            limit: 0,
+            keys_only: false,
+        }];
+        if let Some(q) = &a.quota {
+            if let Some(t) = &q.tenant {
+                reads.push(store.live_index(true, tag_of(t), a.now_ms));
+            }
+            reads.push(store.live_index(false, tag_of(&q.principal), a.now_ms));
+        }
+        Next::Call(wire::TXN, wire::txn(None, &reads, &[]), Stage::BeginRead)
+    }
+
+    fn begin_read(
+        &mut self,
+        store: &EtcdStore,
+        txn: &wire::TxnAnswer,
+        now_ms: u64,
+    ) -> Result<Next, StoreError> {
+        let StoreOp::Begin(a) = self.op.clone() else { return Err(unusable("not a begin")) };
+        let mut ranges = txn.ranges.iter();
+        let Some(found) = ranges.next() else { return Err(unusable("etcd's answer lacks the record read")) };
+        let now = a.now_ms;
+        let (guard, replaced, won) = match found.kvs.first() {
+            None => (Guard::Absent, None, Won::Claimed),
+            Some(kv) => {
+                let existing = decode(&kv.value)?;
+                let e = existing.entry;
+                if e.scope != a.scope {
+                    return Err(StoreError::Corrupt("a record under another scope's key".into()));
+                }
+                if e.is_expired(now) {
+                    // Expired: absent, whatever etcd still holds until the lease collects it.
+                    (Guard::ModRevision(kv.mod_revision), Some(e), Won::Claimed)
+                } else if e.fingerprint != a.fingerprint {
+                    return Ok(Next::Begun(Begin::Mismatch));
+                } else if e.is_completed() {
+                    return Ok(Next::Begun(match existing.snapshot {
+                        Some(s) if e.body_stored() => Begin::Replay(s),
+                        _ => Begin::NotStored { status: e.status },
+                    }));
+                } else if now < e.lease_deadline_ms {
+                    return Ok(Next::Begun(Begin::InFlight { retry_after_ms: e.lease_deadline_ms - now }));
+                } else {
+                    // The lease ended without an outcome: take the record over.
+                    (Guard::ModRevision(kv.mod_revision), Some(e), Won::TookOver)
+                }
+            }
+        };
+        let mut entry = Entry {
+            position: 0,
+            state: State::Processing,
+            flags: FLAG_BODY_NOT_STORED,
+            status: 0,
+            scope: a.scope,
+            fingerprint: a.fingerprint,
+            owner: a.owner,
+            lease_deadline_ms: now.saturating_add(a.lease_ms),
+            expires_at_ms: now.saturating_add(a.ttl_ms),
+            charged_at_ms: now,
+            tenant_tag: 0,
+            principal_tag: 0,
+        };
+        if let Some(q) = &a.quota {
+            // A new record, or a takeover (whose claim stopped counting when its lease ended,
+            // exactly when a takeover becomes possible): charged, within the bounds.
+            if let Some(t) = &q.tenant {
+                let live = ranges.next().ok_or_else(|| unusable("etcd's answer lacks the tenant index"))?;
+                if let Some(refusal) = refusal(live, q.per_tenant, now, true) {
+                    return Ok(Next::Begun(refusal));
+                }
+                entry.flags |= FLAG_TENANT_CHARGED;
+                entry.tenant_tag = tag_of(t);
+            }
+            let live = ranges.next().ok_or_else(|| unusable("etcd's answer lacks the principal index"))?;
+            if let Some(refusal) = refusal(live, q.per_principal, now, false) {
+                return Ok(Next::Begun(refusal));
+            }
+            entry.flags |= FLAG_PRINCIPAL_CHARGED;
+            entry.principal_tag = tag_of(&q.principal);
+        }
+        let stale_index = replaced.map(|old| store.index_keys(&old)).unwrap_or_default();
+        self.plan(
+            store,
+            Write {
+                guard,
+                record: Some(entry),
+                snapshot: None,
+                stale_index,
+                lease: 0,
+                window_end_ms: 0,
+                won,
+            },
+            now_ms,
+        )
+    }
+
+    fn settle_read(
+        &mut self,
+        store: &EtcdStore,
+        found: &wire::RangeAnswer,
+        now_ms: u64,
+    ) -> Result<Next, StoreError> {
+        let claim: Claim = match &self.op {
+            StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => *claim,
+            StoreOp::Begin(_) => return Err(unusable("not a settlement")),
+        };
+        // The claim's put is the record's last write while the claim holds it: any other
+        // revision means it was taken over, completed, released or replaced.
+        let Some(kv) =
+            found.kvs.first().filter(|kv| u64::try_from(kv.mod_revision).ok() == Some(claim.locator))
+        else {
+            return Ok(Next::Settled(Settled::Lost));
+        };
+        let current = decode(&kv.value)?.entry;
+        if current.owner != claim.owner || current.scope != claim.scope || current.is_completed() {
+            return Ok(Next::Settled(Settled::Lost));
+        }
+        let guard = Guard::ModRevision(kv.mod_revision);
+        let stale_index = store.index_keys(&current);
+        let write = match &self.op {
+            StoreOp::Complete { completion, .. } => {
+                let Completion { state, status, snapshot, now_ms: at, ttl_ms } = completion;
+                let mut done = current;
+                done.state = *state;
+                done.status = *status;
+                done.expires_at_ms = at.saturating_add(*ttl_ms);
+                // encode_slot sets FLAG_BODY_NOT_STORED from the snapshot's presence.
+                Write {
+                    guard,
+                    record: Some(done),
+                    snapshot: snapshot.clone(),
+                    stale_index,
+                    lease: 0,
+                    window_end_ms: 0,
+                    won: Won::Settled,
+                }
+            }
+            _ => Write {
+                guard,
+                record: None,
+                snapshot: None,
+                stale_index,
+                lease: 0,
+                window_end_ms: 0,
+                won: Won::Settled,
+            },
+        };
+        self.plan(store, write, now_ms)
+    }
+
+    /// Finds the write's lease (granting one when this worker has none for its window) and
+    /// makes the write.
+    fn plan(&mut self, store: &EtcdStore, mut write: Write, now_ms: u64) -> Result<Next, StoreError> {
+        let Some(entry) = write.record else {
+            self.write = Some(write);
+            return self.write_call(store);
+        };
+        write.window_end_ms = window_end(entry.expires_at_ms);
+        let cached = store.lease_for(write.window_end_ms, now_ms);
+        let window_end_ms = write.window_end_ms;
+        self.write = Some(write);
+        match cached {
+            Some(id) => {
+                if let Some(w) = self.write.as_mut() {
+                    w.lease = id;
+                }
+                self.write_call(store)
+            }
+            None => Ok(self.grant(window_end_ms, now_ms)),
+        }
+    }
+
+    fn grant(&self, window_end_ms: u64, now_ms: u64) -> Next {
+        let ttl_s = window_end_ms.saturating_sub(now_ms).div_ceil(1_000).saturating_add(LEASE_SLACK_S);
+        Next::Call(wire::LEASE_GRANT, wire::lease_grant(ttl_s), Stage::LeaseGrant)
+    }
+
+    fn write_call(&self, store: &EtcdStore) -> Result<Next, StoreError> {
+        let Some(w) = &self.write else { return Err(unusable("no write planned")) };
+        let scope = match &self.op {
+            StoreOp::Begin(a) => a.scope,
+            StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => claim.scope,
+        };
+        let key = store.record_key(&scope);
+        let mut ops: Vec<TxnOp> = w.stale_index.iter().map(|k| TxnOp::Delete { key: k.clone() }).collect();
+        match &w.record {
+            Some(entry) => {
+                let value = record::encode_slot(&SlotValue { entry: *entry, snapshot: w.snapshot.clone() });
+                ops.push(TxnOp::Put { key: key.clone(), value, lease: w.lease });
+                for index in store.index_keys(entry) {
+                    // Index keys carry the record's lease: they disappear with it.
+                    ops.push(TxnOp::Put { key: index, value: Vec::new(), lease: w.lease });
+                }
+            }
+            None => ops.push(TxnOp::Delete { key: key.clone() }),
+        }
+        Ok(Next::Call(wire::TXN, wire::txn(Some((&key, w.guard)), &ops, &[]), Stage::Write))
+    }
+
+    fn written(&mut self, store: &EtcdStore, txn: &wire::TxnAnswer) -> Result<Next, StoreError> {
+        let Some(w) = &self.write else { return Err(unusable("no write planned")) };
+        match (&self.op, txn.succeeded, w.won) {
+            (StoreOp::Begin(a), true, won) => {
+                let locator = u64::try_from(txn.revision).map_err(|_| unusable("a negative revision"))?;
+                let claim = Claim { scope: a.scope, owner: a.owner, locator };
+                Ok(Next::Begun(if won == Won::TookOver {
+                    Begin::TookOver(claim)
+                } else {
+                    Begin::Claimed(claim)
+                }))
+            }
+            (StoreOp::Begin(a), false, _) => {
+                // Another worker wrote the record between our read and our write: look again.
+                self.attempts += 1;
+                if self.attempts >= TXN_ATTEMPTS {
+                    return Err(StoreError::Contention);
+                }
+                let a = *a;
+                self.write = None;
+                Ok(self.begin_read_call(store, &a))
+            }
+            (_, true, _) => Ok(Next::Settled(Settled::Done)),
+            // The claim's revision moved between our read and our write: no longer ours.
+            (_, false, _) => Ok(Next::Settled(Settled::Lost)),
+        }
+    }
+}
+
+fn unusable(why: &str) -> StoreError {
+    StoreError::Unavailable(why.into())
+}
+
+fn decode(bytes: &[u8]) -> Result<SlotValue, StoreError> {
+    // Bytes this build cannot read are reported, never overwritten: a newer build's record is
+    // still somebody's guarantee.
+    record::decode_record(bytes).map_err(|e| StoreError::Corrupt(format!("etcd record: {e:?}")))
+}
+
+/// The quota answer for an identity whose live index is `live`, or None when there is room.
+fn refusal(live: &wire::RangeAnswer, bound: u32, now_ms: u64, tenant: bool) -> Option<Begin> {
+    if live.count < i64::from(bound) {
+        return None;
+    }
+    // The first live key is the one that stops counting first (keys sort by `until`).
+    let soonest = live.kvs.first().and_then(|kv| {
+        let text = std::str::from_utf8(&kv.key).ok()?;
+        let mut parts = text.rsplit('/');
+        parts.next()?;
+        u64::from_str_radix(parts.next()?, 16).ok()
+    });
+    let retry_after_ms = match soonest {
+        Some(until) if bound > 0 => until.saturating_sub(now_ms).clamp(1, RETRY_CAP_MS),
+        _ => RETRY_CAP_MS,
+    };
+    Some(Begin::QuotaExceeded { retry_after_ms, tenant })
 }

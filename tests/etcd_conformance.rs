@@ -1,0 +1,154 @@
+//! The store conformance suite against a real etcd, through the same exchanges the filter
+//! performs as callouts (`BlockingEtcd` drives them over std::net).
+//!
+//! Needs the `etcd` binary (Debian's etcd-server; `make etcd`, or `ETCD_BIN`): without it these
+//! tests FAIL rather than skip, so a missing etcd cannot pass for a green run. One etcd process
+//! serves the tests that overlap in time (each test works under its own key prefix); it runs on
+//! free loopback ports with a temporary data directory and is killed when the last test using
+//! it ends, panicking or not.
+
+// Test code: a failed setup is the test's failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempotency_filter::store::conformance::Backend;
+use idempotency_filter::store::etcd::blocking::BlockingEtcd;
+use idempotency_filter::store::etcd::{EtcdSettings, OnStoreError};
+use idempotency_filter::store::RecordStore;
+
+/// A running etcd, killed (and its data directory removed) on drop.
+struct EtcdProcess {
+    child: Child,
+    addr: SocketAddr,
+    dir: std::path::PathBuf,
+}
+
+impl Drop for EtcdProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn healthy(addr: SocketAddr) -> bool {
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else { return false };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+    if s.write_all(b"GET /health HTTP/1.1\r\nhost: etcd\r\nconnection: close\r\n\r\n").is_err() {
+        return false;
+    }
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.starts_with("HTTP/1.1 200") && out.contains("\"health\":\"true\"")
+}
+
+fn start_etcd() -> EtcdProcess {
+    static STARTS: AtomicU32 = AtomicU32::new(0);
+    let bin = std::env::var("ETCD_BIN").unwrap_or_else(|_| "etcd".into());
+    let dir = std::env::temp_dir().join(format!(
+        "idem-etcd-{}-{}",
+        std::process::id(),
+        STARTS.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (client, peer) = (free_port(), free_port());
+    let client_url = format!("http://127.0.0.1:{client}");
+    let peer_url = format!("http://127.0.0.1:{peer}");
+    let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
+    let child = Command::new(&bin)
+        .args(["--name", "conformance", "--data-dir"])
+        .arg(dir.join("data"))
+        .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
+        .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+        .args(["--initial-cluster", &format!("conformance={peer_url}")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {bin} (install etcd-server: make etcd): {e}"));
+    let mut etcd = EtcdProcess { child, addr: SocketAddr::from(([127, 0, 0, 1], client)), dir };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !healthy(etcd.addr) {
+        if let Ok(Some(status)) = etcd.child.try_wait() {
+            let log = std::fs::read_to_string(etcd.dir.join("etcd.log")).unwrap_or_default();
+            panic!("etcd exited ({status}) before it was healthy:\n{log}");
+        }
+        assert!(Instant::now() < deadline, "etcd was not healthy within 20 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    etcd
+}
+
+/// The etcd shared by the tests running now: started by the first, killed with the last.
+static SHARED: Mutex<Option<(Arc<EtcdProcess>, usize)>> = Mutex::new(None);
+
+struct EtcdUse(Arc<EtcdProcess>);
+
+impl EtcdUse {
+    fn acquire() -> EtcdUse {
+        let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+        let (etcd, users) = shared.get_or_insert_with(|| (Arc::new(start_etcd()), 0));
+        *users += 1;
+        EtcdUse(Arc::clone(etcd))
+    }
+}
+
+impl Drop for EtcdUse {
+    fn drop(&mut self) {
+        let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, users)) = shared.as_mut() {
+            *users -= 1;
+            if *users == 0 {
+                // Dropping the last Arc kills etcd.
+                *shared = None;
+            }
+        }
+    }
+}
+
+struct Etcd {
+    etcd: EtcdUse,
+    prefix: String,
+}
+
+fn settings(prefix: &str) -> EtcdSettings {
+    EtcdSettings {
+        cluster: "etcd".into(),
+        prefix: prefix.into(),
+        timeout_ms: 250,
+        on_error: OnStoreError::FailClosed,
+        auth: None,
+    }
+}
+
+impl Backend for Etcd {
+    // etcd has no capacity bound: no new record is ever refused for room (the suite's Full
+    // cases state what an unbounded store must do instead).
+    const BOUNDED: bool = false;
+    // Leases collect expired records; `sweep` has nothing to reclaim.
+    const RECLAIMS_BY_SWEEP: bool = false;
+
+    fn with_capacity(_capacity: u32) -> Self {
+        static TESTS: AtomicU32 = AtomicU32::new(0);
+        let prefix = format!("/idem-test/{}/", TESTS.fetch_add(1, Ordering::SeqCst));
+        Etcd { etcd: EtcdUse::acquire(), prefix }
+    }
+
+    fn worker(&self, _n: u8) -> Box<dyn RecordStore + '_> {
+        // Each worker has its own EtcdStore (lease cache, token), as each Envoy worker does.
+        Box::new(BlockingEtcd::new(self.etcd.0.addr, settings(&self.prefix)))
+    }
+}
+
+idempotency_filter::conformance_suite!(Etcd);

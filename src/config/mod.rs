@@ -205,6 +205,8 @@ const DEFAULT_TTL_MS: u64 = 24 * 3_600_000;
 const DEFAULT_PROCESSING_TIMEOUT_MS: u64 = 30_000;
 const DEFAULT_BODY_BYTES: u64 = 1 << 20;
 const MAX_BODY_BYTES: u64 = 64 << 20;
+// A route with default sizes must be valid with the etcd store too.
+const _: () = assert!(DEFAULT_BODY_BYTES <= etcd::MAX_STORED_BODY_BYTES);
 const DEFAULT_METHODS: [&str; 2] = ["POST", "PATCH"];
 const DEFAULT_STORE_STATUSES: [StatusPattern; 3] =
     [StatusPattern::Class(2), StatusPattern::Class(3), StatusPattern::Class(4)];
@@ -1462,5 +1464,118 @@ mod tests {
         assert_eq!(name("POST", "/orders/1"), Some("general"));
         assert_eq!(name("GET", "/orders/1"), None);
         assert_eq!(name("POST", "/users"), None);
+    }
+
+    fn etcd(store_fields: &str, route_fields: &str) -> String {
+        let sep = if route_fields.is_empty() { "" } else { "," };
+        format!(
+            r#"{{"store":{{"type":"etcd","cluster":"etcd"{store_fields}}},"routes":[{{"name":"a","match":{{"prefix":"/"}}{sep}{route_fields}}}]}}"#
+        )
+    }
+
+    #[test]
+    fn rejects_bad_etcd_configs_naming_the_field() {
+        let long_prefix = format!(r#","prefix":"/{}/""#, "p".repeat(127));
+        let over_limit = format!(r#""max_response_bytes":{}"#, etcd::MAX_STORED_BODY_BYTES + 1);
+        let cases: Vec<(&str, String, &str)> = vec![
+            (
+                "cluster missing",
+                r#"{"store":{"type":"etcd"},"routes":[{"name":"a","match":{"prefix":"/"}}]}"#.into(),
+                "store.cluster",
+            ),
+            (
+                "cluster empty",
+                etcd(r#","cluster":"""#, "").replacen(r#""cluster":"etcd","#, "", 1),
+                "store.cluster",
+            ),
+            (
+                "cluster number",
+                etcd("", "").replace(r#""cluster":"etcd""#, r#""cluster":1"#),
+                "store.cluster",
+            ),
+            ("unknown etcd field", etcd(r#","capacity":10"#, ""), "store.capacity"),
+            ("prefix empty", etcd(r#","prefix":"""#, ""), "store.prefix"),
+            ("prefix without trailing slash", etcd(r#","prefix":"/idem""#, ""), "store.prefix"),
+            ("prefix too long", etcd(&long_prefix, ""), "store.prefix"),
+            ("prefix control character", etcd(r#","prefix":"/a\u0001/""#, ""), "store.prefix"),
+            ("timeout without unit", etcd(r#","timeout":"250""#, ""), "store.timeout"),
+            ("timeout number", etcd(r#","timeout":250"#, ""), "store.timeout"),
+            ("timeout zero", etcd(r#","timeout":"0ms""#, ""), "store.timeout"),
+            ("timeout over the bound", etcd(r#","timeout":"11s""#, ""), "store.timeout"),
+            ("on_error unknown", etcd(r#","on_error":"retry""#, ""), "store.on_error"),
+            ("on_error bool", etcd(r#","on_error":true"#, ""), "store.on_error"),
+            ("auth not object", etcd(r#","auth":"root:pw""#, ""), "store.auth"),
+            ("auth username missing", etcd(r#","auth":{"password":"pw"}"#, ""), "store.auth.username"),
+            ("auth password missing", etcd(r#","auth":{"username":"u"}"#, ""), "store.auth.password"),
+            (
+                "auth username empty",
+                etcd(r#","auth":{"username":"","password":"pw"}"#, ""),
+                "store.auth.username",
+            ),
+            (
+                "auth password number",
+                etcd(r#","auth":{"username":"u","password":1}"#, ""),
+                "store.auth.password",
+            ),
+            (
+                "auth unknown field",
+                etcd(r#","auth":{"username":"u","password":"p","token":"t"}"#, ""),
+                "store.auth.token",
+            ),
+            ("wait mode", etcd("", r#""concurrent":"wait""#), "routes[0].concurrent"),
+            ("response over etcd's request limit", etcd("", &over_limit), "routes[0].max_response_bytes"),
+        ];
+        for (name, json, field) in cases {
+            match parse_str(&json) {
+                Err(e) => assert_eq!(e.field, field, "{name}: {json}: {e}"),
+                Ok(c) => unreachable!("{name}: {json} parsed: {c:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn etcd_store_parses_with_defaults_and_in_full() {
+        let settings = |json: &str| match parse_str(json) {
+            Ok(c) => c.etcd,
+            Err(e) => unreachable!("{json}: {e}"),
+        };
+        assert_eq!(
+            settings(&etcd("", "")),
+            Some(EtcdSettings {
+                cluster: "etcd".into(),
+                prefix: "/idempotency/".into(),
+                timeout_ms: 250,
+                on_error: OnStoreError::FailClosed,
+                auth: None,
+            })
+        );
+        let full = etcd(
+            r#","prefix":"/shop/idem/","timeout":"1s","on_error":"fail_open","auth":{"username":"idem","password":"s\"ecret"}"#,
+            &format!(r#""max_response_bytes":{}"#, etcd::MAX_STORED_BODY_BYTES),
+        );
+        assert_eq!(
+            settings(&full),
+            Some(EtcdSettings {
+                cluster: "etcd".into(),
+                prefix: "/shop/idem/".into(),
+                timeout_ms: 1_000,
+                on_error: OnStoreError::FailOpen,
+                auth: Some(EtcdAuth { username: "idem".into(), password: "s\"ecret".into() }),
+            })
+        );
+        // The local store keeps no etcd settings, and wait mode and large bodies stay its own.
+        let local = r#"{"store":{"type":"local"},"routes":[{"name":"a","match":{"prefix":"/"},"concurrent":"wait","max_response_bytes":67108864}]}"#;
+        assert_eq!(settings(local), None);
+        // Explicit fail_closed is the default spelled out.
+        assert_eq!(
+            settings(&etcd(r#","on_error":"fail_closed""#, "")).map(|s| s.on_error),
+            Some(OnStoreError::FailClosed)
+        );
+    }
+
+    #[test]
+    fn etcd_sizing_leaves_the_default_body_limit_room() {
+        // 1.5 MiB of request minus 68 KiB of headers and framing: the 1 MiB default fits.
+        assert_eq!(etcd::MAX_STORED_BODY_BYTES, 1_503_232);
     }
 }

@@ -9,6 +9,7 @@ use std::fmt;
 use std::rc::Rc;
 
 use crate::json::{self, JsonError, JsonValue as Value, MemberOrder};
+use crate::store::etcd::{self, EtcdAuth, EtcdSettings, OnStoreError};
 
 /// Compiled, validated configuration. Built once per `on_configure`, shared by every request.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,7 +20,13 @@ pub struct Config {
     pub tenant_header: Option<String>,
     /// Lowercased headers whose values identify the caller (hashed into the scope).
     pub principal_headers: Vec<String>,
+    /// The local store (Envoy's shared data). With `store.type: "etcd"` it is not used for
+    /// records (`etcd` is Some) and keeps its default capacity, from which default quotas derive.
     pub store: StoreConfig,
+    /// `store.type: "etcd"`: records live in etcd, shared by every Envoy pointed at it. A field
+    /// beside `store` rather than a `StoreConfig` variant for now, so the glue's existing
+    /// `StoreConfig::Local` binding keeps compiling until it opens either store.
+    pub etcd: Option<EtcdSettings>,
     pub problem_statuses: ProblemStatuses,
     /// Ordered; the first matching rule applies. Shared, so that a held request carries its
     /// rule with it instead of an index to look up again.
@@ -198,6 +205,8 @@ const DEFAULT_TTL_MS: u64 = 24 * 3_600_000;
 const DEFAULT_PROCESSING_TIMEOUT_MS: u64 = 30_000;
 const DEFAULT_BODY_BYTES: u64 = 1 << 20;
 const MAX_BODY_BYTES: u64 = 64 << 20;
+// A route with default sizes must be valid with the etcd store too.
+const _: () = assert!(DEFAULT_BODY_BYTES <= etcd::MAX_STORED_BODY_BYTES);
 const DEFAULT_METHODS: [&str; 2] = ["POST", "PATCH"];
 const DEFAULT_STORE_STATUSES: [StatusPattern; 3] =
     [StatusPattern::Class(2), StatusPattern::Class(3), StatusPattern::Class(4)];
@@ -268,8 +277,13 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     };
     let principal_headers = optional(top, "", "principal_headers", |v, f| unique_list(v, f, header_name))?
         .unwrap_or_else(|| vec![DEFAULT_PRINCIPAL_HEADER.into()]);
-    let store =
-        optional(top, "", "store", store)?.unwrap_or(StoreConfig::Local { capacity: DEFAULT_CAPACITY });
+    let (store, etcd) = match optional(top, "", "store", store)? {
+        None => (StoreConfig::Local { capacity: DEFAULT_CAPACITY }, None),
+        Some(StoreChoice::Local(local)) => (local, None),
+        Some(StoreChoice::Etcd(settings)) => {
+            (StoreConfig::Local { capacity: DEFAULT_CAPACITY }, Some(settings))
+        }
+    };
     let problem_statuses =
         optional(top, "", "problem_statuses", problem_statuses)?.unwrap_or(ProblemStatuses::DEFAULT);
     let waiters = |k: &str, default: u64| -> Res<u32> {
@@ -297,6 +311,9 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         if rules.iter().any(|x| x.name == r.name) {
             return Err(err(&key(&path, "name"), format!("duplicate route name {:?}", r.name)));
         }
+        if etcd.is_some() {
+            etcd_fits(&r, &path)?;
+        }
         rules.push(Rc::new(r));
     }
     let max_waiters = max_waiters(top, &rules)?;
@@ -305,6 +322,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         tenant_header,
         principal_headers,
         store,
+        etcd,
         problem_statuses,
         rules,
         max_waiters_per_key,
@@ -383,7 +401,97 @@ fn quota(v: &Value, path: &str) -> Res<(Option<u32>, Option<u32>)> {
     Ok((bound("per_tenant")?, bound("per_principal")?))
 }
 
-fn store(v: &Value, path: &str) -> Res<StoreConfig> {
+/// What a route asks of the store that the etcd store cannot give.
+fn etcd_fits(r: &Rule, path: &str) -> Res<()> {
+    // Waiters are woken through this Envoy's shared data; an original finishing on another Envoy
+    // would never wake them. Refused until waiters can poll the remote store.
+    if matches!(r.concurrency, Concurrency::Wait { .. }) {
+        return Err(err(&key(path, "concurrent"), "\"wait\" is not supported with store.type \"etcd\" yet"));
+    }
+    // A record is written in one etcd request, which etcd bounds (--max-request-bytes).
+    if r.max_response_bytes > etcd::MAX_STORED_BODY_BYTES {
+        return Err(err(
+            &key(path, "max_response_bytes"),
+            format!(
+                "{} bytes cannot be stored in etcd: a record must fit its {}-byte request limit, which leaves at most {} bytes of body",
+                r.max_response_bytes,
+                etcd::ETCD_MAX_REQUEST_BYTES,
+                etcd::MAX_STORED_BODY_BYTES
+            ),
+        ));
+    }
+    Ok(())
+}
+
+enum StoreChoice {
+    Local(StoreConfig),
+    Etcd(EtcdSettings),
+}
+
+/// Longest a callout to etcd may take: a request stays paused for it.
+const MAX_ETCD_TIMEOUT_MS: u64 = 10_000;
+const MAX_ETCD_PREFIX_LEN: usize = 128;
+
+fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
+    reject_unknown(o, path, &["type", "cluster", "prefix", "timeout", "on_error", "auth"])?;
+    let cluster = required(o, path, "cluster", |v, f| {
+        let s = string(v, f)?;
+        if s.is_empty() || s.chars().any(char::is_control) {
+            return Err(err(f, "expected the name of an Envoy cluster"));
+        }
+        Ok(s.to_owned())
+    })?;
+    let prefix = optional(o, path, "prefix", |v, f| {
+        let s = string(v, f)?;
+        // Keys are `<prefix>r/...` and `<prefix>q/...`: a prefix ending in '/' keeps them apart
+        // from whatever else lives in the same etcd.
+        if s.is_empty()
+            || !s.ends_with('/')
+            || s.len() > MAX_ETCD_PREFIX_LEN
+            || s.chars().any(char::is_control)
+        {
+            return Err(err(
+                f,
+                format!(
+                    "expected 1 to {MAX_ETCD_PREFIX_LEN} bytes ending in '/', without control characters"
+                ),
+            ));
+        }
+        Ok(s.to_owned())
+    })?
+    .unwrap_or_else(|| etcd::DEFAULT_PREFIX.into());
+    let timeout_ms = optional(o, path, "timeout", |v, f| {
+        let ms = duration_ms(v, f)?;
+        if ms > MAX_ETCD_TIMEOUT_MS {
+            return Err(err(f, format!("{ms} ms exceeds the longest callout, {MAX_ETCD_TIMEOUT_MS} ms")));
+        }
+        Ok(ms)
+    })?
+    .unwrap_or(etcd::DEFAULT_TIMEOUT_MS);
+    let on_error = optional(o, path, "on_error", |v, f| match string(v, f)? {
+        "fail_closed" => Ok(OnStoreError::FailClosed),
+        "fail_open" => Ok(OnStoreError::FailOpen),
+        other => Err(err(f, format!("{other:?}: expected \"fail_closed\" or \"fail_open\""))),
+    })?
+    .unwrap_or_default();
+    let auth = optional(o, path, "auth", |v, f| {
+        let a = object(v, f, &["username", "password"])?;
+        let part = |v: &Value, f: &str| -> Res<String> {
+            let s = string(v, f)?;
+            if s.is_empty() {
+                return Err(err(f, "must not be empty"));
+            }
+            Ok(s.to_owned())
+        };
+        Ok(EtcdAuth {
+            username: required(a, f, "username", part)?,
+            password: required(a, f, "password", part)?,
+        })
+    })?;
+    Ok(EtcdSettings { cluster, prefix, timeout_ms, on_error, auth })
+}
+
+fn store(v: &Value, path: &str) -> Res<StoreChoice> {
     let o = object_any(v, path)?;
     let type_path = key(path, "type");
     let kind = string(get(o, "type").ok_or_else(|| err(&type_path, "required"))?, &type_path)?;
@@ -395,9 +503,12 @@ fn store(v: &Value, path: &str) -> Res<StoreConfig> {
                 .map_or(Ok(DEFAULT_CAPACITY), |c| {
                     u32::try_from(c).map_err(|_| err(&key(path, "capacity"), "out of range"))
                 })?;
-            Ok(StoreConfig::Local { capacity })
+            Ok(StoreChoice::Local(StoreConfig::Local { capacity }))
         }
-        other => Err(err(&type_path, format!("unsupported store type {other:?}: expected \"local\""))),
+        "etcd" => etcd_settings(o, path).map(StoreChoice::Etcd),
+        other => {
+            Err(err(&type_path, format!("unsupported store type {other:?}: expected \"local\" or \"etcd\"")))
+        }
     }
 }
 
@@ -1044,6 +1155,7 @@ mod tests {
             tenant_header: Some("x-tenant-id".into()),
             principal_headers: vec!["authorization".into()],
             store: StoreConfig::Local { capacity: 100_000 },
+            etcd: None,
             problem_statuses: ProblemStatuses { invalid_key: 400, mismatch: 422, in_flight: 409 },
             rules: vec![Rule {
                 methods: vec!["POST".into()],
@@ -1103,6 +1215,7 @@ mod tests {
             tenant_header: None,
             principal_headers: vec!["authorization".into()],
             store: StoreConfig::Local { capacity: 100_000 },
+            etcd: None,
             problem_statuses: ProblemStatuses { invalid_key: 400, mismatch: 422, in_flight: 409 },
             rules: vec![default_rule("a", PathMatch::Prefix("/".into())).into()],
             max_waiters_per_key: 100,
@@ -1351,5 +1464,118 @@ mod tests {
         assert_eq!(name("POST", "/orders/1"), Some("general"));
         assert_eq!(name("GET", "/orders/1"), None);
         assert_eq!(name("POST", "/users"), None);
+    }
+
+    fn etcd(store_fields: &str, route_fields: &str) -> String {
+        let sep = if route_fields.is_empty() { "" } else { "," };
+        format!(
+            r#"{{"store":{{"type":"etcd","cluster":"etcd"{store_fields}}},"routes":[{{"name":"a","match":{{"prefix":"/"}}{sep}{route_fields}}}]}}"#
+        )
+    }
+
+    #[test]
+    fn rejects_bad_etcd_configs_naming_the_field() {
+        let long_prefix = format!(r#","prefix":"/{}/""#, "p".repeat(127));
+        let over_limit = format!(r#""max_response_bytes":{}"#, etcd::MAX_STORED_BODY_BYTES + 1);
+        let cases: Vec<(&str, String, &str)> = vec![
+            (
+                "cluster missing",
+                r#"{"store":{"type":"etcd"},"routes":[{"name":"a","match":{"prefix":"/"}}]}"#.into(),
+                "store.cluster",
+            ),
+            (
+                "cluster empty",
+                etcd(r#","cluster":"""#, "").replacen(r#""cluster":"etcd","#, "", 1),
+                "store.cluster",
+            ),
+            (
+                "cluster number",
+                etcd("", "").replace(r#""cluster":"etcd""#, r#""cluster":1"#),
+                "store.cluster",
+            ),
+            ("unknown etcd field", etcd(r#","capacity":10"#, ""), "store.capacity"),
+            ("prefix empty", etcd(r#","prefix":"""#, ""), "store.prefix"),
+            ("prefix without trailing slash", etcd(r#","prefix":"/idem""#, ""), "store.prefix"),
+            ("prefix too long", etcd(&long_prefix, ""), "store.prefix"),
+            ("prefix control character", etcd(r#","prefix":"/a\u0001/""#, ""), "store.prefix"),
+            ("timeout without unit", etcd(r#","timeout":"250""#, ""), "store.timeout"),
+            ("timeout number", etcd(r#","timeout":250"#, ""), "store.timeout"),
+            ("timeout zero", etcd(r#","timeout":"0ms""#, ""), "store.timeout"),
+            ("timeout over the bound", etcd(r#","timeout":"11s""#, ""), "store.timeout"),
+            ("on_error unknown", etcd(r#","on_error":"retry""#, ""), "store.on_error"),
+            ("on_error bool", etcd(r#","on_error":true"#, ""), "store.on_error"),
+            ("auth not object", etcd(r#","auth":"root:pw""#, ""), "store.auth"),
+            ("auth username missing", etcd(r#","auth":{"password":"pw"}"#, ""), "store.auth.username"),
+            ("auth password missing", etcd(r#","auth":{"username":"u"}"#, ""), "store.auth.password"),
+            (
+                "auth username empty",
+                etcd(r#","auth":{"username":"","password":"pw"}"#, ""),
+                "store.auth.username",
+            ),
+            (
+                "auth password number",
+                etcd(r#","auth":{"username":"u","password":1}"#, ""),
+                "store.auth.password",
+            ),
+            (
+                "auth unknown field",
+                etcd(r#","auth":{"username":"u","password":"p","token":"t"}"#, ""),
+                "store.auth.token",
+            ),
+            ("wait mode", etcd("", r#""concurrent":"wait""#), "routes[0].concurrent"),
+            ("response over etcd's request limit", etcd("", &over_limit), "routes[0].max_response_bytes"),
+        ];
+        for (name, json, field) in cases {
+            match parse_str(&json) {
+                Err(e) => assert_eq!(e.field, field, "{name}: {json}: {e}"),
+                Ok(c) => unreachable!("{name}: {json} parsed: {c:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn etcd_store_parses_with_defaults_and_in_full() {
+        let settings = |json: &str| match parse_str(json) {
+            Ok(c) => c.etcd,
+            Err(e) => unreachable!("{json}: {e}"),
+        };
+        assert_eq!(
+            settings(&etcd("", "")),
+            Some(EtcdSettings {
+                cluster: "etcd".into(),
+                prefix: "/idempotency/".into(),
+                timeout_ms: 250,
+                on_error: OnStoreError::FailClosed,
+                auth: None,
+            })
+        );
+        let full = etcd(
+            r#","prefix":"/shop/idem/","timeout":"1s","on_error":"fail_open","auth":{"username":"idem","password":"s\"ecret"}"#,
+            &format!(r#""max_response_bytes":{}"#, etcd::MAX_STORED_BODY_BYTES),
+        );
+        assert_eq!(
+            settings(&full),
+            Some(EtcdSettings {
+                cluster: "etcd".into(),
+                prefix: "/shop/idem/".into(),
+                timeout_ms: 1_000,
+                on_error: OnStoreError::FailOpen,
+                auth: Some(EtcdAuth { username: "idem".into(), password: "s\"ecret".into() }),
+            })
+        );
+        // The local store keeps no etcd settings, and wait mode and large bodies stay its own.
+        let local = r#"{"store":{"type":"local"},"routes":[{"name":"a","match":{"prefix":"/"},"concurrent":"wait","max_response_bytes":67108864}]}"#;
+        assert_eq!(settings(local), None);
+        // Explicit fail_closed is the default spelled out.
+        assert_eq!(
+            settings(&etcd(r#","on_error":"fail_closed""#, "")).map(|s| s.on_error),
+            Some(OnStoreError::FailClosed)
+        );
+    }
+
+    #[test]
+    fn etcd_sizing_leaves_the_default_body_limit_room() {
+        // 1.5 MiB of request minus 68 KiB of headers and framing: the 1 MiB default fits.
+        assert_eq!(etcd::MAX_STORED_BODY_BYTES, 1_503_232);
     }
 }

@@ -50,6 +50,18 @@ pub struct EtcdSettings {
 pub const DEFAULT_PREFIX: &str = "/idempotency/";
 pub const DEFAULT_TIMEOUT_MS: u64 = 250;
 
+/// etcd's default `--max-request-bytes` (1.5 MiB): the largest request, so the largest
+/// transaction writing a record, etcd accepts.
+pub const ETCD_MAX_REQUEST_BYTES: u64 = 1_572_864;
+/// What a completion's transaction carries besides the response body: the record's entry and
+/// snapshot framing, the response headers (Envoy refuses response headers over 60 KiB by
+/// default; 64 KiB kept), the record and index keys and protobuf framing (4 KiB kept).
+pub const RECORD_OVERHEAD_BYTES: u64 = (64 + 4) * 1024;
+/// The largest `max_response_bytes` a route may have with the etcd store.
+pub const MAX_STORED_BODY_BYTES: u64 = ETCD_MAX_REQUEST_BYTES - RECORD_OVERHEAD_BYTES;
+/// Room kept for keys and framing when checking an encoded record against etcd's limit.
+const TXN_FRAMING_BYTES: u64 = 4 * 1024;
+
 /// An answer to a callout. `status` None: the callout failed (reset, response over the buffer
 /// limit) and no HTTP status exists.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -242,9 +254,8 @@ enum Stage {
 #[derive(Debug, Clone)]
 struct Write {
     guard: Guard,
-    /// The record to put (None: delete it, a release).
-    record: Option<Entry>,
-    snapshot: Option<record::Snapshot>,
+    /// The record to put and its encoded value (None: delete it, a release).
+    record: Option<(Entry, Vec<u8>)>,
     /// Index keys to delete (the replaced record's).
     stale_index: Vec<Vec<u8>>,
     lease: i64,
@@ -293,16 +304,15 @@ impl Exchange {
 
     fn finish(&mut self, outcome: Result<Next, StoreError>) -> ExchangeStep {
         self.stage = Stage::Finished;
-        let begin = matches!(self.op, StoreOp::Begin(_));
-        ExchangeStep::Done(match outcome {
-            Ok(Next::Begun(b)) => StoreAnswer::Begun(Ok(b)),
-            Ok(Next::Settled(s)) => StoreAnswer::Settled(Ok(s)),
-            Ok(Next::Call(..)) | Err(_) if begin => {
-                StoreAnswer::Begun(Err(outcome.err().unwrap_or_else(|| unusable("no answer"))))
-            }
-            Ok(Next::Call(..)) | Err(_) => {
-                StoreAnswer::Settled(Err(outcome.err().unwrap_or_else(|| unusable("no answer"))))
-            }
+        let error = match outcome {
+            Ok(Next::Begun(b)) => return ExchangeStep::Done(StoreAnswer::Begun(Ok(b))),
+            Ok(Next::Settled(s)) => return ExchangeStep::Done(StoreAnswer::Settled(Ok(s))),
+            Ok(Next::Call(..)) => unusable("a call where an answer was due"),
+            Err(e) => e,
+        };
+        ExchangeStep::Done(match self.op {
+            StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),
+            StoreOp::Complete { .. } | StoreOp::Release(_) => StoreAnswer::Settled(Err(error)),
         })
     }
 
@@ -513,19 +523,10 @@ impl Exchange {
             entry.principal_tag = tag_of(&q.principal);
         }
         let stale_index = replaced.map(|old| store.index_keys(&old)).unwrap_or_default();
-        self.plan(
-            store,
-            Write {
-                guard,
-                record: Some(entry),
-                snapshot: None,
-                stale_index,
-                lease: 0,
-                window_end_ms: 0,
-                won,
-            },
-            now_ms,
-        )
+        let value = record::encode_slot(&SlotValue { entry, snapshot: None });
+        let write =
+            Write { guard, record: Some((entry, value)), stale_index, lease: 0, window_end_ms: 0, won };
+        self.plan(store, write, now_ms)
     }
 
     fn settle_read(
@@ -559,25 +560,28 @@ impl Exchange {
                 done.status = *status;
                 done.expires_at_ms = at.saturating_add(*ttl_ms);
                 // encode_slot sets FLAG_BODY_NOT_STORED from the snapshot's presence.
+                let mut value = record::encode_slot(&SlotValue { entry: done, snapshot: snapshot.clone() });
+                if value.len() as u64 + TXN_FRAMING_BYTES > ETCD_MAX_REQUEST_BYTES {
+                    // Headers beyond what the configuration's sizing assumed: etcd would refuse
+                    // the whole write and the outcome would be lost (a retry would execute
+                    // again). Keep the outcome without its body instead, as for any response
+                    // too large to keep.
+                    log::debug!(
+                        "completion of {} too large for etcd: kept without its body",
+                        claim.scope.log_tag()
+                    );
+                    value = record::encode_slot(&SlotValue { entry: done, snapshot: None });
+                }
                 Write {
                     guard,
-                    record: Some(done),
-                    snapshot: snapshot.clone(),
+                    record: Some((done, value)),
                     stale_index,
                     lease: 0,
                     window_end_ms: 0,
                     won: Won::Settled,
                 }
             }
-            _ => Write {
-                guard,
-                record: None,
-                snapshot: None,
-                stale_index,
-                lease: 0,
-                window_end_ms: 0,
-                won: Won::Settled,
-            },
+            _ => Write { guard, record: None, stale_index, lease: 0, window_end_ms: 0, won: Won::Settled },
         };
         self.plan(store, write, now_ms)
     }
@@ -585,7 +589,7 @@ impl Exchange {
     /// Finds the write's lease (granting one when this worker has none for its window) and
     /// makes the write.
     fn plan(&mut self, store: &EtcdStore, mut write: Write, now_ms: u64) -> Result<Next, StoreError> {
-        let Some(entry) = write.record else {
+        let Some((entry, _)) = &write.record else {
             self.write = Some(write);
             return self.write_call(store);
         };
@@ -618,9 +622,8 @@ impl Exchange {
         let key = store.record_key(&scope);
         let mut ops: Vec<TxnOp> = w.stale_index.iter().map(|k| TxnOp::Delete { key: k.clone() }).collect();
         match &w.record {
-            Some(entry) => {
-                let value = record::encode_slot(&SlotValue { entry: *entry, snapshot: w.snapshot.clone() });
-                ops.push(TxnOp::Put { key: key.clone(), value, lease: w.lease });
+            Some((entry, value)) => {
+                ops.push(TxnOp::Put { key: key.clone(), value: value.clone(), lease: w.lease });
                 for index in store.index_keys(entry) {
                     // Index keys carry the record's lease: they disappear with it.
                     ops.push(TxnOp::Put { key: index, value: Vec::new(), lease: w.lease });

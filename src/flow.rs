@@ -245,6 +245,11 @@ impl RequestFlow {
         matches!(self.phase, Phase::AwaitingBegin { .. } | Phase::Settling { .. })
     }
 
+    /// True while an upstream answer's body is being copied for its record (and still fits).
+    pub fn capturing(&self) -> bool {
+        matches!(&self.phase, Phase::Capturing(c) if !c.overflowed)
+    }
+
     /// True while the request is held in the wait room.
     pub fn waiting(&self) -> bool {
         matches!(self.phase, Phase::Waiting)

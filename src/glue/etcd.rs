@@ -7,16 +7,12 @@ use crate::store::etcd::{EtcdStore, Exchange, ExchangeStep, HttpAnswer, OnStoreE
 use crate::store::StoreOp;
 use std::rc::Rc;
 
-// Built by `PluginState` once the configuration parses `store.type: "etcd"` (config/, backend
-// branch); until that lands nothing constructs it in the shipped module.
-#[allow(dead_code)]
 pub struct EtcdRemote {
     store: Rc<EtcdStore>,
     settings: RemoteSettings,
 }
 
 impl EtcdRemote {
-    #[allow(dead_code)]
     pub fn new(store: EtcdStore) -> EtcdRemote {
         let s = store.settings();
         let settings = RemoteSettings {

@@ -24,6 +24,9 @@ pub enum Call {
     Resume {
         context: u32,
     },
+    ResumeResponse {
+        context: u32,
+    },
     SetHeader {
         name: String,
         value: Vec<u8>,
@@ -194,6 +197,11 @@ impl Host for FakeHost {
     fn resume_request(&self) -> Result<(), HostError> {
         self.fails("resume_request")?;
         self.0.calls.borrow_mut().push(Call::Resume { context: self.0.effective.get() });
+        Ok(())
+    }
+    fn resume_response(&self) -> Result<(), HostError> {
+        self.fails("resume_response")?;
+        self.0.calls.borrow_mut().push(Call::ResumeResponse { context: self.0.effective.get() });
         Ok(())
     }
     fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {
@@ -512,7 +520,7 @@ mod remote_tests {
 
     /// A store that claims on a 200 answer to its one call and settles on a 200 answer to its
     /// one call; anything else is Unavailable (as the etcd exchanges map them).
-    struct Scripted(RemoteSettings);
+    struct Scripted(RemoteSettings, Rc<RefCell<Vec<StoreOp>>>);
 
     struct OneCall(StoreOp);
 
@@ -539,6 +547,7 @@ mod remote_tests {
             &self.0
         }
         fn start(&self, op: StoreOp) -> Box<dyn Conversation> {
+            self.1.borrow_mut().push(op.clone());
             Box::new(OneCall(op))
         }
     }
@@ -552,10 +561,20 @@ mod remote_tests {
     }
 
     fn root(h: &FakeHost, cluster: &str, on_error: FailMode) -> Root<FakeHost> {
+        root_with_ops(h, cluster, on_error).0
+    }
+
+    /// The root, and every operation its store was asked to start.
+    fn root_with_ops(
+        h: &FakeHost,
+        cluster: &str,
+        on_error: FailMode,
+    ) -> (Root<FakeHost>, Rc<RefCell<Vec<StoreOp>>>) {
         let mut root = Root::new(1, h.clone());
         let settings = RemoteSettings { cluster: cluster.into(), timeout_ms: 250, on_error };
-        assert!(root.on_configure_with(Some(Box::new(Scripted(settings)))));
-        root
+        let ops = Rc::new(RefCell::new(Vec::new()));
+        assert!(root.on_configure_with(Some(Box::new(Scripted(settings, Rc::clone(&ops))))));
+        (root, ops)
     }
 
     fn pairs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
@@ -700,6 +719,33 @@ mod remote_tests {
     }
 
     #[test]
+    fn the_body_is_held_while_copied_and_each_frame_read_once() {
+        let h = host();
+        let (mut root, ops) = root_with_ops(&h, "etcd", FailMode::Closed);
+        let mut http = root.http_context(2);
+        h.0.effective.set(2);
+        post(&h, &mut http);
+        store_answers(&h, Some("200"), b"{}");
+        http.on_http_call_response(last_token(&h), 2);
+        *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201")]);
+        h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
+        // Envoy's buffer keeps held frames: each callback's size counts them all.
+        *h.0.response_body.borrow_mut() = b"abcdef".to_vec();
+        assert_eq!(http.on_response_headers(false), Verdict::Continue);
+        assert_eq!(http.on_response_body(3, false), Verdict::Pause);
+        assert_eq!(http.on_response_body(6, false), Verdict::Pause);
+        assert_eq!(http.on_response_body(6, true), Verdict::Pause);
+        h.0.effective.set(1);
+        root.on_queue_ready(0);
+        root.on_http_call_response(last_token(&h), 2);
+        assert_eq!(h.0.calls.borrow().last(), Some(&Call::ResumeResponse { context: 2 }));
+        let ops = ops.borrow();
+        let Some(StoreOp::Complete { completion, .. }) = ops.last() else { panic!("{ops:?}") };
+        let snapshot = completion.snapshot.as_ref().expect("kept with its body");
+        assert_eq!(snapshot.body, b"abcdef");
+    }
+
+    #[test]
     fn the_completion_is_dispatched_by_the_root_and_survives_the_end_of_its_stream() {
         let h = host();
         let mut root = root(&h, "etcd", FailMode::Closed);
@@ -711,22 +757,43 @@ mod remote_tests {
         *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201")]);
         *h.0.response_body.borrow_mut() = b"{}".to_vec();
         h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
-        http.on_response_headers(false);
-        http.on_response_body(2, true);
+        assert_eq!(http.on_response_headers(false), Verdict::Continue);
+        // The end of the response waits for the record to be written.
+        assert_eq!(http.on_response_body(2, true), Verdict::Pause);
         // Not dispatched by the stream: handed to the root, which is woken through its queue.
         assert_eq!(h.dispatches().len(), 1);
-        http.on_log();
-        drop(http);
         h.0.effective.set(1); // the root's own callback
-        let queue = 0;
-        root.on_queue_ready(queue);
+        root.on_queue_ready(0);
         let Some(Call::Dispatch { context: 1, token, .. }) = h.dispatches().last().cloned() else {
             panic!("{:?}", h.dispatches())
         };
         assert_eq!(h.counter("stored"), 0);
         root.on_http_call_response(token, 2);
         assert_eq!(h.counter("stored"), 1);
-        // Without a wake-up (no queue), the next tick starts it.
+        assert_eq!(h.0.calls.borrow().last(), Some(&Call::ResumeResponse { context: 2 }));
+
+        // The stream is gone before the store answers (its client left): the root still
+        // counts the outcome, and resumes nothing.
+        let mut gone = root.http_context(3);
+        *h.0.request_headers.borrow_mut() =
+            pairs(&[(":method", "POST"), (":path", "/orders"), ("idempotency-key", "k2")]);
+        gone.on_request_headers(false);
+        gone.on_request_body(2, true);
+        store_answers(&h, Some("200"), b"{}");
+        gone.on_http_call_response(last_token(&h), 2);
+        gone.on_response_headers(false);
+        assert_eq!(gone.on_response_body(2, true), Verdict::Pause);
+        gone.on_log();
+        drop(gone);
+        root.on_queue_ready(0);
+        h.fail("set_effective_context", 2);
+        let calls = h.0.calls.borrow().len();
+        root.on_http_call_response(last_token(&h), 2);
+        assert_eq!(h.counter("stored"), 2);
+        assert_eq!(h.0.calls.borrow().len(), calls, "nothing resumed");
+
+        // Without a wake-up (no queue), the next tick starts it; a failed release is counted
+        // and the held response goes on all the same.
         let h2 = host();
         h2.fail("register_queue", 1);
         let mut root2 = self::root(&h2, "etcd", FailMode::Closed);
@@ -736,12 +803,13 @@ mod remote_tests {
         http2.on_http_call_response(last_token(&h2), 2);
         *h2.0.response_headers.borrow_mut() = pairs(&[(":status", "500")]);
         h2.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
-        http2.on_response_headers(true);
+        assert_eq!(http2.on_response_headers(true), Verdict::Pause);
         assert_eq!(h2.dispatches().len(), 1);
         root2.on_tick();
         assert_eq!(h2.dispatches().len(), 2);
         store_answers(&h2, None, b"");
         root2.on_http_call_response(last_token(&h2), 0);
         assert_eq!(h2.counter("store_error"), 1);
+        assert!(matches!(h2.0.calls.borrow().last(), Some(Call::ResumeResponse { .. })));
     }
 }

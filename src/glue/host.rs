@@ -18,6 +18,7 @@ const CAS_MISMATCH: u32 = 8;
 
 const METRIC_COUNTER: u32 = 0;
 const STREAM_HTTP_REQUEST: u32 = 0;
+const STREAM_HTTP_RESPONSE: u32 = 1;
 const EMPTY: u32 = 7;
 
 extern "C" {
@@ -249,6 +250,11 @@ fn resume_request() -> Result<(), HostError> {
     check(unsafe { proxy_continue_stream(STREAM_HTTP_REQUEST) })
 }
 
+/// Resumes the held response of the effective context.
+fn resume_response() -> Result<(), HostError> {
+    check(unsafe { proxy_continue_stream(STREAM_HTTP_RESPONSE) })
+}
+
 /// Makes later calls in this callback act on another context of this VM; fails (without harm)
 /// when that context is gone, e.g. its client went away.
 fn set_effective_context(context_id: u32) -> Result<(), HostError> {
@@ -368,6 +374,9 @@ impl Host for AbiHost {
     }
     fn resume_request(&self) -> Result<(), HostError> {
         resume_request()
+    }
+    fn resume_response(&self) -> Result<(), HostError> {
+        resume_response()
     }
     fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {
         set_effective_context(context_id)

@@ -19,6 +19,9 @@ use std::rc::Rc;
 struct Facts<'p, H: Host> {
     plugin: &'p PluginState<H>,
     context_id: u32,
+    /// Bytes at the start of Envoy's response buffer the flow has read already (held frames
+    /// stay in the buffer, and each callback's size counts them all).
+    response_start: usize,
 }
 
 impl<H: Host> Facts<'_, H> {
@@ -53,7 +56,9 @@ impl<H: Host> StreamFacts for Facts<'_, H> {
         self.plugin.host.header_pairs(MAP_RESPONSE_HEADERS).unwrap_or_default()
     }
     fn response_body(&mut self, size: usize) -> Result<Vec<u8>, Unreadable> {
-        self.logged("the response body", self.plugin.host.buffer(BUFFER_RESPONSE_BODY, 0, size))
+        let start = self.response_start;
+        let read = self.plugin.host.buffer(BUFFER_RESPONSE_BODY, start, size.saturating_sub(start));
+        self.logged("the response body", read)
     }
     fn property(&mut self, path: &[&str]) -> Result<Option<Vec<u8>>, Unreadable> {
         self.plugin.host.property(path).map_err(|_| Unreadable)
@@ -69,16 +74,30 @@ pub struct Http<H: Host> {
     /// The remote store's `begin` in progress: the token of its callout and the conversation
     /// its answer goes to. The request stays paused meanwhile.
     call: Option<(u32, Box<dyn Conversation>)>,
+    /// Set during a response callback: a settlement handed to the root holds the response.
+    hold_response: bool,
+    /// Bytes of the response body held in Envoy's buffer (remote store, while capturing).
+    response_held: usize,
 }
 
 impl<H: Host> Http<H> {
     pub fn new(context_id: u32, plugin: Option<Rc<PluginState<H>>>) -> Http<H> {
-        Http { context_id, plugin, flow: RequestFlow::new(context_id), wait_handle: None, call: None }
+        Http {
+            context_id,
+            plugin,
+            flow: RequestFlow::new(context_id),
+            wait_handle: None,
+            call: None,
+            hold_response: false,
+            response_held: 0,
+        }
     }
 
     /// Runs one callback: without a configuration nothing is ours and the stream goes on.
+    /// `response`: a response callback, whose stream may be held until a settlement is written.
     fn callback(
         &mut self,
+        response: bool,
         event: impl FnOnce(&mut RequestFlow, &PluginState<H>, &mut Facts<H>) -> Output,
     ) -> Verdict {
         let Some(plugin) = self.plugin.clone() else { return Verdict::Continue };
@@ -86,37 +105,52 @@ impl<H: Host> Http<H> {
             self.wait_handle = None;
             self.flow.resumed(resumed);
         }
-        let mut facts = Facts { plugin: &plugin, context_id: self.context_id };
+        let mut facts =
+            Facts { plugin: &plugin, context_id: self.context_id, response_start: self.response_held };
         let out = event(&mut self.flow, &plugin, &mut facts);
-        self.perform(&plugin, out)
+        self.hold_response = response;
+        let verdict = self.perform(&plugin, out);
+        self.hold_response = false;
+        verdict
     }
 
     pub fn on_request_headers(&mut self, end_of_stream: bool) -> Verdict {
-        self.callback(|flow, p, facts| flow.request_headers(&p.config, facts, end_of_stream))
+        self.callback(false, |flow, p, facts| flow.request_headers(&p.config, facts, end_of_stream))
     }
 
     pub fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
-        self.callback(|flow, p, facts| flow.request_body(&p.config, facts, size, end_of_stream))
+        self.callback(false, |flow, p, facts| flow.request_body(&p.config, facts, size, end_of_stream))
     }
 
     pub fn on_request_trailers(&mut self) -> Verdict {
-        self.callback(|flow, p, facts| flow.request_trailers(&p.config, facts))
+        self.callback(false, |flow, p, facts| flow.request_trailers(&p.config, facts))
     }
 
     pub fn on_response_headers(&mut self, end_of_stream: bool) -> Verdict {
-        self.callback(|flow, _, facts| flow.response_headers(facts, end_of_stream))
+        self.callback(true, |flow, _, facts| flow.response_headers(facts, end_of_stream))
     }
 
     pub fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
-        self.callback(|flow, _, facts| flow.response_body(facts, size, end_of_stream))
+        let verdict = self.callback(true, |flow, _, facts| flow.response_body(facts, size, end_of_stream));
+        // With a remote store the body is held while it is copied, and let go with the last
+        // frame once the record is written (the root resumes it): a client that has the whole
+        // response has a record a retry replays. Envoy's buffer holds at most
+        // max_response_bytes (the flow stops copying past it, and then the body goes on).
+        let remote = matches!(self.plugin.as_deref().map(|p| &p.store), Some(Store::Remote(_)));
+        if remote && verdict == Verdict::Continue && !end_of_stream && self.flow.capturing() {
+            self.response_held = size;
+            return Verdict::Pause;
+        }
+        self.response_held = 0;
+        verdict
     }
 
     pub fn on_response_trailers(&mut self) -> Verdict {
-        self.callback(|flow, _, facts| flow.response_trailers(facts))
+        self.callback(true, |flow, _, facts| flow.response_trailers(facts))
     }
 
     pub fn on_log(&mut self) {
-        self.callback(|flow, _, facts| flow.stream_ended(facts));
+        self.callback(false, |flow, _, facts| flow.stream_ended(facts));
     }
 
     /// The answer to a callout this context dispatched (the remote store's `begin`). A token
@@ -200,6 +234,7 @@ impl<H: Host> Http<H> {
     fn perform(&mut self, plugin: &PluginState<H>, out: Output) -> Verdict {
         let host = &plugin.host;
         let mut verdict = out.verdict;
+        let mut held = false;
         let mut steps: VecDeque<Step> = out.steps.into();
         while let Some(step) = steps.pop_front() {
             let more = match step {
@@ -222,10 +257,15 @@ impl<H: Host> Http<H> {
                             let conversation = store.start(op);
                             self.converse(plugin, store.as_ref(), conversation, None)
                         }
-                        // Settled by the root: the stream may end before the store answers.
+                        // Settled by the root: the stream may end before the store answers. In a
+                        // response callback the response waits for it (the root resumes it).
                         op => {
                             if let Some(settlement) = self.flow.hand_off_settlement() {
-                                plugin.settle_from_root(store.as_ref(), op, settlement);
+                                let hold = self.hold_response && verdict == Verdict::Continue;
+                                plugin.settle_from_root(store.as_ref(), op, settlement, hold);
+                                if hold {
+                                    held = true;
+                                }
                             }
                             None
                         }
@@ -288,6 +328,10 @@ impl<H: Host> Http<H> {
                 steps.extend(more.steps);
             }
         }
-        verdict
+        if held {
+            Verdict::Pause
+        } else {
+            verdict
+        }
     }
 }

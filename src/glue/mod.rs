@@ -66,6 +66,8 @@ pub trait Host: SharedData + Clone {
     ) -> Result<(), HostError>;
     /// Resumes the held request of the effective context (see `set_effective_context`).
     fn resume_request(&self) -> Result<(), HostError>;
+    /// Resumes the held response of the effective context.
+    fn resume_response(&self) -> Result<(), HostError>;
     /// Makes later calls in this callback act on another context of this VM; fails (without
     /// harm) when that context is gone, e.g. its client went away.
     fn set_effective_context(&self, context_id: u32) -> Result<(), HostError>;

@@ -2,12 +2,14 @@
 //! metric ids, the wait room and this worker's wake-up queue. Held by the root, never in
 //! statics, because after a config update the old and new root contexts share one VM.
 
+use super::etcd::EtcdRemote;
 use super::remote::{Conversation, RemoteStore};
 use super::{Host, BUFFER_PLUGIN_CONFIGURATION};
 use crate::config::{self, Config, StoreConfig};
 use crate::flow::{Resumed, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
+use crate::store::etcd::EtcdStore;
 use crate::store::local::LocalStore;
 use crate::store::{StoreAnswer, StoreError, StoreOp};
 use crate::wait::wake::{self, Registry};
@@ -69,6 +71,10 @@ pub enum Store<H: Host> {
 pub struct RootSettlement {
     pub conversation: Box<dyn Conversation>,
     pub settlement: Settlement,
+    /// The stream's response is held until the store has answered (then resumed, if the
+    /// stream is still there), so that a client has the whole response only once its record
+    /// is written: a retry sent after it is replayed, as with the local store.
+    pub holds_response: bool,
 }
 
 /// What a worker's root is settling on behalf of its streams.
@@ -109,8 +115,8 @@ pub struct PluginState<H: Host> {
 impl<H: Host> PluginState<H> {
     /// Reads and checks the configuration and prepares everything traffic needs; the error is
     /// the one line that tells the operator why Envoy refused the configuration.
-    /// `remote`: the store across the network, when the configuration names one (the native
-    /// tests script one); None opens the local store.
+    /// `remote`: a store across the network given by the caller (the native tests script one);
+    /// otherwise the configuration's: etcd with `store.type: "etcd"`, else the local store.
     pub fn configure_with(
         host: H,
         context_id: u32,
@@ -126,6 +132,8 @@ impl<H: Host> PluginState<H> {
             random_u64((i / 8) as u64).to_be_bytes().get(i % 8).copied().unwrap_or(0)
         });
         let now_ms = host.now_ms();
+        let remote =
+            remote.or_else(|| config.etcd.clone().map(|s| Box::new(EtcdRemote::new(EtcdStore::new(s))) as _));
         let store = match remote {
             Some(remote) => {
                 log::info!(
@@ -220,9 +228,19 @@ impl<H: Host> PluginState<H> {
     /// cancelled with the context that owns it, and a response's end is exactly when streams
     /// end). The root runs it from its own callback: at once through its queue, else at its
     /// next tick.
-    pub fn settle_from_root(&self, remote: &dyn RemoteStore, op: StoreOp, settlement: Settlement) {
+    pub fn settle_from_root(
+        &self,
+        remote: &dyn RemoteStore,
+        op: StoreOp,
+        settlement: Settlement,
+        holds_response: bool,
+    ) {
         let conversation = remote.start(op);
-        self.settlements.borrow_mut().queued.push(RootSettlement { conversation, settlement });
+        self.settlements.borrow_mut().queued.push(RootSettlement {
+            conversation,
+            settlement,
+            holds_response,
+        });
         if let Some(queue) = self.queue_id {
             if let Err(e) = self.host.enqueue(queue, SETTLE_NOW) {
                 log::debug!("cannot wake the root (host status {}); it settles at its next tick", e.0);

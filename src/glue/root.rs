@@ -218,4 +218,11 @@ fn finish_settlement<H: Host>(
             _ => {}
         }
     }
+    // Whatever the answer: the response is the upstream's and goes on. A stream that is gone
+    // refuses the effective context, and nothing is held for it.
+    if call.holds_response && plugin.host.set_effective_context(call.settlement.context_id).is_ok() {
+        if let Err(HostError(s)) = plugin.host.resume_response() {
+            log::warn!("#{} could not resume the response (host status {s})", call.settlement.context_id);
+        }
+    }
 }

@@ -17,6 +17,7 @@ from idemkit import REPO_ROOT, envoy as _envoy, process as _process
 from idemkit.bootstrap import (  # noqa: F401 (re-exported for the tests)
     MiB,
     direct_response,
+    etcd_cluster,
     filter_http_filter,
     jwt_authn_filter,
     local_ratelimit_filter,
@@ -36,6 +37,8 @@ from idemkit.client import (  # noqa: F401
     send_and_disconnect,
 )
 from idemkit.envoy import STAT_PREFIX, EnvoyStartError  # noqa: F401
+from idemkit.etcd import DelayProxy, EtcdCluster  # noqa: F401
+from idemkit.etcd import Etcd as _Etcd
 from idemkit.process import LIVE, ClosedPort, Fatal, free_port, tail, wait_until  # noqa: F401
 
 LOG_ROOT = Path(__file__).resolve().parent / ".logs"
@@ -57,8 +60,22 @@ OUTCOMES = (
     "upstream_retried",
     "quota_exceeded",
     "grpc_refused",
+    "store_error",
+    "store_bypassed",
 )
 PROBLEM_TYPE = "urn:idempotency-filter:%s"
+
+
+def etcd_store(cluster: str = "etcd", **fields) -> dict:
+    """The filter's `store` for etcd on the Envoy cluster `cluster` (`etcd_cluster(...)` in
+    ENVOY_OPTIONS' extra_clusters); `fields`: prefix, timeout, on_error."""
+    return dict({"type": "etcd", "cluster": cluster}, **fields)
+
+
+class Etcd(_Etcd):
+    """An etcd member logging below tests/e2e/.logs."""
+
+    log_root = LOG_ROOT
 
 
 class Upstream(_process.Upstream):

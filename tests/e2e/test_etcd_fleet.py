@@ -1,0 +1,96 @@
+"""Two Envoys, one etcd: what the etcd store is for. A key used on one Envoy is replayed by the
+other; a burst of parallel retries of one key spread over both executes once; an Envoy restart
+loses nothing (the records are in etcd, not in the Envoy)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import harness
+from harness import key_headers, new_key
+
+BODY = b'{"item":"book","qty":1}'
+
+FILTER_CONFIG = {
+    "store": harness.etcd_store(prefix="/e2e-fleet/"),
+    "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
+                "processing_timeout": "30s"}],
+}
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    member = harness.Etcd("etcd-fleet").start()
+    yield member
+    member.stop()
+
+
+def start_envoy(envoy_bin, filter_wasm, upstream, etcd, name):
+    return harness.Envoy(
+        envoy_bin, upstream.port, FILTER_CONFIG, wasm_path=filter_wasm, name=name,
+        extra_clusters=[harness.etcd_cluster([etcd.client_port])],
+    ).start()
+
+
+@pytest.fixture(scope="module")
+def fleet(envoy_bin, filter_wasm, upstream, etcd):
+    pair = [start_envoy(envoy_bin, filter_wasm, upstream, etcd, n) for n in ("fleet-a", "fleet-b")]
+    yield pair
+    for proxy in pair:
+        proxy.stop()
+
+
+def test_a_key_used_on_one_envoy_is_replayed_by_the_other(fleet, upstream):
+    a, b = fleet
+    key = new_key()
+    first = a.post("/orders", BODY, key_headers(key))
+    assert first.status == 201 and not first.replayed
+    # No waiting: the response ends only once its record is in etcd.
+    again = b.post("/orders", BODY, key_headers(key))
+    assert again.status == 201 and again.replayed
+    assert again.body == first.body
+    assert upstream.executions(key) == 1
+
+
+def test_a_hundred_parallel_requests_over_both_envoys_execute_once(fleet, upstream):
+    key = new_key()
+    results: list = [None] * 100
+    start = threading.Barrier(20)
+
+    def worker(i):
+        proxy = fleet[i % 2]
+        try:
+            if i < 20:
+                start.wait(10)
+            results[i] = proxy.post("/orders", BODY, key_headers(key, x_delay_ms="300"), timeout=30)
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            results[i] = exc
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(100)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert not errors, errors[:3]
+    statuses = sorted({r.status for r in results})
+    executed = [r for r in results if r.status == 201 and not r.replayed]
+    assert len(executed) == 1, statuses
+    # Everyone else: 409 while the original ran, or its replay.
+    assert set(statuses) <= {201, 409}, statuses
+    assert upstream.executions(key) == 1
+
+
+def test_an_envoy_restart_loses_nothing(fleet, envoy_bin, filter_wasm, upstream, etcd):
+    key = new_key()
+    first = fleet[0].post("/orders", BODY, key_headers(key))
+    assert first.status == 201
+    fleet[0].stop()
+    fresh = start_envoy(envoy_bin, filter_wasm, upstream, etcd, "fleet-a2")
+    fleet[0] = fresh
+    again = fresh.post("/orders", BODY, key_headers(key))
+    assert again.status == 201 and again.replayed
+    assert again.body == first.body
+    assert upstream.executions(key) == 1

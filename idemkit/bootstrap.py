@@ -58,8 +58,11 @@ def etcd_cluster(client_ports: Sequence[int], name: str = "etcd",
     ]
     if health_checks:
         c["health_checks"] = [{
-            "timeout": "0.25s",
+            "timeout": "1s",
             "interval": "0.5s",
+            # Envoy checks a cluster it sees no traffic on only this often (default 60 s), and
+            # callouts do not count as traffic: a killed member kept getting a third of them.
+            "no_traffic_interval": "0.5s",
             "unhealthy_threshold": 1,
             "healthy_threshold": 1,
             "http_health_check": {"path": "/health"},

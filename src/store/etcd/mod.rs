@@ -691,3 +691,5 @@ fn refusal(live: &wire::RangeAnswer, bound: u32, now_ms: u64, tenant: bool) -> O
     };
     Some(Begin::QuotaExceeded { retry_after_ms, tenant })
 }
+#[cfg(test)]
+mod tests;

@@ -18,9 +18,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotency_filter::store::conformance::Backend;
+use idempotency_filter::store::conformance::{attempt, claimed};
+use idempotency_filter::store::etcd::base64;
 use idempotency_filter::store::etcd::blocking::BlockingEtcd;
-use idempotency_filter::store::etcd::{EtcdSettings, OnStoreError};
-use idempotency_filter::store::RecordStore;
+use idempotency_filter::store::etcd::{EtcdAuth, EtcdSettings, OnStoreError};
+use idempotency_filter::store::{RecordStore, Settled, StoreError};
 
 /// A running etcd, killed (and its data directory removed) on drop.
 struct EtcdProcess {
@@ -53,6 +55,10 @@ fn healthy(addr: SocketAddr) -> bool {
 }
 
 fn start_etcd() -> EtcdProcess {
+    start_etcd_with(&[])
+}
+
+fn start_etcd_with(extra: &[&str]) -> EtcdProcess {
     static STARTS: AtomicU32 = AtomicU32::new(0);
     let bin = std::env::var("ETCD_BIN").unwrap_or_else(|_| "etcd".into());
     let dir = std::env::temp_dir().join(format!(
@@ -72,6 +78,7 @@ fn start_etcd() -> EtcdProcess {
         .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
         .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
         .args(["--initial-cluster", &format!("conformance={peer_url}")])
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)
@@ -152,3 +159,51 @@ impl Backend for Etcd {
 }
 
 idempotency_filter::conformance_suite!(Etcd);
+
+/// Auth against a real etcd: a role limited to the store's prefix, a token fetched on the first
+/// call, and a token etcd expired (simple tokens live `--auth-token-ttl` seconds) replaced once.
+#[test]
+fn auth_with_a_real_etcd_and_an_expiring_token() {
+    let etcd = start_etcd_with(&["--auth-token", "simple", "--auth-token-ttl", "1"]);
+    let admin = BlockingEtcd::new(etcd.addr, settings("/unused/"));
+    let b64 = |s: &str| base64::encode(s.as_bytes());
+    let setup = [
+        ("/v3/auth/role/add", r#"{"name":"root"}"#.to_owned()),
+        ("/v3/auth/user/add", r#"{"name":"root","password":"rootpw"}"#.to_owned()),
+        ("/v3/auth/user/grant", r#"{"user":"root","role":"root"}"#.to_owned()),
+        ("/v3/auth/role/add", r#"{"name":"idem"}"#.to_owned()),
+        (
+            "/v3/auth/role/grant",
+            format!(
+                r#"{{"name":"idem","perm":{{"permType":"READWRITE","key":"{}","range_end":"{}"}}}}"#,
+                b64("/auth-test/"),
+                b64("/auth-test0")
+            ),
+        ),
+        ("/v3/auth/user/add", r#"{"name":"idem","password":"idem-pw"}"#.to_owned()),
+        ("/v3/auth/user/grant", r#"{"user":"idem","role":"idem"}"#.to_owned()),
+        ("/v3/auth/enable", "{}".to_owned()),
+    ];
+    for (path, body) in setup {
+        let answer = admin.post(path, body.as_bytes(), None);
+        assert_eq!(answer.status, Some(200), "{path}: {}", String::from_utf8_lossy(&answer.body));
+    }
+    let auth = Some(EtcdAuth { username: "idem".into(), password: "idem-pw".into() });
+    let worker = BlockingEtcd::new(etcd.addr, EtcdSettings { auth, ..settings("/auth-test/") });
+    let c = claimed(worker.begin(&attempt(1, 1, 11, 0)).unwrap());
+    assert_eq!(worker.calls().first(), Some(&("/v3/auth/authenticate", false)));
+    assert!(worker.calls()[1..].iter().all(|(_, token)| *token), "{:?}", worker.calls());
+    // The token expires; the next exchange is refused once, authenticates again and goes on.
+    std::thread::sleep(Duration::from_millis(2_500));
+    let before = worker.calls().len();
+    assert_eq!(worker.release(&c).unwrap(), Settled::Done);
+    let after: Vec<_> = worker.calls()[before..].iter().map(|(path, _)| *path).collect();
+    assert_eq!(after, vec!["/v3/kv/range", "/v3/auth/authenticate", "/v3/kv/range", "/v3/kv/txn"]);
+    // Without credentials etcd refuses: unavailable, never a guess.
+    let anonymous = BlockingEtcd::new(etcd.addr, settings("/auth-test/"));
+    assert!(matches!(anonymous.begin(&attempt(2, 1, 12, 0)), Err(StoreError::Unavailable(_))));
+    // Outside its prefix the role has no rights: unavailable too.
+    let auth = Some(EtcdAuth { username: "idem".into(), password: "idem-pw".into() });
+    let elsewhere = BlockingEtcd::new(etcd.addr, EtcdSettings { auth, ..settings("/other/") });
+    assert!(matches!(elsewhere.begin(&attempt(3, 1, 13, 0)), Err(StoreError::Unavailable(_))));
+}

@@ -2,9 +2,56 @@
 //! gateway by HTTP callouts. This module is pure (no host calls, no sockets): `EtcdStore::start`
 //! turns a `StoreOp` into an `Exchange`, a state machine that asks for HTTP calls
 //! (`ExchangeStep::Call`) and is fed their answers until it is `Done`. The glue performs the
-//! calls as Envoy callouts; `blocking` (tests only) performs them over std::net.
+//! calls as Envoy callouts; `blocking` (tests only) performs them over std::net. It answers
+//! exactly as the local store does (the conformance suite runs against a real etcd), except
+//! that it has no capacity bound (never `Full`) and `sweep` has nothing to do.
+//!
+//! Data model (all keys under `prefix`, default `/idempotency/`; docs/ETCD.md has the sizing):
+//! - `r/<scope hex>`: the record, its value the v2 record bytes (`record::encode_slot`; a claim
+//!   is a processing entry without snapshot, read with `record::decode_record`). The entry's
+//!   `expires_at_ms` decides whether the record exists: an expired record reads as absent even
+//!   while etcd still holds it, so time is the caller's (virtual in tests) and etcd's lease only
+//!   collects garbage. `Claim.locator` is the mod_revision of the claim's put: the record's last
+//!   write while the claim holds it, so every ownership check is a compare on it.
+//! - `q/t/<tenant tag>/<until>/<scope hex>` and `q/p/<principal tag>/<until>/<scope hex>`: one
+//!   empty index key per charged record and identity (tag: first 8 bytes of the digest, 16 hex;
+//!   `until`: 16 hex digits of when the record stops counting: a claim at the end of its lease,
+//!   a completed record at its expiry). Keys sort by `until`, so an identity's live records are
+//!   the range from `<until = now + 1>` to the end of its prefix; one range with `limit 1,
+//!   keys_only` gives their count (etcd counts the whole range whatever the limit) and the one
+//!   that stops counting first (the retry-after hint). Index keys carry the record's lease and
+//!   are rewritten in the same transaction as the record.
+//! - Leases: records whose expiry falls in the same `LEASE_WINDOW_MS` window share one lease,
+//!   granted by a worker the first time it writes into that window and cached (`EtcdStore`);
+//!   its TTL runs to the window's end plus `LEASE_SLACK_S`, so a record's lease never ends before
+//!   its `expires_at_ms`. A claim's record already expires at now + ttl (an abandoned claim must
+//!   keep refusing another payload until then, as in the local store), so its lease covers the
+//!   processing timeout and the ttl; a completion moves the record to the lease of its new
+//!   expiry. A lease etcd no longer knows is granted again once per exchange.
+//!
+//! Operations (round trips; "+1" is a lease grant, once per worker and window):
+//! - begin: 1 (one read-only txn: the record and, if charged, the live index ranges) when a
+//!   record answers (replay, not stored, mismatch, in flight) or the quota refuses; else 2 (+1):
+//!   a txn guarded by create_revision == 0 (absent) or mod_revision == observed (takeover, or
+//!   reuse of an expired record) that puts the record and its index keys and deletes the
+//!   replaced record's. A lost guard reads again, up to `TXN_ATTEMPTS` times (then `Contention`).
+//! - complete: 2 (+1): a range (ownership: mod_revision == locator, same owner, processing), then
+//!   a txn guarded by mod_revision == locator that rewrites the record with its outcome and moves
+//!   its index keys; a failed guard is `Lost`.
+//! - release: 2: the same range, then a guarded txn deleting the record and its index keys.
+//! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd calls
+//!   the token invalid (then the call is sent again, once).
+//!
+//! Lease grants per second are independent of the request rate: at most one per worker per
+//! window in use, i.e. about (workers x distinct ttls) / 10 s across the fleet's workers; at
+//! any request rate with one ttl and 2 workers per Envoy, 10 Envoys grant about 2 leases a
+//! second.
+//!
+//! Quotas are exact when requests of one identity do not race: two claims racing through the
+//! same read can both pass the bound (the overshoot is bounded by the concurrency of one
+//! identity's new requests within one round trip). etcd cannot compare a count in a guard.
 
-mod base64;
+pub mod base64;
 #[cfg(feature = "testing")]
 pub mod blocking;
 mod wire;

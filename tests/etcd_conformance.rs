@@ -22,7 +22,7 @@ use idempotency_filter::store::conformance::{attempt, claimed};
 use idempotency_filter::store::etcd::base64;
 use idempotency_filter::store::etcd::blocking::BlockingEtcd;
 use idempotency_filter::store::etcd::{EtcdAuth, EtcdSettings, OnStoreError};
-use idempotency_filter::store::{RecordStore, Settled, StoreError};
+use idempotency_filter::store::{Begin, Completion, RecordStore, Settled, StoreError};
 
 /// A running etcd, killed (and its data directory removed) on drop.
 struct EtcdProcess {
@@ -206,4 +206,69 @@ fn auth_with_a_real_etcd_and_an_expiring_token() {
     let auth = Some(EtcdAuth { username: "idem".into(), password: "idem-pw".into() });
     let elsewhere = BlockingEtcd::new(etcd.addr, EtcdSettings { auth, ..settings("/other/") });
     assert!(matches!(elsewhere.begin(&attempt(3, 1, 13, 0)), Err(StoreError::Unavailable(_))));
+}
+
+/// Workers on several threads (as on several Envoys) racing for the same keys: exactly one
+/// claim per key, every other answer in flight.
+#[test]
+fn racing_threads_make_exactly_one_claim_per_key() {
+    let b = Etcd::with_capacity(0);
+    let (addr, prefix) = (b.etcd.0.addr, b.prefix.clone());
+    let answers: Vec<Vec<Begin>> = std::thread::scope(|s| {
+        let racers: Vec<_> = (0..4u64)
+            .map(|t| {
+                let prefix = prefix.clone();
+                s.spawn(move || {
+                    let worker = BlockingEtcd::new(addr, settings(&prefix));
+                    (1..=16u64).map(|n| worker.begin(&attempt(n, 1, t * 100 + n, 0)).unwrap()).collect()
+                })
+            })
+            .collect();
+        racers.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    for n in 0..16 {
+        let claims = answers.iter().filter(|a| matches!(a[n], Begin::Claimed(_))).count();
+        assert_eq!(claims, 1, "key {n}: {:?}", answers.iter().map(|a| &a[n]).collect::<Vec<_>>());
+        assert!(answers.iter().all(|a| matches!(a[n], Begin::Claimed(_) | Begin::InFlight { .. })));
+    }
+}
+
+/// In real time, a record's etcd lease outlives the record: a claim's covers its ttl, and a
+/// completion moves the record to a lease covering its new expiry.
+#[test]
+fn a_records_lease_never_ends_before_the_record() {
+    use idempotency_filter::json::{self, JsonValue, MemberOrder};
+    let b = Etcd::with_capacity(0);
+    let worker = BlockingEtcd::new(b.etcd.0.addr, settings(&b.prefix));
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let remaining_ms = |scope_n: u64| -> u64 {
+        let mut key = format!("{}r/", b.prefix).into_bytes();
+        key.extend(
+            idempotency_filter::store::conformance::scope(scope_n)
+                .0
+                .iter()
+                .flat_map(|x| format!("{x:02x}").into_bytes()),
+        );
+        let body = format!(r#"{{"key":"{}"}}"#, base64::encode(&key));
+        let found = worker.post("/v3/kv/range", body.as_bytes(), None);
+        let doc = json::read(&found.body, 16, MemberOrder::Document).unwrap();
+        let Some(JsonValue::Array(kvs)) = doc.get("kvs") else { panic!("no record: {doc:?}") };
+        let Some(JsonValue::String(lease)) = kvs[0].get("lease") else { panic!("no lease: {doc:?}") };
+        let asked = format!(r#"{{"ID":"{lease}"}}"#);
+        let alive = worker.post("/v3/lease/timetolive", asked.as_bytes(), None);
+        let doc = json::read(&alive.body, 16, MemberOrder::Document).unwrap();
+        let Some(JsonValue::String(ttl)) = doc.get("TTL") else { panic!("no TTL: {doc:?}") };
+        ttl.parse::<u64>().unwrap() * 1_000
+    };
+    let mut first = attempt(1, 1, 11, now);
+    first.ttl_ms = 10_000;
+    let c = claimed(worker.begin(&first).unwrap());
+    let elapsed = || {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64 - now
+    };
+    assert!(remaining_ms(1) + elapsed() >= 10_000, "claim lease {} ms", remaining_ms(1));
+    let completion =
+        Completion { ttl_ms: 30_000, ..idempotency_filter::store::conformance::done("a", now + 100) };
+    assert_eq!(worker.complete(&c, &completion).unwrap(), Settled::Done);
+    assert!(remaining_ms(1) + elapsed() >= 30_100, "record lease {} ms", remaining_ms(1));
 }

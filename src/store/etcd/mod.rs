@@ -75,10 +75,17 @@ pub enum OnStoreError {
 }
 
 /// Credentials for `/v3/auth/authenticate`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct EtcdAuth {
     pub username: String,
     pub password: String,
+}
+
+/// The password never reaches a log line, whoever formats the settings.
+impl std::fmt::Debug for EtcdAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdAuth").field("username", &self.username).field("password", &"<redacted>").finish()
+    }
 }
 
 /// The etcd store's configuration (`store.type: "etcd"`).

@@ -729,3 +729,10 @@ fn leases_are_shared_per_window_and_never_end_before_their_records() {
     }
     assert_eq!(store.leases.borrow().len(), CACHED_LEASES);
 }
+
+#[test]
+fn the_password_is_never_formatted() {
+    let auth = EtcdAuth { username: "idem".into(), password: "hunter2".into() };
+    let shown = format!("{:?}", settings(Some(auth)));
+    assert!(shown.contains("idem") && !shown.contains("hunter2"), "{shown}");
+}

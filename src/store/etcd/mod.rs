@@ -430,25 +430,32 @@ impl Exchange {
                 }
             }
         };
-        Ok(match next {
+        match next {
             Next::Call(path, body, stage) => self.call(store, path, body, stage),
-            done => self.finish(Ok(done)),
-        })
+            done => Ok(self.finish(Ok(done))),
+        }
     }
 
     /// Sends a call for the operation, authenticating first when there is no token yet.
-    fn call(&mut self, store: &EtcdStore, path: &'static str, body: Vec<u8>, stage: Stage) -> ExchangeStep {
+    fn call(
+        &mut self,
+        store: &EtcdStore,
+        path: &'static str,
+        body: Vec<u8>,
+        stage: Stage,
+    ) -> Result<ExchangeStep, StoreError> {
         self.stage = stage;
         self.pending = Some((path, body));
         if store.settings.auth.is_some() && store.token.borrow().is_none() {
-            return self.authenticate(store);
+            return Ok(self.authenticate(store));
         }
         self.resend(store)
     }
 
-    fn resend(&self, store: &EtcdStore) -> ExchangeStep {
-        let (path, body) = self.pending.clone().unwrap_or((wire::RANGE, Vec::new()));
-        ExchangeStep::Call { path, body, token: store.token() }
+    /// The operation's last call, with the current token.
+    fn resend(&self, store: &EtcdStore) -> Result<ExchangeStep, StoreError> {
+        let (path, body) = self.pending.clone().ok_or_else(|| unusable("no call to send"))?;
+        Ok(ExchangeStep::Call { path, body, token: store.token() })
     }
 
     fn authenticate(&mut self, store: &EtcdStore) -> ExchangeStep {
@@ -469,10 +476,7 @@ impl Exchange {
                 other => other.into_error(),
             })?;
         *store.token.borrow_mut() = Some(token);
-        if self.pending.is_none() {
-            return Err(unusable("authenticated with nothing to send"));
-        }
-        Ok(self.resend(store))
+        self.resend(store)
     }
 
     fn first(&mut self, store: &EtcdStore) -> Result<Next, StoreError> {
@@ -674,11 +678,19 @@ impl Exchange {
             StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => claim.scope,
         };
         let key = store.record_key(&scope);
-        let mut ops: Vec<TxnOp> = w.stale_index.iter().map(|k| TxnOp::Delete { key: k.clone() }).collect();
+        let fresh_index = w.record.as_ref().map(|(entry, _)| store.index_keys(entry)).unwrap_or_default();
+        // etcd refuses a transaction that names one key twice; a stale key that is also fresh
+        // (same `until`) is simply put again.
+        let mut ops: Vec<TxnOp> = w
+            .stale_index
+            .iter()
+            .filter(|k| !fresh_index.contains(k))
+            .map(|k| TxnOp::Delete { key: k.clone() })
+            .collect();
         match &w.record {
-            Some((entry, value)) => {
+            Some((_, value)) => {
                 ops.push(TxnOp::Put { key: key.clone(), value: value.clone(), lease: w.lease });
-                for index in store.index_keys(entry) {
+                for index in fresh_index {
                     // Index keys carry the record's lease: they disappear with it.
                     ops.push(TxnOp::Put { key: index, value: Vec::new(), lease: w.lease });
                 }

@@ -736,3 +736,28 @@ fn the_password_is_never_formatted() {
     let shown = format!("{:?}", settings(Some(auth)));
     assert!(shown.contains("idem") && !shown.contains("hunter2"), "{shown}");
 }
+
+#[test]
+fn a_stale_index_key_that_is_also_fresh_is_named_once() {
+    // A completion whose expiry equals the claim's lease deadline (ttl shorter than the time
+    // since the claim's lease was computed): etcd refuses a key named twice in one txn.
+    let key = record_key();
+    let charged = Entry {
+        flags: FLAG_BODY_NOT_STORED | FLAG_PRINCIPAL_CHARGED,
+        principal_tag: 0xAB,
+        ..processing(11, 0)
+    };
+    let claim = Claim { scope: scope(1), owner: 11, locator: 4 };
+    let completion =
+        Completion { state: State::Succeeded, status: 201, snapshot: None, now_ms: 500, ttl_ms: 500 };
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Complete { claim, completion },
+        500,
+        vec![ok(range_answer(5, Some((&key, &value(charged, None), 4)))), ok(granted()), ok(written(6))],
+    );
+    assert_eq!(settled(answer), Ok(Settled::Done));
+    let index =
+        base64::encode(format!("/idem/q/p/{:016x}/{:016x}/{}", 0xAB, 1_000, hex(&[1; 32])).as_bytes());
+    assert_eq!(made[2].body.matches(&index).count(), 1, "{}", made[2].body);
+}

@@ -279,7 +279,13 @@ fn counts_until(e: &Entry) -> u64 {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0x0F)]));
+    }
+    out
 }
 
 /// A quota tag: the first 8 bytes of the identity's digest. A collision (2^-64 per pair) merges

@@ -242,18 +242,7 @@ fn a_records_lease_never_ends_before_the_record() {
     let worker = BlockingEtcd::new(b.etcd.0.addr, settings(&b.prefix));
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
     let remaining_ms = |scope_n: u64| -> u64 {
-        let mut key = format!("{}r/", b.prefix).into_bytes();
-        key.extend(
-            idempotency_filter::store::conformance::scope(scope_n)
-                .0
-                .iter()
-                .flat_map(|x| format!("{x:02x}").into_bytes()),
-        );
-        let body = format!(r#"{{"key":"{}"}}"#, base64::encode(&key));
-        let found = worker.post("/v3/kv/range", body.as_bytes(), None);
-        let doc = json::read(&found.body, 16, MemberOrder::Document).unwrap();
-        let Some(JsonValue::Array(kvs)) = doc.get("kvs") else { panic!("no record: {doc:?}") };
-        let Some(JsonValue::String(lease)) = kvs[0].get("lease") else { panic!("no lease: {doc:?}") };
+        let lease = record_lease(&worker, &b.prefix, scope_n);
         let asked = format!(r#"{{"ID":"{lease}"}}"#);
         let alive = worker.post("/v3/lease/timetolive", asked.as_bytes(), None);
         let doc = json::read(&alive.body, 16, MemberOrder::Document).unwrap();
@@ -271,4 +260,38 @@ fn a_records_lease_never_ends_before_the_record() {
         Completion { ttl_ms: 30_000, ..idempotency_filter::store::conformance::done("a", now + 100) };
     assert_eq!(worker.complete(&c, &completion).unwrap(), Settled::Done);
     assert!(remaining_ms(1) + elapsed() >= 30_100, "record lease {} ms", remaining_ms(1));
+}
+
+/// A lease etcd no longer has (revoked here; lost with etcd's data in real life) is granted
+/// again by the next write that needs it, and that write goes through.
+#[test]
+fn a_revoked_lease_is_granted_again() {
+    let b = Etcd::with_capacity(0);
+    let worker = BlockingEtcd::new(b.etcd.0.addr, settings(&b.prefix));
+    claimed(worker.begin(&attempt(1, 1, 11, 0)).unwrap());
+    let grants = || worker.calls().iter().filter(|(path, _)| *path == "/v3/lease/grant").count();
+    assert_eq!(grants(), 1);
+    // Find the lease through the record and revoke it: the record goes with it.
+    let id = record_lease(&worker, &b.prefix, 1);
+    let revoked = worker.post("/v3/lease/revoke", format!(r#"{{"ID":"{id}"}}"#).as_bytes(), None);
+    assert_eq!(revoked.status, Some(200));
+    // Same window: the cached lease is tried, refused, granted anew.
+    claimed(worker.begin(&attempt(2, 1, 12, 1)).unwrap());
+    assert_eq!(grants(), 2);
+    // The revoked record is gone: the key is free again.
+    claimed(worker.begin(&attempt(1, 1, 13, 2)).unwrap());
+}
+
+/// The id of the lease the record of conformance scope `scope_n` carries in etcd.
+fn record_lease(worker: &BlockingEtcd, prefix: &str, scope_n: u64) -> String {
+    use idempotency_filter::json::{self, JsonValue, MemberOrder};
+    let mut key = format!("{prefix}r/").into_bytes();
+    let scope = idempotency_filter::store::conformance::scope(scope_n);
+    key.extend(scope.0.iter().flat_map(|x| format!("{x:02x}").into_bytes()));
+    let body = format!(r#"{{"key":"{}"}}"#, base64::encode(&key));
+    let found = worker.post("/v3/kv/range", body.as_bytes(), None);
+    let doc = json::read(&found.body, 16, MemberOrder::Document).unwrap();
+    let Some(JsonValue::Array(kvs)) = doc.get("kvs") else { panic!("no record: {doc:?}") };
+    let Some(JsonValue::String(lease)) = kvs[0].get("lease") else { panic!("no lease: {doc:?}") };
+    lease.to_string()
 }

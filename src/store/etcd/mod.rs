@@ -156,11 +156,21 @@ struct CachedLease {
 
 /// Per worker (one per root context): the leases granted per expiry window and the auth token.
 /// Workers never share them (each has its own), so the cells are only touched by one thread.
-#[derive(Debug)]
 pub struct EtcdStore {
     settings: EtcdSettings,
     leases: RefCell<Vec<CachedLease>>,
     token: RefCell<Option<String>>,
+}
+
+/// The token is a credential: formatted as present or absent only.
+impl std::fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdStore")
+            .field("settings", &self.settings)
+            .field("leases", &self.leases.borrow().len())
+            .field("token", &self.token.borrow().as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 /// The end of the lease window a record expiring at `expires_at_ms` belongs to: strictly after

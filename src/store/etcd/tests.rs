@@ -731,10 +731,14 @@ fn leases_are_shared_per_window_and_never_end_before_their_records() {
 }
 
 #[test]
-fn the_password_is_never_formatted() {
+fn the_password_and_the_token_are_never_formatted() {
     let auth = EtcdAuth { username: "idem".into(), password: "hunter2".into() };
-    let shown = format!("{:?}", settings(Some(auth)));
+    let shown = format!("{:?}", settings(Some(auth.clone())));
     assert!(shown.contains("idem") && !shown.contains("hunter2"), "{shown}");
+    let store = EtcdStore::new(settings(Some(auth)));
+    *store.token.borrow_mut() = Some(TOKEN.into());
+    let shown = format!("{store:?}");
+    assert!(!shown.contains("hunter2") && !shown.contains(TOKEN), "{shown}");
 }
 
 #[test]

@@ -765,3 +765,18 @@ fn a_stale_index_key_that_is_also_fresh_is_named_once() {
         base64::encode(format!("/idem/q/p/{:016x}/{:016x}/{}", 0xAB, 1_000, hex(&[1; 32])).as_bytes());
     assert_eq!(made[2].body.matches(&index).count(), 1, "{}", made[2].body);
 }
+
+#[test]
+fn a_driver_out_of_step_gets_an_error_not_a_panic() {
+    let store = store();
+    // An answer before any call.
+    let mut exchange = store.start(StoreOp::Begin(attempt(0)));
+    let early = exchange.step(&store, Some(HttpAnswer { status: Some(200), body: b"{}".to_vec() }), 0);
+    assert!(matches!(early, ExchangeStep::Done(StoreAnswer::Begun(Err(StoreError::Unavailable(_))))));
+    // No answer to a call that was made.
+    let claim = Claim { scope: scope(1), owner: 11, locator: 4 };
+    let mut exchange = store.start(StoreOp::Release(claim));
+    assert!(matches!(exchange.step(&store, None, 0), ExchangeStep::Call { .. }));
+    let missing = exchange.step(&store, None, 0);
+    assert!(matches!(missing, ExchangeStep::Done(StoreAnswer::Settled(Err(StoreError::Unavailable(_))))));
+}

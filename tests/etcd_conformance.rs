@@ -18,9 +18,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idempotency_filter::store::conformance::Backend;
+use idempotency_filter::store::conformance::{attempt, claimed};
+use idempotency_filter::store::etcd::base64;
 use idempotency_filter::store::etcd::blocking::BlockingEtcd;
-use idempotency_filter::store::etcd::{EtcdSettings, OnStoreError};
-use idempotency_filter::store::RecordStore;
+use idempotency_filter::store::etcd::{EtcdAuth, EtcdSettings, OnStoreError};
+use idempotency_filter::store::{Begin, Completion, RecordStore, Settled, StoreError};
 
 /// A running etcd, killed (and its data directory removed) on drop.
 struct EtcdProcess {
@@ -53,6 +55,10 @@ fn healthy(addr: SocketAddr) -> bool {
 }
 
 fn start_etcd() -> EtcdProcess {
+    start_etcd_with(&[])
+}
+
+fn start_etcd_with(extra: &[&str]) -> EtcdProcess {
     static STARTS: AtomicU32 = AtomicU32::new(0);
     let bin = std::env::var("ETCD_BIN").unwrap_or_else(|_| "etcd".into());
     let dir = std::env::temp_dir().join(format!(
@@ -72,6 +78,7 @@ fn start_etcd() -> EtcdProcess {
         .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
         .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
         .args(["--initial-cluster", &format!("conformance={peer_url}")])
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)
@@ -152,3 +159,139 @@ impl Backend for Etcd {
 }
 
 idempotency_filter::conformance_suite!(Etcd);
+
+/// Auth against a real etcd: a role limited to the store's prefix, a token fetched on the first
+/// call, and a token etcd expired (simple tokens live `--auth-token-ttl` seconds) replaced once.
+#[test]
+fn auth_with_a_real_etcd_and_an_expiring_token() {
+    let etcd = start_etcd_with(&["--auth-token", "simple", "--auth-token-ttl", "1"]);
+    let admin = BlockingEtcd::new(etcd.addr, settings("/unused/"));
+    let b64 = |s: &str| base64::encode(s.as_bytes());
+    let setup = [
+        ("/v3/auth/role/add", r#"{"name":"root"}"#.to_owned()),
+        ("/v3/auth/user/add", r#"{"name":"root","password":"rootpw"}"#.to_owned()),
+        ("/v3/auth/user/grant", r#"{"user":"root","role":"root"}"#.to_owned()),
+        ("/v3/auth/role/add", r#"{"name":"idem"}"#.to_owned()),
+        (
+            "/v3/auth/role/grant",
+            format!(
+                r#"{{"name":"idem","perm":{{"permType":"READWRITE","key":"{}","range_end":"{}"}}}}"#,
+                b64("/auth-test/"),
+                b64("/auth-test0")
+            ),
+        ),
+        ("/v3/auth/user/add", r#"{"name":"idem","password":"idem-pw"}"#.to_owned()),
+        ("/v3/auth/user/grant", r#"{"user":"idem","role":"idem"}"#.to_owned()),
+        ("/v3/auth/enable", "{}".to_owned()),
+    ];
+    for (path, body) in setup {
+        let answer = admin.post(path, body.as_bytes(), None);
+        assert_eq!(answer.status, Some(200), "{path}: {}", String::from_utf8_lossy(&answer.body));
+    }
+    let auth = Some(EtcdAuth { username: "idem".into(), password: "idem-pw".into() });
+    let worker = BlockingEtcd::new(etcd.addr, EtcdSettings { auth, ..settings("/auth-test/") });
+    let c = claimed(worker.begin(&attempt(1, 1, 11, 0)).unwrap());
+    assert_eq!(worker.calls().first(), Some(&("/v3/auth/authenticate", false)));
+    assert!(worker.calls()[1..].iter().all(|(_, token)| *token), "{:?}", worker.calls());
+    // The token expires; the next exchange is refused once, authenticates again and goes on.
+    std::thread::sleep(Duration::from_millis(2_500));
+    let before = worker.calls().len();
+    assert_eq!(worker.release(&c).unwrap(), Settled::Done);
+    let after: Vec<_> = worker.calls()[before..].iter().map(|(path, _)| *path).collect();
+    assert_eq!(after, vec!["/v3/kv/range", "/v3/auth/authenticate", "/v3/kv/range", "/v3/kv/txn"]);
+    // Without credentials etcd refuses: unavailable, never a guess.
+    let anonymous = BlockingEtcd::new(etcd.addr, settings("/auth-test/"));
+    assert!(matches!(anonymous.begin(&attempt(2, 1, 12, 0)), Err(StoreError::Unavailable(_))));
+    // Outside its prefix the role has no rights: unavailable too.
+    let auth = Some(EtcdAuth { username: "idem".into(), password: "idem-pw".into() });
+    let elsewhere = BlockingEtcd::new(etcd.addr, EtcdSettings { auth, ..settings("/other/") });
+    assert!(matches!(elsewhere.begin(&attempt(3, 1, 13, 0)), Err(StoreError::Unavailable(_))));
+}
+
+/// Workers on several threads (as on several Envoys) racing for the same keys: exactly one
+/// claim per key, every other answer in flight.
+#[test]
+fn racing_threads_make_exactly_one_claim_per_key() {
+    let b = Etcd::with_capacity(0);
+    let (addr, prefix) = (b.etcd.0.addr, b.prefix.clone());
+    let answers: Vec<Vec<Begin>> = std::thread::scope(|s| {
+        let racers: Vec<_> = (0..4u64)
+            .map(|t| {
+                let prefix = prefix.clone();
+                s.spawn(move || {
+                    let worker = BlockingEtcd::new(addr, settings(&prefix));
+                    (1..=16u64).map(|n| worker.begin(&attempt(n, 1, t * 100 + n, 0)).unwrap()).collect()
+                })
+            })
+            .collect();
+        racers.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    for n in 0..16 {
+        let claims = answers.iter().filter(|a| matches!(a[n], Begin::Claimed(_))).count();
+        assert_eq!(claims, 1, "key {n}: {:?}", answers.iter().map(|a| &a[n]).collect::<Vec<_>>());
+        assert!(answers.iter().all(|a| matches!(a[n], Begin::Claimed(_) | Begin::InFlight { .. })));
+    }
+}
+
+/// In real time, a record's etcd lease outlives the record: a claim's covers its ttl, and a
+/// completion moves the record to a lease covering its new expiry.
+#[test]
+fn a_records_lease_never_ends_before_the_record() {
+    use idempotency_filter::json::{self, JsonValue, MemberOrder};
+    let b = Etcd::with_capacity(0);
+    let worker = BlockingEtcd::new(b.etcd.0.addr, settings(&b.prefix));
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let remaining_ms = |scope_n: u64| -> u64 {
+        let lease = record_lease(&worker, &b.prefix, scope_n);
+        let asked = format!(r#"{{"ID":"{lease}"}}"#);
+        let alive = worker.post("/v3/lease/timetolive", asked.as_bytes(), None);
+        let doc = json::read(&alive.body, 16, MemberOrder::Document).unwrap();
+        let Some(JsonValue::String(ttl)) = doc.get("TTL") else { panic!("no TTL: {doc:?}") };
+        ttl.parse::<u64>().unwrap() * 1_000
+    };
+    let mut first = attempt(1, 1, 11, now);
+    first.ttl_ms = 10_000;
+    let c = claimed(worker.begin(&first).unwrap());
+    let elapsed = || {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64 - now
+    };
+    assert!(remaining_ms(1) + elapsed() >= 10_000, "claim lease {} ms", remaining_ms(1));
+    let completion =
+        Completion { ttl_ms: 30_000, ..idempotency_filter::store::conformance::done("a", now + 100) };
+    assert_eq!(worker.complete(&c, &completion).unwrap(), Settled::Done);
+    assert!(remaining_ms(1) + elapsed() >= 30_100, "record lease {} ms", remaining_ms(1));
+}
+
+/// A lease etcd no longer has (revoked here; lost with etcd's data in real life) is granted
+/// again by the next write that needs it, and that write goes through.
+#[test]
+fn a_revoked_lease_is_granted_again() {
+    let b = Etcd::with_capacity(0);
+    let worker = BlockingEtcd::new(b.etcd.0.addr, settings(&b.prefix));
+    claimed(worker.begin(&attempt(1, 1, 11, 0)).unwrap());
+    let grants = || worker.calls().iter().filter(|(path, _)| *path == "/v3/lease/grant").count();
+    assert_eq!(grants(), 1);
+    // Find the lease through the record and revoke it: the record goes with it.
+    let id = record_lease(&worker, &b.prefix, 1);
+    let revoked = worker.post("/v3/lease/revoke", format!(r#"{{"ID":"{id}"}}"#).as_bytes(), None);
+    assert_eq!(revoked.status, Some(200));
+    // Same window: the cached lease is tried, refused, granted anew.
+    claimed(worker.begin(&attempt(2, 1, 12, 1)).unwrap());
+    assert_eq!(grants(), 2);
+    // The revoked record is gone: the key is free again.
+    claimed(worker.begin(&attempt(1, 1, 13, 2)).unwrap());
+}
+
+/// The id of the lease the record of conformance scope `scope_n` carries in etcd.
+fn record_lease(worker: &BlockingEtcd, prefix: &str, scope_n: u64) -> String {
+    use idempotency_filter::json::{self, JsonValue, MemberOrder};
+    let mut key = format!("{prefix}r/").into_bytes();
+    let scope = idempotency_filter::store::conformance::scope(scope_n);
+    key.extend(scope.0.iter().flat_map(|x| format!("{x:02x}").into_bytes()));
+    let body = format!(r#"{{"key":"{}"}}"#, base64::encode(&key));
+    let found = worker.post("/v3/kv/range", body.as_bytes(), None);
+    let doc = json::read(&found.body, 16, MemberOrder::Document).unwrap();
+    let Some(JsonValue::Array(kvs)) = doc.get("kvs") else { panic!("no record: {doc:?}") };
+    let Some(JsonValue::String(lease)) = kvs[0].get("lease") else { panic!("no lease: {doc:?}") };
+    lease.to_string()
+}

@@ -1,6 +1,8 @@
-//! The record store interface the engine decides against. Every backend (Envoy shared data now,
-//! etcd for a fleet later) implements it and passes the same conformance suite
-//! (`store/conformance.rs`).
+//! The record store interface the engine decides against. Every backend implements it and passes
+//! the same conformance suite (`store/conformance.rs`): `local` (Envoy's shared data: one Envoy,
+//! all its workers) and `etcd` (one etcd cluster: a fleet of Envoys). The etcd store is reached
+//! by callouts, so the filter drives it as `etcd::Exchange`s; it implements `RecordStore` only
+//! through a driver (`etcd::blocking`, tests), never with blocking I/O inside the filter.
 //!
 //! Contract, per scope (tenant, principal, method, path, key):
 //! - at most one live record; `begin` either claims it for exactly one caller or reports what
@@ -10,12 +12,13 @@
 //! - a completion by the current owner is never dropped, however busy the store is: once
 //!   `complete` returns `Done`, every later `begin` sees the outcome until it expires;
 //! - a live record (a completed one before its expiry, a processing one within its lease) is
-//!   never evicted to make room: a full store answers `Full`. A processing record whose lease
+//!   never evicted to make room: a full store answers `Full` (a store without a capacity bound,
+//!   etcd, never does). A processing record whose lease
 //!   ended without an outcome is abandoned and may give its place to a new record;
 //! - a new record is charged to its tenant and principal: once an identity holds its bound of
 //!   live records, `begin` answers `QuotaExceeded` instead of claiming; takeovers, replays,
 //!   mismatches and in-flight answers are not charged;
-//! - expired records read as absent and their space is reclaimed by `sweep`.
+//! - expired records read as absent and their space is reclaimed by `sweep` (etcd: by leases).
 
 #[cfg(feature = "testing")]
 pub mod conformance;

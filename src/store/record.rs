@@ -20,6 +20,8 @@
 //! Quota v2:    [2u8][count u8 >= 1] then counters: tag u64 | count u32 | since_ms u64 |
 //!   soonest_ms u64 | until_ms u64
 //! Layouts v2:  [2u8][count u8 >= 1] then layouts: buckets u32 | beat_ms u64 | cursor u32
+//! Record v2 (etcd store, one key per record): the slot layout, whose entry may also be a claim
+//!   (processing, flags saying no body stored, no snapshot); `decode_record` reads it.
 
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
@@ -545,5 +547,28 @@ mod tests {
         assert_eq!(decode_layouts(&encode_layouts(&[l, l])), Err(DecodeError::Duplicate));
         assert_eq!(decode_layouts(&[]), Ok(vec![]));
         assert_eq!(decode_counters(&[2, 0]), Err(DecodeError::NonCanonical));
+    }
+
+    #[test]
+    fn a_claim_is_a_record_for_etcd_but_never_a_slot() {
+        let claim = Entry { state: State::Processing, status: 0, ..entry(0, 5) };
+        let bytes = encode_slot(&SlotValue { entry: claim, snapshot: None });
+        let read = decode_record(&bytes);
+        assert_eq!(
+            read.as_ref().map(|v| (v.entry.state, v.snapshot.is_none())),
+            Ok((State::Processing, true))
+        );
+        assert_eq!(decode_slot(&bytes), Err(DecodeError::BadState(1)));
+        // A claim claiming a stored body would be two meanings for one value.
+        let mut with_body = bytes.clone();
+        with_body[1 + 2] &= !FLAG_BODY_NOT_STORED;
+        assert!(decode_record(&with_body).is_err());
+        // Outcomes read the same either way.
+        let done = SlotValue {
+            entry: Entry { flags: FLAG_PRINCIPAL_CHARGED | FLAG_BODY_NOT_STORED, ..entry(0, 5) },
+            snapshot: None,
+        };
+        assert_eq!(decode_record(&encode_slot(&done)), Ok(done.clone()));
+        assert_eq!(decode_slot(&encode_slot(&done)), Ok(done));
     }
 }

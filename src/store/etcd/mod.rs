@@ -2,9 +2,56 @@
 //! gateway by HTTP callouts. This module is pure (no host calls, no sockets): `EtcdStore::start`
 //! turns a `StoreOp` into an `Exchange`, a state machine that asks for HTTP calls
 //! (`ExchangeStep::Call`) and is fed their answers until it is `Done`. The glue performs the
-//! calls as Envoy callouts; `blocking` (tests only) performs them over std::net.
+//! calls as Envoy callouts; `blocking` (tests only) performs them over std::net. It answers
+//! exactly as the local store does (the conformance suite runs against a real etcd), except
+//! that it has no capacity bound (never `Full`) and `sweep` has nothing to do.
+//!
+//! Data model (all keys under `prefix`, default `/idempotency/`; docs/ETCD.md has the sizing):
+//! - `r/<scope hex>`: the record, its value the v2 record bytes (`record::encode_slot`; a claim
+//!   is a processing entry without snapshot, read with `record::decode_record`). The entry's
+//!   `expires_at_ms` decides whether the record exists: an expired record reads as absent even
+//!   while etcd still holds it, so time is the caller's (virtual in tests) and etcd's lease only
+//!   collects garbage. `Claim.locator` is the mod_revision of the claim's put: the record's last
+//!   write while the claim holds it, so every ownership check is a compare on it.
+//! - `q/t/<tenant tag>/<until>/<scope hex>` and `q/p/<principal tag>/<until>/<scope hex>`: one
+//!   empty index key per charged record and identity (tag: first 8 bytes of the digest, 16 hex;
+//!   `until`: 16 hex digits of when the record stops counting: a claim at the end of its lease,
+//!   a completed record at its expiry). Keys sort by `until`, so an identity's live records are
+//!   the range from `<until = now + 1>` to the end of its prefix; one range with `limit 1,
+//!   keys_only` gives their count (etcd counts the whole range whatever the limit) and the one
+//!   that stops counting first (the retry-after hint). Index keys carry the record's lease and
+//!   are rewritten in the same transaction as the record.
+//! - Leases: records whose expiry falls in the same `LEASE_WINDOW_MS` window share one lease,
+//!   granted by a worker the first time it writes into that window and cached (`EtcdStore`);
+//!   its TTL runs to the window's end plus `LEASE_SLACK_S`, so a record's lease never ends before
+//!   its `expires_at_ms`. A claim's record already expires at now + ttl (an abandoned claim must
+//!   keep refusing another payload until then, as in the local store), so its lease covers the
+//!   processing timeout and the ttl; a completion moves the record to the lease of its new
+//!   expiry. A lease etcd no longer knows is granted again once per exchange.
+//!
+//! Operations (round trips; "+1" is a lease grant, once per worker and window):
+//! - begin: 1 (one read-only txn: the record and, if charged, the live index ranges) when a
+//!   record answers (replay, not stored, mismatch, in flight) or the quota refuses; else 2 (+1):
+//!   a txn guarded by create_revision == 0 (absent) or mod_revision == observed (takeover, or
+//!   reuse of an expired record) that puts the record and its index keys and deletes the
+//!   replaced record's. A lost guard reads again, up to `TXN_ATTEMPTS` times (then `Contention`).
+//! - complete: 2 (+1): a range (ownership: mod_revision == locator, same owner, processing), then
+//!   a txn guarded by mod_revision == locator that rewrites the record with its outcome and moves
+//!   its index keys; a failed guard is `Lost`.
+//! - release: 2: the same range, then a guarded txn deleting the record and its index keys.
+//! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd calls
+//!   the token invalid (then the call is sent again, once).
+//!
+//! Lease grants per second are independent of the request rate: at most one per worker per
+//! window in use, i.e. about (workers x distinct ttls) / 10 s across the fleet's workers; at
+//! any request rate with one ttl and 2 workers per Envoy, 10 Envoys grant about 2 leases a
+//! second.
+//!
+//! Quotas are exact when requests of one identity do not race: two claims racing through the
+//! same read can both pass the bound (the overshoot is bounded by the concurrency of one
+//! identity's new requests within one round trip). etcd cannot compare a count in a guard.
 
-mod base64;
+pub mod base64;
 #[cfg(feature = "testing")]
 pub mod blocking;
 mod wire;
@@ -28,10 +75,17 @@ pub enum OnStoreError {
 }
 
 /// Credentials for `/v3/auth/authenticate`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct EtcdAuth {
     pub username: String,
     pub password: String,
+}
+
+/// The password never reaches a log line, whoever formats the settings.
+impl std::fmt::Debug for EtcdAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdAuth").field("username", &self.username).field("password", &"<redacted>").finish()
+    }
 }
 
 /// The etcd store's configuration (`store.type: "etcd"`).
@@ -102,11 +156,21 @@ struct CachedLease {
 
 /// Per worker (one per root context): the leases granted per expiry window and the auth token.
 /// Workers never share them (each has its own), so the cells are only touched by one thread.
-#[derive(Debug)]
 pub struct EtcdStore {
     settings: EtcdSettings,
     leases: RefCell<Vec<CachedLease>>,
     token: RefCell<Option<String>>,
+}
+
+/// The token is a credential: formatted as present or absent only.
+impl std::fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdStore")
+            .field("settings", &self.settings)
+            .field("leases", &self.leases.borrow().len())
+            .field("token", &self.token.borrow().as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 /// The end of the lease window a record expiring at `expires_at_ms` belongs to: strictly after
@@ -225,7 +289,13 @@ fn counts_until(e: &Entry) -> u64 {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0x0F)]));
+    }
+    out
 }
 
 /// A quota tag: the first 8 bytes of the identity's digest. A collision (2^-64 per pair) merges
@@ -376,25 +446,32 @@ impl Exchange {
                 }
             }
         };
-        Ok(match next {
+        match next {
             Next::Call(path, body, stage) => self.call(store, path, body, stage),
-            done => self.finish(Ok(done)),
-        })
+            done => Ok(self.finish(Ok(done))),
+        }
     }
 
     /// Sends a call for the operation, authenticating first when there is no token yet.
-    fn call(&mut self, store: &EtcdStore, path: &'static str, body: Vec<u8>, stage: Stage) -> ExchangeStep {
+    fn call(
+        &mut self,
+        store: &EtcdStore,
+        path: &'static str,
+        body: Vec<u8>,
+        stage: Stage,
+    ) -> Result<ExchangeStep, StoreError> {
         self.stage = stage;
         self.pending = Some((path, body));
         if store.settings.auth.is_some() && store.token.borrow().is_none() {
-            return self.authenticate(store);
+            return Ok(self.authenticate(store));
         }
         self.resend(store)
     }
 
-    fn resend(&self, store: &EtcdStore) -> ExchangeStep {
-        let (path, body) = self.pending.clone().unwrap_or((wire::RANGE, Vec::new()));
-        ExchangeStep::Call { path, body, token: store.token() }
+    /// The operation's last call, with the current token.
+    fn resend(&self, store: &EtcdStore) -> Result<ExchangeStep, StoreError> {
+        let (path, body) = self.pending.clone().ok_or_else(|| unusable("no call to send"))?;
+        Ok(ExchangeStep::Call { path, body, token: store.token() })
     }
 
     fn authenticate(&mut self, store: &EtcdStore) -> ExchangeStep {
@@ -415,10 +492,7 @@ impl Exchange {
                 other => other.into_error(),
             })?;
         *store.token.borrow_mut() = Some(token);
-        if self.pending.is_none() {
-            return Err(unusable("authenticated with nothing to send"));
-        }
-        Ok(self.resend(store))
+        self.resend(store)
     }
 
     fn first(&mut self, store: &EtcdStore) -> Result<Next, StoreError> {
@@ -620,11 +694,19 @@ impl Exchange {
             StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => claim.scope,
         };
         let key = store.record_key(&scope);
-        let mut ops: Vec<TxnOp> = w.stale_index.iter().map(|k| TxnOp::Delete { key: k.clone() }).collect();
+        let fresh_index = w.record.as_ref().map(|(entry, _)| store.index_keys(entry)).unwrap_or_default();
+        // etcd refuses a transaction that names one key twice; a stale key that is also fresh
+        // (same `until`) is simply put again.
+        let mut ops: Vec<TxnOp> = w
+            .stale_index
+            .iter()
+            .filter(|k| !fresh_index.contains(k))
+            .map(|k| TxnOp::Delete { key: k.clone() })
+            .collect();
         match &w.record {
-            Some((entry, value)) => {
+            Some((_, value)) => {
                 ops.push(TxnOp::Put { key: key.clone(), value: value.clone(), lease: w.lease });
-                for index in store.index_keys(entry) {
+                for index in fresh_index {
                     // Index keys carry the record's lease: they disappear with it.
                     ops.push(TxnOp::Put { key: index, value: Vec::new(), lease: w.lease });
                 }
@@ -691,3 +773,5 @@ fn refusal(live: &wire::RangeAnswer, bound: u32, now_ms: u64, tenant: bool) -> O
     };
     Some(Begin::QuotaExceeded { retry_after_ms, tenant })
 }
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,782 @@
+//! The exchanges against canned etcd answers, in the exact JSON etcd 3.4.23's gateway emits
+//! (captured from a real etcd): call sequences, decisions, and every kind of bad answer.
+
+// Test code: a failed expectation is the test's failure.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use super::*;
+use crate::identity::fingerprint::Fingerprint;
+use crate::store::record::Snapshot;
+use crate::store::{QuotaCharge, StoreAnswer};
+
+const HEADER: &str = r#""header":{"cluster_id":"15118495548433857066","member_id":"13668033151171901709","revision":"REV","raft_term":"2"}"#;
+const LEASE_ID: &str = "4111120396376355078";
+const TOKEN: &str = "UEZGznJjALBlLYZq.24";
+
+fn header(rev: i64) -> String {
+    HEADER.replace("REV", &rev.to_string())
+}
+
+fn kv_json(key: &[u8], value: &[u8], mod_revision: i64) -> String {
+    let value =
+        if value.is_empty() { String::new() } else { format!(r#","value":"{}""#, base64::encode(value)) };
+    format!(
+        r#"{{"key":"{}","create_revision":"{mod_revision}","mod_revision":"{mod_revision}","version":"1"{value}}}"#,
+        base64::encode(key)
+    )
+}
+
+/// A txn answer whose only response is a range over the record: found or not.
+fn read_answer(rev: i64, record: Option<(&[u8], &[u8], i64)>, quota: &[String]) -> String {
+    let mut responses = vec![match record {
+        None => format!(r#"{{"response_range":{{"header":{{"revision":"{rev}"}}}}}}"#),
+        Some((k, v, m)) => format!(
+            r#"{{"response_range":{{"header":{{"revision":"{rev}"}},"kvs":[{}],"count":"1"}}}}"#,
+            kv_json(k, v, m)
+        ),
+    }];
+    responses.extend(quota.iter().cloned());
+    format!(r#"{{{},"succeeded":true,"responses":[{}]}}"#, header(rev), responses.join(","))
+}
+
+/// A quota index range (keys_only, limit 1): `count` live keys, the first of them `first`.
+fn index_answer(rev: i64, count: i64, first: Option<&[u8]>) -> String {
+    match first {
+        None => format!(r#"{{"response_range":{{"header":{{"revision":"{rev}"}}}}}}"#),
+        Some(k) => {
+            let more = if count > 1 { r#","more":true"# } else { "" };
+            format!(
+                r#"{{"response_range":{{"header":{{"revision":"{rev}"}},"kvs":[{}]{more},"count":"{count}"}}}}"#,
+                kv_json(k, b"", 4)
+            )
+        }
+    }
+}
+
+fn range_answer(rev: i64, record: Option<(&[u8], &[u8], i64)>) -> String {
+    match record {
+        None => format!("{{{}}}", header(rev)),
+        Some((k, v, m)) => format!(r#"{{{},"kvs":[{}],"count":"1"}}"#, header(rev), kv_json(k, v, m)),
+    }
+}
+
+fn written(rev: i64) -> String {
+    format!(
+        r#"{{{},"succeeded":true,"responses":[{{"response_put":{{"header":{{"revision":"{rev}"}}}}}}]}}"#,
+        header(rev)
+    )
+}
+
+/// A guarded txn whose compare failed (empty failure branch): no `succeeded`, no `responses`.
+fn refused(rev: i64) -> String {
+    format!("{{{}}}", header(rev))
+}
+
+fn granted() -> String {
+    format!(r#"{{{},"ID":"{LEASE_ID}","TTL":"22"}}"#, header(1))
+}
+
+fn error_body(message: &str, code: i64) -> String {
+    format!(r#"{{"error":"{message}","message":"{message}","code":{code}}}"#)
+}
+
+/// An answer as the glue hands it over: status (None: the callout failed) and body.
+type Canned = (Option<u16>, Vec<u8>);
+
+fn ok(body: String) -> Canned {
+    (Some(200), body.into_bytes())
+}
+
+fn settings(auth: Option<EtcdAuth>) -> EtcdSettings {
+    EtcdSettings {
+        cluster: "etcd".into(),
+        prefix: "/idem/".into(),
+        timeout_ms: 250,
+        on_error: OnStoreError::FailClosed,
+        auth,
+    }
+}
+
+fn store() -> EtcdStore {
+    EtcdStore::new(settings(None))
+}
+
+fn plain_store() -> EtcdStore {
+    store()
+}
+
+/// A call the exchange made.
+#[derive(Debug)]
+struct Made {
+    path: &'static str,
+    body: String,
+    token: Option<String>,
+}
+
+/// Runs `op` feeding `answers` in order; every answer must be asked for, and nothing more.
+fn run(store: &EtcdStore, op: StoreOp, now_ms: u64, answers: Vec<Canned>) -> (StoreAnswer, Vec<Made>) {
+    let mut exchange = store.start(op);
+    let mut made = Vec::new();
+    let mut answers = answers.into_iter();
+    let mut answer = None;
+    loop {
+        match exchange.step(store, answer.take(), now_ms) {
+            ExchangeStep::Done(done) => {
+                assert!(answers.next().is_none(), "answers left over after {made:?}");
+                // A finished exchange stays finished.
+                assert!(matches!(exchange.step(store, None, now_ms), ExchangeStep::Done(_)));
+                return (done, made);
+            }
+            ExchangeStep::Call { path, body, token } => {
+                made.push(Made { path, body: String::from_utf8(body).unwrap(), token });
+                let (status, body) = answers.next().unwrap_or_else(|| panic!("no answer left for {made:?}"));
+                answer = Some(HttpAnswer { status, body });
+            }
+        }
+    }
+}
+
+fn paths(made: &[Made]) -> Vec<&'static str> {
+    made.iter().map(|m| m.path).collect()
+}
+
+fn scope(n: u8) -> ScopeId {
+    ScopeId([n; 32])
+}
+
+use crate::identity::scope::ScopeId;
+
+fn attempt(now_ms: u64) -> ClaimAttempt {
+    ClaimAttempt {
+        scope: scope(1),
+        fingerprint: Fingerprint([7; 32]),
+        owner: 11,
+        now_ms,
+        lease_ms: 1_000,
+        ttl_ms: 10_000,
+        quota: None,
+    }
+}
+
+fn record_key() -> Vec<u8> {
+    let mut key = b"/idem/r/".to_vec();
+    key.extend_from_slice(hex(&[1; 32]).as_bytes());
+    key
+}
+
+fn processing(owner: u64, at: u64) -> Entry {
+    Entry {
+        position: 0,
+        state: State::Processing,
+        flags: FLAG_BODY_NOT_STORED,
+        status: 0,
+        scope: scope(1),
+        fingerprint: Fingerprint([7; 32]),
+        owner,
+        lease_deadline_ms: at + 1_000,
+        expires_at_ms: at + 10_000,
+        charged_at_ms: at,
+        tenant_tag: 0,
+        principal_tag: 0,
+    }
+}
+
+fn value(entry: Entry, snapshot: Option<Snapshot>) -> Vec<u8> {
+    record::encode_slot(&SlotValue { entry, snapshot })
+}
+
+fn snapshot() -> Snapshot {
+    Snapshot {
+        status: 201,
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: b"{}".to_vec(),
+    }
+}
+
+fn completed(at: u64, snapshot: Option<Snapshot>) -> Entry {
+    Entry { state: State::Succeeded, status: 201, expires_at_ms: at + 10_000, ..processing(11, 0) }
+        .with_body_flag(snapshot.is_some())
+}
+
+trait BodyFlag {
+    fn with_body_flag(self, stored: bool) -> Self;
+}
+impl BodyFlag for Entry {
+    fn with_body_flag(mut self, stored: bool) -> Entry {
+        if stored {
+            self.flags &= !FLAG_BODY_NOT_STORED;
+        } else {
+            self.flags |= FLAG_BODY_NOT_STORED;
+        }
+        self
+    }
+}
+
+fn begun(answer: StoreAnswer) -> Result<Begin, StoreError> {
+    match answer {
+        StoreAnswer::Begun(b) => b,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn settled(answer: StoreAnswer) -> Result<Settled, StoreError> {
+    match answer {
+        StoreAnswer::Settled(s) => s,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_new_record_takes_a_read_a_lease_grant_and_a_guarded_write() {
+    let store = store();
+    let (answer, made) = run(
+        &store,
+        StoreOp::Begin(attempt(0)),
+        0,
+        vec![ok(read_answer(1, None, &[])), ok(granted()), ok(written(2))],
+    );
+    assert_eq!(begun(answer), Ok(Begin::Claimed(Claim { scope: scope(1), owner: 11, locator: 2 })));
+    assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/lease/grant", "/v3/kv/txn"]);
+    let key = base64::encode(&record_key());
+    assert_eq!(
+        made[0].body,
+        format!(r#"{{"compare":[],"success":[{{"request_range":{{"key":"{key}"}}}}],"failure":[]}}"#)
+    );
+    // The record expires at 10 s: its lease covers the window ending at 20 s, plus slack.
+    assert_eq!(made[1].body, r#"{"TTL":"22","ID":"0"}"#);
+    let put = format!(
+        r#"{{"request_put":{{"key":"{key}","value":"{}","lease":"{LEASE_ID}"}}}}"#,
+        base64::encode(&value(processing(11, 0), None))
+    );
+    assert_eq!(
+        made[2].body,
+        format!(
+            r#"{{"compare":[{{"key":"{key}","target":"CREATE","result":"EQUAL","create_revision":"0"}}],"success":[{put}],"failure":[]}}"#
+        )
+    );
+    assert!(made.iter().all(|m| m.token.is_none()));
+
+    // The next claim in the same expiry window reuses the lease: two round trips.
+    let (answer, made) = run(
+        &store,
+        StoreOp::Begin(ClaimAttempt { scope: scope(2), ..attempt(5_000) }),
+        5_000,
+        vec![ok(read_answer(2, None, &[])), ok(written(3))],
+    );
+    assert!(matches!(begun(answer), Ok(Begin::Claimed(c)) if c.locator == 3));
+    assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/kv/txn"]);
+    assert!(made[1].body.contains(LEASE_ID));
+}
+
+#[test]
+fn answers_about_an_existing_record_take_one_round_trip() {
+    let key = record_key();
+    let cases: Vec<(Vec<u8>, u64, Begin)> = vec![
+        (value(processing(9, 0), None), 400, Begin::InFlight { retry_after_ms: 600 }),
+        (value(completed(0, Some(snapshot())), Some(snapshot())), 10, Begin::Replay(snapshot())),
+        (value(completed(0, None), None), 10, Begin::NotStored { status: 201 }),
+        (
+            value(Entry { fingerprint: Fingerprint([8; 32]), ..processing(9, 0) }, None),
+            5_000,
+            Begin::Mismatch,
+        ),
+    ];
+    for (stored, now, expected) in cases {
+        let (answer, made) = run(
+            &store(),
+            StoreOp::Begin(attempt(now)),
+            now,
+            vec![ok(read_answer(5, Some((&key, &stored, 4)), &[]))],
+        );
+        assert_eq!(begun(answer), Ok(expected.clone()), "{expected:?}");
+        assert_eq!(made.len(), 1);
+    }
+}
+
+#[test]
+fn a_takeover_and_a_reuse_are_guarded_by_the_observed_revision() {
+    let key = record_key();
+    // Lease ended, record live: taken over.
+    let abandoned = value(processing(9, 0), None);
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Begin(attempt(1_000)),
+        1_000,
+        vec![ok(read_answer(5, Some((&key, &abandoned, 4)), &[])), ok(granted()), ok(written(6))],
+    );
+    assert_eq!(begun(answer), Ok(Begin::TookOver(Claim { scope: scope(1), owner: 11, locator: 6 })));
+    assert!(
+        made[2].body.contains(r#""target":"MOD","result":"EQUAL","mod_revision":"4""#),
+        "{}",
+        made[2].body
+    );
+    // Expired (by its own expires_at, whatever etcd's lease says): a new record in its place.
+    let old = value(completed(0, None), None);
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Begin(attempt(10_000)),
+        10_000,
+        vec![ok(read_answer(5, Some((&key, &old, 4)), &[])), ok(granted()), ok(written(6))],
+    );
+    assert!(matches!(begun(answer), Ok(Begin::Claimed(_))));
+    assert!(made[2].body.contains(r#""mod_revision":"4""#));
+}
+
+#[test]
+fn a_lost_race_reads_again_and_gives_up_as_contention() {
+    let key = record_key();
+    // Lost once, then the winner's claim is there: in flight.
+    let theirs = value(processing(12, 0), None);
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Begin(attempt(0)),
+        0,
+        vec![
+            ok(read_answer(1, None, &[])),
+            ok(granted()),
+            ok(refused(2)),
+            ok(read_answer(2, Some((&key, &theirs, 2)), &[])),
+        ],
+    );
+    assert_eq!(begun(answer), Ok(Begin::InFlight { retry_after_ms: 1_000 }));
+    assert_eq!(made.len(), 4);
+    // Lost every time.
+    let mut answers = vec![ok(read_answer(1, None, &[])), ok(granted()), ok(refused(2))];
+    for _ in 1..TXN_ATTEMPTS {
+        answers.extend([ok(read_answer(2, None, &[])), ok(refused(2))]);
+    }
+    let (answer, _) = run(&store(), StoreOp::Begin(attempt(0)), 0, answers);
+    assert_eq!(begun(answer), Err(StoreError::Contention));
+}
+
+fn charged_attempt(now_ms: u64, tenant: bool) -> ClaimAttempt {
+    ClaimAttempt {
+        quota: Some(QuotaCharge {
+            tenant: tenant.then_some([3; 32]),
+            principal: [4; 32],
+            per_tenant: 5,
+            per_principal: 2,
+        }),
+        ..attempt(now_ms)
+    }
+}
+
+#[test]
+fn quotas_are_counted_by_live_index_ranges_and_charged_with_the_record() {
+    let principal_prefix = format!("/idem/q/p/{:016x}/", u64::from_be_bytes([4; 8]));
+    let tenant_prefix = format!("/idem/q/t/{:016x}/", u64::from_be_bytes([3; 8]));
+    // Two live records: refused, retry when the first stops counting (its key's `until`).
+    let first = format!("{principal_prefix}{:016x}/{}", 2_500, hex(&[9; 32]));
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Begin(charged_attempt(1_000, false)),
+        1_000,
+        vec![ok(read_answer(5, None, &[index_answer(5, 2, Some(first.as_bytes()))]))],
+    );
+    assert_eq!(begun(answer), Ok(Begin::QuotaExceeded { retry_after_ms: 1_500, tenant: false }));
+    // The live range starts just after now and ends after the identity's last key.
+    let from = format!("{principal_prefix}{:016x}", 1_001);
+    let to = format!("/idem/q/p/{:016x}0", u64::from_be_bytes([4; 8]));
+    assert!(
+        made[0].body.contains(&format!(
+            r#"{{"request_range":{{"key":"{}","range_end":"{}","limit":"1","keys_only":true}}}}"#,
+            base64::encode(from.as_bytes()),
+            base64::encode(to.as_bytes())
+        )),
+        "{}",
+        made[0].body
+    );
+    // The tenant is checked first.
+    let tenant_first = format!("{tenant_prefix}{:016x}/{}", 3_000, hex(&[9; 32]));
+    let (answer, _) = run(
+        &store(),
+        StoreOp::Begin(charged_attempt(1_000, true)),
+        1_000,
+        vec![ok(read_answer(
+            5,
+            None,
+            &[index_answer(5, 5, Some(tenant_first.as_bytes())), index_answer(5, 0, None)],
+        ))],
+    );
+    assert_eq!(begun(answer), Ok(Begin::QuotaExceeded { retry_after_ms: 2_000, tenant: true }));
+    // Room: the claim puts one index key per identity, counting until the claim's lease ends.
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Begin(charged_attempt(1_000, true)),
+        1_000,
+        vec![
+            ok(read_answer(5, None, &[index_answer(5, 0, None), index_answer(5, 1, Some(first.as_bytes()))])),
+            ok(granted()),
+            ok(written(6)),
+        ],
+    );
+    assert!(matches!(begun(answer), Ok(Begin::Claimed(_))));
+    for prefix in [&tenant_prefix, &principal_prefix] {
+        let index = format!("{prefix}{:016x}/{}", 2_000, hex(&[1; 32]));
+        assert!(made[2].body.contains(&base64::encode(index.as_bytes())), "{index}");
+    }
+}
+
+#[test]
+fn complete_moves_the_record_and_its_index_to_the_ttl_lease() {
+    let key = record_key();
+    let charged = Entry {
+        flags: FLAG_BODY_NOT_STORED | FLAG_PRINCIPAL_CHARGED,
+        principal_tag: 0xAB,
+        ..processing(11, 0)
+    };
+    let claim = Claim { scope: scope(1), owner: 11, locator: 4 };
+    let completion = Completion {
+        state: State::Succeeded,
+        status: 201,
+        snapshot: Some(snapshot()),
+        now_ms: 500,
+        ttl_ms: 10_000,
+    };
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Complete { claim, completion: completion.clone() },
+        500,
+        vec![ok(range_answer(5, Some((&key, &value(charged, None), 4)))), ok(granted()), ok(written(6))],
+    );
+    assert_eq!(settled(answer), Ok(Settled::Done));
+    assert_eq!(paths(&made), vec!["/v3/kv/range", "/v3/lease/grant", "/v3/kv/txn"]);
+    let stale = format!("/idem/q/p/{:016x}/{:016x}/{}", 0xAB, 1_000, hex(&[1; 32]));
+    let moved = format!("/idem/q/p/{:016x}/{:016x}/{}", 0xAB, 10_500, hex(&[1; 32]));
+    let done =
+        Entry { state: State::Succeeded, status: 201, expires_at_ms: 10_500, ..charged }.with_body_flag(true);
+    let txn = &made[2].body;
+    assert!(txn.contains(r#""target":"MOD","result":"EQUAL","mod_revision":"4""#), "{txn}");
+    assert!(txn.contains(&format!(
+        r#"{{"request_delete_range":{{"key":"{}"}}}}"#,
+        base64::encode(stale.as_bytes())
+    )));
+    assert!(txn.contains(&base64::encode(moved.as_bytes())));
+    assert!(txn.contains(&base64::encode(&value(done, Some(snapshot())))));
+
+    // Not ours any more (another revision, or gone): Lost after one read, nothing written.
+    for found in [Some((&key[..], &value(charged, None)[..], 9)), None] {
+        let (answer, made) = run(
+            &store(),
+            StoreOp::Complete { claim, completion: completion.clone() },
+            500,
+            vec![ok(range_answer(9, found))],
+        );
+        assert_eq!(settled(answer), Ok(Settled::Lost));
+        assert_eq!(made.len(), 1);
+    }
+    // Taken between the read and the write: the guard refuses it.
+    let (answer, _) = run(
+        &store(),
+        StoreOp::Complete { claim, completion },
+        500,
+        vec![ok(range_answer(5, Some((&key, &value(charged, None), 4)))), ok(granted()), ok(refused(7))],
+    );
+    assert_eq!(settled(answer), Ok(Settled::Lost));
+}
+
+#[test]
+fn an_outcome_too_large_for_etcd_is_kept_without_its_body() {
+    let key = record_key();
+    let claim = Claim { scope: scope(1), owner: 11, locator: 4 };
+    let huge = Snapshot { body: vec![b'x'; ETCD_MAX_REQUEST_BYTES as usize], ..snapshot() };
+    let completion = Completion {
+        state: State::Succeeded,
+        status: 201,
+        snapshot: Some(huge),
+        now_ms: 500,
+        ttl_ms: 10_000,
+    };
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Complete { claim, completion },
+        500,
+        vec![
+            ok(range_answer(5, Some((&key, &value(processing(11, 0), None), 4)))),
+            ok(granted()),
+            ok(written(6)),
+        ],
+    );
+    assert_eq!(settled(answer), Ok(Settled::Done));
+    let done = Entry { state: State::Succeeded, status: 201, expires_at_ms: 10_500, ..processing(11, 0) };
+    assert!(made[2].body.contains(&base64::encode(&value(done, None))));
+}
+
+#[test]
+fn release_deletes_the_record_and_its_index_without_a_lease() {
+    let key = record_key();
+    let claim = Claim { scope: scope(1), owner: 11, locator: 4 };
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Release(claim),
+        0,
+        vec![ok(range_answer(5, Some((&key, &value(processing(11, 0), None), 4)))), ok(written(6))],
+    );
+    assert_eq!(settled(answer), Ok(Settled::Done));
+    assert_eq!(paths(&made), vec!["/v3/kv/range", "/v3/kv/txn"]);
+    assert!(made[1]
+        .body
+        .contains(&format!(r#"{{"request_delete_range":{{"key":"{}"}}}}"#, base64::encode(&key))));
+    // A completed record cannot be released.
+    let done = value(completed(0, None), None);
+    let (answer, _) =
+        run(&store(), StoreOp::Release(claim), 0, vec![ok(range_answer(5, Some((&key, &done, 4))))]);
+    assert_eq!(settled(answer), Ok(Settled::Lost));
+}
+
+#[test]
+fn a_lost_lease_is_granted_again_once() {
+    let lost = (Some(404), error_body("etcdserver: requested lease not found", 5).into_bytes());
+    let store = store();
+    let (answer, made) = run(
+        &store,
+        StoreOp::Begin(attempt(0)),
+        0,
+        vec![ok(read_answer(1, None, &[])), ok(granted()), lost.clone(), ok(granted()), ok(written(3))],
+    );
+    assert!(matches!(begun(answer), Ok(Begin::Claimed(_))));
+    assert_eq!(
+        paths(&made),
+        vec!["/v3/kv/txn", "/v3/lease/grant", "/v3/kv/txn", "/v3/lease/grant", "/v3/kv/txn"]
+    );
+    // Lost twice in one exchange: etcd is not keeping leases; the store is unusable.
+    let (answer, _) = run(
+        &EtcdStore::new(settings(None)),
+        StoreOp::Begin(attempt(0)),
+        0,
+        vec![ok(read_answer(1, None, &[])), ok(granted()), lost.clone(), ok(granted()), lost],
+    );
+    assert!(matches!(begun(answer), Err(StoreError::Unavailable(_))));
+}
+
+#[test]
+fn bad_answers_make_the_store_unavailable() {
+    let cases: Vec<(&str, Canned)> = vec![
+        ("callout failed", (None, Vec::new())),
+        ("Envoy's timeout", (Some(504), b"upstream request timeout".to_vec())),
+        ("Envoy's reset", (Some(503), b"upstream connect error or disconnect/reset before headers".to_vec())),
+        (
+            "etcd error body",
+            (Some(400), error_body("invalid character 'g' looking for beginning of value", 3).into_bytes()),
+        ),
+        ("error body with 200", ok(error_body("etcdserver: too many requests", 14))),
+        ("permission denied", (Some(403), error_body("etcdserver: permission denied", 7).into_bytes())),
+        ("garbage", ok("<html>".into())),
+        ("empty body", ok(String::new())),
+        ("not UTF-8", (Some(200), vec![0xFF, 0xFE])),
+        ("no header", ok(r#"{"succeeded":true,"responses":[]}"#.into())),
+        ("revision not a number", ok(r#"{"header":{"revision":"x"}}"#.into())),
+        ("responses not an array", ok(format!(r#"{{{},"responses":{{}}}}"#, header(1)))),
+        ("no record read", ok(format!(r#"{{{},"succeeded":true}}"#, header(1)))),
+        (
+            "key not base64",
+            ok(format!(
+                r#"{{{},"succeeded":true,"responses":[{{"response_range":{{"kvs":[{{"key":"*","mod_revision":"1"}}]}}}}]}}"#,
+                header(1)
+            )),
+        ),
+        ("too deep", ok(format!("{}1{}", "[".repeat(64), "]".repeat(64)))),
+    ];
+    for (name, answer) in cases {
+        let (done, _) = run(&store(), StoreOp::Begin(attempt(0)), 0, vec![answer]);
+        assert!(matches!(begun(done), Err(StoreError::Unavailable(_))), "{name}");
+    }
+    // A failed write's answer is as unusable as a failed read's.
+    let claim = Claim { scope: scope(1), owner: 11, locator: 4 };
+    let (done, _) = run(
+        &store(),
+        StoreOp::Release(claim),
+        0,
+        vec![
+            ok(range_answer(5, Some((&record_key(), &value(processing(11, 0), None), 4)))),
+            (Some(500), Vec::new()),
+        ],
+    );
+    assert!(matches!(settled(done), Err(StoreError::Unavailable(_))));
+}
+
+#[test]
+fn a_value_that_is_not_a_v2_record_is_corrupt_and_never_overwritten() {
+    let key = record_key();
+    let newer = {
+        let mut v = value(processing(9, 0), None);
+        v[0] = 3;
+        v
+    };
+    let other_scope = value(Entry { scope: scope(2), ..processing(9, 0) }, None);
+    for stored in [b"not a record".to_vec(), newer, other_scope, vec![2]] {
+        let (answer, made) = run(
+            &store(),
+            StoreOp::Begin(attempt(20_000)),
+            20_000,
+            vec![ok(read_answer(5, Some((&key, &stored, 4)), &[]))],
+        );
+        assert!(matches!(begun(answer), Err(StoreError::Corrupt(_))), "{stored:?}");
+        assert_eq!(made.len(), 1, "nothing is written over it");
+        let claim = Claim { scope: scope(1), owner: 11, locator: 4 };
+        let (answer, made) =
+            run(&store(), StoreOp::Release(claim), 0, vec![ok(range_answer(5, Some((&key, &stored, 4))))]);
+        assert!(matches!(settled(answer), Err(StoreError::Corrupt(_)) | Ok(Settled::Lost)), "{stored:?}");
+        assert_eq!(made.len(), 1);
+    }
+}
+
+#[test]
+fn a_completion_without_an_outcome_is_refused_before_any_call() {
+    let claim = Claim { scope: scope(1), owner: 11, locator: 4 };
+    let completion = Completion { state: State::Processing, status: 0, snapshot: None, now_ms: 0, ttl_ms: 1 };
+    let (answer, made) = run(&store(), StoreOp::Complete { claim, completion }, 0, vec![]);
+    assert!(matches!(settled(answer), Err(StoreError::Corrupt(_))));
+    assert!(made.is_empty());
+}
+
+fn with_auth() -> EtcdStore {
+    EtcdStore::new(settings(Some(EtcdAuth { username: "idem".into(), password: "p\"w".into() })))
+}
+
+fn authenticated(token: &str) -> Canned {
+    ok(format!(r#"{{{},"token":"{token}"}}"#, header(6)))
+}
+
+fn invalid_token() -> Canned {
+    (Some(401), error_body("etcdserver: invalid auth token", 16).into_bytes())
+}
+
+#[test]
+fn auth_authenticates_first_and_caches_the_token() {
+    let store = with_auth();
+    let (answer, made) = run(
+        &store,
+        StoreOp::Begin(attempt(0)),
+        0,
+        vec![authenticated(TOKEN), ok(read_answer(1, None, &[])), ok(granted()), ok(written(2))],
+    );
+    assert!(matches!(begun(answer), Ok(Begin::Claimed(_))));
+    assert_eq!(paths(&made), vec!["/v3/auth/authenticate", "/v3/kv/txn", "/v3/lease/grant", "/v3/kv/txn"]);
+    assert_eq!(made[0].body, r#"{"name":"idem","password":"p\"w"}"#);
+    assert_eq!(made[0].token, None);
+    assert!(made[1..].iter().all(|m| m.token.as_deref() == Some(TOKEN)));
+    // The next exchange goes straight to etcd with the cached token.
+    let (_, made) = run(
+        &store,
+        StoreOp::Begin(ClaimAttempt { scope: scope(2), ..attempt(1) }),
+        1,
+        vec![ok(read_answer(2, None, &[])), ok(written(3))],
+    );
+    assert_eq!(made[0].token.as_deref(), Some(TOKEN));
+}
+
+#[test]
+fn an_invalid_token_is_replaced_once_and_the_call_sent_again() {
+    let store = with_auth();
+    *store.token.borrow_mut() = Some("expired.1".into());
+    let claim = Claim { scope: scope(1), owner: 11, locator: 4 };
+    let (answer, made) = run(
+        &store,
+        StoreOp::Release(claim),
+        0,
+        vec![
+            invalid_token(),
+            authenticated("fresh.2"),
+            ok(range_answer(5, Some((&record_key(), &value(processing(11, 0), None), 4)))),
+            ok(written(6)),
+        ],
+    );
+    assert_eq!(settled(answer), Ok(Settled::Done));
+    assert_eq!(paths(&made), vec!["/v3/kv/range", "/v3/auth/authenticate", "/v3/kv/range", "/v3/kv/txn"]);
+    assert_eq!(made[0].body, made[2].body, "the same call, sent again");
+    assert_eq!(made[0].token.as_deref(), Some("expired.1"));
+    assert_eq!(made[2].token.as_deref(), Some("fresh.2"));
+    assert_eq!(store.token().as_deref(), Some("fresh.2"));
+
+    // Refused again with the fresh token: unavailable, no loop.
+    let (answer, made) = run(
+        &with_auth(),
+        StoreOp::Release(claim),
+        0,
+        vec![authenticated("a.1"), invalid_token(), authenticated("b.2"), invalid_token()],
+    );
+    assert!(matches!(settled(answer), Err(StoreError::Unavailable(_))));
+    assert_eq!(made.len(), 4);
+    // Wrong credentials: unavailable, naming authentication.
+    let wrong = (
+        Some(400),
+        error_body("etcdserver: authentication failed, invalid user ID or password", 3).into_bytes(),
+    );
+    let (answer, _) = run(&with_auth(), StoreOp::Begin(attempt(0)), 0, vec![wrong]);
+    assert!(matches!(begun(answer), Err(StoreError::Unavailable(m)) if m.starts_with("authenticate:")));
+    // Without auth configured an invalid-token answer is just unavailable.
+    let (answer, made) = run(&plain_store(), StoreOp::Begin(attempt(0)), 0, vec![invalid_token()]);
+    assert!(matches!(begun(answer), Err(StoreError::Unavailable(_))));
+    assert_eq!(made.len(), 1);
+}
+
+#[test]
+fn leases_are_shared_per_window_and_never_end_before_their_records() {
+    for expires_at in [0, 1, 9_999, 10_000, 86_400_000, u64::MAX - 1] {
+        let end = window_end(expires_at);
+        assert!(end > expires_at || expires_at >= u64::MAX - LEASE_WINDOW_MS, "{expires_at}");
+        assert!(end - expires_at <= LEASE_WINDOW_MS || end == u64::MAX, "{expires_at}");
+    }
+    let store = store();
+    store.remember_lease(20_000, 1);
+    assert_eq!(store.lease_for(20_000, 5_000), Some(1));
+    assert_eq!(store.lease_for(30_000, 5_000), None);
+    // A window that has ended is dropped.
+    assert_eq!(store.lease_for(20_000, 20_000), None);
+    for w in 0..(CACHED_LEASES as u64 + 4) {
+        store.remember_lease(100_000 + w * LEASE_WINDOW_MS, w as i64 + 10);
+    }
+    assert_eq!(store.leases.borrow().len(), CACHED_LEASES);
+}
+
+#[test]
+fn the_password_and_the_token_are_never_formatted() {
+    let auth = EtcdAuth { username: "idem".into(), password: "hunter2".into() };
+    let shown = format!("{:?}", settings(Some(auth.clone())));
+    assert!(shown.contains("idem") && !shown.contains("hunter2"), "{shown}");
+    let store = EtcdStore::new(settings(Some(auth)));
+    *store.token.borrow_mut() = Some(TOKEN.into());
+    let shown = format!("{store:?}");
+    assert!(!shown.contains("hunter2") && !shown.contains(TOKEN), "{shown}");
+}
+
+#[test]
+fn a_stale_index_key_that_is_also_fresh_is_named_once() {
+    // A completion whose expiry equals the claim's lease deadline (ttl shorter than the time
+    // since the claim's lease was computed): etcd refuses a key named twice in one txn.
+    let key = record_key();
+    let charged = Entry {
+        flags: FLAG_BODY_NOT_STORED | FLAG_PRINCIPAL_CHARGED,
+        principal_tag: 0xAB,
+        ..processing(11, 0)
+    };
+    let claim = Claim { scope: scope(1), owner: 11, locator: 4 };
+    let completion =
+        Completion { state: State::Succeeded, status: 201, snapshot: None, now_ms: 500, ttl_ms: 500 };
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Complete { claim, completion },
+        500,
+        vec![ok(range_answer(5, Some((&key, &value(charged, None), 4)))), ok(granted()), ok(written(6))],
+    );
+    assert_eq!(settled(answer), Ok(Settled::Done));
+    let index =
+        base64::encode(format!("/idem/q/p/{:016x}/{:016x}/{}", 0xAB, 1_000, hex(&[1; 32])).as_bytes());
+    assert_eq!(made[2].body.matches(&index).count(), 1, "{}", made[2].body);
+}
+
+#[test]
+fn a_driver_out_of_step_gets_an_error_not_a_panic() {
+    let store = store();
+    // An answer before any call.
+    let mut exchange = store.start(StoreOp::Begin(attempt(0)));
+    let early = exchange.step(&store, Some(HttpAnswer { status: Some(200), body: b"{}".to_vec() }), 0);
+    assert!(matches!(early, ExchangeStep::Done(StoreAnswer::Begun(Err(StoreError::Unavailable(_))))));
+    // No answer to a call that was made.
+    let claim = Claim { scope: scope(1), owner: 11, locator: 4 };
+    let mut exchange = store.start(StoreOp::Release(claim));
+    assert!(matches!(exchange.step(&store, None, 0), ExchangeStep::Call { .. }));
+    let missing = exchange.step(&store, None, 0);
+    assert!(matches!(missing, ExchangeStep::Done(StoreAnswer::Settled(Err(StoreError::Unavailable(_))))));
+}

@@ -22,7 +22,7 @@ use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
 use crate::settlement::{plan_response, plan_unfinished, ResponsePlan, StreamReport, VIA_UPSTREAM};
 use crate::store::record::{Snapshot, State};
-use crate::store::{Claim, Completion, Settled, StoreAnswer, StoreError, StoreOp};
+use crate::store::{Begin, Claim, Completion, Settled, StoreAnswer, StoreError, StoreOp};
 use crate::wait::{self, Recheck, Refused};
 use std::rc::Rc;
 
@@ -434,6 +434,32 @@ impl RequestFlow {
             }
             (Phase::Settling { .. }, _) => self.store_answered(cfg, StoreAnswer::Settled(Err(error))),
             _ => Output::go(Vec::new()),
+        }
+    }
+
+    /// The store answered `begin` after the request's stream had ended: nobody will forward it,
+    /// so a claim it got is given back at once (the release to perform, and what to count when
+    /// it is answered) rather than left to block retries until its lease ends.
+    pub fn answered_without_stream(&mut self, answer: &StoreAnswer) -> Option<(StoreOp, Settlement)> {
+        let Phase::AwaitingBegin { pending, .. } = std::mem::replace(&mut self.phase, Phase::Idle) else {
+            return None;
+        };
+        match answer {
+            StoreAnswer::Begun(Ok(Begin::Claimed(claim) | Begin::TookOver(claim))) => {
+                log::debug!(
+                    "#{} client gone before its claim; releasing key {}",
+                    self.context_id,
+                    claim.scope.log_tag()
+                );
+                let settlement = Settlement {
+                    context_id: self.context_id,
+                    claim: *claim,
+                    rule: pending.rule,
+                    done: Counter::Released,
+                };
+                Some((StoreOp::Release(*claim), settlement))
+            }
+            _ => None,
         }
     }
 

@@ -633,15 +633,28 @@ mod remote_tests {
         assert_eq!(h.counter("store_error"), 1);
     }
 
+    /// A protected POST up to its `begin`, which the root starts from its queue callback (the
+    /// root's own context is the effective one there); returns the callout's token.
+    fn begin(h: &FakeHost, root: &mut Root<FakeHost>, http: &mut Http<FakeHost>) -> Option<u32> {
+        assert_eq!(post(h, http), Verdict::Pause);
+        let before = h.dispatches().len();
+        h.0.effective.set(1);
+        root.on_queue_ready(0);
+        (h.dispatches().len() > before).then(|| last_token(h))
+    }
+
     #[test]
-    fn begin_is_a_callout_while_the_request_stays_paused_and_its_answer_resumes_it() {
+    fn begin_is_the_roots_callout_while_the_request_stays_paused_and_its_answer_resumes_it() {
         let h = host();
-        let root = root(&h, "etcd", FailMode::Closed);
+        let mut root = root(&h, "etcd", FailMode::Closed);
         let mut http = root.http_context(2);
-        h.0.effective.set(2);
         assert_eq!(post(&h, &mut http), Verdict::Pause);
+        assert!(h.dispatches().is_empty(), "not from the stream's callback");
+        h.0.effective.set(1);
+        root.on_queue_ready(0);
         let dispatches = h.dispatches();
-        let [Call::Dispatch { context: 2, cluster, headers, timeout_ms: 250, .. }] = dispatches.as_slice()
+        let [Call::Dispatch { context: 1, token, cluster, headers, timeout_ms: 250, .. }] =
+            dispatches.as_slice()
         else {
             panic!("{dispatches:?}")
         };
@@ -650,29 +663,33 @@ mod remote_tests {
             assert!(headers.iter().any(|(n, _)| n == pseudo));
         }
         store_answers(&h, Some("200"), b"{}");
-        http.on_http_call_response(last_token(&h), 2);
-        assert_eq!(resumed(&h), 1);
+        root.on_http_call_response(*token, 2);
+        assert_eq!(h.0.calls.borrow().last(), Some(&Call::Resume { context: 2 }));
         assert_eq!(h.counter("claimed"), 1);
+        // The stream has its flow back: the response is captured and completed.
+        *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201")]);
+        h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
+        assert_eq!(http.on_response_headers(true), Verdict::Pause);
     }
 
     #[test]
     fn a_missing_cluster_refuses_the_callout_and_fails_closed_with_503() {
         let h = host();
-        let root = root(&h, "no-such-cluster", FailMode::Closed);
+        let mut root = root(&h, "no-such-cluster", FailMode::Closed);
         let mut http = root.http_context(2);
-        assert_eq!(post(&h, &mut http), Verdict::Pause);
-        assert!(h.dispatches().is_empty());
+        assert_eq!(begin(&h, &mut root, &mut http), None);
         assert_store_unavailable(&h);
+        assert_eq!(h.replies()[0].0, 2, "the reply goes to the request, not the root");
     }
 
     #[test]
     fn an_answer_without_status_fails_closed() {
         let h = host();
-        let root = root(&h, "etcd", FailMode::Closed);
+        let mut root = root(&h, "etcd", FailMode::Closed);
         let mut http = root.http_context(2);
-        post(&h, &mut http);
+        let token = begin(&h, &mut root, &mut http).expect("a callout");
         store_answers(&h, None, b"");
-        http.on_http_call_response(last_token(&h), 0);
+        root.on_http_call_response(token, 0);
         assert_store_unavailable(&h);
     }
 
@@ -681,16 +698,14 @@ mod remote_tests {
         let h = host();
         let mut root = root(&h, "etcd", FailMode::Closed);
         let mut http = root.http_context(2);
-        post(&h, &mut http);
-        let token = last_token(&h);
+        let token = begin(&h, &mut root, &mut http).expect("a callout");
         store_answers(&h, Some("504"), b"upstream request timeout");
-        http.on_http_call_response(token, 24);
+        root.on_http_call_response(token, 24);
         assert_store_unavailable(&h);
         let calls = h.0.calls.borrow().len();
         // A second answer for the same token, or one for a token nobody awaits: nothing happens.
         store_answers(&h, Some("200"), b"{}");
-        http.on_http_call_response(token, 2);
-        http.on_http_call_response(token + 40, 2);
+        root.on_http_call_response(token, 2);
         root.on_http_call_response(token + 41, 2);
         assert_eq!(h.0.calls.borrow().len(), calls);
         assert_eq!((h.counter("claimed"), h.counter("store_error")), (0, 1));
@@ -699,36 +714,64 @@ mod remote_tests {
     #[test]
     fn fail_open_forwards_unprotected_and_counts_every_bypass() {
         let h = host();
-        let root = root(&h, "no-such-cluster", FailMode::Open);
+        let mut root = root(&h, "no-such-cluster", FailMode::Open);
         for id in [2, 3] {
             let mut http = root.http_context(id);
-            assert_eq!(post(&h, &mut http), Verdict::Continue);
+            begin(&h, &mut root, &mut http);
         }
+        assert_eq!(resumed(&h), 2);
         assert_eq!((h.counter("store_bypassed"), h.counter("store_error")), (2, 0));
         assert!(h.replies().is_empty());
         // A timeout resumes the paused request.
         let h = host();
-        let root = self::root(&h, "etcd", FailMode::Open);
+        let mut root = self::root(&h, "etcd", FailMode::Open);
         let mut timed_out = root.http_context(4);
-        post(&h, &mut timed_out);
+        let token = begin(&h, &mut root, &mut timed_out).expect("a callout");
         store_answers(&h, Some("504"), b"");
-        timed_out.on_http_call_response(last_token(&h), 0);
-        assert_eq!(resumed(&h), 1);
+        root.on_http_call_response(token, 0);
+        assert_eq!(h.0.calls.borrow().last(), Some(&Call::Resume { context: 4 }));
         assert_eq!((h.counter("store_bypassed"), h.counter("store_error")), (1, 0));
         assert!(h.replies().is_empty());
+    }
+
+    #[test]
+    fn a_claim_answered_after_the_client_left_is_released_at_once() {
+        let h = host();
+        let (mut root, ops) = root_with_ops(&h, "etcd", FailMode::Closed);
+        let mut http = root.http_context(2);
+        let token = begin(&h, &mut root, &mut http).expect("a callout");
+        http.on_log(); // the client went away while the request was paused
+        drop(http);
+        h.fail("set_effective_context", 2);
+        store_answers(&h, Some("200"), b"{}");
+        root.on_http_call_response(token, 2);
+        assert!(matches!(ops.borrow().last(), Some(StoreOp::Release(_))), "{:?}", ops.borrow());
+        root.on_http_call_response(last_token(&h), 2);
+        assert_eq!((h.counter("claimed"), h.counter("released")), (0, 1));
+        assert!(!h
+            .0
+            .calls
+            .borrow()
+            .iter()
+            .any(|c| matches!(c, Call::Resume { .. } | Call::SendResponse { .. })));
+    }
+
+    /// A stream whose `begin` was answered with a claim, its response headers in.
+    fn forwarded(h: &FakeHost, root: &mut Root<FakeHost>, id: u32, status: &str) -> Http<FakeHost> {
+        let mut http = root.http_context(id);
+        let token = begin(h, root, &mut http).expect("a callout");
+        store_answers(h, Some("200"), b"{}");
+        root.on_http_call_response(token, 2);
+        *h.0.response_headers.borrow_mut() = pairs(&[(":status", status)]);
+        h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
+        http
     }
 
     #[test]
     fn the_body_is_held_while_copied_and_each_frame_read_once() {
         let h = host();
         let (mut root, ops) = root_with_ops(&h, "etcd", FailMode::Closed);
-        let mut http = root.http_context(2);
-        h.0.effective.set(2);
-        post(&h, &mut http);
-        store_answers(&h, Some("200"), b"{}");
-        http.on_http_call_response(last_token(&h), 2);
-        *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201")]);
-        h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
+        let mut http = forwarded(&h, &mut root, 2, "201");
         // Envoy's buffer keeps held frames: each callback's size counts them all.
         *h.0.response_body.borrow_mut() = b"abcdef".to_vec();
         assert_eq!(http.on_response_headers(false), Verdict::Continue);
@@ -749,38 +792,25 @@ mod remote_tests {
     fn the_completion_is_dispatched_by_the_root_and_survives_the_end_of_its_stream() {
         let h = host();
         let mut root = root(&h, "etcd", FailMode::Closed);
-        let mut http = root.http_context(2);
-        h.0.effective.set(2);
-        post(&h, &mut http);
-        store_answers(&h, Some("200"), b"{}");
-        http.on_http_call_response(last_token(&h), 2);
-        *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201")]);
+        let mut http = forwarded(&h, &mut root, 2, "201");
         *h.0.response_body.borrow_mut() = b"{}".to_vec();
-        h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
         assert_eq!(http.on_response_headers(false), Verdict::Continue);
         // The end of the response waits for the record to be written.
         assert_eq!(http.on_response_body(2, true), Verdict::Pause);
         // Not dispatched by the stream: handed to the root, which is woken through its queue.
-        assert_eq!(h.dispatches().len(), 1);
-        h.0.effective.set(1); // the root's own callback
+        let dispatched = h.dispatches().len();
+        h.0.effective.set(1);
         root.on_queue_ready(0);
-        let Some(Call::Dispatch { context: 1, token, .. }) = h.dispatches().last().cloned() else {
-            panic!("{:?}", h.dispatches())
-        };
+        assert_eq!(h.dispatches().len(), dispatched + 1);
+        assert!(matches!(h.dispatches().last(), Some(Call::Dispatch { context: 1, .. })));
         assert_eq!(h.counter("stored"), 0);
-        root.on_http_call_response(token, 2);
+        root.on_http_call_response(last_token(&h), 2);
         assert_eq!(h.counter("stored"), 1);
         assert_eq!(h.0.calls.borrow().last(), Some(&Call::ResumeResponse { context: 2 }));
 
         // The stream is gone before the store answers (its client left): the root still
         // counts the outcome, and resumes nothing.
-        let mut gone = root.http_context(3);
-        *h.0.request_headers.borrow_mut() =
-            pairs(&[(":method", "POST"), (":path", "/orders"), ("idempotency-key", "k2")]);
-        gone.on_request_headers(false);
-        gone.on_request_body(2, true);
-        store_answers(&h, Some("200"), b"{}");
-        gone.on_http_call_response(last_token(&h), 2);
+        let mut gone = forwarded(&h, &mut root, 3, "201");
         gone.on_response_headers(false);
         assert_eq!(gone.on_response_body(2, true), Verdict::Pause);
         gone.on_log();
@@ -791,25 +821,28 @@ mod remote_tests {
         root.on_http_call_response(last_token(&h), 2);
         assert_eq!(h.counter("stored"), 2);
         assert_eq!(h.0.calls.borrow().len(), calls, "nothing resumed");
+    }
 
-        // Without a wake-up (no queue), the next tick starts it; a failed release is counted
-        // and the held response goes on all the same.
-        let h2 = host();
-        h2.fail("register_queue", 1);
-        let mut root2 = self::root(&h2, "etcd", FailMode::Closed);
-        let mut http2 = root2.http_context(2);
-        post(&h2, &mut http2);
-        store_answers(&h2, Some("200"), b"{}");
-        http2.on_http_call_response(last_token(&h2), 2);
-        *h2.0.response_headers.borrow_mut() = pairs(&[(":status", "500")]);
-        h2.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
-        assert_eq!(http2.on_response_headers(true), Verdict::Pause);
-        assert_eq!(h2.dispatches().len(), 1);
-        root2.on_tick();
-        assert_eq!(h2.dispatches().len(), 2);
-        store_answers(&h2, None, b"");
-        root2.on_http_call_response(last_token(&h2), 0);
-        assert_eq!(h2.counter("store_error"), 1);
-        assert!(matches!(h2.0.calls.borrow().last(), Some(Call::ResumeResponse { .. })));
+    #[test]
+    fn without_a_queue_the_tick_starts_what_streams_hand_over() {
+        let h = host();
+        h.fail("register_queue", 1);
+        let mut root = root(&h, "etcd", FailMode::Closed);
+        let mut http = root.http_context(2);
+        assert_eq!(post(&h, &mut http), Verdict::Pause);
+        assert!(h.dispatches().is_empty());
+        root.on_tick();
+        store_answers(&h, Some("200"), b"{}");
+        root.on_http_call_response(last_token(&h), 2);
+        assert_eq!(resumed(&h), 1);
+        // A failed release is counted, and the held response goes on all the same.
+        *h.0.response_headers.borrow_mut() = pairs(&[(":status", "500")]);
+        h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
+        assert_eq!(http.on_response_headers(true), Verdict::Pause);
+        root.on_tick();
+        store_answers(&h, None, b"");
+        root.on_http_call_response(last_token(&h), 0);
+        assert_eq!(h.counter("store_error"), 1);
+        assert!(matches!(h.0.calls.borrow().last(), Some(Call::ResumeResponse { .. })));
     }
 }

@@ -2,14 +2,13 @@
 //! is `flow::RequestFlow`'s; what remains here is which host call carries out which step, and
 //! how a failed host call is reported.
 
-use super::plugin::{PluginState, Store, WaitHandle};
-use super::remote::{self, Answer, Conversation, Next, Outcome, RemoteStore};
+use super::plugin::{FlowHandle, PluginState, Store, WaitHandle};
 use super::{
     Host, HostError, BUFFER_REQUEST_BODY, BUFFER_RESPONSE_BODY, MAP_REQUEST_HEADERS, MAP_RESPONSE_HEADERS,
 };
 use crate::engine::HeaderFix;
-use crate::flow::{FailMode, Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict};
-use crate::store::{StoreAnswer, StoreError, StoreOp};
+use crate::flow::{Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict};
+use crate::store::StoreOp;
 use crate::wait::Waiter;
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -71,9 +70,9 @@ pub struct Http<H: Host> {
     flow: RequestFlow,
     /// Set while the request is held in the wait room: where the root leaves word.
     wait_handle: Option<WaitHandle>,
-    /// The remote store's `begin` in progress: the token of its callout and the conversation
-    /// its answer goes to. The request stays paused meanwhile.
-    call: Option<(u32, Box<dyn Conversation>)>,
+    /// Set while the root carries out this request's `begin` on the remote store (the request
+    /// is paused and its flow is with the root): where the root gives the flow back.
+    flow_handle: Option<FlowHandle>,
     /// Set during a response callback: a settlement handed to the root holds the response.
     hold_response: bool,
     /// Bytes of the response body held in Envoy's buffer (remote store, while capturing).
@@ -87,7 +86,7 @@ impl<H: Host> Http<H> {
             plugin,
             flow: RequestFlow::new(context_id),
             wait_handle: None,
-            call: None,
+            flow_handle: None,
             hold_response: false,
             response_held: 0,
         }
@@ -104,6 +103,10 @@ impl<H: Host> Http<H> {
         if let Some(resumed) = self.wait_handle.as_ref().and_then(|h| h.take()) {
             self.wait_handle = None;
             self.flow.resumed(resumed);
+        }
+        if let Some(flow) = self.flow_handle.as_ref().and_then(|h| h.borrow_mut().take()) {
+            self.flow_handle = None;
+            self.flow = flow;
         }
         let mut facts =
             Facts { plugin: &plugin, context_id: self.context_id, response_start: self.response_held };
@@ -153,82 +156,6 @@ impl<H: Host> Http<H> {
         self.callback(false, |flow, _, facts| flow.stream_ended(facts));
     }
 
-    /// The answer to a callout this context dispatched (the remote store's `begin`). A token
-    /// that is not the one awaited (a late answer after the request was answered) is ignored.
-    pub fn on_http_call_response(&mut self, token: u32, body_size: usize) {
-        let Some(plugin) = self.plugin.clone() else { return };
-        let Store::Remote(store) = &plugin.store else { return };
-        let Some((awaited, conversation)) = self.call.take() else {
-            log::debug!("#{} ignored a callout answer nobody was waiting for", self.context_id);
-            return;
-        };
-        if awaited != token {
-            log::debug!("#{} ignored the answer to callout {token}", self.context_id);
-            self.call = Some((awaited, conversation));
-            return;
-        }
-        let out = match remote::read_answer(&plugin.host, body_size) {
-            Outcome::TimedOut => Some(self.store_failed(&plugin, store.as_ref(), StoreError::TimedOut)),
-            Outcome::Answered(answer) => self.converse(&plugin, store.as_ref(), conversation, Some(answer)),
-        };
-        if let Some(out) = out {
-            if self.perform(&plugin, out) == Verdict::Continue {
-                if let Err(HostError(s)) = plugin.host.resume_request() {
-                    log::warn!("#{} could not resume the request (host status {s})", self.context_id);
-                }
-            }
-        }
-    }
-
-    /// Takes a conversation with the remote store one step: a callout (the request stays
-    /// paused; no output yet) or the store's answer for the flow.
-    fn converse(
-        &mut self,
-        plugin: &PluginState<H>,
-        store: &dyn RemoteStore,
-        mut conversation: Box<dyn Conversation>,
-        answer: Option<Answer>,
-    ) -> Option<Output> {
-        match conversation.step(answer, plugin.host.now_ms()) {
-            Next::Call(request) => match remote::dispatch(&plugin.host, store.settings(), &request) {
-                Ok(token) => {
-                    self.call = Some((token, conversation));
-                    None
-                }
-                Err(HostError(s)) => {
-                    log::warn!(
-                        "#{} callout to cluster {} refused (host status {s})",
-                        self.context_id,
-                        store.settings().cluster
-                    );
-                    let error = StoreError::Unavailable(format!("callout refused (host status {s})"));
-                    Some(self.store_failed(plugin, store, error))
-                }
-            },
-            Next::Done(StoreAnswer::Begun(Err(
-                error @ (StoreError::Unavailable(_) | StoreError::TimedOut),
-            ))) => Some(self.store_failed(plugin, store, error)),
-            Next::Done(answer) => Some(self.flow.store_answered(&plugin.config, answer)),
-        }
-    }
-
-    /// The remote store could not be used: the store's fail mode decides (a fail-open bypass is
-    /// logged at most once a second per worker; it is counted every time).
-    fn store_failed(
-        &mut self,
-        plugin: &PluginState<H>,
-        store: &dyn RemoteStore,
-        error: StoreError,
-    ) -> Output {
-        let mode = store.settings().on_error;
-        if mode == FailMode::Open && plugin.bypass_log_due(plugin.host.now_ms()) {
-            log::warn!(
-                "idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)"
-            );
-        }
-        self.flow.store_failed(&plugin.config, error, mode)
-    }
-
     /// Carries out the steps in order. The local store answers at once, so a store step's answer
     /// goes straight back to the flow, and the verdict is the flow's last word.
     fn perform(&mut self, plugin: &PluginState<H>, out: Output) -> Verdict {
@@ -253,9 +180,13 @@ impl<H: Host> Http<H> {
                 Step::Store(op) => match &plugin.store {
                     Store::Local(_) => Some(self.flow.store_answered(&plugin.config, plugin.perform(&op))),
                     Store::Remote(store) => match op {
+                        // Carried out by the root, which answers or resumes the request; the flow
+                        // goes with it and comes back at the next callback.
                         StoreOp::Begin(_) => {
-                            let conversation = store.start(op);
-                            self.converse(plugin, store.as_ref(), conversation, None)
+                            let flow = std::mem::replace(&mut self.flow, RequestFlow::new(self.context_id));
+                            let handle = plugin.begin_from_root(store.as_ref(), op, self.context_id, flow);
+                            self.flow_handle = Some(handle);
+                            None
                         }
                         // Settled by the root: the stream may end before the store answers. In a
                         // response callback the response waits for it (the root resumes it).

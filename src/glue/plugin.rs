@@ -6,7 +6,7 @@ use super::etcd::EtcdRemote;
 use super::remote::{Conversation, RemoteStore};
 use super::{Host, BUFFER_PLUGIN_CONFIGURATION};
 use crate::config::{self, Config, StoreConfig};
-use crate::flow::{Resumed, Settlement};
+use crate::flow::{RequestFlow, Resumed, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::store::etcd::EtcdStore;
@@ -77,13 +77,36 @@ pub struct RootSettlement {
     pub holds_response: bool,
 }
 
-/// What a worker's root is settling on behalf of its streams.
+/// Where the root gives a request's flow back once its `begin` is answered; the stream takes
+/// it at its next callback.
+pub type FlowHandle = Rc<RefCell<Option<RequestFlow>>>;
+
+/// A `begin` the root carries out for a paused request: the request's flow travels with it,
+/// and the root answers or resumes the request (or, if its stream is gone by then, gives back
+/// the claim it got).
+pub struct RootBegin {
+    pub context_id: u32,
+    pub conversation: Box<dyn Conversation>,
+    pub flow: RequestFlow,
+    pub handle: FlowHandle,
+}
+
+/// One store operation the root carries out on behalf of a stream.
+pub enum RootCall {
+    /// Boxed: a flow is much larger than a settlement.
+    Begin(Box<RootBegin>),
+    Settle(RootSettlement),
+}
+
+/// What a worker's root is doing with the remote store on behalf of its streams. The root
+/// dispatches every callout: the SDK delivers an answer to the context that dispatched it and
+/// drops it once that context is gone, and a stream's context may go at any time.
 #[derive(Default)]
 pub struct Settlements {
     /// Handed over, not yet started (the root starts them in its next callback).
-    pub queued: Vec<RootSettlement>,
+    pub queued: Vec<RootCall>,
     /// Waiting for the answer to the callout with this token.
-    pub in_flight: HashMap<u32, RootSettlement>,
+    pub in_flight: HashMap<u32, RootCall>,
 }
 
 /// The message a stream leaves on its own worker's wake queue so that the root runs at once
@@ -224,10 +247,9 @@ impl<H: Host> PluginState<H> {
         }
     }
 
-    /// Hands a settlement to this worker's root, which outlives the stream (a callout is
-    /// cancelled with the context that owns it, and a response's end is exactly when streams
-    /// end). The root runs it from its own callback: at once through its queue, else at its
-    /// next tick.
+    /// Hands a settlement to this worker's root, which outlives the stream (the answer to a
+    /// callout goes to the context that dispatched it, and a response's end is exactly when
+    /// streams end).
     pub fn settle_from_root(
         &self,
         remote: &dyn RemoteStore,
@@ -236,11 +258,32 @@ impl<H: Host> PluginState<H> {
         holds_response: bool,
     ) {
         let conversation = remote.start(op);
-        self.settlements.borrow_mut().queued.push(RootSettlement {
+        self.to_root(RootCall::Settle(RootSettlement { conversation, settlement, holds_response }));
+    }
+
+    /// Hands a paused request's `begin` (and its flow) to this worker's root.
+    pub fn begin_from_root(
+        &self,
+        remote: &dyn RemoteStore,
+        op: StoreOp,
+        context_id: u32,
+        flow: RequestFlow,
+    ) -> FlowHandle {
+        let handle: FlowHandle = Rc::new(RefCell::new(None));
+        let conversation = remote.start(op);
+        self.to_root(RootCall::Begin(Box::new(RootBegin {
+            context_id,
             conversation,
-            settlement,
-            holds_response,
-        });
+            flow,
+            handle: Rc::clone(&handle),
+        })));
+        handle
+    }
+
+    /// The root runs what it is handed from its own callback: at once through its queue, else
+    /// at its next tick.
+    fn to_root(&self, call: RootCall) {
+        self.settlements.borrow_mut().queued.push(call);
         if let Some(queue) = self.queue_id {
             if let Err(e) = self.host.enqueue(queue, SETTLE_NOW) {
                 log::debug!("cannot wake the root (host status {}); it settles at its next tick", e.0);

@@ -2,10 +2,10 @@
 //! per plugin per thread (main and each worker).
 
 use super::http::Http;
-use super::plugin::{PluginState, RootSettlement, Store, WaitHandle};
+use super::plugin::{PluginState, RootBegin, RootCall, RootSettlement, Store, WaitHandle};
 use super::remote::{self, Answer, Next, Outcome, RemoteStore};
 use super::{log_filter, Host, HostError};
-use crate::flow::{settlement_steps, waiter_plan, Step, WaiterPlan};
+use crate::flow::{settlement_steps, waiter_plan, FailMode, Output, Step, Verdict, WaiterPlan};
 use crate::identity::scope::ScopeId;
 use crate::store::{RecordStore, Settled, StoreAnswer, StoreError};
 use crate::wait::{self, Waiter};
@@ -113,7 +113,8 @@ impl<H: Host> Root<H> {
         }
     }
 
-    /// The answer to a callout the root dispatched: the next step of a settlement.
+    /// The answer to a callout the root dispatched: the next step of a stream's `begin` or of a
+    /// settlement.
     pub fn on_http_call_response(&mut self, token: u32, body_size: usize) {
         let Some(plugin) = self.plugin.clone() else { return };
         let Store::Remote(store) = &plugin.store else { return };
@@ -122,9 +123,17 @@ impl<H: Host> Root<H> {
             log::debug!("root ignored the answer to callout {token}");
             return;
         };
-        match remote::read_answer(&plugin.host, body_size) {
-            Outcome::TimedOut => finish_settlement(&plugin, call, Err(StoreError::TimedOut)),
-            Outcome::Answered(answer) => converse(&plugin, store.as_ref(), call, Some(answer)),
+        let answer = match remote::read_answer(&plugin.host, body_size) {
+            Outcome::TimedOut => Err(StoreError::TimedOut),
+            Outcome::Answered(answer) => Ok(answer),
+        };
+        match (call, answer) {
+            (RootCall::Begin(begin), Ok(answer)) => {
+                converse_begin(&plugin, store.as_ref(), begin, Some(answer))
+            }
+            (RootCall::Begin(begin), Err(error)) => begin_failed(&plugin, store.as_ref(), begin, error),
+            (RootCall::Settle(settle), Ok(answer)) => converse(&plugin, store.as_ref(), settle, Some(answer)),
+            (RootCall::Settle(settle), Err(error)) => finish_settlement(&plugin, settle, Err(error)),
         }
     }
 
@@ -169,13 +178,122 @@ fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>) {
     }
 }
 
-/// Starts the settlements streams handed over since the root last ran; from here on the root
-/// owns their callouts, so they go on after their streams end.
+/// Starts what streams handed over since the root last ran; from here on the root owns their
+/// callouts, so their answers come whether or not the stream is still there.
 fn start_settlements<H: Host>(plugin: &PluginState<H>) {
     let Store::Remote(store) = &plugin.store else { return };
     let queued = std::mem::take(&mut plugin.settlements.borrow_mut().queued);
     for call in queued {
-        converse(plugin, store.as_ref(), call, None);
+        match call {
+            RootCall::Begin(begin) => converse_begin(plugin, store.as_ref(), begin, None),
+            RootCall::Settle(settle) => converse(plugin, store.as_ref(), settle, None),
+        }
+    }
+}
+
+/// Takes a paused request's `begin` one step: its next callout, or the answer for its flow.
+fn converse_begin<H: Host>(
+    plugin: &PluginState<H>,
+    store: &dyn RemoteStore,
+    mut begin: Box<RootBegin>,
+    answer: Option<Answer>,
+) {
+    match begin.conversation.step(answer, plugin.host.now_ms()) {
+        Next::Call(request) => match remote::dispatch(&plugin.host, store.settings(), &request) {
+            Ok(token) => {
+                plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Begin(begin));
+            }
+            Err(HostError(s)) => {
+                log::warn!(
+                    "#{} callout to cluster {} refused (host status {s})",
+                    begin.context_id,
+                    store.settings().cluster
+                );
+                let error = StoreError::Unavailable(format!("callout refused (host status {s})"));
+                begin_failed(plugin, store, begin, error);
+            }
+        },
+        Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
+            begin_failed(plugin, store, begin, error)
+        }
+        Next::Done(answer) => {
+            if plugin.host.set_effective_context(begin.context_id).is_err() {
+                // The client went away while the store answered: nobody will forward the
+                // request, so a claim it got is given back now instead of blocking retries
+                // until its lease ends.
+                if let Some((op, settlement)) = begin.flow.answered_without_stream(&answer) {
+                    let conversation = store.start(op);
+                    let settle = RootSettlement { conversation, settlement, holds_response: false };
+                    converse(plugin, store, settle, None);
+                }
+                return;
+            }
+            let out = begin.flow.store_answered(&plugin.config, answer);
+            carry_out(plugin, begin, out);
+        }
+    }
+}
+
+/// The store could not be used for a paused request's `begin`: the store's fail mode decides
+/// (a fail-open bypass is logged at most once a second per worker; it is counted every time).
+fn begin_failed<H: Host>(
+    plugin: &PluginState<H>,
+    store: &dyn RemoteStore,
+    mut begin: Box<RootBegin>,
+    error: StoreError,
+) {
+    if plugin.host.set_effective_context(begin.context_id).is_err() {
+        return; // its client went away, and no claim is known to exist
+    }
+    let mode = store.settings().on_error;
+    if mode == FailMode::Open && plugin.bypass_log_due(plugin.host.now_ms()) {
+        log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
+    }
+    let out = begin.flow.store_failed(&plugin.config, error, mode);
+    carry_out(plugin, begin, out);
+}
+
+/// Carries out what the flow decided for its paused request (the effective context is the
+/// request's), then gives the flow back to its stream.
+fn carry_out<H: Host>(plugin: &PluginState<H>, begin: Box<RootBegin>, out: Output) {
+    let host = &plugin.host;
+    for step in out.steps {
+        match step {
+            Step::Count(counter) => plugin.count(counter),
+            Step::Reply { reply, details } => {
+                if let Err(HostError(s)) =
+                    host.send_response(reply.status, details, &reply.headers, &reply.body)
+                {
+                    log::warn!("#{} could not send the local reply (host status {s})", begin.context_id);
+                }
+            }
+            // What an answer to `begin` leads to is counted and replied; wait mode (Park) is
+            // refused with a remote store by the configuration.
+            other => log::warn!(
+                "#{} unexpected step after a remote begin: {}",
+                begin.context_id,
+                step_name(&other)
+            ),
+        }
+    }
+    *begin.handle.borrow_mut() = Some(begin.flow);
+    if out.verdict == Verdict::Continue {
+        if let Err(HostError(s)) = host.resume_request() {
+            log::warn!("#{} could not resume the request (host status {s})", begin.context_id);
+        }
+    }
+}
+
+fn step_name(step: &Step) -> &'static str {
+    match step {
+        Step::Count(_) => "count",
+        Step::Reply { .. } => "reply",
+        Step::Store(_) => "store",
+        Step::Park(_) => "park",
+        Step::Wake(_) => "wake",
+        Step::FixHeaders(_) => "fix headers",
+        Step::LeaveWaitRoom => "leave wait room",
+        Step::WarnRetried { .. } => "warn retried",
     }
 }
 
@@ -189,7 +307,7 @@ fn converse<H: Host>(
     match call.conversation.step(answer, plugin.host.now_ms()) {
         Next::Call(request) => match remote::dispatch(&plugin.host, store.settings(), &request) {
             Ok(token) => {
-                plugin.settlements.borrow_mut().in_flight.insert(token, call);
+                plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Settle(call));
             }
             Err(HostError(s)) => {
                 let error = StoreError::Unavailable(format!("callout refused (host status {s})"));

@@ -69,17 +69,8 @@ impl RootContext for SdkRoot {
 
 struct SdkHttp(Http<AbiHost>);
 
-impl Context for SdkHttp {
-    fn on_http_call_response(
-        &mut self,
-        token_id: u32,
-        _num_headers: usize,
-        body_size: usize,
-        _num_trailers: usize,
-    ) {
-        self.0.on_http_call_response(token_id, body_size)
-    }
-}
+// Streams dispatch no callouts (the root does, see glue/root.rs), so none is answered here.
+impl Context for SdkHttp {}
 
 impl HttpContext for SdkHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {

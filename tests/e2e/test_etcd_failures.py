@@ -114,3 +114,28 @@ def test_etcd_slower_than_the_timeout_is_503_and_leaves_no_lasting_claim(
     finally:
         slow.stop()
         delay.close()
+
+
+def test_a_claim_answered_after_the_client_left_is_released_at_once(
+        envoy_bin, filter_wasm, upstream, etcd):
+    """The client goes away while its claim is on its way to etcd (answers delayed, within
+    the timeout): the root gets the claim for a stream that is gone and gives it back, so a
+    retry executes at once instead of getting 409 until the lease ends."""
+    delay = harness.DelayProxy(etcd.client_port, delay=0.0)
+    slow = proxy(envoy_bin, filter_wasm, upstream, delay.port, "fail_closed", "gone",
+                 prefix="/e2e-gone/")
+    try:
+        assert slow.post("/orders", BODY, key_headers(new_key())).status == 201
+        released = slow.idem("released")
+        delay.delay = 0.12
+        key = new_key()
+        data = harness.build_request("POST", "/orders", key_headers(key), BODY)
+        harness.send_and_disconnect(slow.port, data)
+        slow.wait_counter("released", released + 1)
+        delay.delay = 0.0
+        retry = slow.post("/orders", BODY, key_headers(key))
+        assert retry.status == 201 and not retry.replayed, retry
+        assert upstream.executions(key) == 1
+    finally:
+        slow.stop()
+        delay.close()

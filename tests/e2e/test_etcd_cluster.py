@@ -41,6 +41,7 @@ def envoy(envoy_bin, filter_wasm, upstream, cluster):
 
 def test_losing_the_leader_under_load_executes_no_key_twice_and_recovers(envoy, upstream, cluster):
     outcomes: dict[str, list[int]] = {}
+    refused_at: list[float] = []  # when a 503 came
     lock = threading.Lock()
     stop = threading.Event()
 
@@ -54,6 +55,8 @@ def test_losing_the_leader_under_load_executes_no_key_twice_and_recovers(envoy, 
                 statuses.append(resp.status)
                 if resp.status != 503:
                     break
+                with lock:
+                    refused_at.append(time.monotonic())
                 time.sleep(0.1)
             with lock:
                 outcomes[key] = statuses
@@ -87,5 +90,6 @@ def test_losing_the_leader_under_load_executes_no_key_twice_and_recovers(envoy, 
         return first.status == 201 and envoy.post("/orders", BODY, key_headers(key)).replayed
 
     harness.wait_until(works, 15, interval=0.2, what="the store after the election")
-    print("leader %s killed; recovered %.1f s later; %d keys, statuses seen %s" % (
-        leader.name, time.monotonic() - killed_at, len(outcomes), sorted(seen)))
+    after = [t - killed_at for t in refused_at if t >= killed_at]
+    print("leader %s killed: %d keys, statuses %s, %d 503s after the kill, the last %.2f s after it"
+          % (leader.name, len(outcomes), sorted(seen), len(after), max(after, default=0.0)))

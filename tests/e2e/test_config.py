@@ -114,8 +114,17 @@ def test_bad_config_fails_to_start(envoy_bin, filter_wasm, case):
         proxy.stop()
 
 
-def test_shipped_envoy_yaml_validates(envoy_bin, filter_wasm, tmp_path):
-    text = (harness.REPO_ROOT / "envoy" / "envoy.yaml").read_text()
+SHIPPED_CONFIGS = sorted(p.name for p in (harness.REPO_ROOT / "envoy").glob("*.yaml"))
+
+
+def test_every_config_is_tested():
+    # A shipped config that the test below does not see would go stale unnoticed.
+    assert {"envoy.yaml", "envoy-etcd.yaml"} <= set(SHIPPED_CONFIGS), SHIPPED_CONFIGS
+
+
+@pytest.mark.parametrize("name", SHIPPED_CONFIGS)
+def test_shipped_envoy_yaml_validates(envoy_bin, filter_wasm, tmp_path, name):
+    text = (harness.REPO_ROOT / "envoy" / name).read_text()
     assert "dist/idempotency_filter.wasm" in text
     cfg = tmp_path / "envoy.yaml"
     cfg.write_text(text.replace("dist/idempotency_filter.wasm", str(filter_wasm)))

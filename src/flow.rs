@@ -120,8 +120,15 @@ impl ParkPlan {
 /// How a held request was resolved by its root (read once by its stream).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Resumed {
-    Forwarded { claim: Claim, rule: Rc<Rule> },
-    Answered { replay_shape: Option<ReplayShape> },
+    Forwarded {
+        claim: Claim,
+        rule: Rc<Rule>,
+    },
+    Answered {
+        replay_shape: Option<ReplayShape>,
+    },
+    /// The store failed during its recheck and the fail mode is open: forwarded unprotected.
+    Bypassed,
 }
 
 /// What the root does for a waiter it looked at again.
@@ -134,6 +141,18 @@ pub enum WaiterPlan {
     Resume { counter: Counter, resumed: Resumed, release: StoreOp },
     /// Answer it (replay, problem, or 409 after its wait timeout): count, leave word, reply.
     Answer { counter: Counter, resumed: Resumed, reply: Reply, details: &'static str },
+    /// The store failed during its recheck, fail_open: count, leave word, resume it without a
+    /// claim.
+    Bypass { counter: Counter, resumed: Resumed },
+}
+
+/// What a waiter gets when the store failed during its recheck: the fail mode decides, as for a
+/// request's own `begin` (fail_closed: 503 store-unavailable; fail_open: forward unprotected).
+pub fn waiter_failed(recheck_failed: Recheck, mode: FailMode, rule: &Rc<Rule>) -> WaiterPlan {
+    match mode {
+        FailMode::Open => WaiterPlan::Bypass { counter: Counter::StoreBypassed, resumed: Resumed::Bypassed },
+        FailMode::Closed => waiter_plan(recheck_failed, rule),
+    }
 }
 
 /// What a woken waiter's recheck means for the root.
@@ -544,6 +563,7 @@ impl RequestFlow {
                 self.phase = Phase::Forwarded { claim, rule };
             }
             Resumed::Answered { replay_shape } => self.phase = Phase::Answered { replay_shape },
+            Resumed::Bypassed => self.phase = Phase::Idle,
         }
     }
 

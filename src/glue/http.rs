@@ -9,8 +9,6 @@ use super::{
 use crate::engine::HeaderFix;
 use crate::flow::{Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict};
 use crate::store::StoreOp;
-use crate::wait::Waiter;
-use std::cell::Cell;
 use std::collections::VecDeque;
 use std::rc::Rc;
 
@@ -100,13 +98,17 @@ impl<H: Host> Http<H> {
         event: impl FnOnce(&mut RequestFlow, &PluginState<H>, &mut Facts<H>) -> Output,
     ) -> Verdict {
         let Some(plugin) = self.plugin.clone() else { return Verdict::Continue };
+        // The flow first: a remote `begin` may have parked it, and its wait handle comes with it.
+        if let Some((flow, wait_handle)) = self.flow_handle.as_ref().and_then(|h| h.borrow_mut().take()) {
+            self.flow_handle = None;
+            self.flow = flow;
+            if wait_handle.is_some() {
+                self.wait_handle = wait_handle;
+            }
+        }
         if let Some(resumed) = self.wait_handle.as_ref().and_then(|h| h.take()) {
             self.wait_handle = None;
             self.flow.resumed(resumed);
-        }
-        if let Some(flow) = self.flow_handle.as_ref().and_then(|h| h.borrow_mut().take()) {
-            self.flow_handle = None;
-            self.flow = flow;
         }
         let mut facts =
             Facts { plugin: &plugin, context_id: self.context_id, response_start: self.response_held };
@@ -203,17 +205,7 @@ impl<H: Host> Http<H> {
                     },
                 },
                 Step::Park(plan) => {
-                    let handle: WaitHandle = Rc::new(Cell::new(None));
-                    let recheck_at_ms = plan.recheck_at_ms(plugin.ensure_advertised(plan.now_ms));
-                    let waiter = Waiter {
-                        context_id: self.context_id,
-                        pending: plan.pending,
-                        fingerprint: plan.fingerprint,
-                        give_up_at_ms: plan.give_up_at_ms,
-                        recheck_at_ms,
-                        handle: Rc::clone(&handle),
-                    };
-                    let admitted = plugin.room.borrow_mut().park(waiter);
+                    let (admitted, handle) = plugin.park(self.context_id, plan);
                     if admitted.is_ok() {
                         self.wait_handle = Some(handle);
                     }

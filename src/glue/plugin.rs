@@ -5,15 +5,15 @@
 use super::etcd::EtcdRemote;
 use super::remote::{Conversation, RemoteStore};
 use super::{Host, BUFFER_PLUGIN_CONFIGURATION};
-use crate::config::{self, Config, StoreConfig};
-use crate::flow::{RequestFlow, Resumed, Settlement};
+use crate::config::{self, Config, Rule, StoreConfig};
+use crate::flow::{ParkPlan, RequestFlow, Resumed, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::store::etcd::EtcdStore;
 use crate::store::local::LocalStore;
 use crate::store::{StoreAnswer, StoreError, StoreOp};
 use crate::wait::wake::{self, Registry};
-use crate::wait::WaitRoom;
+use crate::wait::{self, Refused, WaitRoom, Waiter};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -79,7 +79,8 @@ pub struct RootSettlement {
 
 /// Where the root gives a request's flow back once its `begin` is answered; the stream takes
 /// it at its next callback.
-pub type FlowHandle = Rc<RefCell<Option<RequestFlow>>>;
+/// If the answer parked the request (wait mode), the wait handle comes back with it.
+pub type FlowHandle = Rc<RefCell<Option<(RequestFlow, Option<WaitHandle>)>>>;
 
 /// A `begin` the root carries out for a paused request: the request's flow travels with it,
 /// and the root answers or resumes the request (or, if its stream is gone by then, gives back
@@ -91,11 +92,21 @@ pub struct RootBegin {
     pub handle: FlowHandle,
 }
 
+/// A held request's look at its record in a remote store (a `begin`); the waiter stays in the
+/// wait room meanwhile, marked as being checked.
+pub struct RootRecheck {
+    pub context_id: u32,
+    /// Its waiter's rule, to release a claim it got after its client left.
+    pub rule: Rc<Rule>,
+    pub conversation: Box<dyn Conversation>,
+}
+
 /// One store operation the root carries out on behalf of a stream.
 pub enum RootCall {
     /// Boxed: a flow is much larger than a settlement.
     Begin(Box<RootBegin>),
     Settle(RootSettlement),
+    Recheck(RootRecheck),
 }
 
 /// What a worker's root is doing with the remote store on behalf of its streams. The root
@@ -245,6 +256,39 @@ impl<H: Host> PluginState<H> {
                 }
             }
         }
+    }
+
+    /// Holds a request in the wait room as its flow planned. A waiter on a remote store polls
+    /// it (its original may run on another Envoy, whose wake-ups never come here): first after
+    /// `POLL_FIRST_MS`, doubling; on the local store it relies on wake-ups and the 1 s fallback.
+    pub fn park(&self, context_id: u32, plan: ParkPlan) -> (Result<(), Refused>, WaitHandle) {
+        let handle: WaitHandle = Rc::new(Cell::new(None));
+        let just_advertised = self.ensure_advertised(plan.now_ms);
+        let (recheck_at_ms, poll_ms) = match &self.store {
+            Store::Remote(_) if !just_advertised => (
+                wait::poll_recheck(
+                    plan.now_ms,
+                    wait::POLL_FIRST_MS,
+                    plan.lease_remaining_ms,
+                    plan.give_up_at_ms,
+                ),
+                wait::POLL_FIRST_MS,
+            ),
+            Store::Remote(_) => (plan.recheck_at_ms(true), wait::POLL_FIRST_MS),
+            Store::Local(_) => (plan.recheck_at_ms(just_advertised), 0),
+        };
+        let waiter = Waiter {
+            context_id,
+            pending: plan.pending,
+            fingerprint: plan.fingerprint,
+            give_up_at_ms: plan.give_up_at_ms,
+            recheck_at_ms,
+            handle: Rc::clone(&handle),
+            poll_ms,
+            checking: false,
+            woken: false,
+        };
+        (self.room.borrow_mut().park(waiter), handle)
     }
 
     /// Hands a settlement to this worker's root, which outlives the stream (the answer to a

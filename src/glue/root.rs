@@ -2,12 +2,15 @@
 //! per plugin per thread (main and each worker).
 
 use super::http::Http;
-use super::plugin::{PluginState, RootBegin, RootCall, RootSettlement, Store, WaitHandle};
+use super::plugin::{PluginState, RootBegin, RootCall, RootRecheck, RootSettlement, Store, WaitHandle};
 use super::remote::{self, Answer, Next, Outcome, RemoteStore};
 use super::{log_filter, Host, HostError};
-use crate::flow::{settlement_steps, waiter_plan, FailMode, Output, Step, Verdict, WaiterPlan};
+use crate::flow::{
+    settlement_steps, waiter_failed, waiter_plan, FailMode, Output, Settlement, Step, Verdict, WaiterPlan,
+};
 use crate::identity::scope::ScopeId;
-use crate::store::{RecordStore, Settled, StoreAnswer, StoreError};
+use crate::metrics::Counter;
+use crate::store::{Begin, RecordStore, Settled, StoreAnswer, StoreError, StoreOp};
 use crate::wait::{self, Waiter};
 use std::rc::Rc;
 
@@ -134,6 +137,10 @@ impl<H: Host> Root<H> {
             (RootCall::Begin(begin), Err(error)) => begin_failed(&plugin, store.as_ref(), begin, error),
             (RootCall::Settle(settle), Ok(answer)) => converse(&plugin, store.as_ref(), settle, Some(answer)),
             (RootCall::Settle(settle), Err(error)) => finish_settlement(&plugin, settle, Err(error)),
+            (RootCall::Recheck(check), Ok(answer)) => {
+                converse_recheck(&plugin, store.as_ref(), check, Some(answer))
+            }
+            (RootCall::Recheck(check), Err(error)) => recheck_failed(&plugin, store.as_ref(), check, error),
         }
     }
 
@@ -142,19 +149,43 @@ impl<H: Host> Root<H> {
     }
 }
 
-/// Looks at a waiter's record again and answers, forwards or re-parks it.
+/// Looks at a waiter's record again and answers, forwards or re-parks it. The local store
+/// answers at once; a remote store's answer comes in callouts, the waiter held meanwhile.
 fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>) {
     let host = &plugin.host;
-    if host.set_effective_context(w.context_id).is_err() {
-        return; // its client went away; nothing is held for it
-    }
     let now_ms = host.now_ms();
     let owner = plugin.owner_token(w.context_id, now_ms);
     let op = wait::recheck_op(&plugin.config, &w, now_ms, owner);
+    if let Store::Remote(store) = &plugin.store {
+        let check = RootRecheck {
+            context_id: w.context_id,
+            rule: Rc::clone(&w.pending.rule),
+            conversation: store.start(op),
+        };
+        plugin.room.borrow_mut().start_check(w);
+        converse_recheck(plugin, store.as_ref(), check, None);
+        return;
+    }
+    if host.set_effective_context(w.context_id).is_err() {
+        return; // its client went away; nothing is held for it
+    }
     let checked = wait::recheck_answered(&plugin.config, &w, plugin.perform(&op), now_ms);
-    match waiter_plan(checked, &w.pending.rule) {
+    let plan = waiter_plan(checked, &w.pending.rule);
+    resolve_waiter(plugin, None, w, plan);
+}
+
+/// Carries out what a recheck decided for its waiter (the effective context is the waiter's).
+fn resolve_waiter<H: Host>(
+    plugin: &PluginState<H>,
+    remote: Option<&dyn RemoteStore>,
+    w: Waiter<WaitHandle>,
+    plan: WaiterPlan,
+) {
+    let host = &plugin.host;
+    match plan {
         WaiterPlan::Repark { recheck_at_ms } => {
-            plugin.room.borrow_mut().repark(Waiter { recheck_at_ms, ..w })
+            let poll_ms = if w.poll_ms > 0 { wait::next_poll(w.poll_ms) } else { 0 };
+            plugin.room.borrow_mut().repark(Waiter { recheck_at_ms, poll_ms, woken: false, ..w })
         }
         WaiterPlan::Resume { counter, resumed, release } => {
             plugin.count(counter);
@@ -164,7 +195,12 @@ fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>) {
                     "#{} could not resume a held request (host status {s}); releasing its claim",
                     w.context_id
                 );
-                let _ = plugin.perform(&release);
+                match remote {
+                    Some(store) => release_unused(plugin, store, w.context_id, &w.pending.rule, release),
+                    None => {
+                        let _ = plugin.perform(&release);
+                    }
+                }
             }
         }
         WaiterPlan::Answer { counter, resumed, reply, details } => {
@@ -175,7 +211,96 @@ fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>) {
                 log::warn!("#{} could not answer a held request (host status {s})", w.context_id);
             }
         }
+        WaiterPlan::Bypass { counter, resumed } => {
+            plugin.count(counter);
+            w.handle.set(Some(resumed));
+            if let Err(HostError(s)) = host.resume_request() {
+                log::warn!("#{} could not resume a held request (host status {s})", w.context_id);
+            }
+        }
     }
+}
+
+/// Gives back a claim nobody will use (its request is gone or could not be resumed), through
+/// the remote store, counted as released when answered.
+fn release_unused<H: Host>(
+    plugin: &PluginState<H>,
+    store: &dyn RemoteStore,
+    context_id: u32,
+    rule: &Rc<crate::config::Rule>,
+    release: StoreOp,
+) {
+    let StoreOp::Release(claim) = release else { return };
+    let settlement = Settlement { context_id, claim, rule: Rc::clone(rule), done: Counter::Released };
+    let settle = RootSettlement { conversation: store.start(release), settlement, holds_response: false };
+    converse(plugin, store, settle, None);
+}
+
+/// Takes a waiter's recheck one step: its next callout, or what the answer means for it.
+fn converse_recheck<H: Host>(
+    plugin: &PluginState<H>,
+    store: &dyn RemoteStore,
+    mut check: RootRecheck,
+    answer: Option<Answer>,
+) {
+    match check.conversation.step(answer, plugin.host.now_ms()) {
+        Next::Call(request) => match remote::dispatch(&plugin.host, store.settings(), &request) {
+            Ok(token) => {
+                plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Recheck(check));
+            }
+            Err(HostError(s)) => {
+                log::warn!(
+                    "#{} callout to cluster {} refused (host status {s})",
+                    check.context_id,
+                    store.settings().cluster
+                );
+                let error = StoreError::Unavailable(format!("callout refused (host status {s})"));
+                recheck_failed(plugin, store, check, error);
+            }
+        },
+        Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
+            recheck_failed(plugin, store, check, error)
+        }
+        Next::Done(answer) => {
+            let w = plugin.room.borrow_mut().end_check(check.context_id);
+            let present = plugin.host.set_effective_context(check.context_id).is_ok();
+            let Some(w) = w.filter(|_| present) else {
+                // The client went away while the store answered: a claim the recheck got is
+                // given back now instead of blocking everyone until its lease ends.
+                if let StoreAnswer::Begun(Ok(Begin::Claimed(claim) | Begin::TookOver(claim))) = &answer {
+                    log::debug!("#{} waiter gone before its claim; releasing it", check.context_id);
+                    release_unused(plugin, store, check.context_id, &check.rule, StoreOp::Release(*claim));
+                }
+                return;
+            };
+            let now_ms = plugin.host.now_ms();
+            let checked = wait::recheck_answered(&plugin.config, &w, answer, now_ms);
+            let plan = waiter_plan(checked, &w.pending.rule);
+            resolve_waiter(plugin, Some(store), w, plan);
+        }
+    }
+}
+
+/// The store could not be used for a waiter's recheck: its fail mode decides.
+fn recheck_failed<H: Host>(
+    plugin: &PluginState<H>,
+    store: &dyn RemoteStore,
+    check: RootRecheck,
+    error: StoreError,
+) {
+    let w = plugin.room.borrow_mut().end_check(check.context_id);
+    let Some(w) = w else { return }; // its client went away, and no claim is known to exist
+    if plugin.host.set_effective_context(check.context_id).is_err() {
+        return;
+    }
+    let mode = store.settings().on_error;
+    let now_ms = plugin.host.now_ms();
+    if mode == FailMode::Open && plugin.bypass_log_due(now_ms) {
+        log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
+    }
+    let checked = wait::recheck_answered(&plugin.config, &w, StoreAnswer::Begun(Err(error)), now_ms);
+    let plan = waiter_failed(checked, mode, &w.pending.rule);
+    resolve_waiter(plugin, Some(store), w, plan);
 }
 
 /// Starts what streams handed over since the root last ran; from here on the root owns their
@@ -187,6 +312,7 @@ fn start_settlements<H: Host>(plugin: &PluginState<H>) {
         match call {
             RootCall::Begin(begin) => converse_begin(plugin, store.as_ref(), begin, None),
             RootCall::Settle(settle) => converse(plugin, store.as_ref(), settle, None),
+            RootCall::Recheck(check) => converse_recheck(plugin, store.as_ref(), check, None),
         }
     }
 }
@@ -255,9 +381,12 @@ fn begin_failed<H: Host>(
 
 /// Carries out what the flow decided for its paused request (the effective context is the
 /// request's), then gives the flow back to its stream.
-fn carry_out<H: Host>(plugin: &PluginState<H>, begin: Box<RootBegin>, out: Output) {
+fn carry_out<H: Host>(plugin: &PluginState<H>, mut begin: Box<RootBegin>, out: Output) {
     let host = &plugin.host;
-    for step in out.steps {
+    let mut verdict = out.verdict;
+    let mut wait_handle = None;
+    let mut steps: std::collections::VecDeque<Step> = out.steps.into();
+    while let Some(step) = steps.pop_front() {
         match step {
             Step::Count(counter) => plugin.count(counter),
             Step::Reply { reply, details } => {
@@ -267,8 +396,18 @@ fn carry_out<H: Host>(plugin: &PluginState<H>, begin: Box<RootBegin>, out: Outpu
                     log::warn!("#{} could not send the local reply (host status {s})", begin.context_id);
                 }
             }
-            // What an answer to `begin` leads to is counted and replied; wait mode (Park) is
-            // refused with a remote store by the configuration.
+            // Wait mode: the request stays paused in this worker's wait room; its handle goes
+            // back to the stream with its flow.
+            Step::Park(plan) => {
+                let (admitted, handle) = plugin.park(begin.context_id, plan);
+                if admitted.is_ok() {
+                    wait_handle = Some(handle);
+                }
+                let more = begin.flow.parked(&plugin.config, admitted);
+                verdict = more.verdict;
+                steps.extend(more.steps);
+            }
+            // What an answer to `begin` leads to is counted, replied or parked.
             other => log::warn!(
                 "#{} unexpected step after a remote begin: {}",
                 begin.context_id,
@@ -276,10 +415,11 @@ fn carry_out<H: Host>(plugin: &PluginState<H>, begin: Box<RootBegin>, out: Outpu
             ),
         }
     }
-    *begin.handle.borrow_mut() = Some(begin.flow);
-    if out.verdict == Verdict::Continue {
+    let RootBegin { context_id, flow, handle, .. } = *begin;
+    *handle.borrow_mut() = Some((flow, wait_handle));
+    if verdict == Verdict::Continue {
         if let Err(HostError(s)) = host.resume_request() {
-            log::warn!("#{} could not resume the request (host status {s})", begin.context_id);
+            log::warn!("#{context_id} could not resume the request (host status {s})");
         }
     }
 }

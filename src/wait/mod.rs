@@ -15,6 +15,11 @@ use crate::store::{Claim, RecordStore, StoreAnswer, StoreError, StoreOp};
 /// Longest a waiter goes without looking at its record again, even if no wake-up message
 /// reaches it (a lost message must cost latency, never a wrong answer or a stuck request).
 pub const RECHECK_EVERY_MS: u64 = 1_000;
+/// With a store shared by several Envoys an original may finish on another Envoy, whose
+/// wake-ups never reach this one: its waiters poll the store, first after this long...
+pub const POLL_FIRST_MS: u64 = 50;
+/// ...then twice as long each time, up to this (still capped by the lease end and give-up).
+pub const POLL_MAX_MS: u64 = RECHECK_EVERY_MS;
 
 pub struct Waiter<H> {
     pub context_id: u32,
@@ -27,6 +32,15 @@ pub struct Waiter<H> {
     pub recheck_at_ms: u64,
     /// The glue's link to the held request.
     pub handle: H,
+    /// Polling backoff with a remote store (the wait before the next look); 0: no polling, the
+    /// local store's wake-ups and `RECHECK_EVERY_MS` fallback.
+    pub poll_ms: u64,
+    /// Its recheck is in flight (a remote store's exchange): not due, not woken, but still
+    /// held, so it still counts against the room's bounds.
+    pub checking: bool,
+    /// A wake-up came while its recheck was in flight: look again at once if that recheck
+    /// still finds the original processing (its read may predate the completion).
+    pub woken: bool,
 }
 
 impl<H> Waiter<H> {
@@ -84,14 +98,30 @@ impl<H> WaitRoom<H> {
         Some(self.waiters.swap_remove(i))
     }
 
-    /// Everyone waiting for this record: its outcome may be known now.
+    /// Everyone waiting for this record: its outcome may be known now. A waiter whose recheck
+    /// is in flight stays, marked woken.
     pub fn wake(&mut self, scope: &ScopeId) -> Vec<Waiter<H>> {
-        self.take(|w| w.scope() == *scope)
+        for w in self.waiters.iter_mut().filter(|w| w.checking && w.scope() == *scope) {
+            w.woken = true;
+        }
+        self.take(|w| !w.checking && w.scope() == *scope)
     }
 
-    /// Waiters whose recheck or give-up time has come.
+    /// Waiters whose recheck or give-up time has come (not those being rechecked).
     pub fn due(&mut self, now_ms: u64) -> Vec<Waiter<H>> {
-        self.take(|w| now_ms >= w.recheck_at_ms || now_ms >= w.give_up_at_ms)
+        self.take(|w| !w.checking && (now_ms >= w.recheck_at_ms || now_ms >= w.give_up_at_ms))
+    }
+
+    /// Keeps a waiter held while its recheck is in flight; `end_check` takes it back.
+    pub fn start_check(&mut self, w: Waiter<H>) {
+        self.waiters.push(Waiter { checking: true, woken: false, ..w });
+    }
+
+    /// The waiter whose recheck was answered, unless its client left meanwhile.
+    pub fn end_check(&mut self, context_id: u32) -> Option<Waiter<H>> {
+        let i = self.waiters.iter().position(|w| w.checking && w.context_id == context_id)?;
+        let w = self.waiters.swap_remove(i);
+        Some(Waiter { checking: false, ..w })
     }
 
     fn take(&mut self, pick: impl Fn(&Waiter<H>) -> bool) -> Vec<Waiter<H>> {
@@ -116,6 +146,17 @@ pub enum Recheck {
 /// The first wait: when to look again if no wake-up comes.
 pub fn first_recheck(now_ms: u64, lease_remaining_ms: u64, give_up_at_ms: u64) -> u64 {
     now_ms.saturating_add(lease_remaining_ms.min(RECHECK_EVERY_MS)).min(give_up_at_ms)
+}
+
+/// The next poll of a waiter on a remote store: after `poll_ms`, or at the lease end or its
+/// give-up time if sooner.
+pub fn poll_recheck(now_ms: u64, poll_ms: u64, lease_remaining_ms: u64, give_up_at_ms: u64) -> u64 {
+    now_ms.saturating_add(lease_remaining_ms.min(poll_ms)).min(give_up_at_ms)
+}
+
+/// The backoff after a poll that found the original still processing.
+pub fn next_poll(poll_ms: u64) -> u64 {
+    poll_ms.saturating_mul(2).clamp(POLL_FIRST_MS, POLL_MAX_MS)
 }
 
 /// When a request parked now gives up: its rule's `wait_timeout` from now.
@@ -145,6 +186,10 @@ pub fn recheck_answered<H>(cfg: &Config, w: &Waiter<H>, answer: StoreAnswer, now
         Decision::Wait { lease_remaining_ms } if now_ms >= w.give_up_at_ms => Recheck::Respond {
             reply: in_flight_reply(cfg, lease_remaining_ms),
             counter: Counter::WaitTimedOut,
+        },
+        Decision::Wait { .. } if w.woken => Recheck::KeepWaiting { recheck_at_ms: now_ms },
+        Decision::Wait { lease_remaining_ms } if w.poll_ms > 0 => Recheck::KeepWaiting {
+            recheck_at_ms: poll_recheck(now_ms, next_poll(w.poll_ms), lease_remaining_ms, w.give_up_at_ms),
         },
         Decision::Wait { lease_remaining_ms } => {
             Recheck::KeepWaiting { recheck_at_ms: first_recheck(now_ms, lease_remaining_ms, w.give_up_at_ms) }
@@ -195,6 +240,9 @@ mod tests {
             give_up_at_ms: now + 5_000,
             recheck_at_ms: first_recheck(now, 2_000, now + 5_000),
             handle: (),
+            poll_ms: 0,
+            checking: false,
+            woken: false,
         }
     }
 
@@ -277,6 +325,46 @@ mod tests {
             Recheck::Forward { counter: Counter::Claimed, .. }
         ));
         assert!(matches!(recheck(&c, &w2, &store, 302, 7), Recheck::KeepWaiting { .. }));
+    }
+
+    #[test]
+    fn a_polling_waiter_backs_off_from_50_ms_to_1_s_capped_by_lease_and_give_up() {
+        let gaps: Vec<u64> =
+            std::iter::successors(Some(POLL_FIRST_MS), |p| Some(next_poll(*p))).take(7).collect();
+        assert_eq!(gaps, vec![50, 100, 200, 400, 800, 1_000, 1_000]);
+        assert_eq!(poll_recheck(0, 400, 30_000, 5_000), 400);
+        assert_eq!(poll_recheck(0, 400, 120, 5_000), 120);
+        assert_eq!(poll_recheck(4_900, 400, 30_000, 5_000), 5_000);
+        // Still processing: the next poll comes after the doubled backoff.
+        let c = cfg();
+        let data = FakeSharedData::new();
+        let store = LocalStore::new(&data, 64);
+        store.create_keys().unwrap();
+        let p = pending(&c, "a");
+        assert!(matches!(decide(&c, &p, b"x", &store, 0, 1), Decision::Forward { .. }));
+        let w = Waiter { poll_ms: 200, ..waiter(&c, 7, "a", 10) };
+        assert_eq!(recheck(&c, &w, &store, 100, 2), Recheck::KeepWaiting { recheck_at_ms: 500 });
+        // Woken while its recheck was in flight: look again at once.
+        let w = Waiter { woken: true, ..w };
+        assert_eq!(recheck(&c, &w, &store, 100, 3), Recheck::KeepWaiting { recheck_at_ms: 100 });
+    }
+
+    #[test]
+    fn a_waiter_being_checked_stays_held_and_counted_but_is_neither_due_nor_taken_by_a_wake() {
+        let c = cfg();
+        let mut room = WaitRoom::new(c.max_waiters_per_key, c.max_waiters);
+        room.start_check(waiter(&c, 1, "a", 0));
+        room.park(waiter(&c, 2, "a", 0)).ok();
+        assert_eq!(room.park(waiter(&c, 3, "a", 0)).err(), Some(Refused::PerKey));
+        assert_eq!(room.due(u64::MAX).len(), 1);
+        assert!(room.wake(&pending(&c, "a").scope).is_empty());
+        let w = room.end_check(1).expect("still held");
+        assert!(w.woken && !w.checking);
+        assert!(room.end_check(1).is_none());
+        // A client that left while its check was in flight is gone from the room.
+        room.start_check(w);
+        assert!(room.leave(1).is_some());
+        assert!(room.end_check(1).is_none());
     }
 
     #[test]

@@ -403,11 +403,6 @@ fn quota(v: &Value, path: &str) -> Res<(Option<u32>, Option<u32>)> {
 
 /// What a route asks of the store that the etcd store cannot give.
 fn etcd_fits(r: &Rule, path: &str) -> Res<()> {
-    // Waiters are woken through this Envoy's shared data; an original finishing on another Envoy
-    // would never wake them. Refused until waiters can poll the remote store.
-    if matches!(r.concurrency, Concurrency::Wait { .. }) {
-        return Err(err(&key(path, "concurrent"), "\"wait\" is not supported with store.type \"etcd\" yet"));
-    }
     // A record is written in one etcd request, which etcd bounds (--max-request-bytes).
     if r.max_response_bytes > etcd::MAX_STORED_BODY_BYTES {
         return Err(err(
@@ -1522,7 +1517,12 @@ mod tests {
                 etcd(r#","auth":{"username":"u","password":"p","token":"t"}"#, ""),
                 "store.auth.token",
             ),
-            ("wait mode", etcd("", r#""concurrent":"wait""#), "routes[0].concurrent"),
+            // Waiters on etcd keep the same memory budget as on the local store.
+            (
+                "waiters over the memory budget",
+                etcd("", r#""concurrent":"wait""#).replacen('{', r#"{"max_waiters":257,"#, 1),
+                "max_waiters",
+            ),
             ("response over etcd's request limit", etcd("", &over_limit), "routes[0].max_response_bytes"),
         ];
         for (name, json, field) in cases {
@@ -1531,6 +1531,16 @@ mod tests {
                 Ok(c) => unreachable!("{name}: {json} parsed: {c:?}"),
             }
         }
+    }
+
+    #[test]
+    fn wait_mode_is_accepted_with_the_etcd_store() {
+        let c = match parse_str(&etcd("", r#""concurrent":"wait","wait_timeout":"3s""#)) {
+            Ok(c) => c,
+            Err(e) => unreachable!("{e}"),
+        };
+        assert!(c.etcd.is_some());
+        assert_eq!(c.rules[0].concurrency, Concurrency::Wait { timeout_ms: 3_000 });
     }
 
     #[test]

@@ -243,8 +243,8 @@ impl<H: Host> PluginState<H> {
     }
 
     /// The local store answers at once, on shared data. A remote store cannot answer within a
-    /// callback; only wait mode asks this of it, and the configuration refuses wait mode with
-    /// a remote store, so this is an error, not a blocking call.
+    /// callback (its waiters' rechecks are the root's callouts instead), so asking it is an
+    /// error, not a blocking call.
     pub fn perform(&self, op: &StoreOp) -> StoreAnswer {
         match &self.store {
             Store::Local(store) => op.perform(store),

@@ -123,7 +123,6 @@ fn emit(value: &JsonValue<'_>, ignored: &[&JsonValue], out: &mut Vec<u8>) {
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)] // a failing unwrap is a failing test
 mod tests {
     use super::*;
-    use std::time::{Duration, Instant};
 
     fn canon(body: &str) -> Result<String, JsonError> {
         canon_ignoring(body, &[])
@@ -328,26 +327,25 @@ mod tests {
     }
 
     #[test]
-    fn very_deep_input_fails_fast_without_overflowing_the_stack() {
-        let start = Instant::now();
+    fn very_deep_input_fails_without_overflowing_the_stack() {
         for (open, close) in [("[", "]"), ("{\"a\":", "}"), ("[{\"k\":", "}]")] {
             assert_eq!(canon(&nested(10_000, open, close)), Err(JsonError::TooDeep { limit: MAX_DEPTH }));
             // Unterminated too: the depth error must come before any need to see the end.
             assert_eq!(canon(&open.repeat(10_000)), Err(JsonError::TooDeep { limit: MAX_DEPTH }));
         }
-        assert!(start.elapsed() < Duration::from_secs(1));
     }
 
+    /// Wide input in the worst order (members reversed) comes out sorted and whole. How long it
+    /// takes is the bench's business (`examples/engine_cost.rs`), not a timed assertion here.
     #[test]
-    fn wide_input_is_not_quadratic() {
+    fn wide_input_in_reverse_order_comes_out_sorted() {
         let n = 200_000;
-        let members: Vec<String> = (0..n).rev().map(|i| format!("\"k{i}\":{i}")).collect();
+        let members: Vec<String> = (0..n).rev().map(|i| format!("\"k{i:06}\":{i}")).collect();
         let body = format!("{{{}}}", members.join(","));
+        let sorted: Vec<String> = (0..n).map(|i| format!("\"k{i:06}\":{i}")).collect();
+        assert_eq!(canon(&body), Ok(format!("{{{}}}", sorted.join(","))));
         let array = format!("[{}]", vec!["\"\\u00e9x\""; n].join(","));
-        let start = Instant::now();
-        assert!(canon(&body).is_ok());
-        assert!(canon(&array).is_ok());
-        assert!(start.elapsed() < Duration::from_secs(5));
+        assert_eq!(canon(&array), Ok(format!("[{}]", vec!["\"\u{e9}x\""; n].join(","))));
     }
 
     #[test]

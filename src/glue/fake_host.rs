@@ -68,12 +68,27 @@ pub struct Inner {
     queues: RefCell<Vec<(String, VecDeque<Vec<u8>>)>>,
     metrics: RefCell<Vec<(String, i64)>>,
     effective: Cell<u32>,
+    /// Host calls by method: (calls, bytes copied across the boundary either way). What a
+    /// request costs in host calls is a property of the code, so tests can bound it exactly.
+    pub tally: RefCell<std::collections::BTreeMap<&'static str, (u64, u64)>>,
 }
 
 #[derive(Clone, Default)]
 pub struct FakeHost(pub Rc<Inner>);
 
 impl FakeHost {
+    fn note(&self, call: &'static str, bytes: usize) {
+        let mut tally = self.0.tally.borrow_mut();
+        let entry = tally.entry(call).or_default();
+        entry.0 += 1;
+        entry.1 += bytes as u64;
+    }
+
+    /// Host calls made so far (calls, bytes) in total, and the tally cleared.
+    pub fn take_tally(&self) -> std::collections::BTreeMap<&'static str, (u64, u64)> {
+        std::mem::take(&mut *self.0.tally.borrow_mut())
+    }
+
     fn fails(&self, call: &'static str) -> Result<(), HostError> {
         match self.0.failing.borrow().get(call) {
             Some(status) => Err(HostError(*status)),
@@ -121,15 +136,22 @@ impl FakeHost {
 
 impl SharedData for FakeHost {
     fn get(&self, data_key: &str) -> Result<Read, SharedDataError> {
-        self.0.data.get(data_key)
+        let read = self.0.data.get(data_key);
+        self.note(
+            "get_shared_data",
+            data_key.len() + read.as_ref().map_or(0, |r| r.value.as_ref().map_or(0, Vec::len)),
+        );
+        read
     }
     fn set(&self, data_key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
+        self.note("set_shared_data", data_key.len() + value.len());
         self.0.data.set(data_key, value, cas)
     }
 }
 
 impl Host for FakeHost {
     fn now_ms(&self) -> u64 {
+        self.note("now_ms", 0);
         self.0.now_ms.get()
     }
     fn log_level(&self) -> u32 {
@@ -143,6 +165,7 @@ impl Host for FakeHost {
     }
     fn buffer(&self, buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostError> {
         self.fails("buffer")?;
+        self.note("buffer", max.min(1 << 20));
         let source = match buffer_type {
             super::BUFFER_PLUGIN_CONFIGURATION => self.0.config.borrow().clone(),
             super::BUFFER_REQUEST_BODY => self.0.request_body.borrow().clone(),
@@ -153,14 +176,18 @@ impl Host for FakeHost {
     }
     fn header_pairs(&self, map_type: u32) -> Result<Vec<(String, Vec<u8>)>, HostError> {
         self.fails("header_pairs")?;
-        Ok(self.map(map_type).borrow().clone())
+        let map = self.map(map_type).borrow().clone();
+        self.note("header_pairs", map.iter().map(|(n, v)| n.len() + v.len()).sum());
+        Ok(map)
     }
     fn header_value(&self, map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostError> {
         self.fails("header_value")?;
+        self.note("header_value", name.len());
         Ok(self.map(map_type).borrow().iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()))
     }
     fn set_header(&self, map_type: u32, name: &str, value: &[u8]) -> Result<(), HostError> {
         self.fails("set_header")?;
+        self.note("set_header", name.len() + value.len());
         let mut map = self.map(map_type).borrow_mut();
         map.retain(|(n, _)| n != name);
         map.push((name.to_string(), value.to_vec()));
@@ -169,12 +196,14 @@ impl Host for FakeHost {
     }
     fn remove_header(&self, map_type: u32, name: &str) -> Result<(), HostError> {
         self.fails("remove_header")?;
+        self.note("remove_header", name.len());
         self.map(map_type).borrow_mut().retain(|(n, _)| n != name);
         self.0.calls.borrow_mut().push(Call::RemoveHeader { name: name.to_string() });
         Ok(())
     }
     fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
         self.fails("property")?;
+        self.note("property", path.iter().map(|p| p.len() + 1).sum());
         Ok(self.0.properties.borrow().get(&path.join(".")).cloned())
     }
     fn send_response(
@@ -185,6 +214,10 @@ impl Host for FakeHost {
         body: &[u8],
     ) -> Result<(), HostError> {
         self.fails("send_response")?;
+        self.note(
+            "send_response",
+            body.len() + headers.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>(),
+        );
         self.0.calls.borrow_mut().push(Call::SendResponse {
             context: self.0.effective.get(),
             status,
@@ -196,6 +229,7 @@ impl Host for FakeHost {
     }
     fn resume_request(&self) -> Result<(), HostError> {
         self.fails("resume_request")?;
+        self.note("resume_request", 0);
         self.0.calls.borrow_mut().push(Call::Resume { context: self.0.effective.get() });
         Ok(())
     }
@@ -206,6 +240,7 @@ impl Host for FakeHost {
     }
     fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {
         self.fails("set_effective_context")?;
+        self.note("set_effective_context", 0);
         self.0.effective.set(context_id);
         Ok(())
     }
@@ -261,6 +296,7 @@ impl Host for FakeHost {
         Ok(token)
     }
     fn increment(&self, metric: u32, by: i64) {
+        self.note("increment_metric", 0);
         if let Some((_, v)) = self.0.metrics.borrow_mut().get_mut(metric as usize) {
             *v += by;
         }
@@ -274,6 +310,9 @@ mod tests {
     const CONFIG: &str = r#"{"store":{"type":"local","capacity":64},"routes":[
         {"name":"orders","match":{"prefix":"/orders"},"require_key":true},
         {"name":"waits","match":{"prefix":"/wait"},"require_key":true,"concurrent":"wait"}]}"#;
+
+    const NEW_KEY_HOST_CALLS: u64 = 1000;
+    const REPLAY_HOST_CALLS: u64 = 1000;
 
     fn host() -> FakeHost {
         let h = FakeHost::default();
@@ -356,6 +395,75 @@ mod tests {
             .calls
             .borrow()
             .contains(&Call::SetHeader { name: "content-type".into(), value: b"application/json".to_vec() }));
+    }
+
+    /// What a new key and a replay cost in host calls, with the bench's request (1 KiB JSON
+    /// each way): counted exactly, since the number of crossings is a property of the code (time
+    /// is measured by `make bench`). The same for the last of many keys as for the first: no
+    /// path grows with the store's content. `--nocapture` prints the table; under callgrind
+    /// (release test binary) this is the glue's instruction profile.
+    #[test]
+    fn host_calls_per_new_key_and_per_replay() {
+        let h = FakeHost::default();
+        *h.0.config.borrow_mut() = br#"{"store":{"type":"local","capacity":100000},
+            "quota":{"per_tenant":100000,"per_principal":100000},
+            "routes":[{"name":"orders","match":{"prefix":"/orders","methods":["POST"]},"require_key":true}]}"#
+            .to_vec();
+        h.0.now_ms.set(1_000);
+        let root = root(&h);
+        let body = format!("{{\"item\":\"book\",\"qty\":1,\"pad\":\"{}\"}}", "x".repeat(995));
+        let answer = vec![b'7'; 1024];
+        let total =
+            |t: &std::collections::BTreeMap<&str, (u64, u64)>| t.values().map(|(c, _)| c).sum::<u64>();
+        let mut first_costs = None;
+        let keys: u32 = std::env::var("HOST_CALL_KEYS").ok().and_then(|n| n.parse().ok()).unwrap_or(50);
+        for n in 0..keys {
+            let key = format!("key-{n}");
+            let _ = h.take_tally();
+            let context = 2 * n + 2;
+            let mut first = root.http_context(context);
+            *h.0.request_headers.borrow_mut() = pairs(&[
+                (":method", "POST"),
+                (":path", "/orders"),
+                (":authority", "shop.example"),
+                ("idempotency-key", &key),
+                ("content-type", "application/json"),
+                ("user-agent", "loadgen"),
+            ]);
+            *h.0.request_body.borrow_mut() = body.clone().into_bytes();
+            assert_eq!(first.on_request_headers(false), Verdict::Pause);
+            assert_eq!(first.on_request_body(body.len(), true), Verdict::Continue);
+            upstream_answers(&h, "201", &answer);
+            h.0.properties.borrow_mut().insert("upstream.address".into(), b"10.0.0.1:80".to_vec());
+            assert_eq!(first.on_response_headers(false), Verdict::Continue);
+            assert_eq!(first.on_response_body(answer.len(), true), Verdict::Continue);
+            first.on_log();
+            let new_key = h.take_tally();
+            let mut retry = root.http_context(context + 1);
+            assert_eq!(retry.on_request_headers(false), Verdict::Pause);
+            assert_eq!(retry.on_request_body(body.len(), true), Verdict::Pause);
+            *h.0.response_headers.borrow_mut() =
+                pairs(&[(":status", "201"), ("content-type", "application/json")]);
+            assert_eq!(retry.on_response_headers(false), Verdict::Continue);
+            retry.on_log();
+            let replay = h.take_tally();
+            let costs = (total(&new_key), total(&replay));
+            match first_costs {
+                None => {
+                    for (what, t) in [("new key", &new_key), ("replay", &replay)] {
+                        println!("{what}: {} host calls", total(t));
+                        for (call, (n, bytes)) in t {
+                            println!("  {call:<24} {n:>3} calls {bytes:>6} bytes");
+                        }
+                    }
+                    first_costs = Some(costs);
+                }
+                Some(first) => assert_eq!(costs, first, "key {n}"),
+            }
+            assert!(costs.0 <= NEW_KEY_HOST_CALLS, "{new_key:?}");
+            assert!(costs.1 <= REPLAY_HOST_CALLS, "{replay:?}");
+        }
+        assert_eq!((h.counter("claimed"), h.counter("replayed")), (i64::from(keys), i64::from(keys)));
     }
 
     #[test]

@@ -44,7 +44,6 @@ pub trait StreamFacts {
     fn request_header(&mut self, name: &str) -> Option<Vec<u8>>;
     fn request_headers(&mut self) -> Result<Vec<(String, Vec<u8>)>, Unreadable>;
     fn request_body(&mut self, size: usize) -> Result<Vec<u8>, Unreadable>;
-    fn response_header(&mut self, name: &str) -> Option<Vec<u8>>;
     fn response_headers(&mut self) -> Vec<(String, Vec<u8>)>;
     fn response_body(&mut self, size: usize) -> Result<Vec<u8>, Unreadable>;
     fn property(&mut self, path: &[&str]) -> Result<Option<Vec<u8>>, Unreadable>;
@@ -285,8 +284,10 @@ impl RequestFlow {
         self.answer(Reply::problem(problem), DETAILS_PROBLEM, vec![Step::Count(counter)])
     }
 
-    /// Request headers. Unprotected traffic costs two small reads, never a copy of the whole
-    /// header map.
+    /// Request headers. A host call that returns data costs Envoy about as much as a small
+    /// header map copy (a callback into the module to allocate, then the copy: ~2 us each, see
+    /// BENCHMARKS.md), so unprotected traffic costs one read (`:path`), and a protected request
+    /// one more: the whole map, `:method` included.
     pub fn request_headers(
         &mut self,
         cfg: &Config,
@@ -294,18 +295,22 @@ impl RequestFlow {
         end_of_stream: bool,
     ) -> Output {
         let passed = || Output::go(vec![Step::Count(Counter::PassedThrough)]);
-        let method = facts.request_header(":method").unwrap_or_default();
         let path = facts.request_header(":path").unwrap_or_default();
-        let method = String::from_utf8_lossy(&method);
         let path = String::from_utf8_lossy(&path);
         let path_only = path.split('?').next().unwrap_or_default();
-        if cfg.rule_for(&method, path_only).is_none() {
+        if !cfg.any_rule_for_path(path_only) {
             return passed();
         }
         let Ok(headers) = facts.request_headers() else {
             log::warn!("#{} cannot read request headers; passing through", self.context_id);
             return passed();
         };
+        let method =
+            headers.iter().find(|(n, _)| n == ":method").map(|(_, v)| v.as_slice()).unwrap_or_default();
+        let method = String::from_utf8_lossy(method);
+        if cfg.rule_for(&method, path_only).is_none() {
+            return passed();
+        }
         let verified_claims =
             cfg.jwt_principal.as_ref().and_then(|jwt| verified_claims(facts, &jwt.payload, &jwt.claims));
         let head = RequestHead {
@@ -570,8 +575,10 @@ impl RequestFlow {
     /// Response headers.
     pub fn response_headers(&mut self, facts: &mut dyn StreamFacts, end_of_stream: bool) -> Output {
         if let Phase::Answered { replay_shape: Some(shape) } = &self.phase {
-            let (content_type, content_length) =
-                (facts.response_header("content-type"), facts.response_header("content-length"));
+            // One read of the map, not one per header (each read is a round trip into the module).
+            let sent = facts.response_headers();
+            let sent_value = |name: &str| sent.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+            let (content_type, content_length) = (sent_value("content-type"), sent_value("content-length"));
             let fixes =
                 engine::replay_header_fixes(shape, content_type.as_deref(), content_length.as_deref());
             let steps = if fixes.is_empty() { Vec::new() } else { vec![Step::FixHeaders(fixes)] };
@@ -579,8 +586,11 @@ impl RequestFlow {
         }
         let Phase::Forwarded { claim, rule } = &self.phase else { return Output::go(Vec::new()) };
         let (claim, rule) = (*claim, Rc::clone(rule));
-        let status =
-            facts.response_header(":status").and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u16>().ok());
+        let sent = facts.response_headers();
+        let status = sent
+            .iter()
+            .find(|(n, _)| n == ":status")
+            .and_then(|(_, s)| std::str::from_utf8(s).ok()?.parse::<u16>().ok());
         let details = property_string(facts, &["response", "code_details"]);
         // A real upstream answer needs no flags; only local replies are classified by them.
         let (flags, upstream_selected) =
@@ -588,8 +598,7 @@ impl RequestFlow {
         let report = StreamReport { details: details.as_deref(), flags, upstream_selected };
         match plan_response(&rule, status, report) {
             ResponsePlan::Capture { state, status } => {
-                let headers =
-                    engine::snapshot_headers(facts.response_headers(), &rule.replay_exclude_headers);
+                let headers = engine::snapshot_headers(sent, &rule.replay_exclude_headers);
                 self.phase = Phase::Capturing(Capture {
                     claim,
                     rule,
@@ -852,9 +861,6 @@ mod tests {
         }
         fn request_body(&mut self, _size: usize) -> Result<Vec<u8>, Unreadable> {
             self.request_body.clone().ok_or(Unreadable)
-        }
-        fn response_header(&mut self, name: &str) -> Option<Vec<u8>> {
-            self.response.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
         }
         fn response_headers(&mut self) -> Vec<(String, Vec<u8>)> {
             self.response.clone()

@@ -179,15 +179,24 @@ impl StatusPolicy {
 impl Rule {
     pub fn matches(&self, method: &str, path_without_query: &str) -> bool {
         // Methods are case-sensitive (RFC 9110 §9.1); the configured ones are already uppercase.
-        self.methods.iter().any(|m| m == method)
-            && match &self.path {
-                PathMatch::Prefix(p) => path_without_query.starts_with(p.as_str()),
-                PathMatch::Exact(p) => path_without_query == p,
-            }
+        self.methods.iter().any(|m| m == method) && self.matches_path(path_without_query)
+    }
+
+    pub fn matches_path(&self, path_without_query: &str) -> bool {
+        match &self.path {
+            PathMatch::Prefix(p) => path_without_query.starts_with(p.as_str()),
+            PathMatch::Exact(p) => path_without_query == p,
+        }
     }
 }
 
 impl Config {
+    /// Whether some rule could protect this path (whatever the method): traffic no rule's path
+    /// matches is passed on without reading anything else.
+    pub fn any_rule_for_path(&self, path_without_query: &str) -> bool {
+        self.rules.iter().any(|r| r.matches_path(path_without_query))
+    }
+
     pub fn rule_for(&self, method: &str, path_without_query: &str) -> Option<&Rc<Rule>> {
         self.rules.iter().find(|r| r.matches(method, path_without_query))
     }

@@ -46,9 +46,6 @@ impl<H: Host> StreamFacts for Facts<'_, H> {
     fn request_body(&mut self, size: usize) -> Result<Vec<u8>, Unreadable> {
         self.logged("the request body", self.plugin.host.buffer(BUFFER_REQUEST_BODY, 0, size))
     }
-    fn response_header(&mut self, name: &str) -> Option<Vec<u8>> {
-        self.plugin.host.header_value(MAP_RESPONSE_HEADERS, name).ok().flatten()
-    }
     fn response_headers(&mut self) -> Vec<(String, Vec<u8>)> {
         self.plugin.host.header_pairs(MAP_RESPONSE_HEADERS).unwrap_or_default()
     }

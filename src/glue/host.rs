@@ -106,6 +106,18 @@ extern "C" {
         return_id: *mut u32,
     ) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
+    fn proxy_http_call(
+        upstream_data: *const u8,
+        upstream_size: usize,
+        headers_data: *const u8,
+        headers_size: usize,
+        body_data: *const u8,
+        body_size: usize,
+        trailers_data: *const u8,
+        trailers_size: usize,
+        timeout_ms: u32,
+        return_token: *mut u32,
+    ) -> u32;
 }
 
 fn check(status: u32) -> Result<(), HostError> {
@@ -306,26 +318,33 @@ fn increment(metric: u32, by: i64) {
     }
 }
 
-/// The one host call made through the SDK rather than the raw ABI: the SDK's dispatcher owns
-/// `proxy_on_http_call_response` and routes an answer by the token its own wrapper registered
-/// for the calling context; a token dispatched around it would make the dispatcher panic when
-/// the answer comes. The wrapper returns BadArgument (unknown cluster, missing pseudo-header)
-/// and InternalFailure as errors; it panics only on a status Envoy's `httpCall` never returns.
+/// Answered through `proxy_on_http_call_response` of the calling context (glue/abi.rs). Envoy
+/// refuses with BadArgument an unknown cluster or a missing pseudo-header.
 fn dispatch_http_call(
     cluster: &str,
     headers: &[(&str, &str)],
     body: &[u8],
     timeout_ms: u32,
 ) -> Result<u32, HostError> {
-    let body = (!body.is_empty()).then_some(body);
-    proxy_wasm::hostcalls::dispatch_http_call(
-        cluster,
-        headers.to_vec(),
-        body,
-        Vec::new(),
-        std::time::Duration::from_millis(u64::from(timeout_ms)),
-    )
-    .map_err(|status| HostError(status as u32))
+    let pairs: Vec<(String, Vec<u8>)> =
+        headers.iter().map(|(n, v)| ((*n).to_string(), v.as_bytes().to_vec())).collect();
+    let headers = encode_pairs(&pairs);
+    let mut token = 0u32;
+    let status = unsafe {
+        proxy_http_call(
+            cluster.as_ptr(),
+            cluster.len(),
+            headers.as_ptr(),
+            headers.len(),
+            body.as_ptr(),
+            body.len(),
+            null(),
+            0,
+            timeout_ms,
+            &mut token,
+        )
+    };
+    check(status).map(|()| token)
 }
 
 /// Envoy, through the raw ABI; its shared data is this plugin's vm_id's.

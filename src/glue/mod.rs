@@ -1,9 +1,10 @@
 //! The proxy-wasm adapter: Envoy's callbacks in, the engine's decisions out as host calls.
 //!
-//! Everything here but `host.rs` and `sdk.rs` is written against the `Host` trait and compiles
+//! Everything here but `host.rs` and `abi.rs` is written against the `Host` trait and compiles
 //! natively, so `cargo test` drives the callbacks against a fake host (`fake_host.rs`) that
-//! records calls and injects failures. `host.rs` is the raw ABI behind the trait and `sdk.rs`
-//! the SDK's context traits, both wasm32 only and without decisions of their own.
+//! records calls and injects failures. `host.rs` is the raw ABI behind the trait and `abi.rs`
+//! the module's exports (Envoy's callbacks, routed by context id), both wasm32 only and without
+//! decisions of their own.
 
 pub mod etcd;
 pub mod http;
@@ -12,12 +13,12 @@ pub mod plugin;
 pub mod remote;
 pub mod root;
 
+#[cfg(target_arch = "wasm32")]
+mod abi;
 #[cfg(test)]
 mod fake_host;
 #[cfg(target_arch = "wasm32")]
 mod host;
-#[cfg(target_arch = "wasm32")]
-mod sdk;
 
 use crate::store::shared_data::SharedData;
 

@@ -144,6 +144,11 @@ impl<H: Host> Root<H> {
         }
     }
 
+    #[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
+    pub fn context_id(&self) -> u32 {
+        self.context_id
+    }
+
     pub fn http_context(&self, context_id: u32) -> Http<H> {
         Http::new(context_id, self.plugin.clone())
     }

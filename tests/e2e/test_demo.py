@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -135,6 +136,8 @@ def response(text: str) -> tuple[int, dict[str, str], str]:
 
 
 def test_readme_quickstart_lines_work_against_make_run(envoy_bin):
+    if shutil.which("curl") is None:
+        pytest.fail("curl not found: the README's lines need it (`make e2e` installs it)", pytrace=False)
     env, commands = curl_steps()
     assert list(env) == ["K"] and len(commands) == 5, commands
     demo = Demo(envoy_bin)

@@ -81,7 +81,8 @@ def main(argv: list[str]) -> int:
         if etcd is not None:
             say("starting etcd on 127.0.0.1:%d ..." % ETCD_PORT)
             etcd.start()
-            say("  etcd        %s  pid %d  log %s" % (etcd.client_url, etcd.proc.pid, etcd.log_path))
+            say("  etcd        %s  pid %d  log %s (its data is removed at the end)"
+                % (etcd.client_url, etcd.proc.pid, etcd.log_path))
         say("starting the orders upstream (demo/orders_upstream.py) on 127.0.0.1:%d ..." % UPSTREAM_PORT)
         upstream.start()
         say("  upstream    http://127.0.0.1:%d  pid %d  logs in %s"

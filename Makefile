@@ -72,6 +72,11 @@ wasm-target:
 etcd:
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq etcd-server etcd-client; }
 
+# curl (and bash) run the README's quick-start lines in tests/e2e/test_demo.py.
+.PHONY: curl
+curl:
+	@command -v curl >/dev/null || { apt-get update -qq && apt-get install -y -qq curl; }
+
 # cargo-fuzz needs the nightly toolchain.
 nightly:
 	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
@@ -150,7 +155,7 @@ lint: wasm-target
 	$(CARGO) clippy --all-targets -- -D warnings
 	$(CARGO) clippy --release --target $(WASM_TARGET) -- -D warnings
 
-e2e: build tools etcd
+e2e: build tools etcd curl
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) $(VENV_PY) -m pytest tests/e2e -q $(PYTEST_ARGS)
 
 check: lint unit

@@ -1,8 +1,10 @@
 """`make run`: the orders upstream on 127.0.0.1:8080 behind Envoy on 127.0.0.1:10000 (admin
 127.0.0.1:9901, envoy/envoy.yaml), started and stopped together through the kit (idemkit/).
-Envoy logs to this terminal; Ctrl-C (or SIGTERM) stops both. With `--etcd` (`make run-etcd`) the
-filter keeps its records in an etcd started here on 127.0.0.1:2379 (envoy/envoy-etcd.yaml; its
-data directory is temporary and removed at the end).
+It says what it starts and where, then prints the README's quick-start curl lines. Envoy logs to
+this terminal. Ctrl-C, SIGTERM or SIGHUP (a closed terminal) stops everything it started, also
+when only this process got the signal; a second Ctrl-C does not cut that cleanup short. With
+`--etcd` (`make run-etcd`) the filter keeps its records in an etcd started here on
+127.0.0.1:2379 (envoy/envoy-etcd.yaml; its data directory is temporary and removed at the end).
 
     python -m demo.run --envoy BIN [--etcd] [--log-level warn] [--component-log-level wasm:info]
 
@@ -12,6 +14,8 @@ Run from the repository root (envoy/envoy.yaml names dist/idempotency_filter.was
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -23,29 +27,34 @@ from idemkit.process import Upstream
 
 UPSTREAM_PORT = 8080  # envoy/envoy.yaml's cluster `orders`
 ETCD_PORT = 2379  # envoy/envoy-etcd.yaml's cluster `etcd`
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-HELP = """
-orders upstream on 127.0.0.1:8080, Envoy on 127.0.0.1:10000 (admin 127.0.0.1:9901).
-Try, from another shell (Ctrl-C here stops both):
+# The README's quick-start block: this marker, then a fenced sh block. tests/e2e/test_demo.py
+# runs its lines against this very demo, so what is printed here is what the README says.
+QUICKSTART_MARKER = "<!-- quickstart-curl"
 
-  K=order-$RANDOM
 
-  # 1. first call: 201, executed by the upstream
-  curl -si localhost:10000/orders -H "idempotency-key: $K" -H 'content-type: application/json' -d '{"item":"book","qty":1}'
+def quickstart_block(readme: str) -> list[str]:
+    """The lines of the README's quick-start block (comments and blank lines included)."""
+    _, marker, rest = readme.partition(QUICKSTART_MARKER)
+    m = re.search(r"^```sh\n(.*?)^```", rest, re.S | re.M) if marker else None
+    if m is None:
+        raise ValueError("README.md has no %s ...> block followed by a ```sh block" % QUICKSTART_MARKER)
+    return m.group(1).splitlines()
 
-  # 2. the same call again: a replay (same body, header idempotent-replayed: true)
-  curl -si localhost:10000/orders -H "idempotency-key: $K" -H 'content-type: application/json' -d '{"item":"book","qty":1}'
 
-  # 3. same key, different body: 422 application/problem+json
-  curl -si localhost:10000/orders -H "idempotency-key: $K" -H 'content-type: application/json' -d '{"item":"book","qty":2}'
+def say(line: str = "") -> None:
+    print("make run: " + line if line else "", flush=True)
 
-  # 4. in-flight conflict: a slow call (3 s) in the background, then the same key again: 409
-  curl -s -o /dev/null -w 'slow call: %{http_code}\\n' localhost:10000/orders -H "idempotency-key: $K-slow" -H 'x-delay-ms: 3000' -d '{}' &
-  sleep 0.5; curl -si localhost:10000/orders -H "idempotency-key: $K-slow" -d '{}'
 
-  # how often the upstream really executed, and the filter's counters
-  curl -s localhost:8080/_admin/executions; echo; curl -s 'localhost:9901/stats?filter=wasmcustom'
-"""
+def _stop_on(signum, _frame) -> None:
+    """The first stop signal ends the run through the `finally` in main; the ones after it are
+    ignored from here on, so a second Ctrl-C cannot cut the cleanup short."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str]) -> int:
@@ -59,30 +68,67 @@ def main(argv: list[str]) -> int:
     p.add_argument("--log-level", default="warn")
     p.add_argument("--component-log-level", default="wasm:info")
     a = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop both in the finally below
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _stop_on)
 
-    config = a.config or str(REPO_ROOT / "envoy" / ("envoy-etcd.yaml" if a.etcd else "envoy.yaml"))
+    config = Path(a.config or REPO_ROOT / "envoy" / ("envoy-etcd.yaml" if a.etcd else "envoy.yaml"))
     upstream = Upstream("demo-upstream", port=UPSTREAM_PORT)
     etcd = Etcd("demo-etcd", client_port=ETCD_PORT) if a.etcd else None
-    envoy = Envoy(a.envoy, Path(config), "demo", a.concurrency, a.log_level,
+    envoy = Envoy(a.envoy, config, "demo", a.concurrency, a.log_level,
                   a.component_log_level, console=True)
     try:
+        say("pid %d; Ctrl-C here (or kill %d) stops everything it started" % (os.getpid(), os.getpid()))
         if etcd is not None:
+            say("starting etcd on 127.0.0.1:%d ..." % ETCD_PORT)
             etcd.start()
+            say("  etcd        %s  pid %d  log %s (its data is removed at the end)"
+                % (etcd.client_url, etcd.proc.pid, etcd.log_path))
+        say("starting the orders upstream (demo/orders_upstream.py) on 127.0.0.1:%d ..." % UPSTREAM_PORT)
         upstream.start()
+        say("  upstream    http://127.0.0.1:%d  pid %d  logs in %s"
+            % (upstream.port, upstream.proc.pid, upstream.log_dir))
+        say("starting Envoy with %s (compiles the Wasm module: a few seconds) ..." % _shown(config))
         envoy.start(timeout=60)
-        print(HELP, flush=True)
+        say("  Envoy       http://127.0.0.1:%d  pid %d  logs to this terminal" % (envoy.port, envoy.proc.pid))
+        say("  Envoy admin http://127.0.0.1:%d  (/stats/prometheus, /stats?filter=idempotency)"
+            % envoy.admin_port)
+        say("ready. Try, from another shell (README.md, Quick start):")
+        say()
+        print("\n".join("  " + line if line else "" for line in _quickstart()), flush=True)
+        say()
+        say("Ctrl-C here stops %s." % ("Envoy, the upstream and etcd" if etcd else "Envoy and the upstream"))
         return envoy.wait_exit(None) or 0
     except KeyboardInterrupt:
         return 130
-    except RuntimeError as exc:  # the upstream or Envoy did not start (port taken, bad config)
+    except (RuntimeError, OSError) as exc:  # did not start (port taken, bad config, no binary)
         print("make run: %s" % exc, file=sys.stderr)
         return 1
     finally:
-        envoy.stop()
-        upstream.stop()
-        if etcd is not None:
-            etcd.stop()
+        # Whatever ended the run (Envoy exited, a start failed): no signal cuts the cleanup short.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        stopped = []
+        for name, proc in (("Envoy", envoy), ("upstream", upstream), ("etcd", etcd)):
+            pid = proc.proc.pid if proc is not None and proc.proc is not None else None
+            if proc is not None:
+                proc.stop()
+            if pid is not None:
+                stopped.append("%s (pid %d)" % (name, pid))
+        say("stopped " + (", ".join(stopped) or "nothing"))
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _quickstart() -> list[str]:
+    try:
+        return quickstart_block((REPO_ROOT / "README.md").read_text())
+    except (OSError, ValueError) as exc:
+        return ["(no quick-start lines: %s)" % exc]
 
 
 if __name__ == "__main__":

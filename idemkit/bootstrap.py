@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from idemkit import REPO_ROOT
+
 MiB = 1024 * 1024
 LOCALHOST = "127.0.0.1"
 
@@ -20,6 +22,19 @@ LOCALHOST = "127.0.0.1"
 def _copy(value: Any) -> Any:
     """A deep copy of a JSON value (callers may reuse what they passed)."""
     return json.loads(json.dumps(value))
+
+
+def shipped_stats_config(path: Path | str | None = None) -> dict:
+    """The `stats_config` of a shipped Envoy config (default: envoy/envoy.yaml), so tests run
+    with the very stats tags users get. The block is written as JSON (valid YAML too), which the
+    standard library reads without a YAML parser: the value after `stats_config:` is decoded up
+    to its closing brace."""
+    path = Path(path or REPO_ROOT / "envoy" / "envoy.yaml")
+    _, sep, rest = path.read_text().partition("\nstats_config:")
+    if not sep:
+        raise ValueError("%s has no top-level stats_config" % path)
+    value, _ = json.JSONDecoder().raw_decode(rest.lstrip())
+    return value
 
 
 def socket_address(port: int) -> dict:
@@ -309,6 +324,7 @@ def orders_proxy(
     post_filters: Sequence[dict] = (),
     enable_trailers: bool = True,
     failure_policy: str = "FAIL_RELOAD",
+    stats_config: dict | None = None,
 ) -> dict:
     """The proxy in front of the orders upstream (cluster `orders`).
 
@@ -320,6 +336,8 @@ def orders_proxy(
 
     HTTP filter chain: `pre_filters` (e.g. jwt_authn), the idempotency filter, `post_filters`
     (e.g. a local rate limit that answers locally after the filter claimed), the router.
+    `stats_config`: the bootstrap's (e.g. `shipped_stats_config()`, the stats tags of
+    envoy/envoy.yaml).
     """
     if filter_config is not None and wasm_path is None:
         raise ValueError("a filter configuration needs wasm_path")
@@ -347,6 +365,9 @@ def orders_proxy(
         cluster("orders", upstream_port, trailers),
         cluster("unreachable", unreachable_port, trailers),
     ] + list(extra_clusters)
-    return bootstrap(
+    config = bootstrap(
         hcm, clusters, buffer_limit if connection_buffer_limit is None else connection_buffer_limit
     )
+    if stats_config is not None:
+        config["stats_config"] = _copy(stats_config)
+    return config

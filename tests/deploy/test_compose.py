@@ -1,0 +1,260 @@
+"""deploy/compose/docker-compose.yaml without a Docker engine: the file is valid, its images are
+pinned to what the tests run, everything it mounts exists, its Envoy config is envoy/envoy-etcd.yaml
+with compose addresses (and passes `envoy --mode validate`), and that config run for real, twice,
+against one real etcd and the demo upstream, runs the README's curl lines: a call on replica A is
+replayed on replica B."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+import subprocess
+import urllib.parse
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+from conftest import envoy_validate
+from idemkit import REPO_ROOT
+from idemkit.client import Response, request
+from idemkit.envoy import Envoy
+from idemkit.etcd import Etcd, etcd_binary
+from idemkit.process import Upstream
+from manifests import COMPOSE_FILE, envoy_version, load, walk
+
+COMPOSE_DIR = COMPOSE_FILE.parent
+ENVOY_SERVICES = ("envoy-a", "envoy-b")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load(COMPOSE_FILE)
+
+
+def _mounts(service: dict) -> list[tuple[str, str]]:
+    """(source, target) of each short-syntax volume."""
+    out = []
+    for v in service.get("volumes", []):
+        assert isinstance(v, str), "long-syntax volume not expected: %r" % (v,)
+        parts = v.split(":")
+        assert len(parts) in (2, 3), v
+        out.append((parts[0], parts[1]))
+    return out
+
+
+def _bind_source(src: str) -> Path | None:
+    """The repository path of a bind mount, None for a named volume."""
+    if not src.startswith((".", "/")):
+        return None
+    assert not src.startswith("/"), "absolute host path in the compose file: %s" % src
+    return (COMPOSE_DIR / src).resolve()
+
+
+def _envoy_config_source(service: dict) -> Path:
+    cmd = service["command"]
+    target = cmd[cmd.index("-c") + 1]
+    sources = [_bind_source(s) for s, t in _mounts(service) if t == target]
+    assert len(sources) == 1 and sources[0] is not None, "%s is not bind-mounted" % target
+    return sources[0]
+
+
+def test_services(compose):
+    assert set(compose["services"]) == {"etcd", "orders", *ENVOY_SERVICES}
+    for name, svc in compose["services"].items():
+        assert svc.get("image"), name
+    # Two replicas on their own host ports, loopback only.
+    published = [p for name in ENVOY_SERVICES for p in compose["services"][name]["ports"]]
+    assert len(set(published)) == len(published)
+    assert all(p.startswith("127.0.0.1:") for p in published), published
+    listener_ports = {name: [p for p in compose["services"][name]["ports"] if p.endswith(":10000")]
+                      for name in ENVOY_SERVICES}
+    assert all(len(v) == 1 for v in listener_ports.values()), listener_ports
+
+
+def test_images_are_pinned_to_what_the_tests_run(compose):
+    services = compose["services"]
+    for name in ENVOY_SERVICES:
+        assert services[name]["image"] == "envoyproxy/envoy:v" + envoy_version()
+    out = subprocess.run([str(etcd_binary()), "--version"], capture_output=True, text=True, timeout=30)
+    m = re.search(r"etcd Version: (\S+)", out.stdout)
+    assert m, out.stdout + out.stderr
+    assert services["etcd"]["image"].endswith(":v" + m.group(1)), (services["etcd"]["image"], m.group(1))
+    # The upstream image: an exact release, not a moving tag.
+    assert re.fullmatch(r"python:3\.\d+\.\d+-slim-\w+", services["orders"]["image"]), services["orders"]["image"]
+
+
+def test_every_mount_exists(compose):
+    declared = set(compose.get("volumes") or {})
+    for name, svc in compose["services"].items():
+        for src, target in _mounts(svc):
+            assert PurePosixPath(target).is_absolute(), (name, target)
+            path = _bind_source(src)
+            if path is None:
+                assert src in declared, "%s: named volume %s is not declared" % (name, src)
+                continue
+            assert path.is_relative_to(REPO_ROOT), (name, src)
+            # dist/ is `make build`'s output; everything else is in the repository.
+            assert path.is_file(), "%s mounts %s, which does not exist (make build?)" % (name, path)
+
+
+def test_what_the_services_run_is_mounted(compose):
+    services = compose["services"]
+    orders_targets = {t for _, t in _mounts(services["orders"])}
+    script = [a for a in services["orders"]["command"] if a.endswith(".py")]
+    assert script and script[0] in orders_targets
+    for name in ENVOY_SERVICES:
+        svc = services[name]
+        targets = {t: _bind_source(s) for s, t in _mounts(svc)}
+        config_path = _envoy_config_source(svc)
+        # The file that `make validate` and tests/e2e/test_config.py validate (every envoy/*.yaml).
+        assert config_path.parent == REPO_ROOT / "envoy", config_path
+        cfg = load(config_path)
+        modules = [d["filename"] for d in walk(cfg) if "filename" in d and str(d["filename"]).endswith(".wasm")]
+        assert modules == ["dist/idempotency_filter.wasm"], modules
+        mounted_at = str(PurePosixPath(svc["working_dir"]) / modules[0])
+        assert targets.get(mounted_at) == REPO_ROOT / "dist" / "idempotency_filter.wasm", (mounted_at, targets)
+
+
+def _without_addresses(cfg: dict) -> dict:
+    cfg = copy.deepcopy(cfg)
+    for d in walk(cfg):
+        if "socket_address" in d:
+            d["socket_address"] = "<address>"
+    for c in cfg["static_resources"]["clusters"]:
+        c.pop("type", None)
+        c.pop("dns_lookup_family", None)
+    return cfg
+
+
+def test_compose_envoy_config_is_the_etcd_config_with_other_addresses(compose):
+    compose_cfg = load(_envoy_config_source(compose["services"]["envoy-a"]))
+    etcd_cfg = load(REPO_ROOT / "envoy" / "envoy-etcd.yaml")
+    assert _without_addresses(compose_cfg) == _without_addresses(etcd_cfg)
+    addresses = {(d["socket_address"]["address"], d["socket_address"]["port_value"])
+                 for d in walk(compose_cfg) if "socket_address" in d}
+    # Service names of this compose file, and the container's own interfaces.
+    assert addresses == {("0.0.0.0", 9901), ("0.0.0.0", 10000), ("orders", 8080), ("etcd", 2379)}
+    assert set(compose["services"]) >= {"orders", "etcd"}
+
+
+def test_compose_envoy_config_validates(compose, envoy_bin, filter_wasm):
+    proc = envoy_validate(envoy_bin, _envoy_config_source(compose["services"]["envoy-a"]))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "OK" in proc.stdout + proc.stderr
+
+
+def _native(cfg: dict, upstream_port: int, etcd_port: int, wasm: Path) -> dict:
+    """The compose config on loopback: what Docker's network does, done with free ports."""
+    cfg = copy.deepcopy(cfg)
+    cfg["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": 0}
+    for listener in cfg["static_resources"]["listeners"]:
+        listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": 0}
+    ports = {"orders": upstream_port, "etcd": etcd_port}
+    for c in cfg["static_resources"]["clusters"]:
+        c["type"] = "STATIC"
+        c.pop("dns_lookup_family", None)
+        for d in walk(c["load_assignment"]):
+            if "socket_address" in d:
+                assert d["socket_address"]["address"] == c["name"]
+                d["socket_address"] = {"address": "127.0.0.1", "port_value": ports[c["name"]]}
+    for d in walk(cfg):
+        if str(d.get("filename", "")).endswith(".wasm"):
+            d["filename"] = str(wasm)
+    return cfg
+
+
+def _curl_lines(text: str, prefix: str = "") -> list[str]:
+    return [l[len(prefix):] for l in text.splitlines() if l.startswith(prefix + "curl ")]
+
+
+def _readme_compose_curls() -> list[str]:
+    """The curl lines of the README's compose recipe (the sh block that runs docker compose)."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```sh\n(.*?)```", readme, re.S) if "docker compose" in b]
+    assert len(blocks) == 1, "one compose recipe expected in README.md"
+    return _curl_lines(blocks[0])
+
+
+def _curl(line: str, ports: dict[int, int]) -> tuple[Response, str]:
+    """What curl does with `line`, sent to the local port standing in for its published port:
+    the request and its trailing comment (the output the docs promise)."""
+    command, _, comment = line.partition(" # ")
+    args = shlex.split(command)
+    assert args[0] == "curl"
+    headers: list[tuple[str, str]] = []
+    body = url = None
+    i = 1
+    while i < len(args):
+        a = args[i]
+        if a == "-H":
+            name, _, value = args[i + 1].partition(":")
+            headers.append((name.strip().lower(), value.strip()))
+            i += 2
+        elif a == "-d":
+            body = args[i + 1].encode()
+            i += 2
+        elif re.fullmatch(r"-[si]+", a):
+            i += 1
+        else:
+            assert url is None and not a.startswith("-"), "curl option not understood: %s" % a
+            url = a
+            i += 1
+    assert url is not None
+    parts = urllib.parse.urlsplit("http://" + url)
+    names = {n for n, _ in headers}
+    if "host" not in names:  # curl's default Host is the URL's authority
+        headers.append(("host", parts.netloc))
+    if body is not None and "content-type" not in names:
+        headers.append(("content-type", "application/x-www-form-urlencoded"))
+    path = parts.path + ("?" + parts.query if parts.query else "")
+    resp = request(ports[parts.port], "POST" if body is not None else "GET", path, body, headers)
+    return resp, comment.strip()
+
+
+def test_the_compose_file_shows_the_readme_curl_lines():
+    assert _curl_lines(COMPOSE_FILE.read_text(), "#   ") == _readme_compose_curls()
+
+
+def test_the_readme_curl_lines_replay_on_the_other_replica(compose, envoy_bin, filter_wasm):
+    """The README's compose recipe against the compose config run twice on one real etcd: the
+    call on A is replayed on B, executed once; a different payload on B gets 422; and without a
+    common Host header (curl's default), B's call is another scope and executes again."""
+    cfg = load(_envoy_config_source(compose["services"]["envoy-a"]))
+    # "127.0.0.1:10001:10000" -> 10001, the port the README's curl lines name
+    published = {name: int(p.split(":")[1]) for name in ENVOY_SERVICES
+                 for p in compose["services"][name]["ports"] if p.endswith(":10000")}
+    up = Upstream("compose-orders").start()
+    etcd = Etcd("compose-etcd").start()
+    replicas = {}
+    try:
+        native = _native(cfg, up.port, etcd.client_port, filter_wasm)
+        for name in ENVOY_SERVICES:
+            replicas[name] = Envoy(envoy_bin, native, name=name, log_level="warn",
+                                   component_log_level="wasm:info").start()
+        ports = {published[name]: replicas[name].port for name in ENVOY_SERVICES}
+        first_line, retry_line, executions_line = _readme_compose_curls()
+        first, _ = _curl(first_line, ports)
+        assert first.status == 201 and not first.replayed, first
+        retry, _ = _curl(retry_line, ports)
+        assert retry.status == 201 and retry.replayed and retry.body == first.body, retry
+        executions, promised = _curl(executions_line, ports)
+        assert executions.status == 200
+        assert json.loads(executions.body) == json.loads(promised) == {"key": "k-1", "count": 1}
+
+        other, _ = _curl(retry_line.replace('{"item":"book"}', '{"item":"pen"}'), ports)
+        assert other.status == 422, other
+
+        def without_host(line: str) -> str:
+            return line.replace(" -H 'host: orders.example'", "").replace("k-1", "k-2")
+
+        _curl(without_host(first_line), ports)
+        again, _ = _curl(without_host(retry_line), ports)
+        assert again.status == 201 and not again.replayed, again
+        assert up.executions("k-2") == 2
+    finally:
+        for r in replicas.values():
+            r.stop()
+        etcd.stop()
+        up.stop()

@@ -7,6 +7,8 @@
 #                       the refusal-vs-fill curve and the memory phase; writes BENCHMARKS.md and
 #                       bench/results.svg (BENCH_MEMORY=0: no memory phase)
 #   make bench-memory   the memory phase alone (1,000,000 distinct keys, RSS sampled)
+#   make bench-baseline the refusal-vs-fill curve alone, saved as bench/baseline/refusal-curve-<commit>.json
+#                       (bench/fill.py draws the one named there next to every run's curve)
 #   make bench-smoke    a few seconds of everything; fails only if the harness fails, never on numbers
 #   (make bench and bench-smoke also measure wait mode's wake-up latency: bench/wake_latency.py)
 #
@@ -26,7 +28,7 @@ BENCH_ARGS ?=
 BENCH_RUN = $(VENV_PY) -m bench.run --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM) \
 	--noop-wasm $(BENCH_NOOP_WASM) --naive-wasm $(BENCH_NAIVE_WASM) --loadgen $(BENCH_LOADGEN)
 
-.PHONY: bench bench-memory bench-smoke bench-bins
+.PHONY: bench bench-memory bench-smoke bench-bins bench-baseline
 
 # The load generator (native), the no-op and the naive filters (Wasm): workspace members built
 # into the root target directory (gitignored). The naive filter goes through wasm-opt like the
@@ -48,3 +50,6 @@ bench-memory: build tools bench-bins
 
 bench-smoke: build tools bench-bins
 	$(BENCH_RUN) --smoke --command "make bench-smoke" $(BENCH_ARGS)
+
+bench-baseline: build tools bench-bins
+	$(BENCH_RUN) --fill only --fill-save bench/baseline/refusal-curve-$$(git rev-parse --short=7 HEAD).json $(BENCH_ARGS)

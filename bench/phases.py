@@ -337,6 +337,9 @@ class Bench:
         log(f"  {len(self.scenarios) + 1} Envoys ready in {time.monotonic() - t0:.1f}s "
             f"(upstream :{self.upstream.port}, proxies " + ", ".join(f"s{s.sid} :{s.envoy.port}" for s in self.scenarios)
             + (f"; etcd :{self.etcd.client_port}" if self.etcd else "") + ")")
+        s6 = self.sid(6)
+        if s6 and s6.envoy:
+            self.check_naive(s6.envoy)
         # The replay scenarios: store the keys they will replay.
         for s in self.scenarios:
             if s.keys != "replay":
@@ -347,6 +350,15 @@ class Bench:
             self.check_result(f"s{s.sid}", r, "storing the replay keys", fatal=True)
             if r["ok"] != REPLAY_KEYS:
                 raise HarnessError(f"s{s.sid}: stored {r['ok']} of {REPLAY_KEYS} keys")
+
+    def check_naive(self, env: Envoy) -> None:
+        """The naive filter does its work: a key's first request goes through, the same key again
+        finds the claim (409 from the naive filter)."""
+        key = self.fresh_prefix("naive-check")
+        hdrs = {"content-type": "application/json", "idempotency-key": key}
+        got = [request(env.port, "POST", ORDERS, b'{"n":1}', hdrs, timeout=5).status for _ in range(2)]
+        if got != [201, 409]:
+            raise HarnessError(f"naive filter: a key sent twice got {got}, expected [201, 409]")
 
     def run_one(self, s: Scenario, duration: float, rate: float | None = None, label: str = "") -> tuple[dict, float, float]:
         kwargs: dict[str, Any] = {}

@@ -395,6 +395,7 @@ class Report:
         L.append("make bench            # build, full run, writes BENCHMARKS.md and bench/results.svg")
         L.append("make bench-memory     # the memory phase alone")
         L.append("make bench-smoke      # a few seconds of everything; fails only if the harness fails")
+        L.append("make bench-baseline   # the refusal curve alone, into bench/baseline/refusal-curve-<commit>.json")
         L.append("```")
         L.append("")
         L.append(f"The run above: {self.command}.")
@@ -479,6 +480,12 @@ def publish(b: Bench, command: str) -> None:
                 body = re.sub(r"^_\([^\n]*\)_\n\n", "", body)
                 text = put_section(text, MEMORY_HEADING, MEMORY_HEADING + "\n\n_(From an earlier run: this run had "
                                    "no memory phase.)_\n\n" + body)
+            kept_fill = get_section(old, fill.FILL_HEADING)
+            if not b.fill and kept_fill:
+                # --fill off: the previous run's refusal curve stays, marked as such.
+                body = re.sub(r"^_\([^\n]*\)_\n\n", "", kept_fill.split("\n", 1)[1].lstrip("\n"))
+                text = put_section(text, fill.FILL_HEADING, fill.FILL_HEADING + "\n\n_(From an earlier run: this run "
+                                   "had no refusal curve.)_\n\n" + body)
             kept_wake = get_section(old, WAKE_HEADING)
             if not b.wake and kept_wake:
                 text += "\n" + kept_wake  # --wake off: the previous run's wake-up section stays

@@ -2,10 +2,14 @@
 modules from the repository root: `python -m bench.run --help`.
 
     bench/run.py           command line: runs the phases, writes the raw results and the report
-    bench/phases.py        the Envoys of the benchmark and its phases (rounds, memory)
+    bench/phases.py        the Envoys of the benchmark and its phases (rounds, memory), etcd for 7 and 8
+    bench/fill.py          the refusal-vs-fill curve (its 45138ec baseline: bench/baseline/)
     bench/load.py          the load generator (bench/loadgen, Rust) and the statistics
     bench/wake_latency.py  wait mode's wake-up latency (run by run.py too)
-    bench/report.py        BENCHMARKS.md; bench/report_svg.py: bench/results.svg
+    bench/report.py        BENCHMARKS.md (with report_memory.py and report_more.py: naive filter,
+                           etcd); bench/report_svg.py: bench/results.svg
+
+Rust: bench/loadgen (load generator), bench/noop-filter and bench/naive-filter (Wasm baselines).
 
 Envoy processes, bootstraps and HTTP come from the kit (idemkit/).
 """

@@ -2,33 +2,45 @@
 # Included from the top Makefile (`include bench/bench.mk`); uses its CARGO, VENV_PY, ENVOY_BIN,
 # DIST_WASM and its build and tools targets.
 #
-#   make bench          all five scenarios interleaved in one run, then the memory phase;
-#                       writes BENCHMARKS.md and bench/results.svg (BENCH_MEMORY=0: no memory phase)
+#   make bench          all eight scenarios interleaved in one run (Envoy alone, no-op filter, the
+#                       filter three ways, a naive filter, the filter on a real etcd two ways), then
+#                       the refusal-vs-fill curve and the memory phase; writes BENCHMARKS.md and
+#                       bench/results.svg (BENCH_MEMORY=0: no memory phase)
 #   make bench-memory   the memory phase alone (1,000,000 distinct keys, RSS sampled)
+#   make bench-baseline the refusal-vs-fill curve alone, saved as bench/baseline/refusal-curve-<commit>.json
+#                       (bench/fill.py draws the one named there next to every run's curve)
 #   make bench-smoke    a few seconds of everything; fails only if the harness fails, never on numbers
 #   (make bench and bench-smoke also measure wait mode's wake-up latency: bench/wake_latency.py)
 #
-# BENCH_ARGS passes options to bench/run.py, e.g. BENCH_ARGS='--rounds 20 --duration 3'
+# BENCH_ARGS passes options to bench/run.py, e.g. BENCH_ARGS='--rounds 20 --duration 3', or
+# '--etcd off', '--fill off', '--fill-capacity 50000'
 # (`$(VENV_PY) -m bench.run --help` lists them). bench/run.py alone writes BENCHMARKS.md; it and
 # the kit it uses (idemkit/) are imported from the repository root, where make runs them.
 
 BENCH_TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 BENCH_LOADGEN := $(BENCH_TARGET_DIR)/release/loadgen
 BENCH_NOOP_WASM := $(BENCH_TARGET_DIR)/wasm32-wasip1/release/noop_filter.wasm
+BENCH_NAIVE_OUT := $(BENCH_TARGET_DIR)/wasm32-wasip1/release/naive_filter.wasm
+BENCH_NAIVE_WASM := $(BENCH_TARGET_DIR)/wasm32-wasip1/release/naive_filter.opt.wasm
 BENCH_MEMORY ?= 1
 BENCH_ARGS ?=
 
 BENCH_RUN = $(VENV_PY) -m bench.run --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM) \
-	--noop-wasm $(BENCH_NOOP_WASM) --loadgen $(BENCH_LOADGEN)
+	--noop-wasm $(BENCH_NOOP_WASM) --naive-wasm $(BENCH_NAIVE_WASM) --loadgen $(BENCH_LOADGEN)
 
-.PHONY: bench bench-memory bench-smoke bench-bins
+.PHONY: bench bench-memory bench-smoke bench-bins bench-baseline
 
-# The load generator (native) and the no-op filter (Wasm): each is its own Cargo workspace, built
-# into the root target directory (gitignored).
+# The load generator (native), the no-op and the naive filters (Wasm): workspace members built
+# into the root target directory (gitignored). The naive filter goes through wasm-opt like the
+# filter (`make build`), so both are compared as shipped.
 bench-bins:
 	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) $(CARGO) build --release --quiet --manifest-path bench/loadgen/Cargo.toml
 	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) $(CARGO) build --release --quiet --target wasm32-wasip1 \
 	  --manifest-path bench/noop-filter/Cargo.toml
+	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) $(CARGO) build --release --quiet --target wasm32-wasip1 \
+	  --manifest-path bench/naive-filter/Cargo.toml
+	@if [ -n "$(WASM_OPT)" ]; then "$(WASM_OPT)" $(WASM_OPT_FLAGS) $(BENCH_NAIVE_OUT) -o $(BENCH_NAIVE_WASM); \
+	else cp $(BENCH_NAIVE_OUT) $(BENCH_NAIVE_WASM); fi
 
 bench: build tools bench-bins
 	$(BENCH_RUN) --memory $(if $(filter 0 no off false,$(BENCH_MEMORY)),off,on) --command "make bench" $(BENCH_ARGS)
@@ -38,3 +50,6 @@ bench-memory: build tools bench-bins
 
 bench-smoke: build tools bench-bins
 	$(BENCH_RUN) --smoke --command "make bench-smoke" $(BENCH_ARGS)
+
+bench-baseline: build tools bench-bins
+	$(BENCH_RUN) --fill only --fill-save bench/baseline/refusal-curve-$$(git rev-parse --short=7 HEAD).json $(BENCH_ARGS)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import platform
 import re
@@ -19,7 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench import REPO, loadavg, log, rel
-from bench import report_svg
+from bench import fill, report_more, report_memory, report_svg
+from bench.report_memory import MEMORY_HEADING, memory_markdown
 from bench.load import BODY_BYTES, merge_hist, merge_status, parse_duration_s, quantile, spread
 from bench.phases import ORDERS, OTHER, REPLAY_KEYS
 from idemkit.envoy import CLK_TCK
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 KiB = 1024
 MiB = 1024 * 1024
-MEMORY_HEADING = "## Memory under unique keys"
 WAKE_HEADING = "## Wait mode: wake-up latency"
 
 
@@ -121,8 +120,10 @@ class Report:
                 "rss_warm_mib": s.rss_after_warmup.get("VmRSS", 0) / 1024,
                 "rss_end_mib": s.rss_end.get("VmRSS", 0) / 1024,
             }
-        for a_, b_ in [(2, 1), (3, 2), (4, 2), (5, 2), (4, 1)]:
-            ra, rb = self.b.scenarios[a_ - 1].closed, self.b.scenarios[b_ - 1].closed
+        for a_, b_ in [(2, 1), (3, 2), (4, 2), (5, 2), (4, 1)] + report_more.RATIOS:
+            if a_ not in self.rows or b_ not in self.rows:
+                continue
+            ra, rb = self.rows[a_]["s"].closed, self.rows[b_]["s"].closed
             self.ratios[f"{a_}/{b_}"] = spread([x["ok_rps"] / y["ok_rps"] for x, y in zip(ra, rb) if y["ok_rps"] > 0])
         # p99 added over scenario 2 (at the fixed open-loop rate when it ran, else closed loop).
         self.added = {}
@@ -132,9 +133,9 @@ class Report:
                 "open": self.rows[sid]["open_p99"] - self.rows[2]["open_p99"],
                 "open_p50": self.rows[sid]["open_p50"] - self.rows[2]["open_p50"],
                 "closed_rounds": spread([x["latency_us"]["p99"] - y["latency_us"]["p99"]
-                                         for x, y in zip(b.scenarios[sid - 1].closed, b.scenarios[1].closed)]),
+                                         for x, y in zip(self.rows[sid]["s"].closed, self.rows[2]["s"].closed)]),
                 "open_rounds": spread([x["latency_us"]["p99"] - y["latency_us"]["p99"]
-                                       for x, y in zip(b.scenarios[sid - 1].open, b.scenarios[1].open)]),
+                                       for x, y in zip(self.rows[sid]["s"].open, self.rows[2]["s"].open)]),
             }
         wasm_size = os.path.getsize(b.args.wasm)
         self.wasm_size = wasm_size
@@ -145,21 +146,27 @@ class Report:
         view = (f"median of the per-round differences, open loop at {b.open_rate:.0f} req/s" if use_open
                 else "median of the per-round differences, closed loop")
         r42, r52, r32 = self.ratios["4/2"]["median"], self.ratios["5/2"]["median"], self.ratios["3/2"]["median"]
+        # Issue 11's targets.
         self.targets = [
             ("throughput 4/2 >= 0.85", f"{r42:.3f}", r42 >= 0.85),
-            (f"p99 added by 4 over 2 <= 1 ms ({view})", f"{p99_added / 1000:+.3f} ms", p99_added <= 1000),
-            ("throughput 5/2 >= 1.2", f"{r52:.3f}", r52 >= 1.2),
-            ("throughput 3/2 >= 0.95", f"{r32:.3f}", r32 >= 0.95),
+            (f"p99 added by 4 over 2 <= 0.5 ms ({view})", f"{p99_added / 1000:+.3f} ms", p99_added <= 500),
+            ("throughput 5/2 >= 1.3", f"{r52:.3f}", r52 >= 1.3),
+            ("throughput 3/2 >= 0.97", f"{r32:.3f}", r32 >= 0.97),
             ("dist/idempotency_filter.wasm <= 250 KiB", f"{wasm_size:,} B ({wasm_size / KiB:.1f} KiB)", wasm_size <= 250 * KiB),
         ]
+        self.cpu_ratios = report_more.cpu_ratios(self)
+        self.targets += report_more.targets(self)
         if b.memory:
             m = b.memory
             self.targets.append(("RSS flat after capacity (last third of the memory curve grows < 5%)",
                                  f"{m['last_third_growth']:+.1%}, peak {m['peak_rss_kib'] / 1024:.0f} MiB"
                                  + ("" if m["levels_off"] is not None else f" ({m['result']['requests']:,} requests: too few to judge)"),
                                  m["levels_off"]))
+            self.targets.append(report_memory.target(m))
         else:
             self.targets.append(("RSS flat after capacity", "memory phase not run", None))
+        if b.fill:
+            self.targets += fill.targets(b.fill)
 
     # ---- text ----------------------------------------------------------------------------
 
@@ -186,8 +193,11 @@ class Report:
             out.append(f"Open loop at {b.open_rate:.0f} req/s, {a.open_rounds} rounds x {a.duration:g} s (latency from the scheduled send time)")
             out.append(f"{'#':>2} {'scenario':<52} {'p50 ms':>7} {'p99 ms':>7} {'p99.9':>7} {'p99 - p99(2)':>13}")
             for sid, r in self.rows.items():
-                added = "" if sid < 3 else f"{self.added[sid]['open'] / 1000:+.3f}"
+                if not r["s"].open:
+                    continue
+                added = f"{self.added[sid]['open'] / 1000:+.3f}" if sid in self.added else ""
                 out.append(f"{sid:>2} {r['s'].title:<52} {fmt_ms(r['open_p50']):>7} {fmt_ms(r['open_p99']):>7} {fmt_ms(r['open_p999']):>7} {added:>13}")
+        out.extend(report_more.text(self))
         out.append("")
         out.append("Targets (reported, never enforced):")
         for name, value, ok in self.targets:
@@ -221,13 +231,13 @@ class Report:
                  "`direct_response` route answering **201** with a fixed **1024-byte JSON** body.")
         L.append(f"- Request, identical in every scenario: `POST` with a **{BODY_BYTES}-byte JSON** body, "
                  "`content-type: application/json` and an `idempotency-key` header (a new key per request, "
-                 f"`<run>-<scenario>-<n>`; scenario 5 cycles through {REPLAY_KEYS} keys stored before the rounds). "
+                 f"`<run>-<scenario>-<n>`; scenarios 5 and 8 cycle through {REPLAY_KEYS} keys stored before the rounds). "
                  f"Path `{ORDERS}`, except scenario 3 (`{OTHER}`, which no rule matches).")
         L.append(f"- Load generator `bench/loadgen` (Rust, std only): {a.connections} keep-alive HTTP/1.1 connections, one thread each, "
                  "one request in flight per connection; microsecond log-linear latency histogram; every status checked "
                  "(201 expected; scenario 5 also requires `idempotent-replayed: true`).")
         L.append(f"- Closed loop: warm-up {a.warmup:g} s per scenario, then {a.rounds} rounds x {a.duration:g} s per scenario, "
-                 "interleaved with the order rotated every round (1 2 3 4 5, 2 3 4 5 1, ...). Throughput = median over rounds; "
+                 "interleaved with the order rotated every round (1 2 3 ... 8, 2 3 ... 8 1, ...). Throughput = median over rounds; "
                  "ratios are computed per round (A and B measured seconds apart) and given as median, IQR and min..max. "
                  "Latency percentiles are over the histograms of all rounds, at each scenario's own closed-loop saturation.")
         if b.open_rate:
@@ -282,7 +292,7 @@ class Report:
             "4/2": "filter on new keys (claim, forward, store), over the no-op filter",
             "5/2": "filter answering replays (no upstream), over the no-op filter",
             "4/1": "filter on new keys, over Envoy alone",
-        }
+        } | report_more.MEANING
         for k, v in self.ratios.items():
             L.append(f"| {k} | {meaning[k]} | **{v['median']:.3f}** | {v['p25']:.3f}..{v['p75']:.3f} | {v['min']:.3f}..{v['max']:.3f} |")
         L.append("")
@@ -318,6 +328,8 @@ class Report:
             L.append("| # | scenario | achieved req/s | p50 ms | p99 ms | p99.9 ms |")
             L.append("|---|---|---:|---:|---:|---:|")
             for sid, r in self.rows.items():
+                if not r["s"].open:
+                    continue
                 L.append(f"| {sid} | {r['s'].title} | {r['open_rps']['median']:.0f} | {fmt_ms(r['open_p50'])} | {fmt_ms(r['open_p99'])} | {fmt_ms(r['open_p999'])} |")
         L.append("")
         L.append("Memory and size:")
@@ -342,6 +354,9 @@ class Report:
         L.append("")
         L.append("![throughput and p99 per scenario](bench/results.svg)")
         L.append("")
+        L.extend(report_more.markdown(self))
+        if b.fill:
+            L.extend(fill.markdown(b.fill, fill.baseline()))
         if b.memory:
             L.extend(self.memory_markdown())
         L.append("## Targets")
@@ -380,6 +395,7 @@ class Report:
         L.append("make bench            # build, full run, writes BENCHMARKS.md and bench/results.svg")
         L.append("make bench-memory     # the memory phase alone")
         L.append("make bench-smoke      # a few seconds of everything; fails only if the harness fails")
+        L.append("make bench-baseline   # the refusal curve alone, into bench/baseline/refusal-curve-<commit>.json")
         L.append("```")
         L.append("")
         L.append(f"The run above: {self.command}.")
@@ -394,89 +410,6 @@ class Report:
 
     def svg(self) -> str:
         return report_svg.render(self)
-
-
-def memory_markdown(m: dict, note: str = "") -> list[str]:
-    r = m["result"]
-    L = [MEMORY_HEADING, ""]
-    if note:
-        L += [note, ""]
-    idle = m["idle_kib"].get("VmRSS", 0) / 1024
-    L.append(f"One more proxy Envoy with the filter (local store capacity 100000, ttl `{m['ttl']}`, "
-             f"processing_timeout `{m['ttl']}`) takes {m['requests']:,} requests, each with a new key, "
-             f"closed loop, {r['connections']} connections: {r['requests']:,} answered in {r['elapsed_s']:.1f} s "
-             f"({r['ok_rps']:.0f}/s); statuses {', '.join(f'{k}: {n:,}' for k, n in sorted(r['statuses'].items()))}. "
-             f"Filter counters (non-zero): {', '.join(f'{k} {n:,}' for k, n in sorted(m['counters'].items()) if n)}; "
-             f"records swept {m['swept']:,}.")
-    L.append("")
-    L.append(f"Bound (README): capacity x (record entry 93 B in its bucket + snapshot slot value) + fixed cost. "
-             f"Here a slot value is 45 B + 4 B body length + the kept response headers (6 B + name + value each: "
-             f"content-type, date, server, x-envoy-upstream-service-time) + the 1024-byte body = about {m['slot_bytes']} B, "
-             f"so 100000 x {m['per_record']} B = **{m['bound_records_mib']:.0f} MiB** of record bytes (before allocator "
-             f"overhead), on top of the fixed cost: this Envoy's RSS right after start (Envoy, the V8 VMs, and all "
-             f"{100000 // 8 * 9 + 2:,} shared-data keys created empty) = **{idle:.1f} MiB**. "
-             f"Bound = about **{idle + m['bound_records_mib']:.0f} MiB**.")
-    L.append("")
-    ac = m.get("after_capacity")
-    L.append(f"Peak RSS in this phase: **{m['peak_rss_kib'] / 1024:.1f} MiB**. The last third of the samples grows "
-             f"**{m['last_third_growth']:+.1%}** ("
-             + {True: "levels off", False: "still growing", None: "too few requests to judge"}[m["levels_off"]]
-             + "; target < 5%)"
-             + (f"; from the first sample after 100,000 requests ({ac['rss_kib'] / 1024:.1f} MiB at {ac['requests']:,}) "
-                f"to the end: {m['after_capacity_growth']:+.1%}" if ac else "")
-             + f". Envoy CPU per request here: {m['cpu_us_per_req']:.1f} µs. The curve is the third panel of "
-             "`bench/results.svg`.")
-    L.append("")
-    # Bucket fill: a key can only go to its hash's bucket (8 entries), so store_full starts long
-    # before `capacity` records are live. With L live records in B buckets, a new key is refused
-    # with probability ~ P(Poisson(L / B) >= 8).
-    rate = r["ok_rps"]
-    live = rate * parse_duration_s(m["ttl"])
-    L.append(f"Bucket fill. A key can only be placed in its hash's bucket of 8, so `503 store_full` starts long "
-             f"before 100000 records are live: with L live records in 12500 buckets a new key is refused with "
-             f"probability about P(Poisson(L/12500) >= 8). Here L is about rate x ttl = {rate:.0f}/s x {m['ttl']} = "
-             f"{live:,.0f} records, which predicts {poisson_tail(live / 12500, 8):.1e} of new keys refused; measured "
-             f"{m['counters'].get('store_full', 0):,} of {r['requests']:,} "
-             f"({m['counters'].get('store_full', 0) / max(1, r['requests']):.1e}). The same estimate for other loads:")
-    L.append("")
-    L.append("| live records (share of capacity) | new keys refused as store_full |")
-    L.append("|---:|---:|")
-    for share in (0.05, 0.10, 0.25, 0.50, 0.75):
-        x = poisson_tail(100000 * share / 12500, 8)
-        L.append(f"| {int(100000 * share):,} ({share:.0%}) | {f'{x:.2%}' if x >= 1e-4 else f'{x:.1e}'} |")
-    L.append("")
-    samples = m["samples"]
-    step = max(1, -(-len(samples) // 30))
-    shown = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
-    L.append(f"RSS curve ({'every sample' if step == 1 else f'every {step}th sample, all of them below'}):")
-    L.append("")
-    L.append("| t (s) | requests | RSS MiB | stored | store_full | swept |")
-    L.append("|---:|---:|---:|---:|---:|---:|")
-    for x in shown:
-        L.append(f"| {x['t']:.1f} | {x['requests']:,} | {x['rss_kib'] / 1024:.1f} | {x['stored']:,} | {x['store_full']:,} | {x['swept']:,} |")
-    L.append("")
-    if step > 1:
-        L.append("<details><summary>all samples (t s, requests, RSS KiB)</summary>")
-        L.append("")
-        L.append("```")
-        for x in samples:
-            L.append(f"{x['t']:.2f} {x['requests']} {x['rss_kib']}")
-        L.append("```")
-        L.append("")
-        L.append("</details>")
-        L.append("")
-    return L
-
-
-def poisson_tail(lam: float, k: int) -> float:
-    """P(X >= k) for X ~ Poisson(lam)."""
-    if lam != lam or lam <= 0:
-        return 0.0
-    term, cdf = math.exp(-lam), 0.0
-    for i in range(k):
-        cdf += term
-        term *= lam / (i + 1)
-    return max(0.0, 1.0 - cdf)
 
 
 def get_section(text: str, heading: str) -> str | None:
@@ -547,6 +480,12 @@ def publish(b: Bench, command: str) -> None:
                 body = re.sub(r"^_\([^\n]*\)_\n\n", "", body)
                 text = put_section(text, MEMORY_HEADING, MEMORY_HEADING + "\n\n_(From an earlier run: this run had "
                                    "no memory phase.)_\n\n" + body)
+            kept_fill = get_section(old, fill.FILL_HEADING)
+            if not b.fill and kept_fill:
+                # --fill off: the previous run's refusal curve stays, marked as such.
+                body = re.sub(r"^_\([^\n]*\)_\n\n", "", kept_fill.split("\n", 1)[1].lstrip("\n"))
+                text = put_section(text, fill.FILL_HEADING, fill.FILL_HEADING + "\n\n_(From an earlier run: this run "
+                                   "had no refusal curve.)_\n\n" + body)
             kept_wake = get_section(old, WAKE_HEADING)
             if not b.wake and kept_wake:
                 text += "\n" + kept_wake  # --wake off: the previous run's wake-up section stays

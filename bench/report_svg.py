@@ -1,10 +1,13 @@
-"""bench/results.svg: throughput and p99 per scenario, and the memory curve, drawn by hand from a
-bench.report.Report (no plotting library: the bench is standard library only)."""
+"""bench/results.svg: throughput and p99 per scenario, the memory curve and the refusal-vs-fill
+curve (next to the one kept in bench/baseline/), drawn by hand from a bench.report.Report (no
+plotting library: the bench is standard library only)."""
 
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING
+
+from bench import fill as fill_phase
 
 if TYPE_CHECKING:
     from bench.report import Report
@@ -16,8 +19,12 @@ def render(rep: Report) -> str:
     mem = b.memory
     W = 940
     panel_w, top, bottom = 390, 80, 320
-    H = 420 if not mem else 740
-    colors = {1: "#6b7280", 2: "#9ca3af", 3: "#60a5fa", 4: "#2563eb", 5: "#16a34a"}
+    H = 440 if not mem else 740
+    fill_top = H + 40  # the refusal curve's panel, below the others
+    if b.fill:
+        H += 320
+    colors = {1: "#6b7280", 2: "#9ca3af", 3: "#60a5fa", 4: "#2563eb", 5: "#16a34a", 6: "#f59e0b",
+              7: "#7c3aed", 8: "#a855f7"}
 
     def esc(t: str) -> str:
         return t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
@@ -143,5 +150,43 @@ def render(rep: Report) -> str:
         parts.append(f'<polyline points="{pts}" fill="none" stroke="#2563eb" stroke-width="2"/>')
         for xv, yv in zip(xs, ys):
             parts.append(f'<circle cx="{x0 + width * xv / xmax:.1f}" cy="{y_bottom - h * yv / ymax:.1f}" r="2" fill="#2563eb"/>')
+    if b.fill:
+        refusal_panel(parts, b.fill, fill_phase.baseline(), fill_top, axes, esc)
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
+
+
+def refusal_panel(parts: list[str], f: dict, base: dict | None, y_top: float, axes, esc) -> None:
+    """Share of new keys refused (503 store_full) per fill band, this run and the baseline."""
+    x0, width = 70, 830
+    y_bottom = y_top + 220
+    h = y_bottom - y_top
+    parts.append(f'<text x="{x0 + width / 2}" y="{y_top - 18}" text-anchor="middle" font-size="13">'
+                 f'Refusals as the store fills: new keys refused (503 store_full) per fill band '
+                 f'(live records / capacity; capacity {f["capacity"]:,}, ttl 24h)</text>')
+    axes(x0, y_top, y_bottom, width, 100.0, lambda v: f"{v:.0f}%")
+    n = len(f["bands"])
+    slot = width / n
+    for i, x in enumerate(f["bands"]):
+        parts.append(f'<text x="{x0 + slot * (i + 0.5):.1f}" y="{y_bottom + 16}" text-anchor="middle" '
+                     f'fill="#374151" font-size="10">{esc(x["band"])}</text>')
+    parts.append(f'<text x="{x0 + width / 2}" y="{y_bottom + 34}" text-anchor="middle" fill="#374151">'
+                 'fill when the key arrived (live records / capacity)</text>')
+    tx = x0 + slot * 9
+    parts.append(f'<line x1="{tx:.1f}" y1="{y_top}" x2="{tx:.1f}" y2="{y_bottom}" stroke="#dc2626" stroke-dasharray="3 3"/>')
+    parts.append(f'<text x="{tx - 4:.1f}" y="{y_top + 12}" text-anchor="end" fill="#dc2626" font-size="10">'
+                 'target: &lt; 0.1% below 90%</text>')
+    series = [(f["bands"], "#2563eb", "", "this run")]
+    if base and len(base.get("bands", [])) == n:
+        series.append((base["bands"], "#6b7280", ' stroke-dasharray="6 4"',
+                       f"commit {base.get('commit', '?')} (capacity {base['capacity']:,})"))
+    for k, (bands, color, dash, label) in enumerate(series):
+        pts = [(x0 + slot * (i + 0.5), y_bottom - h * x["rate"]) for i, x in enumerate(bands) if x.get("rate") is not None]
+        if pts:
+            parts.append(f'<polyline points="{" ".join(f"{px:.1f},{py:.1f}" for px, py in pts)}" fill="none" '
+                         f'stroke="{color}" stroke-width="2"{dash}/>')
+            for px, py in pts:
+                parts.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3" fill="{color}"/>')
+        ly = y_top + 14 + 16 * k
+        parts.append(f'<line x1="{x0 + 12}" y1="{ly - 4}" x2="{x0 + 36}" y2="{ly - 4}" stroke="{color}" stroke-width="2"{dash}/>'
+                     f'<text x="{x0 + 42}" y="{ly}" font-size="11">{esc(label)}</text>')

@@ -5,10 +5,11 @@ Started by `make bench` / `make bench-smoke` / `make bench-memory` (bench/bench.
 `python -m bench.run` from the repository root; Python 3.11 standard library and the kit
 (idemkit/). Everything binds 127.0.0.1; nothing is fetched.
 
-The phases (bench/phases.py): five scenarios, each its own proxy Envoy in front of one fast
-upstream Envoy, run in interleaved closed-loop rounds and then open loop at one fixed rate; the
-memory phase (1,000,000 distinct keys, RSS sampled); wait mode's wake-up latency
-(bench/wake_latency.py). The load generator is bench/loadgen (Rust, std only): the same request
+The phases (bench/phases.py): eight scenarios (Envoy alone, no-op filter, the filter on the
+local store three ways, a naive idempotency filter, the filter on a real etcd two ways), each its
+own proxy Envoy in front of one fast upstream Envoy, run in interleaved closed-loop rounds and
+then open loop at one fixed rate; the refusal-vs-fill curve (bench/fill.py); the memory phase
+(1,000,000 distinct keys, RSS sampled); wait mode's wake-up latency (bench/wake_latency.py). The load generator is bench/loadgen (Rust, std only): the same request
 (POST, ~1 KiB JSON body, an idempotency-key header), the same connection count, in every
 scenario. Throughput ratios are computed per round and summarised as the median with IQR and
 min/max; percentiles come from the histograms merged over all rounds.
@@ -28,12 +29,13 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from bench import OUT_DIR, REPO, HarnessError, log, rel
-from bench import report, wake_latency
+from bench import fill, report, wake_latency
 from bench.phases import Bench
 
 KiB = 1024
@@ -44,7 +46,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--envoy", required=True, help="the Envoy binary")
     p.add_argument("--wasm", default="dist/idempotency_filter.wasm")
     p.add_argument("--noop-wasm", default="target/wasm32-wasip1/release/noop_filter.wasm")
+    p.add_argument("--naive-wasm", default="target/wasm32-wasip1/release/naive_filter.opt.wasm",
+                   help="the naive idempotency filter (bench/naive-filter), scenario 6; '' to leave it out")
     p.add_argument("--loadgen", default="target/release/loadgen")
+    p.add_argument("--etcd", choices=["on", "off"], default="on",
+                   help="scenarios 7 and 8: the filter on a real etcd (started and stopped here)")
+    p.add_argument("--fill", choices=["on", "off", "only"], default="on",
+                   help="the refusal-vs-fill curve (bench/fill.py); 'only': nothing else, no report")
+    p.add_argument("--fill-capacity", type=int, default=20000)
+    p.add_argument("--fill-batches", type=int, default=200, help="batches per capacity's worth of keys")
+    p.add_argument("--fill-save", default=None,
+                   help="write the curve to this JSON file (bench/baseline/refusal-curve-<commit>.json)")
     p.add_argument("--connections", type=int, default=8)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--duration", type=float, default=1.5, help="seconds per scenario per round")
@@ -78,9 +90,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.memory_requests = min(a.memory_requests, 5000)
         a.memory_interval = 0.5
         a.wake_samples = 5
+        a.fill_capacity, a.fill_batches = min(a.fill_capacity, 1000), 40
         # The report is rendered (so the smoke run covers its code) where nobody reads it.
         a.report, a.svg = str(OUT_DIR / "BENCHMARKS.smoke.md"), str(OUT_DIR / "results.smoke.svg")
-    for name in ("wasm", "noop_wasm", "loadgen", "envoy"):
+    if a.fill == "only":
+        a.memory, a.wake, a.etcd = "off", "off", "off"
+    for name in ("wasm", "noop_wasm", "naive_wasm", "loadgen", "envoy"):
+        if not getattr(a, name):
+            continue
         path = Path(getattr(a, name))
         if not path.is_absolute():
             path = (REPO / path)
@@ -89,6 +106,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         setattr(a, name, str(path))
     if a.rounds < 1 or a.duration <= 0 or a.connections < 1:
         p.error("--rounds, --duration and --connections must be positive")
+    if a.fill_capacity < 8 or not 1 <= a.fill_batches <= a.fill_capacity:
+        p.error("--fill-capacity must be >= 8 and --fill-batches between 1 and it")
     return a
 
 
@@ -104,12 +123,17 @@ def main(argv: list[str]) -> int:
     log(f"bench: run {b.run_id}; {rel(a.wasm)} {wasm_kib:.1f} KiB; logs and raw results in {rel(OUT_DIR)}/"
         + ("; SMOKE (numbers mean nothing)" if a.smoke else ""))
     try:
-        if a.memory != "only":
+        if a.memory != "only" and a.fill != "only":
             b.setup()
             b.rounds()
             for s in b.scenarios:
                 if s.envoy:
                     s.envoy.stop()
+            b.stop_etcd()
+        if a.fill != "off" and a.memory != "only":
+            b.fill = fill.run(b)
+            if a.fill_save:
+                fill.save(b.fill, a.fill_save, git_commit())
         if a.memory != "off":
             b.memory_phase()
         b.stop_all()
@@ -138,11 +162,13 @@ def main(argv: list[str]) -> int:
         "memory": {k: v for k, v in (b.memory or {}).items() if k != "result"} | (
             {"result": {k: v for k, v in b.memory["result"].items() if k != "histogram_us"}} if b.memory else {}),
         "wake": b.wake,
+        "fill": b.fill,
         "failures": b.failures,
     }
     (OUT_DIR / ("smoke.json" if a.smoke else "results.json")).write_text(json.dumps(raw, indent=1))
 
-    report.publish(b, command)
+    if a.fill != "only":
+        report.publish(b, command)
     log(f"bench: done in {time.monotonic() - t0:.0f}s" + (f"; {len(b.failures)} harness problem(s)" if b.failures else ""))
     if (a.smoke and b.failures) or b.wake_failed:
         return 1
@@ -167,6 +193,14 @@ def wake(b: Bench) -> None:
         b.wake_failed = True
     else:
         b.wake = result
+
+
+def git_commit() -> str:
+    try:
+        p = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True, cwd=REPO)
+        return p.stdout.strip() or "?"
+    except OSError:
+        return "?"
 
 
 def invocation(argv: list[str], make_command: str | None) -> str:

@@ -1,0 +1,155 @@
+"""BENCHMARKS.md, the scenarios next to the filter on the local store: the naive idempotency filter
+(scenario 6, issue 11's yardstick) and the etcd store (scenarios 7 and 8, issue 10), with their
+ratios, CPU ratios, targets and the etcd store's round trips per request."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from bench.load import spread
+
+if TYPE_CHECKING:
+    from bench.report import Report
+
+# Throughput ratios (A/B per round), beyond the five of bench/report.py.
+RATIOS = [(6, 2), (4, 6), (7, 4), (8, 5)]
+MEANING = {
+    "6/2": "naive idempotency filter on new keys, over the no-op filter",
+    "4/6": "filter on new keys, over the naive idempotency filter",
+    "7/4": "etcd store over the local store, new key per request",
+    "8/5": "etcd store over the local store, replay of a stored key",
+}
+# CPU ratios: B's Envoy CPU per request / A's, per round (like a throughput ratio, higher = cheaper A).
+CPU_RATIOS = [(4, 2), (4, 6), (6, 2), (7, 4), (8, 5)]
+CPU_MEANING = {
+    "4/2": "filter on new keys, against the no-op filter",
+    "4/6": "filter on new keys, against the naive idempotency filter",
+    "6/2": "naive filter on new keys, against the no-op filter",
+    "7/4": "etcd store against the local store, new key",
+    "8/5": "etcd store against the local store, replay",
+}
+
+
+def cpu_ratios(rep: Report) -> dict[str, dict]:
+    out = {}
+    for a, b in CPU_RATIOS:
+        if a not in rep.rows or b not in rep.rows:
+            continue
+        sa, sb = rep.rows[a]["s"], rep.rows[b]["s"]
+        per_a = [c / max(1, r["requests"]) for c, r in zip(sa.cpu, sa.closed)]
+        per_b = [c / max(1, r["requests"]) for c, r in zip(sb.cpu, sb.closed)]
+        out[f"{a}/{b}"] = spread([y / x for x, y in zip(per_a, per_b) if x > 0])
+    return out
+
+
+def round_trips(rep: Report, sid: int) -> float:
+    v = getattr(rep.rows[sid]["s"], "verification", None) or {}
+    sent = v.get("sent", 0)
+    return v.get("store_round_trips", 0) / sent if sent else float("nan")
+
+
+def targets(rep: Report) -> list[tuple[str, str, bool | None]]:
+    out: list[tuple[str, str, bool | None]] = []
+    r, c = rep.ratios, rep.cpu_ratios
+    if "4/6" in r:
+        m = r["4/6"]["median"]
+        out.append(("throughput 4/6 (new key over the naive filter) >= 0.9", f"{m:.3f}", m >= 0.9))
+    if "4/6" in c:
+        m = c["4/6"]["median"]
+        out.append(("CPU per request 4/6 (naive's µs / new key's µs) >= 0.9", f"{m:.3f}", m >= 0.9))
+    if "4/2" in c:
+        m = c["4/2"]["median"]
+        out.append(("CPU per request 4/2 (no-op's µs / new key's µs) >= 0.85", f"{m:.3f}", m >= 0.85))
+    return out
+
+
+def text(rep: Report) -> list[str]:
+    out = []
+    if rep.cpu_ratios:
+        out += ["", "CPU ratios (B's µs/req / A's, per round)"]
+        for k, v in rep.cpu_ratios.items():
+            out.append(f"{k:<6} {v['median']:7.3f} {v['p25']:7.3f}..{v['p75']:<7.3f} {v['min']:7.3f}..{v['max']:<7.3f}")
+    for sid in (7, 8):
+        if sid in rep.rows:
+            out.append(f"s{sid} etcd round trips per request: {round_trips(rep, sid):.3f}{by_method(rep, sid)}")
+    return out
+
+
+def markdown(rep: Report) -> list[str]:
+    rows = rep.rows
+    if not any(sid in rows for sid in (6, 7, 8)):
+        return []
+    L = ["## New keys next to a naive filter; the etcd store", ""]
+    if 6 in rows:
+        L.append("Scenario 6 is `bench/naive-filter` (built like the filter: opt-level s, wasm-opt), issue 11's "
+                 "yardstick: it holds the request for its body, takes SHA-256 of the raw body, makes one shared-data "
+                 "read and one CAS write of a small claim under the raw Idempotency-Key, forwards, buffers the response "
+                 "body and writes the whole response to shared data at its end. Nothing else (no scope, canonical "
+                 "JSON, bounded store, owner tokens, metrics, logs or replay), and it never removes a record.")
+        L.append("")
+    if rep.cpu_ratios:
+        L.append("CPU ratios: B's Envoy CPU per request divided by A's, per round (read like a throughput ratio: "
+                 "1.0 = A costs what B costs, below 1 = A costs more):")
+        L.append("")
+        L.append("| A/B | meaning | median | IQR | min..max |")
+        L.append("|---|---|---:|---:|---:|")
+        for k, v in rep.cpu_ratios.items():
+            L.append(f"| {k} | {CPU_MEANING[k]} | **{v['median']:.3f}** | {v['p25']:.3f}..{v['p75']:.3f} | "
+                     f"{v['min']:.3f}..{v['max']:.3f} |")
+        L.append("")
+    if 7 in rows or 8 in rows:
+        L.extend(etcd_markdown(rep))
+    return L
+
+
+def etcd_markdown(rep: Report) -> list[str]:
+    rows, b = rep.rows, rep.b
+    L = []
+    cfg = b.filter_configs.get(7) or b.filter_configs.get(8)
+    L.append("Scenarios 7 and 8 run the filter with the etcd store on one real etcd member (Debian's "
+             "etcd-server, started by the bench on free loopback ports with a temporary data directory, "
+             "stopped at the end), reached through an Envoy cluster without health checks (their requests "
+             "would count as round trips), in the same interleaved rounds as the local store's scenarios 4 and "
+             "5, with the same routes, quota and ttls. Closed loop only: the open-loop rate is set by the local "
+             "scenarios. Plugin configuration of scenario 7 (8: the same with ttl 24h):")
+    L.append("")
+    L.append("```json")
+    L.append(cfg or "")
+    L.append("```")
+    L.append("")
+    L.append("The store's round trips per request are the etcd cluster's `upstream_rq_total` on the proxy over "
+             "the measured rounds, divided by the requests of those rounds:")
+    L.append("")
+    L.append("| # | scenario | req/s (median) | p50 ms | p99 ms | Envoy CPU µs/req | etcd round trips | per request | "
+             "over the local store (throughput, CPU) | 503 (store did not answer in time) |")
+    L.append("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    for sid, local in ((7, 4), (8, 5)):
+        if sid not in rows:
+            continue
+        r = rows[sid]
+        v = getattr(r["s"], "verification", None) or {}
+        tr = rep.ratios.get(f"{sid}/{local}")
+        cr = rep.cpu_ratios.get(f"{sid}/{local}")
+        L.append(f"| {sid} | {r['s'].title} | {r['rps']['median']:.0f} | {r['p50'] / 1000:.2f} | {r['p99'] / 1000:.2f} | "
+                 f"{r['cpu_us']:.1f} | {v.get('store_round_trips', 0):,} | **{round_trips(rep, sid):.2f}** | "
+                 + (f"{tr['median']:.3f}x, {cr['median']:.3f}x" if tr and cr else "n/a")
+                 + f" | {r['statuses'].get('503', 0):,} |")
+    L.append("")
+    parts = []
+    for sid, what in ((7, "a new key costs"), (8, "a replay")):
+        if sid in rows:
+            parts.append(f"{what} **{round_trips(rep, sid):.2f}** round trips to etcd" + by_method(rep, sid))
+    L.append("Measured here: " + "; ".join(parts) + ". By method: etcd's own count of the calls it served "
+             "(`grpc_server_handled_total` on its /metrics around each of the scenario's runs), per request. "
+             "Every round trip is an HTTP/1.1 call to etcd's JSON gateway on loopback, with the request paused "
+             "until it answers. No target yet (issue 10: the first numbers set one).")
+    L.append("")
+    return L
+
+
+def by_method(rep: Report, sid: int) -> str:
+    v = getattr(rep.rows[sid]["s"], "verification", None) or {}
+    methods, sent = v.get("etcd_methods") or {}, v.get("sent", 0)
+    if not methods or not sent:
+        return ""
+    return " (" + ", ".join(f"{k} {n / sent:.2f}" for k, n in sorted(methods.items(), key=lambda x: -x[1])) + ")"

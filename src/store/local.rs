@@ -1992,6 +1992,39 @@ mod tests {
     }
 
     #[test]
+    fn a_namespace_of_the_previous_placement_is_retired_too() {
+        // A v2 store (one bucket per key, `idem:v2:<buckets>:`) left records behind before the
+        // upgrade; its roots are gone. The v3 sweeps empty it and drop it from the registry.
+        let data = FakeSharedData::new();
+        let old = "idem:v2:2:";
+        let mut keys = Vec::new();
+        for b in 0..2 {
+            keys.push(format!("{old}b:{b}"));
+            keys.push(format!("{old}q:{b}"));
+            for p in 0..ENTRIES_PER_BUCKET {
+                keys.push(format!("{old}s:{b}:{p}"));
+            }
+        }
+        keys.push(format!("{old}sweep"));
+        keys.push(format!("{old}ready"));
+        for k in &keys {
+            data.poke(k, b"old bytes");
+        }
+        data.poke(LAYOUTS_KEY, &record::encode_layouts(&[Layout { buckets: 2, beat_ms: 0, cursor: 0 }]));
+        let store = LocalStore::open(&data, 64, [1; 32], 0).unwrap();
+        let mut now = 0;
+        for _ in 0..(RETIRE_AFTER_MS / 1_000 + 4) {
+            now += 1_000;
+            store.sweep(now).unwrap();
+        }
+        for k in &keys {
+            assert_eq!(data.get(k).unwrap().value, None, "{k}");
+        }
+        let layouts = record::decode_layouts(data.get(LAYOUTS_KEY).unwrap().bytes()).unwrap();
+        assert_eq!(layouts.iter().map(|l| l.buckets).collect::<Vec<_>>(), vec![store.layout_id()]);
+    }
+
+    #[test]
     fn a_retired_namespace_is_emptied_while_a_live_one_is_left_alone() {
         let data = FakeSharedData::new();
         let a = LocalStore::open(&data, 64, [1; 32], 0).unwrap();

@@ -6,8 +6,10 @@
 //! must read what the old one wrote, or refuse it. Every value starts with a format version byte;
 //! a decoder meets an unknown version or malformed bytes with an error, never a panic or a guess,
 //! and the store treats such a value as unusable rather than overwriting live records it cannot
-//! read. Changing a layout means a new version byte and a new store namespace (v2 lives under
-//! `idem:v2:`; v1 values are refused as an unknown version).
+//! read. Changing a layout means a new version byte and a new store namespace (v2 lived under
+//! `idem:v2:`; v1 values are refused as an unknown version). Changing where records are placed
+//! means a new namespace too: the local store's two-choice placement lives under `idem:v3:`,
+//! with v2 entry, bucket, slot and quota bytes and one new value, the fill count.
 //!
 //! Entry v2 (ENTRY_LEN bytes, integers big-endian):
 //!   position u8 | state u8 | flags u8 | status u16 | scope [32] | fingerprint [32] | owner u64 |

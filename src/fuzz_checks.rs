@@ -7,8 +7,8 @@
 
 use crate::identity::canonical::canonicalize;
 use crate::store::record::{
-    decode_bucket, decode_counters, decode_layouts, decode_slot, encode_bucket, encode_counters,
-    encode_layouts, encode_slot,
+    decode_bucket, decode_counters, decode_fill, decode_layouts, decode_slot, encode_bucket, encode_counters,
+    encode_fill, encode_layouts, encode_slot,
 };
 
 /// Key parser: total; an accepted key is 1..=255 visible ASCII, and its bare form parses to it.
@@ -64,6 +64,9 @@ pub fn record(data: &[u8]) {
     if let Ok(layouts) = decode_layouts(data) {
         assert_eq!(encode_layouts(&layouts), data);
     }
+    if let Ok(count) = decode_fill(data) {
+        assert_eq!(encode_fill(count), data);
+    }
 }
 
 #[cfg(test)]
@@ -96,7 +99,9 @@ mod tests {
     /// them), except those named as refused or truncated.
     #[test]
     fn kept_record_inputs_decode_as_v2() {
-        use crate::store::record::{decode_bucket, decode_counters, decode_layouts, decode_slot};
+        use crate::store::record::{
+            decode_bucket, decode_counters, decode_fill, decode_layouts, decode_slot,
+        };
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/regressions/record");
         for entry in std::fs::read_dir(dir).unwrap().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
@@ -104,7 +109,8 @@ mod tests {
             let decodes = decode_bucket(&data, 8).is_ok()
                 || decode_slot(&data).is_ok()
                 || decode_counters(&data).is_ok()
-                || decode_layouts(&data).is_ok();
+                || decode_layouts(&data).is_ok()
+                || decode_fill(&data).is_ok();
             let bad = name.contains("refused") || name.contains("truncated");
             assert_eq!(decodes, !bad, "{name}");
         }

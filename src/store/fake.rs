@@ -9,6 +9,26 @@ use crate::store::shared_data::{Cas, Read, SharedData, SharedDataError};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Io {
+    pub gets: u64,
+    pub sets: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+}
+
+impl std::ops::Sub for Io {
+    type Output = Io;
+    fn sub(self, o: Io) -> Io {
+        Io {
+            gets: self.gets.saturating_sub(o.gets),
+            sets: self.sets.saturating_sub(o.sets),
+            bytes_read: self.bytes_read.saturating_sub(o.bytes_read),
+            bytes_written: self.bytes_written.saturating_sub(o.bytes_written),
+        }
+    }
+}
+
 /// In-memory fake with Envoy's exact semantics, for unit tests of pure logic. Several "workers"
 /// share one instance (`&FakeSharedData`); interleavings are written out step by step in tests.
 #[derive(Debug, Default)]
@@ -26,6 +46,9 @@ struct FakeInner {
     forced_only: Option<String>,
     gets: u64,
     sets: u64,
+    /// Value bytes the host copied out (gets) and in (sets that were applied or refused).
+    bytes_read: u64,
+    bytes_written: u64,
 }
 
 impl FakeSharedData {
@@ -46,6 +69,18 @@ impl FakeSharedData {
     pub fn op_counts(&self) -> (u64, u64) {
         let inner = self.inner.borrow();
         (inner.gets, inner.sets)
+    }
+
+    /// Host calls and value bytes copied so far: what a store operation costs the host, whose
+    /// global shared-data lock is held for every copy.
+    pub fn io(&self) -> Io {
+        let inner = self.inner.borrow();
+        Io {
+            gets: inner.gets,
+            sets: inner.sets,
+            bytes_read: inner.bytes_read,
+            bytes_written: inner.bytes_written,
+        }
     }
 
     /// The next `n` CAS writes to existing keys fail with a mismatch (the key's CAS is bumped, as
@@ -86,6 +121,8 @@ impl SharedData for FakeSharedData {
     fn get(&self, data_key: &str) -> Result<Read, SharedDataError> {
         let mut inner = self.inner.borrow_mut();
         inner.gets += 1;
+        let copied = inner.map.get(data_key).map_or(0, |(v, _)| v.len() as u64);
+        inner.bytes_read += copied;
         Ok(match inner.map.get(data_key) {
             None => Read { value: None, cas: None },
             Some((v, cas)) if v.is_empty() => Read { value: None, cas: Some(*cas) },
@@ -96,6 +133,7 @@ impl SharedData for FakeSharedData {
     fn set(&self, data_key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
         let mut inner = self.inner.borrow_mut();
         inner.sets += 1;
+        inner.bytes_written += value.len() as u64;
         if let Some((_, current)) = inner.map.get(data_key) {
             let current = *current;
             let targeted = inner.forced_only.as_deref().is_none_or(|f| data_key.contains(f));

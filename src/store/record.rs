@@ -6,8 +6,10 @@
 //! must read what the old one wrote, or refuse it. Every value starts with a format version byte;
 //! a decoder meets an unknown version or malformed bytes with an error, never a panic or a guess,
 //! and the store treats such a value as unusable rather than overwriting live records it cannot
-//! read. Changing a layout means a new version byte and a new store namespace (v2 lives under
-//! `idem:v2:`; v1 values are refused as an unknown version).
+//! read. Changing a layout means a new version byte and a new store namespace (v2 lived under
+//! `idem:v2:`; v1 values are refused as an unknown version). Changing where records are placed
+//! means a new namespace too: the local store's two-choice placement lives under `idem:v3:`,
+//! with v2 entry, bucket, slot and quota bytes and one new value, the fill count.
 //!
 //! Entry v2 (ENTRY_LEN bytes, integers big-endian):
 //!   position u8 | state u8 | flags u8 | status u16 | scope [32] | fingerprint [32] | owner u64 |
@@ -19,7 +21,12 @@
 //!   per header: name len u16, name, value len u32, value | body len u32 | body
 //! Quota v2:    [2u8][count u8 >= 1] then counters: tag u64 | count u32 | since_ms u64 |
 //!   soonest_ms u64 | until_ms u64
-//! Layouts v2:  [2u8][count u8 >= 1] then layouts: buckets u32 | beat_ms u64 | cursor u32
+//! Layouts v2:  [2u8][count u8 >= 1] then layouts: id u32 | beat_ms u64 | cursor u32. The id
+//!   names a namespace: a bucket count for `idem:v2:<buckets>:`, or LAYOUT_V3 | capacity for
+//!   `idem:v3:<capacity>:` (capacities stay below 2^31, so the two never collide).
+//! Fill v3:     [3u8] | count u32: how many entries the buckets of one fill shard hold (an empty
+//!   value is 0). Entries, buckets, slots and quota keys keep their v2 bytes in the v3 namespace:
+//!   v3 changed where records are placed, not how they are written.
 //! Record v2 (etcd store, one key per record): the slot layout, whose entry may also be a claim
 //!   (processing, flags saying no body stored, no snapshot); `decode_record` reads it.
 
@@ -27,6 +34,9 @@ use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 
 pub const FORMAT_V2: u8 = 2;
+pub const FORMAT_V3: u8 = 3;
+/// Layout ids with this bit are `idem:v3:<capacity>:` namespaces.
+pub const LAYOUT_V3: u32 = 1 << 31;
 pub const ENTRY_LEN: usize = 1 + 1 + 1 + 2 + 32 + 32 + 8 * 6;
 pub const COUNTER_LEN: usize = 8 + 4 + 8 + 8 + 8;
 pub const LAYOUT_LEN: usize = 4 + 8 + 4;
@@ -375,6 +385,7 @@ pub fn encode_counters(counters: &[Counter]) -> Vec<u8> {
 /// being retired, how far its keys have been emptied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
+    /// The namespace: a v2 bucket count, or LAYOUT_V3 | capacity.
     pub buckets: u32,
     pub beat_ms: u64,
     pub cursor: u32,
@@ -410,6 +421,37 @@ pub fn encode_layouts(layouts: &[Layout]) -> Vec<u8> {
         out.extend_from_slice(&l.beat_ms.to_be_bytes());
         out.extend_from_slice(&l.cursor.to_be_bytes());
     }
+    out
+}
+
+/// Decodes a fill shard's entry count. An empty value (a fresh or emptied key) is 0.
+pub fn decode_fill(bytes: &[u8]) -> Result<u32, DecodeError> {
+    if bytes.is_empty() {
+        return Ok(0);
+    }
+    let mut r = Reader::new(bytes);
+    let version = r.u8()?;
+    if version != FORMAT_V3 {
+        return Err(DecodeError::UnknownVersion(version));
+    }
+    let count = r.u32()?;
+    if !r.rest().is_empty() {
+        return Err(DecodeError::TrailingBytes);
+    }
+    if count == 0 {
+        // 0 is written as an empty value: one encoding per value.
+        return Err(DecodeError::NonCanonical);
+    }
+    Ok(count)
+}
+
+pub fn encode_fill(count: u32) -> Vec<u8> {
+    if count == 0 {
+        return Vec::new();
+    }
+    let mut out = Vec::with_capacity(5);
+    out.push(FORMAT_V3);
+    out.extend_from_slice(&count.to_be_bytes());
     out
 }
 
@@ -547,6 +589,18 @@ mod tests {
         assert_eq!(decode_layouts(&encode_layouts(&[l, l])), Err(DecodeError::Duplicate));
         assert_eq!(decode_layouts(&[]), Ok(vec![]));
         assert_eq!(decode_counters(&[2, 0]), Err(DecodeError::NonCanonical));
+    }
+
+    #[test]
+    fn fill_counts_round_trip_and_refuse_bad_bytes() {
+        for n in [0, 1, 7, u32::MAX] {
+            assert_eq!(decode_fill(&encode_fill(n)), Ok(n));
+        }
+        assert_eq!(encode_fill(0), Vec::<u8>::new());
+        assert_eq!(decode_fill(&[FORMAT_V3, 0, 0, 0, 0]), Err(DecodeError::NonCanonical));
+        assert_eq!(decode_fill(&[FORMAT_V2, 0, 0, 0, 1]), Err(DecodeError::UnknownVersion(2)));
+        assert_eq!(decode_fill(&[FORMAT_V3, 0, 0, 1]), Err(DecodeError::Truncated));
+        assert_eq!(decode_fill(&[FORMAT_V3, 0, 0, 0, 1, 0]), Err(DecodeError::TrailingBytes));
     }
 
     #[test]

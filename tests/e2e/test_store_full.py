@@ -1,6 +1,8 @@
 """Contract 11: a full store refuses new keys with 503 store-full until records expire.
 
-capacity 8 is exactly one bucket of 8 entries, so the 9th distinct live key is refused."""
+capacity 8 fits in one bucket of 8 entries, which every key shares (a store that small has no
+placement to balance), so the 9th distinct live key is refused. test_store_capacity.py fills a
+store with two buckets per key to its capacity."""
 
 from __future__ import annotations
 

@@ -41,6 +41,8 @@
 //! - release: 2: the same range, then a guarded txn deleting the record and its index keys.
 //! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd calls
 //!   the token invalid (then the call is sent again, once).
+//! - With `replay_cache` on, a begin of a scope whose completed, unexpired record this worker
+//!   has read or written: 0, answered from `cache` (never a claim).
 //!
 //! Lease grants per second are independent of the request rate: at most one per worker per
 //! window in use, i.e. about (workers x distinct ttls) / 10 s across the fleet's workers; at

@@ -9,7 +9,9 @@
 //! `Exchange::begin_read` makes: a different fingerprint is a mismatch, a record without its
 //! body answers "not stored". Claims never come from here: a miss, an expired entry or a
 //! processing record always goes to etcd. What the cache cannot see is etcd losing or an
-//! operator deleting a record before its expiry: this worker keeps replaying it until then.
+//! operator deleting a record before its expiry, or another Envoy whose clock runs ahead
+//! claiming the key anew once it considers the record expired: this worker keeps replaying the
+//! record until its own clock reaches the expiry.
 //!
 //! Bounds: at most `entries` records and `max_bytes` bytes (each record counts its snapshot's
 //! bytes plus `ENTRY_OVERHEAD_BYTES`); the oldest insertion goes first. An expired record is

@@ -53,3 +53,21 @@ bench-smoke: build tools bench-bins
 
 bench-baseline: build tools bench-bins
 	$(BENCH_RUN) --fill only --fill-save bench/baseline/refusal-curve-$$(git rev-parse --short=7 HEAD).json $(BENCH_ARGS)
+
+# etcd's JSON gateway against its native gRPC API, for the etcd store's operations (the numbers
+# and the decision are in docs/ETCD.md). It needs grpcio, which nothing else uses: it goes into a
+# venv of its own, .tools/bench-grpc, not into tests/requirements.txt. Not part of `make bench`.
+BENCH_GRPC_VENV := $(TOOLS)/bench-grpc
+BENCH_GRPC_PY := $(BENCH_GRPC_VENV)/bin/python
+BENCH_GRPCIO := grpcio==1.85.1
+ETCD_PROTOCOL_ARGS ?=
+
+.PHONY: bench-etcd-protocol
+
+$(BENCH_GRPC_VENV)/.installed:
+	$(PYTHON) -m venv $(BENCH_GRPC_VENV)
+	PIP_DISABLE_PIP_VERSION_CHECK=1 $(BENCH_GRPC_PY) -m pip install --no-cache-dir -q $(BENCH_GRPCIO)
+	@touch $@
+
+bench-etcd-protocol: etcd $(BENCH_GRPC_VENV)/.installed
+	$(BENCH_GRPC_PY) -m bench.etcd_protocol $(ETCD_PROTOCOL_ARGS)

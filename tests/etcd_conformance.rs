@@ -136,6 +136,7 @@ fn settings(prefix: &str) -> EtcdSettings {
         timeout_ms: 250,
         on_error: OnStoreError::FailClosed,
         auth: None,
+        replay_cache: None,
     }
 }
 
@@ -159,6 +160,34 @@ impl Backend for Etcd {
 }
 
 idempotency_filter::conformance_suite!(Etcd);
+
+/// The same suite with each worker's replay cache on: answers from the cache must be the ones
+/// etcd gives (replays, mismatches, expiry in virtual time, takeovers of expired records).
+mod with_replay_cache {
+    use super::*;
+    use idempotency_filter::store::etcd::cache::ReplayCacheSettings;
+
+    pub struct CachedEtcd(Etcd);
+
+    impl Backend for CachedEtcd {
+        const BOUNDED: bool = false;
+        const RECLAIMS_BY_SWEEP: bool = false;
+
+        fn with_capacity(capacity: u32) -> Self {
+            CachedEtcd(Etcd::with_capacity(capacity))
+        }
+
+        fn worker(&self, _n: u8) -> Box<dyn RecordStore + '_> {
+            let replay_cache = Some(ReplayCacheSettings { entries: 4, max_bytes: 1 << 20 });
+            Box::new(BlockingEtcd::new(
+                self.0.etcd.0.addr,
+                EtcdSettings { replay_cache, ..settings(&self.0.prefix) },
+            ))
+        }
+    }
+
+    idempotency_filter::conformance_suite!(CachedEtcd);
+}
 
 /// Auth against a real etcd: a role limited to the store's prefix, a token fetched on the first
 /// call, and a token etcd expired (simple tokens live `--auth-token-ttl` seconds) replaced once.

@@ -9,6 +9,7 @@ use std::fmt;
 use std::rc::Rc;
 
 use crate::json::{self, JsonError, JsonValue as Value, MemberOrder};
+use crate::store::etcd::cache::{self, ReplayCacheSettings};
 use crate::store::etcd::{self, EtcdAuth, EtcdSettings, OnStoreError};
 
 /// Compiled, validated configuration. Built once per `on_configure`, shared by every request.
@@ -437,7 +438,7 @@ const MAX_ETCD_TIMEOUT_MS: u64 = 10_000;
 const MAX_ETCD_PREFIX_LEN: usize = 128;
 
 fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
-    reject_unknown(o, path, &["type", "cluster", "prefix", "timeout", "on_error", "auth"])?;
+    reject_unknown(o, path, &["type", "cluster", "prefix", "timeout", "on_error", "auth", "replay_cache"])?;
     let cluster = required(o, path, "cluster", |v, f| {
         let s = string(v, f)?;
         if s.is_empty() || s.chars().any(char::is_control) {
@@ -492,8 +493,24 @@ fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
             password: required(a, f, "password", part)?,
         })
     })?;
-    Ok(EtcdSettings { cluster, prefix, timeout_ms, on_error, auth })
+    // Off unless asked for: it is memory in every worker's Wasm VM (which never gives memory
+    // back), sized by the operator for the replays worth keeping; see docs/ETCD.md.
+    let replay_cache = optional(o, path, "replay_cache", |v, f| {
+        let c = object(v, f, &["entries", "max_bytes"])?;
+        let entries = optional(c, f, "entries", |v, f| uint(v, f, 1, u64::from(cache::MAX_ENTRIES)))?
+            .map_or(Ok(cache::DEFAULT_ENTRIES), |n| {
+                u32::try_from(n).map_err(|_| err(&key(f, "entries"), "out of range"))
+            })?;
+        let max_bytes =
+            optional(c, f, "max_bytes", |v, f| uint(v, f, MIN_REPLAY_CACHE_BYTES, cache::MAX_BYTES))?
+                .unwrap_or(cache::DEFAULT_MAX_BYTES);
+        Ok(ReplayCacheSettings { entries, max_bytes })
+    })?;
+    Ok(EtcdSettings { cluster, prefix, timeout_ms, on_error, auth, replay_cache })
 }
+
+/// Smallest `store.replay_cache.max_bytes`: a few small records.
+const MIN_REPLAY_CACHE_BYTES: u64 = 4_096;
 
 fn store(v: &Value, path: &str) -> Res<StoreChoice> {
     let o = object_any(v, path)?;
@@ -1033,6 +1050,11 @@ mod tests {
             ("capacity float", top(r#""store":{"type":"local","capacity":1.5}"#), "store.capacity"),
             ("capacity integral float", top(r#""store":{"type":"local","capacity":10.0}"#), "store.capacity"),
             ("capacity string", top(r#""store":{"type":"local","capacity":"10"}"#), "store.capacity"),
+            (
+                "replay_cache with the local store",
+                top(r#""store":{"type":"local","replay_cache":{}}"#),
+                "store.replay_cache",
+            ),
             ("capacity exponent", top(r#""store":{"type":"local","capacity":1e3}"#), "store.capacity"),
             ("capacity upper exponent", top(r#""store":{"type":"local","capacity":10E0}"#), "store.capacity"),
             ("capacity negative zero", top(r#""store":{"type":"local","capacity":-0}"#), "store.capacity"),
@@ -1543,6 +1565,53 @@ mod tests {
                 "max_waiters",
             ),
             ("response over etcd's request limit", etcd("", &over_limit), "routes[0].max_response_bytes"),
+            ("replay_cache not an object", etcd(r#","replay_cache":true"#, ""), "store.replay_cache"),
+            ("replay_cache number", etcd(r#","replay_cache":1024"#, ""), "store.replay_cache"),
+            (
+                "replay_cache unknown field",
+                etcd(r#","replay_cache":{"ttl":"1s"}"#, ""),
+                "store.replay_cache.ttl",
+            ),
+            (
+                "replay_cache entries zero",
+                etcd(r#","replay_cache":{"entries":0}"#, ""),
+                "store.replay_cache.entries",
+            ),
+            (
+                "replay_cache entries over the bound",
+                etcd(r#","replay_cache":{"entries":100001}"#, ""),
+                "store.replay_cache.entries",
+            ),
+            (
+                "replay_cache entries negative",
+                etcd(r#","replay_cache":{"entries":-1}"#, ""),
+                "store.replay_cache.entries",
+            ),
+            (
+                "replay_cache entries string",
+                etcd(r#","replay_cache":{"entries":"10"}"#, ""),
+                "store.replay_cache.entries",
+            ),
+            (
+                "replay_cache entries fraction",
+                etcd(r#","replay_cache":{"entries":1.5}"#, ""),
+                "store.replay_cache.entries",
+            ),
+            (
+                "replay_cache max_bytes under the bound",
+                etcd(r#","replay_cache":{"max_bytes":4095}"#, ""),
+                "store.replay_cache.max_bytes",
+            ),
+            (
+                "replay_cache max_bytes over the bound",
+                etcd(r#","replay_cache":{"max_bytes":268435457}"#, ""),
+                "store.replay_cache.max_bytes",
+            ),
+            (
+                "replay_cache max_bytes as text",
+                etcd(r#","replay_cache":{"max_bytes":"8MiB"}"#, ""),
+                "store.replay_cache.max_bytes",
+            ),
         ];
         for (name, json, field) in cases {
             match parse_str(&json) {
@@ -1576,6 +1645,7 @@ mod tests {
                 timeout_ms: 250,
                 on_error: OnStoreError::FailClosed,
                 auth: None,
+                replay_cache: None,
             })
         );
         let full = etcd(
@@ -1590,11 +1660,32 @@ mod tests {
                 timeout_ms: 1_000,
                 on_error: OnStoreError::FailOpen,
                 auth: Some(EtcdAuth { username: "idem".into(), password: "s\"ecret".into() }),
+                replay_cache: None,
             })
         );
         // The local store keeps no etcd settings, and wait mode and large bodies stay its own.
         let local = r#"{"store":{"type":"local"},"routes":[{"name":"a","match":{"prefix":"/"},"concurrent":"wait","max_response_bytes":67108864}]}"#;
         assert_eq!(settings(local), None);
+        // The replay cache: off by default, defaults per field, bounds inclusive.
+        let cache = |fields: &str| settings(&etcd(fields, "")).and_then(|s| s.replay_cache);
+        for (fields, expected) in [
+            ("", None),
+            (r#","replay_cache":{}"#, Some(ReplayCacheSettings { entries: 1_024, max_bytes: 8_388_608 })),
+            (
+                r#","replay_cache":{"entries":1}"#,
+                Some(ReplayCacheSettings { entries: 1, max_bytes: 8_388_608 }),
+            ),
+            (
+                r#","replay_cache":{"max_bytes":4096}"#,
+                Some(ReplayCacheSettings { entries: 1_024, max_bytes: 4_096 }),
+            ),
+            (
+                r#","replay_cache":{"entries":100000,"max_bytes":268435456}"#,
+                Some(ReplayCacheSettings { entries: 100_000, max_bytes: 268_435_456 }),
+            ),
+        ] {
+            assert_eq!(cache(fields), expected, "{fields}");
+        }
         // Explicit fail_closed is the default spelled out.
         assert_eq!(
             settings(&etcd(r#","on_error":"fail_closed""#, "")).map(|s| s.on_error),

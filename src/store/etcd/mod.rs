@@ -41,6 +41,8 @@
 //! - release: 2: the same range, then a guarded txn deleting the record and its index keys.
 //! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd calls
 //!   the token invalid (then the call is sent again, once).
+//! - With `replay_cache` on, a begin of a scope whose completed, unexpired record this worker
+//!   has read or written: 0, answered from `cache` (never a claim).
 //!
 //! Lease grants per second are independent of the request rate: at most one per worker per
 //! window in use, i.e. about (workers x distinct ttls) / 10 s across the fleet's workers; at
@@ -54,6 +56,7 @@
 pub mod base64;
 #[cfg(feature = "testing")]
 pub mod blocking;
+pub mod cache;
 mod wire;
 
 use std::cell::RefCell;
@@ -62,6 +65,7 @@ use crate::store::record::{
     self, Entry, SlotValue, State, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED,
 };
 use crate::store::{Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp};
+use cache::{ReplayCache, ReplayCacheSettings};
 use wire::{Guard, Refused, TxnOp};
 
 /// What to do when etcd cannot be used (unreachable, erroring, too slow).
@@ -99,6 +103,8 @@ pub struct EtcdSettings {
     pub timeout_ms: u64,
     pub on_error: OnStoreError,
     pub auth: Option<EtcdAuth>,
+    /// `store.replay_cache`: None (the default) answers every begin from etcd.
+    pub replay_cache: Option<ReplayCacheSettings>,
 }
 
 pub const DEFAULT_PREFIX: &str = "/idempotency/";
@@ -160,6 +166,7 @@ pub struct EtcdStore {
     settings: EtcdSettings,
     leases: RefCell<Vec<CachedLease>>,
     token: RefCell<Option<String>>,
+    replay: Option<RefCell<ReplayCache>>,
 }
 
 /// The token is a credential: formatted as present or absent only.
@@ -169,6 +176,7 @@ impl std::fmt::Debug for EtcdStore {
             .field("settings", &self.settings)
             .field("leases", &self.leases.borrow().len())
             .field("token", &self.token.borrow().as_ref().map(|_| "<redacted>"))
+            .field("replay_cache", &self.replay.as_ref().map(|c| c.borrow().len()))
             .finish()
     }
 }
@@ -181,7 +189,8 @@ fn window_end(expires_at_ms: u64) -> u64 {
 
 impl EtcdStore {
     pub fn new(settings: EtcdSettings) -> EtcdStore {
-        EtcdStore { settings, leases: RefCell::new(Vec::new()), token: RefCell::new(None) }
+        let replay = settings.replay_cache.map(|s| RefCell::new(ReplayCache::new(s)));
+        EtcdStore { settings, leases: RefCell::new(Vec::new()), token: RefCell::new(None), replay }
     }
 
     pub fn settings(&self) -> &EtcdSettings {
@@ -199,6 +208,24 @@ impl EtcdStore {
             lease_regranted: false,
             attempts: 0,
             write: None,
+        }
+    }
+
+    /// (records, bytes) in this worker's replay cache; None when it is off.
+    pub fn replay_cache_usage(&self) -> Option<(usize, u64)> {
+        self.replay.as_ref().map(|c| {
+            let c = c.borrow();
+            (c.len(), c.bytes())
+        })
+    }
+
+    fn cached_answer(&self, a: &ClaimAttempt) -> Option<Begin> {
+        self.replay.as_ref()?.borrow_mut().answer(&a.scope, &a.fingerprint, a.now_ms)
+    }
+
+    fn keep_completed(&self, entry: Entry, snapshot: Option<&record::Snapshot>, now_ms: u64) {
+        if let Some(cache) = &self.replay {
+            cache.borrow_mut().keep(entry, snapshot, now_ms);
         }
     }
 
@@ -497,7 +524,12 @@ impl Exchange {
 
     fn first(&mut self, store: &EtcdStore) -> Result<Next, StoreError> {
         match &self.op {
-            StoreOp::Begin(a) => Ok(self.begin_read_call(store, a)),
+            StoreOp::Begin(a) => match store.cached_answer(a) {
+                // A completed record this worker saw and that has not expired: it cannot have
+                // changed (cache.rs), so etcd would answer the same.
+                Some(answer) => Ok(Next::Begun(answer)),
+                None => Ok(self.begin_read_call(store, a)),
+            },
             StoreOp::Complete { claim, completion } => {
                 if completion.state == State::Processing {
                     return Err(StoreError::Corrupt("a completion must carry an outcome state".into()));
@@ -546,6 +578,9 @@ impl Exchange {
                 if e.scope != a.scope {
                     return Err(StoreError::Corrupt("a record under another scope's key".into()));
                 }
+                // Kept for the next begins of this scope (completed and live only; any fingerprint:
+                // the cache answers a mismatch as etcd would).
+                store.keep_completed(e, existing.snapshot.as_ref(), now);
                 if e.is_expired(now) {
                     // Expired: absent, whatever etcd still holds until the lease collects it.
                     (Guard::ModRevision(kv.mod_revision), Some(e), Won::Claimed)
@@ -737,6 +772,18 @@ impl Exchange {
                 let a = *a;
                 self.write = None;
                 Ok(self.begin_read_call(store, &a))
+            }
+            (StoreOp::Complete { completion, .. }, true, _) => {
+                // The record as this write left it in etcd, read back from the bytes written
+                // (the body may have been dropped to fit), so a replay here needs no round trip.
+                if let Some((_, value)) = &w.record {
+                    if store.replay.is_some() {
+                        if let Ok(written) = record::decode_record(value) {
+                            store.keep_completed(written.entry, written.snapshot.as_ref(), completion.now_ms);
+                        }
+                    }
+                }
+                Ok(Next::Settled(Settled::Done))
             }
             (_, true, _) => Ok(Next::Settled(Settled::Done)),
             // The claim's revision moved between our read and our write: no longer ours.

@@ -413,8 +413,8 @@ mod tests {
 
     /// What a new key and a replay cost in host calls, with the bench's request (1 KiB JSON
     /// each way): counted exactly, since the number of crossings is a property of the code (time
-    /// is measured by `make bench`). The same for the last of many keys as for the first: no
-    /// path grows with the store's content. `--nocapture` prints the table; under callgrind
+    /// is measured by `make bench`). Bounded for every key of many, so no path grows with the
+    /// store's content. `--nocapture` prints the table; under callgrind
     /// (release test binary) this is the glue's instruction profile.
     #[test]
     fn host_calls_per_new_key_and_per_replay() {
@@ -429,7 +429,7 @@ mod tests {
         let answer = vec![b'7'; 1024];
         let total =
             |t: &std::collections::BTreeMap<&str, (u64, u64)>| t.values().map(|(c, _)| c).sum::<u64>();
-        let mut first_costs = None;
+        let (mut most, mut sum) = ((0, 0), (0, 0));
         let keys: u32 = std::env::var("HOST_CALL_KEYS").ok().and_then(|n| n.parse().ok()).unwrap_or(50);
         for n in 0..keys {
             let key = format!("key-{n}");
@@ -462,21 +462,28 @@ mod tests {
             retry.on_log();
             let replay = h.take_tally();
             let costs = (total(&new_key), total(&replay));
-            match first_costs {
-                None => {
-                    for (what, t) in [("new key", &new_key), ("replay", &replay)] {
-                        println!("{what}: {} host calls", total(t));
-                        for (call, (n, bytes)) in t {
-                            println!("  {call:<24} {n:>3} calls {bytes:>6} bytes");
-                        }
+            if n == 0 {
+                for (what, t) in [("new key", &new_key), ("replay", &replay)] {
+                    println!("{what}: {} host calls", total(t));
+                    for (call, (n, bytes)) in t {
+                        println!("  {call:<24} {n:>3} calls {bytes:>6} bytes");
                     }
-                    first_costs = Some(costs);
                 }
-                Some(first) => assert_eq!(costs, first, "key {n}"),
             }
-            assert!(costs.0 <= NEW_KEY_HOST_CALLS, "{new_key:?}");
-            assert!(costs.1 <= REPLAY_HOST_CALLS, "{replay:?}");
+            // A key placed in its second bucket costs a read more; nothing grows with the store.
+            assert!(costs.0 <= NEW_KEY_HOST_CALLS, "key {n}: {new_key:?}");
+            assert!(costs.1 <= REPLAY_HOST_CALLS, "key {n}: {replay:?}");
+            most = (most.0.max(costs.0), most.1.max(costs.1));
+            sum = (sum.0 + costs.0, sum.1 + costs.1);
         }
+        let keys_f = f64::from(keys);
+        println!(
+            "{keys} keys: new key {:.2} host calls on average (most {}), replay {:.2} (most {})",
+            sum.0 as f64 / keys_f,
+            most.0,
+            sum.1 as f64 / keys_f,
+            most.1
+        );
         assert_eq!((h.counter("claimed"), h.counter("replayed")), (i64::from(keys), i64::from(keys)));
     }
 

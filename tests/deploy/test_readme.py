@@ -1,0 +1,44 @@
+"""The README's request-flow diagram (mermaid) against the product: every problem it names is
+one the filter sends, with the status the filter gives it, so the picture cannot drift from the
+contract table and `src/problem.rs`."""
+
+from __future__ import annotations
+
+import re
+
+from idemkit import REPO_ROOT
+
+
+def _mermaid_blocks() -> list[str]:
+    text = (REPO_ROOT / "README.md").read_text()
+    return re.findall(r"```mermaid\n(.*?)```", text, flags=re.S)
+
+
+def _problem_names() -> set[str]:
+    source = (REPO_ROOT / "src" / "problem.rs").read_text()
+    return set(re.findall(r'Kind::\w+ => "([a-z-]+)"', source))
+
+
+def test_readme_has_one_request_flow_diagram():
+    blocks = _mermaid_blocks()
+    assert len(blocks) == 1, "README.md should carry one mermaid request-flow diagram"
+    assert blocks[0].lstrip().startswith("flowchart"), blocks[0][:80]
+
+
+def test_every_problem_in_the_diagram_is_one_the_filter_sends():
+    names = _problem_names()
+    assert len(names) >= 8, f"problem kinds not found in src/problem.rs: {names}"
+    diagram = _mermaid_blocks()[0]
+    # "<status> <problem-name>" pairs, e.g. "409 request-in-flight"
+    shown = re.findall(r"\b([45]\d\d) ([a-z]+(?:-[a-z]+)+)", diagram)
+    assert shown, "the diagram names no problem answers"
+    unknown = sorted({name for _, name in shown} - names)
+    assert not unknown, f"the diagram names problems the filter never sends: {unknown}"
+
+
+def test_statuses_in_the_diagram_match_the_contract_table():
+    text = (REPO_ROOT / "README.md").read_text()
+    table = text[text.index("## HTTP contract"):text.index("### What the upstream")]
+    for status, name in re.findall(r"\b([45]\d\d) ([a-z]+(?:-[a-z]+)+)", _mermaid_blocks()[0]):
+        assert re.search(rf"\*\*{status}\*\* problem `{name}`", table), (
+            f"the diagram says {status} {name}; the contract table does not")

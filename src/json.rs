@@ -331,12 +331,7 @@ impl<'a> Parser<'a> {
     }
 
     fn skip_plain(&mut self) {
-        while let Some(b) = self.peek() {
-            if b == b'"' || b == b'\\' || b < 0x20 {
-                break;
-            }
-            self.pos += 1;
-        }
+        self.pos += plain_len(self.bytes.get(self.pos..).unwrap_or_default());
     }
 
     /// Called just after the backslash.
@@ -402,27 +397,51 @@ impl<'a> Parser<'a> {
 /// (`identity::canonical`) emits its strings with it, so it must not change.
 pub fn emit_string(s: &str, out: &mut Vec<u8>) {
     out.push(b'"');
-    let bytes = s.as_bytes();
-    // Runs that need no escaping (nearly all of a typical body) are copied in one go.
-    let mut run_start = 0;
-    for (i, &b) in bytes.iter().enumerate() {
-        let escaped: &[u8] = match b {
-            b'"' => b"\\\"",
-            b'\\' => b"\\\\",
-            0x00..=0x1F => b"\\u00",
-            // Bytes >= 0x80 belong to multi-byte UTF-8 sequences and are copied as they are.
-            _ => continue,
-        };
-        out.extend_from_slice(bytes.get(run_start..i).unwrap_or_default());
-        out.extend_from_slice(escaped);
-        if b < 0x20 {
-            out.push(hex_digit(b >> 4));
-            out.push(hex_digit(b & 0x0F));
+    let mut rest = s.as_bytes();
+    loop {
+        // Runs that need no escaping (nearly all of a typical body) are copied in one go.
+        let run = plain_len(rest);
+        let (plain, tail) = rest.split_at(run.min(rest.len()));
+        out.extend_from_slice(plain);
+        let Some((&b, after)) = tail.split_first() else { break };
+        match b {
+            b'"' => out.extend_from_slice(b"\\\""),
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            _ => out.extend_from_slice(&[b'\\', b'u', b'0', b'0', hex_digit(b >> 4), hex_digit(b & 0x0F)]),
         }
-        run_start = i + 1;
+        rest = after;
     }
-    out.extend_from_slice(bytes.get(run_start..).unwrap_or_default());
     out.push(b'"');
+}
+
+/// How many leading bytes of `bytes` a JSON string holds as they are: all but `"`, `\\` and
+/// the control characters below 0x20 (bytes >= 0x80, parts of multi-byte UTF-8, included). Both
+/// the reader and the writer spend most of a typical body here, so it looks at eight bytes per
+/// step: a byte of a word is zero exactly when subtracting 1 from it borrows into its high bit
+/// while that bit was clear, and below 0x20 exactly when subtracting 0x20 does; the first word
+/// with a hit is then searched byte by byte.
+pub(crate) fn plain_len(bytes: &[u8]) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    const QUOTES: u64 = ONES * b'"' as u64;
+    const BACKSLASHES: u64 = ONES * b'\\' as u64;
+    const SPACES: u64 = ONES * 0x20;
+    let mut n = 0;
+    for chunk in bytes.chunks_exact(8) {
+        let Ok(word) = <[u8; 8]>::try_from(chunk) else { break };
+        let w = u64::from_le_bytes(word);
+        let quote = w ^ QUOTES;
+        let backslash = w ^ BACKSLASHES;
+        let special = (quote.wrapping_sub(ONES) & !quote)
+            | (backslash.wrapping_sub(ONES) & !backslash)
+            | (w.wrapping_sub(SPACES) & !w);
+        if special & HIGH != 0 {
+            break;
+        }
+        n += 8;
+    }
+    let tail = bytes.get(n..).unwrap_or_default();
+    n + tail.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20).unwrap_or(tail.len())
 }
 
 fn hex_digit(nibble: u8) -> u8 {
@@ -515,6 +534,39 @@ mod tests {
             read_doc(format!("{{{}}}", members.join(",")).as_bytes()),
             Err(JsonError::DuplicateMember)
         );
+    }
+
+    #[test]
+    fn plain_len_stops_at_the_first_byte_a_string_cannot_hold_as_is() {
+        fn reference(bytes: &[u8]) -> usize {
+            bytes.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20).unwrap_or(bytes.len())
+        }
+        // Every filler next to every special byte at every position of inputs up to 3 words
+        // long, so each lane of the word-at-a-time test and the byte tail are both exercised,
+        // with neighbours that sit just beside the special values.
+        let fillers = [b'a', b' ', b'!', b'#', b'[', b']', b'~', 0x7F, 0x80, 0xC3, 0xFF];
+        let specials = [b'"', b'\\', 0x00, 0x01, 0x0A, 0x1F];
+        let mut checked = 0;
+        for len in 0..25 {
+            for &fill in &fillers {
+                let plain = vec![fill; len];
+                assert_eq!(plain_len(&plain), len, "all {fill:#x}, {len} bytes");
+                for at in 0..len {
+                    for &special in &specials {
+                        let mut bytes = plain.clone();
+                        bytes[at] = special;
+                        assert_eq!(plain_len(&bytes), reference(&bytes), "{bytes:?}");
+                        // a second special after the first never moves the answer
+                        if at + 1 < len {
+                            bytes[len - 1] = b'"';
+                            assert_eq!(plain_len(&bytes), at, "{bytes:?}");
+                        }
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(checked > 10_000);
     }
 
     #[test]

@@ -71,3 +71,29 @@ $(BENCH_GRPC_VENV)/.installed:
 
 bench-etcd-protocol: etcd $(BENCH_GRPC_VENV)/.installed
 	$(BENCH_GRPC_PY) -m bench.etcd_protocol $(ETCD_PROTOCOL_ARGS)
+
+# Where the microseconds of a new key go (bench/profile.py): perf call chains of the proxy Envoy
+# per scenario, written into BENCHMARKS.md's section of that name. Needs perf (Debian's
+# linux-perf; installed here when missing). BENCH_BEFORE=<commit> also builds the filter as it was
+# at that commit (in target/before/, from `git archive`) and profiles it in the same run.
+BENCH_BEFORE ?=
+BENCH_BEFORE_DIR := $(BENCH_TARGET_DIR)/before
+BENCH_BEFORE_WASM := $(BENCH_BEFORE_DIR)/idempotency_filter.wasm
+
+.PHONY: bench-profile perf
+perf:
+	@command -v perf >/dev/null || { apt-get update -qq && apt-get install -y -qq linux-perf; }
+
+bench-profile: build tools bench-bins perf
+	@if [ -n "$(BENCH_BEFORE)" ]; then \
+	  rm -rf $(BENCH_BEFORE_DIR)/src && mkdir -p $(BENCH_BEFORE_DIR)/src && \
+	  git archive $(BENCH_BEFORE) | tar -x -C $(BENCH_BEFORE_DIR)/src && \
+	  CARGO_TARGET_DIR=$(abspath $(BENCH_BEFORE_DIR))/target $(CARGO) build --release --quiet \
+	    --target wasm32-wasip1 --manifest-path $(BENCH_BEFORE_DIR)/src/Cargo.toml && \
+	  if [ -n "$(WASM_OPT)" ]; then "$(WASM_OPT)" $(WASM_OPT_FLAGS) \
+	    $(BENCH_BEFORE_DIR)/target/wasm32-wasip1/release/idempotency_filter.wasm -o $(BENCH_BEFORE_WASM); \
+	  else cp $(BENCH_BEFORE_DIR)/target/wasm32-wasip1/release/idempotency_filter.wasm $(BENCH_BEFORE_WASM); fi; \
+	fi
+	$(VENV_PY) -m bench.profile --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM) --noop-wasm $(BENCH_NOOP_WASM) \
+	  --naive-wasm $(BENCH_NAIVE_WASM) --loadgen $(BENCH_LOADGEN) \
+	  $(if $(BENCH_BEFORE),--before-wasm $(BENCH_BEFORE_WASM) --before-label $(BENCH_BEFORE)) $(BENCH_PROFILE_ARGS)

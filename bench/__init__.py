@@ -6,6 +6,8 @@ modules from the repository root: `python -m bench.run --help`.
     bench/fill.py          the refusal-vs-fill curve (its 45138ec baseline: bench/baseline/)
     bench/load.py          the load generator (bench/loadgen, Rust) and the statistics
     bench/wake_latency.py  wait mode's wake-up latency (run by run.py too)
+    bench/profile.py       where a new key's µs go: perf call chains per scenario (make bench-profile)
+    bench/module_size.py   where the module's bytes go: a build with names, split by module (make bench-size)
     bench/report.py        BENCHMARKS.md (with report_memory.py and report_more.py: naive filter,
                            etcd); bench/report_svg.py: bench/results.svg
 

@@ -97,3 +97,9 @@ bench-profile: build tools bench-bins perf
 	$(VENV_PY) -m bench.profile --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM) --noop-wasm $(BENCH_NOOP_WASM) \
 	  --naive-wasm $(BENCH_NAIVE_WASM) --loadgen $(BENCH_LOADGEN) \
 	  $(if $(BENCH_BEFORE),--before-wasm $(BENCH_BEFORE_WASM) --before-label $(BENCH_BEFORE)) $(BENCH_PROFILE_ARGS)
+
+# Where the bytes of the module go (bench/module_size.py): the filter built with its function
+# names into target/size/, its code split by Rust module; written into BENCHMARKS.md.
+.PHONY: bench-size
+bench-size: build tools
+	$(VENV_PY) -m bench.module_size $(BENCH_SIZE_ARGS)

@@ -37,10 +37,9 @@ from bench import OUT_DIR, HarnessError, log, rel
 from bench.load import Loadgen, spread
 from bench.phases import (ORDERS, bench_envoy, checked, filter_config, proxy_config, upstream_config,
                           wasm_filter)
-from bench.report import put_section
+from bench.report import PROFILE_HEADING, put_section
 from idemkit import REPO_ROOT as REPO
 
-PROFILE_HEADING = "## Where the microseconds of a new key go"
 CLASSES = ["Envoy", "host calls", "Wasm code", "kernel"]
 FREQ = 1999  # samples per second of CPU time
 

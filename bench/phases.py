@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from bench import OUT_DIR, HarnessError, loadavg, log, rel
 from bench.load import Loadgen, spread
+from bench.report_memory import ENTRY_BYTES, QUOTA_BYTES, SLOT_OVERHEAD
 from idemkit import bootstrap
 from idemkit.bootstrap import MiB
 from idemkit.client import request
@@ -548,13 +549,14 @@ class Bench:
         third = samples[len(samples) * 2 // 3:] if len(samples) >= 3 else samples
         base = third[0]["rss_kib"] if third else 0
         growth = (max(s["rss_kib"] for s in third) - base) / base if base else float("nan")
-        # The bound the README states: capacity x (bucket entry + snapshot slot value) + fixed cost.
+        # The bound the README states: capacity x (bucket entry + slot + response + quota counters)
+        # + fixed cost (bench/report_memory.py's constants).
         stored_headers = sum(
             6 + len(k) + len(v)
             for k, v in self.upstream_headers_for_bound()
         )
         slot = 45 + 4 + stored_headers + 1024
-        per_record = 93 + slot
+        per_record = ENTRY_BYTES + SLOT_OVERHEAD + QUOTA_BYTES + stored_headers + 1024
         self.memory = {
             "requests": total,
             "result": r,

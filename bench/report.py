@@ -259,16 +259,15 @@ class Report:
         L.append("  ```")
         L.append("")
         L.append(f"  Scenario 4 uses the same with `\"ttl\":\"{b.new_key_ttl}\"` (and `processing_timeout` equal to it, "
-                 "which may not exceed the ttl). Why: a record stays for its ttl, and the local store has 100000 records in "
-                 "12500 buckets of 8, chosen by hashing the key. With `24h` every new key stays, and long before 100000 "
-                 "records the first buckets are full and new keys get `503 store_full` (at 50000 records about 5% of "
-                 "buckets are full). With a short ttl the live records are about (rate x ttl); "
+                 "which may not exceed the ttl). Why: a record stays for its ttl, and the local store holds at most its "
+                 "capacity (100000) live records; with `24h` every new key stays, and after 100000 of them every new key "
+                 "gets `503 store_full`. With a short ttl the live records are about (rate x ttl); "
                  + (f"at this run's peak scenario-4 rate ({self.peak4:.0f}/s) that is about {self.live4:.0f} records, "
-                    f"{self.live4 / 12500:.2f} per bucket on average, where a full bucket (8) is vanishingly rare. "
+                    f"{self.live4 / 100000:.0%} of the capacity. "
                     if hasattr(self, "peak4") else "")
-                 + "Expired entries are dropped by the claim that looks at their bucket and by the 1 s sweep, so the "
-                 "work per request (bucket read + CAS write, slot write, bucket write) is the same as with a long ttl, "
-                 "with buckets holding fewer entries (smaller copies).")
+                 + "Ended records are reused by the claims that find them in their buckets and reclaimed by the sweep, "
+                 "so the work per request (both candidate buckets read, the fill count and the bucket written; slot and "
+                 "bucket at completion) is that of a long ttl.")
         L.append("- Wasm filter config: `allow_on_headers_stop_iteration: true`, `failure_policy: FAIL_RELOAD`, "
                  "`vm_config.vm_id`, runtime `envoy.wasm.runtime.v8`; listener `per_connection_buffer_limit_bytes` and "
                  "route `request_body_buffer_limit` 2 MiB.")

@@ -76,7 +76,10 @@ etcd:
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq etcd-server etcd-client; }
 
 # curl (and bash) run the README's quick-start lines in tests/e2e/test_demo.py.
-.PHONY: curl
+.PHONY: curl e2e-loadgen
+e2e-loadgen:
+	$(CARGO) build --release --quiet --manifest-path bench/loadgen/Cargo.toml
+
 curl:
 	@command -v curl >/dev/null || { apt-get update -qq && apt-get install -y -qq curl; }
 
@@ -172,7 +175,8 @@ lint: wasm-target
 	$(CARGO) clippy --all-targets -- -D warnings
 	$(CARGO) clippy --release --target $(WASM_TARGET) -- -D warnings
 
-e2e: build tools etcd curl
+# bench/loadgen drives the thousands of requests a second tests/e2e/test_store_churn.py needs.
+e2e: build tools etcd curl e2e-loadgen
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) $(VENV_PY) -m pytest tests/e2e -q $(PYTEST_ARGS)
 
 # The deployment forms: the compose file, the Istio manifests (their configurations through the

@@ -177,7 +177,8 @@ lint: wasm-target
 
 # bench/loadgen drives the thousands of requests a second tests/e2e/test_store_churn.py needs.
 e2e: build tools etcd curl e2e-loadgen
-	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) $(VENV_PY) -m pytest tests/e2e -q $(PYTEST_ARGS)
+	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) LOADGEN=$(CARGO_TARGET_DIR)/release/loadgen \
+	  $(VENV_PY) -m pytest tests/e2e -q $(PYTEST_ARGS)
 
 # The deployment forms: the compose file, the Istio manifests (their configurations through the
 # filter's own parser, examples/check_config.rs) and the OCI image, with the pinned Envoy, a real

@@ -24,7 +24,8 @@ import harness
 from idemkit.bootstrap import direct_response
 
 CAPACITY = 10_000
-LOADGEN = harness.REPO_ROOT / "target" / "release" / "loadgen"
+# `make e2e` builds it and passes its path (it follows CARGO_TARGET_DIR).
+LOADGEN = harness.env_path("LOADGEN", harness.REPO_ROOT / "target" / "release" / "loadgen")
 SECONDS = 15
 
 FILTER_CONFIG = {

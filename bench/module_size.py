@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-from bench import log, rel
-from bench.report import SIZE_HEADING, put_section
+from bench import log
+from bench.report import SIZE_HEADING, update_section
 from idemkit import REPO_ROOT as REPO
 
 CRATE = "idempotency_filter"
@@ -197,13 +196,10 @@ def main(argv: list[str]) -> int:
     named = REPO / a.target_dir / "wasm32-wasip1" / "release" / "idempotency_filter.wasm"
     result = analyse(named)
     text = markdown(result, (REPO / a.shipped).stat().st_size,
-                    "CARGO_PROFILE_RELEASE_STRIP=false " + " ".join(build[:-2] + build[-2:]).replace(" --quiet", ""))
+                    "CARGO_PROFILE_RELEASE_STRIP=false " + " ".join(w for w in build if w != "--quiet"))
     log(text)
     if not a.no_report:
-        path = REPO / a.report
-        old = path.read_text() if path.exists() else ""
-        path.write_text(put_section(old, SIZE_HEADING, text))
-        log(f"\nupdated {rel(path)}")
+        update_section(a.report, SIZE_HEADING, text)
     return 0
 
 

@@ -31,13 +31,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from bench import OUT_DIR, HarnessError, log, rel
 from bench.load import Loadgen, spread
 from bench.phases import (ORDERS, OTHER, bench_envoy, checked, filter_config, proxy_config, upstream_config,
                           wasm_filter)
-from bench.report import PROFILE_HEADING, put_section
+from bench.report import PROFILE_HEADING, update_section
 from idemkit import REPO_ROOT as REPO
 
 CLASSES = ["Envoy", "host calls", "Wasm code", "kernel"]
@@ -315,10 +314,7 @@ def main(argv: list[str]) -> int:
     (OUT_DIR / "profile.json").write_text(json.dumps(
         {s.key: {"samples": s.samples, "requests": s.requests} for s in scen}, indent=1))
     if not a.no_report:
-        path = REPO / a.report
-        old = path.read_text() if path.exists() else ""
-        path.write_text(put_section(old, PROFILE_HEADING, text))
-        log(f"\nupdated {rel(path)}")
+        update_section(a.report, PROFILE_HEADING, text)
     return 0
 
 

@@ -464,6 +464,15 @@ def misses_markdown(missed: list[str]) -> list[str]:
     return (["Why the misses are misses:", ""] + out + [""]) if out else []
 
 
+def update_section(report: str, heading: str, section: str) -> None:
+    """Writes `section` into the report file `report` (relative to the repository) in place of
+    the section `heading`, keeping the rest of the file."""
+    path = REPO / report
+    old = path.read_text() if path.exists() else ""
+    path.write_text(put_section(old, heading, section))
+    log(f"\nupdated {rel(path)}")
+
+
 def wake_markdown(w: dict) -> list[str]:
     """The wait-mode wake-up section (bench/wake_latency.py's result)."""
     return [

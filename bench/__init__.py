@@ -48,3 +48,16 @@ def loadavg() -> str:
             return " ".join(f.read().split()[:3])
     except OSError:
         return "?"
+
+
+def read_varint(buf: bytes, i: int) -> tuple[int, int]:
+    """An unsigned LEB128 integer at `buf[i]` and the offset after it: protobuf's varints
+    (bench/etcd_protocol.py) and the Wasm binary format's (bench/module_size.py) alike."""
+    n = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return n, i

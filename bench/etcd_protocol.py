@@ -41,6 +41,7 @@ from pathlib import Path
 
 import grpc
 
+from bench import read_varint
 from idemkit.etcd import Etcd
 
 PREFIX = b"/idempotency/"
@@ -132,17 +133,6 @@ def pb_fields(buf: bytes) -> dict[int, list]:
             raise ValueError("wire type %d" % kind)
         out.setdefault(field, []).append(v)
     return out
-
-
-def read_varint(buf: bytes, i: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        b = buf[i]
-        i += 1
-        n |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return n, i
 
 
 # ---- measurement helpers ---------------------------------------------------------------------

@@ -18,24 +18,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench import log
+from bench import log, read_varint
 from bench.report import SIZE_HEADING, update_section
 from idemkit import REPO_ROOT as REPO
 
 CRATE = "idempotency_filter"
 # Modules of the crate shown one level deeper (their submodules are big enough to matter).
 SPLIT = ("store", "glue", "identity")
-
-
-def leb128(data: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, i
 
 
 def sections(data: bytes) -> list[tuple[int, int, int]]:
@@ -45,55 +34,55 @@ def sections(data: bytes) -> list[tuple[int, int, int]]:
     out, i = [], 8
     while i < len(data):
         sid = data[i]
-        size, j = leb128(data, i + 1)
+        size, j = read_varint(data, i + 1)
         out.append((sid, j, size))
         i = j + size
     return out
 
 
 def imported_functions(body: bytes) -> int:
-    count, i = leb128(body, 0)
+    count, i = read_varint(body, 0)
     functions = 0
     for _ in range(count):
         for _name in range(2):  # module, field
-            n, i = leb128(body, i)
+            n, i = read_varint(body, i)
             i += n
         kind = body[i]
         i += 1
         if kind == 0:  # function: type index
-            _, i = leb128(body, i)
+            _, i = read_varint(body, i)
             functions += 1
         elif kind == 1:  # table: element type, limits
             i += 1
             flags = body[i]
-            _, i = leb128(body, i + 1)
+            _, i = read_varint(body, i + 1)
             if flags & 1:
-                _, i = leb128(body, i)
+                _, i = read_varint(body, i)
         elif kind == 2:  # memory: limits
             flags = body[i]
-            _, i = leb128(body, i + 1)
+            _, i = read_varint(body, i + 1)
             if flags & 1:
-                _, i = leb128(body, i)
+                _, i = read_varint(body, i)
         elif kind == 3:  # global: value type, mutability
             i += 2
     return functions
 
 
 def function_names(body: bytes) -> dict[int, str]:
-    n, i = leb128(body, 0)
+    n, i = read_varint(body, 0)
     if body[i:i + n] != b"name":
         return {}
     i += n
     names: dict[int, str] = {}
     while i < len(body):
         sub = body[i]
-        size, i = leb128(body, i + 1)
+        size, i = read_varint(body, i + 1)
         end = i + size
         if sub == 1:
-            count, k = leb128(body, i)
+            count, k = read_varint(body, i)
             for _ in range(count):
-                index, k = leb128(body, k)
-                length, k = leb128(body, k)
+                index, k = read_varint(body, k)
+                length, k = read_varint(body, k)
                 names[index] = body[k:k + length].decode("utf-8", "replace")
                 k += length
         i = end
@@ -145,9 +134,9 @@ def analyse(path: Path) -> dict:
     for sid, o, n in secs:
         if sid == 10:
             body = data[o:o + n]
-            count, i = leb128(body, 0)
+            count, i = read_varint(body, 0)
             for _ in range(count):
-                size, i = leb128(body, i)
+                size, i = read_varint(body, i)
                 sizes.append(size)
                 i += size
     by_owner: Counter[str] = Counter()

@@ -107,7 +107,7 @@ const FILL_SHARD_BUCKETS: u32 = 64;
 
 /// Buckets a claim sweeps at most when its fill shard counts no room (`reclaim_in_shard`): enough
 /// to find ended records in a shard full of them, few enough to keep that claim cheap.
-const RECLAIM_BUCKETS: u32 = 4;
+const RECLAIM_BUCKETS: usize = 4;
 
 const PLACEMENT_TAG: &[u8] = b"idempotency-filter/placement/v3\0";
 const TENANT_QUOTA_TAG: &[u8] = b"idempotency-filter/quota/tenant/v2\0";
@@ -1152,19 +1152,14 @@ impl<S: SharedData> LocalStore<S> {
     fn reclaim_in_shard(&self, shard: u32, from: u32, skip: &[u32], now_ms: u64) -> Result<u32, StoreError> {
         let buckets = self.shard_buckets(shard);
         let len = buckets.end.saturating_sub(buckets.start);
-        let mut looked = 0;
-        for step in 1..len {
-            let bucket = buckets.start + (from.saturating_sub(buckets.start) + step) % len;
-            if skip.contains(&bucket) {
-                continue;
-            }
+        let after_from = (1..len)
+            .map(|step| buckets.start + (from.saturating_sub(buckets.start) + step) % len)
+            .filter(|bucket| !skip.contains(bucket))
+            .take(RECLAIM_BUCKETS);
+        for bucket in after_from {
             let swept = self.sweep_bucket(bucket, now_ms)?;
             if swept > 0 {
                 return Ok(swept);
-            }
-            looked += 1;
-            if looked == RECLAIM_BUCKETS {
-                break;
             }
         }
         Ok(0)

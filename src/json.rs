@@ -238,11 +238,11 @@ impl<'a> Parser<'a> {
         let duplicate = if self.order == MemberOrder::Document {
             // Sorting a separate list of names keeps the members themselves in document order.
             let mut names: Vec<&[u8]> = members.iter().map(|(name, _)| name.as_bytes()).collect();
-            names.sort_unstable();
+            crate::sort::heap_by(&mut names, |a, b| a < b);
             names.windows(2).any(|pair| matches!(pair, [a, b] if a == b))
         } else {
             // The caller wants the sorted order anyway: sort the members themselves, once.
-            members.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            crate::sort::heap_by(&mut members, |a, b| a.0.as_bytes() < b.0.as_bytes());
             members.windows(2).any(|pair| match pair {
                 [a, b] => a.0 == b.0,
                 _ => false,

@@ -11,6 +11,7 @@ pub mod json;
 pub mod metrics;
 pub mod problem;
 pub mod settlement;
+mod sort;
 pub mod store;
 pub mod wait;
 

@@ -594,7 +594,7 @@ impl<S: SharedData> LocalStore<S> {
         primary: u32,
         mut candidates: Vec<(u32, (Vec<Entry>, Read))>,
     ) -> Result<Option<Begin>, StoreError> {
-        candidates.sort_by_key(|(_, (entries, _))| entries.len());
+        crate::sort::small_by_key(&mut candidates, |(_, (entries, _))| entries.len());
         let mut full_shards = Vec::new();
         for (bucket, (entries, read)) in &candidates {
             let Some(position) = free_position(entries) else { continue };
@@ -766,7 +766,7 @@ impl<S: SharedData> LocalStore<S> {
             }
         };
         let mut by_end: Vec<&Entry> = entries.iter().collect();
-        by_end.sort_by_key(|e| ends(e));
+        crate::sort::small_by_key(&mut by_end, |e| ends(e));
         let mut soonest = u64::MAX;
         for e in by_end {
             if ends(e) > now {

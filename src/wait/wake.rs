@@ -115,7 +115,7 @@ impl<S: SharedData> Registry<S> {
                 Some(e) => e.heartbeat_ms = now_ms,
                 None => entries.push(Entry { name: name.to_string(), heartbeat_ms: now_ms }),
             }
-            entries.sort_by_key(|e| std::cmp::Reverse(e.heartbeat_ms));
+            crate::sort::small_by_key(entries, |e| std::cmp::Reverse(e.heartbeat_ms));
         })
     }
 

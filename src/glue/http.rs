@@ -35,7 +35,7 @@ impl<H: Host> StreamFacts for Facts<'_, H> {
         self.plugin.host.now_ms()
     }
     fn owner_token(&mut self) -> u64 {
-        self.plugin.owner_token(self.context_id, self.plugin.host.now_ms())
+        self.plugin.owner_token(self.context_id)
     }
     fn request_header(&mut self, name: &str) -> Option<Vec<u8>> {
         self.plugin.host.header_value(MAP_REQUEST_HEADERS, name).ok().flatten()

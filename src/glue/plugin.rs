@@ -441,15 +441,15 @@ impl<H: Host> PluginState<H> {
     }
 
     /// A claim owner token: unique per claim across workers and VMs with overwhelming
-    /// probability (a random per-root seed, the time, the context and a counter), never 0.
-    pub fn owner_token(&self, context_id: u32, now_ms: u64) -> u64 {
+    /// probability (a random per-root seed, the context and a counter), never 0.
+    pub fn owner_token(&self, context_id: u32) -> u64 {
         let n = self.tokens.get().wrapping_add(1);
         self.tokens.set(n);
-        // Unique per root by the counter, across roots by the random seed; the time and context
-        // only spread the values. A cheap bijective mix, not a hash: tokens need uniqueness,
-        // not secrecy (they never leave shared data).
-        let mixed =
-            splitmix64(self.seed ^ splitmix64(n ^ (u64::from(context_id) << 40) ^ now_ms.rotate_left(17)));
+        // Unique per root by the counter (for 2^40 claims: the context only fills the high
+        // bits), across roots by the random seed. A cheap bijective mix, not a hash: tokens need
+        // uniqueness, not secrecy (they never leave shared data). No clock: a host call per claim
+        // that added nothing to uniqueness.
+        let mixed = splitmix64(self.seed ^ splitmix64(n ^ (u64::from(context_id) << 40)));
         mixed.max(1)
     }
 }

@@ -159,7 +159,7 @@ impl<H: Host> Root<H> {
 fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>) {
     let host = &plugin.host;
     let now_ms = host.now_ms();
-    let owner = plugin.owner_token(w.context_id, now_ms);
+    let owner = plugin.owner_token(w.context_id);
     let op = wait::recheck_op(&plugin.config, &w, now_ms, owner);
     if let Store::Remote(store) = &plugin.store {
         let check = RootRecheck {

@@ -102,4 +102,4 @@ bench-profile: build tools bench-bins perf
 # names into target/size/, its code split by Rust module; written into BENCHMARKS.md.
 .PHONY: bench-size
 bench-size: build tools
-	$(VENV_PY) -m bench.module_size $(BENCH_SIZE_ARGS)
+	$(VENV_PY) -m bench.module_size --wasm-opt "$(if $(WASM_OPT),$(WASM_OPT) $(WASM_OPT_FLAGS))" $(BENCH_SIZE_ARGS)

@@ -480,6 +480,7 @@ class Bench:
         self.start([env])
         time.sleep(0.5)
         idle = env.memory_kib()
+        heap_idle = env.allocator()
         total = a.memory_requests
         log(f"  memory: {total:,} requests with distinct keys, {a.connections} connections, ttl {ttl}, "
             f"capacity 100000; RSS sampled every {a.memory_interval:g}s")
@@ -531,6 +532,7 @@ class Bench:
         checked(env, env.check_alive)
         counters = env.filter_counters(REQUESTS)
         swept = env.counter(SWEPT)
+        heap_end = env.allocator()
         env.stop()
         self.check_result("memory", r, "memory phase", fatal=a.smoke)
         if r["requests"] < total:
@@ -562,6 +564,8 @@ class Bench:
             "result": r,
             "samples": samples,
             "idle_kib": idle,
+            "heap_idle": heap_idle,
+            "heap_end": heap_end,
             "peak_rss_kib": max(rss) if rss else 0,
             "last_third_growth": growth,
             "after_capacity": after_cap,

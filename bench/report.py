@@ -458,9 +458,12 @@ def misses_markdown(missed: list[str]) -> list[str]:
         out.append("- Memory per record: the local store keeps a record as a bucket entry (117 B) and a snapshot slot "
                    "(45 B of header, the kept response headers, and Envoy's own bytes for the key and value), and at "
                    "worst (every record another tenant and caller) two quota counters (72 B): the README's bound is 307 B per unit of capacity beyond the "
-                   "response, before what the allocator keeps under churn. 128 B would need a local-only entry "
-                   "format (shorter scope and fingerprint digests, owner and lease packed), a change of the "
-                   "versioned record format that this round did not make.")
+                   "response, before what the allocator keeps under churn. Envoy's allocator counts what the records "
+                   f"occupy apart from what it keeps free (\"{MEMORY_HEADING[3:]}\"): the entry and slot header (162 B) "
+                   "plus its size-class rounding of each shared-data value (tcmalloc's classes are up to an eighth "
+                   "apart, so a 1.2 KB snapshot can lose up to 150 B to it). 128 B would need a local-only entry format "
+                   "(shorter scope and fingerprint digests, owner and lease packed: about 60 B saved) and still "
+                   "depends on where the response's size falls between two size classes, which no format controls.")
     return (["Why the misses are misses:", ""] + out + [""]) if out else []
 
 

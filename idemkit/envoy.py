@@ -246,6 +246,13 @@ class Envoy(Process):
                     out[k] = int(v.split()[0])
         return out
 
+    def allocator(self) -> dict[str, int]:
+        """Envoy's allocator (tcmalloc) as admin /memory reports it, in bytes: `allocated` is
+        what the process holds in live objects (the shared-data map and its values among them),
+        `heap_size` what the allocator took from the system. RSS also counts what the allocator
+        keeps free for reuse, and V8's memory, which is not allocated through it."""
+        return {k: int(v) for k, v in json.loads(self.admin("/memory").body).items()}
+
     def log_text(self) -> str:
         return self.log_path.read_text("utf-8", "replace") if self.log_path.exists() else ""
 

@@ -70,6 +70,10 @@ pub enum Step {
     LeaveWaitRoom,
     /// Envoy sent this claimed request upstream several times: warn, once per rule per Envoy.
     WarnRetried { rule: String, attempts: u64 },
+    /// A request held for its body ended before any of it arrived: warn (at most once a
+    /// minute per worker), since every request does so when Envoy is missing
+    /// `allow_on_headers_stop_iteration: true`.
+    WarnBodyNeverReceived { rule: String, details: Option<String> },
 }
 
 /// The answer to the callback: let the stream go on, or hold it.
@@ -254,11 +258,13 @@ pub struct RequestFlow {
     /// The route rule the request matched, for its whole life: what it counts is counted
     /// under that rule too.
     rule: Option<Rc<Rule>>,
+    /// A request body callback came while the request was held for its body.
+    body_seen: bool,
 }
 
 impl RequestFlow {
     pub fn new(context_id: u32) -> RequestFlow {
-        RequestFlow { context_id, phase: Phase::Idle, forwarded_rule: None, rule: None }
+        RequestFlow { context_id, phase: Phase::Idle, forwarded_rule: None, rule: None, body_seen: false }
     }
 
     /// The route rule the request matched (None: no rule, so it passed through).
@@ -355,6 +361,7 @@ impl RequestFlow {
             Phase::Answered { .. } => return Output::hold(Vec::new()),
             _ => return Output::go(Vec::new()),
         };
+        self.body_seen = true;
         // Refuse as soon as the buffered body outgrows the limit, not at its end.
         if size as u64 > rule.max_request_bytes {
             return self.refuse(&engine::too_large(&rule));
@@ -369,7 +376,10 @@ impl RequestFlow {
     /// Request trailers: the body before them is complete.
     pub fn request_trailers(&mut self, cfg: &Config, facts: &mut dyn StreamFacts) -> Output {
         match self.phase {
-            Phase::Collecting(_) => self.read_body(cfg, facts, usize::MAX),
+            Phase::Collecting(_) => {
+                self.body_seen = true;
+                self.read_body(cfg, facts, usize::MAX)
+            }
             Phase::Answered { .. } => Output::hold(Vec::new()),
             _ => Output::go(Vec::new()),
         }
@@ -677,6 +687,16 @@ impl RequestFlow {
                 log::debug!("#{} held request's client went away", self.context_id);
                 steps.push(Step::LeaveWaitRoom);
             }
+            Phase::Collecting(pending) if !self.body_seen => {
+                // Nothing was claimed. Either the client left before sending a byte of its body,
+                // or Envoy never hands bodies to the filter (its pause at the headers without
+                // allow_on_headers_stop_iteration stops the whole stream until it times out):
+                // the operator can only tell the two apart by how often this happens.
+                let details = property_string(facts, &["response", "code_details"]);
+                log::debug!("#{} ended before any of its body arrived ({details:?})", self.context_id);
+                steps.push(Step::Count(Counter::BodyNeverReceived));
+                steps.push(Step::WarnBodyNeverReceived { rule: pending.rule.name.clone(), details });
+            }
             phase => self.phase = phase,
         }
         Output::go(steps)
@@ -955,6 +975,41 @@ mod tests {
         retry_facts.response = vec![("content-type".into(), b"text/plain".to_vec())];
         let out = retry.response_headers(&mut retry_facts, false);
         assert_eq!(out, Output::go(vec![Step::FixHeaders(vec![HeaderFix::Remove("content-type")])]));
+    }
+
+    #[test]
+    fn a_request_that_ends_before_any_of_its_body_is_counted_and_warned_about() {
+        let c = cfg();
+        let mut facts = Facts::post("/orders", "k", b"{}");
+        facts.properties.insert("response\0code_details".into(), b"stream_idle_timeout".to_vec());
+        let mut flow = RequestFlow::new(1);
+        assert_eq!(flow.request_headers(&c, &mut facts, false), Output::hold(Vec::new()));
+        assert_eq!(
+            flow.stream_ended(&mut facts),
+            Output::go(vec![
+                Step::Count(Counter::BodyNeverReceived),
+                Step::WarnBodyNeverReceived {
+                    rule: "orders".into(),
+                    details: Some("stream_idle_timeout".into())
+                },
+            ])
+        );
+        // A client that left in the middle of its body is not this: part of it arrived.
+        let mut flow = RequestFlow::new(2);
+        flow.request_headers(&c, &mut facts, false);
+        assert_eq!(flow.request_body(&c, &mut facts, 1, false), Output::hold(Vec::new()));
+        assert_eq!(flow.stream_ended(&mut facts), Output::go(Vec::new()));
+        // Nor is a request that passed through, or one whose body came whole.
+        let mut flow = RequestFlow::new(3);
+        let mut other = Facts::post("/elsewhere", "k", b"{}");
+        flow.request_headers(&c, &mut other, false);
+        assert_eq!(flow.stream_ended(&mut other), Output::go(Vec::new()));
+        let w = World::new();
+        let mut flow = RequestFlow::new(4);
+        begun(&mut flow, &mut Facts::post("/orders", "k4", b"{}"), &w.store());
+        assert!(counters(&flow.stream_ended(&mut facts).steps)
+            .iter()
+            .all(|c| *c != Counter::BodyNeverReceived));
     }
 
     #[test]

@@ -47,10 +47,14 @@ pub enum Counter {
     /// The store could not be used and the route's store fails open (`on_error: "fail_open"`):
     /// forwarded without a claim, so without protection.
     StoreBypassed,
+    /// Held for its body, the request ended before any of it reached the filter: its client
+    /// left early, or (then every protected request with a body) Envoy lacks
+    /// `allow_on_headers_stop_iteration: true`. Nothing was claimed or forwarded.
+    BodyNeverReceived,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 24] = [
+    pub const ALL: [Counter; 25] = [
         Counter::PassedThrough,
         Counter::Claimed,
         Counter::TakenOver,
@@ -75,6 +79,7 @@ impl Counter {
         Counter::GrpcRefused,
         Counter::UpstreamRetried,
         Counter::StoreBypassed,
+        Counter::BodyNeverReceived,
     ];
 
     pub fn name(self) -> &'static str {
@@ -103,6 +108,7 @@ impl Counter {
             Counter::GrpcRefused => "grpc_refused",
             Counter::UpstreamRetried => "upstream_retried",
             Counter::StoreBypassed => "store_bypassed",
+            Counter::BodyNeverReceived => "body_never_received",
         }
     }
 

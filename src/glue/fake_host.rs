@@ -543,6 +543,25 @@ mod tests {
         assert_eq!(h.0.data.key_count(), keys);
     }
 
+    #[test]
+    fn a_request_ended_before_its_body_is_counted_each_time_and_logged_once_a_minute() {
+        let h = host();
+        let root = root(&h);
+        let plugin = crate::glue::plugin::PluginState::configure_with(h.clone(), 1, None).unwrap();
+        assert!(plugin.body_never_received_log_due(1_000));
+        assert!(!plugin.body_never_received_log_due(60_999));
+        assert!(plugin.body_never_received_log_due(61_000));
+        // Through the stream's callbacks: held at its headers, ended without a body frame.
+        for n in 0..3 {
+            let mut http = root.http_context(2 + n);
+            *h.0.request_headers.borrow_mut() =
+                pairs(&[(":method", "POST"), (":path", "/orders"), ("idempotency-key", "k")]);
+            assert_eq!(http.on_request_headers(false), Verdict::Pause);
+            http.on_log();
+        }
+        assert_eq!((h.counter("body_never_received"), h.counter("claimed")), (3, 0));
+    }
+
     /// The original (context 2) and a duplicate held in wait mode (context 3).
     fn original_and_waiter(h: &FakeHost, root: &Root<FakeHost>) -> (Http<FakeHost>, Http<FakeHost>) {
         let mut original = root.http_context(2);

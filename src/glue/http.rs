@@ -242,6 +242,18 @@ impl<H: Host> Http<H> {
                     }
                     None
                 }
+                Step::WarnBodyNeverReceived { rule, details } => {
+                    if plugin.body_never_received_log_due(host.now_ms()) {
+                        log::warn!(
+                            "route rule {rule}: a request held for its body ended before any of it arrived \
+                             ({}); nothing was claimed or forwarded. If every protected request with a body \
+                             does this (counter body_never_received), the Wasm filter's config lacks \
+                             allow_on_headers_stop_iteration: true",
+                            details.as_deref().unwrap_or("no response details")
+                        );
+                    }
+                    None
+                }
             };
             if let Some(more) = more {
                 verdict = more.verdict;

@@ -132,13 +132,39 @@ pub const SETTLE_NOW: &[u8] = b"settle";
 
 /// Fail-open bypasses are logged at most this often per worker.
 const BYPASS_LOG_EVERY_MS: u64 = 1000;
+/// Requests that ended before their body arrived are logged at most this often per worker: a
+/// misconfigured Envoy makes every protected request one.
+const BODY_NEVER_RECEIVED_LOG_EVERY_MS: u64 = 60_000;
+
+/// A warning that may come with every request, logged at most once per period.
+struct LogEvery {
+    period_ms: u64,
+    last_ms: Cell<Option<u64>>,
+}
+
+impl LogEvery {
+    const fn new(period_ms: u64) -> LogEvery {
+        LogEvery { period_ms, last_ms: Cell::new(None) }
+    }
+
+    fn due(&self, now_ms: u64) -> bool {
+        match self.last_ms.get() {
+            Some(last) if now_ms.saturating_sub(last) < self.period_ms => false,
+            _ => {
+                self.last_ms.set(Some(now_ms));
+                true
+            }
+        }
+    }
+}
 
 pub struct PluginState<H: Host> {
     pub host: H,
     pub config: Config,
     pub store: Store<H>,
     pub settlements: RefCell<Settlements>,
-    last_bypass_log_ms: Cell<Option<u64>>,
+    bypass_log: LogEvery,
+    body_never_received_log: LogEvery,
     metrics: Metrics,
     tokens: Cell<u64>,
     seed: u64,
@@ -223,7 +249,8 @@ impl<H: Host> PluginState<H> {
             config,
             store,
             settlements: RefCell::new(Settlements::default()),
-            last_bypass_log_ms: Cell::new(None),
+            bypass_log: LogEvery::new(BYPASS_LOG_EVERY_MS),
+            body_never_received_log: LogEvery::new(BODY_NEVER_RECEIVED_LOG_EVERY_MS),
             tokens: Cell::new(0),
             seed,
             room,
@@ -350,13 +377,13 @@ impl<H: Host> PluginState<H> {
     /// True when a fail-open bypass should be logged now (at most once a second per worker:
     /// a store outage must not flood the log with one line per request).
     pub fn bypass_log_due(&self, now_ms: u64) -> bool {
-        match self.last_bypass_log_ms.get() {
-            Some(last) if now_ms.saturating_sub(last) < BYPASS_LOG_EVERY_MS => false,
-            _ => {
-                self.last_bypass_log_ms.set(Some(now_ms));
-                true
-            }
-        }
+        self.bypass_log.due(now_ms)
+    }
+
+    /// True when a request that ended before its body arrived should be logged now (at most
+    /// once a minute per worker).
+    pub fn body_never_received_log_due(&self, now_ms: u64) -> bool {
+        self.body_never_received_log.due(now_ms)
     }
 
     /// Tells every worker that this record's outcome may be known, so that its waiters look.

@@ -439,6 +439,7 @@ fn step_name(step: &Step) -> &'static str {
         Step::FixHeaders(_) => "fix headers",
         Step::LeaveWaitRoom => "leave wait room",
         Step::WarnRetried { .. } => "warn retried",
+        Step::WarnBodyNeverReceived { .. } => "warn body never received",
     }
 }
 

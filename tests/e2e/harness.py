@@ -62,6 +62,7 @@ OUTCOMES = (
     "grpc_refused",
     "store_error",
     "store_bypassed",
+    "body_never_received",
 )
 PROBLEM_TYPE = "urn:idempotency-filter:%s"
 

@@ -1,0 +1,93 @@
+"""A request held for its body that ends before any of it arrives is counted and explained.
+
+The classic deployment mistake: the Wasm filter's config without
+`allow_on_headers_stop_iteration: true` (or Istio's WasmPlugin, which cannot set it). Envoy then
+turns the filter's pause at the request headers into "stop everything": the body never reaches
+the filter, the request hangs until the HCM's `stream_idle_timeout` (2 s here) and the client
+gets Envoy's own 504. Nothing executes either way; what the filter adds is that the operator can
+see why: the counter `body_never_received` and a warning naming the setting, at most once a
+minute per worker (concurrency 1: "once" is checked on one worker).
+
+The same counter moves, honestly, when a client sends its headers and leaves before its body
+(the default fixture, with the setting right).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import harness
+from harness import key_headers, new_key
+from idemkit.client import build_request, send_and_disconnect
+
+FILTER_CONFIG = {
+    "store": {"type": "local", "capacity": 1000},
+    "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True}],
+}
+ENVOY_OPTIONS = {"concurrency": 1}
+
+BODY = b'{"item":"book","qty":1}'
+IDLE_TIMEOUT_S = 2
+# a line the filter logged at warning level (or above), not Envoy echoing its config
+_FILTER_WARNING = re.compile(r"\]\[(warning|error|critical)\]\[wasm\].*wasm log")
+
+
+def _warnings(envoy):
+    return [l for l in envoy.log_text().splitlines()
+            if _FILTER_WARNING.search(l) and "allow_on_headers_stop_iteration" in l]
+
+
+def _without_stop_iteration(envoy_bin, upstream, filter_wasm):
+    proxy = harness.Envoy(envoy_bin, upstream.port, FILTER_CONFIG, wasm_path=filter_wasm,
+                          name="no-stop-iteration", concurrency=1)
+    hcm = proxy.config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["stream_idle_timeout"] = "%ds" % IDLE_TIMEOUT_S
+    wasm = next(f for f in hcm["http_filters"] if f["name"] == "idempotency")
+    wasm["typed_config"]["config"]["allow_on_headers_stop_iteration"] = False
+    return proxy
+
+
+def test_without_allow_on_headers_stop_iteration_requests_hang_and_the_filter_says_why(
+        envoy_bin, upstream, filter_wasm):
+    with _without_stop_iteration(envoy_bin, upstream, filter_wasm).start() as proxy:
+        keys = [new_key(), new_key()]
+        for n, key in enumerate(keys, start=1):
+            started = time.monotonic()
+            resp = proxy.post("/orders", BODY, key_headers(key), timeout=IDLE_TIMEOUT_S + 10)
+            waited = time.monotonic() - started
+            # Envoy's stream timeout, not an answer of the filter's: the request hung.
+            assert resp.status == 504, resp
+            assert waited >= IDLE_TIMEOUT_S - 0.5, waited
+            assert upstream.executions(key) == 0
+            proxy.wait_counter("body_never_received", n)
+        assert proxy.idem("claimed") == 0
+        lines = _warnings(proxy)
+        assert len(lines) == 1, lines  # two requests, one warning a minute
+        assert "orders" in lines[0] and "body_never_received" in lines[0], lines[0]
+
+
+def test_a_client_gone_before_its_body_is_counted_and_nothing_claimed(envoy, upstream):
+    before = envoy.filter_counters()
+    key = new_key()
+    # The headers announce a body; the client leaves before sending it.
+    head = build_request("POST", "/orders", dict(key_headers(key), **{"content-length": str(len(BODY))}))
+    send_and_disconnect(envoy.port, head)
+    envoy.wait_counter("body_never_received", before["requests.body_never_received"] + 1)
+    envoy.wait_idle()
+    after = envoy.filter_counters()
+    assert after["requests.claimed"] == before["requests.claimed"]
+    assert upstream.executions(key) == 0
+    # The key was never claimed: the same request, sent whole, executes once.
+    resp = envoy.post("/orders", BODY, key_headers(key))
+    assert resp.status == 201 and not resp.replayed, resp
+    assert upstream.executions(key) == 1
+
+
+def test_a_request_with_its_body_is_not_counted(envoy, upstream):
+    before = envoy.filter_counters()
+    resp = envoy.post("/orders", BODY, key_headers(new_key()))
+    assert resp.status == 201, resp
+    envoy.wait_counter("stored", before["requests.stored"] + 1)
+    envoy.wait_idle()
+    assert envoy.filter_counters()["requests.body_never_received"] == before["requests.body_never_received"]

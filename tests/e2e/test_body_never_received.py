@@ -50,7 +50,7 @@ def _without_stop_iteration(envoy_bin, upstream, filter_wasm):
 
 def test_without_allow_on_headers_stop_iteration_requests_hang_and_the_filter_says_why(
         envoy_bin, upstream, filter_wasm):
-    with _without_stop_iteration(envoy_bin, upstream, filter_wasm).start() as proxy:
+    with _without_stop_iteration(envoy_bin, upstream, filter_wasm) as proxy:
         keys = [new_key(), new_key()]
         for n, key in enumerate(keys, start=1):
             started = time.monotonic()

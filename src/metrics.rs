@@ -51,10 +51,15 @@ pub enum Counter {
     /// left early, or (then every protected request with a body) Envoy lacks
     /// `allow_on_headers_stop_iteration: true`. Nothing was claimed or forwarded.
     BodyNeverReceived,
+    /// A completion or release the store could not take (unreachable or too slow) after being
+    /// tried again until the rule's `processing_timeout`, or still unwritten when a
+    /// configuration update retired its root past the drain bound: the record stays in flight
+    /// until its lease ends.
+    SettlementAbandoned,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 25] = [
+    pub const ALL: [Counter; 26] = [
         Counter::PassedThrough,
         Counter::Claimed,
         Counter::TakenOver,
@@ -80,6 +85,7 @@ impl Counter {
         Counter::UpstreamRetried,
         Counter::StoreBypassed,
         Counter::BodyNeverReceived,
+        Counter::SettlementAbandoned,
     ];
 
     pub fn name(self) -> &'static str {
@@ -109,6 +115,7 @@ impl Counter {
             Counter::UpstreamRetried => "upstream_retried",
             Counter::StoreBypassed => "store_bypassed",
             Counter::BodyNeverReceived => "body_never_received",
+            Counter::SettlementAbandoned => "settlement_abandoned",
         }
     }
 

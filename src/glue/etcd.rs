@@ -50,4 +50,7 @@ impl Conversation for EtcdConversation {
             ExchangeStep::Done(answer) => Next::Done(answer),
         }
     }
+    fn into_op(self: Box<Self>) -> StoreOp {
+        self.exchange.into_op()
+    }
 }

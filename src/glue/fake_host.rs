@@ -44,6 +44,8 @@ pub enum Call {
         body: Vec<u8>,
         timeout_ms: u32,
     },
+    /// `proxy_done`: a root that had asked to wait is finished.
+    Done,
 }
 
 #[derive(Default)]
@@ -307,6 +309,11 @@ impl Host for FakeHost {
             timeout_ms,
         });
         Ok(token)
+    }
+    fn done(&self) -> Result<(), HostError> {
+        self.fails("done")?;
+        self.0.calls.borrow_mut().push(Call::Done);
+        Ok(())
     }
     fn increment(&self, metric: u32, by: i64) {
         self.note("increment_metric", 0);
@@ -728,6 +735,9 @@ mod remote_tests {
     struct OneCall(StoreOp);
 
     impl Conversation for OneCall {
+        fn into_op(self: Box<Self>) -> StoreOp {
+            self.0
+        }
         fn step(&mut self, answer: Option<Answer>, _now_ms: u64) -> Next {
             let Some(answer) = answer else {
                 return Next::Call(Request { path: "/v3/kv/txn", body: b"{}".to_vec(), token: None });
@@ -1053,15 +1063,143 @@ mod remote_tests {
         store_answers(&h, Some("200"), b"{}");
         root.on_http_call_response(last_token(&h), 2);
         assert_eq!(resumed(&h), 1);
-        // A failed release is counted, and the held response goes on all the same.
+        // A failed release goes on at once, and is tried again at a later tick.
         *h.0.response_headers.borrow_mut() = pairs(&[(":status", "500")]);
         h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
         assert_eq!(http.on_response_headers(true), Verdict::Pause);
         root.on_tick();
         store_answers(&h, None, b"");
         root.on_http_call_response(last_token(&h), 0);
-        assert_eq!(h.counter("store_error"), 1);
         assert!(matches!(h.0.calls.borrow().last(), Some(Call::ResumeResponse { .. })));
+        let dispatched = h.dispatches().len();
+        h.0.now_ms.set(h.0.now_ms.get() + 100);
+        root.on_tick();
+        assert_eq!(h.dispatches().len(), dispatched + 1);
+        store_answers(&h, Some("200"), b"{}");
+        root.on_http_call_response(last_token(&h), 2);
+        assert_eq!((h.counter("released"), h.counter("store_error")), (1, 0));
+    }
+
+    /// A forwarded request whose 201 has come back whole: its completion is the root's
+    /// callout now (returned: its token).
+    fn completing(h: &FakeHost, root: &mut Root<FakeHost>, id: u32) -> (Http<FakeHost>, u32) {
+        let mut http = forwarded(h, root, id, "201");
+        *h.0.response_body.borrow_mut() = b"{}".to_vec();
+        http.on_response_headers(false);
+        assert_eq!(http.on_response_body(2, true), Verdict::Pause);
+        h.0.effective.set(1);
+        root.on_queue_ready(0);
+        (http, last_token(h))
+    }
+
+    fn at(h: &FakeHost, root: &mut Root<FakeHost>, now_ms: u64) {
+        h.0.now_ms.set(now_ms);
+        root.on_tick();
+    }
+
+    #[test]
+    fn a_completion_the_store_failed_is_tried_again_with_backoff_until_it_lands() {
+        let h = host();
+        let (mut root, ops) = root_with_ops(&h, "etcd", FailMode::Closed);
+        let (_http, token) = completing(&h, &mut root, 2);
+        // Envoy timed the callout out: the client gets its response now, nothing is counted.
+        store_answers(&h, Some("504"), b"upstream request timeout");
+        root.on_http_call_response(token, 24);
+        assert_eq!(h.0.calls.borrow().last(), Some(&Call::ResumeResponse { context: 2 }));
+        assert_eq!((h.counter("stored"), h.counter("store_error")), (0, 0));
+        // Tried again after 100 ms, then 200 ms, as a new conversation of the same completion.
+        let dispatched = h.dispatches().len();
+        at(&h, &mut root, 1_050);
+        assert_eq!(h.dispatches().len(), dispatched, "not due yet");
+        at(&h, &mut root, 1_100);
+        assert_eq!(h.dispatches().len(), dispatched + 1);
+        store_answers(&h, None, b"");
+        root.on_http_call_response(last_token(&h), 0);
+        at(&h, &mut root, 1_250);
+        assert_eq!(h.dispatches().len(), dispatched + 1, "backoff doubled");
+        at(&h, &mut root, 1_300);
+        assert_eq!(h.dispatches().len(), dispatched + 2);
+        store_answers(&h, Some("200"), b"{}");
+        root.on_http_call_response(last_token(&h), 2);
+        assert_eq!((h.counter("stored"), h.counter("settlement_abandoned")), (1, 0));
+        let completions: Vec<StoreOp> =
+            ops.borrow().iter().filter(|op| matches!(op, StoreOp::Complete { .. })).cloned().collect();
+        assert_eq!(completions.len(), 3);
+        assert!(completions.iter().all(|op| *op == completions[0]), "the same completion each time");
+        // Nothing left to try.
+        at(&h, &mut root, 10_000);
+        assert_eq!(h.dispatches().len(), dispatched + 2);
+        assert_eq!(h.0.calls.borrow().iter().filter(|c| matches!(c, Call::ResumeResponse { .. })).count(), 1);
+    }
+
+    #[test]
+    fn a_completion_is_abandoned_and_counted_once_the_lease_has_passed() {
+        let h = host();
+        let mut root = root(&h, "etcd", FailMode::Closed);
+        let (_http, token) = completing(&h, &mut root, 2);
+        store_answers(&h, None, b"");
+        root.on_http_call_response(token, 0);
+        let mut now = 1_000;
+        let mut tries = 1;
+        // The rule's processing_timeout is the default 30 s.
+        while now < 40_000 {
+            now += 100;
+            let before = h.dispatches().len();
+            at(&h, &mut root, now);
+            if h.dispatches().len() > before {
+                tries += 1;
+                store_answers(&h, None, b"");
+                root.on_http_call_response(last_token(&h), 0);
+            }
+        }
+        assert_eq!(h.counter("settlement_abandoned"), 1);
+        assert_eq!(h.route_counter("orders", "settlement_abandoned"), 1);
+        assert_eq!((h.counter("stored"), h.counter("store_error")), (0, 0));
+        // 100, 200, 400, 800, 1600, then every 2 s until 30 s after the first failure.
+        assert!((15..=20).contains(&tries), "{tries} tries");
+    }
+
+    #[test]
+    fn a_retired_root_finishes_its_completions_before_it_tells_envoy_it_is_done() {
+        let h = host();
+        let mut root = root(&h, "etcd", FailMode::Closed);
+        let (http, token) = completing(&h, &mut root, 2);
+        drop(http);
+        h.fail("set_effective_context", 2);
+        // The configuration is replaced: Envoy must wait for the completion in flight.
+        assert!(!root.on_done());
+        assert!(!h.0.calls.borrow().contains(&Call::Done));
+        at(&h, &mut root, 1_500);
+        assert!(!h.0.calls.borrow().contains(&Call::Done));
+        store_answers(&h, Some("200"), b"{}");
+        root.on_http_call_response(token, 2);
+        assert_eq!(h.counter("stored"), 1);
+        assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == Call::Done).count(), 1);
+        // A root with nothing under way goes at once.
+        let h = host();
+        let mut idle = root_with_ops(&h, "etcd", FailMode::Closed).0;
+        assert!(idle.on_done());
+        assert!(!h.0.calls.borrow().contains(&Call::Done));
+    }
+
+    #[test]
+    fn a_retired_root_counts_what_it_abandons_at_its_bound() {
+        let h = host();
+        let mut root = root(&h, "etcd", FailMode::Closed);
+        // A completion whose answer never comes back to the root.
+        let _ = completing(&h, &mut root, 2);
+        assert!(!root.on_done());
+        // The bound: the longest processing_timeout (30 s) and two tries of 4 calls of 250 ms.
+        at(&h, &mut root, 1_000 + 31_999);
+        assert!(!h.0.calls.borrow().contains(&Call::Done));
+        assert_eq!(h.counter("settlement_abandoned"), 0);
+        at(&h, &mut root, 1_000 + 32_000);
+        assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == Call::Done).count(), 1);
+        assert_eq!(h.counter("settlement_abandoned"), 1);
+        assert_eq!(h.route_counter("orders", "settlement_abandoned"), 1);
+        // Said once.
+        at(&h, &mut root, 40_000);
+        assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == Call::Done).count(), 1);
     }
 }
 
@@ -1091,6 +1229,9 @@ mod remote_wait_tests {
     struct OneCall(StoreOp, Begins);
 
     impl Conversation for OneCall {
+        fn into_op(self: Box<Self>) -> StoreOp {
+            self.0
+        }
         fn step(&mut self, answer: Option<Answer>, _now_ms: u64) -> Next {
             let Some(answer) = answer else {
                 return Next::Call(Request { path: "/v3/kv/txn", body: b"{}".to_vec(), token: None });

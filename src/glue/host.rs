@@ -106,6 +106,7 @@ extern "C" {
         return_id: *mut u32,
     ) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
+    fn proxy_done() -> u32;
     fn proxy_http_call(
         upstream_data: *const u8,
         upstream_size: usize,
@@ -363,6 +364,10 @@ impl Host for AbiHost {
     }
     fn set_tick_period_ms(&self, ms: u32) -> Result<(), HostError> {
         set_tick_period_ms(ms)
+    }
+    fn done(&self) -> Result<(), HostError> {
+        // SAFETY: no arguments; the host acts on the calling root context.
+        check(unsafe { proxy_done() })
     }
     fn buffer(&self, buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostError> {
         buffer(buffer_type, start, max)

@@ -91,6 +91,9 @@ pub trait Host: SharedData + Clone {
     ) -> Result<u32, HostError>;
     /// A lost increment is not worth failing a request for: no result.
     fn increment(&self, metric: u32, by: i64);
+    /// Tells Envoy that this root, which answered `on_done` with false, has finished what it
+    /// was carrying (`proxy_done`): Envoy deletes it after the current callback.
+    fn done(&self) -> Result<(), HostError>;
 }
 
 /// Follows Envoy's log level for the wasm component, so that debug lines are not even formatted

@@ -81,6 +81,43 @@ pub struct RootSettlement {
     /// stream is still there), so that a client has the whole response only once its record
     /// is written: a retry sent after it is replayed, as with the local store.
     pub holds_response: bool,
+    /// Set when the store could not be used for it: it is started again, with backoff.
+    pub retry: Option<Retry>,
+}
+
+/// First wait before a settlement is started again, doubled after each failure up to
+/// `RETRY_MAX_BACKOFF_MS`.
+pub const RETRY_FIRST_BACKOFF_MS: u64 = 100;
+pub const RETRY_MAX_BACKOFF_MS: u64 = 2_000;
+
+/// When a failed settlement is started again, and when the root stops trying. Starting one
+/// again is safe: both of its writes are guarded by the claim's revision, so a try that finds
+/// the claim taken over changes nothing (`Lost`), and one that finds its own earlier write
+/// landed is done (`store::etcd`). The root tries for the rule's `processing_timeout` from
+/// the first failure: as long as the record could still be this claim's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retry {
+    pub due_ms: u64,
+    pub backoff_ms: u64,
+    pub give_up_at_ms: u64,
+}
+
+impl Retry {
+    /// After the first failure at `now_ms`.
+    pub fn first(now_ms: u64, lease_ms: u64) -> Retry {
+        Retry {
+            due_ms: now_ms.saturating_add(RETRY_FIRST_BACKOFF_MS),
+            backoff_ms: RETRY_FIRST_BACKOFF_MS,
+            give_up_at_ms: now_ms.saturating_add(lease_ms),
+        }
+    }
+
+    /// After another failure at `now_ms`; None: give up.
+    pub fn next(self, now_ms: u64) -> Option<Retry> {
+        let backoff_ms = self.backoff_ms.saturating_mul(2).min(RETRY_MAX_BACKOFF_MS);
+        let due_ms = now_ms.saturating_add(backoff_ms);
+        (due_ms < self.give_up_at_ms).then_some(Retry { due_ms, backoff_ms, ..self })
+    }
 }
 
 /// Where the root gives a request's flow back once its `begin` is answered; the stream takes
@@ -124,11 +161,46 @@ pub struct Settlements {
     pub queued: Vec<RootCall>,
     /// Waiting for the answer to the callout with this token.
     pub in_flight: HashMap<u32, RootCall>,
+    /// Settlements the store failed, each started again at its `retry.due_ms`.
+    pub retrying: Vec<RootSettlement>,
+}
+
+impl Settlements {
+    /// Nothing handed over, under way or waiting to be tried again.
+    pub fn is_idle(&self) -> bool {
+        self.queued.is_empty() && self.in_flight.is_empty() && self.retrying.is_empty()
+    }
+
+    /// How many are handed over, under way or waiting to be tried again.
+    pub fn len(&self) -> usize {
+        self.queued.len() + self.in_flight.len() + self.retrying.len()
+    }
+
+    /// Takes the settlements due to be tried again at `now_ms`.
+    pub fn due(&mut self, now_ms: u64) -> Vec<RootSettlement> {
+        let (due, later) = std::mem::take(&mut self.retrying)
+            .into_iter()
+            .partition(|s| s.retry.is_some_and(|r| r.due_ms <= now_ms));
+        self.retrying = later;
+        due
+    }
+
+    /// Everything left, for a root that stops waiting for it.
+    pub fn drain_all(&mut self) -> Vec<RootCall> {
+        let mut all = std::mem::take(&mut self.queued);
+        all.extend(std::mem::take(&mut self.in_flight).into_values());
+        all.extend(std::mem::take(&mut self.retrying).into_iter().map(RootCall::Settle));
+        all
+    }
 }
 
 /// The message a stream leaves on its own worker's wake queue so that the root runs at once
 /// (a wake-up is a 32-byte scope id, so the two never mix).
 pub const SETTLE_NOW: &[u8] = b"settle";
+
+/// The most callouts one try of a store operation makes (authenticate, read, lease grant,
+/// write).
+const RETIREMENT_CALLS_PER_TRY: u64 = 4;
 
 /// Fail-open bypasses are logged at most this often per worker.
 const BYPASS_LOG_EVERY_MS: u64 = 1000;
@@ -341,7 +413,12 @@ impl<H: Host> PluginState<H> {
         holds_response: bool,
     ) {
         let conversation = remote.start(op);
-        self.to_root(RootCall::Settle(RootSettlement { conversation, settlement, holds_response }));
+        self.to_root(RootCall::Settle(RootSettlement {
+            conversation,
+            settlement,
+            holds_response,
+            retry: None,
+        }));
     }
 
     /// Hands a paused request's `begin` (and its flow) to this worker's root.
@@ -372,6 +449,19 @@ impl<H: Host> PluginState<H> {
                 log::debug!("cannot wake the root (host status {}); it settles at its next tick", e.0);
             }
         }
+    }
+
+    /// How long a retired root waits for the store operations it carries (`Root::on_done`):
+    /// a settlement is tried again for its rule's `processing_timeout` after its first
+    /// failure, and one try is at most `RETIREMENT_CALLS_PER_TRY` callouts, each bounded by
+    /// the store's timeout; twice that covers a try under way when the root was retired.
+    pub fn retirement_bound_ms(&self) -> u64 {
+        let lease_ms = self.config.rules.iter().map(|r| r.processing_timeout_ms).max().unwrap_or(0);
+        let timeout_ms = match &self.store {
+            Store::Remote(remote) => u64::from(remote.settings().timeout_ms),
+            Store::Local(_) => 0,
+        };
+        lease_ms.saturating_add(timeout_ms.saturating_mul(2 * RETIREMENT_CALLS_PER_TRY))
     }
 
     /// True when a fail-open bypass should be logged now (at most once a second per worker:

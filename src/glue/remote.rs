@@ -47,6 +47,8 @@ pub enum Next {
 pub trait Conversation {
     /// First with `None`, then with the answer to the last `Call`.
     fn step(&mut self, answer: Option<Answer>, now_ms: u64) -> Next;
+    /// The operation, to start it again in a new conversation.
+    fn into_op(self: Box<Self>) -> StoreOp;
 }
 
 pub trait RemoteStore {

@@ -2,7 +2,9 @@
 //! per plugin per thread (main and each worker).
 
 use super::http::Http;
-use super::plugin::{PluginState, RootBegin, RootCall, RootRecheck, RootSettlement, Store, WaitHandle};
+use super::plugin::{
+    PluginState, Retry, RootBegin, RootCall, RootRecheck, RootSettlement, Store, WaitHandle,
+};
 use super::remote::{self, Answer, Next, Outcome, RemoteStore};
 use super::{log_filter, Host, HostError};
 use crate::flow::{
@@ -26,11 +28,14 @@ pub struct Root<H: Host> {
     host: H,
     plugin: Option<Rc<PluginState<H>>>,
     ticks: u64,
+    /// Set when Envoy retired this root and it asked to finish first (`on_done`): when it
+    /// stops waiting for the store operations it carries.
+    retiring_until_ms: Option<u64>,
 }
 
 impl<H: Host> Root<H> {
     pub fn new(context_id: u32, host: H) -> Root<H> {
-        Root { context_id, host, plugin: None, ticks: 0 }
+        Root { context_id, host, plugin: None, ticks: 0, retiring_until_ms: None }
     }
 
     /// False makes Envoy refuse the configuration; the reason is logged in one line naming
@@ -59,18 +64,51 @@ impl<H: Host> Root<H> {
         }
     }
 
+    /// Envoy retires this root: a configuration update replaced it (after the last stream of
+    /// the old configuration ended), or the listener went. The store operations it carries
+    /// for streams that have ended (completions, releases, answers to begins and rechecks)
+    /// would be cancelled with it, and a completion lost that way leaves its record in
+    /// flight, so a retry after the lease would execute again. So while any is left it asks
+    /// Envoy to wait (false), and says when it is finished (`proxy_done`), at the latest after
+    /// `PluginState::retirement_bound_ms`.
     pub fn on_done(&mut self) -> bool {
-        if let Some(plugin) = &self.plugin {
-            plugin.withdraw();
+        let Some(plugin) = &self.plugin else { return true };
+        plugin.withdraw();
+        let left = plugin.settlements.borrow().len();
+        if left == 0 {
+            return true;
         }
-        true
+        let bound_ms = plugin.retirement_bound_ms();
+        self.retiring_until_ms = Some(self.host.now_ms().saturating_add(bound_ms));
+        log::info!(
+            "configuration retired: finishing {left} store operation(s) first (at most {bound_ms} ms)"
+        );
+        false
+    }
+
+    /// A retiring root whose store operations are finished, or whose bound has passed, tells
+    /// Envoy it is done; what is left then is counted and logged as abandoned.
+    fn finish_retirement(&mut self) {
+        let (Some(until_ms), Some(plugin)) = (self.retiring_until_ms, self.plugin.clone()) else { return };
+        if !plugin.settlements.borrow().is_idle() {
+            if self.host.now_ms() < until_ms {
+                return;
+            }
+            abandon(&plugin);
+        }
+        self.retiring_until_ms = None;
+        if let Err(HostError(s)) = self.host.done() {
+            log::warn!("could not tell Envoy this retired root is done (host status {s})");
+        }
     }
 
     pub fn on_tick(&mut self) {
         let Some(plugin) = self.plugin.clone() else { return };
         let now_ms = self.host.now_ms();
-        // Settlements handed over without a wake-up (no queue, or the enqueue failed).
+        // Settlements handed over without a wake-up (no queue, or the enqueue failed), and
+        // those due to be tried again.
         start_settlements(&plugin);
+        retry_settlements(&plugin, now_ms);
         if self.ticks.is_multiple_of(SLOW_EVERY_TICKS) {
             // Once a second: reclaim expired records (a remote store expires its own), and beat
             // in the wake registry.
@@ -93,6 +131,7 @@ impl<H: Host> Root<H> {
         for w in due {
             recheck(&plugin, w);
         }
+        self.finish_retirement();
     }
 
     pub fn on_queue_ready(&mut self, queue_id: u32) {
@@ -114,6 +153,7 @@ impl<H: Host> Root<H> {
                 recheck(&plugin, w);
             }
         }
+        self.finish_retirement();
     }
 
     /// The answer to a callout the root dispatched: the next step of a stream's `begin` or of a
@@ -142,6 +182,7 @@ impl<H: Host> Root<H> {
             }
             (RootCall::Recheck(check), Err(error)) => recheck_failed(&plugin, store.as_ref(), check, error),
         }
+        self.finish_retirement();
     }
 
     #[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
@@ -237,7 +278,8 @@ fn release_unused<H: Host>(
 ) {
     let StoreOp::Release(claim) = release else { return };
     let settlement = Settlement { context_id, claim, rule: Rc::clone(rule), done: Counter::Released };
-    let settle = RootSettlement { conversation: store.start(release), settlement, holds_response: false };
+    let settle =
+        RootSettlement { conversation: store.start(release), settlement, holds_response: false, retry: None };
     converse(plugin, store, settle, None);
 }
 
@@ -354,7 +396,8 @@ fn converse_begin<H: Host>(
                 // until its lease ends.
                 if let Some((op, settlement)) = begin.flow.answered_without_stream(&answer) {
                     let conversation = store.start(op);
-                    let settle = RootSettlement { conversation, settlement, holds_response: false };
+                    let settle =
+                        RootSettlement { conversation, settlement, holds_response: false, retry: None };
                     converse(plugin, store, settle, None);
                 }
                 return;
@@ -468,12 +511,80 @@ fn converse<H: Host>(
     }
 }
 
+/// Starts again the settlements whose store failed and that are due.
+fn retry_settlements<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
+    let Store::Remote(store) = &plugin.store else { return };
+    let due = plugin.settlements.borrow_mut().due(now_ms);
+    for call in due {
+        let RootSettlement { conversation, settlement, holds_response, retry } = call;
+        let conversation = store.start(conversation.into_op());
+        converse(
+            plugin,
+            store.as_ref(),
+            RootSettlement { conversation, settlement, holds_response, retry },
+            None,
+        );
+    }
+}
+
+/// Counts and logs what a retired root leaves unfinished past its bound (Envoy cancels the
+/// callouts when it deletes the root).
+fn abandon<H: Host>(plugin: &PluginState<H>) {
+    let left = plugin.settlements.borrow_mut().drain_all();
+    let mut settlements = 0;
+    for call in &left {
+        if let RootCall::Settle(settle) = call {
+            settlements += 1;
+            plugin.count(Counter::SettlementAbandoned, Some(&settle.settlement.rule));
+        }
+    }
+    log::warn!(
+        "retired root gave up on {} store operation(s) after {} ms, {settlements} of them completions or \
+         releases (settlement_abandoned): their records stay in flight until their leases end",
+        left.len(),
+        plugin.retirement_bound_ms()
+    );
+}
+
 /// Counts what became of a settlement and wakes its record's waiters, as its stream would have.
+/// A store that could not be used (unreachable, too slow) is tried again with backoff
+/// (`Retry`), and the held response goes on meanwhile: the client is not kept waiting for the
+/// store to recover (a retry of its own finds the record in flight, never executes).
 fn finish_settlement<H: Host>(
     plugin: &PluginState<H>,
-    call: RootSettlement,
+    mut call: RootSettlement,
     settled: Result<Settled, StoreError>,
 ) {
+    if let Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)) = &settled {
+        let now_ms = plugin.host.now_ms();
+        let retry = match call.retry {
+            None => Some(Retry::first(now_ms, call.settlement.rule.processing_timeout_ms)),
+            Some(retry) => retry.next(now_ms),
+        };
+        resume_held_response(plugin, &mut call);
+        let (context_id, scope) = (call.settlement.context_id, call.settlement.claim.scope);
+        match retry {
+            Some(retry) => {
+                log::debug!(
+                    "#{context_id} settling key {} failed ({error}); trying again in {} ms",
+                    scope.log_tag(),
+                    retry.due_ms.saturating_sub(now_ms)
+                );
+                call.retry = Some(retry);
+                plugin.settlements.borrow_mut().retrying.push(call);
+            }
+            None => {
+                log::warn!(
+                    "#{context_id} gave up settling key {} ({error}) after {} ms of tries (settlement_abandoned): \
+                     its record stays in flight until its lease ends",
+                    scope.log_tag(),
+                    call.settlement.rule.processing_timeout_ms
+                );
+                plugin.count(Counter::SettlementAbandoned, Some(&call.settlement.rule));
+            }
+        }
+        return;
+    }
     for step in settlement_steps(&call.settlement, settled) {
         match step {
             Step::Count(counter) => plugin.count(counter, Some(&call.settlement.rule)),
@@ -482,9 +593,15 @@ fn finish_settlement<H: Host>(
             _ => {}
         }
     }
-    // Whatever the answer: the response is the upstream's and goes on. A stream that is gone
-    // refuses the effective context, and nothing is held for it.
-    if call.holds_response && plugin.host.set_effective_context(call.settlement.context_id).is_ok() {
+    resume_held_response(plugin, &mut call);
+}
+
+/// Whatever the store answered: the response is the upstream's and goes on, once. A stream
+/// that is gone refuses the effective context, and nothing is held for it.
+fn resume_held_response<H: Host>(plugin: &PluginState<H>, call: &mut RootSettlement) {
+    if std::mem::take(&mut call.holds_response)
+        && plugin.host.set_effective_context(call.settlement.context_id).is_ok()
+    {
         if let Err(HostError(s)) = plugin.host.resume_response() {
             log::warn!("#{} could not resume the response (host status {s})", call.settlement.context_id);
         }

@@ -391,6 +391,11 @@ enum Next {
 }
 
 impl Exchange {
+    /// The operation this exchange carries out (to start it again).
+    pub fn into_op(self) -> StoreOp {
+        self.op
+    }
+
     /// First call with `answer: None`; afterwards with the answer to the last `Call`.
     pub fn step(&mut self, store: &EtcdStore, answer: Option<HttpAnswer>, now_ms: u64) -> ExchangeStep {
         match self.advance(store, answer, now_ms) {
@@ -650,11 +655,13 @@ impl Exchange {
         };
         // The claim's put is the record's last write while the claim holds it: any other
         // revision means it was taken over, completed, released or replaced.
-        let Some(kv) =
-            found.kvs.first().filter(|kv| u64::try_from(kv.mod_revision).ok() == Some(claim.locator))
-        else {
-            return Ok(Next::Settled(Settled::Lost));
-        };
+        let Some(kv) = found.kvs.first() else { return Ok(Next::Settled(Settled::Lost)) };
+        if u64::try_from(kv.mod_revision).ok() != Some(claim.locator) {
+            // A completion sent again (the glue retries one whose answer never came) may find
+            // its own earlier write.
+            let landed = holds_own_outcome(&self.op, &kv.value);
+            return Ok(Next::Settled(if landed { Settled::Done } else { Settled::Lost }));
+        }
         let current = decode(&kv.value)?.entry;
         if current.owner != claim.owner || current.scope != claim.scope || current.is_completed() {
             return Ok(Next::Settled(Settled::Lost));
@@ -748,7 +755,15 @@ impl Exchange {
             }
             None => ops.push(TxnOp::Delete { key: key.clone() }),
         }
-        Ok(Next::Call(wire::TXN, wire::txn(Some((&key, w.guard)), &ops, &[]), Stage::Write))
+        // A completion whose guard fails reads the record in the same call: an earlier try's
+        // write may have landed after this try's read (`holds_own_outcome`).
+        let on_failure = match (&self.op, w.won) {
+            (StoreOp::Complete { .. }, Won::Settled) => {
+                vec![TxnOp::Range { key: key.clone(), range_end: None, limit: 0, keys_only: false }]
+            }
+            _ => Vec::new(),
+        };
+        Ok(Next::Call(wire::TXN, wire::txn(Some((&key, w.guard)), &ops, &on_failure), Stage::Write))
     }
 
     fn written(&mut self, store: &EtcdStore, txn: &wire::TxnAnswer) -> Result<Next, StoreError> {
@@ -786,10 +801,31 @@ impl Exchange {
                 Ok(Next::Settled(Settled::Done))
             }
             (_, true, _) => Ok(Next::Settled(Settled::Done)),
-            // The claim's revision moved between our read and our write: no longer ours.
-            (_, false, _) => Ok(Next::Settled(Settled::Lost)),
+            // The claim's revision moved between our read and our write: no longer ours,
+            // unless what moved it was an earlier try of this same completion.
+            (op, false, _) => {
+                let landed = txn
+                    .ranges
+                    .first()
+                    .and_then(|r| r.kvs.first())
+                    .is_some_and(|kv| holds_own_outcome(op, &kv.value));
+                Ok(Next::Settled(if landed { Settled::Done } else { Settled::Lost }))
+            }
         }
     }
+}
+
+/// True when `value` is the record as `op`, a completion, writes it: this claim's owner token
+/// with this outcome. Owner tokens are unique per claim, so nobody else wrote it: the write of
+/// an earlier try of the same completion landed.
+fn holds_own_outcome(op: &StoreOp, value: &[u8]) -> bool {
+    let StoreOp::Complete { claim, completion } = op else { return false };
+    let Ok(current) = record::decode_record(value) else { return false };
+    let e = current.entry;
+    e.owner == claim.owner
+        && e.scope == claim.scope
+        && e.state == completion.state
+        && e.status == completion.status
 }
 
 fn unusable(why: &str) -> StoreError {

@@ -890,3 +890,37 @@ fn a_completion_this_worker_wrote_replays_without_a_call() {
     assert_eq!(settled(answer), Ok(Settled::Lost));
     assert_eq!(store.replay_cache_usage(), Some((0, 0)));
 }
+
+#[test]
+fn a_completion_sent_again_after_its_write_landed_is_done_not_lost() {
+    // The first try's guarded write landed but its answer never came (Envoy timed the callout
+    // out): the glue starts the completion again. The record now holds this claim's outcome
+    // under a newer revision; that is this completion done, not a lost claim.
+    let key = record_key();
+    let claim = Claim { scope: scope(1), owner: 11, locator: 4 };
+    let completion =
+        Completion { state: State::Succeeded, status: 201, snapshot: None, now_ms: 500, ttl_ms: 10_000 };
+    let ours = value(completed(500, None), None);
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Complete { claim, completion: completion.clone() },
+        700,
+        vec![ok(range_answer(6, Some((&key, &ours, 6))))],
+    );
+    assert_eq!(settled(answer), Ok(Settled::Done));
+    assert_eq!(made.len(), 1, "nothing written again");
+
+    // Another owner's outcome (a takeover that completed), or a claim still processing under
+    // another revision: not ours, Lost.
+    let theirs = value(Entry { owner: 12, ..completed(500, None) }, None);
+    let taken = value(processing(12, 400), None);
+    for found in [theirs, taken] {
+        let (answer, _) = run(
+            &store(),
+            StoreOp::Complete { claim, completion: completion.clone() },
+            700,
+            vec![ok(range_answer(8, Some((&key, &found, 8))))],
+        );
+        assert_eq!(settled(answer), Ok(Settled::Lost));
+    }
+}

@@ -5,6 +5,7 @@ write may have left behind blocks a retry for no longer than the lease)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -136,6 +137,44 @@ def test_a_claim_answered_after_the_client_left_is_released_at_once(
         retry = slow.post("/orders", BODY, key_headers(key))
         assert retry.status == 201 and not retry.replayed, retry
         assert upstream.executions(key) == 1
+    finally:
+        slow.stop()
+        delay.close()
+
+
+def test_a_completion_etcd_answers_too_late_is_written_again_and_replayed_after_the_lease(
+        envoy_bin, filter_wasm, upstream, etcd):
+    """Issue 18 item 2: the upstream answered 201 and the client got it, but etcd's answer to
+    the completion came after `timeout`. The completion is tried again (it is guarded by the
+    claim's revision), so a retry after the lease is the replay, not a second execution."""
+    delay = harness.DelayProxy(etcd.client_port, delay=0.0)
+    slow = proxy(envoy_bin, filter_wasm, upstream, delay.port, "fail_closed", "late-completion",
+                 prefix="/e2e-late-completion/")
+    try:
+        assert slow.post("/orders", BODY, key_headers(new_key())).status == 201
+        key = new_key()
+        result = {}
+
+        def call():
+            result["first"] = slow.post("/orders", BODY, key_headers(key, **{"x-delay-ms": "700"}))
+
+        client = threading.Thread(target=call)
+        client.start()
+        # The claim is written and the upstream runs: every etcd answer from now on is late.
+        harness.wait_until(lambda: upstream.executions(key) == 1, 5, what="the execution")
+        delay.delay = 0.6
+        client.join(10)
+        first = result["first"]
+        assert first.status == 201 and not first.replayed, first
+        delay.delay = 0.0
+        time.sleep(LEASE_S + 0.3)
+        retry = slow.post("/orders", BODY, key_headers(key, **{"x-delay-ms": "700"}))
+        assert retry.status == 201 and retry.replayed, retry
+        assert retry.body == first.body
+        assert upstream.executions(key) == 1
+        # Written by a later try (100 ms, doubling), counted once as stored.
+        assert slow.idem("stored") == 2
+        assert slow.idem("settlement_abandoned") == 0
     finally:
         slow.stop()
         delay.close()

@@ -63,6 +63,7 @@ OUTCOMES = (
     "store_error",
     "store_bypassed",
     "body_never_received",
+    "settlement_abandoned",
 )
 PROBLEM_TYPE = "urn:idempotency-filter:%s"
 

@@ -22,7 +22,7 @@ use idempotency_filter::store::conformance::{attempt, claimed};
 use idempotency_filter::store::etcd::base64;
 use idempotency_filter::store::etcd::blocking::BlockingEtcd;
 use idempotency_filter::store::etcd::{EtcdAuth, EtcdSettings, OnStoreError};
-use idempotency_filter::store::{Begin, Completion, RecordStore, Settled, StoreError};
+use idempotency_filter::store::{Begin, ClaimAttempt, Completion, RecordStore, Settled, StoreError};
 
 /// A running etcd, killed (and its data directory removed) on drop.
 struct EtcdProcess {
@@ -157,6 +157,16 @@ impl Backend for Etcd {
         // Each worker has its own EtcdStore (lease cache, token), as each Envoy worker does.
         Box::new(BlockingEtcd::new(self.etcd.0.addr, settings(&self.prefix)))
     }
+
+    fn let_claim_leases_end(&self) {
+        wait_for_claim_leases();
+    }
+}
+
+/// A claim's lease key lives on an etcd lease, by etcd's clock: the suite's LEASE (1 s), the
+/// reuse window (1 s) and 1 s of slack, then etcd's lease checker (every 500 ms).
+fn wait_for_claim_leases() {
+    std::thread::sleep(Duration::from_millis(3_000 + 700));
 }
 
 idempotency_filter::conformance_suite!(Etcd);
@@ -175,6 +185,10 @@ mod with_replay_cache {
 
         fn with_capacity(capacity: u32) -> Self {
             CachedEtcd(Etcd::with_capacity(capacity))
+        }
+
+        fn let_claim_leases_end(&self) {
+            wait_for_claim_leases();
         }
 
         fn worker(&self, _n: u8) -> Box<dyn RecordStore + '_> {
@@ -299,14 +313,16 @@ fn a_revoked_lease_is_granted_again() {
     let worker = BlockingEtcd::new(b.etcd.0.addr, settings(&b.prefix));
     claimed(worker.begin(&attempt(1, 1, 11, 0)).unwrap());
     let grants = || worker.calls().iter().filter(|(path, _)| *path == "/v3/lease/grant").count();
-    assert_eq!(grants(), 1);
+    // The record's lease and its lease key's claim lease.
+    assert_eq!(grants(), 2);
     // Find the lease through the record and revoke it: the record goes with it.
     let id = record_lease(&worker, &b.prefix, 1);
     let revoked = worker.post("/v3/lease/revoke", format!(r#"{{"ID":"{id}"}}"#).as_bytes(), None);
     assert_eq!(revoked.status, Some(200));
-    // Same window: the cached lease is tried, refused, granted anew.
+    // Same window: the cached leases are tried, refused, granted anew (etcd does not say
+    // which one it lacks).
     claimed(worker.begin(&attempt(2, 1, 12, 1)).unwrap());
-    assert_eq!(grants(), 2);
+    assert_eq!(grants(), 4);
     // The revoked record is gone: the key is free again.
     claimed(worker.begin(&attempt(1, 1, 13, 2)).unwrap());
 }
@@ -323,4 +339,41 @@ fn record_lease(worker: &BlockingEtcd, prefix: &str, scope_n: u64) -> String {
     let Some(JsonValue::Array(kvs)) = doc.get("kvs") else { panic!("no record: {doc:?}") };
     let Some(JsonValue::String(lease)) = kvs[0].get("lease") else { panic!("no lease: {doc:?}") };
     lease.to_string()
+}
+
+/// Issue 18 item 3: an Envoy whose clock runs ahead of the owner's by more than the lease (26 s
+/// here, with the suite's 1 s lease) sees the claim's deadline long past while the owner's call
+/// is still running. The takeover is decided by etcd's clock (the claim's lease key), so it
+/// gets 409 and, once the owner completes, the replay: one execution.
+#[test]
+fn a_clock_ahead_by_more_than_the_lease_does_not_take_over_a_running_claim() {
+    use idempotency_filter::store::conformance::{done, snapshot, LEASE};
+    let b = Etcd::with_capacity(0);
+    let (owner, ahead) = (b.worker(0), b.worker(1));
+    let t = 1_000_000;
+    let skew = 26_000;
+    // Records kept an hour, as a payment API would keep them a day: the skew is far below it.
+    let at = |owner: u64, now_ms: u64| ClaimAttempt { ttl_ms: 3_600_000, ..attempt(1, 1, owner, now_ms) };
+    let c = claimed(owner.begin(&at(11, t)).unwrap());
+    let early = ahead.begin(&at(12, t + 100 + skew)).unwrap();
+    assert!(matches!(early, Begin::InFlight { .. }), "taken over by a clock {skew} ms ahead: {early:?}");
+    assert!(skew + 100 > LEASE);
+    let outcome = Completion { ttl_ms: 3_600_000, ..done("owner", t + 500) };
+    assert_eq!(owner.complete(&c, &outcome).unwrap(), Settled::Done);
+    assert_eq!(ahead.begin(&at(13, t + 600 + skew)).unwrap(), Begin::Replay(snapshot("owner")));
+}
+
+/// The same clock behind the owner's: etcd's lease key is gone, but this Envoy waits for the
+/// deadline by its own clock too (a takeover is never earlier than either says).
+#[test]
+fn a_clock_behind_takes_over_only_once_its_own_deadline_passed() {
+    use idempotency_filter::store::conformance::LEASE;
+    let b = Etcd::with_capacity(0);
+    let (owner, behind) = (b.worker(0), b.worker(1));
+    let t = 1_000_000;
+    claimed(owner.begin(&attempt(1, 1, 11, t)).unwrap());
+    wait_for_claim_leases();
+    let waiting = behind.begin(&attempt(1, 1, 12, t + LEASE - 300)).unwrap();
+    assert_eq!(waiting, Begin::InFlight { retry_after_ms: 300 });
+    assert!(matches!(behind.begin(&attempt(1, 1, 13, t + LEASE)).unwrap(), Begin::TookOver(_)));
 }

@@ -160,11 +160,44 @@ struct CachedLease {
     id: i64,
 }
 
+/// A lease for the lease keys of claims with one processing lease length, granted when this
+/// worker asked at `granted_at_ms` (its clock), used for claims made within
+/// `claim_lease_reuse_ms` of that.
+#[derive(Debug, Clone, Copy)]
+struct ClaimLease {
+    lease_ms: u64,
+    granted_at_ms: u64,
+    id: i64,
+}
+
+/// How long a worker puts new claims' lease keys on one claim lease: a lease key outlives its
+/// claim's processing lease by up to this (and `CLAIM_LEASE_SLACK_S`), so a takeover of an
+/// abandoned claim comes at most that much later; a longer reuse means fewer grants.
+fn claim_lease_reuse_ms(lease_ms: u64) -> u64 {
+    (lease_ms / 10).max(1_000)
+}
+
+/// The TTL of a claim lease: every claim put on it within the reuse window keeps its lease key
+/// for at least its processing lease, by etcd's clock.
+fn claim_lease_ttl_s(lease_ms: u64) -> u64 {
+    lease_ms
+        .saturating_add(claim_lease_reuse_ms(lease_ms))
+        .div_ceil(1_000)
+        .saturating_add(CLAIM_LEASE_SLACK_S)
+}
+
+/// Covers the grant's round trip: the reuse window counts from before the lease was granted.
+const CLAIM_LEASE_SLACK_S: u64 = 1;
+/// The retry-after hint for a claim whose lease key lives on past its deadline by this
+/// worker's clock (a clock ahead of the owner's).
+const LIVE_CLAIM_RETRY_MS: u64 = 1_000;
+
 /// Per worker (one per root context): the leases granted per expiry window and the auth token.
 /// Workers never share them (each has its own), so the cells are only touched by one thread.
 pub struct EtcdStore {
     settings: EtcdSettings,
     leases: RefCell<Vec<CachedLease>>,
+    claim_leases: RefCell<Vec<ClaimLease>>,
     token: RefCell<Option<String>>,
     replay: Option<RefCell<ReplayCache>>,
 }
@@ -190,7 +223,13 @@ fn window_end(expires_at_ms: u64) -> u64 {
 impl EtcdStore {
     pub fn new(settings: EtcdSettings) -> EtcdStore {
         let replay = settings.replay_cache.map(|s| RefCell::new(ReplayCache::new(s)));
-        EtcdStore { settings, leases: RefCell::new(Vec::new()), token: RefCell::new(None), replay }
+        EtcdStore {
+            settings,
+            leases: RefCell::new(Vec::new()),
+            claim_leases: RefCell::new(Vec::new()),
+            token: RefCell::new(None),
+            replay,
+        }
     }
 
     pub fn settings(&self) -> &EtcdSettings {
@@ -208,6 +247,7 @@ impl EtcdStore {
             lease_regranted: false,
             attempts: 0,
             write: None,
+            pending_claim: None,
         }
     }
 
@@ -249,6 +289,26 @@ impl EtcdStore {
 
     fn forget_lease(&self, id: i64) {
         self.leases.borrow_mut().retain(|l| l.id != id);
+        self.claim_leases.borrow_mut().retain(|l| l.id != id);
+    }
+
+    fn claim_lease_for(&self, lease_ms: u64, now_ms: u64) -> Option<i64> {
+        let mut leases = self.claim_leases.borrow_mut();
+        // A clock that went back is no reason to keep using a lease: it may be near its end.
+        leases.retain(|l| {
+            now_ms >= l.granted_at_ms
+                && now_ms < l.granted_at_ms.saturating_add(claim_lease_reuse_ms(l.lease_ms))
+        });
+        leases.iter().find(|l| l.lease_ms == lease_ms).map(|l| l.id)
+    }
+
+    fn remember_claim_lease(&self, lease_ms: u64, granted_at_ms: u64, id: i64) {
+        let mut leases = self.claim_leases.borrow_mut();
+        leases.retain(|l| l.lease_ms != lease_ms);
+        if leases.len() >= CACHED_LEASES {
+            leases.remove(0);
+        }
+        leases.push(ClaimLease { lease_ms, granted_at_ms, id });
     }
 
     fn token(&self) -> Option<String> {
@@ -266,6 +326,13 @@ impl EtcdStore {
     /// `<prefix>r/<scope hex>`: the record.
     fn record_key(&self, scope: &crate::identity::scope::ScopeId) -> Vec<u8> {
         self.key(&["r/", &hex(&scope.0)])
+    }
+
+    /// `<prefix>l/<scope hex>`: a claim's lease key, on a claim lease: it exists while the
+    /// claim's processing lease runs by etcd's clock, whatever the Envoys' clocks say. Its value
+    /// is the claim's owner token.
+    fn lease_key(&self, scope: &crate::identity::scope::ScopeId) -> Vec<u8> {
+        self.key(&["l/", &hex(&scope.0)])
     }
 
     /// `<prefix>q/<t|p>/<tag hex16>/`: one identity's quota index; below it one key per record
@@ -337,8 +404,12 @@ fn tag_of(digest: &[u8; 32]) -> u64 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
     Start,
-    /// begin: the record and the quota indexes, read in one transaction.
+    /// begin: the quota indexes if the record is absent, else the record and its lease key,
+    /// read in one transaction.
     BeginRead,
+    /// begin of an existing record that will be claimed (takeover, reuse) with a quota: the
+    /// quota indexes, read while the record is unchanged.
+    QuotaRead,
     /// complete/release: the record, to check ownership and find its index keys.
     SettleRead,
     LeaseGrant,
@@ -357,7 +428,37 @@ struct Write {
     stale_index: Vec<Vec<u8>>,
     lease: i64,
     window_end_ms: u64,
+    /// A claim: its processing lease length, for its lease key's claim lease (0: not yet
+    /// known), asked for at `grant_sent_ms`.
+    claim_lease_ms: Option<u64>,
+    claim_lease: i64,
+    grant_sent_ms: u64,
     /// What a successful write means.
+    won: Won,
+}
+
+impl Write {
+    fn new(guard: Guard, record: Option<(Entry, Vec<u8>)>, stale_index: Vec<Vec<u8>>, won: Won) -> Write {
+        Write {
+            guard,
+            record,
+            stale_index,
+            lease: 0,
+            window_end_ms: 0,
+            claim_lease_ms: None,
+            claim_lease: 0,
+            grant_sent_ms: 0,
+            won,
+        }
+    }
+}
+
+/// How a begin will claim an existing or absent record, once its quota is known.
+#[derive(Debug, Clone, Copy)]
+struct PendingClaim {
+    guard: Guard,
+    /// The record the claim replaces (its index keys are deleted).
+    replaced: Option<Entry>,
     won: Won,
 }
 
@@ -381,6 +482,7 @@ pub struct Exchange {
     lease_regranted: bool,
     attempts: u8,
     write: Option<Write>,
+    pending_claim: Option<PendingClaim>,
 }
 
 /// What the exchange does next, inside `step`.
@@ -442,10 +544,13 @@ impl Exchange {
                     }
                     Err(Refused::LeaseNotFound) if stage == Stage::Write && !self.lease_regranted => {
                         self.lease_regranted = true;
-                        match self.write.as_ref() {
+                        match self.write.as_mut() {
                             Some(w) => {
+                                // Either lease may be the one etcd no longer knows.
                                 store.forget_lease(w.lease);
-                                self.grant(w.window_end_ms, now_ms)
+                                store.forget_lease(w.claim_lease);
+                                (w.lease, w.claim_lease) = (0, 0);
+                                self.lease_or_write(store, now_ms)?
                             }
                             None => return Err(unusable("a write without its plan")),
                         }
@@ -460,14 +565,24 @@ impl Exchange {
                             let range = wire::read_range(&body).map_err(Refused::into_error)?;
                             self.settle_read(store, &range, now_ms)?
                         }
+                        Stage::QuotaRead => {
+                            let txn = wire::read_txn(&body).map_err(Refused::into_error)?;
+                            self.quota_read(store, &txn, now_ms)?
+                        }
                         Stage::LeaseGrant => {
                             let id = wire::read_lease_id(&body).map_err(Refused::into_error)?;
                             let Some(w) = self.write.as_mut() else {
                                 return Err(unusable("a lease without a write"));
                             };
-                            store.remember_lease(w.window_end_ms, id);
-                            w.lease = id;
-                            self.write_call(store)?
+                            // `lease_or_write` asks for the record's lease first.
+                            if w.record.is_some() && w.lease == 0 {
+                                store.remember_lease(w.window_end_ms, id);
+                                w.lease = id;
+                            } else if let Some(lease_ms) = w.claim_lease_ms {
+                                store.remember_claim_lease(lease_ms, w.grant_sent_ms, id);
+                                w.claim_lease = id;
+                            }
+                            self.lease_or_write(store, now_ms)?
                         }
                         Stage::Write => {
                             let txn = wire::read_txn(&body).map_err(Refused::into_error)?;
@@ -547,22 +662,18 @@ impl Exchange {
         }
     }
 
-    /// One transaction reads the record and, for a charged attempt, the live parts of its
-    /// identities' quota indexes (first key and count), all at one revision.
+    /// One transaction, guarded by "the record is absent": if it is, it reads the live parts
+    /// of a charged attempt's quota indexes (a new record is about to be claimed); if not, the
+    /// record and its lease key, so that a replay, a mismatch or a 409 never reads the quota
+    /// (whose count grows with the caller's live records).
     fn begin_read_call(&self, store: &EtcdStore, a: &ClaimAttempt) -> Next {
-        let mut reads = vec![TxnOp::Range {
-            key: store.record_key(&a.scope),
-            range_end: None,
-            limit: 0,
-            keys_only: false,
-        }];
-        if let Some(q) = &a.quota {
-            if let Some(t) = &q.tenant {
-                reads.push(store.live_index(true, tag_of(t), a.now_ms));
-            }
-            reads.push(store.live_index(false, tag_of(&q.principal), a.now_ms));
-        }
-        Next::Call(wire::TXN, wire::txn(None, &reads, &[]), Stage::BeginRead)
+        let record = store.record_key(&a.scope);
+        let existing = [
+            TxnOp::Range { key: record.clone(), range_end: None, limit: 0, keys_only: false },
+            TxnOp::Range { key: store.lease_key(&a.scope), range_end: None, limit: 0, keys_only: false },
+        ];
+        let body = wire::txn(Some((&record, Guard::Absent)), &quota_reads(store, a), &existing);
+        Next::Call(wire::TXN, body, Stage::BeginRead)
     }
 
     fn begin_read(
@@ -572,38 +683,94 @@ impl Exchange {
         now_ms: u64,
     ) -> Result<Next, StoreError> {
         let StoreOp::Begin(a) = self.op.clone() else { return Err(unusable("not a begin")) };
+        if txn.succeeded {
+            // Absent: a new record, whose quota came with the answer.
+            let pending = PendingClaim { guard: Guard::Absent, replaced: None, won: Won::Claimed };
+            return self.claim(store, &a, pending, &txn.ranges, now_ms);
+        }
         let mut ranges = txn.ranges.iter();
-        let Some(found) = ranges.next() else { return Err(unusable("etcd's answer lacks the record read")) };
-        let now = a.now_ms;
-        let (guard, replaced, won) = match found.kvs.first() {
-            None => (Guard::Absent, None, Won::Claimed),
-            Some(kv) => {
-                let existing = decode(&kv.value)?;
-                let e = existing.entry;
-                if e.scope != a.scope {
-                    return Err(StoreError::Corrupt("a record under another scope's key".into()));
-                }
-                // Kept for the next begins of this scope (completed and live only; any fingerprint:
-                // the cache answers a mismatch as etcd would).
-                store.keep_completed(e, existing.snapshot.as_ref(), now);
-                if e.is_expired(now) {
-                    // Expired: absent, whatever etcd still holds until the lease collects it.
-                    (Guard::ModRevision(kv.mod_revision), Some(e), Won::Claimed)
-                } else if e.fingerprint != a.fingerprint {
-                    return Ok(Next::Begun(Begin::Mismatch));
-                } else if e.is_completed() {
-                    return Ok(Next::Begun(match existing.snapshot {
-                        Some(s) if e.body_stored() => Begin::Replay(s),
-                        _ => Begin::NotStored { status: e.status },
-                    }));
-                } else if now < e.lease_deadline_ms {
-                    return Ok(Next::Begun(Begin::InFlight { retry_after_ms: e.lease_deadline_ms - now }));
-                } else {
-                    // The lease ended without an outcome: take the record over.
-                    (Guard::ModRevision(kv.mod_revision), Some(e), Won::TookOver)
-                }
-            }
+        let Some(kv) = ranges.next().and_then(|found| found.kvs.first()) else {
+            return Err(unusable("etcd's answer lacks the record read"));
         };
+        let lease_key_owner =
+            ranges.next().and_then(|found| found.kvs.first()).and_then(|kv| owner_of(&kv.value));
+        let existing = decode(&kv.value)?;
+        let e = existing.entry;
+        if e.scope != a.scope {
+            return Err(StoreError::Corrupt("a record under another scope's key".into()));
+        }
+        let now = a.now_ms;
+        // Kept for the next begins of this scope (completed and live only; any fingerprint:
+        // the cache answers a mismatch as etcd would).
+        store.keep_completed(e, existing.snapshot.as_ref(), now);
+        // The claim's lease key lives while its processing lease runs by etcd's clock: an Envoy
+        // whose clock runs ahead of the owner's must not take it over early. (A claim written
+        // without one, by an older build, is judged by its deadline alone.)
+        let lease_running = !e.is_completed() && lease_key_owner == Some(e.owner);
+        let guard = Guard::ModRevision(kv.mod_revision);
+        let pending = if e.is_expired(now) && !lease_running {
+            // Expired: absent, whatever etcd still holds until the lease collects it.
+            PendingClaim { guard, replaced: Some(e), won: Won::Claimed }
+        } else if e.fingerprint != a.fingerprint {
+            return Ok(Next::Begun(Begin::Mismatch));
+        } else if e.is_completed() {
+            return Ok(Next::Begun(match existing.snapshot {
+                Some(s) if e.body_stored() => Begin::Replay(s),
+                _ => Begin::NotStored { status: e.status },
+            }));
+        } else if now < e.lease_deadline_ms {
+            return Ok(Next::Begun(Begin::InFlight { retry_after_ms: e.lease_deadline_ms - now }));
+        } else if lease_running {
+            return Ok(Next::Begun(Begin::InFlight { retry_after_ms: LIVE_CLAIM_RETRY_MS }));
+        } else {
+            // The lease ended without an outcome: take the record over.
+            PendingClaim { guard, replaced: Some(e), won: Won::TookOver }
+        };
+        if a.quota.is_none() {
+            return self.claim(store, &a, pending, &[], now_ms);
+        }
+        // The quota is read only now that a claim is to be made, guarded by the revision just
+        // read (the rare path: a third round trip).
+        self.pending_claim = Some(pending);
+        let body = wire::txn(Some((&store.record_key(&a.scope), guard)), &quota_reads(store, &a), &[]);
+        Ok(Next::Call(wire::TXN, body, Stage::QuotaRead))
+    }
+
+    fn quota_read(
+        &mut self,
+        store: &EtcdStore,
+        txn: &wire::TxnAnswer,
+        now_ms: u64,
+    ) -> Result<Next, StoreError> {
+        let StoreOp::Begin(a) = self.op.clone() else { return Err(unusable("not a begin")) };
+        let pending = self.pending_claim.take().ok_or_else(|| unusable("a quota read without its claim"))?;
+        if !txn.succeeded {
+            // The record changed since it was read: look again, as after a lost write.
+            return self.read_again(store, &a);
+        }
+        self.claim(store, &a, pending, &txn.ranges, now_ms)
+    }
+
+    fn read_again(&mut self, store: &EtcdStore, a: &ClaimAttempt) -> Result<Next, StoreError> {
+        self.attempts += 1;
+        if self.attempts >= TXN_ATTEMPTS {
+            return Err(StoreError::Contention);
+        }
+        self.write = None;
+        Ok(self.begin_read_call(store, a))
+    }
+
+    /// Plans the guarded write that claims the record, unless a quota (its live index ranges,
+    /// in `quota_reads` order) refuses it.
+    fn claim(
+        &mut self,
+        store: &EtcdStore,
+        a: &ClaimAttempt,
+        pending: PendingClaim,
+        quota: &[wire::RangeAnswer],
+        now_ms: u64,
+    ) -> Result<Next, StoreError> {
+        let now = a.now_ms;
         let mut entry = Entry {
             position: 0,
             state: State::Processing,
@@ -621,26 +788,27 @@ impl Exchange {
         if let Some(q) = &a.quota {
             // A new record, or a takeover (whose claim stopped counting when its lease ended,
             // exactly when a takeover becomes possible): charged, within the bounds.
+            let mut live = quota.iter();
             if let Some(t) = &q.tenant {
-                let live = ranges.next().ok_or_else(|| unusable("etcd's answer lacks the tenant index"))?;
-                if let Some(refusal) = refusal(live, q.per_tenant, now, true) {
+                let range = live.next().ok_or_else(|| unusable("etcd's answer lacks the tenant index"))?;
+                if let Some(refusal) = refusal(range, q.per_tenant, now, true) {
                     return Ok(Next::Begun(refusal));
                 }
                 entry.flags |= FLAG_TENANT_CHARGED;
                 entry.tenant_tag = tag_of(t);
             }
-            let live = ranges.next().ok_or_else(|| unusable("etcd's answer lacks the principal index"))?;
-            if let Some(refusal) = refusal(live, q.per_principal, now, false) {
+            let range = live.next().ok_or_else(|| unusable("etcd's answer lacks the principal index"))?;
+            if let Some(refusal) = refusal(range, q.per_principal, now, false) {
                 return Ok(Next::Begun(refusal));
             }
             entry.flags |= FLAG_PRINCIPAL_CHARGED;
             entry.principal_tag = tag_of(&q.principal);
         }
-        let stale_index = replaced.map(|old| store.index_keys(&old)).unwrap_or_default();
+        let stale_index = pending.replaced.map(|old| store.index_keys(&old)).unwrap_or_default();
         let value = record::encode_slot(&SlotValue { entry, snapshot: None });
-        let write =
-            Write { guard, record: Some((entry, value)), stale_index, lease: 0, window_end_ms: 0, won };
-        self.plan(store, write, now_ms)
+        let mut write = Write::new(pending.guard, Some((entry, value)), stale_index, pending.won);
+        write.claim_lease_ms = Some(a.lease_ms);
+        self.plan(write, store, now_ms)
     }
 
     fn settle_read(
@@ -688,45 +856,54 @@ impl Exchange {
                     );
                     value = record::encode_slot(&SlotValue { entry: done, snapshot: None });
                 }
-                Write {
-                    guard,
-                    record: Some((done, value)),
-                    stale_index,
-                    lease: 0,
-                    window_end_ms: 0,
-                    won: Won::Settled,
-                }
+                Write::new(guard, Some((done, value)), stale_index, Won::Settled)
             }
-            _ => Write { guard, record: None, stale_index, lease: 0, window_end_ms: 0, won: Won::Settled },
+            _ => Write::new(guard, None, stale_index, Won::Settled),
         };
-        self.plan(store, write, now_ms)
+        self.plan(write, store, now_ms)
     }
 
-    /// Finds the write's lease (granting one when this worker has none for its window) and
-    /// makes the write.
-    fn plan(&mut self, store: &EtcdStore, mut write: Write, now_ms: u64) -> Result<Next, StoreError> {
-        let Some((entry, _)) = &write.record else {
-            self.write = Some(write);
-            return self.write_call(store);
-        };
-        write.window_end_ms = window_end(entry.expires_at_ms);
-        let cached = store.lease_for(write.window_end_ms, now_ms);
-        let window_end_ms = write.window_end_ms;
+    fn plan(&mut self, write: Write, store: &EtcdStore, now_ms: u64) -> Result<Next, StoreError> {
         self.write = Some(write);
-        match cached {
-            Some(id) => {
-                if let Some(w) = self.write.as_mut() {
-                    w.lease = id;
-                }
-                self.write_call(store)
-            }
-            None => Ok(self.grant(window_end_ms, now_ms)),
-        }
+        self.lease_or_write(store, now_ms)
     }
 
-    fn grant(&self, window_end_ms: u64, now_ms: u64) -> Next {
-        let ttl_s = window_end_ms.saturating_sub(now_ms).div_ceil(1_000).saturating_add(LEASE_SLACK_S);
-        Next::Call(wire::LEASE_GRANT, wire::lease_grant(ttl_s), Stage::LeaseGrant)
+    /// Finds the leases the write needs (its record's, for its expiry window; a claim's lease
+    /// key's, for its processing lease), granting one this worker does not have yet, then
+    /// makes the write.
+    fn lease_or_write(&mut self, store: &EtcdStore, now_ms: u64) -> Result<Next, StoreError> {
+        let Some(w) = self.write.as_mut() else { return Err(unusable("no write planned")) };
+        if let Some((entry, _)) = &w.record {
+            if w.lease == 0 {
+                w.window_end_ms = window_end(entry.expires_at_ms);
+                match store.lease_for(w.window_end_ms, now_ms) {
+                    Some(id) => w.lease = id,
+                    None => {
+                        let ttl_s = w
+                            .window_end_ms
+                            .saturating_sub(now_ms)
+                            .div_ceil(1_000)
+                            .saturating_add(LEASE_SLACK_S);
+                        return Ok(Next::Call(
+                            wire::LEASE_GRANT,
+                            wire::lease_grant(ttl_s),
+                            Stage::LeaseGrant,
+                        ));
+                    }
+                }
+            }
+        }
+        if let (Some(lease_ms), 0) = (w.claim_lease_ms, w.claim_lease) {
+            match store.claim_lease_for(lease_ms, now_ms) {
+                Some(id) => w.claim_lease = id,
+                None => {
+                    w.grant_sent_ms = now_ms;
+                    let ttl_s = claim_lease_ttl_s(lease_ms);
+                    return Ok(Next::Call(wire::LEASE_GRANT, wire::lease_grant(ttl_s), Stage::LeaseGrant));
+                }
+            }
+        }
+        self.write_call(store)
     }
 
     fn write_call(&self, store: &EtcdStore) -> Result<Next, StoreError> {
@@ -746,14 +923,21 @@ impl Exchange {
             .map(|k| TxnOp::Delete { key: k.clone() })
             .collect();
         match &w.record {
-            Some((_, value)) => {
+            Some((entry, value)) => {
                 ops.push(TxnOp::Put { key: key.clone(), value: value.clone(), lease: w.lease });
                 for index in fresh_index {
                     // Index keys carry the record's lease: they disappear with it.
                     ops.push(TxnOp::Put { key: index, value: Vec::new(), lease: w.lease });
                 }
+                if w.claim_lease != 0 {
+                    let value = entry.owner.to_be_bytes().to_vec();
+                    ops.push(TxnOp::Put { key: store.lease_key(&scope), value, lease: w.claim_lease });
+                }
             }
-            None => ops.push(TxnOp::Delete { key: key.clone() }),
+            None => {
+                ops.push(TxnOp::Delete { key: key.clone() });
+                ops.push(TxnOp::Delete { key: store.lease_key(&scope) });
+            }
         }
         // A completion whose guard fails reads the record in the same call: an earlier try's
         // write may have landed after this try's read (`holds_own_outcome`).
@@ -780,13 +964,8 @@ impl Exchange {
             }
             (StoreOp::Begin(a), false, _) => {
                 // Another worker wrote the record between our read and our write: look again.
-                self.attempts += 1;
-                if self.attempts >= TXN_ATTEMPTS {
-                    return Err(StoreError::Contention);
-                }
                 let a = *a;
-                self.write = None;
-                Ok(self.begin_read_call(store, &a))
+                self.read_again(store, &a)
             }
             (StoreOp::Complete { completion, .. }, true, _) => {
                 // The record as this write left it in etcd, read back from the bytes written
@@ -836,6 +1015,24 @@ fn decode(bytes: &[u8]) -> Result<SlotValue, StoreError> {
     // Bytes this build cannot read are reported, never overwritten: a newer build's record is
     // still somebody's guarantee.
     record::decode_record(bytes).map_err(|e| StoreError::Corrupt(format!("etcd record: {e:?}")))
+}
+
+/// A charged attempt's quota reads: its tenant's live index (if it has a tenant), then its
+/// principal's.
+fn quota_reads(store: &EtcdStore, a: &ClaimAttempt) -> Vec<TxnOp> {
+    let mut reads = Vec::new();
+    if let Some(q) = &a.quota {
+        if let Some(t) = &q.tenant {
+            reads.push(store.live_index(true, tag_of(t), a.now_ms));
+        }
+        reads.push(store.live_index(false, tag_of(&q.principal), a.now_ms));
+    }
+    reads
+}
+
+/// The owner token a lease key holds.
+fn owner_of(value: &[u8]) -> Option<u64> {
+    <[u8; 8]>::try_from(value).ok().map(u64::from_be_bytes)
 }
 
 /// The quota answer for an identity whose live index is `live`, or None when there is room.

@@ -26,17 +26,25 @@ fn kv_json(key: &[u8], value: &[u8], mod_revision: i64) -> String {
     )
 }
 
-/// A txn answer whose only response is a range over the record: found or not.
+/// The answer to a begin's read: absent (the guard held: the quota ranges, if any), or the
+/// record and no lease key (the failure branch: no `succeeded`).
 fn read_answer(rev: i64, record: Option<(&[u8], &[u8], i64)>, quota: &[String]) -> String {
-    let mut responses = vec![match record {
+    match record {
+        None => format!(r#"{{{},"succeeded":true,"responses":[{}]}}"#, header(rev), quota.join(",")),
+        Some(found) => existing_answer(rev, found, None),
+    }
+}
+
+/// A begin's read of an existing record, with its lease key holding `lease_key_owner`.
+fn existing_answer(rev: i64, (k, v, m): (&[u8], &[u8], i64), lease_key_owner: Option<u64>) -> String {
+    let range = |kv: Option<String>| match kv {
         None => format!(r#"{{"response_range":{{"header":{{"revision":"{rev}"}}}}}}"#),
-        Some((k, v, m)) => format!(
-            r#"{{"response_range":{{"header":{{"revision":"{rev}"}},"kvs":[{}],"count":"1"}}}}"#,
-            kv_json(k, v, m)
-        ),
-    }];
-    responses.extend(quota.iter().cloned());
-    format!(r#"{{{},"succeeded":true,"responses":[{}]}}"#, header(rev), responses.join(","))
+        Some(kv) => {
+            format!(r#"{{"response_range":{{"header":{{"revision":"{rev}"}},"kvs":[{kv}],"count":"1"}}}}"#)
+        }
+    };
+    let lease_key = lease_key_owner.map(|owner| kv_json(&lease_key(), &owner.to_be_bytes(), m));
+    format!(r#"{{{},"responses":[{},{}]}}"#, header(rev), range(Some(kv_json(k, v, m))), range(lease_key))
 }
 
 /// A quota index range (keys_only, limit 1): `count` live keys, the first of them `first`.
@@ -165,6 +173,12 @@ fn record_key() -> Vec<u8> {
     key
 }
 
+fn lease_key() -> Vec<u8> {
+    let mut key = b"/idem/l/".to_vec();
+    key.extend_from_slice(hex(&[1; 32]).as_bytes());
+    key
+}
+
 fn processing(owner: u64, at: u64) -> Entry {
     Entry {
         position: 0,
@@ -234,39 +248,97 @@ fn a_new_record_takes_a_read_a_lease_grant_and_a_guarded_write() {
         &store,
         StoreOp::Begin(attempt(0)),
         0,
-        vec![ok(read_answer(1, None, &[])), ok(granted()), ok(written(2))],
+        vec![ok(read_answer(1, None, &[])), ok(granted()), ok(granted()), ok(written(2))],
     );
     assert_eq!(begun(answer), Ok(Begin::Claimed(Claim { scope: scope(1), owner: 11, locator: 2 })));
-    assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/lease/grant", "/v3/kv/txn"]);
+    assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/lease/grant", "/v3/lease/grant", "/v3/kv/txn"]);
     let key = base64::encode(&record_key());
+    let lease_key = base64::encode(&lease_key());
+    let absent = format!(r#"{{"key":"{key}","target":"CREATE","result":"EQUAL","create_revision":"0"}}"#);
+    // Absent: nothing to read (no quota); present: the record and its lease key.
     assert_eq!(
         made[0].body,
-        format!(r#"{{"compare":[],"success":[{{"request_range":{{"key":"{key}"}}}}],"failure":[]}}"#)
+        format!(
+            r#"{{"compare":[{absent}],"success":[],"failure":[{{"request_range":{{"key":"{key}"}}}},{{"request_range":{{"key":"{lease_key}"}}}}]}}"#
+        )
     );
     // The record expires at 10 s: its lease covers the window ending at 20 s, plus slack.
     assert_eq!(made[1].body, r#"{"TTL":"22","ID":"0"}"#);
+    // The lease key's: the 1 s processing lease, the 1 s reuse window and 1 s of slack.
+    assert_eq!(made[2].body, r#"{"TTL":"3","ID":"0"}"#);
     let put = format!(
         r#"{{"request_put":{{"key":"{key}","value":"{}","lease":"{LEASE_ID}"}}}}"#,
         base64::encode(&value(processing(11, 0), None))
     );
+    let put_lease_key = format!(
+        r#"{{"request_put":{{"key":"{lease_key}","value":"{}","lease":"{LEASE_ID}"}}}}"#,
+        base64::encode(&11u64.to_be_bytes())
+    );
     assert_eq!(
-        made[2].body,
-        format!(
-            r#"{{"compare":[{{"key":"{key}","target":"CREATE","result":"EQUAL","create_revision":"0"}}],"success":[{put}],"failure":[]}}"#
-        )
+        made[3].body,
+        format!(r#"{{"compare":[{absent}],"success":[{put},{put_lease_key}],"failure":[]}}"#)
     );
     assert!(made.iter().all(|m| m.token.is_none()));
 
-    // The next claim in the same expiry window reuses the lease: two round trips.
+    // The next claim in the same expiry window, within the claim lease's reuse window, reuses
+    // both leases: two round trips.
     let (answer, made) = run(
         &store,
-        StoreOp::Begin(ClaimAttempt { scope: scope(2), ..attempt(5_000) }),
-        5_000,
+        StoreOp::Begin(ClaimAttempt { scope: scope(2), ..attempt(900) }),
+        900,
         vec![ok(read_answer(2, None, &[])), ok(written(3))],
     );
     assert!(matches!(begun(answer), Ok(Begin::Claimed(c)) if c.locator == 3));
     assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/kv/txn"]);
     assert!(made[1].body.contains(LEASE_ID));
+    // Past the reuse window the lease key's lease is granted anew (its end must stay at least a
+    // processing lease after every claim on it); the record's lease is still the window's.
+    let (_, made) = run(
+        &store,
+        StoreOp::Begin(ClaimAttempt { scope: scope(3), ..attempt(1_000) }),
+        1_000,
+        vec![ok(read_answer(3, None, &[])), ok(granted()), ok(written(4))],
+    );
+    assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/lease/grant", "/v3/kv/txn"]);
+    assert_eq!(made[1].body, r#"{"TTL":"3","ID":"0"}"#);
+}
+
+#[test]
+fn a_claim_whose_lease_key_lives_is_in_flight_whatever_this_clock_says() {
+    // Written by an Envoy whose clock is behind this one's: by this clock the deadline (1 s) has
+    // long passed, but etcd still holds the claim's lease key. Not taken over.
+    let key = record_key();
+    let running = value(processing(9, 0), None);
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Begin(attempt(27_000)),
+        27_000,
+        vec![ok(existing_answer(5, (&key, &running, 4), Some(9)))],
+    );
+    assert_eq!(begun(answer), Ok(Begin::InFlight { retry_after_ms: LIVE_CLAIM_RETRY_MS }));
+    assert_eq!(made.len(), 1);
+    // A lease key of another claim (an older one's, not yet collected) is no sign of life.
+    let (answer, _) = run(
+        &store(),
+        StoreOp::Begin(attempt(1_000)),
+        1_000,
+        vec![
+            ok(existing_answer(5, (&key, &running, 4), Some(8))),
+            ok(granted()),
+            ok(granted()),
+            ok(written(6)),
+        ],
+    );
+    assert!(matches!(begun(answer), Ok(Begin::TookOver(_))));
+    // Before the deadline by this clock it is in flight with or without its lease key (a clock
+    // behind the owner's never takes over early either).
+    let (answer, _) = run(
+        &store(),
+        StoreOp::Begin(attempt(400)),
+        400,
+        vec![ok(existing_answer(5, (&key, &running, 4), None))],
+    );
+    assert_eq!(begun(answer), Ok(Begin::InFlight { retry_after_ms: 600 }));
 }
 
 #[test]
@@ -303,13 +375,18 @@ fn a_takeover_and_a_reuse_are_guarded_by_the_observed_revision() {
         &store(),
         StoreOp::Begin(attempt(1_000)),
         1_000,
-        vec![ok(read_answer(5, Some((&key, &abandoned, 4)), &[])), ok(granted()), ok(written(6))],
+        vec![
+            ok(read_answer(5, Some((&key, &abandoned, 4)), &[])),
+            ok(granted()),
+            ok(granted()),
+            ok(written(6)),
+        ],
     );
     assert_eq!(begun(answer), Ok(Begin::TookOver(Claim { scope: scope(1), owner: 11, locator: 6 })));
     assert!(
-        made[2].body.contains(r#""target":"MOD","result":"EQUAL","mod_revision":"4""#),
+        made[3].body.contains(r#""target":"MOD","result":"EQUAL","mod_revision":"4""#),
         "{}",
-        made[2].body
+        made[3].body
     );
     // Expired (by its own expires_at, whatever etcd's lease says): a new record in its place.
     let old = value(completed(0, None), None);
@@ -317,10 +394,10 @@ fn a_takeover_and_a_reuse_are_guarded_by_the_observed_revision() {
         &store(),
         StoreOp::Begin(attempt(10_000)),
         10_000,
-        vec![ok(read_answer(5, Some((&key, &old, 4)), &[])), ok(granted()), ok(written(6))],
+        vec![ok(read_answer(5, Some((&key, &old, 4)), &[])), ok(granted()), ok(granted()), ok(written(6))],
     );
     assert!(matches!(begun(answer), Ok(Begin::Claimed(_))));
-    assert!(made[2].body.contains(r#""mod_revision":"4""#));
+    assert!(made[3].body.contains(r#""mod_revision":"4""#));
 }
 
 #[test]
@@ -335,14 +412,15 @@ fn a_lost_race_reads_again_and_gives_up_as_contention() {
         vec![
             ok(read_answer(1, None, &[])),
             ok(granted()),
+            ok(granted()),
             ok(refused(2)),
             ok(read_answer(2, Some((&key, &theirs, 2)), &[])),
         ],
     );
     assert_eq!(begun(answer), Ok(Begin::InFlight { retry_after_ms: 1_000 }));
-    assert_eq!(made.len(), 4);
+    assert_eq!(made.len(), 5);
     // Lost every time.
-    let mut answers = vec![ok(read_answer(1, None, &[])), ok(granted()), ok(refused(2))];
+    let mut answers = vec![ok(read_answer(1, None, &[])), ok(granted()), ok(granted()), ok(refused(2))];
     for _ in 1..TXN_ATTEMPTS {
         answers.extend([ok(read_answer(2, None, &[])), ok(refused(2))]);
     }
@@ -408,14 +486,65 @@ fn quotas_are_counted_by_live_index_ranges_and_charged_with_the_record() {
         vec![
             ok(read_answer(5, None, &[index_answer(5, 0, None), index_answer(5, 1, Some(first.as_bytes()))])),
             ok(granted()),
+            ok(granted()),
             ok(written(6)),
         ],
     );
     assert!(matches!(begun(answer), Ok(Begin::Claimed(_))));
     for prefix in [&tenant_prefix, &principal_prefix] {
         let index = format!("{prefix}{:016x}/{}", 2_000, hex(&[1; 32]));
-        assert!(made[2].body.contains(&base64::encode(index.as_bytes())), "{index}");
+        assert!(made[3].body.contains(&base64::encode(index.as_bytes())), "{index}");
     }
+}
+
+#[test]
+fn answers_about_an_existing_record_never_read_the_quota() {
+    // Issue 18 item 8: a replay, a 409 or a mismatch costs the same whatever the caller's
+    // live records: the quota indexes are read only when a claim is about to be made.
+    let key = record_key();
+    let done = value(completed(0, Some(snapshot())), Some(snapshot()));
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Begin(charged_attempt(10, true)),
+        10,
+        vec![ok(read_answer(5, Some((&key, &done, 4)), &[]))],
+    );
+    assert_eq!(begun(answer), Ok(Begin::Replay(snapshot())));
+    assert_eq!(made.len(), 1);
+    // The quota ranges are in the branch etcd runs only when the record is absent.
+    let read = &made[0].body;
+    let failure = &read[read.find(r#""failure""#).unwrap()..];
+    assert!(!failure.contains("range_end"), "the quota is read only if the record is absent: {read}");
+    // A takeover of an abandoned claim reads the quota in a second call, guarded by the
+    // revision it saw (a record changed meanwhile is read again).
+    let abandoned = value(processing(9, 0), None);
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Begin(charged_attempt(1_000, false)),
+        1_000,
+        vec![
+            ok(read_answer(5, Some((&key, &abandoned, 4)), &[])),
+            ok(format!(r#"{{{},"succeeded":true,"responses":[{}]}}"#, header(5), index_answer(5, 0, None))),
+            ok(granted()),
+            ok(granted()),
+            ok(written(6)),
+        ],
+    );
+    assert!(matches!(begun(answer), Ok(Begin::TookOver(_))), "{made:?}");
+    assert!(made[1].body.contains(r#""target":"MOD","result":"EQUAL","mod_revision":"4""#));
+    assert!(made[1].body.contains("range_end"));
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Begin(charged_attempt(1_000, false)),
+        1_000,
+        vec![
+            ok(read_answer(5, Some((&key, &abandoned, 4)), &[])),
+            ok(refused(6)),
+            ok(read_answer(6, Some((&key, &value(completed(0, None), None), 6)), &[])),
+        ],
+    );
+    assert_eq!(begun(answer), Ok(Begin::NotStored { status: 201 }));
+    assert_eq!(made.len(), 3);
 }
 
 #[test]
@@ -533,19 +662,34 @@ fn a_lost_lease_is_granted_again_once() {
         &store,
         StoreOp::Begin(attempt(0)),
         0,
-        vec![ok(read_answer(1, None, &[])), ok(granted()), lost.clone(), ok(granted()), ok(written(3))],
+        vec![
+            ok(read_answer(1, None, &[])),
+            ok(granted()),
+            ok(granted()),
+            lost.clone(),
+            ok(granted()),
+            ok(granted()),
+            ok(written(3)),
+        ],
     );
     assert!(matches!(begun(answer), Ok(Begin::Claimed(_))));
-    assert_eq!(
-        paths(&made),
-        vec!["/v3/kv/txn", "/v3/lease/grant", "/v3/kv/txn", "/v3/lease/grant", "/v3/kv/txn"]
-    );
+    // etcd does not say which lease it lacks: both are granted again.
+    let grant = "/v3/lease/grant";
+    assert_eq!(paths(&made), vec!["/v3/kv/txn", grant, grant, "/v3/kv/txn", grant, grant, "/v3/kv/txn"]);
     // Lost twice in one exchange: etcd is not keeping leases; the store is unusable.
     let (answer, _) = run(
         &EtcdStore::new(settings(None)),
         StoreOp::Begin(attempt(0)),
         0,
-        vec![ok(read_answer(1, None, &[])), ok(granted()), lost.clone(), ok(granted()), lost],
+        vec![
+            ok(read_answer(1, None, &[])),
+            ok(granted()),
+            ok(granted()),
+            lost.clone(),
+            ok(granted()),
+            ok(granted()),
+            lost,
+        ],
     );
     assert!(matches!(begun(answer), Err(StoreError::Unavailable(_))));
 }
@@ -568,11 +712,12 @@ fn bad_answers_make_the_store_unavailable() {
         ("no header", ok(r#"{"succeeded":true,"responses":[]}"#.into())),
         ("revision not a number", ok(r#"{"header":{"revision":"x"}}"#.into())),
         ("responses not an array", ok(format!(r#"{{{},"responses":{{}}}}"#, header(1)))),
-        ("no record read", ok(format!(r#"{{{},"succeeded":true}}"#, header(1)))),
+        // Present (the guard failed), yet no record in the answer.
+        ("no record read", ok(format!("{{{}}}", header(1)))),
         (
             "key not base64",
             ok(format!(
-                r#"{{{},"succeeded":true,"responses":[{{"response_range":{{"kvs":[{{"key":"*","mod_revision":"1"}}]}}}}]}}"#,
+                r#"{{{},"responses":[{{"response_range":{{"kvs":[{{"key":"*","mod_revision":"1"}}]}}}}]}}"#,
                 header(1)
             )),
         ),
@@ -650,10 +795,19 @@ fn auth_authenticates_first_and_caches_the_token() {
         &store,
         StoreOp::Begin(attempt(0)),
         0,
-        vec![authenticated(TOKEN), ok(read_answer(1, None, &[])), ok(granted()), ok(written(2))],
+        vec![
+            authenticated(TOKEN),
+            ok(read_answer(1, None, &[])),
+            ok(granted()),
+            ok(granted()),
+            ok(written(2)),
+        ],
     );
     assert!(matches!(begun(answer), Ok(Begin::Claimed(_))));
-    assert_eq!(paths(&made), vec!["/v3/auth/authenticate", "/v3/kv/txn", "/v3/lease/grant", "/v3/kv/txn"]);
+    assert_eq!(
+        paths(&made),
+        vec!["/v3/auth/authenticate", "/v3/kv/txn", "/v3/lease/grant", "/v3/lease/grant", "/v3/kv/txn"]
+    );
     assert_eq!(made[0].body, r#"{"name":"idem","password":"p\"w"}"#);
     assert_eq!(made[0].token, None);
     assert!(made[1..].iter().all(|m| m.token.as_deref() == Some(TOKEN)));
@@ -814,10 +968,10 @@ fn a_hot_replay_comes_from_the_replay_cache_until_the_record_expires() {
         &store,
         StoreOp::Begin(attempt(10_000)),
         10_000,
-        vec![ok(read_answer(5, Some((&key, &stored, 4)), &[])), ok(granted()), ok(written(6))],
+        vec![ok(read_answer(5, Some((&key, &stored, 4)), &[])), ok(granted()), ok(granted()), ok(written(6))],
     );
     assert!(matches!(begun(answer), Ok(Begin::Claimed(_))));
-    assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/lease/grant", "/v3/kv/txn"]);
+    assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/lease/grant", "/v3/lease/grant", "/v3/kv/txn"]);
     assert_eq!(store.replay_cache_usage().map(|(n, _)| n), Some(0));
 }
 
@@ -841,7 +995,7 @@ fn claims_are_never_answered_from_the_replay_cache() {
         &store,
         StoreOp::Begin(ClaimAttempt { scope: scope(1), ..attempt(300) }),
         300,
-        vec![ok(read_answer(5, None, &[])), ok(granted()), ok(written(6))],
+        vec![ok(read_answer(5, None, &[])), ok(granted()), ok(granted()), ok(written(6))],
     );
     assert!(matches!(begun(answer), Ok(Begin::Claimed(_))));
     assert_eq!(store.replay_cache_usage(), Some((0, 0)));

@@ -10,6 +10,7 @@
 #   make bench-baseline the refusal-vs-fill curve alone, saved as bench/baseline/refusal-curve-<commit>.json
 #                       (bench/fill.py draws the one named there next to every run's curve)
 #   make bench-smoke    a few seconds of everything; fails only if the harness fails, never on numbers
+#   make bench-etcd-replay  a replay on etcd at 1 and 20,000 live records of its caller (BENCH_BEFORE=<commit>)
 #   (make bench and bench-smoke also measure wait mode's wake-up latency: bench/wake_latency.py)
 #
 # BENCH_ARGS passes options to bench/run.py, e.g. BENCH_ARGS='--rounds 20 --duration 3', or
@@ -103,3 +104,22 @@ bench-profile: build tools bench-bins perf
 .PHONY: bench-size
 bench-size: build tools
 	$(VENV_PY) -m bench.module_size --wasm-opt "$(if $(WASM_OPT),$(WASM_OPT) $(WASM_OPT_FLAGS))" $(BENCH_SIZE_ARGS)
+
+# A replay's cost on the etcd store at 1 and 20,000 live records of its caller
+# (bench/etcd_replay_cost.py over examples/etcd_replay_cost.rs). BENCH_BEFORE=<commit> also
+# measures the store as it was at that commit (the example is copied into that tree).
+.PHONY: bench-etcd-replay
+BENCH_REPLAY_BIN := $(BENCH_TARGET_DIR)/release/examples/etcd_replay_cost
+BENCH_REPLAY_BEFORE_BIN := $(BENCH_BEFORE_DIR)/target/release/examples/etcd_replay_cost
+
+bench-etcd-replay: tools etcd
+	$(CARGO) build --release --quiet --example etcd_replay_cost
+	@if [ -n "$(BENCH_BEFORE)" ]; then \
+	  rm -rf $(BENCH_BEFORE_DIR)/src && mkdir -p $(BENCH_BEFORE_DIR)/src && \
+	  git archive $(BENCH_BEFORE) | tar -x -C $(BENCH_BEFORE_DIR)/src && \
+	  cp examples/etcd_replay_cost.rs $(BENCH_BEFORE_DIR)/src/examples/ && \
+	  CARGO_TARGET_DIR=$(abspath $(BENCH_BEFORE_DIR))/target $(CARGO) build --release --quiet \
+	    --example etcd_replay_cost --manifest-path $(BENCH_BEFORE_DIR)/src/Cargo.toml; \
+	fi
+	$(VENV_PY) -m bench.etcd_replay_cost --build "this build=$(BENCH_REPLAY_BIN)" \
+	  $(if $(BENCH_BEFORE),--build "$(BENCH_BEFORE)=$(BENCH_REPLAY_BEFORE_BIN)")

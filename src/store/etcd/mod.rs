@@ -39,8 +39,9 @@
 //!   a txn guarded by mod_revision == locator that rewrites the record with its outcome and moves
 //!   its index keys; a failed guard is `Lost`.
 //! - release: 2: the same range, then a guarded txn deleting the record and its index keys.
-//! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd calls
-//!   the token invalid (then the call is sent again, once).
+//! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd refuses
+//!   the token (invalid, or older than an auth change: `wire::Refused::InvalidToken`; then the
+//!   call is sent again, once).
 //! - With `replay_cache` on, a begin of a scope whose completed, unexpired record this worker
 //!   has read or written: 0, answered from `cache` (never a claim).
 //!
@@ -429,8 +430,11 @@ impl Exchange {
                     return self.authenticated(store, &answer);
                 }
                 match wire::body(answer.status, &answer.body) {
-                    Err(Refused::InvalidToken) if store.settings.auth.is_some() && !self.reauthenticated => {
-                        // Tokens expire (and die with an etcd restart): one fresh token, once.
+                    Err(Refused::InvalidToken(_))
+                        if store.settings.auth.is_some() && !self.reauthenticated =>
+                    {
+                        // Tokens expire, die with an etcd restart and go stale with any auth
+                        // change (wire::Refused::InvalidToken): one fresh token, once.
                         self.reauthenticated = true;
                         *store.token.borrow_mut() = None;
                         return Ok(self.authenticate(store));

@@ -712,6 +712,64 @@ fn an_invalid_token_is_replaced_once_and_the_call_sent_again() {
     assert_eq!(made.len(), 1);
 }
 
+/// etcd 3.4.23's gateway, captured: a JWT token issued before an auth change (here
+/// `etcdctl user add other`) is refused on every range and txn with InvalidArgument; a call
+/// without a token once auth is on, likewise. etcd's own client authenticates again on both.
+fn old_revision() -> Canned {
+    (Some(400), error_body("etcdserver: revision of auth store is old", 3).into_bytes())
+}
+
+fn user_empty() -> Canned {
+    (Some(400), error_body("etcdserver: user name is empty", 3).into_bytes())
+}
+
+#[test]
+fn a_token_older_than_an_auth_change_is_replaced_once_and_the_call_sent_again() {
+    for (name, refusal) in [("old revision", old_revision()), ("user empty", user_empty())] {
+        let store = with_auth();
+        *store.token.borrow_mut() = Some("before-the-change.1".into());
+        let (answer, made) = run(
+            &store,
+            StoreOp::Begin(attempt(0)),
+            0,
+            vec![
+                refusal.clone(),
+                authenticated("after.2"),
+                ok(read_answer(1, None, &[])),
+                ok(granted()),
+                ok(written(2)),
+            ],
+        );
+        assert!(matches!(begun(answer), Ok(Begin::Claimed(_))), "{name}");
+        assert_eq!(
+            paths(&made),
+            vec!["/v3/kv/txn", "/v3/auth/authenticate", "/v3/kv/txn", "/v3/lease/grant", "/v3/kv/txn"],
+            "{name}"
+        );
+        assert_eq!(made[0].body, made[2].body, "{name}: the same call, sent again");
+        assert_eq!(made[2].token.as_deref(), Some("after.2"), "{name}");
+        // Once per exchange: refused again with the fresh token, unavailable, no loop.
+        let (answer, made) = run(
+            &with_auth(),
+            StoreOp::Begin(attempt(0)),
+            0,
+            vec![authenticated("a.1"), refusal.clone(), authenticated("b.2"), refusal.clone()],
+        );
+        assert!(
+            matches!(begun(answer), Err(StoreError::Unavailable(m)) if m.contains("etcdserver:")),
+            "{name}"
+        );
+        assert_eq!(made.len(), 4, "{name}");
+        // Without credentials configured the answer says what etcd said, nothing is retried.
+        let (answer, made) = run(&plain_store(), StoreOp::Begin(attempt(0)), 0, vec![refusal.clone()]);
+        assert!(
+            matches!(begun(answer), Err(StoreError::Unavailable(m)) if m.contains("etcdserver:")),
+            "{name}"
+        );
+        assert_eq!(made.len(), 1, "{name}");
+    }
+}
+
 #[test]
 fn leases_are_shared_per_window_and_never_end_before_their_records() {
     for expires_at in [0, 1, 9_999, 10_000, 86_400_000, u64::MAX - 1] {

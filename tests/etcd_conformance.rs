@@ -136,6 +136,7 @@ fn settings(prefix: &str) -> EtcdSettings {
         timeout_ms: 250,
         on_error: OnStoreError::FailClosed,
         auth: None,
+        auth_timeout_ms: 2_000,
         replay_cache: None,
     }
 }

@@ -124,6 +124,8 @@ pub struct Settlements {
     pub queued: Vec<RootCall>,
     /// Waiting for the answer to the callout with this token.
     pub in_flight: HashMap<u32, RootCall>,
+    /// Waiting for what another conversation fetches (`remote::Next::Wait`: the etcd token).
+    pub parked: Vec<RootCall>,
 }
 
 /// The message a stream leaves on its own worker's wake queue so that the root runs at once

@@ -41,7 +41,11 @@
 //! - release: 2: the same range, then a guarded txn deleting the record and its index keys.
 //! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd refuses
 //!   the token (invalid, or older than an auth change: `wire::Refused::InvalidToken`; then the
-//!   call is sent again, once).
+//!   call is sent again, once). One fetch per worker at a time (`TokenFetch`): an exchange that
+//!   needs a token while another fetches it answers `ExchangeStep::AwaitToken` and is stepped
+//!   again (with `None`) when `take_fetch_ended` says the fetch ended, or at the driver's next
+//!   tick; it then sends its call with the token, or fails with the fetch's error (`TimedOut`
+//!   once the fetch is past its deadline, `auth_timeout_ms`, without an answer).
 //! - With `replay_cache` on, a begin of a scope whose completed, unexpired record this worker
 //!   has read or written: 0, answered from `cache` (never a claim).
 //!

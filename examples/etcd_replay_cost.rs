@@ -15,10 +15,10 @@
 use std::net::SocketAddr;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use idempotency_filter::config;
 use idempotency_filter::store::conformance::{charged, claimed, done};
 use idempotency_filter::store::etcd::base64;
 use idempotency_filter::store::etcd::blocking::BlockingEtcd;
-use idempotency_filter::store::etcd::{EtcdSettings, OnStoreError};
 use idempotency_filter::store::{Begin, ClaimAttempt, RecordStore};
 
 const PRINCIPAL: u8 = 4;
@@ -32,14 +32,13 @@ fn main() {
     let iterations: usize = args.get(3).map_or(200, |s| s.parse().expect("iterations"));
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
     let prefix = format!("/bench-replay/{}-{live}-{now}/", std::process::id());
-    let settings = EtcdSettings {
-        cluster: "etcd".into(),
-        prefix: prefix.clone(),
-        timeout_ms: 5_000,
-        on_error: OnStoreError::FailClosed,
-        auth: None,
-        replay_cache: None,
-    };
+    // Through the configuration parser, so that this file builds against older trees too
+    // (`make bench-etcd-replay BENCH_BEFORE=...`).
+    let config = format!(
+        r#"{{"store":{{"type":"etcd","cluster":"etcd","prefix":"{prefix}","timeout":"5s"}},
+            "routes":[{{"name":"r","match":{{"prefix":"/"}}}}]}}"#
+    );
+    let settings = config::parse(config.as_bytes()).unwrap().etcd.expect("an etcd store");
     let worker = BlockingEtcd::new(addr, settings);
     let attempt = |owner: u64, at: u64| ClaimAttempt {
         ttl_ms: 3_600_000,

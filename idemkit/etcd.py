@@ -35,8 +35,11 @@ class Etcd(Process):
     `EtcdCluster` every member is told about the others."""
 
     def __init__(self, name: str = "etcd", log_dir: Path | None = None,
-                 client_port: int | None = None, peer_port: int | None = None) -> None:
+                 client_port: int | None = None, peer_port: int | None = None,
+                 extra_args: list[str] | None = None) -> None:
         self.name = name
+        # More etcd flags (e.g. `--auth-token jwt,...`).
+        self.extra_args = list(extra_args or [])
         self.log_dir = self._log_dir(log_dir)
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
@@ -69,7 +72,7 @@ class Etcd(Process):
             "--heartbeat-interval", "50",
             "--election-timeout", "500",
             "--logger", "zap",
-        ]
+        ] + self.extra_args
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
@@ -100,11 +103,28 @@ class Etcd(Process):
             return False
         return resp.status == 200 and json.loads(resp.body).get("health") == "true"
 
-    def post(self, path: str, doc: dict, timeout: float = 5.0) -> dict:
+    def post(self, path: str, doc: dict, timeout: float = 5.0, token: str | None = None) -> dict:
+        """One gateway call (`token`: sent as `authorization`, once auth is on); must be a 200."""
+        headers = {"content-type": "application/json"}
+        if token is not None:
+            headers["authorization"] = token
         resp = request(self.client_port, "POST", path, body=json.dumps(doc).encode(),
-                       headers={"content-type": "application/json"}, timeout=timeout)
+                       headers=headers, timeout=timeout)
         assert resp.status == 200, resp
         return json.loads(resp.body)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of `name` in etcd's /metrics whose labels include `labels`."""
+        resp = request(self.client_port, "GET", "/metrics", timeout=5)
+        assert resp.status == 200, resp
+        total = 0.0
+        wanted = ['%s="%s"' % kv for kv in labels.items()]
+        for line in resp.body.decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                head, _, value = line.rpartition(" ")
+                if all(w in head for w in wanted):
+                    total += float(value)
+        return total
 
     def keys(self, prefix: str) -> list[str]:
         """Every key under `prefix` (decoded)."""

@@ -136,6 +136,7 @@ fn settings(prefix: &str) -> EtcdSettings {
         timeout_ms: 250,
         on_error: OnStoreError::FailClosed,
         auth: None,
+        auth_timeout_ms: 2_000,
         replay_cache: None,
     }
 }
@@ -249,6 +250,68 @@ fn auth_with_a_real_etcd_and_an_expiring_token() {
     let auth = Some(EtcdAuth { username: "idem".into(), password: "idem-pw".into() });
     let elsewhere = BlockingEtcd::new(etcd.addr, EtcdSettings { auth, ..settings("/other/") });
     assert!(matches!(elsewhere.begin(&attempt(3, 1, 13, 0)), Err(StoreError::Unavailable(_))));
+}
+
+/// An auth change elsewhere (a user added by an operator) makes etcd refuse every range and txn
+/// made with a JWT token issued before it ("revision of auth store is old", until the token
+/// expires); a worker authenticates again once and its call goes through.
+#[test]
+fn a_token_issued_before_an_auth_change_is_replaced() {
+    let dir = std::env::temp_dir().join(format!("idem-jwt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let key = dir.join("hs256.key");
+    std::fs::write(&key, b"a-test-only-hmac-secret-of-32-bytes!").unwrap();
+    let token_option = format!("jwt,priv-key={},sign-method=HS256,ttl=10m", key.display());
+    let etcd = start_etcd_with(&["--auth-token", &token_option]);
+    let admin = BlockingEtcd::new(etcd.addr, settings("/unused/"));
+    enable_auth(&admin, "/old-rev/");
+    let auth = Some(EtcdAuth { username: "idem".into(), password: "idem-pw".into() });
+    let worker = BlockingEtcd::new(etcd.addr, EtcdSettings { auth, ..settings("/old-rev/") });
+    claimed(worker.begin(&attempt(1, 1, 11, 0)).unwrap());
+    assert_eq!(worker.calls().iter().filter(|(p, _)| *p == "/v3/auth/authenticate").count(), 1);
+
+    // The operator adds a user: the auth store's revision moves past the worker's token.
+    let root = admin.post("/v3/auth/authenticate", br#"{"name":"root","password":"rootpw"}"#, None);
+    let root = String::from_utf8(root.body).unwrap();
+    let root = root.split("\"token\":\"").nth(1).and_then(|t| t.split('"').next()).unwrap().to_owned();
+    let added = admin.post("/v3/auth/user/add", br#"{"name":"other","password":"other-pw"}"#, Some(&root));
+    assert_eq!(added.status, Some(200), "{}", String::from_utf8_lossy(&added.body));
+
+    let before = worker.calls().len();
+    claimed(worker.begin(&attempt(2, 1, 12, 1)).unwrap());
+    let after: Vec<_> = worker.calls()[before..].iter().map(|(path, _)| *path).collect();
+    assert_eq!(after, vec!["/v3/kv/txn", "/v3/auth/authenticate", "/v3/kv/txn", "/v3/kv/txn"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Users root and idem (read-write on `prefix` only), then auth enabled.
+fn enable_auth(admin: &BlockingEtcd, prefix: &str) {
+    let b64 = |s: &str| base64::encode(s.as_bytes());
+    let mut end = prefix.as_bytes().to_vec();
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    let setup = [
+        ("/v3/auth/role/add", r#"{"name":"root"}"#.to_owned()),
+        ("/v3/auth/user/add", r#"{"name":"root","password":"rootpw"}"#.to_owned()),
+        ("/v3/auth/user/grant", r#"{"user":"root","role":"root"}"#.to_owned()),
+        ("/v3/auth/role/add", r#"{"name":"idem"}"#.to_owned()),
+        (
+            "/v3/auth/role/grant",
+            format!(
+                r#"{{"name":"idem","perm":{{"permType":"READWRITE","key":"{}","range_end":"{}"}}}}"#,
+                b64(prefix),
+                base64::encode(&end)
+            ),
+        ),
+        ("/v3/auth/user/add", r#"{"name":"idem","password":"idem-pw"}"#.to_owned()),
+        ("/v3/auth/user/grant", r#"{"user":"idem","role":"idem"}"#.to_owned()),
+        ("/v3/auth/enable", "{}".to_owned()),
+    ];
+    for (path, body) in setup {
+        let answer = admin.post(path, body.as_bytes(), None);
+        assert_eq!(answer.status, Some(200), "{path}: {}", String::from_utf8_lossy(&answer.body));
+    }
 }
 
 /// Workers on several threads (as on several Envoys) racing for the same keys: exactly one

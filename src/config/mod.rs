@@ -479,8 +479,20 @@ fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
         other => Err(err(f, format!("{other:?}: expected \"fail_closed\" or \"fail_open\""))),
     })?
     .unwrap_or_default();
+    let mut auth_timeout_ms = etcd::DEFAULT_AUTH_TIMEOUT_MS;
     let auth = optional(o, path, "auth", |v, f| {
-        let a = object(v, f, &["username", "password"])?;
+        let a = object(v, f, &["username", "password", "timeout"])?;
+        // The token fetch is its own callout: authenticate costs etcd a bcrypt check and a Raft
+        // write, slow under load, and every exchange needing a token waits for the one fetch.
+        if let Some(ms) = optional(a, f, "timeout", |v, f| {
+            let ms = duration_ms(v, f)?;
+            if ms > MAX_ETCD_TIMEOUT_MS {
+                return Err(err(f, format!("{ms} ms exceeds the longest callout, {MAX_ETCD_TIMEOUT_MS} ms")));
+            }
+            Ok(ms)
+        })? {
+            auth_timeout_ms = ms;
+        }
         let part = |v: &Value, f: &str| -> Res<String> {
             let s = string(v, f)?;
             if s.is_empty() {
@@ -506,7 +518,7 @@ fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
                 .unwrap_or(cache::DEFAULT_MAX_BYTES);
         Ok(ReplayCacheSettings { entries, max_bytes })
     })?;
-    Ok(EtcdSettings { cluster, prefix, timeout_ms, on_error, auth, replay_cache })
+    Ok(EtcdSettings { cluster, prefix, timeout_ms, on_error, auth, auth_timeout_ms, replay_cache })
 }
 
 /// Smallest `store.replay_cache.max_bytes`: a few small records.
@@ -1554,6 +1566,26 @@ mod tests {
                 "store.auth.password",
             ),
             (
+                "auth timeout without unit",
+                etcd(r#","auth":{"username":"u","password":"p","timeout":"2000"}"#, ""),
+                "store.auth.timeout",
+            ),
+            (
+                "auth timeout number",
+                etcd(r#","auth":{"username":"u","password":"p","timeout":2000}"#, ""),
+                "store.auth.timeout",
+            ),
+            (
+                "auth timeout zero",
+                etcd(r#","auth":{"username":"u","password":"p","timeout":"0s"}"#, ""),
+                "store.auth.timeout",
+            ),
+            (
+                "auth timeout over the bound",
+                etcd(r#","auth":{"username":"u","password":"p","timeout":"11s"}"#, ""),
+                "store.auth.timeout",
+            ),
+            (
                 "auth unknown field",
                 etcd(r#","auth":{"username":"u","password":"p","token":"t"}"#, ""),
                 "store.auth.token",
@@ -1645,11 +1677,12 @@ mod tests {
                 timeout_ms: 250,
                 on_error: OnStoreError::FailClosed,
                 auth: None,
+                auth_timeout_ms: 2_000,
                 replay_cache: None,
             })
         );
         let full = etcd(
-            r#","prefix":"/shop/idem/","timeout":"1s","on_error":"fail_open","auth":{"username":"idem","password":"s\"ecret"}"#,
+            r#","prefix":"/shop/idem/","timeout":"1s","on_error":"fail_open","auth":{"username":"idem","password":"s\"ecret","timeout":"5s"}"#,
             &format!(r#""max_response_bytes":{}"#, etcd::MAX_STORED_BODY_BYTES),
         );
         assert_eq!(
@@ -1660,6 +1693,7 @@ mod tests {
                 timeout_ms: 1_000,
                 on_error: OnStoreError::FailOpen,
                 auth: Some(EtcdAuth { username: "idem".into(), password: "s\"ecret".into() }),
+                auth_timeout_ms: 5_000,
                 replay_cache: None,
             })
         );

@@ -35,6 +35,9 @@ impl RemoteStore for EtcdRemote {
     fn start(&self, op: StoreOp) -> Box<dyn Conversation> {
         Box::new(EtcdConversation { store: Rc::clone(&self.store), exchange: self.store.start(op) })
     }
+    fn take_woken(&self) -> bool {
+        self.store.take_fetch_ended()
+    }
 }
 
 struct EtcdConversation {
@@ -46,7 +49,14 @@ impl Conversation for EtcdConversation {
     fn step(&mut self, answer: Option<Answer>, now_ms: u64) -> Next {
         let answer = answer.map(|a| HttpAnswer { status: a.status, body: a.body });
         match self.exchange.step(&self.store, answer, now_ms) {
-            ExchangeStep::Call { path, body, token } => Next::Call(Request { path, body, token }),
+            ExchangeStep::Call { path, body, token, timeout_ms } => Next::Call(Request {
+                path,
+                body,
+                token,
+                // Envoy reads 0 as "no timeout": a callout is always bounded.
+                timeout_ms: Some(u32::try_from(timeout_ms).unwrap_or(u32::MAX).max(1)),
+            }),
+            ExchangeStep::AwaitToken => Next::Wait,
             ExchangeStep::Done(answer) => Next::Done(answer),
         }
     }

@@ -163,17 +163,22 @@ pub struct Settlements {
     pub in_flight: HashMap<u32, RootCall>,
     /// Settlements the store failed, each started again at its `retry.due_ms`.
     pub retrying: Vec<RootSettlement>,
+    /// Waiting for what another conversation fetches (`remote::Next::Wait`: the etcd token).
+    pub parked: Vec<RootCall>,
 }
 
 impl Settlements {
-    /// Nothing handed over, under way or waiting to be tried again.
+    /// Nothing handed over, under way, waiting for a token or to be tried again.
     pub fn is_idle(&self) -> bool {
-        self.queued.is_empty() && self.in_flight.is_empty() && self.retrying.is_empty()
+        self.queued.is_empty()
+            && self.in_flight.is_empty()
+            && self.retrying.is_empty()
+            && self.parked.is_empty()
     }
 
-    /// How many are handed over, under way or waiting to be tried again.
+    /// How many are handed over, under way, waiting for a token or to be tried again.
     pub fn len(&self) -> usize {
-        self.queued.len() + self.in_flight.len() + self.retrying.len()
+        self.queued.len() + self.in_flight.len() + self.retrying.len() + self.parked.len()
     }
 
     /// Takes the settlements due to be tried again at `now_ms`.
@@ -190,6 +195,7 @@ impl Settlements {
         let mut all = std::mem::take(&mut self.queued);
         all.extend(std::mem::take(&mut self.in_flight).into_values());
         all.extend(std::mem::take(&mut self.retrying).into_iter().map(RootCall::Settle));
+        all.extend(std::mem::take(&mut self.parked));
         all
     }
 }

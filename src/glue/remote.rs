@@ -35,17 +35,23 @@ pub struct Request {
     pub body: Vec<u8>,
     /// Sent as `authorization` when present.
     pub token: Option<String>,
+    /// This call's timeout, when not the store's `timeout_ms` (the etcd token fetch has its own).
+    pub timeout_ms: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Next {
     Call(Request),
+    /// Waiting for something another conversation of this store is fetching (the etcd token):
+    /// step again with `None` once `RemoteStore::take_woken` is true, and on every tick (a wait
+    /// ends by itself at its deadline).
+    Wait,
     Done(StoreAnswer),
 }
 
 /// One store operation in progress.
 pub trait Conversation {
-    /// First with `None`, then with the answer to the last `Call`.
+    /// First with `None`, then with the answer to the last `Call` (`None` again after `Wait`).
     fn step(&mut self, answer: Option<Answer>, now_ms: u64) -> Next;
     /// The operation, to start it again in a new conversation.
     fn into_op(self: Box<Self>) -> StoreOp;
@@ -54,6 +60,10 @@ pub trait Conversation {
 pub trait RemoteStore {
     fn settings(&self) -> &RemoteSettings;
     fn start(&self, op: StoreOp) -> Box<dyn Conversation>;
+    /// True once after whatever waiting conversations wait for has arrived or failed.
+    fn take_woken(&self) -> bool {
+        false
+    }
 }
 
 /// Envoy answers a callout that outlived its timeout with this synthesized status.
@@ -104,5 +114,6 @@ pub fn dispatch<H: Host>(host: &H, settings: &RemoteSettings, request: &Request)
     if let Some(token) = &request.token {
         headers.push(("authorization", token));
     }
-    host.dispatch_http_call(&settings.cluster, &headers, &request.body, settings.timeout_ms)
+    let timeout_ms = request.timeout_ms.unwrap_or(settings.timeout_ms);
+    host.dispatch_http_call(&settings.cluster, &headers, &request.body, timeout_ms)
 }

@@ -109,6 +109,8 @@ impl<H: Host> Root<H> {
         // those due to be tried again.
         start_settlements(&plugin);
         retry_settlements(&plugin, now_ms);
+        // Conversations waiting for a token: on, or over once its fetch is past its deadline.
+        resume_parked(&plugin);
         if self.ticks.is_multiple_of(SLOW_EVERY_TICKS) {
             // Once a second: reclaim expired records (a remote store expires its own), and beat
             // in the wake registry.
@@ -181,6 +183,9 @@ impl<H: Host> Root<H> {
                 converse_recheck(&plugin, store.as_ref(), check, Some(answer))
             }
             (RootCall::Recheck(check), Err(error)) => recheck_failed(&plugin, store.as_ref(), check, error),
+        }
+        if store.take_woken() {
+            resume_parked(&plugin);
         }
         self.finish_retirement();
     }
@@ -305,6 +310,7 @@ fn converse_recheck<H: Host>(
                 recheck_failed(plugin, store, check, error);
             }
         },
+        Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Recheck(check)),
         Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
             recheck_failed(plugin, store, check, error)
         }
@@ -364,6 +370,21 @@ fn start_settlements<H: Host>(plugin: &PluginState<H>) {
     }
 }
 
+/// Steps again every conversation that was waiting (for the etcd token): each goes on, waits
+/// on, or ends with the wait's failure through its ordinary path (a stream's fail mode, a
+/// settlement counted, a client that left: nothing held).
+fn resume_parked<H: Host>(plugin: &PluginState<H>) {
+    let Store::Remote(store) = &plugin.store else { return };
+    let parked = std::mem::take(&mut plugin.settlements.borrow_mut().parked);
+    for call in parked {
+        match call {
+            RootCall::Begin(begin) => converse_begin(plugin, store.as_ref(), begin, None),
+            RootCall::Settle(settle) => converse(plugin, store.as_ref(), settle, None),
+            RootCall::Recheck(check) => converse_recheck(plugin, store.as_ref(), check, None),
+        }
+    }
+}
+
 /// Takes a paused request's `begin` one step: its next callout, or the answer for its flow.
 fn converse_begin<H: Host>(
     plugin: &PluginState<H>,
@@ -386,6 +407,7 @@ fn converse_begin<H: Host>(
                 begin_failed(plugin, store, begin, error);
             }
         },
+        Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Begin(begin)),
         Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
             begin_failed(plugin, store, begin, error)
         }
@@ -503,6 +525,7 @@ fn converse<H: Host>(
                 finish_settlement(plugin, call, Err(error));
             }
         },
+        Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Settle(call)),
         Next::Done(StoreAnswer::Settled(settled)) => finish_settlement(plugin, call, settled),
         Next::Done(StoreAnswer::Begun(_)) => {
             let error = StoreError::Unavailable("the store answered a settlement with a claim".into());

@@ -44,7 +44,13 @@ impl BlockingEtcd {
         for _ in 0..MAX_CALLS {
             match exchange.step(&self.store, answer.take(), now_ms) {
                 ExchangeStep::Done(done) => return done,
-                ExchangeStep::Call { path, body, token } => {
+                // One exchange at a time: the token fetch is always this exchange's own.
+                ExchangeStep::AwaitToken => {
+                    return StoreAnswer::Settled(Err(StoreError::Unavailable(
+                        "waiting for a token no exchange fetches".into(),
+                    )))
+                }
+                ExchangeStep::Call { path, body, token, .. } => {
                     self.calls.borrow_mut().push((path, token.is_some()));
                     answer = Some(self.post(path, &body, token.as_deref()));
                 }

@@ -39,8 +39,13 @@
 //!   a txn guarded by mod_revision == locator that rewrites the record with its outcome and moves
 //!   its index keys; a failed guard is `Lost`.
 //! - release: 2: the same range, then a guarded txn deleting the record and its index keys.
-//! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd calls
-//!   the token invalid (then the call is sent again, once).
+//! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd refuses
+//!   the token (invalid, or older than an auth change: `wire::Refused::InvalidToken`; then the
+//!   call is sent again, once). One fetch per worker at a time (`TokenFetch`): an exchange that
+//!   needs a token while another fetches it answers `ExchangeStep::AwaitToken` and is stepped
+//!   again (with `None`) when `take_fetch_ended` says the fetch ended, or at the driver's next
+//!   tick; it then sends its call with the token, or fails with the fetch's error (`TimedOut`
+//!   once the fetch is past its deadline, `auth_timeout_ms`, without an answer).
 //! - With `replay_cache` on, a begin of a scope whose completed, unexpired record this worker
 //!   has read or written: 0, answered from `cache` (never a claim).
 //!
@@ -103,12 +108,17 @@ pub struct EtcdSettings {
     pub timeout_ms: u64,
     pub on_error: OnStoreError,
     pub auth: Option<EtcdAuth>,
+    /// `store.auth.timeout`: the token fetch's callout (authenticate is a bcrypt check and a Raft
+    /// write on etcd: slow when etcd is loaded, and every exchange waiting for it waits this long
+    /// at most).
+    pub auth_timeout_ms: u64,
     /// `store.replay_cache`: None (the default) answers every begin from etcd.
     pub replay_cache: Option<ReplayCacheSettings>,
 }
 
 pub const DEFAULT_PREFIX: &str = "/idempotency/";
 pub const DEFAULT_TIMEOUT_MS: u64 = 250;
+pub const DEFAULT_AUTH_TIMEOUT_MS: u64 = 2_000;
 
 /// etcd's default `--max-request-bytes` (1.5 MiB): the largest request, so the largest
 /// transaction writing a record, etcd accepts.
@@ -133,12 +143,18 @@ pub struct HttpAnswer {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExchangeStep {
     /// POST `body` (JSON) to `path` on the etcd cluster; send `authorization: <token>` when
-    /// `token` is Some.
+    /// `token` is Some; give up on it after `timeout_ms`.
     Call {
         path: &'static str,
         body: Vec<u8>,
         token: Option<String>,
+        timeout_ms: u64,
     },
+    /// Waiting for this worker's token, which another exchange is fetching: step again with
+    /// `None` when `EtcdStore::take_fetch_ended` says a fetch ended, and at least every so often
+    /// (a fetch whose callout failed without an answer is over at its deadline; the exchange
+    /// then fails by itself).
+    AwaitToken,
     Done(StoreAnswer),
 }
 
@@ -199,7 +215,33 @@ pub struct EtcdStore {
     leases: RefCell<Vec<CachedLease>>,
     claim_leases: RefCell<Vec<ClaimLease>>,
     token: RefCell<Option<String>>,
+    fetch: RefCell<TokenFetch>,
     replay: Option<RefCell<ReplayCache>>,
+}
+
+/// The worker's token fetch: at most one at a time, whatever the number of exchanges that need
+/// a token (each authenticate is a bcrypt check and a Raft write on etcd).
+#[derive(Debug, Clone, Default)]
+struct TokenFetch {
+    /// Fetches started so far: the number of the current or last one.
+    started: u64,
+    /// Fetch `started` is in flight until this deadline (its callout's timeout): an exchange
+    /// waiting for it gives up then, and the next one that needs a token fetches anew.
+    in_flight_until_ms: Option<u64>,
+    /// The last fetch that failed (or outlived its deadline), and why: exchanges that waited for
+    /// it fail with the same error.
+    failed: Option<(u64, StoreError)>,
+    /// A fetch ended since the driver last asked (`take_fetch_ended`).
+    ended: bool,
+}
+
+impl TokenFetch {
+    /// Fetch `started` is over without a token.
+    fn fail(&mut self, error: StoreError) {
+        self.failed = Some((self.started, error));
+        self.in_flight_until_ms = None;
+        self.ended = true;
+    }
 }
 
 /// The token is a credential: formatted as present or absent only.
@@ -228,6 +270,7 @@ impl EtcdStore {
             leases: RefCell::new(Vec::new()),
             claim_leases: RefCell::new(Vec::new()),
             token: RefCell::new(None),
+            fetch: RefCell::new(TokenFetch::default()),
             replay,
         }
     }
@@ -242,13 +285,21 @@ impl EtcdStore {
             op,
             stage: Stage::Start,
             pending: None,
-            authenticating: false,
+            fetching: None,
+            awaiting: None,
+            sent_token: None,
             reauthenticated: false,
             lease_regranted: false,
             attempts: 0,
             write: None,
             pending_claim: None,
         }
+    }
+
+    /// True once after a token fetch ended (a token, or a failure): the driver steps the
+    /// exchanges that answered `AwaitToken` again.
+    pub fn take_fetch_ended(&self) -> bool {
+        std::mem::take(&mut self.fetch.borrow_mut().ended)
     }
 
     /// (records, bytes) in this worker's replay cache; None when it is off.
@@ -477,7 +528,13 @@ pub struct Exchange {
     stage: Stage,
     /// The last call made for the operation itself, sent again after a re-authentication.
     pending: Option<(&'static str, Vec<u8>)>,
-    authenticating: bool,
+    /// The number of the worker's token fetch this exchange is making (its answer is due).
+    fetching: Option<u64>,
+    /// The number of the token fetch this exchange waits for (another exchange makes it).
+    awaiting: Option<u64>,
+    /// The token the pending call was sent with: a refusal replaces the worker's token only
+    /// when it is still this one (several exchanges refused at once fetch one token).
+    sent_token: Option<String>,
     reauthenticated: bool,
     lease_regranted: bool,
     attempts: u8,
@@ -526,21 +583,37 @@ impl Exchange {
         answer: Option<HttpAnswer>,
         now_ms: u64,
     ) -> Result<ExchangeStep, StoreError> {
+        if self.awaiting.is_some() {
+            if answer.is_some() {
+                return Err(unusable("an answer while waiting for a token"));
+            }
+            return self.token_awaited(store, now_ms);
+        }
         let next = match (self.stage, answer) {
             (Stage::Start, None) => self.first(store)?,
             (Stage::Start, Some(_)) => return Err(unusable("an answer before any call")),
             (Stage::Finished, _) => return Err(unusable("the exchange had already finished")),
             (_, None) => return Err(unusable("no answer to the last call")),
             (stage, Some(answer)) => {
-                if self.authenticating {
-                    return self.authenticated(store, &answer);
+                if let Some(number) = self.fetching {
+                    return self.authenticated(store, number, &answer);
                 }
                 match wire::body(answer.status, &answer.body) {
-                    Err(Refused::InvalidToken) if store.settings.auth.is_some() && !self.reauthenticated => {
-                        // Tokens expire (and die with an etcd restart): one fresh token, once.
+                    Err(Refused::InvalidToken(_))
+                        if store.settings.auth.is_some() && !self.reauthenticated =>
+                    {
+                        // Tokens expire, die with an etcd restart and go stale with any auth
+                        // change (wire::Refused::InvalidToken): one fresh token, once. Only the
+                        // first exchange refused with this token drops it; the others take the
+                        // new one or wait for its fetch.
                         self.reauthenticated = true;
-                        *store.token.borrow_mut() = None;
-                        return Ok(self.authenticate(store));
+                        {
+                            let mut token = store.token.borrow_mut();
+                            if *token == self.sent_token {
+                                *token = None;
+                            }
+                        }
+                        return self.send(store, now_ms);
                     }
                     Err(Refused::LeaseNotFound) if stage == Stage::Write && !self.lease_regranted => {
                         self.lease_regranted = true;
@@ -594,7 +667,7 @@ impl Exchange {
             }
         };
         match next {
-            Next::Call(path, body, stage) => self.call(store, path, body, stage),
+            Next::Call(path, body, stage) => self.call(store, path, body, stage, now_ms),
             done => Ok(self.finish(Ok(done))),
         }
     }
@@ -606,39 +679,124 @@ impl Exchange {
         path: &'static str,
         body: Vec<u8>,
         stage: Stage,
+        now_ms: u64,
     ) -> Result<ExchangeStep, StoreError> {
         self.stage = stage;
         self.pending = Some((path, body));
-        if store.settings.auth.is_some() && store.token.borrow().is_none() {
-            return Ok(self.authenticate(store));
+        self.send(store, now_ms)
+    }
+
+    /// The pending call with the worker's token; without one, after the worker's token fetch:
+    /// this exchange makes it, or waits for the one in flight.
+    fn send(&mut self, store: &EtcdStore, now_ms: u64) -> Result<ExchangeStep, StoreError> {
+        if store.settings.auth.is_none() || store.token.borrow().is_some() {
+            return self.resend(store);
         }
-        self.resend(store)
+        let waiting = {
+            let mut fetch = store.fetch.borrow_mut();
+            match fetch.in_flight_until_ms {
+                Some(deadline_ms) if now_ms < deadline_ms => Some(fetch.started),
+                // One whose answer never came in time (its callout failed or timed out, and
+                // its exchange ended without it): over, and a new fetch.
+                Some(_) => {
+                    fetch.fail(StoreError::TimedOut);
+                    None
+                }
+                None => None,
+            }
+        };
+        match waiting {
+            Some(number) => {
+                self.awaiting = Some(number);
+                Ok(ExchangeStep::AwaitToken)
+            }
+            None => Ok(self.authenticate(store, now_ms)),
+        }
+    }
+
+    /// Stepped again while waiting for fetch number `awaiting`: on with the token it brought,
+    /// on waiting while it is in flight, or the fetch's failure (a fetch past its deadline
+    /// timed out).
+    fn token_awaited(&mut self, store: &EtcdStore, now_ms: u64) -> Result<ExchangeStep, StoreError> {
+        let Some(number) = self.awaiting.take() else { return Err(unusable("not waiting for a token")) };
+        if store.token.borrow().as_ref().is_some_and(|t| Some(t) != self.sent_token.as_ref()) {
+            return self.resend(store);
+        }
+        let mut fetch = store.fetch.borrow_mut();
+        if let Some((failed, error)) = &fetch.failed {
+            if *failed >= number {
+                return Err(error.clone());
+            }
+        }
+        match fetch.in_flight_until_ms {
+            // Its own, or a later one (its token was refused before this exchange took it).
+            Some(deadline_ms) if now_ms < deadline_ms => {
+                self.awaiting = Some(fetch.started);
+                Ok(ExchangeStep::AwaitToken)
+            }
+            // Its answer never came in time (the callout failed or timed out and was not handed
+            // to its exchange): over, for everyone waiting.
+            Some(_) => {
+                fetch.fail(StoreError::TimedOut);
+                Err(StoreError::TimedOut)
+            }
+            None => Err(unusable("the token fetch ended without a token")),
+        }
     }
 
     /// The operation's last call, with the current token.
-    fn resend(&self, store: &EtcdStore) -> Result<ExchangeStep, StoreError> {
+    fn resend(&mut self, store: &EtcdStore) -> Result<ExchangeStep, StoreError> {
         let (path, body) = self.pending.clone().ok_or_else(|| unusable("no call to send"))?;
-        Ok(ExchangeStep::Call { path, body, token: store.token() })
+        let token = store.token();
+        self.sent_token.clone_from(&token);
+        Ok(ExchangeStep::Call { path, body, token, timeout_ms: store.settings.timeout_ms })
     }
 
-    fn authenticate(&mut self, store: &EtcdStore) -> ExchangeStep {
-        self.authenticating = true;
+    /// Starts the worker's token fetch: the others that need a token wait for it.
+    fn authenticate(&mut self, store: &EtcdStore, now_ms: u64) -> ExchangeStep {
+        let timeout_ms = store.settings.auth_timeout_ms;
+        let number = {
+            let mut fetch = store.fetch.borrow_mut();
+            fetch.started = fetch.started.wrapping_add(1);
+            fetch.in_flight_until_ms = Some(now_ms.saturating_add(timeout_ms));
+            fetch.started
+        };
+        self.fetching = Some(number);
         let body = match &store.settings.auth {
             Some(a) => wire::authenticate(&a.username, &a.password),
             None => Vec::new(),
         };
-        ExchangeStep::Call { path: wire::AUTHENTICATE, body, token: None }
+        ExchangeStep::Call { path: wire::AUTHENTICATE, body, token: None, timeout_ms }
     }
 
-    fn authenticated(&mut self, store: &EtcdStore, answer: &HttpAnswer) -> Result<ExchangeStep, StoreError> {
-        self.authenticating = false;
-        let token = wire::body(answer.status, &answer.body)
-            .and_then(|body| wire::read_token(&body))
-            .map_err(|refused| match refused {
+    /// The answer to the fetch this exchange made: the worker's token (and this exchange's
+    /// call sent with it), or the failure every exchange waiting for it gets too.
+    fn authenticated(
+        &mut self,
+        store: &EtcdStore,
+        number: u64,
+        answer: &HttpAnswer,
+    ) -> Result<ExchangeStep, StoreError> {
+        self.fetching = None;
+        let token = wire::body(answer.status, &answer.body).and_then(|body| wire::read_token(&body)).map_err(
+            |refused| match refused {
                 Refused::Unusable(m) => StoreError::Unavailable(format!("authenticate: {m}")),
                 other => other.into_error(),
-            })?;
-        *store.token.borrow_mut() = Some(token);
+            },
+        );
+        {
+            let mut fetch = store.fetch.borrow_mut();
+            // A later fetch (this one outlived its deadline) is not this one's to end.
+            if fetch.started == number {
+                match &token {
+                    Ok(_) => fetch.in_flight_until_ms = None,
+                    Err(error) => fetch.fail(error.clone()),
+                }
+            }
+            // Whoever waits for a token takes this one.
+            fetch.ended = true;
+        }
+        *store.token.borrow_mut() = Some(token?);
         self.resend(store)
     }
 

@@ -102,6 +102,7 @@ fn settings(auth: Option<EtcdAuth>) -> EtcdSettings {
         timeout_ms: 250,
         on_error: OnStoreError::FailClosed,
         auth,
+        auth_timeout_ms: 2_000,
         replay_cache: None,
     }
 }
@@ -136,7 +137,8 @@ fn run(store: &EtcdStore, op: StoreOp, now_ms: u64, answers: Vec<Canned>) -> (St
                 assert!(matches!(exchange.step(store, None, now_ms), ExchangeStep::Done(_)));
                 return (done, made);
             }
-            ExchangeStep::Call { path, body, token } => {
+            ExchangeStep::AwaitToken => panic!("no other exchange fetches a token: {made:?}"),
+            ExchangeStep::Call { path, body, token, .. } => {
                 made.push(Made { path, body: String::from_utf8(body).unwrap(), token });
                 let (status, body) = answers.next().unwrap_or_else(|| panic!("no answer left for {made:?}"));
                 answer = Some(HttpAnswer { status, body });
@@ -866,6 +868,66 @@ fn an_invalid_token_is_replaced_once_and_the_call_sent_again() {
     assert_eq!(made.len(), 1);
 }
 
+/// etcd 3.4.23's gateway, captured: a JWT token issued before an auth change (here
+/// `etcdctl user add other`) is refused on every range and txn with InvalidArgument; a call
+/// without a token once auth is on, likewise. etcd's own client authenticates again on both.
+fn old_revision() -> Canned {
+    (Some(400), error_body("etcdserver: revision of auth store is old", 3).into_bytes())
+}
+
+fn user_empty() -> Canned {
+    (Some(400), error_body("etcdserver: user name is empty", 3).into_bytes())
+}
+
+#[test]
+fn a_token_older_than_an_auth_change_is_replaced_once_and_the_call_sent_again() {
+    for (name, refusal) in [("old revision", old_revision()), ("user empty", user_empty())] {
+        let store = with_auth();
+        *store.token.borrow_mut() = Some("before-the-change.1".into());
+        let (answer, made) = run(
+            &store,
+            StoreOp::Begin(attempt(0)),
+            0,
+            vec![
+                refusal.clone(),
+                authenticated("after.2"),
+                ok(read_answer(1, None, &[])),
+                ok(granted()),
+                ok(granted()),
+                ok(written(2)),
+            ],
+        );
+        assert!(matches!(begun(answer), Ok(Begin::Claimed(_))), "{name}");
+        let grant = "/v3/lease/grant";
+        assert_eq!(
+            paths(&made),
+            vec!["/v3/kv/txn", "/v3/auth/authenticate", "/v3/kv/txn", grant, grant, "/v3/kv/txn"],
+            "{name}"
+        );
+        assert_eq!(made[0].body, made[2].body, "{name}: the same call, sent again");
+        assert_eq!(made[2].token.as_deref(), Some("after.2"), "{name}");
+        // Once per exchange: refused again with the fresh token, unavailable, no loop.
+        let (answer, made) = run(
+            &with_auth(),
+            StoreOp::Begin(attempt(0)),
+            0,
+            vec![authenticated("a.1"), refusal.clone(), authenticated("b.2"), refusal.clone()],
+        );
+        assert!(
+            matches!(begun(answer), Err(StoreError::Unavailable(m)) if m.contains("etcdserver:")),
+            "{name}"
+        );
+        assert_eq!(made.len(), 4, "{name}");
+        // Without credentials configured the answer says what etcd said, nothing is retried.
+        let (answer, made) = run(&plain_store(), StoreOp::Begin(attempt(0)), 0, vec![refusal.clone()]);
+        assert!(
+            matches!(begun(answer), Err(StoreError::Unavailable(m)) if m.contains("etcdserver:")),
+            "{name}"
+        );
+        assert_eq!(made.len(), 1, "{name}");
+    }
+}
+
 #[test]
 fn leases_are_shared_per_window_and_never_end_before_their_records() {
     for expires_at in [0, 1, 9_999, 10_000, 86_400_000, u64::MAX - 1] {
@@ -1077,4 +1139,143 @@ fn a_completion_sent_again_after_its_write_landed_is_done_not_lost() {
         );
         assert_eq!(settled(answer), Ok(Settled::Lost));
     }
+}
+
+/// Starts a begin of scope `n` per entry and takes each one step.
+fn started(
+    store: &EtcdStore,
+    scopes: std::ops::RangeInclusive<u8>,
+    now_ms: u64,
+) -> Vec<(Exchange, ExchangeStep)> {
+    scopes
+        .map(|n| {
+            let mut e = store.start(StoreOp::Begin(ClaimAttempt { scope: scope(n), ..attempt(now_ms) }));
+            let step = e.step(store, None, now_ms);
+            (e, step)
+        })
+        .collect()
+}
+
+fn answer(canned: Canned) -> Option<HttpAnswer> {
+    Some(HttpAnswer { status: canned.0, body: canned.1 })
+}
+
+fn is_fetch(step: &ExchangeStep) -> bool {
+    matches!(step, ExchangeStep::Call { path: "/v3/auth/authenticate", token: None, timeout_ms: 2_000, .. })
+}
+
+#[test]
+fn exchanges_started_before_any_token_share_one_fetch() {
+    let store = with_auth();
+    let mut exchanges = started(&store, 1..=4, 0);
+    let fetches = exchanges.iter().filter(|(_, s)| is_fetch(s)).count();
+    assert_eq!(fetches, 1, "{:?}", exchanges.iter().map(|(_, s)| s).collect::<Vec<_>>());
+    assert!(exchanges[1..].iter().all(|(_, s)| *s == ExchangeStep::AwaitToken));
+    // Stepped again before the token: still waiting.
+    assert_eq!(exchanges[1].0.step(&store, None, 100), ExchangeStep::AwaitToken);
+    assert!(!store.take_fetch_ended());
+    // The token arrives: the fetching exchange goes on with it, with the store's timeout...
+    let (first, _) = &mut exchanges[0];
+    let step = first.step(&store, answer(authenticated(TOKEN)), 100);
+    assert!(
+        matches!(&step, ExchangeStep::Call { path: "/v3/kv/txn", token: Some(t), timeout_ms: 250, .. } if t == TOKEN),
+        "{step:?}"
+    );
+    // ...and the driver learns, once, that the waiting ones can go on: each with the token.
+    assert!(store.take_fetch_ended());
+    assert!(!store.take_fetch_ended());
+    for (e, _) in &mut exchanges[1..] {
+        let step = e.step(&store, None, 100);
+        assert!(
+            matches!(&step, ExchangeStep::Call { path: "/v3/kv/txn", token: Some(t), .. } if t == TOKEN),
+            "{step:?}"
+        );
+        // And they finish as usual.
+        assert!(matches!(
+            e.step(&store, answer(ok(read_answer(1, None, &[]))), 100),
+            ExchangeStep::Call { .. }
+        ));
+    }
+}
+
+#[test]
+fn a_failed_fetch_ends_every_exchange_waiting_for_it_with_its_error() {
+    let store = with_auth();
+    let mut exchanges = started(&store, 1..=3, 0);
+    let wrong = (
+        Some(400),
+        error_body("etcdserver: authentication failed, invalid user ID or password", 3).into_bytes(),
+    );
+    let ExchangeStep::Done(StoreAnswer::Begun(Err(error))) = exchanges[0].0.step(&store, answer(wrong), 50)
+    else {
+        panic!("the fetching exchange fails")
+    };
+    assert!(matches!(&error, StoreError::Unavailable(m) if m.starts_with("authenticate:")), "{error:?}");
+    assert!(store.take_fetch_ended());
+    for (e, _) in &mut exchanges[1..] {
+        assert_eq!(e.step(&store, None, 50), ExchangeStep::Done(StoreAnswer::Begun(Err(error.clone()))));
+    }
+    // The next exchange tries again: a failure is not kept as an answer.
+    let (_, step) = started(&store, 4..=4, 60).pop().unwrap();
+    assert!(is_fetch(&step), "{step:?}");
+}
+
+#[test]
+fn a_fetch_whose_answer_never_comes_times_out_every_exchange_waiting_at_its_deadline() {
+    let store = with_auth();
+    // The driver gives up on the fetch's callout (Envoy's 504 after 2 s) and never steps its
+    // exchange again: the others end at the fetch's deadline, when the driver steps them.
+    let mut exchanges = started(&store, 1..=3, 1_000);
+    assert_eq!(exchanges[1].0.step(&store, None, 2_999), ExchangeStep::AwaitToken);
+    assert_eq!(
+        exchanges[1].0.step(&store, None, 3_000),
+        ExchangeStep::Done(StoreAnswer::Begun(Err(StoreError::TimedOut)))
+    );
+    assert!(store.take_fetch_ended());
+    assert_eq!(
+        exchanges[2].0.step(&store, None, 3_050),
+        ExchangeStep::Done(StoreAnswer::Begun(Err(StoreError::TimedOut)))
+    );
+    // A new exchange fetches anew; one that arrives while a stale fetch is still marked in
+    // flight (nobody stepped a waiter since its deadline) fetches anew as well.
+    let (_, step) = started(&store, 4..=4, 3_100).pop().unwrap();
+    assert!(is_fetch(&step), "{step:?}");
+    let (_, step) = started(&store, 5..=5, 9_000).pop().unwrap();
+    assert!(is_fetch(&step), "{step:?}");
+}
+
+#[test]
+fn one_token_refused_to_several_exchanges_is_fetched_again_once() {
+    let store = with_auth();
+    *store.token.borrow_mut() = Some("stale.1".into());
+    let mut exchanges = started(&store, 1..=3, 0);
+    assert!(exchanges
+        .iter()
+        .all(|(_, s)| matches!(s, ExchangeStep::Call { token: Some(t), .. } if t == "stale.1")));
+    // All three are refused; the first to hear it fetches, the others wait for that fetch.
+    let steps: Vec<ExchangeStep> =
+        exchanges.iter_mut().map(|(e, _)| e.step(&store, answer(old_revision()), 5)).collect();
+    assert_eq!(steps.iter().filter(|s| is_fetch(s)).count(), 1, "{steps:?}");
+    assert!(steps[1..].iter().all(|s| *s == ExchangeStep::AwaitToken), "{steps:?}");
+    let step = exchanges[0].0.step(&store, answer(authenticated("fresh.2")), 10);
+    assert!(matches!(&step, ExchangeStep::Call { token: Some(t), .. } if t == "fresh.2"), "{step:?}");
+    assert!(store.take_fetch_ended());
+    for (e, _) in &mut exchanges[1..] {
+        let step = e.step(&store, None, 10);
+        assert!(
+            matches!(&step, ExchangeStep::Call { path: "/v3/kv/txn", token: Some(t), .. } if t == "fresh.2"),
+            "{step:?}"
+        );
+    }
+    // A refusal that arrives after the token was already replaced just sends again with the
+    // new one, no fetch.
+    let mut late = store.start(StoreOp::Begin(attempt(0)));
+    *store.token.borrow_mut() = Some("stale.1".into());
+    assert!(matches!(late.step(&store, None, 20), ExchangeStep::Call { .. }));
+    *store.token.borrow_mut() = Some("fresh.2".into());
+    let step = late.step(&store, answer(invalid_token()), 20);
+    assert!(
+        matches!(&step, ExchangeStep::Call { path: "/v3/kv/txn", token: Some(t), .. } if t == "fresh.2"),
+        "{step:?}"
+    );
 }

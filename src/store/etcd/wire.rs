@@ -21,6 +21,7 @@ pub const AUTHENTICATE: &str = "/v3/auth/authenticate";
 const MAX_DEPTH: usize = 8;
 
 /// gRPC status codes etcd reports in error bodies.
+const CODE_INVALID_ARGUMENT: i64 = 3;
 const CODE_NOT_FOUND: i64 = 5;
 const CODE_UNAUTHENTICATED: i64 = 16;
 
@@ -51,9 +52,12 @@ pub struct TxnAnswer {
 /// Why an answer cannot be used as it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refused {
-    /// The token expired or was revoked (etcd restarted, simple tokens time out): authenticate
-    /// again.
-    InvalidToken,
+    /// The token cannot be used any more: expired or revoked ("invalid auth token": etcd
+    /// restarted, simple tokens time out), issued before an auth change ("revision of auth store
+    /// is old": a user, role or permission changed since; JWT tokens carry the revision they were
+    /// issued at), or not seen ("user name is empty"). etcd's own client authenticates again on
+    /// all three; so does the exchange. Carries etcd's message.
+    InvalidToken(String),
     /// A put named a lease etcd no longer knows (expired, revoked, etcd's data lost): grant a new
     /// one.
     LeaseNotFound,
@@ -64,7 +68,7 @@ pub enum Refused {
 impl Refused {
     pub fn into_error(self) -> StoreError {
         match self {
-            Refused::InvalidToken => StoreError::Unavailable("etcd refused the auth token".into()),
+            Refused::InvalidToken(m) => StoreError::Unavailable(format!("etcd refused the auth token: {m}")),
             Refused::LeaseNotFound => StoreError::Unavailable("etcd lost the lease".into()),
             Refused::Unusable(m) => StoreError::Unavailable(m),
         }
@@ -98,7 +102,15 @@ pub fn body(status: Option<u16>, bytes: &[u8]) -> Result<JsonValue<'_>, Refused>
     });
     if let Some((message, code)) = error {
         return Err(match code {
-            Some(CODE_UNAUTHENTICATED) if message.contains("invalid auth token") => Refused::InvalidToken,
+            Some(CODE_UNAUTHENTICATED) if message.contains("invalid auth token") => {
+                Refused::InvalidToken(message)
+            }
+            Some(CODE_INVALID_ARGUMENT)
+                if message.contains("revision of auth store is old")
+                    || message.contains("user name is empty") =>
+            {
+                Refused::InvalidToken(message)
+            }
             Some(CODE_NOT_FOUND) if message.contains("lease not found") => Refused::LeaseNotFound,
             _ => Refused::Unusable(format!("etcd answered {status}: {message}")),
         });

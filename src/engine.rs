@@ -178,7 +178,10 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
         return Admission::Reject(grpc_refused());
     }
     let tenant_values = cfg.tenant_header.as_ref().map(|h| head.values(h));
-    let principal = principal(cfg, head);
+    let principal = match principal(cfg, head) {
+        Ok(principal) => principal,
+        Err(problem) => return Admission::Reject(problem),
+    };
     let authority = normalize_authority(
         head.values(":authority").first().copied().unwrap_or_default(),
         head.values(":scheme").first().copied().unwrap_or_default(),
@@ -209,16 +212,43 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
 }
 
 /// The caller: the verified claims when a JWT filter in front verified a token (stable across
-/// token refreshes), otherwise the configured principal headers' values.
-fn principal(cfg: &Config, head: &RequestHead) -> [u8; 32] {
+/// token refreshes), otherwise the configured principal headers' values. A verified payload
+/// must carry every configured claim: callers whose tokens lack one (say `sub`) could not be
+/// told apart, and would replay each other's answers. Such a request is refused, not given the
+/// principal headers' identity, which the operator chose not to trust by configuring claims.
+fn principal(cfg: &Config, head: &RequestHead) -> Result<[u8; 32], Problem> {
     if let (Some(jwt), Some(values)) = (&cfg.jwt_principal, head.verified_claims) {
+        let missing: Vec<&str> = jwt
+            .claims
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| values.get(*i).is_none_or(Option::is_none))
+            .map(|(_, name)| name.as_str())
+            .collect();
+        if !missing.is_empty() {
+            return Err(principal_incomplete(&missing));
+        }
         let claims: Vec<(&str, Option<&[u8]>)> =
             jwt.claims.iter().zip(values).map(|(name, v)| (name.as_str(), v.as_deref())).collect();
-        return jwt_principal_digest(&claims);
+        return Ok(jwt_principal_digest(&claims));
     }
     let principal_headers: Vec<(&str, Vec<&[u8]>)> =
         cfg.principal_headers.iter().map(|h| (h.as_str(), head.values(h))).collect();
-    principal_digest(&principal_headers)
+    Ok(principal_digest(&principal_headers))
+}
+
+/// 403: the caller is authenticated, but its token cannot name it. The claim names come from
+/// the configuration, never from the request.
+fn principal_incomplete(missing: &[&str]) -> Problem {
+    Problem::new(
+        Kind::PrincipalIncomplete,
+        403,
+        format!(
+            "the verified token lacks the claim(s) {} that identify the caller for idempotency \
+             (principal.claims); the request was not executed",
+            missing.join(", ")
+        ),
+    )
 }
 
 /// gRPC requests are recognised the way Envoy's local-reply path recognises them: by
@@ -798,6 +828,42 @@ pub(crate) mod tests {
         let unverified = scope("Bearer token-1", None);
         assert_ne!(first.scope, unverified.scope);
         assert_ne!(unverified.scope, scope("Bearer token-2", None).scope);
+    }
+
+    #[test]
+    fn a_verified_payload_lacking_a_configured_claim_is_refused_not_merged() {
+        // Issue 18, item 4: tokens with iss but no sub were one principal (iss, <absent>), so
+        // their callers replayed each other's answers.
+        let cfg = parse(
+            br#"{"principal":{"jwt_payload":"jwt","claims":["iss","sub"]},
+            "routes":[{"name":"a","match":{"prefix":"/"}}]}"#,
+        )
+        .unwrap();
+        let admit_claims = |auth: &str, claims: &[Option<Vec<u8>>]| {
+            let h = headers(&[("idempotency-key", "k"), ("authorization", auth)]);
+            admit(
+                &cfg,
+                &RequestHead { method: "POST", path: "/", headers: &h, verified_claims: Some(claims) },
+            )
+        };
+        let no_sub = [Some(b"iss".to_vec()), None];
+        let neither: [Option<Vec<u8>>; 2] = [None, None];
+        let short = [Some(b"iss".to_vec())];
+        for (claims, missing) in [(&no_sub[..], "sub"), (&neither[..], "iss, sub"), (&short[..], "sub")] {
+            for auth in ["Bearer alice", "Bearer bob"] {
+                match admit_claims(auth, claims) {
+                    Admission::Reject(p) => {
+                        assert_eq!((p.kind, p.status), (Kind::PrincipalIncomplete, 403));
+                        assert!(p.detail.contains(missing), "{}", p.detail);
+                        assert_eq!(Counter::of_problem(p.kind), Counter::PrincipalIncomplete);
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        // An empty claim is a claim (the scope tells it from an absent one).
+        let empty_sub = [Some(b"iss".to_vec()), Some(Vec::new())];
+        assert!(matches!(admit_claims("Bearer alice", &empty_sub), Admission::Collect(_)));
     }
 
     #[test]

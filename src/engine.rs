@@ -348,7 +348,9 @@ pub fn decide_fingerprinted(
 }
 
 /// What `begin` is asked for this request: its scope and fingerprint, a fresh owner, the rule's
-/// lease and ttl, and the quota a new record is charged to.
+/// lease and ttl, and the quota a new record is charged to: only the identities with a
+/// configured bound (the tenant's only with a tenant header); none at all without `quota`, so
+/// no quota counter is read or written.
 pub fn claim_attempt(
     cfg: &Config,
     pending: &Pending,
@@ -364,13 +366,19 @@ pub fn claim_attempt(
         now_ms,
         lease_ms: rule.processing_timeout_ms,
         ttl_ms: rule.ttl_ms,
-        quota: Some(QuotaCharge {
-            tenant: pending.tenant,
-            principal: pending.principal,
-            per_tenant: cfg.quota.per_tenant,
-            per_principal: cfg.quota.per_principal,
-        }),
+        quota: quota_charge(cfg, pending),
     }
+}
+
+fn quota_charge(cfg: &Config, pending: &Pending) -> Option<QuotaCharge> {
+    let tenant = pending.tenant.filter(|_| cfg.quota.per_tenant.is_some());
+    let principal = cfg.quota.per_principal.map(|_| pending.principal);
+    (tenant.is_some() || principal.is_some()).then(|| QuotaCharge {
+        tenant,
+        principal,
+        per_tenant: cfg.quota.per_tenant.unwrap_or(u32::MAX),
+        per_principal: cfg.quota.per_principal.unwrap_or(u32::MAX),
+    })
 }
 
 /// What the store's answer to `begin` means for the request.
@@ -478,7 +486,7 @@ pub fn snapshot_headers(headers: Vec<(String, Vec<u8>)>, excluded: &[String]) ->
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::config::parse;
+    use crate::config::{parse, Quota};
     use crate::identity::scope::tenant_digest;
     use crate::store::fake::FakeSharedData;
     use crate::store::local::LocalStore;
@@ -894,6 +902,38 @@ pub(crate) mod tests {
         });
         assert!(r.headers.iter().all(|(n, _)| n != "content-length"), "{:?}", r.headers);
         assert_eq!(r.replay_shape, Some(shape(Some("a/b"), Some("3"))));
+    }
+
+    #[test]
+    fn an_attempt_is_charged_only_to_the_configured_quotas() {
+        // Issue 18, item 5: quotas are opt-in. Without `quota` the attempt carries none, so the
+        // store reads and writes no quota counter; with one bound, only that identity is charged.
+        let p = pending(&[("idempotency-key", "k"), ("x-tenant-id", "acme")]);
+        let with = |quota: Quota| {
+            let mut c = cfg();
+            c.quota = quota;
+            claim_attempt(&c, &p, Fingerprint([1; 32]), 0, 1).quota
+        };
+        assert_eq!(cfg().quota, Quota::default());
+        assert_eq!(with(Quota::default()), None);
+        let principal_only = with(Quota { per_tenant: None, per_principal: Some(5) }).unwrap();
+        assert_eq!((principal_only.tenant, principal_only.principal), (None, Some(p.principal)));
+        assert_eq!(principal_only.per_principal, 5);
+        let tenant_only = with(Quota { per_tenant: Some(7), per_principal: None }).unwrap();
+        assert_eq!((tenant_only.tenant, tenant_only.principal), (p.tenant, None));
+        assert_eq!(tenant_only.per_tenant, 7);
+        // A tenant bound without a tenant header has nobody to charge.
+        let mut no_tenant = cfg();
+        no_tenant.tenant_header = None;
+        no_tenant.quota = Quota { per_tenant: Some(7), per_principal: None };
+        let h = headers(&[("idempotency-key", "k")]);
+        let Admission::Collect(q) = admit(
+            &no_tenant,
+            &RequestHead { method: "POST", path: "/orders", headers: &h, verified_claims: None },
+        ) else {
+            unreachable!()
+        };
+        assert_eq!(claim_attempt(&no_tenant, &q, Fingerprint([1; 32]), 0, 1).quota, None);
     }
 
     #[test]

@@ -10,6 +10,9 @@ modules from the repository root: `python -m bench.run --help`.
     bench/module_size.py   where the module's bytes go: a build with names, split by module (make bench-size)
     bench/report.py        BENCHMARKS.md (with report_memory.py and report_more.py: naive filter,
                            etcd); bench/report_svg.py: bench/results.svg
+    bench/sections.py      the one section writer: a tool's section of a file lies between its
+                           <!-- bench:NAME:begin/end --> markers, and nothing else is touched
+                           (tested by bench/test_sections.py, `make bench-unit`)
 
 Rust: bench/loadgen (load generator), bench/noop-filter and bench/naive-filter (Wasm baselines).
 

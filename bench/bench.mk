@@ -10,6 +10,7 @@
 #   make bench-baseline the refusal-vs-fill curve alone, saved as bench/baseline/refusal-curve-<commit>.json
 #                       (bench/fill.py draws the one named there next to every run's curve)
 #   make bench-smoke    a few seconds of everything; fails only if the harness fails, never on numbers
+#                       (first `make bench-unit`: the bench tools' own unit tests, bench/test_*.py)
 #   make bench-etcd-replay  a replay on etcd at 1 and 20,000 live records of its caller (BENCH_BEFORE=<commit>)
 #   (make bench and bench-smoke also measure wait mode's wake-up latency: bench/wake_latency.py)
 #
@@ -29,7 +30,7 @@ BENCH_ARGS ?=
 BENCH_RUN = $(VENV_PY) -m bench.run --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM) \
 	--noop-wasm $(BENCH_NOOP_WASM) --naive-wasm $(BENCH_NAIVE_WASM) --loadgen $(BENCH_LOADGEN)
 
-.PHONY: bench bench-memory bench-smoke bench-bins bench-baseline
+.PHONY: bench bench-memory bench-smoke bench-bins bench-baseline bench-unit
 
 # The load generator (native), the no-op and the naive filters (Wasm): workspace members built
 # into the root target directory (gitignored). The naive filter goes through wasm-opt like the
@@ -49,7 +50,12 @@ bench: build tools bench-bins
 bench-memory: build tools bench-bins
 	$(BENCH_RUN) --memory only --command "make bench-memory" $(BENCH_ARGS)
 
-bench-smoke: build tools bench-bins
+# The bench tools' unit tests (bench/test_*.py: the section writer, which must never touch text
+# outside its own markers). Seconds; `make test` runs them through bench-smoke.
+bench-unit: tools
+	$(VENV_PY) -m pytest -q -p no:cacheprovider bench
+
+bench-smoke: bench-unit build tools bench-bins
 	$(BENCH_RUN) --smoke --command "make bench-smoke" $(BENCH_ARGS)
 
 bench-baseline: build tools bench-bins

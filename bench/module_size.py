@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 from bench import log, read_varint
-from bench.report import SIZE_HEADING, update_section
+from bench.report import SIZE_HEADING, SIZE_SECTION, update_section
 from idemkit import REPO_ROOT as REPO
 
 CRATE = "idempotency_filter"
@@ -209,7 +209,7 @@ def main(argv: list[str]) -> int:
                     "CARGO_PROFILE_RELEASE_STRIP=false " + " ".join(w for w in build if w != "--quiet"), z_size)
     log(text)
     if not a.no_report:
-        update_section(a.report, SIZE_HEADING, text)
+        update_section(a.report, SIZE_SECTION, text)
     return 0
 
 

@@ -36,7 +36,7 @@ from bench import OUT_DIR, HarnessError, log, rel
 from bench.load import Loadgen, spread
 from bench.phases import (ORDERS, OTHER, bench_envoy, checked, filter_config, proxy_config, upstream_config,
                           wasm_filter)
-from bench.report import PROFILE_HEADING, update_section
+from bench.report import PROFILE_HEADING, PROFILE_SECTION, update_section
 from idemkit import REPO_ROOT as REPO
 
 CLASSES = ["Envoy", "host calls", "Wasm code", "kernel"]
@@ -315,7 +315,7 @@ def main(argv: list[str]) -> int:
     (OUT_DIR / "profile.json").write_text(json.dumps(
         {s.key: {"samples": s.samples, "requests": s.requests} for s in scen}, indent=1))
     if not a.no_report:
-        update_section(a.report, PROFILE_HEADING, text)
+        update_section(a.report, PROFILE_SECTION, text)
     return 0
 
 

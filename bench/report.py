@@ -4,6 +4,10 @@ bench/results.svg (bench/report_svg.py).
 `publish` writes both after a full run; after `make bench-memory` it replaces only the memory
 section. The wait-mode wake-up section comes from the same run (bench/wake_latency.py); a run
 without it keeps the previous one.
+
+The sections other tools or runs own (refusal curve, memory, profile, size, wake-up) sit between
+`<!-- bench:NAME:begin/end -->` markers (bench/sections.py): a writer replaces its own section
+and nothing else, and refuses a file whose markers are missing or broken.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench import REPO, loadavg, log, rel
-from bench import fill, report_more, report_memory, report_svg
+from bench import fill, report_more, report_memory, report_svg, sections
 from bench.report_memory import MEMORY_HEADING, memory_markdown
 from bench.load import BODY_BYTES, merge_hist, merge_status, parse_duration_s, quantile, spread
 from bench.phases import ORDERS, OTHER, REPLAY_KEYS
@@ -34,6 +38,9 @@ WAKE_HEADING = "## Wait mode: wake-up latency"
 # a full `make bench` keeps them as they are.
 PROFILE_HEADING = "## Where the microseconds of a new key go"
 SIZE_HEADING = "## Where the bytes of the module go"
+# The marker names of BENCHMARKS.md's sections (bench/sections.py).
+FILL_SECTION, MEMORY_SECTION, PROFILE_SECTION, SIZE_SECTION, WAKE_SECTION = (
+    "fill", "memory", "profile", "size", "wake")
 
 
 def machine_facts(a: argparse.Namespace) -> dict[str, str]:
@@ -358,10 +365,12 @@ class Report:
         L.append("![throughput and p99 per scenario](bench/results.svg)")
         L.append("")
         L.extend(report_more.markdown(self))
-        if b.fill:
-            L.extend(fill.markdown(b.fill, fill.baseline()))
-        if b.memory:
-            L.extend(self.memory_markdown())
+        # Every owned section is emitted, empty when this run did not produce it, so that
+        # `publish` (and `make bench-profile`, `make bench-size`) fill in their own markers.
+        L.append(sections.block(FILL_SECTION, "\n".join(fill.markdown(b.fill, fill.baseline()) if b.fill else [])))
+        L.append(sections.block(MEMORY_SECTION, "\n".join(self.memory_markdown() if b.memory else [])))
+        L.append(sections.block(PROFILE_SECTION, ""))
+        L.append(sections.block(SIZE_SECTION, ""))
         L.append("## Targets")
         L.append("")
         L.append("Reported, never enforced (`make bench` does not fail on a miss).")
@@ -406,8 +415,7 @@ class Report:
         L.append("")
         L.append(f"The run above: {self.command}.")
         L.append("")
-        if b.wake:
-            L.extend(wake_markdown(b.wake))
+        L.append(sections.block(WAKE_SECTION, "\n".join(wake_markdown(b.wake) if b.wake else [])))
         return "\n".join(L)
 
     def memory_markdown(self) -> list[str]:
@@ -417,27 +425,6 @@ class Report:
     def svg(self) -> str:
         return report_svg.render(self)
 
-
-def get_section(text: str, heading: str) -> str | None:
-    """The markdown section that starts with the line `heading`, up to the next `## ` heading."""
-    i = text.find("\n" + heading + "\n")
-    if i < 0:
-        return None
-    k = text.find("\n## ", i + 1)
-    return text[i + 1:(k + 1 if k >= 0 else len(text))]
-
-
-def put_section(text: str, heading: str, section: str) -> str:
-    """`text` with the section `heading` replaced by `section` (or inserted before ## Targets)."""
-    section = section.rstrip("\n") + "\n\n"
-    old = get_section(text, heading)
-    if old is not None:
-        i = text.find("\n" + heading + "\n") + 1
-        return text[:i] + section + text[i + len(old):]
-    j = text.find("\n## Targets")
-    if j >= 0:
-        return text[:j + 1] + section + text[j + 1:]
-    return text.rstrip("\n") + "\n\n" + section
 
 
 
@@ -467,12 +454,14 @@ def misses_markdown(missed: list[str]) -> list[str]:
     return (["Why the misses are misses:", ""] + out + [""]) if out else []
 
 
-def update_section(report: str, heading: str, section: str) -> None:
-    """Writes `section` into the report file `report` (relative to the repository) in place of
-    the section `heading`, keeping the rest of the file."""
+def update_section(report: str, name: str, section: str) -> None:
+    """Writes `section` between the markers of section `name` in the report file `report`
+    (relative to the repository), keeping every other byte of the file; refuses a file without
+    them (bench/sections.py)."""
     path = REPO / report
-    old = path.read_text() if path.exists() else ""
-    path.write_text(put_section(old, heading, section))
+    if not path.exists():
+        raise sections.SectionError(f"{rel(path)} does not exist: the full `make bench` writes it")
+    sections.update_file(path, name, section + "\n")
     log(f"\nupdated {rel(path)}")
 
 
@@ -514,26 +503,26 @@ def publish(b: Bench, command: str) -> None:
             report_path = REPO / a.report
             text = rep.markdown()
             old = report_path.read_text() if report_path.exists() else ""
-            kept = get_section(old, MEMORY_HEADING)
-            if not b.memory and kept:
-                # BENCH_MEMORY=0: keep the memory results of the previous run, marked as such.
+
+            def earlier(name: str, heading: str, note: str) -> str | None:
+                """The previous run's section `name`, its note (if any) replaced by `note`."""
+                kept = (sections.get(old, name) or "").strip("\n")
+                if not kept.startswith(heading + "\n"):
+                    return None
                 body = kept.split("\n", 1)[1].lstrip("\n")
                 body = re.sub(r"^_\([^\n]*\)_\n\n", "", body)
-                text = put_section(text, MEMORY_HEADING, MEMORY_HEADING + "\n\n_(From an earlier run: this run had "
-                                   "no memory phase.)_\n\n" + body)
-            kept_fill = get_section(old, fill.FILL_HEADING)
-            if not b.fill and kept_fill:
-                # --fill off: the previous run's refusal curve stays, marked as such.
-                body = re.sub(r"^_\([^\n]*\)_\n\n", "", kept_fill.split("\n", 1)[1].lstrip("\n"))
-                text = put_section(text, fill.FILL_HEADING, fill.FILL_HEADING + "\n\n_(From an earlier run: this run "
-                                   "had no refusal curve.)_\n\n" + body)
-            for heading in (PROFILE_HEADING, SIZE_HEADING):
-                kept_other = get_section(old, heading)
+                return f"{heading}\n\n_({note})_\n\n{body}"
+
+            if not b.memory and (kept := earlier(MEMORY_SECTION, MEMORY_HEADING,
+                                                 "From an earlier run: this run had no memory phase.")):
+                text = sections.put(text, MEMORY_SECTION, kept)  # BENCH_MEMORY=0
+            if not b.fill and (kept := earlier(FILL_SECTION, fill.FILL_HEADING,
+                                               "From an earlier run: this run had no refusal curve.")):
+                text = sections.put(text, FILL_SECTION, kept)  # --fill off
+            for name in (PROFILE_SECTION, SIZE_SECTION) + (() if b.wake else (WAKE_SECTION,)):
+                kept_other = sections.get(old, name)  # other tools' sections; --wake off keeps it
                 if kept_other:
-                    text = put_section(text, heading, kept_other)
-            kept_wake = get_section(old, WAKE_HEADING)
-            if not b.wake and kept_wake:
-                text += "\n" + kept_wake  # --wake off: the previous run's wake-up section stays
+                    text = sections.put(text, name, kept_other)
             report_path.write_text(text)
             Path(REPO / a.svg).write_text(rep.svg())
             log(f"\nwrote {rel(report_path)} and {rel(REPO / a.svg)}")
@@ -544,7 +533,7 @@ def publish(b: Bench, command: str) -> None:
             note = (f"_(Written by `make bench-memory` on {when}; the rest of this file, "
                     "its Targets table and `bench/results.svg` come from the last full `make bench`.)_")
             section = "\n".join(memory_markdown(b.memory, note))
-            report_path.write_text(put_section(report_path.read_text(), MEMORY_HEADING, section))
+            sections.update_file(report_path, MEMORY_SECTION, section + "\n")
             log(f"\nupdated the memory section of {a.report}")
         else:
             log(f"({a.report} does not exist yet: the full `make bench` writes it)")

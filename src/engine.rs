@@ -178,7 +178,10 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
         return Admission::Reject(grpc_refused());
     }
     let tenant_values = cfg.tenant_header.as_ref().map(|h| head.values(h));
-    let principal = principal(cfg, head);
+    let principal = match principal(cfg, head) {
+        Ok(principal) => principal,
+        Err(problem) => return Admission::Reject(problem),
+    };
     let authority = normalize_authority(
         head.values(":authority").first().copied().unwrap_or_default(),
         head.values(":scheme").first().copied().unwrap_or_default(),
@@ -209,16 +212,43 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
 }
 
 /// The caller: the verified claims when a JWT filter in front verified a token (stable across
-/// token refreshes), otherwise the configured principal headers' values.
-fn principal(cfg: &Config, head: &RequestHead) -> [u8; 32] {
+/// token refreshes), otherwise the configured principal headers' values. A verified payload
+/// must carry every configured claim: callers whose tokens lack one (say `sub`) could not be
+/// told apart, and would replay each other's answers. Such a request is refused, not given the
+/// principal headers' identity, which the operator chose not to trust by configuring claims.
+fn principal(cfg: &Config, head: &RequestHead) -> Result<[u8; 32], Problem> {
     if let (Some(jwt), Some(values)) = (&cfg.jwt_principal, head.verified_claims) {
+        let missing: Vec<&str> = jwt
+            .claims
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| values.get(*i).is_none_or(Option::is_none))
+            .map(|(_, name)| name.as_str())
+            .collect();
+        if !missing.is_empty() {
+            return Err(principal_incomplete(&missing));
+        }
         let claims: Vec<(&str, Option<&[u8]>)> =
             jwt.claims.iter().zip(values).map(|(name, v)| (name.as_str(), v.as_deref())).collect();
-        return jwt_principal_digest(&claims);
+        return Ok(jwt_principal_digest(&claims));
     }
     let principal_headers: Vec<(&str, Vec<&[u8]>)> =
         cfg.principal_headers.iter().map(|h| (h.as_str(), head.values(h))).collect();
-    principal_digest(&principal_headers)
+    Ok(principal_digest(&principal_headers))
+}
+
+/// 403: the caller is authenticated, but its token cannot name it. The claim names come from
+/// the configuration, never from the request.
+fn principal_incomplete(missing: &[&str]) -> Problem {
+    Problem::new(
+        Kind::PrincipalIncomplete,
+        403,
+        format!(
+            "the verified token lacks the claim(s) {} that identify the caller for idempotency \
+             (principal.claims); the request was not executed",
+            missing.join(", ")
+        ),
+    )
 }
 
 /// gRPC requests are recognised the way Envoy's local-reply path recognises them: by
@@ -318,7 +348,9 @@ pub fn decide_fingerprinted(
 }
 
 /// What `begin` is asked for this request: its scope and fingerprint, a fresh owner, the rule's
-/// lease and ttl, and the quota a new record is charged to.
+/// lease and ttl, and the quota a new record is charged to: only the identities with a
+/// configured bound (the tenant's only with a tenant header); none at all without `quota`, so
+/// no quota counter is read or written.
 pub fn claim_attempt(
     cfg: &Config,
     pending: &Pending,
@@ -334,13 +366,19 @@ pub fn claim_attempt(
         now_ms,
         lease_ms: rule.processing_timeout_ms,
         ttl_ms: rule.ttl_ms,
-        quota: Some(QuotaCharge {
-            tenant: pending.tenant,
-            principal: pending.principal,
-            per_tenant: cfg.quota.per_tenant,
-            per_principal: cfg.quota.per_principal,
-        }),
+        quota: quota_charge(cfg, pending),
     }
+}
+
+fn quota_charge(cfg: &Config, pending: &Pending) -> Option<QuotaCharge> {
+    let tenant = pending.tenant.filter(|_| cfg.quota.per_tenant.is_some());
+    let principal = cfg.quota.per_principal.map(|_| pending.principal);
+    (tenant.is_some() || principal.is_some()).then(|| QuotaCharge {
+        tenant,
+        principal,
+        per_tenant: cfg.quota.per_tenant.unwrap_or(u32::MAX),
+        per_principal: cfg.quota.per_principal.unwrap_or(u32::MAX),
+    })
 }
 
 /// What the store's answer to `begin` means for the request.
@@ -448,7 +486,7 @@ pub fn snapshot_headers(headers: Vec<(String, Vec<u8>)>, excluded: &[String]) ->
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::config::parse;
+    use crate::config::{parse, Quota};
     use crate::identity::scope::tenant_digest;
     use crate::store::fake::FakeSharedData;
     use crate::store::local::LocalStore;
@@ -801,6 +839,42 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_verified_payload_lacking_a_configured_claim_is_refused_not_merged() {
+        // Issue 18, item 4: tokens with iss but no sub were one principal (iss, <absent>), so
+        // their callers replayed each other's answers.
+        let cfg = parse(
+            br#"{"principal":{"jwt_payload":"jwt","claims":["iss","sub"]},
+            "routes":[{"name":"a","match":{"prefix":"/"}}]}"#,
+        )
+        .unwrap();
+        let admit_claims = |auth: &str, claims: &[Option<Vec<u8>>]| {
+            let h = headers(&[("idempotency-key", "k"), ("authorization", auth)]);
+            admit(
+                &cfg,
+                &RequestHead { method: "POST", path: "/", headers: &h, verified_claims: Some(claims) },
+            )
+        };
+        let no_sub = [Some(b"iss".to_vec()), None];
+        let neither: [Option<Vec<u8>>; 2] = [None, None];
+        let short = [Some(b"iss".to_vec())];
+        for (claims, missing) in [(&no_sub[..], "sub"), (&neither[..], "iss, sub"), (&short[..], "sub")] {
+            for auth in ["Bearer alice", "Bearer bob"] {
+                match admit_claims(auth, claims) {
+                    Admission::Reject(p) => {
+                        assert_eq!((p.kind, p.status), (Kind::PrincipalIncomplete, 403));
+                        assert!(p.detail.contains(missing), "{}", p.detail);
+                        assert_eq!(Counter::of_problem(p.kind), Counter::PrincipalIncomplete);
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        // An empty claim is a claim (the scope tells it from an absent one).
+        let empty_sub = [Some(b"iss".to_vec()), Some(Vec::new())];
+        assert!(matches!(admit_claims("Bearer alice", &empty_sub), Admission::Collect(_)));
+    }
+
+    #[test]
     fn replay_headers_are_put_back_as_stored() {
         let shape = |ct: Option<&str>, cl: Option<&str>| ReplayShape {
             content_type: ct.map(|v| v.as_bytes().to_vec()),
@@ -828,6 +902,38 @@ pub(crate) mod tests {
         });
         assert!(r.headers.iter().all(|(n, _)| n != "content-length"), "{:?}", r.headers);
         assert_eq!(r.replay_shape, Some(shape(Some("a/b"), Some("3"))));
+    }
+
+    #[test]
+    fn an_attempt_is_charged_only_to_the_configured_quotas() {
+        // Issue 18, item 5: quotas are opt-in. Without `quota` the attempt carries none, so the
+        // store reads and writes no quota counter; with one bound, only that identity is charged.
+        let p = pending(&[("idempotency-key", "k"), ("x-tenant-id", "acme")]);
+        let with = |quota: Quota| {
+            let mut c = cfg();
+            c.quota = quota;
+            claim_attempt(&c, &p, Fingerprint([1; 32]), 0, 1).quota
+        };
+        assert_eq!(cfg().quota, Quota::default());
+        assert_eq!(with(Quota::default()), None);
+        let principal_only = with(Quota { per_tenant: None, per_principal: Some(5) }).unwrap();
+        assert_eq!((principal_only.tenant, principal_only.principal), (None, Some(p.principal)));
+        assert_eq!(principal_only.per_principal, 5);
+        let tenant_only = with(Quota { per_tenant: Some(7), per_principal: None }).unwrap();
+        assert_eq!((tenant_only.tenant, tenant_only.principal), (p.tenant, None));
+        assert_eq!(tenant_only.per_tenant, 7);
+        // A tenant bound without a tenant header has nobody to charge.
+        let mut no_tenant = cfg();
+        no_tenant.tenant_header = None;
+        no_tenant.quota = Quota { per_tenant: Some(7), per_principal: None };
+        let h = headers(&[("idempotency-key", "k")]);
+        let Admission::Collect(q) = admit(
+            &no_tenant,
+            &RequestHead { method: "POST", path: "/orders", headers: &h, verified_claims: None },
+        ) else {
+            unreachable!()
+        };
+        assert_eq!(claim_attempt(&no_tenant, &q, Fingerprint([1; 32]), 0, 1).quota, None);
     }
 
     #[test]

@@ -796,23 +796,31 @@ fn stream_report(facts: &mut dyn StreamFacts) -> (u64, bool) {
 }
 
 /// The configured claims of the token a JWT filter in front verified, from its dynamic metadata
-/// (only a verified token fills it; a client cannot). None when no claim is there at all: the
-/// request carried no verified token, and the principal falls back to the principal headers.
+/// (only a verified token fills it; a client cannot); a claim Envoy cannot hand over (a list, an
+/// object) counts as missing. None when there is no verified payload at all: the request
+/// carried no token, and the principal falls back to the principal headers. A payload without
+/// any of the claims is still a payload (`engine::admit` refuses it, as it refuses one that
+/// lacks some): only when no claim is found is the payload itself looked up, so a request with
+/// a complete token costs no extra host call.
 fn verified_claims(
     facts: &mut dyn StreamFacts,
     payload: &str,
     claims: &[String],
 ) -> Option<Vec<Option<Vec<u8>>>> {
+    const JWT_AUTHN: [&str; 3] = ["metadata", "filter_metadata", "envoy.filters.http.jwt_authn"];
     let values: Vec<Option<Vec<u8>>> = claims
         .iter()
         .map(|claim| {
-            facts
-                .property(&["metadata", "filter_metadata", "envoy.filters.http.jwt_authn", payload, claim])
-                .ok()
-                .flatten()
+            facts.property(&[JWT_AUTHN[0], JWT_AUTHN[1], JWT_AUTHN[2], payload, claim]).ok().flatten()
         })
         .collect();
-    values.iter().any(Option::is_some).then_some(values)
+    if values.iter().any(Option::is_some) {
+        return Some(values);
+    }
+    // Envoy answers NotFound for a payload jwt_authn did not write; a payload it cannot
+    // serialize (a map with numbers in it) is an error, so it is there.
+    let present = !matches!(facts.property(&[JWT_AUTHN[0], JWT_AUTHN[1], JWT_AUTHN[2], payload]), Ok(None));
+    present.then_some(values)
 }
 
 #[cfg(test)]
@@ -1010,6 +1018,42 @@ mod tests {
         assert!(counters(&flow.stream_ended(&mut facts).steps)
             .iter()
             .all(|c| *c != Counter::BodyNeverReceived));
+    }
+
+    #[test]
+    fn a_verified_payload_must_carry_every_configured_claim() {
+        let c = parse(
+            br#"{"principal":{"jwt_payload":"jwt","claims":["iss","sub"]},
+            "routes":[{"name":"orders","match":{"prefix":"/orders"},"require_key":true}]}"#,
+        )
+        .unwrap();
+        const PAYLOAD: &str = "metadata\0filter_metadata\0envoy.filters.http.jwt_authn\0jwt";
+        let claim = |name: &str| format!("{PAYLOAD}\0{name}");
+        let admitted = |facts: &mut Facts| {
+            let out = RequestFlow::new(1).request_headers(&c, facts, false);
+            (out.verdict, counters(&out.steps))
+        };
+        let refused = (Verdict::Pause, vec![Counter::PrincipalIncomplete]);
+        let held = (Verdict::Pause, vec![]);
+        // Every claim: admitted.
+        let mut facts = Facts::post("/orders", "k", b"{}");
+        facts.properties.insert(claim("iss"), b"i".to_vec());
+        facts.properties.insert(claim("sub"), b"u1".to_vec());
+        assert_eq!(admitted(&mut facts), held);
+        // iss without sub, or a sub Envoy cannot hand over: refused.
+        facts.properties.remove(&claim("sub"));
+        assert_eq!(admitted(&mut facts), refused);
+        facts.unreadable.push(claim("sub"));
+        assert_eq!(admitted(&mut facts), refused);
+        // A payload with neither claim (readable or not): refused.
+        let mut facts = Facts::post("/orders", "k", b"{}");
+        facts.properties.insert(PAYLOAD.into(), b"pairs".to_vec());
+        assert_eq!(admitted(&mut facts), refused);
+        let mut facts = Facts::post("/orders", "k", b"{}");
+        facts.unreadable.push(PAYLOAD.into());
+        assert_eq!(admitted(&mut facts), refused);
+        // No payload at all (no token): the principal headers name the caller.
+        assert_eq!(admitted(&mut Facts::post("/orders", "k", b"{}")), held);
     }
 
     #[test]

@@ -56,10 +56,13 @@ pub enum Counter {
     /// configuration update retired its root past the drain bound: the record stays in flight
     /// until its lease ends.
     SettlementAbandoned,
+    /// A verified JWT payload lacks one of `principal.claims`: refused (403), never executed,
+    /// since such callers cannot be told apart.
+    PrincipalIncomplete,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 26] = [
+    pub const ALL: [Counter; 27] = [
         Counter::PassedThrough,
         Counter::Claimed,
         Counter::TakenOver,
@@ -86,6 +89,7 @@ impl Counter {
         Counter::StoreBypassed,
         Counter::BodyNeverReceived,
         Counter::SettlementAbandoned,
+        Counter::PrincipalIncomplete,
     ];
 
     pub fn name(self) -> &'static str {
@@ -116,6 +120,7 @@ impl Counter {
             Counter::StoreBypassed => "store_bypassed",
             Counter::BodyNeverReceived => "body_never_received",
             Counter::SettlementAbandoned => "settlement_abandoned",
+            Counter::PrincipalIncomplete => "principal_incomplete",
         }
     }
 
@@ -142,6 +147,7 @@ impl Counter {
             Kind::ResponseNotStored => Counter::NotReplayable,
             Kind::QuotaExceeded => Counter::QuotaExceeded,
             Kind::GrpcNotSupported => Counter::GrpcRefused,
+            Kind::PrincipalIncomplete => Counter::PrincipalIncomplete,
         }
     }
 }

@@ -18,6 +18,7 @@ pub enum Kind {
     ResponseNotStored,
     QuotaExceeded,
     GrpcNotSupported,
+    PrincipalIncomplete,
 }
 
 impl Kind {
@@ -33,6 +34,7 @@ impl Kind {
             Kind::ResponseNotStored => "response-not-stored",
             Kind::QuotaExceeded => "quota-exceeded",
             Kind::GrpcNotSupported => "grpc-not-supported",
+            Kind::PrincipalIncomplete => "principal-incomplete",
         }
     }
 
@@ -48,6 +50,7 @@ impl Kind {
             Kind::ResponseNotStored => "Original response was not stored",
             Kind::QuotaExceeded => "Too many live idempotency records",
             Kind::GrpcNotSupported => "gRPC calls cannot be protected",
+            Kind::PrincipalIncomplete => "Verified token lacks the claims that identify the caller",
         }
     }
 }
@@ -158,6 +161,9 @@ mod tests {
             Kind::StoreFull,
             Kind::StoreUnavailable,
             Kind::ResponseNotStored,
+            Kind::QuotaExceeded,
+            Kind::GrpcNotSupported,
+            Kind::PrincipalIncomplete,
         ];
         for kind in kinds {
             let body = Problem::new(kind, 400, "").body();

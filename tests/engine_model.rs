@@ -309,7 +309,7 @@ mod quota_model {
             ttl_ms: TTL,
             quota: quota.then(|| QuotaCharge {
                 tenant: Some([(scope % TENANTS) as u8; 32]),
-                principal: [100 + (scope % PRINCIPALS) as u8; 32],
+                principal: Some([100 + (scope % PRINCIPALS) as u8; 32]),
                 per_tenant: PER_TENANT,
                 per_principal: PER_PRINCIPAL,
             }),

@@ -22,7 +22,7 @@ pub struct Config {
     /// Lowercased headers whose values identify the caller (hashed into the scope).
     pub principal_headers: Vec<String>,
     /// The local store (Envoy's shared data). With `store.type: "etcd"` it is not used for
-    /// records (`etcd` is Some) and keeps its default capacity, from which default quotas derive.
+    /// records (`etcd` is Some) and keeps its default capacity.
     pub store: StoreConfig,
     /// `store.type: "etcd"`: records live in etcd, shared by every Envoy pointed at it. A field
     /// beside `store` rather than a `StoreConfig` variant for now, so the glue's existing
@@ -38,7 +38,7 @@ pub struct Config {
     pub max_waiters: u32,
     /// The principal from claims a JWT filter in front of this one verified, when configured.
     pub jwt_principal: Option<JwtPrincipal>,
-    /// Live records one tenant or one principal may hold.
+    /// Live records one tenant or one principal may hold; opt-in (no bound by default).
     pub quota: Quota,
 }
 
@@ -55,11 +55,15 @@ pub struct JwtPrincipal {
 }
 
 /// Bounds on live records, so that one tenant or one caller cannot fill the store for all.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Opt-in: None is no bound, and the default. A default bound would refuse honest traffic
+/// wherever the filter cannot tell callers apart (no identity: every anonymous request is one
+/// principal; one service token in front of many users), so only the operator, who knows how
+/// identities map to clients, can choose one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Quota {
     /// Applies only when `tenant_header` is set (otherwise there is one tenant: everybody).
-    pub per_tenant: u32,
-    pub per_principal: u32,
+    pub per_tenant: Option<u32>,
+    pub per_principal: Option<u32>,
 }
 
 /// What a duplicate that arrives while the original is still processing gets.
@@ -240,10 +244,6 @@ pub const MAX_WAIT_TIMEOUT_MS: u64 = 5 * 60_000;
 /// Request bodies one worker may hold for waiters at most (Envoy keeps a held request's body in
 /// its buffer): `max_waiters` x the largest `max_request_bytes` of the wait rules.
 pub const WAITER_MEMORY_BUDGET: u64 = 256 << 20;
-/// Default quotas, as fractions of the store's capacity: one caller can take a tenth of the
-/// store and one tenant a quarter, so filling it takes many identities at once.
-const DEFAULT_QUOTA_PRINCIPAL_DIVISOR: u32 = 10;
-const DEFAULT_QUOTA_TENANT_DIVISOR: u32 = 4;
 const MAX_JWT_CLAIMS: usize = 8;
 const DEFAULT_MAX_WAITERS_PER_KEY: u64 = 100;
 const DEFAULT_MAX_WAITERS: u64 = 1_000;
@@ -302,12 +302,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     };
     let max_waiters_per_key = waiters("max_waiters_per_key", DEFAULT_MAX_WAITERS_PER_KEY)?;
     let jwt_principal = optional(top, "", "principal", jwt_principal)?;
-    let StoreConfig::Local { capacity } = store;
-    let (per_tenant, per_principal) = optional(top, "", "quota", quota)?.unwrap_or_default();
-    let quota = Quota {
-        per_tenant: per_tenant.unwrap_or((capacity / DEFAULT_QUOTA_TENANT_DIVISOR).max(1)),
-        per_principal: per_principal.unwrap_or((capacity / DEFAULT_QUOTA_PRINCIPAL_DIVISOR).max(1)),
-    };
+    let quota = optional(top, "", "quota", quota)?.unwrap_or_default();
 
     let routes = array(get(top, "routes").ok_or_else(|| err("routes", "required"))?, "routes")?;
     if routes.is_empty() {
@@ -400,15 +395,15 @@ fn jwt_principal(v: &Value, path: &str) -> Res<JwtPrincipal> {
     Ok(JwtPrincipal { payload, claims })
 }
 
-/// The explicit bounds; an absent one takes its default from the store's capacity.
-fn quota(v: &Value, path: &str) -> Res<(Option<u32>, Option<u32>)> {
+/// The explicit bounds; an absent one is no bound.
+fn quota(v: &Value, path: &str) -> Res<Quota> {
     let o = object(v, path, &["per_tenant", "per_principal"])?;
     let bound = |k: &str| -> Res<Option<u32>> {
         optional(o, path, k, |v, f| uint(v, f, 1, MAX_CAPACITY))?
             .map(|n| u32::try_from(n).map_err(|_| err(&key(path, k), "out of range")))
             .transpose()
     };
-    Ok((bound("per_tenant")?, bound("per_principal")?))
+    Ok(Quota { per_tenant: bound("per_tenant")?, per_principal: bound("per_principal")? })
 }
 
 /// What a route asks of the store that the etcd store cannot give.
@@ -1223,7 +1218,7 @@ mod tests {
                 payload: "jwt_payload".into(),
                 claims: vec!["iss".into(), "sub".into()],
             }),
-            quota: Quota { per_tenant: 5000, per_principal: 100 },
+            quota: Quota { per_tenant: Some(5000), per_principal: Some(100) },
         };
         assert_eq!(parse_str(json), Ok(expected));
     }
@@ -1239,7 +1234,7 @@ mod tests {
     }
 
     #[test]
-    fn waiter_defaults_fit_the_memory_budget_and_quota_defaults_follow_capacity() {
+    fn waiter_defaults_fit_the_memory_budget() {
         let wait = |fields: &str| {
             parse_str(&format!(
                 r#"{{{fields}"routes":[{{"name":"a","match":{{"prefix":"/"}},"concurrent":"wait","max_request_bytes":4194304}}]}}"#
@@ -1251,9 +1246,38 @@ mod tests {
         assert_eq!(wait(r#""max_waiters":65,"#).map_err(|e| e.field), Err("max_waiters".to_string()));
         // Reject-mode rules hold nothing: no budget applies.
         assert_eq!(parse_str(&top(r#""max_waiters":100000"#)).map(|c| c.max_waiters), Ok(100_000));
-        let small =
-            parse_str(&top(r#""store":{"type":"local","capacity":8},"quota":{"per_tenant":3}"#)).unwrap();
-        assert_eq!(small.quota, Quota { per_tenant: 3, per_principal: 1 });
+    }
+
+    #[test]
+    fn quotas_are_opt_in_and_an_explicit_one_stays_as_configured() {
+        // Issue 18, item 5: the defaults were capacity/10 per caller and capacity/4 per tenant,
+        // so one anonymous caller (or one service token) got 429 once a tenth of the store was
+        // live. No default binds now, for either store; only what the operator writes does.
+        let quota = |store: &str, quota: &str| {
+            let routes = r#""routes":[{"name":"a","match":{"prefix":"/"}}]"#;
+            let fields: Vec<&str> = [store, quota, routes].into_iter().filter(|f| !f.is_empty()).collect();
+            parse_str(&format!("{{{}}}", fields.join(","))).map(|c| c.quota)
+        };
+        let none = Quota { per_tenant: None, per_principal: None };
+        for store in [
+            "",
+            r#""store":{"type":"local","capacity":8}"#,
+            r#""store":{"type":"local","capacity":10000000}"#,
+            r#""store":{"type":"etcd","cluster":"etcd"},"tenant_header":"x-tenant-id""#,
+        ] {
+            assert_eq!(quota(store, ""), Ok(none), "{store}");
+            assert_eq!(quota(store, r#""quota":{}"#), Ok(none), "{store}");
+            assert_eq!(
+                quota(store, r#""quota":{"per_tenant":3}"#),
+                Ok(Quota { per_tenant: Some(3), per_principal: None }),
+                "{store}"
+            );
+            assert_eq!(
+                quota(store, r#""quota":{"per_principal":1,"per_tenant":10000000}"#),
+                Ok(Quota { per_tenant: Some(10_000_000), per_principal: Some(1) }),
+                "{store}"
+            );
+        }
     }
 
     #[test]
@@ -1269,8 +1293,8 @@ mod tests {
             max_waiters_per_key: 100,
             max_waiters: 1_000,
             jwt_principal: None,
-            // A tenth of the capacity per caller, a quarter per tenant.
-            quota: Quota { per_tenant: 25_000, per_principal: 10_000 },
+            // No quota: a default bound would refuse a lone honest caller.
+            quota: Quota { per_tenant: None, per_principal: None },
         };
         assert_eq!(parse_str(r#"{"routes":[{"name":"a","match":{"prefix":"/"}}]}"#), Ok(expected));
     }

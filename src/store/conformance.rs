@@ -100,7 +100,7 @@ pub fn charged(
     ClaimAttempt {
         quota: Some(QuotaCharge {
             tenant: tenant.map(|t| [t; 32]),
-            principal: [principal; 32],
+            principal: Some([principal; 32]),
             per_tenant: bounds.0,
             per_principal: bounds.1,
         }),
@@ -505,9 +505,46 @@ pub fn a_quota_never_locks_an_identity_out_for_good<B: Backend>() {
     claimed(w.begin(&charged(3, 14, late, 1, None, (10, 1))).unwrap());
 }
 
+pub fn records_made_without_a_quota_never_count_for_one<B: Backend>() {
+    // Quotas are opt-in, and a configuration update may add one while records made without it
+    // are live. Those were never charged: their release, sweep or completion must not discharge
+    // a counter (which would let an identity past its bound), and they do not count; a takeover
+    // under a quota charges the record from then on.
+    let b = B::with_capacity(64);
+    let w = through_ops(&b, 0);
+    let bounds = (10, 2);
+    let free = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
+    claimed(w.begin(&attempt(2, 1, 12, 0)).unwrap()); // abandoned below
+    for (scope, owner) in [(3, 13), (4, 14)] {
+        let c = claimed(w.begin(&charged(scope, owner, 1, 1, Some(7), bounds)).unwrap());
+        w.complete(&c, &done("q", 1)).unwrap();
+    }
+    let at_bound = |now, bounds| w.begin(&charged(5, 15, now, 1, Some(7), bounds)).unwrap();
+    assert!(matches!(at_bound(2, bounds), Begin::QuotaExceeded { .. }));
+    w.release(&free).unwrap();
+    assert!(matches!(at_bound(3, bounds), Begin::QuotaExceeded { .. }));
+    for _ in 0..2 {
+        w.sweep(LEASE).unwrap();
+    }
+    assert!(matches!(at_bound(LEASE + 1, bounds), Begin::QuotaExceeded { .. }));
+    // Taking the uncharged record over charges it: at the bound, refused; with room, counted.
+    b.let_claim_leases_end();
+    let refused = w.begin(&charged(2, 16, LEASE + 2, 1, Some(7), bounds)).unwrap();
+    assert!(matches!(refused, Begin::QuotaExceeded { .. }), "{refused:?}");
+    let taken = w.begin(&charged(2, 17, LEASE + 3, 1, Some(7), (10, 3))).unwrap();
+    assert!(matches!(taken, Begin::TookOver(_)), "{taken:?}");
+    assert!(matches!(at_bound(LEASE + 4, (10, 3)), Begin::QuotaExceeded { .. }));
+    w.release(&claimed(taken)).unwrap();
+    claimed(at_bound(LEASE + 5, (10, 3)));
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($backend:ty) => {
+        #[test]
+        fn records_made_without_a_quota_never_count_for_one() {
+            $crate::store::conformance::records_made_without_a_quota_never_count_for_one::<$backend>();
+        }
         #[test]
         fn first_claim_then_in_flight() {
             $crate::store::conformance::first_claim_then_in_flight::<$backend>();

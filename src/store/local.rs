@@ -1232,7 +1232,9 @@ impl<S: SharedData> LocalStore<S> {
         if let Some(t) = q.tenant {
             ids.push((true, self.keyed(TENANT_QUOTA_TAG, &t), q.per_tenant));
         }
-        ids.push((false, self.keyed(PRINCIPAL_QUOTA_TAG, &q.principal), q.per_principal));
+        if let Some(p) = q.principal {
+            ids.push((false, self.keyed(PRINCIPAL_QUOTA_TAG, &p), q.per_principal));
+        }
         ids
     }
 

@@ -15,7 +15,8 @@
 //!   never evicted to make room: a full store answers `Full` (a store without a capacity bound,
 //!   etcd, never does). A processing record whose lease
 //!   ended without an outcome is abandoned and may give its place to a new record;
-//! - a new record is charged to its tenant and principal: once an identity holds its bound of
+//! - a new record is charged to its tenant and principal, those the attempt names (quotas are
+//!   opt-in; an attempt without a quota charges nothing): once an identity holds its bound of
 //!   live records, `begin` answers `QuotaExceeded` instead of claiming; takeovers, replays,
 //!   mismatches and in-flight answers are not charged;
 //! - expired records read as absent and their space is reclaimed by `sweep` (etcd: by leases).
@@ -43,17 +44,20 @@ pub struct ClaimAttempt {
     pub now_ms: u64,
     pub lease_ms: u64,
     pub ttl_ms: u64,
-    /// The quota a new record is charged to; None: no quota applies.
+    /// The quota a new record is charged to; None: no quota applies, and no counter is read
+    /// or written.
     pub quota: Option<QuotaCharge>,
 }
 
 /// Who a new record counts against, and their bounds on live records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QuotaCharge {
-    /// Unkeyed SHA-256 of the tenant; None when no tenant header is configured (no tenant quota).
+    /// Unkeyed SHA-256 of the tenant; None: no tenant quota (no tenant header, or no
+    /// `quota.per_tenant`), so `per_tenant` is not used.
     pub tenant: Option<[u8; 32]>,
-    /// Unkeyed SHA-256 of the principal (`scope::principal_digest`).
-    pub principal: [u8; 32],
+    /// Unkeyed SHA-256 of the principal (`scope::principal_digest`); None: no caller quota (no
+    /// `quota.per_principal`), so `per_principal` is not used.
+    pub principal: Option<[u8; 32]>,
     pub per_tenant: u32,
     pub per_principal: u32,
 }

@@ -1,6 +1,7 @@
-"""The README's request-flow diagram (mermaid) against the product: every problem it names is
-one the filter sends, with the status the filter gives it, so the picture cannot drift from the
-contract table and `src/problem.rs`."""
+"""The README against the product: every problem the request-flow diagram (mermaid) names is one
+the filter sends, with the status the filter gives it, so the picture cannot drift from the
+contract table and `src/problem.rs`; every problem `src/problem.rs` defines is in the contract
+table, and every counter `src/metrics.rs` defines is in the metrics section."""
 
 from __future__ import annotations
 
@@ -42,3 +43,25 @@ def test_statuses_in_the_diagram_match_the_contract_table():
     for status, name in re.findall(r"\b([45]\d\d) ([a-z]+(?:-[a-z]+)+)", _mermaid_blocks()[0]):
         assert re.search(rf"\*\*{status}\*\* problem `{name}`", table), (
             f"the diagram says {status} {name}; the contract table does not")
+
+
+def _section(text: str, start: str, end: str) -> str:
+    return text[text.index(start):text.index(end)]
+
+
+def test_every_problem_the_filter_sends_is_in_the_contract_table():
+    text = (REPO_ROOT / "README.md").read_text()
+    table = _section(text, "## HTTP contract", "### What the upstream")
+    missing = sorted(n for n in _problem_names() if not re.search(rf"\*\*[45]\d\d\*\* problem `{n}`", table))
+    assert not missing, f"problems src/problem.rs defines that the contract table lacks: {missing}"
+
+
+def test_every_counter_is_in_the_metrics_section():
+    source = (REPO_ROOT / "src" / "metrics.rs").read_text()
+    names = set(re.findall(r'Counter::\w+ => "([a-z_]+)"', source))
+    assert len(names) >= 20, names
+    section = _section((REPO_ROOT / "README.md").read_text(), "## Metrics", "## Storage and memory")
+    missing = sorted(n for n in names if f"`{n}`" not in section)
+    assert not missing, f"counters src/metrics.rs defines that README's Metrics section lacks: {missing}"
+    m = re.search(r"that is (\d+) series\s+per rule", section)
+    assert m and int(m.group(1)) == len(names), (m and m.group(0), len(names))

@@ -64,6 +64,7 @@ OUTCOMES = (
     "store_bypassed",
     "body_never_received",
     "settlement_abandoned",
+    "principal_incomplete",
 )
 PROBLEM_TYPE = "urn:idempotency-filter:%s"
 

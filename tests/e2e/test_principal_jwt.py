@@ -127,3 +127,49 @@ def test_forged_token_is_refused_before_the_filter(envoy, upstream):
     real = _post(envoy, key, token(sub))
     assert _fresh(real), real
     assert upstream.executions(key) == 1
+
+
+# Issue 18, item 4: a verified payload that lacks a configured claim is no identity. Before, a
+# token with `iss` but no `sub` was accepted as the caller (iss, <absent>), so every such caller
+# was one principal and replayed the others' answers; it is now refused with 403
+# `principal-incomplete` (counter `principal_incomplete`), never executed. A request without any
+# verified payload still falls back to principal_headers (test above).
+
+
+def _token_without(*missing: str, **extra: str) -> str:
+    now = int(time.time())
+    claims = {"iss": ISSUER, "sub": "u-" + new_key(), "iat": now, "exp": now + 3600,
+              "jti": new_key()}
+    for name in missing:
+        del claims[name]
+    claims.update(extra)
+    return mint_hs256(SECRET, claims)
+
+
+def test_tokens_lacking_a_configured_claim_are_not_one_caller(envoy, upstream):
+    key = new_key()
+    before = envoy.idem("principal_incomplete")
+    alice = _post(envoy, key, _token_without("sub", name="alice"))
+    bob = _post(envoy, key, _token_without("sub", name="bob"))
+    assert not bob.replayed, "bob got alice's stored answer: %r" % (bob,)
+    assert_problem(alice, 403, "principal-incomplete")
+    assert_problem(bob, 403, "principal-incomplete")
+    assert upstream.executions(key) == 0
+    envoy.wait_counter("principal_incomplete", before + 2)
+
+
+def test_a_payload_without_any_configured_claim_is_refused(envoy_bin, filter_wasm, upstream):
+    # claims (sub, org) and a verified token carrying neither (jwt_authn needs its iss): there
+    # is a verified payload, so the caller is not taken from the raw authorization header,
+    # which the operator chose not to trust. A request without a token still falls back.
+    cfg = dict(FILTER_CONFIG, principal={"jwt_payload": "jwt_payload", "claims": ["sub", "org"]})
+    with harness.Envoy(envoy_bin, upstream.port, cfg, wasm_path=filter_wasm, name="jwt-no-claims",
+                       concurrency=1, **ENVOY_OPTIONS) as proxy:
+        key = new_key()
+        r = _post(proxy, key, _token_without("sub", name="carol"))
+        assert_problem(r, 403, "principal-incomplete")
+        assert upstream.executions(key) == 0
+        anon = _post(proxy, key)
+        assert _fresh(anon), anon
+        assert _post(proxy, key).replayed
+        assert upstream.executions(key) == 1

@@ -13,7 +13,7 @@ CAPACITY = 200
 
 FILTER_CONFIG = {
     "store": {"type": "local", "capacity": CAPACITY},
-    # one principal (anonymous) fills the store: the default quota (capacity/10) would stop it first
+    # one principal (anonymous) fills the store; a quota as large as the store never stops it
     "quota": {"per_tenant": CAPACITY, "per_principal": CAPACITY},
     "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
                 "ttl": "1h", "processing_timeout": "30s"}],

@@ -5,7 +5,7 @@ and dropped the connection) stay PROCESSING for their lease (processing_timeout 
 leases are live, a new key gets 503 `store-full`; once they have ended, a new key evicts one of
 them and is forwarded (201), although the ttl (1h) is far away (once a sweep pass has also stopped
 counting them against the caller's quota: until then the new key gets 429). Quota is set as large as the
-store so that only the store bounds this one principal (the default would be capacity/10 = 0).
+store so that only the store bounds this one principal while the quota is exercised too.
 
 Today: 503 `store-full` until the ttl.
 """

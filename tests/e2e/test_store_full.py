@@ -15,8 +15,7 @@ TTL_S = 3
 
 FILTER_CONFIG = {
     "store": {"type": "local", "capacity": 8},
-    # one principal (anonymous) fills the store: without this the default quota (capacity/10)
-    # would refuse it first
+    # one principal (anonymous) fills the store; a quota as large as the store never refuses it
     "quota": {"per_tenant": 8, "per_principal": 8},
     "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
                 "ttl": "%ds" % TTL_S, "processing_timeout": "%ds" % TTL_S}],

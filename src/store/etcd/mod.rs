@@ -955,12 +955,14 @@ impl Exchange {
                 entry.flags |= FLAG_TENANT_CHARGED;
                 entry.tenant_tag = tag_of(t);
             }
-            let range = live.next().ok_or_else(|| unusable("etcd's answer lacks the principal index"))?;
-            if let Some(refusal) = refusal(range, q.per_principal, now, false) {
-                return Ok(Next::Begun(refusal));
+            if let Some(p) = &q.principal {
+                let range = live.next().ok_or_else(|| unusable("etcd's answer lacks the principal index"))?;
+                if let Some(refusal) = refusal(range, q.per_principal, now, false) {
+                    return Ok(Next::Begun(refusal));
+                }
+                entry.flags |= FLAG_PRINCIPAL_CHARGED;
+                entry.principal_tag = tag_of(p);
             }
-            entry.flags |= FLAG_PRINCIPAL_CHARGED;
-            entry.principal_tag = tag_of(&q.principal);
         }
         let stale_index = pending.replaced.map(|old| store.index_keys(&old)).unwrap_or_default();
         let value = record::encode_slot(&SlotValue { entry, snapshot: None });
@@ -1183,7 +1185,9 @@ fn quota_reads(store: &EtcdStore, a: &ClaimAttempt) -> Vec<TxnOp> {
         if let Some(t) = &q.tenant {
             reads.push(store.live_index(true, tag_of(t), a.now_ms));
         }
-        reads.push(store.live_index(false, tag_of(&q.principal), a.now_ms));
+        if let Some(p) = &q.principal {
+            reads.push(store.live_index(false, tag_of(p), a.now_ms));
+        }
     }
     reads
 }

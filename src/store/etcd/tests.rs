@@ -434,7 +434,7 @@ fn charged_attempt(now_ms: u64, tenant: bool) -> ClaimAttempt {
     ClaimAttempt {
         quota: Some(QuotaCharge {
             tenant: tenant.then_some([3; 32]),
-            principal: [4; 32],
+            principal: Some([4; 32]),
             per_tenant: 5,
             per_principal: 2,
         }),

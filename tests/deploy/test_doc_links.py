@@ -1,0 +1,73 @@
+"""Every relative link in the repository's Markdown resolves to a file or directory that exists:
+inline links `[text](target)` in every tracked `*.md` file, and paths below `docs/` named in
+prose (`see docs/ETCD.md`). Issue 18, item 9: a benchmark section writer replaced the README's
+three references to docs/ETCD.md with a benchmark sentence, and nothing noticed."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from idemkit import REPO_ROOT
+
+# An inline link's target: up to the first ')' or whitespace-then-title; targets with spaces are
+# taken whole up to ')', so a broken one is reported rather than skipped.
+_LINK = re.compile(r"\]\(([^)\n]*)\)")
+_DOCS_MENTION = re.compile(r"(?<![\w/.-])(docs/[^\s)\]`'\",;:]*)")
+_EXTERNAL = re.compile(r"^(?:[a-z][a-z0-9+.-]*:|//|#)", re.I)
+
+
+def _markdown_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "-z", "--", "*.md"], cwd=REPO_ROOT, check=True,
+                         capture_output=True).stdout.decode()
+    return [REPO_ROOT / p for p in out.split("\0") if p]
+
+
+def _without_code_blocks(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def _targets(text: str) -> list[str]:
+    targets = []
+    for raw in _LINK.findall(text):
+        target = raw.strip()
+        if target.startswith("<") and ">" in target:
+            target = target[1:target.index(">")]
+        elif re.search(r'\s+"[^"]*"$', target):  # [text](path "title")
+            target = re.sub(r'\s+"[^"]*"$', "", target)
+        if target and not _EXTERNAL.match(target):
+            targets.append(target)
+    return targets
+
+
+def _broken(md: Path) -> list[str]:
+    text = _without_code_blocks(md.read_text())
+    broken = []
+    for target in _targets(text):
+        path = target.split("#", 1)[0]
+        if path and not (md.parent / path).exists():
+            broken.append(f"link ({target})")
+    for mention in _DOCS_MENTION.findall(text):
+        path = mention.rstrip(".")
+        if not (REPO_ROOT / path).exists() and not (md.parent / path).exists():
+            broken.append(f"mention {mention}")
+    return broken
+
+
+def test_there_is_markdown_to_check():
+    names = {p.relative_to(REPO_ROOT).as_posix() for p in _markdown_files()}
+    assert {"README.md", "ARCHITECTURE.md", "docs/ETCD.md"} <= names, sorted(names)
+
+
+def test_every_relative_link_in_the_markdown_resolves():
+    problems = {p.relative_to(REPO_ROOT).as_posix(): b for p in _markdown_files() if (b := _broken(p))}
+    assert not problems, problems
+
+
+def test_the_checker_sees_a_broken_link():
+    bad = "see [docs/ETCD.md](docs/new key 463 req/s (one member).md) and docs/new key.md.\n"
+    assert _targets(bad) == ["docs/new key 463 req/s (one member"]
+    assert _DOCS_MENTION.findall(bad) == ["docs/ETCD.md", "docs/new", "docs/new"]
+    assert _targets("[a](https://x.example) [b](#anchor) [c](docs/ETCD.md#data-model)") == [
+        "docs/ETCD.md#data-model"]

@@ -14,7 +14,7 @@
 //! The flow reads what a decision needs through `StreamFacts`, one read at a time, so that the
 //! glue never reads (pays a host call for) what no decision looks at.
 
-use crate::config::{Concurrency, Config, Rule};
+use crate::config::{Concurrency, Config, Execution, Rule};
 use crate::engine::{self, Admission, Decision, HeaderFix, Pending, ReplayShape, Reply, RequestHead};
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
@@ -74,6 +74,10 @@ pub enum Step {
     /// minute per worker), since every request does so when Envoy is missing
     /// `allow_on_headers_stop_iteration: true`.
     WarnBodyNeverReceived { rule: String, details: Option<String> },
+    /// Detached execution: the worker's root carries the claimed request upstream (read its
+    /// head and body, make the call, record the answer, reply if the client is still there).
+    /// The request stays held; if no call can be made, `detach_refused`.
+    Detach { claim: Claim, rule: Rc<Rule> },
 }
 
 /// The answer to the callback: let the stream go on, or hold it.
@@ -211,6 +215,9 @@ enum Phase {
     /// We answered locally; our own reply comes back through the encode callbacks and must be
     /// left alone (never snapshotted), except that a replay's framing headers are put back.
     Answered { replay_shape: Option<ReplayShape> },
+    /// Detached execution: the root carries the request and owns its record; it answers the
+    /// stream (`resumed`) if the client is still there. Nothing here settles anything.
+    Detached,
     /// Forwarded with a claim; waiting for the response.
     Forwarded { claim: Claim, rule: Rc<Rule> },
     /// A real upstream answer worth keeping; its body is copied as it streams by.
@@ -528,6 +535,13 @@ impl RequestFlow {
         match decision {
             Decision::Forward { claim, counter } => {
                 log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
+                if matches!(pending.rule.execution, Execution::Detached { .. }) {
+                    self.phase = Phase::Detached;
+                    return Output::hold(vec![
+                        Step::Count(counter),
+                        Step::Detach { claim, rule: pending.rule },
+                    ]);
+                }
                 self.forwarded_rule = Some(Rc::clone(&pending.rule));
                 self.phase = Phase::Forwarded { claim, rule: pending.rule };
                 Output::go(vec![Step::Count(counter)])
@@ -574,9 +588,21 @@ impl RequestFlow {
         }
     }
 
-    /// The root resolved this held request (resumed it or answered it).
+    /// No detached call could be made for this claimed request (its claim is given back by the
+    /// glue, nothing was sent upstream): 503 with retry-after.
+    pub fn detach_refused(&mut self, why: &str) -> Output {
+        if !matches!(self.phase, Phase::Detached) {
+            return Output::go(Vec::new());
+        }
+        log::debug!("#{} no detached call: {why}", self.context_id);
+        let reply = crate::detached::refused_reply(why);
+        self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::DetachedRefused)])
+    }
+
+    /// The root resolved this held request (resumed it or answered it): a waiter, or a
+    /// detached call's request answered with the call's outcome.
     pub fn resumed(&mut self, resumed: Resumed) {
-        if !self.waiting() {
+        if !matches!(self.phase, Phase::Waiting | Phase::Detached) {
             return;
         }
         match resumed {

@@ -2,6 +2,7 @@
 //! under plain `cargo test`; `glue` adapts it to Envoy's proxy-wasm host. See ARCHITECTURE.md.
 
 pub mod config;
+pub mod detached;
 pub mod engine;
 pub mod flow;
 #[cfg(feature = "testing")]

@@ -59,10 +59,14 @@ pub enum Counter {
     /// A verified JWT payload lacks one of `principal.claims`: refused (403), never executed,
     /// since such callers cannot be told apart.
     PrincipalIncomplete,
+    /// A claimed request on a detached route for which no detached call could be made (the
+    /// worker carries `max_detached_calls` already, or Envoy refused the call): 503, its claim
+    /// released, nothing sent upstream.
+    DetachedRefused,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 27] = [
+    pub const ALL: [Counter; 28] = [
         Counter::PassedThrough,
         Counter::Claimed,
         Counter::TakenOver,
@@ -90,6 +94,7 @@ impl Counter {
         Counter::BodyNeverReceived,
         Counter::SettlementAbandoned,
         Counter::PrincipalIncomplete,
+        Counter::DetachedRefused,
     ];
 
     pub fn name(self) -> &'static str {
@@ -121,6 +126,7 @@ impl Counter {
             Counter::BodyNeverReceived => "body_never_received",
             Counter::SettlementAbandoned => "settlement_abandoned",
             Counter::PrincipalIncomplete => "principal_incomplete",
+            Counter::DetachedRefused => "detached_refused",
         }
     }
 
@@ -148,6 +154,8 @@ impl Counter {
             Kind::QuotaExceeded => Counter::QuotaExceeded,
             Kind::GrpcNotSupported => Counter::GrpcRefused,
             Kind::PrincipalIncomplete => Counter::PrincipalIncomplete,
+            Kind::OutcomeUnknown => Counter::KeptUnknown,
+            Kind::DetachedCapacity => Counter::DetachedRefused,
         }
     }
 }

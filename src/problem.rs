@@ -19,6 +19,8 @@ pub enum Kind {
     QuotaExceeded,
     GrpcNotSupported,
     PrincipalIncomplete,
+    OutcomeUnknown,
+    DetachedCapacity,
 }
 
 impl Kind {
@@ -35,6 +37,8 @@ impl Kind {
             Kind::QuotaExceeded => "quota-exceeded",
             Kind::GrpcNotSupported => "grpc-not-supported",
             Kind::PrincipalIncomplete => "principal-incomplete",
+            Kind::OutcomeUnknown => "outcome-unknown",
+            Kind::DetachedCapacity => "detached-capacity",
         }
     }
 
@@ -51,6 +55,8 @@ impl Kind {
             Kind::QuotaExceeded => "Too many live idempotency records",
             Kind::GrpcNotSupported => "gRPC calls cannot be protected",
             Kind::PrincipalIncomplete => "Verified token lacks the claims that identify the caller",
+            Kind::OutcomeUnknown => "Outcome of the original request is unknown",
+            Kind::DetachedCapacity => "Too many detached calls in flight",
         }
     }
 }
@@ -164,6 +170,8 @@ mod tests {
             Kind::QuotaExceeded,
             Kind::GrpcNotSupported,
             Kind::PrincipalIncomplete,
+            Kind::OutcomeUnknown,
+            Kind::DetachedCapacity,
         ];
         for kind in kinds {
             let body = Problem::new(kind, 400, "").body();

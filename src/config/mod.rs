@@ -40,6 +40,25 @@ pub struct Config {
     pub jwt_principal: Option<JwtPrincipal>,
     /// Live records one tenant or one principal may hold; opt-in (no bound by default).
     pub quota: Quota,
+    /// Detached calls (`execution: "detached"`) one Envoy worker carries at once, at most.
+    pub max_detached_calls: u32,
+}
+
+/// Who carries a protected request to the upstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Execution {
+    /// Envoy's router, on the client's stream (the default): a client that leaves, or Envoy's
+    /// own timeout, resets the upstream request, and the outcome is unknown.
+    Inline,
+    /// The worker's root, as an HTTP callout that does not depend on the client's stream: the
+    /// answer is recorded whether or not the client is still there.
+    Detached {
+        /// The Envoy cluster to call; None: the one Envoy's route picked (`xds.cluster_name`).
+        cluster: Option<String>,
+        /// How long the callout may take; below `processing_timeout`, so a takeover never
+        /// starts while it runs.
+        upstream_timeout_ms: u64,
+    },
 }
 
 /// Where a verified caller identity comes from: Envoy's `jwt_authn` filter writes the claims of
@@ -142,6 +161,7 @@ pub struct Rule {
     /// Lowercased response headers never stored, so never replayed (beyond hop-by-hop ones).
     pub replay_exclude_headers: Vec<String>,
     pub concurrency: Concurrency,
+    pub execution: Execution,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -244,6 +264,13 @@ pub const MAX_WAIT_TIMEOUT_MS: u64 = 5 * 60_000;
 /// Request bodies one worker may hold for waiters at most (Envoy keeps a held request's body in
 /// its buffer): `max_waiters` x the largest `max_request_bytes` of the wait rules.
 pub const WAITER_MEMORY_BUDGET: u64 = 256 << 20;
+/// Request and response bytes one worker may hold for its detached calls: `max_detached_calls`
+/// x the largest `max_request_bytes + max_response_bytes` of the detached rules.
+pub const DETACHED_MEMORY_BUDGET: u64 = 256 << 20;
+const DEFAULT_MAX_DETACHED_CALLS: u64 = 1_000;
+const MAX_DETACHED_CALLS_LIMIT: u64 = 100_000;
+/// The longest `upstream_timeout`: Envoy's callout timeout is a 32-bit count of milliseconds.
+const MAX_UPSTREAM_TIMEOUT_MS: u64 = 24 * 3_600_000;
 const MAX_JWT_CLAIMS: usize = 8;
 const DEFAULT_MAX_WAITERS_PER_KEY: u64 = 100;
 const DEFAULT_MAX_WAITERS: u64 = 1_000;
@@ -276,6 +303,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
             "max_waiters",
             "principal",
             "quota",
+            "max_detached_calls",
         ],
     )?;
     let key_header =
@@ -322,6 +350,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         rules.push(Rc::new(r));
     }
     let max_waiters = max_waiters(top, &rules)?;
+    let max_detached_calls = max_detached_calls(top, &rules)?;
     Ok(Config {
         key_header,
         tenant_header,
@@ -334,7 +363,40 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         max_waiters,
         jwt_principal,
         quota,
+        max_detached_calls,
     })
+}
+
+/// A detached call holds its request body and then its response in the worker's memory, so
+/// the calls in flight times the largest request and response a detached rule admits is memory
+/// one worker may have to hold. An explicit value over the budget is refused; the default
+/// shrinks to fit it.
+fn max_detached_calls(top: &Obj, rules: &[Rc<Rule>]) -> Res<u32> {
+    let largest = rules
+        .iter()
+        .filter(|r| matches!(r.execution, Execution::Detached { .. }))
+        .map(|r| r.max_request_bytes.saturating_add(r.max_response_bytes))
+        .max();
+    let fits = |n: u64| largest.is_none_or(|b| n.saturating_mul(b) <= DETACHED_MEMORY_BUDGET);
+    let n = match optional(top, "", "max_detached_calls", |v, f| uint(v, f, 1, MAX_DETACHED_CALLS_LIMIT))? {
+        Some(n) if !fits(n) => {
+            return Err(err(
+                "max_detached_calls",
+                format!(
+                    "{n} calls x {} bytes (the largest max_request_bytes + max_response_bytes of a \
+                     detached rule) exceeds the {} MiB a worker may hold for detached calls",
+                    largest.unwrap_or(0),
+                    DETACHED_MEMORY_BUDGET >> 20
+                ),
+            ))
+        }
+        Some(n) => n,
+        None => match largest {
+            Some(b) => DEFAULT_MAX_DETACHED_CALLS.min(DETACHED_MEMORY_BUDGET / b).max(1),
+            None => DEFAULT_MAX_DETACHED_CALLS,
+        },
+    };
+    u32::try_from(n).map_err(|_| err("max_detached_calls", "out of range"))
 }
 
 /// Held requests keep their bodies in Envoy's buffers, so the number of waiters times the
@@ -572,6 +634,9 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
             "replay_exclude_headers",
             "concurrent",
             "wait_timeout",
+            "execution",
+            "cluster",
+            "upstream_timeout",
         ],
     )?;
     let name = required(o, path, "name", rule_name)?;
@@ -628,6 +693,7 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
             return Err(err(&key(path, "concurrent"), format!("{other:?}: expected \"reject\" or \"wait\"")))
         }
     };
+    let execution = execution(o, path, processing_timeout_ms)?;
     Ok(Rule {
         name,
         path: path_match,
@@ -642,7 +708,49 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
         statuses: StatusPolicy { store, release },
         replay_exclude_headers,
         concurrency,
+        execution,
     })
+}
+
+/// `execution`, and the fields only a detached rule has.
+fn execution(o: &Obj, path: &str, processing_timeout_ms: u64) -> Res<Execution> {
+    let cluster = optional(o, path, "cluster", |v, f| {
+        let s = string(v, f)?;
+        if s.is_empty() || s.len() > 255 {
+            return Err(err(f, "expected an Envoy cluster name of 1 to 255 bytes"));
+        }
+        Ok(s.to_owned())
+    })?;
+    let upstream_timeout_ms = optional(o, path, "upstream_timeout", duration_ms)?;
+    match optional(o, path, "execution", |v, f| string(v, f).map(str::to_owned))?.as_deref() {
+        None | Some("inline") => {
+            for (field, set) in
+                [("cluster", cluster.is_some()), ("upstream_timeout", upstream_timeout_ms.is_some())]
+            {
+                if set {
+                    return Err(err(&key(path, field), "only applies with \"execution\": \"detached\""));
+                }
+            }
+            Ok(Execution::Inline)
+        }
+        Some("detached") => {
+            // A call still running when the lease ends could be taken over and run twice.
+            let upstream_timeout_ms = upstream_timeout_ms.unwrap_or(processing_timeout_ms / 2).max(1);
+            if upstream_timeout_ms >= processing_timeout_ms || upstream_timeout_ms > MAX_UPSTREAM_TIMEOUT_MS {
+                return Err(err(
+                    &key(path, "upstream_timeout"),
+                    format!(
+                        "{upstream_timeout_ms} ms: must be below processing_timeout ({processing_timeout_ms} ms), \
+                         so that no takeover starts while the detached call runs"
+                    ),
+                ));
+            }
+            Ok(Execution::Detached { cluster, upstream_timeout_ms })
+        }
+        Some(other) => {
+            Err(err(&key(path, "execution"), format!("{other:?}: expected \"inline\" or \"detached\"")))
+        }
+    }
 }
 
 /// The name goes into the rule's counters (`idempotency.route.<name>.requests.<outcome>`), where
@@ -984,6 +1092,7 @@ mod tests {
             },
             replay_exclude_headers: vec![],
             concurrency: Concurrency::Reject,
+            execution: Execution::Inline,
         }
     }
 
@@ -1008,6 +1117,27 @@ mod tests {
             ("empty routes", r#"{"routes":[]}"#.into(), "routes"),
             // wait mode and replay
             ("concurrent unknown", rule_json(r#""concurrent":"queue""#), "routes[0].concurrent"),
+            ("execution unknown", rule_json(r#""execution":"async""#), "routes[0].execution"),
+            ("execution not string", rule_json(r#""execution":1"#), "routes[0].execution"),
+            ("cluster inline", rule_json(r#""cluster":"orders""#), "routes[0].cluster"),
+            ("upstream_timeout inline", rule_json(r#""upstream_timeout":"1s""#), "routes[0].upstream_timeout"),
+            ("cluster empty", rule_json(r#""execution":"detached","cluster":"""#), "routes[0].cluster"),
+            (
+                "upstream_timeout at the lease",
+                rule_json(r#""execution":"detached","processing_timeout":"10s","upstream_timeout":"10s""#),
+                "routes[0].upstream_timeout",
+            ),
+            (
+                "upstream_timeout past the lease",
+                rule_json(r#""execution":"detached","upstream_timeout":"31s""#),
+                "routes[0].upstream_timeout",
+            ),
+            ("detached calls zero", top(r#""max_detached_calls":0"#), "max_detached_calls"),
+            (
+                "detached calls over the memory budget",
+                r#"{"max_detached_calls":129,"routes":[{"name":"a","match":{"prefix":"/"},"execution":"detached"}]}"#.into(),
+                "max_detached_calls",
+            ),
             ("concurrent not string", rule_json(r#""concurrent":true"#), "routes[0].concurrent"),
             ("wait_timeout without wait", rule_json(r#""wait_timeout":"5s""#), "routes[0].wait_timeout"),
             ("wait_timeout bad", rule_json(r#""concurrent":"wait","wait_timeout":"5""#), "routes[0].wait_timeout"),
@@ -1219,6 +1349,7 @@ mod tests {
                 claims: vec!["iss".into(), "sub".into()],
             }),
             quota: Quota { per_tenant: Some(5000), per_principal: Some(100) },
+            max_detached_calls: 1_000,
         };
         assert_eq!(parse_str(json), Ok(expected));
     }
@@ -1295,8 +1426,35 @@ mod tests {
             jwt_principal: None,
             // No quota: a default bound would refuse a lone honest caller.
             quota: Quota { per_tenant: None, per_principal: None },
+            max_detached_calls: 1_000,
         };
         assert_eq!(parse_str(r#"{"routes":[{"name":"a","match":{"prefix":"/"}}]}"#), Ok(expected));
+    }
+
+    #[test]
+    fn detached_execution_and_its_defaults() {
+        let cfg = parse_str(
+            r#"{"routes":[{"name":"a","match":{"prefix":"/"},"execution":"detached"},
+                {"name":"b","match":{"prefix":"/b"},"execution":"detached","cluster":"pay","upstream_timeout":"9s",
+                 "max_request_bytes":65536,"max_response_bytes":65536},
+                {"name":"c","match":{"prefix":"/c"},"execution":"inline"}]}"#,
+        )
+        .unwrap();
+        // Half the lease by default; the route's own cluster unless one is named.
+        assert_eq!(
+            cfg.rules[0].execution,
+            Execution::Detached { cluster: None, upstream_timeout_ms: 15_000 }
+        );
+        assert_eq!(
+            cfg.rules[1].execution,
+            Execution::Detached { cluster: Some("pay".into()), upstream_timeout_ms: 9_000 }
+        );
+        assert_eq!(cfg.rules[2].execution, Execution::Inline);
+        // 256 MiB over the largest detached request + response (1 + 1 MiB by default).
+        assert_eq!(cfg.max_detached_calls, 128);
+        let few =
+            parse_str(r#"{"max_detached_calls":7,"routes":[{"name":"a","match":{"prefix":"/"}}]}"#).unwrap();
+        assert_eq!(few.max_detached_calls, 7);
     }
 
     #[test]

@@ -323,12 +323,11 @@ fn increment(metric: u32, by: i64) {
 /// refuses with BadArgument an unknown cluster or a missing pseudo-header.
 fn dispatch_http_call(
     cluster: &str,
-    headers: &[(&str, &str)],
+    headers: &[(&str, &[u8])],
     body: &[u8],
     timeout_ms: u32,
 ) -> Result<u32, HostError> {
-    let pairs: Vec<(String, Vec<u8>)> =
-        headers.iter().map(|(n, v)| ((*n).to_string(), v.as_bytes().to_vec())).collect();
+    let pairs: Vec<(String, Vec<u8>)> = headers.iter().map(|(n, v)| ((*n).to_string(), v.to_vec())).collect();
     let headers = encode_pairs(&pairs);
     let mut token = 0u32;
     let status = unsafe {
@@ -423,7 +422,7 @@ impl Host for AbiHost {
     fn dispatch_http_call(
         &self,
         cluster: &str,
-        headers: &[(&str, &str)],
+        headers: &[(&str, &[u8])],
         body: &[u8],
         timeout_ms: u32,
     ) -> Result<u32, HostError> {

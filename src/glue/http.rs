@@ -212,6 +212,21 @@ impl<H: Host> Http<H> {
                     plugin.broadcast(&scope);
                     None
                 }
+                // Detached execution: the root makes the call and answers this stream (the
+                // handle says how, before its reply comes through the encode callbacks).
+                Step::Detach { claim, rule } => {
+                    let handle: WaitHandle = Rc::new(std::cell::Cell::new(None));
+                    match plugin.detach(self.context_id, claim, &rule, Rc::clone(&handle)) {
+                        Ok(()) => {
+                            self.wait_handle = Some(handle);
+                            None
+                        }
+                        Err(why) => {
+                            plugin.release_claim(self.context_id, claim, &rule);
+                            Some(self.flow.detach_refused(&why))
+                        }
+                    }
+                }
                 Step::FixHeaders(fixes) => {
                     for fix in fixes {
                         let result = match &fix {

@@ -85,7 +85,7 @@ pub trait Host: SharedData + Clone {
     fn dispatch_http_call(
         &self,
         cluster: &str,
-        headers: &[(&str, &str)],
+        headers: &[(&str, &[u8])],
         body: &[u8],
         timeout_ms: u32,
     ) -> Result<u32, HostError>;

@@ -4,14 +4,15 @@
 
 use super::etcd::EtcdRemote;
 use super::remote::{Conversation, RemoteStore};
-use super::{Host, BUFFER_PLUGIN_CONFIGURATION};
-use crate::config::{self, Config, Rule, StoreConfig};
+use super::{Host, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
+use crate::config::{self, Config, Execution, Rule, StoreConfig};
+use crate::detached;
 use crate::flow::{ParkPlan, RequestFlow, Resumed, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::store::etcd::EtcdStore;
 use crate::store::local::LocalStore;
-use crate::store::{StoreAnswer, StoreError, StoreOp};
+use crate::store::{Claim, StoreAnswer, StoreError, StoreOp};
 use crate::wait::wake::{self, Registry};
 use crate::wait::{self, Refused, WaitRoom, Waiter};
 use std::cell::{Cell, RefCell};
@@ -83,6 +84,32 @@ pub struct RootSettlement {
     pub holds_response: bool,
     /// Set when the store could not be used for it: it is started again, with backoff.
     pub retry: Option<Retry>,
+    /// A detached call's outcome: the reply its client gets (if still there) once the record
+    /// is written, or at the store's first failure.
+    pub then_reply: Option<DetachedReply>,
+}
+
+/// The answer a detached call's client gets, and where its stream is told before.
+pub struct DetachedReply {
+    pub reply: crate::engine::Reply,
+    pub handle: WaitHandle,
+}
+
+/// A claimed request the worker's root carries upstream itself (`execution: "detached"`): the
+/// callout, made from the root so that it does not end with the client's stream.
+pub struct DetachedCall {
+    pub context_id: u32,
+    pub claim: Claim,
+    pub rule: Rc<Rule>,
+    pub cluster: String,
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// Let go once Envoy has it (the call copies it).
+    pub body: Vec<u8>,
+    pub timeout_ms: u32,
+    /// Where the root tells the stream how it was resolved, before answering it.
+    pub handle: WaitHandle,
+    /// When the call was made: Envoy's timeout is told from an upstream's 504 by it.
+    pub sent_at_ms: u64,
 }
 
 /// First wait before a settlement is started again, doubled after each failure up to
@@ -150,6 +177,8 @@ pub enum RootCall {
     Begin(Box<RootBegin>),
     Settle(RootSettlement),
     Recheck(RootRecheck),
+    /// Boxed: it carries the request.
+    Detached(Box<DetachedCall>),
 }
 
 /// What a worker's root is doing with the remote store on behalf of its streams. The root
@@ -250,6 +279,8 @@ pub struct PluginState<H: Host> {
     registry: Registry<H>,
     queue_name: String,
     pub queue_id: Option<u32>,
+    /// Detached calls this worker carries (handed over, made, not yet answered).
+    pub detached_in_flight: Cell<u32>,
     /// Live wake queues of all workers (refreshed by the heartbeat), with resolved ids.
     peers: RefCell<Vec<(String, Option<u32>)>>,
     /// This root's queue is in the registry (a heartbeat succeeded).
@@ -335,6 +366,7 @@ impl<H: Host> PluginState<H> {
             registry,
             queue_name,
             queue_id,
+            detached_in_flight: Cell::new(0),
             peers: RefCell::new(Vec::new()),
             advertised: Cell::new(false),
         })
@@ -424,6 +456,7 @@ impl<H: Host> PluginState<H> {
             settlement,
             holds_response,
             retry: None,
+            then_reply: None,
         }));
     }
 
@@ -444,6 +477,78 @@ impl<H: Host> PluginState<H> {
             handle: Rc::clone(&handle),
         })));
         handle
+    }
+
+    /// Hands a claimed request on a detached rule to this worker's root, which makes the call
+    /// (the effective context is the request's: its head and body are read here). `handle`
+    /// is where the root tells the stream before it answers it. Refused, with the reason,
+    /// when the worker carries `max_detached_calls` already or the request cannot be sent;
+    /// the caller then gives the claim back.
+    pub fn detach(
+        &self,
+        context_id: u32,
+        claim: Claim,
+        rule: &Rc<Rule>,
+        handle: WaitHandle,
+    ) -> Result<(), String> {
+        let Execution::Detached { cluster, upstream_timeout_ms } = &rule.execution else {
+            return Err("not a detached rule".into());
+        };
+        if self.detached_in_flight.get() >= self.config.max_detached_calls {
+            return Err(format!(
+                "this Envoy worker carries max_detached_calls ({}) already",
+                self.config.max_detached_calls
+            ));
+        }
+        let cluster = match cluster {
+            Some(c) => c.clone(),
+            None => match self.host.property(&["xds", "cluster_name"]) {
+                Ok(Some(name)) if !name.is_empty() => String::from_utf8_lossy(&name).into_owned(),
+                _ => return Err("the route picked no cluster and the rule names none".into()),
+            },
+        };
+        let headers = self.host.header_pairs(MAP_REQUEST_HEADERS).ok().and_then(detached::call_headers);
+        let Some(headers) = headers else { return Err("the request head could not be read".into()) };
+        let body = self
+            .host
+            .buffer(BUFFER_REQUEST_BODY, 0, usize::MAX)
+            .map_err(|e| format!("the request body could not be read (host status {})", e.0))?;
+        self.detached_in_flight.set(self.detached_in_flight.get() + 1);
+        self.to_root(RootCall::Detached(Box::new(DetachedCall {
+            context_id,
+            claim,
+            rule: Rc::clone(rule),
+            cluster,
+            headers,
+            body,
+            timeout_ms: u32::try_from(*upstream_timeout_ms).unwrap_or(u32::MAX),
+            handle,
+            sent_at_ms: 0,
+        })));
+        Ok(())
+    }
+
+    /// A detached call is over (answered, refused or abandoned).
+    pub fn detached_done(&self) {
+        self.detached_in_flight.set(self.detached_in_flight.get().saturating_sub(1));
+    }
+
+    /// Gives back a claim nobody will use: at once on the local store, through the root on a
+    /// remote one; counted as released when done.
+    pub fn release_claim(&self, context_id: u32, claim: Claim, rule: &Rc<Rule>) {
+        let op = StoreOp::Release(claim);
+        match &self.store {
+            Store::Local(_) => {
+                if let StoreAnswer::Settled(Ok(_)) = self.perform(&op) {
+                    self.count(Counter::Released, Some(rule));
+                }
+            }
+            Store::Remote(remote) => {
+                let settlement =
+                    Settlement { context_id, claim, rule: Rc::clone(rule), done: Counter::Released };
+                self.settle_from_root(remote.as_ref(), op, settlement, false);
+            }
+        }
     }
 
     /// The root runs what it is handed from its own callback: at once through its queue, else

@@ -105,14 +105,14 @@ pub fn read_answer<H: Host>(host: &H, body_size: usize) -> Outcome {
 /// Makes the call on the store's cluster; the token identifies its answer. Envoy refuses
 /// (BadArgument) a cluster it does not know.
 pub fn dispatch<H: Host>(host: &H, settings: &RemoteSettings, request: &Request) -> Result<u32, HostError> {
-    let mut headers: Vec<(&str, &str)> = vec![
-        (":method", "POST"),
-        (":path", request.path),
-        (":authority", "etcd"),
-        ("content-type", "application/json"),
+    let mut headers: Vec<(&str, &[u8])> = vec![
+        (":method", b"POST"),
+        (":path", request.path.as_bytes()),
+        (":authority", b"etcd"),
+        ("content-type", b"application/json"),
     ];
     if let Some(token) = &request.token {
-        headers.push(("authorization", token));
+        headers.push(("authorization", token.as_bytes()));
     }
     let timeout_ms = request.timeout_ms.unwrap_or(settings.timeout_ms);
     host.dispatch_http_call(&settings.cluster, &headers, &request.body, timeout_ms)

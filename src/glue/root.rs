@@ -3,12 +3,16 @@
 
 use super::http::Http;
 use super::plugin::{
-    PluginState, Retry, RootBegin, RootCall, RootRecheck, RootSettlement, Store, WaitHandle,
+    DetachedCall, DetachedReply, PluginState, Retry, RootBegin, RootCall, RootRecheck, RootSettlement, Store,
+    WaitHandle,
 };
 use super::remote::{self, Answer, Next, Outcome, RemoteStore};
-use super::{log_filter, Host, HostError};
+use super::{log_filter, Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS};
+use crate::config::Execution;
+use crate::detached::{self, DETAILS_DETACHED};
 use crate::flow::{
-    settlement_steps, waiter_failed, waiter_plan, FailMode, Output, Settlement, Step, Verdict, WaiterPlan,
+    settlement_steps, waiter_failed, waiter_plan, FailMode, Output, Resumed, Settlement, Step, Verdict,
+    WaiterPlan,
 };
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
@@ -162,12 +166,20 @@ impl<H: Host> Root<H> {
     /// settlement.
     pub fn on_http_call_response(&mut self, token: u32, body_size: usize) {
         let Some(plugin) = self.plugin.clone() else { return };
-        let Store::Remote(store) = &plugin.store else { return };
         let call = plugin.settlements.borrow_mut().in_flight.remove(&token);
         let Some(call) = call else {
             log::debug!("root ignored the answer to callout {token}");
             return;
         };
+        let call = match call {
+            RootCall::Detached(call) => {
+                detached_answered(&plugin, *call, body_size);
+                self.finish_retirement();
+                return;
+            }
+            call => call,
+        };
+        let Store::Remote(store) = &plugin.store else { return };
         let answer = match remote::read_answer(&plugin.host, body_size) {
             Outcome::TimedOut => Err(StoreError::TimedOut),
             Outcome::Answered(answer) => Ok(answer),
@@ -183,6 +195,7 @@ impl<H: Host> Root<H> {
                 converse_recheck(&plugin, store.as_ref(), check, Some(answer))
             }
             (RootCall::Recheck(check), Err(error)) => recheck_failed(&plugin, store.as_ref(), check, error),
+            (RootCall::Detached(_), _) => {}
         }
         if store.take_woken() {
             resume_parked(&plugin);
@@ -238,6 +251,17 @@ fn resolve_waiter<H: Host>(
             let poll_ms = if w.poll_ms > 0 { wait::next_poll(w.poll_ms) } else { 0 };
             plugin.room.borrow_mut().repark(Waiter { recheck_at_ms, poll_ms, woken: false, ..w })
         }
+        WaiterPlan::Resume { counter, resumed: Resumed::Forwarded { claim, rule }, .. }
+            if matches!(rule.execution, Execution::Detached { .. }) =>
+        {
+            // The waiter owns the record now, on a detached route: the root carries it
+            // upstream (the waiter stays held and is answered with the outcome).
+            plugin.count(counter, Some(&rule));
+            if let Err(why) = plugin.detach(w.context_id, claim, &rule, Rc::clone(&w.handle)) {
+                plugin.release_claim(w.context_id, claim, &rule);
+                refuse_detached(plugin, w.context_id, &w.handle, &rule, &why);
+            }
+        }
         WaiterPlan::Resume { counter, resumed, release } => {
             plugin.count(counter, Some(&w.pending.rule));
             w.handle.set(Some(resumed));
@@ -283,8 +307,13 @@ fn release_unused<H: Host>(
 ) {
     let StoreOp::Release(claim) = release else { return };
     let settlement = Settlement { context_id, claim, rule: Rc::clone(rule), done: Counter::Released };
-    let settle =
-        RootSettlement { conversation: store.start(release), settlement, holds_response: false, retry: None };
+    let settle = RootSettlement {
+        conversation: store.start(release),
+        settlement,
+        holds_response: false,
+        retry: None,
+        then_reply: None,
+    };
     converse(plugin, store, settle, None);
 }
 
@@ -359,13 +388,144 @@ fn recheck_failed<H: Host>(
 /// Starts what streams handed over since the root last ran; from here on the root owns their
 /// callouts, so their answers come whether or not the stream is still there.
 fn start_settlements<H: Host>(plugin: &PluginState<H>) {
-    let Store::Remote(store) = &plugin.store else { return };
     let queued = std::mem::take(&mut plugin.settlements.borrow_mut().queued);
     for call in queued {
-        match call {
-            RootCall::Begin(begin) => converse_begin(plugin, store.as_ref(), begin, None),
-            RootCall::Settle(settle) => converse(plugin, store.as_ref(), settle, None),
-            RootCall::Recheck(check) => converse_recheck(plugin, store.as_ref(), check, None),
+        match (call, &plugin.store) {
+            (RootCall::Detached(call), _) => dispatch_detached(plugin, call),
+            (RootCall::Begin(begin), Store::Remote(store)) => {
+                converse_begin(plugin, store.as_ref(), begin, None)
+            }
+            (RootCall::Settle(settle), Store::Remote(store)) => {
+                converse(plugin, store.as_ref(), settle, None)
+            }
+            (RootCall::Recheck(check), Store::Remote(store)) => {
+                converse_recheck(plugin, store.as_ref(), check, None)
+            }
+            // Only detached calls are handed over with the local store.
+            (_, Store::Local(_)) => {}
+        }
+    }
+}
+
+/// Makes a detached call from the root, so that it outlives the client's stream.
+fn dispatch_detached<H: Host>(plugin: &PluginState<H>, mut call: Box<DetachedCall>) {
+    let host = &plugin.host;
+    let headers: Vec<(&str, &[u8])> = call.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
+    match host.dispatch_http_call(&call.cluster, &headers, &call.body, call.timeout_ms) {
+        Ok(token) => {
+            call.sent_at_ms = host.now_ms();
+            // Envoy has its copy; the worker holds the answer next.
+            call.body = Vec::new();
+            plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Detached(call));
+        }
+        Err(HostError(s)) => {
+            log::warn!(
+                "#{} detached call to cluster {} refused (host status {s})",
+                call.context_id,
+                call.cluster
+            );
+            plugin.detached_done();
+            plugin.release_claim(call.context_id, call.claim, &call.rule);
+            let why = format!("Envoy refused the call to cluster {} (host status {s})", call.cluster);
+            refuse_detached(plugin, call.context_id, &call.handle, &call.rule, &why);
+        }
+    }
+}
+
+/// Answers a held request no detached call could be made for (its claim was given back).
+fn refuse_detached<H: Host>(
+    plugin: &PluginState<H>,
+    context_id: u32,
+    handle: &WaitHandle,
+    rule: &crate::config::Rule,
+    why: &str,
+) {
+    plugin.count(crate::metrics::Counter::DetachedRefused, Some(rule));
+    let reply = detached::refused_reply(why);
+    answer_detached(plugin, context_id, handle, &reply, crate::flow::DETAILS_PROBLEM);
+}
+
+/// Sends a held request its reply, if its client is still there; its stream learns first that
+/// the reply is ours (so that it is not taken for an upstream answer).
+fn answer_detached<H: Host>(
+    plugin: &PluginState<H>,
+    context_id: u32,
+    handle: &WaitHandle,
+    reply: &crate::engine::Reply,
+    details: &str,
+) {
+    let host = &plugin.host;
+    if host.set_effective_context(context_id).is_err() {
+        return; // its client went away: the outcome is recorded, nobody to tell
+    }
+    handle.set(Some(Resumed::Answered { replay_shape: reply.replay_shape.clone() }));
+    if let Err(HostError(s)) = host.send_response(reply.status, details, &reply.headers, &reply.body) {
+        log::warn!("#{context_id} could not send the detached call's answer (host status {s})");
+    }
+}
+
+/// A detached call's answer: recorded exactly as an inline upstream answer would be, then sent
+/// to its client if it is still there (with a remote store, once the record is written).
+fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_size: usize) {
+    let host = &plugin.host;
+    plugin.detached_done();
+    let now_ms = host.now_ms();
+    let status = match host.header_value(MAP_HTTP_CALL_RESPONSE_HEADERS, ":status") {
+        Ok(Some(v)) => std::str::from_utf8(&v).ok().and_then(|s| s.parse::<u16>().ok()),
+        Ok(None) | Err(_) => None,
+    };
+    let elapsed_ms = now_ms.saturating_sub(call.sent_at_ms);
+    let answer = match detached::classify(status, elapsed_ms, u64::from(call.timeout_ms)) {
+        None => detached::Answer::Unknown { timed_out: status == Some(504) },
+        Some(status) => {
+            let headers = host.header_pairs(MAP_HTTP_CALL_RESPONSE_HEADERS);
+            let body = if body_size == 0 {
+                Ok(Vec::new())
+            } else {
+                host.buffer(BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size)
+            };
+            match (headers, body) {
+                (Ok(headers), Ok(body)) => detached::Answer::Answered { status, headers, body },
+                // The upstream answered, but its answer cannot be read: what it said is unknown.
+                _ => detached::Answer::Unknown { timed_out: false },
+            }
+        }
+    };
+    let DetachedCall { context_id, claim, rule, handle, .. } = call;
+    let out = detached::outcome(&rule, claim, answer, now_ms);
+    log::debug!("#{context_id} detached call answered: {} key {}", out.done.name(), claim.scope.log_tag());
+    let settlement = Settlement { context_id, claim, rule: Rc::clone(&rule), done: out.done };
+    match (out.op, &plugin.store) {
+        (None, _) => {
+            plugin.count(out.done, Some(&rule));
+            answer_detached(plugin, context_id, &handle, &out.reply, DETAILS_DETACHED);
+        }
+        (Some(op), Store::Local(_)) => {
+            let settled = match plugin.perform(&op) {
+                StoreAnswer::Settled(settled) => settled,
+                StoreAnswer::Begun(_) => {
+                    Err(StoreError::Unavailable("a settlement answered with a claim".into()))
+                }
+            };
+            for step in settlement_steps(&settlement, settled) {
+                match step {
+                    Step::Count(counter) => plugin.count(counter, Some(&rule)),
+                    Step::Wake(scope) => plugin.broadcast(&scope),
+                    _ => {}
+                }
+            }
+            answer_detached(plugin, context_id, &handle, &out.reply, DETAILS_DETACHED);
+        }
+        (Some(op), Store::Remote(store)) => {
+            let then_reply = Some(DetachedReply { reply: out.reply, handle });
+            let settle = RootSettlement {
+                conversation: store.start(op),
+                settlement,
+                holds_response: false,
+                retry: None,
+                then_reply,
+            };
+            converse(plugin, store.as_ref(), settle, None);
         }
     }
 }
@@ -381,6 +541,8 @@ fn resume_parked<H: Host>(plugin: &PluginState<H>) {
             RootCall::Begin(begin) => converse_begin(plugin, store.as_ref(), begin, None),
             RootCall::Settle(settle) => converse(plugin, store.as_ref(), settle, None),
             RootCall::Recheck(check) => converse_recheck(plugin, store.as_ref(), check, None),
+            // A detached call never waits for the store's token: it is made at once.
+            RootCall::Detached(call) => dispatch_detached(plugin, call),
         }
     }
 }
@@ -418,8 +580,13 @@ fn converse_begin<H: Host>(
                 // until its lease ends.
                 if let Some((op, settlement)) = begin.flow.answered_without_stream(&answer) {
                     let conversation = store.start(op);
-                    let settle =
-                        RootSettlement { conversation, settlement, holds_response: false, retry: None };
+                    let settle = RootSettlement {
+                        conversation,
+                        settlement,
+                        holds_response: false,
+                        retry: None,
+                        then_reply: None,
+                    };
                     converse(plugin, store, settle, None);
                 }
                 return;
@@ -477,7 +644,22 @@ fn carry_out<H: Host>(plugin: &PluginState<H>, mut begin: Box<RootBegin>, out: O
                 verdict = more.verdict;
                 steps.extend(more.steps);
             }
-            // What an answer to `begin` leads to is counted, replied or parked.
+            // Detached execution: the call is handed to this root (its queue), the request
+            // stays paused, and the handle that will say how it was answered goes back with
+            // its flow.
+            Step::Detach { claim, rule } => {
+                let handle: WaitHandle = Rc::new(std::cell::Cell::new(None));
+                match plugin.detach(begin.context_id, claim, &rule, Rc::clone(&handle)) {
+                    Ok(()) => wait_handle = Some(handle),
+                    Err(why) => {
+                        plugin.release_claim(begin.context_id, claim, &rule);
+                        let more = begin.flow.detach_refused(&why);
+                        verdict = more.verdict;
+                        steps.extend(more.steps);
+                    }
+                }
+            }
+            // What an answer to `begin` leads to is counted, replied, parked or detached.
             other => log::warn!(
                 "#{} unexpected step after a remote begin: {}",
                 begin.context_id,
@@ -505,6 +687,7 @@ fn step_name(step: &Step) -> &'static str {
         Step::LeaveWaitRoom => "leave wait room",
         Step::WarnRetried { .. } => "warn retried",
         Step::WarnBodyNeverReceived { .. } => "warn body never received",
+        Step::Detach { .. } => "detach",
     }
 }
 
@@ -539,12 +722,12 @@ fn retry_settlements<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
     let Store::Remote(store) = &plugin.store else { return };
     let due = plugin.settlements.borrow_mut().due(now_ms);
     for call in due {
-        let RootSettlement { conversation, settlement, holds_response, retry } = call;
+        let RootSettlement { conversation, settlement, holds_response, retry, then_reply } = call;
         let conversation = store.start(conversation.into_op());
         converse(
             plugin,
             store.as_ref(),
-            RootSettlement { conversation, settlement, holds_response, retry },
+            RootSettlement { conversation, settlement, holds_response, retry, then_reply },
             None,
         );
     }
@@ -556,9 +739,19 @@ fn abandon<H: Host>(plugin: &PluginState<H>) {
     let left = plugin.settlements.borrow_mut().drain_all();
     let mut settlements = 0;
     for call in &left {
-        if let RootCall::Settle(settle) = call {
-            settlements += 1;
-            plugin.count(Counter::SettlementAbandoned, Some(&settle.settlement.rule));
+        match call {
+            RootCall::Settle(settle) => {
+                settlements += 1;
+                plugin.count(Counter::SettlementAbandoned, Some(&settle.settlement.rule));
+            }
+            // Envoy cancels the call with the root: its outcome is unknown, and its record
+            // stays in flight until its lease ends.
+            RootCall::Detached(call) => {
+                settlements += 1;
+                plugin.detached_done();
+                plugin.count(Counter::SettlementAbandoned, Some(&call.rule));
+            }
+            RootCall::Begin(_) | RootCall::Recheck(_) => {}
         }
     }
     log::warn!(
@@ -622,6 +815,9 @@ fn finish_settlement<H: Host>(
 /// Whatever the store answered: the response is the upstream's and goes on, once. A stream
 /// that is gone refuses the effective context, and nothing is held for it.
 fn resume_held_response<H: Host>(plugin: &PluginState<H>, call: &mut RootSettlement) {
+    if let Some(DetachedReply { reply, handle }) = call.then_reply.take() {
+        answer_detached(plugin, call.settlement.context_id, &handle, &reply, DETAILS_DETACHED);
+    }
     if std::mem::take(&mut call.holds_response)
         && plugin.host.set_effective_context(call.settlement.context_id).is_ok()
     {

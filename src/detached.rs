@@ -1,0 +1,264 @@
+//! Detached execution (`routes[].execution: "detached"`), pure: what the worker's root sends
+//! upstream for a claimed request, and what the answer means for the record and for the
+//! client. The glue reads the request and the answer and performs what this decides.
+//!
+//! Why it exists: inline, the request's upstream call lives on the client's stream, and Envoy
+//! resets it when the client leaves or Envoy times the stream out, so the outcome is lost and a
+//! retry after the lease executes again. A callout made by the root does not depend on the
+//! stream: its answer is recorded whether or not the client is still there, and a client that
+//! is still there gets it as its first response.
+//!
+//! What a detached call does not get, because it is a callout and not the router (measured on
+//! Envoy 1.40, README *Detached execution*): route retries, the route timeout (it has
+//! `upstream_timeout` instead), route and virtual-host `request_headers_to_add`, the HTTP filters
+//! after this one, response trailers, responses over the async client's 32 MiB; Envoy adds
+//! `x-envoy-internal` and `x-envoy-expected-rq-timeout-ms` to the call.
+
+use crate::config::Rule;
+use crate::engine::{self, ReplayShape, Reply};
+use crate::metrics::Counter;
+use crate::problem::{Kind, Problem};
+use crate::settlement::{plan_response, ResponsePlan, StreamReport, VIA_UPSTREAM};
+use crate::store::record::Snapshot;
+use crate::store::{Claim, Completion, StoreOp};
+
+/// `response.code_details` of the reply a detached call's answer is sent to its client with.
+pub const DETAILS_DETACHED: &str = "idempotency_detached";
+
+/// Connection-level headers: meaningful for one hop only, never copied from the client's
+/// request into the call, nor from the call's answer into the client's reply. Envoy sets
+/// `content-length` from the body itself.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "trailer",
+    "content-length",
+];
+
+fn hop_by_hop(name: &str) -> bool {
+    HOP_BY_HOP.contains(&name)
+}
+
+/// The callout's headers from the client's request as Envoy holds it (earlier filters' changes
+/// included): the pseudo-headers `:method`, `:path` (with its query) and `:authority` as the
+/// client sent them, then every other header but the connection-level ones. None when one of
+/// the three is missing (Envoy would refuse the call).
+pub fn call_headers(request: Vec<(String, Vec<u8>)>) -> Option<Vec<(String, Vec<u8>)>> {
+    let pseudo = |name: &str| request.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+    let mut headers = Vec::with_capacity(request.len());
+    for name in [":method", ":path", ":authority"] {
+        headers.push((name.to_string(), pseudo(name)?));
+    }
+    headers.extend(request.into_iter().filter(|(n, _)| !n.starts_with(':') && !hop_by_hop(n)));
+    Some(headers)
+}
+
+/// What came back from a detached call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// The upstream answered (its headers include `:status`).
+    Answered { status: u16, headers: Vec<(String, Vec<u8>)>, body: Vec<u8> },
+    /// No answer after the request may have been sent: the call failed (reset, an answer over
+    /// the async client's limit) or `upstream_timeout` passed. Whether it executed is unknown.
+    Unknown { timed_out: bool },
+}
+
+/// Envoy answers a callout that outlived its timeout with a synthesized 504; an upstream's own
+/// 504 that comes sooner than `upstream_timeout` is a real answer. A 504 at or after the timeout
+/// is read as the timeout (an upstream 504 that slow is as uncertain).
+pub fn classify(status: Option<u16>, elapsed_ms: u64, upstream_timeout_ms: u64) -> Option<u16> {
+    match status {
+        Some(504) if elapsed_ms.saturating_add(TIMEOUT_SLACK_MS) >= upstream_timeout_ms => None,
+        other => other,
+    }
+}
+
+/// Timer resolution between Envoy's callout timeout and the clock read that follows it.
+const TIMEOUT_SLACK_MS: u64 = 50;
+
+/// What the root does with a detached call's answer: the store operation (None: the record
+/// stays as it is, in flight until its lease ends), what to count when it is done, and the
+/// reply for a client that is still there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub op: Option<StoreOp>,
+    pub done: Counter,
+    pub reply: Reply,
+}
+
+pub fn outcome(rule: &Rule, claim: Claim, answer: Answer, now_ms: u64) -> Outcome {
+    let (status, headers, body) = match answer {
+        Answer::Answered { status, headers, body } => (status, headers, body),
+        Answer::Unknown { timed_out } => {
+            return Outcome { op: None, done: Counter::KeptUnknown, reply: unknown_reply(rule, timed_out) }
+        }
+    };
+    let report = StreamReport { details: Some(VIA_UPSTREAM), flags: 0, upstream_selected: true };
+    let reply = first_reply(status, &headers, body.clone());
+    match plan_response(rule, Some(status), report) {
+        ResponsePlan::Capture { state, status } => {
+            let fits = body.len() as u64 <= rule.max_response_bytes;
+            let snapshot = fits.then(|| Snapshot {
+                status,
+                headers: engine::snapshot_headers(headers, &rule.replay_exclude_headers),
+                body,
+            });
+            let done = if fits { Counter::Stored } else { Counter::ResponseNotStored };
+            let completion = Completion { state, status, snapshot, now_ms, ttl_ms: rule.ttl_ms };
+            Outcome { op: Some(StoreOp::Complete { claim, completion }), done, reply }
+        }
+        ResponsePlan::Release => {
+            Outcome { op: Some(StoreOp::Release(claim)), done: Counter::Released, reply }
+        }
+        // Not reached for an answer with a status; kept for completeness.
+        ResponsePlan::Keep => Outcome { op: None, done: Counter::KeptUnknown, reply },
+    }
+}
+
+/// The upstream's answer as its client's first response: status, headers and body as they
+/// came, without the replay marker. Like a replay, its `content-type` and `content-length` are
+/// put back if Envoy's local-reply path changes them.
+fn first_reply(status: u16, headers: &[(String, Vec<u8>)], body: Vec<u8>) -> Reply {
+    let find = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+    let replay_shape =
+        ReplayShape { content_type: find("content-type"), content_length: find("content-length") };
+    let headers = headers.iter().filter(|(n, _)| !n.starts_with(':') && !hop_by_hop(n)).cloned().collect();
+    Reply { status, headers, body, replay_shape: Some(replay_shape) }
+}
+
+/// A 5xx for the client whose call's outcome is unknown: 504 when `upstream_timeout` passed,
+/// 502 when the call failed after it may have been sent.
+fn unknown_reply(rule: &Rule, timed_out: bool) -> Reply {
+    let (status, what) = if timed_out {
+        (504, "the upstream did not answer within upstream_timeout")
+    } else {
+        (502, "the call to the upstream failed after it may have been sent")
+    };
+    let detail = format!(
+        "{what}: whether the request executed is unknown. Retries with this Idempotency-Key get 409 \
+         until processing_timeout ({} s) ends; reconcile with the upstream before retrying",
+        rule.processing_timeout_ms.div_ceil(1000)
+    );
+    Reply::problem(&Problem::new(Kind::OutcomeUnknown, status, detail))
+}
+
+/// 503 for a claimed request no detached call could be made for (the worker carries
+/// `max_detached_calls` already, or Envoy refused the call); its claim is released, so a retry
+/// executes.
+pub fn refused_reply(why: &str) -> Reply {
+    let detail = format!("{why}; nothing was sent upstream, retry later with the same Idempotency-Key");
+    Reply::problem(&Problem::new(Kind::DetachedCapacity, 503, detail).retry_after_ms(1000))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // a failing unwrap is a failing test
+mod tests {
+    use super::*;
+    use crate::config::parse;
+    use crate::identity::scope::ScopeId;
+    use crate::store::record::State;
+
+    fn rule(extra: &str) -> Rule {
+        let json = format!(
+            r#"{{"routes":[{{"name":"r","match":{{"prefix":"/"}},"execution":"detached"{extra}}}]}}"#
+        );
+        (*parse(json.as_bytes()).unwrap().rules[0]).clone()
+    }
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+        list.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
+    }
+
+    const CLAIM: Claim = Claim { scope: ScopeId([1; 32]), owner: 7, locator: 3 };
+
+    #[test]
+    fn the_call_carries_the_clients_head_without_connection_headers() {
+        let request = pairs(&[
+            (":authority", "shop.example"),
+            (":path", "/orders?x=1"),
+            (":method", "POST"),
+            (":scheme", "https"),
+            ("content-type", "application/json"),
+            ("content-length", "12"),
+            ("connection", "keep-alive"),
+            ("transfer-encoding", "chunked"),
+            ("idempotency-key", "k"),
+            ("x-custom", "a"),
+            ("x-custom", "b"),
+        ]);
+        assert_eq!(
+            call_headers(request).unwrap(),
+            pairs(&[
+                (":method", "POST"),
+                (":path", "/orders?x=1"),
+                (":authority", "shop.example"),
+                ("content-type", "application/json"),
+                ("idempotency-key", "k"),
+                ("x-custom", "a"),
+                ("x-custom", "b"),
+            ])
+        );
+        assert_eq!(call_headers(pairs(&[(":method", "POST"), (":path", "/")])), None);
+    }
+
+    #[test]
+    fn an_upstream_504_before_the_timeout_is_an_answer_and_at_it_the_timeout() {
+        assert_eq!(classify(Some(504), 100, 5_000), Some(504));
+        assert_eq!(classify(Some(504), 4_960, 5_000), None);
+        assert_eq!(classify(Some(504), 6_000, 5_000), None);
+        assert_eq!(classify(Some(201), 6_000, 5_000), Some(201));
+        assert_eq!(classify(None, 10, 5_000), None);
+    }
+
+    #[test]
+    fn an_answer_is_recorded_and_sent_as_it_came() {
+        let r = rule("");
+        let headers = pairs(&[
+            (":status", "201"),
+            ("content-type", "application/json"),
+            ("x-a", "1"),
+            ("transfer-encoding", "chunked"),
+        ]);
+        let out = outcome(&r, CLAIM, Answer::Answered { status: 201, headers, body: b"{}".to_vec() }, 50);
+        let Some(StoreOp::Complete { claim, completion }) = &out.op else { panic!("{out:?}") };
+        assert_eq!(*claim, CLAIM);
+        assert_eq!((completion.state, completion.status, completion.now_ms), (State::Succeeded, 201, 50));
+        let snapshot = completion.snapshot.as_ref().unwrap();
+        assert_eq!(snapshot.body, b"{}");
+        assert_eq!(snapshot.headers, pairs(&[("content-type", "application/json"), ("x-a", "1")]));
+        assert_eq!(out.done, Counter::Stored);
+        assert_eq!(out.reply.status, 201);
+        assert_eq!(out.reply.headers, pairs(&[("content-type", "application/json"), ("x-a", "1")]));
+        assert!(!out.reply.headers.iter().any(|(n, _)| n == engine::REPLAYED_HEADER));
+        assert_eq!(out.reply.body, b"{}");
+    }
+
+    #[test]
+    fn a_body_over_max_response_bytes_reaches_the_client_but_is_not_stored() {
+        let r = rule(r#","max_response_bytes":4"#);
+        let out = outcome(&r, CLAIM, Answer::Answered { status: 200, headers: vec![], body: vec![7; 5] }, 0);
+        let Some(StoreOp::Complete { completion, .. }) = &out.op else { panic!("{out:?}") };
+        assert_eq!(completion.snapshot, None);
+        assert_eq!(out.done, Counter::ResponseNotStored);
+        assert_eq!(out.reply.body, vec![7; 5]);
+    }
+
+    #[test]
+    fn a_released_status_releases_and_an_unknown_outcome_keeps_the_claim() {
+        let r = rule("");
+        let out = outcome(&r, CLAIM, Answer::Answered { status: 503, headers: vec![], body: vec![] }, 0);
+        assert_eq!(
+            (out.op, out.done, out.reply.status),
+            (Some(StoreOp::Release(CLAIM)), Counter::Released, 503)
+        );
+        for (timed_out, status) in [(true, 504), (false, 502)] {
+            let out = outcome(&r, CLAIM, Answer::Unknown { timed_out }, 0);
+            assert_eq!((out.op, out.done, out.reply.status), (None, Counter::KeptUnknown, status));
+            assert!(String::from_utf8_lossy(&out.reply.body).contains("outcome-unknown"));
+        }
+    }
+}

@@ -33,7 +33,8 @@ Admin endpoints (not executions):
     GET  /_admin/executions            {"total": n, "by_key": {key: count}, "by_path": {path: count}}
     GET  /_admin/executions?key=K      {"key": K, "count": c}
     GET  /_admin/executions?path=P     {"path": P, "count": c}
-    GET  /_admin/requests[?key=K]      [{"n", "method", "path", "key", "body_sha256", "received_bytes"}]
+    GET  /_admin/requests[?key=K]      [{"n", "method", "path", "key", "body_sha256", "received_bytes",
+                                        "headers": [[lowercase name, value], ...]}]
     POST /_admin/reset                 zero everything
     GET  /_admin/health                200
 
@@ -84,7 +85,8 @@ class State:
         self.by_path: dict[str, int] = collections.Counter()
         self.requests: collections.deque = collections.deque(maxlen=_MAX_REMEMBERED)
 
-    def record(self, method: str, path: str, key: str, body: bytes) -> int:
+    def record(self, method: str, path: str, key: str, body: bytes,
+               headers: list[tuple[str, str]] | None = None) -> int:
         with self.lock:
             self.total += 1
             n = self.total
@@ -98,6 +100,7 @@ class State:
                     "key": key,
                     "body_sha256": hashlib.sha256(body).hexdigest(),
                     "received_bytes": len(body),
+                    "headers": [[k.lower(), v] for k, v in (headers or [])],
                 }
             )
             return n
@@ -235,7 +238,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def _execute(self, path: str, body: bytes) -> None:
         keys = self.headers.get_all(KEY_HEADER) or []
         key = ", ".join(keys)
-        n = STATE.record(self.command, path, key, body)
+        n = STATE.record(self.command, path, key, body, list(self.headers.items()))
         with STATE.lock:
             first_of_key = STATE.by_key[key] == 1
 

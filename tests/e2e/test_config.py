@@ -68,6 +68,12 @@ BAD = {
     "wait-timeout-over-5m": (_mutate(lambda c: c["routes"][0].update(concurrent="wait",
                                                                      wait_timeout="1h")),
                              ["routes[0].wait_timeout"]),
+    # Issue 19: a detached call still running when its lease ends could be taken over and run twice.
+    "detached-upstream-timeout-at-the-lease": (
+        _mutate(lambda c: c["routes"][0].update(execution="detached", upstream_timeout="30s")),
+        ["routes[0].upstream_timeout"]),
+    "unknown-execution": (_mutate(lambda c: c["routes"][0].update(execution="background")),
+                          ["routes[0].execution"]),
     "not-json": ("{not json", []),
 }
 

@@ -4,6 +4,7 @@ loses nothing (the records are in etcd, not in the Envoy)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import pytest
@@ -16,7 +17,10 @@ BODY = b'{"item":"book","qty":1}'
 FILTER_CONFIG = {
     "store": harness.etcd_store(prefix="/e2e-fleet/"),
     "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
-                "processing_timeout": "30s"}],
+                "processing_timeout": "30s"},
+               # Issue 19: detached execution across the fleet.
+               {"name": "pay", "match": {"prefix": "/pay"}, "require_key": True,
+                "execution": "detached", "processing_timeout": "30s", "upstream_timeout": "10s"}],
 }
 
 
@@ -97,4 +101,22 @@ def test_an_envoy_restart_loses_nothing(fleet, envoy_bin, filter_wasm, upstream,
     again = fresh.post("/orders", BODY, key_headers(key))
     assert again.status == 201 and again.replayed
     assert again.body == first.body
+    assert upstream.executions(key) == 1
+
+
+def test_detached_a_client_that_leaves_envoy_a_gets_the_replay_from_envoy_b(fleet, upstream):
+    """The client leaves Envoy a while the upstream works; Envoy a's root records the answer in
+    etcd, and the retry that lands on Envoy b is the replay: one execution."""
+    a, b = fleet
+    key = new_key()
+    data = harness.build_request("POST", "/pay", key_headers(key, **{"x-delay-ms": "800"}), BODY)
+    client = socket.create_connection(("127.0.0.1", a.port), timeout=10)
+    client.sendall(data)
+    harness.wait_until(lambda: upstream.executions(key) == 1, 5, what="the execution")
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    client.close()
+    harness.wait_until(lambda: b.post("/pay", BODY, key_headers(key)).status != 409, 10,
+                       interval=0.2, what="the record written by Envoy a")
+    retry = b.post("/pay", BODY, key_headers(key))
+    assert retry.status == 201 and retry.replayed, retry
     assert upstream.executions(key) == 1

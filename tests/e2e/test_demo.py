@@ -139,7 +139,7 @@ def test_readme_quickstart_lines_work_against_make_run(envoy_bin):
     if shutil.which("curl") is None:
         pytest.fail("curl not found: the README's lines need it (`make e2e` installs it)", pytrace=False)
     env, commands = curl_steps()
-    assert list(env) == ["K"] and len(commands) == 5, commands
+    assert list(env) == ["K"] and len(commands) == 6, commands
     demo = Demo(envoy_bin)
     try:
         pids = demo.pids()
@@ -163,8 +163,18 @@ def test_readme_quickstart_lines_work_against_make_run(envoy_bin):
         assert re.search(r"^HTTP/1\.1 409 ", out, re.M) and "request-in-flight" in out, out
         assert "slow call: 201" in out, out
 
+        # The client gave up (curl's own timeout: no status); the root finished the payment, and
+        # the retry is its replay.
+        out = run(commands[4], env)
+        assert "gave up: 000" in out, out
+        status, headers, body = response(out[out.index("HTTP/1.1"):])
+        assert (status, headers.get("idempotent-replayed")) == (201, "true"), out
+        pays = subprocess.run(["curl", "-s", "localhost:8080/_admin/executions?key=%s-pay" % env["K"]],
+                              capture_output=True, text=True, timeout=10).stdout
+        assert '"count": 1' in pays, pays
+
         series = dict(re.findall(r'^(idempotency_requests\{route="orders",outcome="\w+"\}) (\d+)$',
-                                 run(commands[4], env), re.M))
+                                 run(commands[5], env), re.M))
         for outcome in ("claimed", "replayed", "mismatch", "in_flight"):
             assert int(series['idempotency_requests{route="orders",outcome="%s"}' % outcome]) >= 1
     finally:

@@ -12,6 +12,7 @@ Processes (all the same Envoy binary, each with --concurrency 1 --disable-hot-re
             6 naive       a naive idempotency filter (bench/naive-filter), new key per request
             7 etcd-new    the filter with the etcd store, new key per request
             8 etcd-replay the filter with the etcd store, replay of a stored key
+            9 detached-new the filter, new key per request, with `execution: "detached"`
   etcd      (scenarios 7 and 8) one real etcd member on free loopback ports, started and
             stopped by the bench (idemkit/etcd.py), data directory removed at the end.
   mem       (memory phase) one more proxy with the filter, ttl 5s, fed 1,000,000 distinct keys.
@@ -69,8 +70,10 @@ FILTER_CONFIG = {
 
 
 def filter_config(ttl: str | None = None, processing_timeout: str | None = None,
-                  store: dict | None = None) -> str:
+                  store: dict | None = None, execution: str | None = None) -> str:
     cfg = json.loads(json.dumps(FILTER_CONFIG))
+    if execution:
+        cfg["routes"][0]["execution"] = execution
     if store is not None:
         cfg["store"] = store
     if ttl:
@@ -303,7 +306,12 @@ class Bench:
             Scenario(5, "replay", "filter, replay of a stored key (no upstream)", ORDERS, "replay",
                      lambda: [wasm_filter(wasm, "idempotency", cfg)], "replay", "local"),
         ]
-        self.filter_configs = {3: cfg, 4: cfg4, 5: cfg}
+        # Scenario 4 with detached execution: the root's callout carries every new key.
+        cfg9 = filter_config(ttl=self.new_key_ttl, processing_timeout=self.new_key_ttl, execution="detached")
+        self.scenarios.append(
+            Scenario(9, "detached-new", "filter, new key per request, detached execution", ORDERS, "unique",
+                     lambda: [wasm_filter(wasm, "idempotency", cfg9)], "new", "local"))
+        self.filter_configs = {3: cfg, 4: cfg4, 5: cfg, 9: cfg9}
         if a.naive_wasm:
             naive = rel(a.naive_wasm)
             self.scenarios.append(

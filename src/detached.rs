@@ -60,25 +60,47 @@ pub fn call_headers(request: Vec<(String, Vec<u8>)>) -> Option<Vec<(String, Vec<
 /// What came back from a detached call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Answer {
-    /// The upstream answered (its headers include `:status`).
+    /// The upstream answered.
     Answered { status: u16, headers: Vec<(String, Vec<u8>)>, body: Vec<u8> },
-    /// No answer after the request may have been sent: the call failed (reset, an answer over
+    /// Envoy answered for an upstream it never sent the request to (no connection, no healthy
+    /// host): the status, headers and body of its own reply.
+    NeverSent { status: u16, headers: Vec<(String, Vec<u8>)>, body: Vec<u8> },
+    /// No answer after the request may have been sent: the call failed (a reset, an answer over
     /// the async client's limit) or `upstream_timeout` passed. Whether it executed is unknown.
     Unknown { timed_out: bool },
 }
 
-/// Envoy answers a callout that outlived its timeout with a synthesized 504; an upstream's own
-/// 504 that comes sooner than `upstream_timeout` is a real answer. A 504 at or after the timeout
-/// is read as the timeout (an upstream 504 that slow is as uncertain).
-pub fn classify(status: Option<u16>, elapsed_ms: u64, upstream_timeout_ms: u64) -> Option<u16> {
-    match status {
-        Some(504) if elapsed_ms.saturating_add(TIMEOUT_SLACK_MS) >= upstream_timeout_ms => None,
-        other => other,
+/// Envoy's router puts this header on every response it received from an upstream (the async
+/// client's router too); a reply Envoy made itself (its timeout, a reset, no connection) has
+/// none. Measured on Envoy 1.40: a reset after the upstream read the request came back as a
+/// 503 `upstream connect error or disconnect/reset before headers. reset reason: connection
+/// termination` without it, an answer with it.
+pub const UPSTREAM_SERVICE_TIME: &str = "x-envoy-upstream-service-time";
+
+/// Reasons in Envoy's own reply that prove no upstream connection carried the request (as
+/// `settlement.rs` reads them in `response.code_details` inline).
+const NEVER_SENT_REASONS: &[&str] = &[
+    "reset reason: connection failure",
+    "reset reason: remote connection failure",
+    "reset reason: local connection failure",
+    "reset reason: overflow",
+];
+
+/// Reads a callout's answer: `status` None is Envoy's report of a failed call (no headers).
+pub fn answer_of(status: Option<u16>, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Answer {
+    let Some(status) = status else { return Answer::Unknown { timed_out: false } };
+    if headers.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME) {
+        return Answer::Answered { status, headers, body };
+    }
+    let text = String::from_utf8_lossy(&body);
+    let never_sent = text == "no healthy upstream" || NEVER_SENT_REASONS.iter().any(|r| text.ends_with(r));
+    if never_sent {
+        Answer::NeverSent { status, headers, body }
+    } else {
+        // Envoy's timeout (504 `upstream request timeout`) or a reset after sending.
+        Answer::Unknown { timed_out: status == 504 }
     }
 }
-
-/// Timer resolution between Envoy's callout timeout and the clock read that follows it.
-const TIMEOUT_SLACK_MS: u64 = 50;
 
 /// What the root does with a detached call's answer: the store operation (None: the record
 /// stays as it is, in flight until its lease ends), what to count when it is done, and the
@@ -93,6 +115,10 @@ pub struct Outcome {
 pub fn outcome(rule: &Rule, claim: Claim, answer: Answer, now_ms: u64) -> Outcome {
     let (status, headers, body) = match answer {
         Answer::Answered { status, headers, body } => (status, headers, body),
+        Answer::NeverSent { status, headers, body } => {
+            let reply = first_reply(status, &headers, body);
+            return Outcome { op: Some(StoreOp::Release(claim)), done: Counter::Released, reply };
+        }
         Answer::Unknown { timed_out } => {
             return Outcome { op: None, done: Counter::KeptUnknown, reply: unknown_reply(rule, timed_out) }
         }
@@ -206,12 +232,39 @@ mod tests {
     }
 
     #[test]
-    fn an_upstream_504_before_the_timeout_is_an_answer_and_at_it_the_timeout() {
-        assert_eq!(classify(Some(504), 100, 5_000), Some(504));
-        assert_eq!(classify(Some(504), 4_960, 5_000), None);
-        assert_eq!(classify(Some(504), 6_000, 5_000), None);
-        assert_eq!(classify(Some(201), 6_000, 5_000), Some(201));
-        assert_eq!(classify(None, 10, 5_000), None);
+    fn only_an_answer_envoy_received_from_the_upstream_is_one() {
+        let upstream = |status: &str| pairs(&[(":status", status), (UPSTREAM_SERVICE_TIME, "3")]);
+        let envoys = pairs(&[(":status", "503"), ("content-type", "text/plain")]);
+        // The upstream's own 504 and 503 are answers.
+        for status in [504, 503, 201] {
+            let got = answer_of(Some(status), upstream(&status.to_string()), b"x".to_vec());
+            assert!(matches!(got, Answer::Answered { status: s, .. } if s == status), "{got:?}");
+        }
+        // Envoy's timeout, and its reply to a reset after the request was sent: unknown.
+        assert_eq!(
+            answer_of(Some(504), pairs(&[(":status", "504")]), b"upstream request timeout".to_vec()),
+            Answer::Unknown { timed_out: true }
+        );
+        let reset = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
+        assert_eq!(
+            answer_of(Some(503), envoys.clone(), reset.to_vec()),
+            Answer::Unknown { timed_out: false }
+        );
+        // Its reply when no connection carried the request: never sent, released.
+        let refused = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure";
+        let never = answer_of(Some(503), envoys.clone(), refused.to_vec());
+        assert!(matches!(never, Answer::NeverSent { status: 503, .. }));
+        let out = outcome(&rule(""), CLAIM, never, 0);
+        assert_eq!(
+            (out.op, out.done, out.reply.body),
+            (Some(StoreOp::Release(CLAIM)), Counter::Released, refused.to_vec())
+        );
+        assert!(matches!(
+            answer_of(Some(503), envoys, b"no healthy upstream".to_vec()),
+            Answer::NeverSent { .. }
+        ));
+        // A failed call (no :status).
+        assert_eq!(answer_of(None, vec![], vec![]), Answer::Unknown { timed_out: false });
     }
 
     #[test]

@@ -1775,10 +1775,22 @@ mod detached_tests {
         (http, call)
     }
 
+    /// The upstream's answer, as Envoy's router hands it over (with its service time).
     fn answers(h: &FakeHost, status: &str, body: &[u8]) {
-        *h.0.call_response_headers.borrow_mut() =
-            pairs(&[(":status", status), ("content-type", "application/json"), ("x-order", "7")]);
+        *h.0.call_response_headers.borrow_mut() = pairs(&[
+            (":status", status),
+            ("content-type", "application/json"),
+            ("x-order", "7"),
+            ("x-envoy-upstream-service-time", "3"),
+        ]);
         *h.0.call_response_body.borrow_mut() = body.to_vec();
+    }
+
+    /// Envoy's own 504 when `upstream_timeout` passed.
+    fn times_out(h: &FakeHost) {
+        *h.0.call_response_headers.borrow_mut() =
+            pairs(&[(":status", "504"), ("content-type", "text/plain")]);
+        *h.0.call_response_body.borrow_mut() = b"upstream request timeout".to_vec();
     }
 
     fn token(call: &Option<Call>) -> u32 {
@@ -1868,7 +1880,7 @@ mod detached_tests {
         let mut root = root(&h);
         let (_http, call) = posted(&h, &mut root, 2, "k3");
         h.0.now_ms.set(1_000 + 4_000);
-        answers(&h, "504", b"upstream request timeout");
+        times_out(&h);
         root.on_http_call_response(token(&call), 24);
         assert_eq!((h.counter("kept_unknown"), h.counter("stored")), (1, 0));
         let sent = sent_to(&h, 2);
@@ -2015,7 +2027,8 @@ mod detached_model {
                                 Call::Dispatch { token, .. } => Some(*token),
                                 _ => None,
                             });
-                            *h.0.call_response_headers.borrow_mut() = pairs(&[(":status", status)]);
+                            *h.0.call_response_headers.borrow_mut() =
+                                pairs(&[(":status", status), ("x-envoy-upstream-service-time", "1")]);
                             *h.0.call_response_body.borrow_mut() = b"{}".to_vec();
                             h.0.now_ms.set(h.0.now_ms.get() + 50);
                             root.on_http_call_response(token.unwrap_or(0), 2);

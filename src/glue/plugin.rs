@@ -108,8 +108,6 @@ pub struct DetachedCall {
     pub timeout_ms: u32,
     /// Where the root tells the stream how it was resolved, before answering it.
     pub handle: WaitHandle,
-    /// When the call was made: Envoy's timeout is told from an upstream's 504 by it.
-    pub sent_at_ms: u64,
 }
 
 /// First wait before a settlement is started again, doubled after each failure up to
@@ -523,7 +521,6 @@ impl<H: Host> PluginState<H> {
             body,
             timeout_ms: u32::try_from(*upstream_timeout_ms).unwrap_or(u32::MAX),
             handle,
-            sent_at_ms: 0,
         })));
         Ok(())
     }

@@ -413,7 +413,6 @@ fn dispatch_detached<H: Host>(plugin: &PluginState<H>, mut call: Box<DetachedCal
     let headers: Vec<(&str, &[u8])> = call.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
     match host.dispatch_http_call(&call.cluster, &headers, &call.body, call.timeout_ms) {
         Ok(token) => {
-            call.sent_at_ms = host.now_ms();
             // Envoy has its copy; the worker holds the answer next.
             call.body = Vec::new();
             plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Detached(call));
@@ -474,22 +473,16 @@ fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_
         Ok(Some(v)) => std::str::from_utf8(&v).ok().and_then(|s| s.parse::<u16>().ok()),
         Ok(None) | Err(_) => None,
     };
-    let elapsed_ms = now_ms.saturating_sub(call.sent_at_ms);
-    let answer = match detached::classify(status, elapsed_ms, u64::from(call.timeout_ms)) {
-        None => detached::Answer::Unknown { timed_out: status == Some(504) },
-        Some(status) => {
-            let headers = host.header_pairs(MAP_HTTP_CALL_RESPONSE_HEADERS);
-            let body = if body_size == 0 {
-                Ok(Vec::new())
-            } else {
-                host.buffer(BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size)
-            };
-            match (headers, body) {
-                (Ok(headers), Ok(body)) => detached::Answer::Answered { status, headers, body },
-                // The upstream answered, but its answer cannot be read: what it said is unknown.
-                _ => detached::Answer::Unknown { timed_out: false },
-            }
-        }
+    let headers = host.header_pairs(MAP_HTTP_CALL_RESPONSE_HEADERS);
+    let body = if body_size == 0 {
+        Ok(Vec::new())
+    } else {
+        host.buffer(BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size)
+    };
+    let answer = match (headers, body) {
+        (Ok(headers), Ok(body)) => detached::answer_of(status, headers, body),
+        // An answer that cannot be read: what it said is unknown.
+        _ => detached::Answer::Unknown { timed_out: false },
     };
     let DetachedCall { context_id, claim, rule, handle, .. } = call;
     let out = detached::outcome(&rule, claim, answer, now_ms);

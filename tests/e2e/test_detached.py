@@ -40,6 +40,8 @@ FILTER_CONFIG = {
         _rule("waitpay", "/waitpay", concurrent="wait", wait_timeout="10s"),
         # Envoy's own 504 after 1 s (the route's max_stream_duration) while the upstream works on.
         _rule("msd", "/msd"),
+        # The harness routes /unreachable to a port that refuses connections.
+        _rule("unreachable", "/unreachable"),
     ],
 }
 ENVOY_OPTIONS = {
@@ -169,3 +171,25 @@ def test_concurrent_new_keys_each_execute_once(envoy, upstream):
         t.join(20)
     assert all(results[k].status == 201 and not results[k].replayed for k in keys), results
     assert all(upstream.executions(k) == 1 for k in keys)
+
+
+def test_an_upstream_reset_after_the_request_was_sent_is_an_unknown_outcome(envoy, upstream):
+    """The upstream read the request (it executed) and dropped the connection without an answer.
+    Envoy answers the callout with its own 503: that is no upstream answer, and releasing the
+    claim would let the retry execute again."""
+    key = new_key()
+    first = _post(envoy, "/pay", key, **{"x-reset": "before-headers"})
+    assert first.status in (502, 503, 504), first
+    assert upstream.executions(key) == 1
+    retry = _post(envoy, "/pay", key)
+    assert retry.status == 409, retry
+    assert upstream.executions(key) == 1
+
+
+def test_an_upstream_that_cannot_be_reached_is_released(envoy, upstream):
+    """Nothing was sent (connection refused): the claim is given back and a retry executes."""
+    key = new_key()
+    first = envoy.post("/unreachable/pay", BODY, key_headers(key))
+    assert first.status == 503, first
+    retry = envoy.post("/unreachable/pay", BODY, key_headers(key))
+    assert retry.status == 503 and not retry.replayed, retry

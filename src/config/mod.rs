@@ -369,65 +369,81 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
 
 /// A detached call holds its request body and then its response in the worker's memory, so
 /// the calls in flight times the largest request and response a detached rule admits is memory
-/// one worker may have to hold. An explicit value over the budget is refused; the default
-/// shrinks to fit it.
+/// one worker may have to hold.
 fn max_detached_calls(top: &Obj, rules: &[Rc<Rule>]) -> Res<u32> {
     let largest = rules
         .iter()
         .filter(|r| matches!(r.execution, Execution::Detached { .. }))
         .map(|r| r.max_request_bytes.saturating_add(r.max_response_bytes))
         .max();
-    let fits = |n: u64| largest.is_none_or(|b| n.saturating_mul(b) <= DETACHED_MEMORY_BUDGET);
-    let n = match optional(top, "", "max_detached_calls", |v, f| uint(v, f, 1, MAX_DETACHED_CALLS_LIMIT))? {
-        Some(n) if !fits(n) => {
-            return Err(err(
-                "max_detached_calls",
-                format!(
-                    "{n} calls x {} bytes (the largest max_request_bytes + max_response_bytes of a \
-                     detached rule) exceeds the {} MiB a worker may hold for detached calls",
-                    largest.unwrap_or(0),
-                    DETACHED_MEMORY_BUDGET >> 20
-                ),
-            ))
-        }
-        Some(n) => n,
-        None => match largest {
-            Some(b) => DEFAULT_MAX_DETACHED_CALLS.min(DETACHED_MEMORY_BUDGET / b).max(1),
-            None => DEFAULT_MAX_DETACHED_CALLS,
-        },
-    };
-    u32::try_from(n).map_err(|_| err("max_detached_calls", "out of range"))
+    memory_bounded(top, &DETACHED_CALLS, largest)
 }
 
 /// Held requests keep their bodies in Envoy's buffers, so the number of waiters times the
-/// largest body a wait rule admits is memory one worker may have to hold. An explicit value over
-/// the budget is refused; the default shrinks to fit it.
+/// largest body a wait rule admits is memory one worker may have to hold.
 fn max_waiters(top: &Obj, rules: &[Rc<Rule>]) -> Res<u32> {
     let largest_body = rules
         .iter()
         .filter(|r| matches!(r.concurrency, Concurrency::Wait { .. }))
         .map(|r| r.max_request_bytes)
         .max();
-    let fits = |n: u64| largest_body.is_none_or(|b| n.saturating_mul(b) <= WAITER_MEMORY_BUDGET);
-    let n = match optional(top, "", "max_waiters", |v, f| uint(v, f, 1, MAX_WAITERS_LIMIT))? {
+    memory_bounded(top, &WAITERS, largest_body)
+}
+
+/// A per-worker count of things that each hold up to the largest body of some rules.
+struct MemoryBound {
+    field: &'static str,
+    /// Plural noun of what is counted, and what the largest size is.
+    things: &'static str,
+    size: &'static str,
+    budget: u64,
+    default: u64,
+    limit: u64,
+}
+
+const WAITERS: MemoryBound = MemoryBound {
+    field: "max_waiters",
+    things: "waiters",
+    size: "request bytes (the largest max_request_bytes of a wait rule)",
+    budget: WAITER_MEMORY_BUDGET,
+    default: DEFAULT_MAX_WAITERS,
+    limit: MAX_WAITERS_LIMIT,
+};
+
+const DETACHED_CALLS: MemoryBound = MemoryBound {
+    field: "max_detached_calls",
+    things: "detached calls",
+    size: "bytes (the largest max_request_bytes + max_response_bytes of a detached rule)",
+    budget: DETACHED_MEMORY_BUDGET,
+    default: DEFAULT_MAX_DETACHED_CALLS,
+    limit: MAX_DETACHED_CALLS_LIMIT,
+};
+
+/// The count times `largest` (None: no rule holds anything) must fit the budget: an explicit
+/// value over it is refused; the default shrinks to fit it.
+fn memory_bounded(top: &Obj, b: &MemoryBound, largest: Option<u64>) -> Res<u32> {
+    let fits = |n: u64| largest.is_none_or(|size| n.saturating_mul(size) <= b.budget);
+    let n = match optional(top, "", b.field, |v, f| uint(v, f, 1, b.limit))? {
         Some(n) if !fits(n) => {
             return Err(err(
-                "max_waiters",
+                b.field,
                 format!(
-                    "{n} waiters x {} request bytes (the largest max_request_bytes of a wait rule) \
-                     exceeds the {} MiB a worker may hold for waiters",
-                    largest_body.unwrap_or(0),
-                    WAITER_MEMORY_BUDGET >> 20
+                    "{n} {} x {} {} exceeds the {} MiB a worker may hold for {}",
+                    b.things,
+                    largest.unwrap_or(0),
+                    b.size,
+                    b.budget >> 20,
+                    b.things
                 ),
             ))
         }
         Some(n) => n,
-        None => match largest_body {
-            Some(b) => DEFAULT_MAX_WAITERS.min(WAITER_MEMORY_BUDGET / b).max(1),
-            None => DEFAULT_MAX_WAITERS,
+        None => match largest {
+            Some(size) => b.default.min(b.budget / size).max(1),
+            None => b.default,
         },
     };
-    u32::try_from(n).map_err(|_| err("max_waiters", "out of range"))
+    u32::try_from(n).map_err(|_| err(b.field, "out of range"))
 }
 
 fn jwt_principal(v: &Value, path: &str) -> Res<JwtPrincipal> {

@@ -401,6 +401,7 @@ pub fn decision_of(cfg: &Config, pending: &Pending, begun: Result<Begin, StoreEr
             p.headers.push((ORIGINAL_STATUS_HEADER, status.to_string()));
             respond_problem(p)
         }
+        Ok(Begin::OutcomeUnknown) => respond_problem(outcome_unknown()),
         Ok(Begin::Mismatch) => respond_problem(Problem::new(
             Kind::PayloadMismatch,
             statuses.mismatch,
@@ -432,6 +433,19 @@ pub fn decision_of(cfg: &Config, pending: &Pending, begun: Result<Begin, StoreEr
             respond_problem(store_unavailable())
         }
     }
+}
+
+/// 502 for a retry of a record completed as "outcome unknown" (`unknown_outcome: "refuse"`).
+/// 502 because the gateway has no valid answer from the upstream to give, and did not send the
+/// request again; no `retry-after`, since retrying with this key never gets another answer.
+pub fn outcome_unknown() -> Problem {
+    Problem::new(
+        Kind::OutcomeUnknown,
+        502,
+        "the request first sent with this Idempotency-Key may have executed, but its outcome is unknown (the \
+         upstream timed out or the connection was lost); it will not be executed again with this key. Reconcile \
+         with the upstream (check whether it took effect), then send a new Idempotency-Key if it must run",
+    )
 }
 
 /// 503 with `retry-after`: the store failed or did not answer in time. Fail closed: nothing
@@ -650,6 +664,28 @@ pub(crate) mod tests {
         assert_eq!((r.status, r.body.as_slice()), (201, &b"{\"id\":7}"[..]));
         assert_eq!(header(&r, "x-id"), Some(&b"7"[..]));
         assert_eq!(header(&r, REPLAYED_HEADER), Some(&b"true"[..]));
+    }
+
+    #[test]
+    fn an_outcome_unknown_record_is_refused_with_502_and_never_executed() {
+        let w = World::new();
+        let p = pending(&[("idempotency-key", "k")]);
+        let claim = forward(w.decide(&p, b"x", 0, 1));
+        w.store().complete(&claim, &Completion::outcome_unknown(5, 1000)).unwrap();
+        for now in [6, 1004] {
+            let (r, counter) = reply(w.decide(&p, b"x", now, 2));
+            assert_eq!((r.status, counter), (502, Counter::UnknownRefused), "at {now}");
+            assert_eq!(header(&r, "content-type"), Some(&b"application/problem+json"[..]));
+            // Retrying with this key never gets another answer: no retry-after.
+            assert_eq!(header(&r, "retry-after"), None);
+            let body = String::from_utf8_lossy(&r.body);
+            assert!(body.contains("\"type\":\"urn:idempotency-filter:outcome-unknown\""), "{body}");
+            assert!(body.contains("Reconcile with the upstream"), "{body}");
+        }
+        let (_, counter) = reply(w.decide(&p, b"other", 7, 3));
+        assert_eq!(counter, Counter::Mismatch);
+        // After the ttl the key is free again.
+        assert!(matches!(w.decide(&p, b"x", 1005, 4), Decision::Forward { counter: Counter::Claimed, .. }));
     }
 
     #[test]

@@ -63,10 +63,17 @@ pub enum Counter {
     /// worker carries `max_detached_calls` already, or Envoy refused the call): 503, its claim
     /// released, nothing sent upstream.
     DetachedRefused,
+    /// The outcome of a forwarded request is unknown (timeout, reset after it was sent, client
+    /// gone while the upstream worked) and its rule has `unknown_outcome: "refuse"`: the record
+    /// was completed as "outcome unknown", so no retry executes it again within the ttl.
+    /// Someone must reconcile with the upstream: alert on it.
+    OutcomeUnknown,
+    /// A retry of a record completed as "outcome unknown": 502 `outcome-unknown`, not executed.
+    UnknownRefused,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 28] = [
+    pub const ALL: [Counter; 30] = [
         Counter::PassedThrough,
         Counter::Claimed,
         Counter::TakenOver,
@@ -95,6 +102,8 @@ impl Counter {
         Counter::SettlementAbandoned,
         Counter::PrincipalIncomplete,
         Counter::DetachedRefused,
+        Counter::OutcomeUnknown,
+        Counter::UnknownRefused,
     ];
 
     pub fn name(self) -> &'static str {
@@ -127,6 +136,8 @@ impl Counter {
             Counter::SettlementAbandoned => "settlement_abandoned",
             Counter::PrincipalIncomplete => "principal_incomplete",
             Counter::DetachedRefused => "detached_refused",
+            Counter::OutcomeUnknown => "outcome_unknown",
+            Counter::UnknownRefused => "unknown_refused",
         }
     }
 
@@ -154,7 +165,7 @@ impl Counter {
             Kind::QuotaExceeded => Counter::QuotaExceeded,
             Kind::GrpcNotSupported => Counter::GrpcRefused,
             Kind::PrincipalIncomplete => Counter::PrincipalIncomplete,
-            Kind::OutcomeUnknown => Counter::KeptUnknown,
+            Kind::OutcomeUnknown => Counter::UnknownRefused,
             Kind::DetachedCapacity => Counter::DetachedRefused,
         }
     }

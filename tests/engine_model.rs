@@ -476,6 +476,9 @@ mod quota_model {
                                 "not-stored answer without a completed record ({ctx})"
                             );
                         }
+                        Begin::OutcomeUnknown => {
+                            panic!("an unknown outcome, but the model never completes one as unknown ({ctx})")
+                        }
                         Begin::Mismatch => {
                             assert!(
                                 m.execs.iter().any(|e| e.scope == scope

@@ -228,6 +228,26 @@ pub fn outcome_without_body_is_never_executed_again<B: Backend>() {
     assert_eq!(w.begin(&attempt(1, 1, 12, 2)).unwrap(), Begin::NotStored { status: 201 });
 }
 
+pub fn an_unknown_outcome_is_never_executed_again<B: Backend>() {
+    let b = B::with_capacity(64);
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
+    let c = claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
+    assert_eq!(w0.complete(&c, &Completion::outcome_unknown(1, TTL)).unwrap(), Settled::Done);
+    // On every worker, at once and after the lease: refused, never a claim or a takeover.
+    for w in [&w0, &w1] {
+        assert_eq!(w.begin(&attempt(1, 1, 12, 2)).unwrap(), Begin::OutcomeUnknown);
+    }
+    b.let_claim_leases_end();
+    assert_eq!(w1.begin(&attempt(1, 1, 13, LEASE + 2)).unwrap(), Begin::OutcomeUnknown);
+    // Another payload is a mismatch; the owner cannot change it any more.
+    assert_eq!(w1.begin(&attempt(1, 2, 14, LEASE + 3)).unwrap(), Begin::Mismatch);
+    assert_eq!(w0.complete(&c, &done("late", LEASE + 4)).unwrap(), Settled::Lost);
+    assert_eq!(w0.release(&c).unwrap(), Settled::Lost);
+    assert_eq!(w0.begin(&attempt(1, 1, 15, TTL)).unwrap(), Begin::OutcomeUnknown);
+    // Until its ttl ends.
+    assert!(matches!(w1.begin(&attempt(1, 1, 16, 1 + TTL)).unwrap(), Begin::Claimed(_)));
+}
+
 pub fn scopes_are_independent<B: Backend>() {
     let b = B::with_capacity(64);
     let w = through_ops(&b, 0);
@@ -581,6 +601,10 @@ macro_rules! conformance_suite {
         #[test]
         fn outcome_without_body_is_never_executed_again() {
             $crate::store::conformance::outcome_without_body_is_never_executed_again::<$backend>();
+        }
+        #[test]
+        fn an_unknown_outcome_is_never_executed_again() {
+            $crate::store::conformance::an_unknown_outcome_is_never_executed_again::<$backend>();
         }
         #[test]
         fn scopes_are_independent() {

@@ -48,7 +48,9 @@ use crate::store::record::{
     FLAG_TENANT_CHARGED, LAYOUT_V3,
 };
 use crate::store::shared_data::{Read, SharedData, SharedDataError};
-use crate::store::{Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled, StoreError};
+use crate::store::{
+    completed_answer, Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled, StoreError,
+};
 use sha2::{Digest, Sha256};
 
 /// Entries per bucket: small enough that a bucket (about 950 bytes) is cheap to copy under the
@@ -517,13 +519,13 @@ impl<S: SharedData> LocalStore<S> {
             }
             if current.is_completed() {
                 if !current.body_stored() {
-                    return Ok(Some(Begin::NotStored { status: current.status }));
+                    return Ok(completed_answer(&current, None));
                 }
                 let snapshot = match committed {
                     Some(v) => v.snapshot,
                     None => self.read_snapshot(bucket, &existing)?,
                 };
-                return Ok(snapshot.map(Begin::Replay));
+                return Ok(completed_answer(&current, snapshot));
             }
             if now < existing.lease_deadline_ms {
                 return Ok(Some(Begin::InFlight { retry_after_ms: existing.lease_deadline_ms - now }));

@@ -32,7 +32,7 @@ pub mod shared_data;
 
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
-use crate::store::record::{Snapshot, State};
+use crate::store::record::{Entry, Snapshot, State, STATUS_OUTCOME_UNKNOWN};
 
 /// What `begin` needs to know about the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +81,9 @@ pub enum Begin {
     Replay(Snapshot),
     /// Completed, but the response was too large to keep; it must not execute again.
     NotStored { status: u16 },
+    /// Completed as "outcome unknown" (`Completion::outcome_unknown`): the upstream may have
+    /// executed and nobody knows its answer; it must not execute again.
+    OutcomeUnknown,
     /// A live record with a different fingerprint.
     Mismatch,
     /// The original is still being processed; its lease ends in `retry_after_ms`.
@@ -102,6 +105,36 @@ pub struct Completion {
     pub snapshot: Option<Snapshot>,
     pub now_ms: u64,
     pub ttl_ms: u64,
+}
+
+impl Completion {
+    /// The record of a forwarded request whose outcome cannot be known (a timeout, a reset
+    /// after the request was sent, a client gone while the upstream worked), completed at once
+    /// with `unknown_outcome: "refuse"`: every retry until the ttl ends is refused, never
+    /// executed. Written as FAILED_FINAL, status 0, without a body (`record` module docs), so
+    /// every store writes it as it writes any outcome kept without its body.
+    pub fn outcome_unknown(now_ms: u64, ttl_ms: u64) -> Completion {
+        Completion {
+            state: State::FailedFinal,
+            status: STATUS_OUTCOME_UNKNOWN,
+            snapshot: None,
+            now_ms,
+            ttl_ms,
+        }
+    }
+}
+
+/// What `begin` answers for a live completed record with the request's fingerprint: its
+/// replay, or (no body kept) "not stored", or "outcome unknown". `snapshot` is the record's,
+/// if it was read (a record with a body but no snapshot at hand is the caller's business).
+pub fn completed_answer(entry: &Entry, snapshot: Option<Snapshot>) -> Option<Begin> {
+    if entry.outcome_unknown() {
+        return Some(Begin::OutcomeUnknown);
+    }
+    if !entry.body_stored() {
+        return Some(Begin::NotStored { status: entry.status });
+    }
+    snapshot.map(Begin::Replay)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -29,6 +29,16 @@
 //!   v3 changed where records are placed, not how they are written.
 //! Record v2 (etcd store, one key per record): the slot layout, whose entry may also be a claim
 //!   (processing, flags saying no body stored, no snapshot); `decode_record` reads it.
+//!
+//! Outcome unknown (`routes[].unknown_outcome: "refuse"`): a completed entry with status 0
+//! (`STATUS_OUTCOME_UNKNOWN`), state FAILED_FINAL and `FLAG_BODY_NOT_STORED`, so a slot (or an
+//! etcd record) without a snapshot. No upstream status is 0 (statuses a rule stores are
+//! 100..599), so no earlier record has this shape, and it needs no new version byte, state or
+//! flag: those would make an older build refuse the whole bucket (every record in it) as
+//! unreadable. An older build reads it as what it is shaped like, an outcome kept without its
+//! body: a retry gets 410 `response-not-stored` with `idempotent-original-status: 0`, never a
+//! replay and never a second execution. This build refuses a completed entry with status 0 of
+//! any other shape (`NonCanonical`): one meaning per value.
 
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
@@ -37,6 +47,8 @@ pub const FORMAT_V2: u8 = 2;
 pub const FORMAT_V3: u8 = 3;
 /// Layout ids with this bit are `idem:v3:<capacity>:` namespaces.
 pub const LAYOUT_V3: u32 = 1 << 31;
+/// The status of a completed entry whose outcome is unknown (module docs: Outcome unknown).
+pub const STATUS_OUTCOME_UNKNOWN: u16 = 0;
 pub const ENTRY_LEN: usize = 1 + 1 + 1 + 2 + 32 + 32 + 8 * 6;
 pub const COUNTER_LEN: usize = 8 + 4 + 8 + 8 + 8;
 pub const LAYOUT_LEN: usize = 4 + 8 + 4;
@@ -110,6 +122,10 @@ impl Entry {
     pub fn is_completed(&self) -> bool {
         self.state != State::Processing
     }
+    /// Completed without a known outcome: the upstream may have executed (module docs).
+    pub fn outcome_unknown(&self) -> bool {
+        self.is_completed() && self.status == STATUS_OUTCOME_UNKNOWN
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,11 +149,17 @@ fn read_entry(r: &mut Reader) -> Result<Entry, DecodeError> {
     if flags & !KNOWN_FLAGS != 0 {
         return Err(DecodeError::BadFlags(flags));
     }
+    let status = r.u16()?;
+    // Status 0 on a completed entry means "outcome unknown", written in one shape only.
+    let unknown_shape = state == State::FailedFinal && flags & FLAG_BODY_NOT_STORED != 0;
+    if state != State::Processing && status == STATUS_OUTCOME_UNKNOWN && !unknown_shape {
+        return Err(DecodeError::NonCanonical);
+    }
     Ok(Entry {
         position,
         state,
         flags,
-        status: r.u16()?,
+        status,
         scope: ScopeId(r.array()?),
         fingerprint: Fingerprint(r.array()?),
         owner: r.u64()?,
@@ -575,6 +597,46 @@ mod tests {
         let processing =
             SlotValue { entry: Entry { state: State::Processing, ..entry(2, 5) }, snapshot: None };
         assert_eq!(decode_slot(&encode_slot(&processing)), Err(DecodeError::BadState(1)));
+    }
+
+    #[test]
+    fn an_outcome_unknown_round_trips_in_the_shape_older_builds_read_as_not_stored() {
+        let unknown = Entry {
+            state: State::FailedFinal,
+            status: STATUS_OUTCOME_UNKNOWN,
+            flags: FLAG_BODY_NOT_STORED | FLAG_PRINCIPAL_CHARGED,
+            ..entry(2, 5)
+        };
+        let v = SlotValue { entry: unknown, snapshot: None };
+        let bytes = encode_slot(&v);
+        assert_eq!(decode_slot(&bytes), Ok(v.clone()));
+        assert_eq!(decode_record(&bytes), Ok(v.clone()));
+        assert_eq!(decode_bucket(&encode_bucket(&[unknown]), 8), Ok(vec![unknown]));
+        let read = decode_slot(&bytes).unwrap().entry;
+        assert!(read.outcome_unknown() && !read.body_stored());
+        // What an older build checks: version 2, a known state (FAILED_FINAL) and only known
+        // flags, the body-not-stored one among them, and nothing after the entry. It decodes
+        // the value as an outcome kept without its body: 410, never a replay or a new execution.
+        assert_eq!((bytes[0], bytes[2], bytes[3] & !KNOWN_FLAGS), (FORMAT_V2, 3, 0));
+        assert_ne!(bytes[3] & FLAG_BODY_NOT_STORED, 0);
+        assert_eq!(bytes.len(), 1 + ENTRY_LEN);
+        // A real outcome and a claim are not unknown ones.
+        assert!(!entry(2, 5).outcome_unknown());
+        assert!(!Entry { state: State::Processing, status: 0, ..entry(2, 5) }.outcome_unknown());
+    }
+
+    #[test]
+    fn status_0_on_a_completed_entry_has_one_shape_only() {
+        let shapes =
+            [(State::Succeeded, FLAG_BODY_NOT_STORED), (State::FailedFinal, 0), (State::Succeeded, 0)];
+        for (state, flags) in shapes {
+            let e = Entry { state, status: 0, flags, ..entry(1, 1) };
+            let bucket = encode_bucket(&[e]);
+            assert_eq!(decode_bucket(&bucket, 8), Err(DecodeError::NonCanonical), "{state:?} {flags}");
+            let mut slot = vec![FORMAT_V2];
+            write_entry(&mut slot, &e);
+            assert!(decode_slot(&slot).is_err(), "{state:?} {flags}");
+        }
     }
 
     #[test]

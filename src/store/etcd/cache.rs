@@ -23,7 +23,7 @@ use std::collections::{HashMap, VecDeque};
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::store::record::{Entry, Snapshot};
-use crate::store::Begin;
+use crate::store::{completed_answer, Begin};
 
 /// Configured bounds (`store.replay_cache`), per worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,10 +94,8 @@ impl ReplayCache {
         if e.fingerprint != *fingerprint {
             return Some(Begin::Mismatch);
         }
-        Some(match &cached.snapshot {
-            Some(s) if e.body_stored() => Begin::Replay(s.clone()),
-            _ => Begin::NotStored { status: e.status },
-        })
+        // A record with a body is kept with its snapshot (`keep`), so None cannot happen here.
+        completed_answer(e, cached.snapshot.clone()).or(Some(Begin::NotStored { status: e.status }))
     }
 
     /// Keeps a completed record (anything else is ignored) that has not expired at `now_ms`.
@@ -152,7 +150,7 @@ impl ReplayCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::record::{State, FLAG_BODY_NOT_STORED};
+    use crate::store::record::{State, FLAG_BODY_NOT_STORED, STATUS_OUTCOME_UNKNOWN};
 
     const TTL: u64 = 10_000;
 
@@ -217,6 +215,17 @@ mod tests {
             c.answer(&ScopeId([2; 32]), &Fingerprint([9; 32]), 0),
             Some(Begin::NotStored { status: 201 })
         );
+    }
+
+    #[test]
+    fn a_record_whose_outcome_is_unknown_answers_outcome_unknown() {
+        let mut c = cache(8, 1 << 20);
+        let unknown =
+            Entry { state: State::FailedFinal, status: STATUS_OUTCOME_UNKNOWN, ..completed(1, 9, false) };
+        c.keep(unknown, None, 0);
+        assert_eq!(c.answer(&ScopeId([1; 32]), &Fingerprint([9; 32]), 0), Some(Begin::OutcomeUnknown));
+        assert_eq!(c.answer(&ScopeId([1; 32]), &Fingerprint([8; 32]), 0), Some(Begin::Mismatch));
+        assert_eq!(c.answer(&ScopeId([1; 32]), &Fingerprint([9; 32]), TTL), None, "expired");
     }
 
     #[test]

@@ -69,7 +69,9 @@ use std::cell::RefCell;
 use crate::store::record::{
     self, Entry, SlotValue, State, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED,
 };
-use crate::store::{Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp};
+use crate::store::{
+    completed_answer, Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp,
+};
 use cache::{ReplayCache, ReplayCacheSettings};
 use wire::{Guard, Refused, TxnOp};
 
@@ -872,10 +874,8 @@ impl Exchange {
         } else if e.fingerprint != a.fingerprint {
             return Ok(Next::Begun(Begin::Mismatch));
         } else if e.is_completed() {
-            return Ok(Next::Begun(match existing.snapshot {
-                Some(s) if e.body_stored() => Begin::Replay(s),
-                _ => Begin::NotStored { status: e.status },
-            }));
+            let answer = completed_answer(&e, existing.snapshot);
+            return Ok(Next::Begun(answer.unwrap_or(Begin::NotStored { status: e.status })));
         } else if now < e.lease_deadline_ms {
             return Ok(Next::Begun(Begin::InFlight { retry_after_ms: e.lease_deadline_ms - now }));
         } else if lease_running {

@@ -14,7 +14,7 @@
 //! after this one, response trailers, responses over the async client's 32 MiB; Envoy adds
 //! `x-envoy-internal` and `x-envoy-expected-rq-timeout-ms` to the call.
 
-use crate::config::Rule;
+use crate::config::{Rule, UnknownOutcome};
 use crate::engine::{self, ReplayShape, Reply};
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
@@ -119,9 +119,7 @@ pub fn outcome(rule: &Rule, claim: Claim, answer: Answer, now_ms: u64) -> Outcom
             let reply = first_reply(status, &headers, body);
             return Outcome { op: Some(StoreOp::Release(claim)), done: Counter::Released, reply };
         }
-        Answer::Unknown { timed_out } => {
-            return Outcome { op: None, done: Counter::KeptUnknown, reply: unknown_reply(rule, timed_out) }
-        }
+        Answer::Unknown { timed_out } => return unknown_outcome(rule, claim, timed_out, now_ms),
     };
     let report = StreamReport { details: Some(VIA_UPSTREAM), flags: 0, upstream_selected: true };
     let reply = first_reply(status, &headers, body.clone());
@@ -141,7 +139,25 @@ pub fn outcome(rule: &Rule, claim: Claim, answer: Answer, now_ms: u64) -> Outcom
             Outcome { op: Some(StoreOp::Release(claim)), done: Counter::Released, reply }
         }
         // Not reached for an answer with a status; kept for completeness.
-        ResponsePlan::Keep => Outcome { op: None, done: Counter::KeptUnknown, reply },
+        ResponsePlan::Keep | ResponsePlan::CompleteUnknown => unknown_outcome(rule, claim, false, now_ms),
+    }
+}
+
+/// No answer after the call may have been sent: by the rule's `unknown_outcome`, the claim stays
+/// until its lease ends (`takeover`), or the record is completed at once as "outcome unknown"
+/// (`refuse`).
+fn unknown_outcome(rule: &Rule, claim: Claim, timed_out: bool, now_ms: u64) -> Outcome {
+    let reply = unknown_reply(rule, timed_out);
+    match rule.unknown_outcome {
+        UnknownOutcome::Takeover => Outcome { op: None, done: Counter::KeptUnknown, reply },
+        UnknownOutcome::Refuse => {
+            let completion = Completion::outcome_unknown(now_ms, rule.ttl_ms);
+            Outcome {
+                op: Some(StoreOp::Complete { claim, completion }),
+                done: Counter::OutcomeUnknown,
+                reply,
+            }
+        }
     }
 }
 
@@ -164,11 +180,18 @@ fn unknown_reply(rule: &Rule, timed_out: bool) -> Reply {
     } else {
         (502, "the call to the upstream failed after it may have been sent")
     };
-    let detail = format!(
-        "{what}: whether the request executed is unknown. Retries with this Idempotency-Key get 409 \
-         until processing_timeout ({} s) ends; reconcile with the upstream before retrying",
-        rule.processing_timeout_ms.div_ceil(1000)
-    );
+    let detail = match rule.unknown_outcome {
+        UnknownOutcome::Takeover => format!(
+            "{what}: whether the request executed is unknown. Retries with this Idempotency-Key get 409 \
+             until processing_timeout ({} s) ends; reconcile with the upstream before retrying",
+            rule.processing_timeout_ms.div_ceil(1000)
+        ),
+        UnknownOutcome::Refuse => format!(
+            "{what}: whether the request executed is unknown, and it will not be executed again with this \
+             Idempotency-Key (retries get 502 outcome-unknown). Reconcile with the upstream, then send a new \
+             Idempotency-Key if it must run"
+        ),
+    };
     Reply::problem(&Problem::new(Kind::OutcomeUnknown, status, detail))
 }
 
@@ -313,5 +336,23 @@ mod tests {
             assert_eq!((out.op, out.done, out.reply.status), (None, Counter::KeptUnknown, status));
             assert!(String::from_utf8_lossy(&out.reply.body).contains("outcome-unknown"));
         }
+    }
+
+    #[test]
+    fn with_refuse_an_unknown_outcome_is_completed_at_once() {
+        let r = rule(r#","unknown_outcome":"refuse""#);
+        for (timed_out, status) in [(true, 504), (false, 502)] {
+            let out = outcome(&r, CLAIM, Answer::Unknown { timed_out }, 40);
+            let completion = Completion::outcome_unknown(40, r.ttl_ms);
+            assert_eq!(
+                (out.op, out.done, out.reply.status),
+                (Some(StoreOp::Complete { claim: CLAIM, completion }), Counter::OutcomeUnknown, status)
+            );
+            let body = String::from_utf8_lossy(&out.reply.body);
+            assert!(body.contains("outcome-unknown") && body.contains("new Idempotency-Key"), "{body}");
+        }
+        // A real answer is recorded as with takeover.
+        let out = outcome(&r, CLAIM, Answer::Answered { status: 201, headers: vec![], body: vec![] }, 0);
+        assert_eq!(out.done, Counter::Stored);
     }
 }

@@ -654,7 +654,7 @@ impl RequestFlow {
                 let steps = if end_of_stream { self.finish_capture(facts) } else { Vec::new() };
                 Output::go(steps)
             }
-            plan => Output::go(self.settle(plan, claim, rule)),
+            plan => Output::go(self.settle(plan, claim, rule, facts)),
         }
     }
 
@@ -695,10 +695,12 @@ impl RequestFlow {
             Phase::Forwarded { claim, rule } => {
                 let details = property_string(facts, &["response", "code_details"]);
                 let (flags, upstream_selected) = stream_report(facts);
-                let plan =
-                    plan_unfinished(StreamReport { details: details.as_deref(), flags, upstream_selected });
+                let plan = plan_unfinished(
+                    &rule,
+                    StreamReport { details: details.as_deref(), flags, upstream_selected },
+                );
                 log::debug!("#{} stream ended unfinished ({details:?}, flags {flags:#x})", self.context_id);
-                steps.extend(self.settle(plan, claim, rule));
+                steps.extend(self.settle(plan, claim, rule, facts));
             }
             Phase::Capturing(c) => {
                 // The upstream answered with a status worth keeping, so it executed; only its
@@ -728,9 +730,22 @@ impl RequestFlow {
         Output::go(steps)
     }
 
-    fn settle(&mut self, plan: ResponsePlan, claim: Claim, rule: Rc<Rule>) -> Vec<Step> {
+    fn settle(
+        &mut self,
+        plan: ResponsePlan,
+        claim: Claim,
+        rule: Rc<Rule>,
+        facts: &mut dyn StreamFacts,
+    ) -> Vec<Step> {
         log::debug!("#{} settled {:?} key {}", self.context_id, plan, claim.scope.log_tag());
         match plan {
+            ResponsePlan::CompleteUnknown => {
+                // Written like any completion (the local store at once, a remote one by the
+                // root), and counted when the store has taken it.
+                let completion = Completion::outcome_unknown(facts.now_ms(), rule.ttl_ms);
+                self.phase = Phase::Settling { claim, rule, done: Counter::OutcomeUnknown };
+                vec![Step::Store(StoreOp::Complete { claim, completion })]
+            }
             ResponsePlan::Release => {
                 self.phase = Phase::Settling { claim, rule, done: Counter::Released };
                 vec![Step::Store(StoreOp::Release(claim))]
@@ -860,7 +875,9 @@ mod tests {
 
     const CONFIG: &str = r#"{"routes":[
         {"name":"orders","match":{"prefix":"/orders"},"require_key":true,"max_response_bytes":8},
-        {"name":"waits","match":{"prefix":"/wait"},"require_key":true,"concurrent":"wait"}]}"#;
+        {"name":"waits","match":{"prefix":"/wait"},"require_key":true,"concurrent":"wait"},
+        {"name":"pay","match":{"prefix":"/pay"},"require_key":true,"unknown_outcome":"refuse",
+         "processing_timeout":"1s"}]}"#;
 
     fn cfg() -> Config {
         parse(CONFIG.as_bytes()).unwrap()
@@ -1224,6 +1241,95 @@ mod tests {
         let mut retry = RequestFlow::new(9);
         let (steps, _) = begun(&mut retry, &mut Facts::post("/orders", "d", b"x"), &w.store());
         assert_eq!(reply_of(&steps).0.status, 410);
+    }
+
+    /// The outcome-unknown completion in `steps`, performed on `w`'s store; what it counted.
+    fn completed_unknown(flow: &mut RequestFlow, out: Output, w: &World, at_ms: u64) -> Vec<Counter> {
+        let [Step::Store(StoreOp::Complete { completion, .. })] = out.steps.as_slice() else {
+            panic!("{out:?}")
+        };
+        assert_eq!(completion, &Completion::outcome_unknown(at_ms, 86_400_000));
+        counters(&run(flow, out, &w.store()).0)
+    }
+
+    fn retried(w: &World, key: &str, body: &[u8], now_ms: u64) -> (Vec<Counter>, u16, Vec<u8>) {
+        let mut facts = Facts { now_ms, ..Facts::post("/pay", key, body) };
+        let (steps, _) = begun(&mut RequestFlow::new(9), &mut facts, &w.store());
+        let counted = counters(&steps);
+        let (reply, _) = reply_of(&steps);
+        (counted, reply.status, reply.body.clone())
+    }
+
+    #[test]
+    fn refuse_completes_an_unknown_outcome_at_once_and_every_retry_gets_502() {
+        let w = World::new();
+        let forwarded = |facts: &mut Facts| {
+            let mut flow = RequestFlow::new(1);
+            assert_eq!(counters(&begun(&mut flow, facts, &w.store()).0), vec![Counter::Claimed]);
+            flow
+        };
+        // The router's timeout reply at the response headers.
+        let mut facts = Facts { now_ms: 5, ..Facts::post("/pay", "t", b"x") }.local_reply(
+            "response_timeout",
+            0x4,
+            "10.0.0.1:80",
+        );
+        let mut flow = forwarded(&mut facts);
+        let out = flow.response_headers(&mut facts, true);
+        assert_eq!(completed_unknown(&mut flow, out, &w, 5), vec![Counter::OutcomeUnknown]);
+        assert_eq!(flow.stream_ended(&mut facts), Output::go(Vec::new()), "settled once");
+        // The client gone while the upstream worked: only the stream's end tells.
+        let mut facts = Facts { now_ms: 7, ..Facts::post("/pay", "c", b"x") }.local_reply(
+            "downstream_remote_disconnect",
+            0x4000,
+            "10.0.0.1:80",
+        );
+        let mut flow = forwarded(&mut facts);
+        let out = flow.stream_ended(&mut facts);
+        assert_eq!(completed_unknown(&mut flow, out, &w, 7), vec![Counter::OutcomeUnknown]);
+        for key in ["t", "c"] {
+            // At once, after the 1 s lease, and just before the ttl: 502, never a claim.
+            for now in [8, 5_000, 86_400_004] {
+                let (counted, status, body) = retried(&w, key, b"x", now);
+                assert_eq!((counted, status), (vec![Counter::UnknownRefused], 502), "{key} at {now}");
+                let body = String::from_utf8_lossy(&body);
+                assert!(body.contains("urn:idempotency-filter:outcome-unknown"), "{body}");
+                assert!(body.contains("new Idempotency-Key"), "{body}");
+            }
+            // Another payload under the key: the usual 422.
+            assert_eq!(retried(&w, key, b"other", 9).0, vec![Counter::Mismatch]);
+        }
+    }
+
+    #[test]
+    fn takeover_keeps_an_unknown_outcome_in_flight_until_its_lease_ends() {
+        // The default, unchanged: nothing is written, a retry gets 409, and after the lease it
+        // takes the record over.
+        let w = World::new();
+        let mut facts = Facts::post("/orders", "k", b"x").local_reply("response_timeout", 0x4, "10.0.0.1:80");
+        let mut flow = RequestFlow::new(1);
+        begun(&mut flow, &mut facts, &w.store());
+        assert_eq!(flow.response_headers(&mut facts, true).steps, vec![Step::Count(Counter::KeptUnknown)]);
+        let retry = |now_ms| {
+            let mut facts = Facts { now_ms, ..Facts::post("/orders", "k", b"x") };
+            counters(&begun(&mut RequestFlow::new(2), &mut facts, &w.store()).0)
+        };
+        assert_eq!(retry(1), vec![Counter::InFlight]);
+        assert_eq!(retry(30_001), vec![Counter::TakenOver]);
+    }
+
+    #[test]
+    fn a_remote_stores_outcome_unknown_is_handed_to_the_root_and_counted_there() {
+        let w = World::new();
+        let mut facts = Facts::post("/pay", "k", b"x").local_reply("response_timeout", 0x4, "10.0.0.1:80");
+        let mut flow = RequestFlow::new(1);
+        begun(&mut flow, &mut facts, &w.store());
+        let out = flow.stream_ended(&mut facts);
+        let [Step::Store(op @ StoreOp::Complete { .. })] = out.steps.as_slice() else { panic!("{out:?}") };
+        let settlement = flow.hand_off_settlement().expect("settling");
+        let StoreAnswer::Settled(settled) = op.perform(&w.store()) else { panic!() };
+        assert_eq!(settlement_steps(&settlement, settled), vec![Step::Count(Counter::OutcomeUnknown)]);
+        assert_eq!(retried(&w, "k", b"x", 1).1, 502);
     }
 
     #[test]

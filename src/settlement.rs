@@ -4,10 +4,12 @@
 //! The rule that matters: only a response whose details are `via_upstream` is a real upstream
 //! answer. Everything else is a local reply (router, another filter, ourselves), and the record
 //! may only be released when the request provably never reached the upstream; when the upstream
-//! may have executed (timeout, reset after sending, client gone) the record stays PROCESSING
-//! until its lease ends, because releasing then would turn a timeout into a second execution.
+//! may have executed (timeout, reset after sending, client gone) releasing would turn a timeout
+//! into a second execution. The rule's `unknown_outcome` says what happens instead: the record
+//! stays PROCESSING until its lease ends and a retry then takes it over (`takeover`), or it is
+//! completed at once as "outcome unknown" and never executed again within its ttl (`refuse`).
 
-use crate::config::{Disposition, Rule};
+use crate::config::{Disposition, Rule, UnknownOutcome};
 use crate::store::record::State;
 
 pub const VIA_UPSTREAM: &str = "via_upstream";
@@ -52,8 +54,12 @@ pub enum ResponsePlan {
     Capture { state: State, status: u16 },
     /// Forget the claim: a retry executes again.
     Release,
-    /// The upstream may have executed: leave the record PROCESSING until its lease ends.
+    /// The upstream may have executed (`unknown_outcome: "takeover"`): leave the record
+    /// PROCESSING until its lease ends.
     Keep,
+    /// The upstream may have executed (`unknown_outcome: "refuse"`): complete the record at once
+    /// as "outcome unknown" (`Completion::outcome_unknown`).
+    CompleteUnknown,
 }
 
 /// What Envoy reports about a stream's end, as the glue read it.
@@ -78,22 +84,30 @@ pub fn plan_response(rule: &Rule, status: Option<u16>, report: StreamReport) -> 
             }
             Disposition::Release => ResponsePlan::Release,
         },
-        _ => plan_unfinished(report),
+        _ => plan_unfinished(rule, report),
     }
 }
 
 /// Decides for a stream that ended without a captured upstream answer (a local reply, a reset,
 /// a client that went away).
-pub fn plan_unfinished(report: StreamReport) -> ResponsePlan {
+pub fn plan_unfinished(rule: &Rule, report: StreamReport) -> ResponsePlan {
     let StreamReport { details, flags, upstream_selected } = report;
     if flags & MAYBE_EXECUTED != 0 {
-        return ResponsePlan::Keep;
+        return unknown(rule);
     }
     let never_sent_details = details.is_some_and(|d| NEVER_SENT_DETAILS.iter().any(|p| d.starts_with(p)));
     if never_sent_details || flags & NEVER_SENT != 0 || !upstream_selected {
         ResponsePlan::Release
     } else {
-        ResponsePlan::Keep
+        unknown(rule)
+    }
+}
+
+/// The plan for an outcome that cannot be known, by the rule's `unknown_outcome`.
+pub fn unknown(rule: &Rule) -> ResponsePlan {
+    match rule.unknown_outcome {
+        UnknownOutcome::Takeover => ResponsePlan::Keep,
+        UnknownOutcome::Refuse => ResponsePlan::CompleteUnknown,
     }
 }
 
@@ -105,6 +119,10 @@ mod tests {
     fn rule() -> Rule {
         let cfg = parse(br#"{"routes":[{"name":"r","match":{"prefix":"/"}}]}"#).unwrap();
         (*cfg.rules[0]).clone()
+    }
+
+    fn refusing() -> Rule {
+        Rule { unknown_outcome: UnknownOutcome::Refuse, ..rule() }
     }
 
     fn sent(details: Option<&str>, flags: u64) -> StreamReport<'_> {
@@ -142,12 +160,14 @@ mod tests {
         for details in ["direct_response", "ext_authz_denied", "local_rate_limited"] {
             let report = StreamReport { details: Some(details), flags: 0, upstream_selected: false };
             assert_eq!(plan_response(&r, Some(200), report), ResponsePlan::Release, "{details}");
-            assert_eq!(plan_unfinished(report), ResponsePlan::Release, "{details}");
+            assert_eq!(plan_unfinished(&r, report), ResponsePlan::Release, "{details}");
+            assert_eq!(plan_unfinished(&refusing(), report), ResponsePlan::Release, "{details}");
         }
         // A timeout is a timeout even if the address is somehow missing: it may have executed.
         let timeout =
             StreamReport { details: Some("response_timeout"), flags: 0x4, upstream_selected: false };
-        assert_eq!(plan_unfinished(timeout), ResponsePlan::Keep);
+        assert_eq!(plan_unfinished(&r, timeout), ResponsePlan::Keep);
+        assert_eq!(plan_unfinished(&refusing(), timeout), ResponsePlan::CompleteUnknown);
     }
 
     #[test]
@@ -163,9 +183,28 @@ mod tests {
             // A retried request whose first try timed out and second failed to connect.
             (Some("upstream_reset_before_response_started{connection_failure}"), 0x20 | 0x4),
         ];
+        let (takeover, refuse) = (rule(), refusing());
         for (d, f) in cases {
-            assert_eq!(plan_unfinished(sent(*d, *f)), ResponsePlan::Keep, "{d:?} {f:#x}");
+            assert_eq!(plan_unfinished(&takeover, sent(*d, *f)), ResponsePlan::Keep, "{d:?} {f:#x}");
+            // unknown_outcome: "refuse": the same endings complete the record as outcome unknown.
+            assert_eq!(plan_unfinished(&refuse, sent(*d, *f)), ResponsePlan::CompleteUnknown, "{d:?} {f:#x}");
         }
+        // A local reply at the response headers (the router's 504 after its timeout) too.
+        let timeout = sent(Some("response_timeout"), 0x4);
+        assert_eq!(plan_response(&takeover, Some(504), timeout), ResponsePlan::Keep);
+        assert_eq!(plan_response(&refuse, Some(504), timeout), ResponsePlan::CompleteUnknown);
+    }
+
+    #[test]
+    fn refuse_changes_only_unknown_outcomes() {
+        let r = refusing();
+        let upstream = |s| plan_response(&r, Some(s), sent(Some(VIA_UPSTREAM), 0));
+        assert_eq!(upstream(201), ResponsePlan::Capture { state: State::Succeeded, status: 201 });
+        assert_eq!(upstream(503), ResponsePlan::Release);
+        let never_sent = sent(Some("no_healthy_upstream"), 0x2);
+        assert_eq!(plan_unfinished(&r, never_sent), ResponsePlan::Release);
+        // No status a rule can store is 0, the status that marks an outcome unknown.
+        assert_eq!(upstream(0), ResponsePlan::Release);
     }
 
     #[test]
@@ -178,7 +217,7 @@ mod tests {
             (Some("route_not_found"), 0x100),
         ];
         for (d, f) in cases {
-            assert_eq!(plan_unfinished(sent(*d, *f)), ResponsePlan::Release, "{d:?} {f:#x}");
+            assert_eq!(plan_unfinished(&rule(), sent(*d, *f)), ResponsePlan::Release, "{d:?} {f:#x}");
         }
     }
 }

@@ -44,6 +44,18 @@ pub struct Config {
     pub max_detached_calls: u32,
 }
 
+/// What a forwarded request whose outcome cannot be known (a timeout, an upstream reset after
+/// the request was sent, a client gone while the upstream worked) does to its record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnknownOutcome {
+    /// The record stays in flight until `processing_timeout` ends; then a retry takes it over
+    /// and executes again (the default: for routes where a repeat is tolerable).
+    Takeover,
+    /// The record is completed at once as "outcome unknown": every retry within the ttl gets
+    /// 502 `outcome-unknown` and is never executed (for payment-like routes).
+    Refuse,
+}
+
 /// Who carries a protected request to the upstream.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Execution {
@@ -162,6 +174,7 @@ pub struct Rule {
     pub replay_exclude_headers: Vec<String>,
     pub concurrency: Concurrency,
     pub execution: Execution,
+    pub unknown_outcome: UnknownOutcome,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -653,6 +666,7 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
             "execution",
             "cluster",
             "upstream_timeout",
+            "unknown_outcome",
         ],
     )?;
     let name = required(o, path, "name", rule_name)?;
@@ -710,6 +724,17 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
         }
     };
     let execution = execution(o, path, processing_timeout_ms)?;
+    let unknown_outcome =
+        match optional(o, path, "unknown_outcome", |v, f| string(v, f).map(str::to_owned))?.as_deref() {
+            None | Some("takeover") => UnknownOutcome::Takeover,
+            Some("refuse") => UnknownOutcome::Refuse,
+            Some(other) => {
+                return Err(err(
+                    &key(path, "unknown_outcome"),
+                    format!("{other:?}: expected \"takeover\" or \"refuse\""),
+                ))
+            }
+        };
     Ok(Rule {
         name,
         path: path_match,
@@ -725,6 +750,7 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
         replay_exclude_headers,
         concurrency,
         execution,
+        unknown_outcome,
     })
 }
 
@@ -1109,6 +1135,7 @@ mod tests {
             replay_exclude_headers: vec![],
             concurrency: Concurrency::Reject,
             execution: Execution::Inline,
+            unknown_outcome: UnknownOutcome::Takeover,
         }
     }
 
@@ -1134,6 +1161,9 @@ mod tests {
             // wait mode and replay
             ("concurrent unknown", rule_json(r#""concurrent":"queue""#), "routes[0].concurrent"),
             ("execution unknown", rule_json(r#""execution":"async""#), "routes[0].execution"),
+            ("unknown_outcome unknown", rule_json(r#""unknown_outcome":"retry""#), "routes[0].unknown_outcome"),
+            ("unknown_outcome not string", rule_json(r#""unknown_outcome":true"#), "routes[0].unknown_outcome"),
+            ("unknown_outcome wrong case", rule_json(r#""unknown_outcome":"Refuse""#), "routes[0].unknown_outcome"),
             ("execution not string", rule_json(r#""execution":1"#), "routes[0].execution"),
             ("cluster inline", rule_json(r#""cluster":"orders""#), "routes[0].cluster"),
             ("upstream_timeout inline", rule_json(r#""upstream_timeout":"1s""#), "routes[0].upstream_timeout"),
@@ -1445,6 +1475,31 @@ mod tests {
             max_detached_calls: 1_000,
         };
         assert_eq!(parse_str(r#"{"routes":[{"name":"a","match":{"prefix":"/"}}]}"#), Ok(expected));
+    }
+
+    #[test]
+    fn unknown_outcome_defaults_to_takeover_and_takes_both_values() {
+        let default = only_rule(r#"{"routes":[{"name":"a","match":{"prefix":"/"}}]}"#);
+        assert_eq!(default.unknown_outcome, UnknownOutcome::Takeover);
+        let cases = [("takeover", UnknownOutcome::Takeover), ("refuse", UnknownOutcome::Refuse)];
+        for (value, expected) in cases {
+            let json = rule_json(&format!(r#""unknown_outcome":"{value}""#));
+            assert_eq!(only_rule(&json).unknown_outcome, expected, "{value}");
+        }
+        // Per rule: one rule's choice is not another's.
+        let cfg = parse_str(
+            r#"{"routes":[{"name":"pay","match":{"prefix":"/pay"},"unknown_outcome":"refuse"},
+                {"name":"search","match":{"prefix":"/"}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.rules[0].unknown_outcome, UnknownOutcome::Refuse);
+        assert_eq!(cfg.rules[1].unknown_outcome, UnknownOutcome::Takeover);
+        // The error names the field and the accepted values.
+        let e = parse_str(&rule_json(r#""unknown_outcome":"retry""#)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            r#"invalid configuration: field `routes[0].unknown_outcome`: "retry": expected "takeover" or "refuse""#
+        );
     }
 
     #[test]

@@ -65,6 +65,8 @@ OUTCOMES = (
     "body_never_received",
     "settlement_abandoned",
     "principal_incomplete",
+    "outcome_unknown",
+    "unknown_refused",
 )
 PROBLEM_TYPE = "urn:idempotency-filter:%s"
 

@@ -74,6 +74,8 @@ BAD = {
         ["routes[0].upstream_timeout"]),
     "unknown-execution": (_mutate(lambda c: c["routes"][0].update(execution="background")),
                           ["routes[0].execution"]),
+    "unknown-outcome-value": (_mutate(lambda c: c["routes"][0].update(unknown_outcome="retry")),
+                              ["routes[0].unknown_outcome", '"takeover" or "refuse"']),
     "not-json": ("{not json", []),
 }
 
@@ -100,6 +102,13 @@ def test_wait_bounds_at_the_limit_start(envoy_bin, filter_wasm):
     cfg["routes"].append({"name": "big-reject", "match": {"prefix": "/big"},
                           "max_request_bytes": 64 * MiB})
     with _start(envoy_bin, filter_wasm, cfg, "config-wait-at-limit") as proxy:
+        assert proxy.admin("/ready").status == 200
+
+
+@pytest.mark.parametrize("value", ["takeover", "refuse"])
+def test_unknown_outcome_values_start(envoy_bin, filter_wasm, value):
+    cfg = _mutate(lambda c: c["routes"][0].update(unknown_outcome=value))
+    with _start(envoy_bin, filter_wasm, cfg, "config-unknown-outcome-" + value) as proxy:
         assert proxy.admin("/ready").status == 200
 
 

@@ -877,7 +877,9 @@ mod tests {
         {"name":"orders","match":{"prefix":"/orders"},"require_key":true,"max_response_bytes":8},
         {"name":"waits","match":{"prefix":"/wait"},"require_key":true,"concurrent":"wait"},
         {"name":"pay","match":{"prefix":"/pay"},"require_key":true,"unknown_outcome":"refuse",
-         "processing_timeout":"1s"}]}"#;
+         "processing_timeout":"1s"},
+        {"name":"waitpay","match":{"prefix":"/held-pay"},"require_key":true,"concurrent":"wait",
+         "unknown_outcome":"refuse"}]}"#;
 
     fn cfg() -> Config {
         parse(CONFIG.as_bytes()).unwrap()
@@ -1316,6 +1318,31 @@ mod tests {
         };
         assert_eq!(retry(1), vec![Counter::InFlight]);
         assert_eq!(retry(30_001), vec![Counter::TakenOver]);
+    }
+
+    #[test]
+    fn an_outcome_unknown_wakes_waiters_who_then_get_502() {
+        let w = World::new();
+        let mut facts =
+            Facts::post("/held-pay", "k", b"x").local_reply("response_timeout", 0x4, "10.0.0.1:80");
+        let mut first = RequestFlow::new(1);
+        begun(&mut first, &mut facts, &w.store());
+        assert_eq!(first.rule().map(|r| r.name.as_str()), Some("waitpay"));
+        // A duplicate while the original runs is parked, as in any wait rule.
+        let mut dup = RequestFlow::new(2);
+        let (steps, _) = begun(&mut dup, &mut Facts::post("/held-pay", "k", b"x"), &w.store());
+        assert!(matches!(steps.as_slice(), [Step::Park(_)]), "{steps:?}");
+        // The original's outcome becomes unknown: completed, and its waiters are woken...
+        let out = first.response_headers(&mut facts, true);
+        let (steps, _) = run(&mut first, out, &w.store());
+        assert!(
+            matches!(steps.as_slice(), [Step::Wake(_), Step::Count(Counter::OutcomeUnknown)]),
+            "{steps:?}"
+        );
+        // ...and what a woken waiter's recheck gets is what any retry gets: 502, not a claim.
+        let mut again = RequestFlow::new(3);
+        let (steps, _) = begun(&mut again, &mut Facts::post("/held-pay", "k", b"x"), &w.store());
+        assert_eq!((counters(&steps), reply_of(&steps).0.status), (vec![Counter::UnknownRefused], 502));
     }
 
     #[test]

@@ -3,7 +3,8 @@ be known (the route timeout passed, the client left while the upstream worked), 
 `"refuse"` completes the record at once as "outcome unknown": every retry with the key, at once
 and after the lease, gets 502 `outcome-unknown` and the upstream never executes it again. With
 the default, `"takeover"`, the record stays in flight (409) until its lease ends and a retry
-then executes again, as before. Both stores: the local store and etcd (a real etcd started
+then executes again, as before. A detached call without an answer within its
+`upstream_timeout` follows the same rule. Both stores: the local store and etcd (a real etcd started
 here), whose completion the worker's root writes.
 """
 
@@ -31,6 +32,9 @@ def filter_config(store: dict) -> dict:
         "routes": [
             dict(rule, name="pay", match={"prefix": "/pay"}, unknown_outcome="refuse"),
             dict(rule, name="orders", match={"prefix": "/orders"}),  # the default: takeover
+            # What the README recommends for payments: both (see Detached execution).
+            dict(rule, name="dpay", match={"prefix": "/dpay"}, unknown_outcome="refuse",
+                 execution="detached", upstream_timeout="2s"),
         ],
     }
 
@@ -68,8 +72,10 @@ def _counts(envoy) -> dict:
         "outcome_unknown": envoy.idem("outcome_unknown"),
         "unknown_refused": envoy.idem("unknown_refused"),
         "kept_unknown": envoy.idem("kept_unknown"),
-        "pay.outcome_unknown": _route_counter(envoy, "pay", "outcome_unknown"),
-        "pay.unknown_refused": _route_counter(envoy, "pay", "unknown_refused"),
+    } | {
+        "%s.%s" % (rule, outcome): _route_counter(envoy, rule, outcome)
+        for rule in ("pay", "dpay")
+        for outcome in ("outcome_unknown", "unknown_refused")
     }
 
 
@@ -85,22 +91,23 @@ def _assert_outcome_unknown(resp) -> None:
     assert resp.header("retry-after") is None, resp
 
 
-def _refused_at_once_and_after_the_lease(envoy, upstream, key, since, before):
+def _refused_at_once_and_after_the_lease(envoy, upstream, key, since, before, path="/pay"):
     # Counted once the store took the completion (etcd: the root wrote it).
     envoy.wait_counter("outcome_unknown", before["outcome_unknown"] + 1)
-    _assert_outcome_unknown(envoy.post("/pay", BODY, key_headers(key)))
+    _assert_outcome_unknown(envoy.post(path, BODY, key_headers(key)))
     # Another payload under the key: still the usual mismatch.
-    other = envoy.post("/pay", b'{"order":42,"amount":"5.00"}', key_headers(key))
+    other = envoy.post(path, b'{"order":42,"amount":"5.00"}', key_headers(key))
     assert_problem(other, 422, "payload-mismatch")
     # Past the point where the takeover test below executes again, on either store.
     _past_the_lease(since, extra=2.5)
-    _assert_outcome_unknown(envoy.post("/pay", BODY, key_headers(key)))
+    _assert_outcome_unknown(envoy.post(path, BODY, key_headers(key)))
     assert upstream.executions(key) == 1
     after = _counts(envoy)
+    rule = path.strip("/")
     assert after["outcome_unknown"] == before["outcome_unknown"] + 1, after
-    assert after["pay.outcome_unknown"] == before["pay.outcome_unknown"] + 1, after
+    assert after[rule + ".outcome_unknown"] == before[rule + ".outcome_unknown"] + 1, after
     assert after["unknown_refused"] == before["unknown_refused"] + 2, after
-    assert after["pay.unknown_refused"] == before["pay.unknown_refused"] + 2, after
+    assert after[rule + ".unknown_refused"] == before[rule + ".unknown_refused"] + 2, after
     assert after["kept_unknown"] == before["kept_unknown"], after
 
 
@@ -127,6 +134,17 @@ def test_refuse_after_the_client_left_while_the_upstream_worked(envoy, upstream)
         sock.close()
     envoy.wait_idle()
     _refused_at_once_and_after_the_lease(envoy, upstream, key, since, before)
+
+
+def test_refuse_after_a_detached_call_got_no_answer(envoy, upstream):
+    key = new_key()
+    before = _counts(envoy)
+    since = time.monotonic()
+    first = envoy.post("/dpay", BODY, key_headers(key, x_delay_ms=SLOW_MS))
+    # The detached call's own answer for its client: 504 outcome-unknown at upstream_timeout.
+    doc = assert_problem(first, 504, "outcome-unknown")
+    assert "new Idempotency-Key" in doc["detail"], doc
+    _refused_at_once_and_after_the_lease(envoy, upstream, key, since, before, path="/dpay")
 
 
 def test_takeover_the_default_is_unchanged(envoy, upstream):

@@ -1937,6 +1937,11 @@ mod detached_model {
     const CONFIG: &str = r#"{"store":{"type":"local","capacity":64},"routes":[
         {"name":"pay","match":{"prefix":"/pay"},"require_key":true,"execution":"detached",
          "processing_timeout":"10s","upstream_timeout":"4s"}]}"#;
+    /// The same route with `unknown_outcome: "refuse"`: then no answer at all (Envoy's timeout)
+    /// never executes twice either.
+    const REFUSE: &str = r#"{"store":{"type":"local","capacity":64},"routes":[
+        {"name":"pay","match":{"prefix":"/pay"},"require_key":true,"execution":"detached",
+         "processing_timeout":"10s","upstream_timeout":"4s","unknown_outcome":"refuse"}]}"#;
 
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     enum Event {
@@ -2003,9 +2008,9 @@ mod detached_model {
             if order.iter().position(|e| *e == Event::LeaseEnd) < Some(answer_at) {
                 continue; // the host answers (or times out) before the lease ends
             }
-            for status in ["201", "422"] {
+            for (config, status) in [(CONFIG, "201"), (CONFIG, "422"), (REFUSE, "201"), (REFUSE, "timeout")] {
                 let h = FakeHost::default();
-                *h.0.config.borrow_mut() = CONFIG.as_bytes().to_vec();
+                *h.0.config.borrow_mut() = config.as_bytes().to_vec();
                 h.0.now_ms.set(1_000);
                 h.0.clusters.borrow_mut().push("orders".into());
                 h.0.properties.borrow_mut().insert("xds.cluster_name".into(), b"orders".to_vec());
@@ -2027,9 +2032,15 @@ mod detached_model {
                                 Call::Dispatch { token, .. } => Some(*token),
                                 _ => None,
                             });
-                            *h.0.call_response_headers.borrow_mut() =
-                                pairs(&[(":status", status), ("x-envoy-upstream-service-time", "1")]);
-                            *h.0.call_response_body.borrow_mut() = b"{}".to_vec();
+                            if status == "timeout" {
+                                // Envoy's own 504: no answer from the upstream.
+                                *h.0.call_response_headers.borrow_mut() = pairs(&[(":status", "504")]);
+                                *h.0.call_response_body.borrow_mut() = b"upstream request timeout".to_vec();
+                            } else {
+                                *h.0.call_response_headers.borrow_mut() =
+                                    pairs(&[(":status", status), ("x-envoy-upstream-service-time", "1")]);
+                                *h.0.call_response_body.borrow_mut() = b"{}".to_vec();
+                            }
                             h.0.now_ms.set(h.0.now_ms.get() + 50);
                             root.on_http_call_response(token.unwrap_or(0), 2);
                             answered = true;
@@ -2053,12 +2064,16 @@ mod detached_model {
                 let executions = h.dispatches().len();
                 assert_eq!(executions, 1, "{order:?} {status}: executed {executions} times");
                 for id in retries_after_answer {
-                    let expected = status.parse::<u16>().unwrap_or(0);
-                    assert_eq!(replies_to(&h, id), vec![(expected, true)], "{order:?} {status}: retry #{id}");
+                    // The replay, or for an unknown outcome on a refuse rule its 502.
+                    let expected = match status.parse::<u16>() {
+                        Ok(s) => (s, true),
+                        Err(_) => (502, false),
+                    };
+                    assert_eq!(replies_to(&h, id), vec![expected], "{order:?} {status}: retry #{id}");
                 }
                 checked += 1;
             }
         }
-        assert!(checked >= 100, "{checked} orders");
+        assert!(checked >= 200, "{checked} orders");
     }
 }

@@ -10,6 +10,8 @@ import hashlib
 import json
 import os
 import re
+import socket
+import struct
 from pathlib import Path
 
 from demo.orders_upstream import response_body
@@ -94,6 +96,18 @@ class Envoy(_envoy.OrdersProxy):
     parameters), logging below tests/e2e/.logs."""
 
     log_root = LOG_ROOT
+
+
+def leave_while_upstream_works(port: int, upstream: "Upstream", key: str, data: bytes) -> None:
+    """Sends the raw request `data` (for `key`) to `port`, waits until the upstream has counted
+    its execution, then resets the connection: the client is gone while the upstream works."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        sock.sendall(data)
+        wait_until(lambda: upstream.executions(key) == 1, 10, what="the upstream to get it")
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
 
 
 def expected_body(execution: int, size: int) -> bytes:

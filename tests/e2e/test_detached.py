@@ -15,7 +15,6 @@ replay of a detached call whose own client left.
 from __future__ import annotations
 
 import hashlib
-import socket
 import threading
 import time
 
@@ -64,12 +63,8 @@ def _send_and_leave(envoy, upstream, path, key, delay_ms, **extra):
     """Sends a protected POST whose upstream takes `delay_ms`, waits until the upstream has
     it, then closes the connection (RST): the client is gone while the upstream works."""
     headers = key_headers(key, **{"x-delay-ms": str(delay_ms)}, **extra)
-    data = harness.build_request("POST", path, headers, BODY)
-    client = socket.create_connection(("127.0.0.1", envoy.port), timeout=10)
-    client.sendall(data)
-    harness.wait_until(lambda: upstream.executions(key) == 1, 5, what="the execution")
-    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-    client.close()
+    harness.leave_while_upstream_works(envoy.port, upstream, key,
+                                       harness.build_request("POST", path, headers, BODY))
 
 
 def test_a_client_that_leaves_while_the_upstream_works_loses_nothing(envoy, upstream):

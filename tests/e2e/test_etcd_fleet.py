@@ -4,7 +4,6 @@ loses nothing (the records are in etcd, not in the Envoy)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
@@ -110,11 +109,7 @@ def test_detached_a_client_that_leaves_envoy_a_gets_the_replay_from_envoy_b(flee
     a, b = fleet
     key = new_key()
     data = harness.build_request("POST", "/pay", key_headers(key, **{"x-delay-ms": "800"}), BODY)
-    client = socket.create_connection(("127.0.0.1", a.port), timeout=10)
-    client.sendall(data)
-    harness.wait_until(lambda: upstream.executions(key) == 1, 5, what="the execution")
-    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-    client.close()
+    harness.leave_while_upstream_works(a.port, upstream, key, data)
     harness.wait_until(lambda: b.post("/pay", BODY, key_headers(key)).status != 409, 10,
                        interval=0.2, what="the record written by Envoy a")
     retry = b.post("/pay", BODY, key_headers(key))

@@ -11,8 +11,6 @@ Issue 8 (items 1 and 8):
 from __future__ import annotations
 
 import json
-import socket
-import struct
 import time
 
 import pytest
@@ -253,13 +251,7 @@ def test_client_gone_while_the_upstream_works_keeps_the_record(envoy, upstream):
     data = build_request("POST", "/orders", [("content-type", "application/json"),
                                              ("idempotency-key", key),
                                              ("x-delay-ms", "1000")], BODY)
-    sock = socket.create_connection(("127.0.0.1", envoy.port), timeout=10)
-    try:
-        sock.sendall(data)
-        harness.wait_until(lambda: upstream.executions(key) == 1, 10, what="the upstream to get it")
-    finally:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        sock.close()
+    harness.leave_while_upstream_works(envoy.port, upstream, key, data)
     again = _post(envoy, key)
     assert_problem(again, 409, "request-in-flight")
     assert upstream.executions(key) == 1

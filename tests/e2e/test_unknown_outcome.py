@@ -10,8 +10,6 @@ here), whose completion the worker's root writes.
 
 from __future__ import annotations
 
-import socket
-import struct
 import time
 
 import pytest
@@ -125,13 +123,7 @@ def test_refuse_after_the_client_left_while_the_upstream_worked(envoy, upstream)
     before = _counts(envoy)
     data = build_request("POST", "/pay", list(key_headers(key, x_delay_ms="800").items()), BODY)
     since = time.monotonic()
-    sock = socket.create_connection(("127.0.0.1", envoy.port), timeout=10)
-    try:
-        sock.sendall(data)
-        harness.wait_until(lambda: upstream.executions(key) == 1, 10, what="the upstream to get it")
-    finally:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        sock.close()
+    harness.leave_while_upstream_works(envoy.port, upstream, key, data)
     envoy.wait_idle()
     _refused_at_once_and_after_the_lease(envoy, upstream, key, since, before)
 

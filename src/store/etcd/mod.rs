@@ -21,24 +21,39 @@
 //!   keys_only` gives their count (etcd counts the whole range whatever the limit) and the one
 //!   that stops counting first (the retry-after hint). Index keys carry the record's lease and
 //!   are rewritten in the same transaction as the record.
+//! - `l/<scope hex>`: a claim's lease key, its value the owner token, on a claim lease (below):
+//!   it exists while the claim's processing lease runs by etcd's clock. A takeover needs it gone
+//!   (or holding another owner) as well as the deadline passed by the caller's clock, so an
+//!   Envoy whose clock runs ahead never takes over a running claim. A release deletes it; a
+//!   completion leaves it to expire. A claim without one (an older build's) is judged by its
+//!   deadline alone.
 //! - Leases: records whose expiry falls in the same `LEASE_WINDOW_MS` window share one lease,
 //!   granted by a worker the first time it writes into that window and cached (`EtcdStore`);
 //!   its TTL runs to the window's end plus `LEASE_SLACK_S`, so a record's lease never ends before
 //!   its `expires_at_ms`. A claim's record already expires at now + ttl (an abandoned claim must
 //!   keep refusing another payload until then, as in the local store), so its lease covers the
 //!   processing timeout and the ttl; a completion moves the record to the lease of its new
-//!   expiry. A lease etcd no longer knows is granted again once per exchange.
+//!   expiry. A lease etcd no longer knows is granted again once per exchange. Claim leases: a
+//!   worker puts the lease keys of the claims it makes within `claim_lease_reuse_ms` (max(1 s,
+//!   lease / 10)) on one lease, whose TTL is the processing lease plus that window plus
+//!   `CLAIM_LEASE_SLACK_S`, so each lease key outlives its claim's lease by etcd's clock.
 //!
 //! Operations (round trips; "+1" is a lease grant, once per worker and window):
-//! - begin: 1 (one read-only txn: the record and, if charged, the live index ranges) when a
-//!   record answers (replay, not stored, mismatch, in flight) or the quota refuses; else 2 (+1):
-//!   a txn guarded by create_revision == 0 (absent) or mod_revision == observed (takeover, or
-//!   reuse of an expired record) that puts the record and its index keys and deletes the
-//!   replaced record's. A lost guard reads again, up to `TXN_ATTEMPTS` times (then `Contention`).
+//! - begin: 1 (one txn guarded by "the record is absent": if it is, the live index ranges of a
+//!   charged attempt; if not, the record and its lease key, never the quota) when a record
+//!   answers (replay, not stored, mismatch, in flight) or the quota refuses a new record; else 2
+//!   (+1 per lease to grant): a txn guarded by create_revision == 0 (absent) or mod_revision ==
+//!   observed (takeover, or reuse of an expired record) that puts the record, its index keys and
+//!   its lease key and deletes the replaced record's index keys. A takeover or reuse with a quota
+//!   reads the quota first in a txn guarded by the observed revision (+1). A lost guard reads
+//!   again, up to `TXN_ATTEMPTS` times (then `Contention`).
 //! - complete: 2 (+1): a range (ownership: mod_revision == locator, same owner, processing), then
 //!   a txn guarded by mod_revision == locator that rewrites the record with its outcome and moves
-//!   its index keys; a failed guard is `Lost`.
-//! - release: 2: the same range, then a guarded txn deleting the record and its index keys.
+//!   its index keys; a failed guard is `Lost`, unless the record holds this claim's owner with
+//!   this outcome (an earlier try of the same completion landed: `Done`; read in the range, or
+//!   in the failed txn's failure branch). The glue tries a failed settlement again.
+//! - release: 2: the same range, then a guarded txn deleting the record, its index keys and its
+//!   lease key.
 //! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd refuses
 //!   the token (invalid, or older than an auth change: `wire::Refused::InvalidToken`; then the
 //!   call is sent again, once). One fetch per worker at a time (`TokenFetch`): an exchange that
@@ -50,9 +65,10 @@
 //!   has read or written: 0, answered from `cache` (never a claim).
 //!
 //! Lease grants per second are independent of the request rate: at most one per worker per
-//! window in use, i.e. about (workers x distinct ttls) / 10 s across the fleet's workers; at
-//! any request rate with one ttl and 2 workers per Envoy, 10 Envoys grant about 2 leases a
-//! second.
+//! window in use, i.e. about (workers x distinct ttls) / 10 s across the fleet's workers, plus
+//! one claim lease per worker per claim-lease window while it makes claims; at any request
+//! rate with one ttl, the default 30 s lease and 2 workers per Envoy, 10 Envoys grant about
+//! 2 + 7 leases a second.
 //!
 //! Quotas are exact when requests of one identity do not race: two claims racing through the
 //! same read can both pass the bound (the overshoot is bounded by the concurrency of one

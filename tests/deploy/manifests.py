@@ -17,6 +17,7 @@ from idemkit import REPO_ROOT
 COMPOSE_FILE = REPO_ROOT / "deploy" / "compose" / "docker-compose.yaml"
 ISTIO_DIR = REPO_ROOT / "istio"
 WASM_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+RBAC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC"
 
 
 def load(path: Path) -> Any:

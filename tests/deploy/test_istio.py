@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import time
 import uuid
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from idemkit import bootstrap
 from idemkit.envoy import Envoy
 from idemkit.etcd import Etcd
 from idemkit.process import Upstream
-from manifests import ISTIO_DIR, WASM_TYPE, as_json, check_configs, crate_version, load_all
+from manifests import ISTIO_DIR, RBAC_TYPE, WASM_TYPE, as_json, check_configs, crate_version, load_all
 
 FILES = sorted(p.relative_to(ISTIO_DIR).as_posix() for p in ISTIO_DIR.rglob("*.yaml"))
 DIRS = ("gateway", "mesh")
@@ -109,7 +111,8 @@ def test_envoyfilter_sets_what_a_wasmplugin_cannot(rel):
     assert patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == "envoy.filters.http.router"
     assert patch["patch"]["operation"] == "INSERT_BEFORE"
     assert patch["patch"]["value"]["name"] == ext["name"]
-    assert patch["patch"]["value"]["config_discovery"]["type_urls"] == [WASM_TYPE]
+    # Istio's own WasmPlugin filters list both: a failed image pull becomes an RBAC filter.
+    assert patch["patch"]["value"]["config_discovery"]["type_urls"] == [WASM_TYPE, RBAC_TYPE]
 
 
 def test_every_configuration_is_accepted_by_the_filter(check_config, tmp_path):
@@ -168,6 +171,82 @@ def test_envoyfilter_typed_config_serves_a_replay(envoy_bin, filter_wasm):
         again = proxy.post("/orders", b'{"item":"book"}', headers)
         assert again.status == 201 and again.replayed and again.body == first.body, again
         assert up.executions(key) == 1
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        etcd.stop()
+        up.stop()
+
+
+# What istio-agent sends Envoy instead of the Wasm config when it cannot pull the image (with
+# FAIL_CLOSE or FAIL_RELOAD semantics on the agent side): an RBAC filter that allows nothing.
+RBAC_DENY_ALL = {"@type": RBAC_TYPE, "rules": {}}
+
+
+def _write_ecds(path: Path, name: str, typed_config: dict) -> None:
+    """One ECDS update as a file: a DiscoveryResponse, moved into place (Envoy watches moves)."""
+    resp = {"resources": [{"@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
+                           "name": name, "typed_config": typed_config}]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(resp))
+    os.replace(tmp, path)
+
+
+def _ecds_failures(proxy: Envoy) -> int:
+    return sum(v for k, v in proxy.stats("extension_config_discovery").items() if k.endswith(".config_fail"))
+
+
+@pytest.mark.parametrize("type_urls", ["manifest", "wasm-only"])
+def test_a_failed_pull_rbac_filter_is_applied_only_with_its_type_listed(type_urls, envoy_bin, filter_wasm, tmp_path):
+    """The EnvoyFilter's HTTP_FILTER by file-based ECDS (the same type_urls; a file instead of
+    ADS): first the Wasm config, served; then the RBAC deny-all istio-agent sends after a failed
+    pull. With the manifest's type_urls Envoy applies it (403 from RBAC); with the Wasm type
+    alone it rejects the update (config_fail) and keeps the previous config."""
+    rel = "gateway/envoyfilter.yaml"
+    doc = _doc(rel)
+    ext = copy.deepcopy(_extension_config(doc))
+    ext["typed_config"]["config"]["vm_config"]["code"] = {"local": {"filename": str(filter_wasm)}}
+    (http_filter,) = [p["patch"]["value"] for p in doc["spec"]["configPatches"] if p["applyTo"] == "HTTP_FILTER"]
+    discovery = copy.deepcopy(http_filter["config_discovery"])
+    if type_urls == "wasm-only":
+        discovery["type_urls"] = [WASM_TYPE]
+    ecds = tmp_path / "ecds" / "filter.json"
+    ecds.parent.mkdir()
+    discovery["config_source"] = {"path_config_source": {"path": str(ecds), "watched_directory": {"path": str(ecds.parent)}},
+                                  "resource_api_version": "V3"}
+    _write_ecds(ecds, ext["name"], ext["typed_config"])
+    up = Upstream("istio-ecds-orders").start()
+    etcd = Etcd("istio-ecds-etcd").start()
+    proxy = None
+    try:
+        etcd_name = json.loads(ext["typed_config"]["config"]["configuration"]["value"])["store"]["cluster"]
+        hcm = bootstrap.http_connection_manager([bootstrap.route("/", timeout="15s")],
+                                                [{"name": http_filter["name"], "config_discovery": discovery}])
+        cfg = bootstrap.bootstrap(hcm, [bootstrap.cluster("orders", up.port),
+                                        bootstrap.etcd_cluster([etcd.client_port], name=etcd_name)])
+        cfg["node"] = {"id": "gateway", "cluster": "istio-ingressgateway"}  # xDS needs a node
+        proxy = Envoy(envoy_bin, cfg, name="istio-ecds-" + type_urls, log_level="info",
+                      component_log_level="wasm:info").start()
+        key = "ecds-" + uuid.uuid4().hex
+        headers = {"idempotency-key": key, "content-type": "application/json"}
+        first = proxy.post("/orders", b'{"item":"book"}', headers)
+        assert first.status == 201 and not first.replayed, first
+
+        _write_ecds(ecds, ext["name"], RBAC_DENY_ALL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            status = proxy.post("/orders", b'{"item":"book"}', headers).status
+            if status == 403 or _ecds_failures(proxy) > 0:
+                break
+            time.sleep(0.1)
+        after = proxy.post("/orders", b'{"item":"book"}', headers)
+        if type_urls == "manifest":
+            assert after.status == 403, after  # RBAC: the filter chain refuses every request
+            assert _ecds_failures(proxy) == 0, proxy.stats("extension_config_discovery")
+        else:
+            assert _ecds_failures(proxy) >= 1, proxy.stats("extension_config_discovery")
+            assert "RBAC" in proxy.log_text(), proxy.log_text()[-3000:]
+            assert after.status == 201 and after.replayed, after  # the old Wasm config stays
     finally:
         if proxy is not None:
             proxy.stop()

@@ -34,10 +34,13 @@ def compose() -> dict:
 
 
 def _mounts(service: dict) -> list[tuple[str, str]]:
-    """(source, target) of each short-syntax volume."""
+    """(source, target) of each volume, short or long syntax."""
     out = []
     for v in service.get("volumes", []):
-        assert isinstance(v, str), "long-syntax volume not expected: %r" % (v,)
+        if isinstance(v, dict):
+            assert v["type"] in ("bind", "volume"), v
+            out.append((v["source"], v["target"]))
+            continue
         parts = v.split(":")
         assert len(parts) in (2, 3), v
         out.append((parts[0], parts[1]))
@@ -97,6 +100,26 @@ def test_every_mount_exists(compose):
             assert path.is_relative_to(REPO_ROOT), (name, src)
             # dist/ is `make build`'s output; everything else is in the repository.
             assert path.is_file(), "%s mounts %s, which does not exist (make build?)" % (name, path)
+
+
+# The compose spec's long-syntax volume keys (schema/compose-spec.json of compose-spec/compose-spec).
+LONG_SYNTAX_KEYS = {"type", "source", "target", "read_only", "consistency", "bind", "volume", "tmpfs", "image"}
+BIND_KEYS = {"propagation", "create_host_path", "recursive", "selinux"}
+
+
+def test_the_module_mount_never_creates_a_host_directory(compose):
+    """Short syntax makes Docker create a missing bind source as a directory: `docker compose up`
+    before `make build` would leave dist/idempotency_filter.wasm a directory, and the build then
+    fails. The module's mount is long syntax with create_host_path false."""
+    for name in ENVOY_SERVICES:
+        mounts = [v for v in compose["services"][name]["volumes"]
+                  if (v["target"] if isinstance(v, dict) else v.split(":")[1]).endswith(".wasm")]
+        assert len(mounts) == 1, (name, mounts)
+        (mount,) = mounts
+        assert isinstance(mount, dict), "%s: short-syntax module mount %r" % (name, mount)
+        assert set(mount) <= LONG_SYNTAX_KEYS and set(mount["bind"]) <= BIND_KEYS, mount
+        assert mount["type"] == "bind" and mount["read_only"] is True, mount
+        assert mount["bind"]["create_host_path"] is False, mount
 
 
 def test_what_the_services_run_is_mounted(compose):

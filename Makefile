@@ -83,6 +83,11 @@ e2e-loadgen:
 curl:
 	@command -v curl >/dev/null || { apt-get update -qq && apt-get install -y -qq curl; }
 
+# zsh (macOS's default shell): tests/deploy/test_readme.py runs the README's curl lines in it.
+.PHONY: zsh
+zsh:
+	@command -v zsh >/dev/null || { apt-get update -qq && apt-get install -y -qq zsh; }
+
 # The OCI image's tests (tests/deploy/test_oci.py) read and copy the layout with skopeo.
 skopeo:
 	@command -v skopeo >/dev/null || { apt-get update -qq && apt-get install -y -qq skopeo; }
@@ -185,7 +190,7 @@ e2e: build tools etcd curl e2e-loadgen
 # etcd and skopeo.
 CHECK_CONFIG := $(CARGO_TARGET_DIR)/debug/examples/check_config
 
-deploy-test: oci tools etcd skopeo
+deploy-test: oci tools etcd skopeo zsh
 	$(CARGO) build -q --example check_config
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) OCI_LAYOUT=$(OCI_DIR) CHECK_CONFIG=$(CHECK_CONFIG) \
 	  $(VENV_PY) -m pytest tests/deploy -q $(PYTEST_ARGS)

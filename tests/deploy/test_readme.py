@@ -5,7 +5,10 @@ table, and every counter `src/metrics.rs` defines is in the metrics section."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 
 from idemkit import REPO_ROOT
 
@@ -65,3 +68,37 @@ def test_every_counter_is_in_the_metrics_section():
     assert not missing, f"counters src/metrics.rs defines that README's Metrics section lacks: {missing}"
     m = re.search(r"that is (\d+) series\s+per rule", section)
     assert m and int(m.group(1)) == len(names), (m and m.group(0), len(names))
+
+
+# ---- the README's shell lines in bash and zsh (macOS's default shell) ------------------------
+
+# curl, sleep and grep stand-ins: each call prints its arguments, one call per line.
+_STUBS = "curl() { printf '[%s]' \"$@\"; echo; }; sleep() { :; }; grep() { printf '[%s]' grep \"$@\"; echo; }; "
+
+
+def _shell_lines() -> list[str]:
+    """Every curl line a reader copies: the README's sh blocks, and the compose file's recipe."""
+    text = (REPO_ROOT / "README.md").read_text()
+    lines = [l for b in re.findall(r"```sh\n(.*?)```", text, re.S) for l in b.splitlines()
+             if l.startswith("curl ")]
+    compose = (REPO_ROOT / "deploy" / "compose" / "docker-compose.yaml").read_text()
+    lines += [l[len("#   "):] for l in compose.splitlines() if l.startswith("#   curl ")]
+    return lines
+
+
+def _argv(shell: str, line: str) -> list[str]:
+    proc = subprocess.run([shell, "-c", _STUBS + line + "; wait"], capture_output=True, text=True,
+                          timeout=30, env={"PATH": os.environ["PATH"], "K": "order-1"})
+    assert proc.returncode == 0 and not proc.stderr, (shell, line, proc.returncode, proc.stderr)
+    return sorted(proc.stdout.splitlines())
+
+
+def test_every_readme_curl_line_runs_the_same_in_bash_and_zsh():
+    """An unquoted `?` is a glob in zsh ("no matches found"): every line must give curl the same
+    arguments in both shells."""
+    zsh = shutil.which("zsh")
+    assert zsh, "zsh not found (`make deploy-test` installs it)"
+    lines = _shell_lines()
+    assert len(lines) >= 9 and any("?key=" in l for l in lines), lines
+    for line in lines:
+        assert _argv(zsh, line) == _argv("bash", line), line

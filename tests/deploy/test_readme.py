@@ -72,8 +72,11 @@ def test_every_counter_is_in_the_metrics_section():
 
 # ---- the README's shell lines in bash and zsh (macOS's default shell) ------------------------
 
-# curl, sleep and grep stand-ins: each call prints its arguments, one call per line.
-_STUBS = "curl() { printf '[%s]' \"$@\"; echo; }; sleep() { :; }; grep() { printf '[%s]' grep \"$@\"; echo; }; "
+# curl, sleep and grep stand-ins: each call prints its arguments, one call per line, in one
+# write (a line's background call must not interleave with the foreground one's); printf, since
+# zsh's echo reads the backslashes in the arguments.
+_STUBS = ("curl() { local s; s=$(printf '[%s]' \"$@\"); printf '%s\\n' \"$s\"; }; sleep() { :; }; "
+          "grep() { local s; s=$(printf '[%s]' grep \"$@\"); printf '%s\\n' \"$s\"; }; ")
 
 
 def _shell_lines() -> list[str]:

@@ -39,21 +39,29 @@
 //!   `CLAIM_LEASE_SLACK_S`, so each lease key outlives its claim's lease by etcd's clock.
 //!
 //! Operations (round trips; "+1" is a lease grant, once per worker and window):
-//! - begin: 1 (one txn guarded by "the record is absent": if it is, the live index ranges of a
-//!   charged attempt; if not, the record and its lease key, never the quota) when a record
-//!   answers (replay, not stored, mismatch, in flight) or the quota refuses a new record; else 2
-//!   (+1 per lease to grant): a txn guarded by create_revision == 0 (absent) or mod_revision ==
-//!   observed (takeover, or reuse of an expired record) that puts the record, its index keys and
-//!   its lease key and deletes the replaced record's index keys. A takeover or reuse with a quota
-//!   reads the quota first in a txn guarded by the observed revision (+1). A lost guard reads
-//!   again, up to `TXN_ATTEMPTS` times (then `Contention`).
-//! - complete: 2 (+1): a range (ownership: mod_revision == locator, same owner, processing), then
-//!   a txn guarded by mod_revision == locator that rewrites the record with its outcome and moves
-//!   its index keys; a failed guard is `Lost`, unless the record holds this claim's owner with
-//!   this outcome (an earlier try of the same completion landed: `Done`; read in the range, or
-//!   in the failed txn's failure branch). The glue tries a failed settlement again.
-//! - release: 2: the same range, then a guarded txn deleting the record, its index keys and its
-//!   lease key.
+//! - begin: 1 (+1 per lease to grant: the claim's puts name the record's lease and the lease
+//!   key's claim lease, so they are known before the call): one txn guarded by
+//!   create_revision(r/<scope>) == 0. Success (a new record): it puts the record, its index keys
+//!   and its lease key, then ranges a charged attempt's live indexes (the reads of a txn see its
+//!   earlier writes: the count includes the claim's own key, which `quota_refusal` leaves out;
+//!   limit 2 so the retry-after hint skips it); over a bound, a third call deletes what the
+//!   claim wrote, guarded by its revision (`undo`), and the begin answers `QuotaExceeded`.
+//!   Failure (the record exists): it ranges the record and its lease key, never the quota, and
+//!   the begin decides replay, not stored, mismatch or in flight from them; a takeover or a
+//!   reuse of an expired record is a second txn guarded by mod_revision == observed that puts
+//!   the record, its index keys and its lease key and deletes the replaced record's index keys
+//!   (with a quota, the quota is read first in a txn guarded by the observed revision: +1). A
+//!   lost guard starts again with the claim's txn, up to `TXN_ATTEMPTS` times (then
+//!   `Contention`).
+//! - complete: 1 (+1): `Claim::written` is the record the claim put, so a txn guarded by
+//!   mod_revision == locator (while it holds, the record is exactly that put) rewrites the
+//!   record with its outcome and moves its index keys without reading it; on a failed guard its
+//!   failure branch reads the record: `Lost`, unless it holds this claim's owner with this
+//!   outcome (an earlier try of the same completion landed: `Done`). The glue tries a failed
+//!   settlement again. A claim without `written` (not made by this store) is read first (+1:
+//!   ownership, mod_revision == locator, same owner, processing).
+//! - release: 1: the same guarded txn deleting the record, its index keys and its lease key (a
+//!   failed guard is `Lost`).
 //! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd refuses
 //!   the token (invalid, or older than an auth change: `wire::Refused::InvalidToken`; then the
 //!   call is sent again, once). One fetch per worker at a time (`TokenFetch`): an exchange that
@@ -70,9 +78,10 @@
 //! rate with one ttl, the default 30 s lease and 2 workers per Envoy, 10 Envoys grant about
 //! 2 + 7 leases a second.
 //!
-//! Quotas are exact when requests of one identity do not race: two claims racing through the
-//! same read can both pass the bound (the overshoot is bounded by the concurrency of one
-//! identity's new requests within one round trip). etcd cannot compare a count in a guard.
+//! etcd cannot compare a count in a guard, so a new claim counts in its own txn, after its
+//! puts: etcd applies txns one at a time, so new claims never pass the bound, though one being
+//! undone still counts for the others until its undo lands. A takeover or reuse with a quota
+//! reads then writes: racing ones can overshoot the bound by their number.
 
 pub mod base64;
 #[cfg(feature = "testing")]

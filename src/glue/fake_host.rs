@@ -1650,13 +1650,13 @@ mod etcd_auth_tests {
         assert_eq!(fetches(&h), 1, "{:?}", callouts(&h));
         // The fetch has its own timeout (store.auth.timeout, 2 s by default).
         assert_eq!(timeouts(&h), vec![2_000]);
-        // Its answer sends every waiting stream's first call, each with the token, on the
-        // store's timeout: a fresh worker has no lease yet for the claims' puts, so a grant.
+        // Its answer sends every waiting stream's read, each with the token, on the store's
+        // timeout (a fresh worker has no lease for a claim's puts yet: it reads first).
         let (token, _) = callouts(&h)[0].clone();
         answer(&h, &mut root, token, "200", TOKEN);
         let reads: Vec<_> = callouts(&h)[1..].to_vec();
         assert_eq!(reads.len(), 4, "{reads:?}");
-        assert!(reads.iter().all(|(_, p)| p == "/v3/lease/grant"), "{reads:?}");
+        assert!(reads.iter().all(|(_, p)| p == "/v3/kv/txn"), "{reads:?}");
         assert_eq!(timeouts(&h)[1..], [250, 250, 250, 250]);
         assert!(h.dispatches()[1..].iter().all(|c| matches!(c, Call::Dispatch { headers, .. }
             if headers.iter().any(|(n, v)| n == "authorization" && v == "tok.1"))));

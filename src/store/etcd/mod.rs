@@ -39,8 +39,10 @@
 //!   `CLAIM_LEASE_SLACK_S`, so each lease key outlives its claim's lease by etcd's clock.
 //!
 //! Operations (round trips; "+1" is a lease grant, once per worker and window):
-//! - begin: 1 (+1 per lease to grant: the claim's puts name the record's lease and the lease
-//!   key's claim lease, so they are known before the call): one txn guarded by
+//! - begin: 1 (the claim's puts name the record's lease and the lease key's claim lease, so
+//!   they are known before the call; a worker lacking one first reads the record with the
+//!   failure branch's ranges alone (`Stage::Probe`): a record answers there, an absent one costs
+//!   that read +1 per lease to grant, once per worker and window): one txn guarded by
 //!   create_revision(r/<scope>) == 0. Success (a new record): it puts the record, its index keys
 //!   and its lease key, then ranges a charged attempt's live indexes (the reads of a txn see its
 //!   earlier writes: the count includes the claim's own key, which `quota_refusal` leaves out;
@@ -321,6 +323,7 @@ impl EtcdStore {
             write: None,
             pending_claim: None,
             refusal: None,
+            probed: false,
         }
     }
 
@@ -485,6 +488,9 @@ enum Stage {
     Start,
     /// begin: a new claim over its quota, being deleted (guarded by the claim's revision).
     Undo,
+    /// begin without the leases a claim needs: the record and its lease key if it exists
+    /// (nothing if it is absent), read before granting them.
+    Probe,
     /// begin of an existing record that will be claimed (takeover, reuse) with a quota: the
     /// quota indexes, read while the record is unchanged.
     QuotaRead,
@@ -570,6 +576,8 @@ pub struct Exchange {
     /// The quota's answer to a new claim that turned out over its bound, given once the claim
     /// is undone.
     refusal: Option<Begin>,
+    /// The record was found absent by a `Probe`: grant the leases and claim.
+    probed: bool,
 }
 
 /// What the exchange does next, inside `step`.
@@ -660,6 +668,18 @@ impl Exchange {
                     }
                     Err(refused) => return Err(refused.into_error()),
                     Ok(body) => match stage {
+                        Stage::Probe => {
+                            let txn = wire::read_txn(&body).map_err(Refused::into_error)?;
+                            if txn.succeeded {
+                                // Absent: the leases, then the claim's transaction (which may
+                                // still find a record written meanwhile).
+                                self.probed = true;
+                                let StoreOp::Begin(a) = self.op else { return Err(unusable("not a begin")) };
+                                self.new_claim(store, &a, now_ms)?
+                            } else {
+                                self.existing(store, &txn, now_ms)?
+                            }
+                        }
                         Stage::Undo => {
                             // Whether the guard held or not (a claim over its quota is nobody's
                             // to keep), the begin answers with the quota's refusal.
@@ -877,6 +897,20 @@ impl Exchange {
     /// none for them yet.
     fn new_claim(&mut self, store: &EtcdStore, a: &ClaimAttempt, now_ms: u64) -> Result<Next, StoreError> {
         let entry = charged_entry(a);
+        let leases_known = store.lease_for(window_end(entry.expires_at_ms), now_ms).is_some()
+            && store.claim_lease_for(a.lease_ms, now_ms).is_some();
+        if !leases_known && !self.probed {
+            // A grant is due (once per worker and window): read first, so that a begin
+            // answered by an existing record (a replay) never waits for grants. The claim's
+            // transaction follows the grants only for an absent record.
+            let record = store.record_key(&a.scope);
+            let existing = [
+                TxnOp::Range { key: record.clone(), range_end: None, limit: 0, keys_only: false },
+                TxnOp::Range { key: store.lease_key(&a.scope), range_end: None, limit: 0, keys_only: false },
+            ];
+            let body = wire::txn(Some((&record, Guard::Absent)), &[], &existing);
+            return Ok(Next::Call(wire::TXN, body, Stage::Probe));
+        }
         let value = record::encode_slot(&SlotValue { entry, snapshot: None });
         let mut write = Write::new(Guard::Absent, Some((entry, value)), Vec::new(), Won::Claimed);
         write.claim_lease_ms = Some(a.lease_ms);

@@ -265,23 +265,31 @@ fn settled(answer: StoreAnswer) -> Result<Settled, StoreError> {
 }
 
 #[test]
-fn a_new_record_is_one_guarded_transaction_after_its_lease_grants() {
+fn a_new_record_is_one_guarded_transaction_once_its_leases_are_granted() {
     let store = store();
-    let (answer, made) =
-        run(&store, StoreOp::Begin(attempt(0)), 0, vec![ok(granted()), ok(granted()), ok(written(2))]);
+    let (answer, made) = run(
+        &store,
+        StoreOp::Begin(attempt(0)),
+        0,
+        vec![ok(read_answer(1, None, &[])), ok(granted()), ok(granted()), ok(written(2))],
+    );
     let wrote = Some(processing(11, 0));
     assert_eq!(
         begun(answer),
         Ok(Begin::Claimed(Claim { scope: scope(1), owner: 11, locator: 2, written: wrote }))
     );
-    assert_eq!(paths(&made), vec!["/v3/lease/grant", "/v3/lease/grant", "/v3/kv/txn"]);
+    assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/lease/grant", "/v3/lease/grant", "/v3/kv/txn"]);
     let key = base64::encode(&record_key());
     let lease_key = base64::encode(&lease_key());
     let absent = format!(r#"{{"key":"{key}","target":"CREATE","result":"EQUAL","create_revision":"0"}}"#);
+    let read_existing =
+        format!(r#"[{{"request_range":{{"key":"{key}"}}}},{{"request_range":{{"key":"{lease_key}"}}}}]"#);
+    // Grants are due: it reads first (a begin answered by a record never waits for them).
+    assert_eq!(made[0].body, format!(r#"{{"compare":[{absent}],"success":[],"failure":{read_existing}}}"#));
     // The record expires at 10 s: its lease covers the window ending at 20 s, plus slack.
-    assert_eq!(made[0].body, r#"{"TTL":"22","ID":"0"}"#);
+    assert_eq!(made[1].body, r#"{"TTL":"22","ID":"0"}"#);
     // The lease key's: the 1 s processing lease, the 1 s reuse window and 1 s of slack.
-    assert_eq!(made[1].body, r#"{"TTL":"3","ID":"0"}"#);
+    assert_eq!(made[2].body, r#"{"TTL":"3","ID":"0"}"#);
     let put = format!(
         r#"{{"request_put":{{"key":"{key}","value":"{}","lease":"{LEASE_ID}"}}}}"#,
         base64::encode(&value(processing(11, 0), None))
@@ -292,10 +300,8 @@ fn a_new_record_is_one_guarded_transaction_after_its_lease_grants() {
     );
     // Absent: the puts (no quota to read); present: the record and its lease key.
     assert_eq!(
-        made[2].body,
-        format!(
-            r#"{{"compare":[{absent}],"success":[{put},{put_lease_key}],"failure":[{{"request_range":{{"key":"{key}"}}}},{{"request_range":{{"key":"{lease_key}"}}}}]}}"#
-        )
+        made[3].body,
+        format!(r#"{{"compare":[{absent}],"success":[{put},{put_lease_key}],"failure":{read_existing}}}"#)
     );
     assert!(made.iter().all(|m| m.token.is_none()));
 
@@ -316,10 +322,10 @@ fn a_new_record_is_one_guarded_transaction_after_its_lease_grants() {
         &store,
         StoreOp::Begin(ClaimAttempt { scope: scope(3), ..attempt(1_000) }),
         1_000,
-        vec![ok(granted()), ok(written(4))],
+        vec![ok(read_answer(3, None, &[])), ok(granted()), ok(written(4))],
     );
-    assert_eq!(paths(&made), vec!["/v3/lease/grant", "/v3/kv/txn"]);
-    assert_eq!(made[0].body, r#"{"TTL":"3","ID":"0"}"#);
+    assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/lease/grant", "/v3/kv/txn"]);
+    assert_eq!(made[1].body, r#"{"TTL":"3","ID":"0"}"#);
 }
 
 #[test]
@@ -414,6 +420,23 @@ fn answers_about_an_existing_record_take_one_round_trip() {
         assert_eq!(begun(answer), Ok(expected.clone()), "{expected:?}");
         assert_eq!(made.len(), 1);
     }
+}
+
+#[test]
+fn a_replay_on_a_worker_without_leases_is_one_read_and_no_grant() {
+    // A worker that has not written into this window yet (another Envoy wrote the record):
+    // it reads before granting, and the record answers.
+    let key = record_key();
+    let stored = value(completed(0, Some(snapshot())), Some(snapshot()));
+    let (answer, made) = run(
+        &store(),
+        StoreOp::Begin(attempt(10)),
+        10,
+        vec![ok(read_answer(5, Some((&key, &stored, 4)), &[]))],
+    );
+    assert_eq!(begun(answer), Ok(Begin::Replay(snapshot())));
+    assert_eq!(paths(&made), vec!["/v3/kv/txn"]);
+    assert!(!made[0].body.contains("request_put"), "{}", made[0].body);
 }
 
 #[test]
@@ -776,18 +799,34 @@ fn a_lost_lease_is_granted_again_once() {
         &store,
         StoreOp::Begin(attempt(0)),
         0,
-        vec![ok(granted()), ok(granted()), lost.clone(), ok(granted()), ok(granted()), ok(written(3))],
+        vec![
+            ok(read_answer(1, None, &[])),
+            ok(granted()),
+            ok(granted()),
+            lost.clone(),
+            ok(granted()),
+            ok(granted()),
+            ok(written(3)),
+        ],
     );
     assert!(matches!(begun(answer), Ok(Begin::Claimed(_))));
     // etcd does not say which lease it lacks: both are granted again.
     let grant = "/v3/lease/grant";
-    assert_eq!(paths(&made), vec![grant, grant, "/v3/kv/txn", grant, grant, "/v3/kv/txn"]);
+    assert_eq!(paths(&made), vec!["/v3/kv/txn", grant, grant, "/v3/kv/txn", grant, grant, "/v3/kv/txn"]);
     // Lost twice in one exchange: etcd is not keeping leases; the store is unusable.
     let (answer, _) = run(
         &EtcdStore::new(settings(None)),
         StoreOp::Begin(attempt(0)),
         0,
-        vec![ok(granted()), ok(granted()), lost.clone(), ok(granted()), ok(granted()), lost],
+        vec![
+            ok(read_answer(1, None, &[])),
+            ok(granted()),
+            ok(granted()),
+            lost.clone(),
+            ok(granted()),
+            ok(granted()),
+            lost,
+        ],
     );
     assert!(matches!(begun(answer), Err(StoreError::Unavailable(_))));
 }
@@ -893,12 +932,18 @@ fn auth_authenticates_first_and_caches_the_token() {
         &store,
         StoreOp::Begin(attempt(0)),
         0,
-        vec![authenticated(TOKEN), ok(granted()), ok(granted()), ok(written(2))],
+        vec![
+            authenticated(TOKEN),
+            ok(read_answer(1, None, &[])),
+            ok(granted()),
+            ok(granted()),
+            ok(written(2)),
+        ],
     );
     assert!(matches!(begun(answer), Ok(Begin::Claimed(_))));
     assert_eq!(
         paths(&made),
-        vec!["/v3/auth/authenticate", "/v3/lease/grant", "/v3/lease/grant", "/v3/kv/txn"]
+        vec!["/v3/auth/authenticate", "/v3/kv/txn", "/v3/lease/grant", "/v3/lease/grant", "/v3/kv/txn"]
     );
     assert_eq!(made[0].body, r#"{"name":"idem","password":"p\"w"}"#);
     assert_eq!(made[0].token, None);

@@ -222,7 +222,7 @@ mod tests {
         list.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
     }
 
-    const CLAIM: Claim = Claim { scope: ScopeId([1; 32]), owner: 7, locator: 3 };
+    const CLAIM: Claim = Claim { scope: ScopeId([1; 32]), owner: 7, locator: 3, written: None };
 
     #[test]
     fn the_call_carries_the_clients_head_without_connection_headers() {

@@ -1415,7 +1415,7 @@ mod tests {
     #[test]
     fn a_waiter_plan_releases_the_claim_if_it_cannot_resume() {
         let rule = cfg().rules[1].clone();
-        let claim = Claim { scope: ScopeId([1; 32]), owner: 7, locator: 0 };
+        let claim = Claim { scope: ScopeId([1; 32]), owner: 7, locator: 0, written: None };
         match waiter_plan(Recheck::Forward { claim, counter: Counter::Claimed }, &rule) {
             WaiterPlan::Resume { counter, release, .. } => {
                 assert_eq!((counter, release), (Counter::Claimed, StoreOp::Release(claim)))

@@ -780,7 +780,7 @@ mod remote_tests {
             let error = || StoreError::Unavailable(format!("answer {:?}", answer.status));
             Next::Done(match &self.0 {
                 StoreOp::Begin(a) => StoreAnswer::Begun(if ok {
-                    Ok(Begin::Claimed(Claim { scope: a.scope, owner: a.owner, locator: 7 }))
+                    Ok(Begin::Claimed(Claim { scope: a.scope, owner: a.owner, locator: 7, written: None }))
                 } else {
                     Err(error())
                 }),
@@ -1278,11 +1278,14 @@ mod remote_wait_tests {
             let error = StoreError::Unavailable(format!("answer {:?}", answer.status));
             let ok = answer.status == Some(200);
             Next::Done(match &self.0 {
-                StoreOp::Begin(a) if ok => StoreAnswer::Begun(Ok(self
-                    .1
-                    .borrow_mut()
-                    .pop_front()
-                    .unwrap_or(Begin::Claimed(Claim { scope: a.scope, owner: a.owner, locator: 7 })))),
+                StoreOp::Begin(a) if ok => {
+                    StoreAnswer::Begun(Ok(self.1.borrow_mut().pop_front().unwrap_or(Begin::Claimed(Claim {
+                        scope: a.scope,
+                        owner: a.owner,
+                        locator: 7,
+                        written: None,
+                    }))))
+                }
                 StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),
                 _ if ok => StoreAnswer::Settled(Ok(Settled::Done)),
                 _ => StoreAnswer::Settled(Err(error)),
@@ -1648,12 +1651,12 @@ mod etcd_auth_tests {
         // The fetch has its own timeout (store.auth.timeout, 2 s by default).
         assert_eq!(timeouts(&h), vec![2_000]);
         // Its answer sends every waiting stream's read, each with the token, on the store's
-        // timeout.
+        // timeout (a fresh worker has no lease for a claim's puts yet: it reads first).
         let (token, _) = callouts(&h)[0].clone();
         answer(&h, &mut root, token, "200", TOKEN);
         let reads: Vec<_> = callouts(&h)[1..].to_vec();
         assert_eq!(reads.len(), 4, "{reads:?}");
-        assert!(reads.iter().all(|(_, p)| p == "/v3/kv/txn"));
+        assert!(reads.iter().all(|(_, p)| p == "/v3/kv/txn"), "{reads:?}");
         assert_eq!(timeouts(&h)[1..], [250, 250, 250, 250]);
         assert!(h.dispatches()[1..].iter().all(|c| matches!(c, Call::Dispatch { headers, .. }
             if headers.iter().any(|(n, v)| n == "authorization" && v == "tok.1"))));

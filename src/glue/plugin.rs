@@ -173,7 +173,8 @@ pub struct RootRecheck {
 pub enum RootCall {
     /// Boxed: a flow is much larger than a settlement.
     Begin(Box<RootBegin>),
-    Settle(RootSettlement),
+    /// Boxed: it carries the outcome and the claim (with the record the claim wrote).
+    Settle(Box<RootSettlement>),
     Recheck(RootRecheck),
     /// Boxed: it carries the request.
     Detached(Box<DetachedCall>),
@@ -221,7 +222,7 @@ impl Settlements {
     pub fn drain_all(&mut self) -> Vec<RootCall> {
         let mut all = std::mem::take(&mut self.queued);
         all.extend(std::mem::take(&mut self.in_flight).into_values());
-        all.extend(std::mem::take(&mut self.retrying).into_iter().map(RootCall::Settle));
+        all.extend(std::mem::take(&mut self.retrying).into_iter().map(|s| RootCall::Settle(Box::new(s))));
         all.extend(std::mem::take(&mut self.parked));
         all
     }
@@ -449,13 +450,13 @@ impl<H: Host> PluginState<H> {
         holds_response: bool,
     ) {
         let conversation = remote.start(op);
-        self.to_root(RootCall::Settle(RootSettlement {
+        self.to_root(RootCall::Settle(Box::new(RootSettlement {
             conversation,
             settlement,
             holds_response,
             retry: None,
             then_reply: None,
-        }));
+        })));
     }
 
     /// Hands a paused request's `begin` (and its flow) to this worker's root.

@@ -307,13 +307,13 @@ fn release_unused<H: Host>(
 ) {
     let StoreOp::Release(claim) = release else { return };
     let settlement = Settlement { context_id, claim, rule: Rc::clone(rule), done: Counter::Released };
-    let settle = RootSettlement {
+    let settle = Box::new(RootSettlement {
         conversation: store.start(release),
         settlement,
         holds_response: false,
         retry: None,
         then_reply: None,
-    };
+    });
     converse(plugin, store, settle, None);
 }
 
@@ -511,13 +511,13 @@ fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_
         }
         (Some(op), Store::Remote(store)) => {
             let then_reply = Some(DetachedReply { reply: out.reply, handle });
-            let settle = RootSettlement {
+            let settle = Box::new(RootSettlement {
                 conversation: store.start(op),
                 settlement,
                 holds_response: false,
                 retry: None,
                 then_reply,
-            };
+            });
             converse(plugin, store.as_ref(), settle, None);
         }
     }
@@ -573,13 +573,13 @@ fn converse_begin<H: Host>(
                 // until its lease ends.
                 if let Some((op, settlement)) = begin.flow.answered_without_stream(&answer) {
                     let conversation = store.start(op);
-                    let settle = RootSettlement {
+                    let settle = Box::new(RootSettlement {
                         conversation,
                         settlement,
                         holds_response: false,
                         retry: None,
                         then_reply: None,
-                    };
+                    });
                     converse(plugin, store, settle, None);
                 }
                 return;
@@ -688,7 +688,7 @@ fn step_name(step: &Step) -> &'static str {
 fn converse<H: Host>(
     plugin: &PluginState<H>,
     store: &dyn RemoteStore,
-    mut call: RootSettlement,
+    mut call: Box<RootSettlement>,
     answer: Option<Answer>,
 ) {
     match call.conversation.step(answer, plugin.host.now_ms()) {
@@ -720,7 +720,7 @@ fn retry_settlements<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
         converse(
             plugin,
             store.as_ref(),
-            RootSettlement { conversation, settlement, holds_response, retry, then_reply },
+            Box::new(RootSettlement { conversation, settlement, holds_response, retry, then_reply }),
             None,
         );
     }
@@ -761,7 +761,7 @@ fn abandon<H: Host>(plugin: &PluginState<H>) {
 /// store to recover (a retry of its own finds the record in flight, never executes).
 fn finish_settlement<H: Host>(
     plugin: &PluginState<H>,
-    mut call: RootSettlement,
+    mut call: Box<RootSettlement>,
     settled: Result<Settled, StoreError>,
 ) {
     if let Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)) = &settled {
@@ -780,7 +780,7 @@ fn finish_settlement<H: Host>(
                     retry.due_ms.saturating_sub(now_ms)
                 );
                 call.retry = Some(retry);
-                plugin.settlements.borrow_mut().retrying.push(call);
+                plugin.settlements.borrow_mut().retrying.push(*call);
             }
             None => {
                 log::warn!(

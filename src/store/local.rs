@@ -950,7 +950,12 @@ fn free_position(entries: &[Entry]) -> Option<u8> {
 }
 
 fn claim_for(bucket: u32, position: u8, a: &ClaimAttempt) -> Claim {
-    Claim { scope: a.scope, owner: a.owner, locator: (u64::from(bucket) << 8) | u64::from(position) }
+    Claim {
+        scope: a.scope,
+        owner: a.owner,
+        locator: (u64::from(bucket) << 8) | u64::from(position),
+        written: None,
+    }
 }
 
 impl<S: SharedData> RecordStore for LocalStore<S> {

@@ -69,6 +69,11 @@ pub struct Claim {
     pub owner: u64,
     /// Backend-specific locator of the record (bucket and position for the local store).
     pub locator: u64,
+    /// The record as the claim wrote it, when the store needs it to settle the claim without
+    /// reading it first (etcd: a completion's or release's single guarded transaction rewrites
+    /// or deletes it and its quota index keys). None: the store reads the record (the local
+    /// store always does).
+    pub written: Option<Entry>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -39,21 +39,31 @@
 //!   `CLAIM_LEASE_SLACK_S`, so each lease key outlives its claim's lease by etcd's clock.
 //!
 //! Operations (round trips; "+1" is a lease grant, once per worker and window):
-//! - begin: 1 (one txn guarded by "the record is absent": if it is, the live index ranges of a
-//!   charged attempt; if not, the record and its lease key, never the quota) when a record
-//!   answers (replay, not stored, mismatch, in flight) or the quota refuses a new record; else 2
-//!   (+1 per lease to grant): a txn guarded by create_revision == 0 (absent) or mod_revision ==
-//!   observed (takeover, or reuse of an expired record) that puts the record, its index keys and
-//!   its lease key and deletes the replaced record's index keys. A takeover or reuse with a quota
-//!   reads the quota first in a txn guarded by the observed revision (+1). A lost guard reads
-//!   again, up to `TXN_ATTEMPTS` times (then `Contention`).
-//! - complete: 2 (+1): a range (ownership: mod_revision == locator, same owner, processing), then
-//!   a txn guarded by mod_revision == locator that rewrites the record with its outcome and moves
-//!   its index keys; a failed guard is `Lost`, unless the record holds this claim's owner with
-//!   this outcome (an earlier try of the same completion landed: `Done`; read in the range, or
-//!   in the failed txn's failure branch). The glue tries a failed settlement again.
-//! - release: 2: the same range, then a guarded txn deleting the record, its index keys and its
-//!   lease key.
+//! - begin: 1 (the claim's puts name the record's lease and the lease key's claim lease, so
+//!   they are known before the call; a worker lacking one first reads the record with the
+//!   failure branch's ranges alone (`Stage::Probe`): a record answers there, an absent one costs
+//!   that read +1 per lease to grant, once per worker and window): one txn guarded by
+//!   create_revision(r/<scope>) == 0. Success (a new record): it puts the record, its index keys
+//!   and its lease key, then ranges a charged attempt's live indexes (the reads of a txn see its
+//!   earlier writes: the count includes the claim's own key, which `quota_refusal` leaves out;
+//!   limit 2 so the retry-after hint skips it); over a bound, a third call deletes what the
+//!   claim wrote, guarded by its revision (`undo`), and the begin answers `QuotaExceeded`.
+//!   Failure (the record exists): it ranges the record and its lease key, never the quota, and
+//!   the begin decides replay, not stored, mismatch or in flight from them; a takeover or a
+//!   reuse of an expired record is a second txn guarded by mod_revision == observed that puts
+//!   the record, its index keys and its lease key and deletes the replaced record's index keys
+//!   (with a quota, the quota is read first in a txn guarded by the observed revision: +1). A
+//!   lost guard starts again with the claim's txn, up to `TXN_ATTEMPTS` times (then
+//!   `Contention`).
+//! - complete: 1 (+1): `Claim::written` is the record the claim put, so a txn guarded by
+//!   mod_revision == locator (while it holds, the record is exactly that put) rewrites the
+//!   record with its outcome and moves its index keys without reading it; on a failed guard its
+//!   failure branch reads the record: `Lost`, unless it holds this claim's owner with this
+//!   outcome (an earlier try of the same completion landed: `Done`). The glue tries a failed
+//!   settlement again. A claim without `written` (not made by this store) is read first (+1:
+//!   ownership, mod_revision == locator, same owner, processing).
+//! - release: 1: the same guarded txn deleting the record, its index keys and its lease key (a
+//!   failed guard is `Lost`).
 //! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd refuses
 //!   the token (invalid, or older than an auth change: `wire::Refused::InvalidToken`; then the
 //!   call is sent again, once). One fetch per worker at a time (`TokenFetch`): an exchange that
@@ -70,9 +80,10 @@
 //! rate with one ttl, the default 30 s lease and 2 workers per Envoy, 10 Envoys grant about
 //! 2 + 7 leases a second.
 //!
-//! Quotas are exact when requests of one identity do not race: two claims racing through the
-//! same read can both pass the bound (the overshoot is bounded by the concurrency of one
-//! identity's new requests within one round trip). etcd cannot compare a count in a guard.
+//! etcd cannot compare a count in a guard, so a new claim counts in its own txn, after its
+//! puts: etcd applies txns one at a time, so new claims never pass the bound, though one being
+//! undone still counts for the others until its undo lands. A takeover or reuse with a quota
+//! reads then writes: racing ones can overshoot the bound by their number.
 
 pub mod base64;
 #[cfg(feature = "testing")]
@@ -311,6 +322,8 @@ impl EtcdStore {
             attempts: 0,
             write: None,
             pending_claim: None,
+            refusal: None,
+            probed: false,
         }
     }
 
@@ -436,7 +449,7 @@ impl EtcdStore {
         if let Some(last) = range_end.last_mut() {
             *last = b'0';
         }
-        TxnOp::Range { key, range_end: Some(range_end), limit: 1, keys_only: true }
+        TxnOp::Range { key, range_end: Some(range_end), limit: 2, keys_only: true }
     }
 }
 
@@ -473,9 +486,11 @@ fn tag_of(digest: &[u8; 32]) -> u64 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
     Start,
-    /// begin: the quota indexes if the record is absent, else the record and its lease key,
-    /// read in one transaction.
-    BeginRead,
+    /// begin: a new claim over its quota, being deleted (guarded by the claim's revision).
+    Undo,
+    /// begin without the leases a claim needs: the record and its lease key if it exists
+    /// (nothing if it is absent), read before granting them.
+    Probe,
     /// begin of an existing record that will be claimed (takeover, reuse) with a quota: the
     /// quota indexes, read while the record is unchanged.
     QuotaRead,
@@ -558,6 +573,11 @@ pub struct Exchange {
     attempts: u8,
     write: Option<Write>,
     pending_claim: Option<PendingClaim>,
+    /// The quota's answer to a new claim that turned out over its bound, given once the claim
+    /// is undone.
+    refusal: Option<Begin>,
+    /// The record was found absent by a `Probe`: grant the leases and claim.
+    probed: bool,
 }
 
 /// What the exchange does next, inside `step`.
@@ -608,7 +628,7 @@ impl Exchange {
             return self.token_awaited(store, now_ms);
         }
         let next = match (self.stage, answer) {
-            (Stage::Start, None) => self.first(store)?,
+            (Stage::Start, None) => self.first(store, now_ms)?,
             (Stage::Start, Some(_)) => return Err(unusable("an answer before any call")),
             (Stage::Finished, _) => return Err(unusable("the exchange had already finished")),
             (_, None) => return Err(unusable("no answer to the last call")),
@@ -648,9 +668,25 @@ impl Exchange {
                     }
                     Err(refused) => return Err(refused.into_error()),
                     Ok(body) => match stage {
-                        Stage::BeginRead => {
+                        Stage::Probe => {
                             let txn = wire::read_txn(&body).map_err(Refused::into_error)?;
-                            self.begin_read(store, &txn, now_ms)?
+                            if txn.succeeded {
+                                // Absent: the leases, then the claim's transaction (which may
+                                // still find a record written meanwhile).
+                                self.probed = true;
+                                let StoreOp::Begin(a) = self.op else { return Err(unusable("not a begin")) };
+                                self.new_claim(store, &a, now_ms)?
+                            } else {
+                                self.existing(store, &txn, now_ms)?
+                            }
+                        }
+                        Stage::Undo => {
+                            // Whether the guard held or not (a claim over its quota is nobody's
+                            // to keep), the begin answers with the quota's refusal.
+                            wire::read_txn(&body).map_err(Refused::into_error)?;
+                            let refusal =
+                                self.refusal.take().ok_or_else(|| unusable("an undo without its refusal"))?;
+                            Next::Begun(refusal)
                         }
                         Stage::SettleRead => {
                             let range = wire::read_range(&body).map_err(Refused::into_error)?;
@@ -677,7 +713,7 @@ impl Exchange {
                         }
                         Stage::Write => {
                             let txn = wire::read_txn(&body).map_err(Refused::into_error)?;
-                            self.written(store, &txn)?
+                            self.written(store, &txn, now_ms)?
                         }
                         Stage::Start | Stage::Finished => return Err(unusable("no call was made")),
                     },
@@ -818,52 +854,78 @@ impl Exchange {
         self.resend(store)
     }
 
-    fn first(&mut self, store: &EtcdStore) -> Result<Next, StoreError> {
+    fn first(&mut self, store: &EtcdStore, now_ms: u64) -> Result<Next, StoreError> {
         match &self.op {
             StoreOp::Begin(a) => match store.cached_answer(a) {
                 // A completed record this worker saw and that has not expired: it cannot have
                 // changed (cache.rs), so etcd would answer the same.
                 Some(answer) => Ok(Next::Begun(answer)),
-                None => Ok(self.begin_read_call(store, a)),
+                None => {
+                    let a = *a;
+                    self.new_claim(store, &a, now_ms)
+                }
             },
             StoreOp::Complete { claim, completion } => {
                 if completion.state == State::Processing {
                     return Err(StoreError::Corrupt("a completion must carry an outcome state".into()));
                 }
-                Ok(Next::Call(wire::RANGE, wire::range(&store.record_key(&claim.scope)), Stage::SettleRead))
+                self.settle_or_read(store, *claim, now_ms)
             }
-            StoreOp::Release(claim) => {
-                Ok(Next::Call(wire::RANGE, wire::range(&store.record_key(&claim.scope)), Stage::SettleRead))
-            }
+            StoreOp::Release(claim) => self.settle_or_read(store, *claim, now_ms),
         }
     }
 
-    /// One transaction, guarded by "the record is absent": if it is, it reads the live parts
-    /// of a charged attempt's quota indexes (a new record is about to be claimed); if not, the
-    /// record and its lease key, so that a replay, a mismatch or a 409 never reads the quota
-    /// (whose count grows with the caller's live records).
-    fn begin_read_call(&self, store: &EtcdStore, a: &ClaimAttempt) -> Next {
-        let record = store.record_key(&a.scope);
-        let existing = [
-            TxnOp::Range { key: record.clone(), range_end: None, limit: 0, keys_only: false },
-            TxnOp::Range { key: store.lease_key(&a.scope), range_end: None, limit: 0, keys_only: false },
-        ];
-        let body = wire::txn(Some((&record, Guard::Absent)), &quota_reads(store, a), &existing);
-        Next::Call(wire::TXN, body, Stage::BeginRead)
+    /// A settlement of a claim whose record is known (`Claim::written`, as this store's begin
+    /// wrote it) is one transaction guarded by the claim's revision: while it holds, the record
+    /// is exactly that write. Otherwise the record is read first.
+    fn settle_or_read(&mut self, store: &EtcdStore, claim: Claim, now_ms: u64) -> Result<Next, StoreError> {
+        match (claim.written, i64::try_from(claim.locator)) {
+            (Some(e), Ok(revision))
+                if e.owner == claim.owner && e.scope == claim.scope && !e.is_completed() =>
+            {
+                self.settle(store, e, Guard::ModRevision(revision), now_ms)
+            }
+            _ => Ok(Next::Call(wire::RANGE, wire::range(&store.record_key(&claim.scope)), Stage::SettleRead)),
+        }
     }
 
-    fn begin_read(
+    /// The claim of a new record, in one transaction guarded by "the record is absent": if it
+    /// is, it puts the record, its index keys and its lease key (and reads a charged attempt's
+    /// live indexes, the new keys included: `claimed_new`); if not, it reads the record and
+    /// its lease key (`existing`), so that a replay, a mismatch or a 409 is one round trip and
+    /// never reads the quota. The leases the puts name are granted first when this worker has
+    /// none for them yet.
+    fn new_claim(&mut self, store: &EtcdStore, a: &ClaimAttempt, now_ms: u64) -> Result<Next, StoreError> {
+        let entry = charged_entry(a);
+        let leases_known = store.lease_for(window_end(entry.expires_at_ms), now_ms).is_some()
+            && store.claim_lease_for(a.lease_ms, now_ms).is_some();
+        if !leases_known && !self.probed {
+            // A grant is due (once per worker and window): read first, so that a begin
+            // answered by an existing record (a replay) never waits for grants. The claim's
+            // transaction follows the grants only for an absent record.
+            let record = store.record_key(&a.scope);
+            let existing = [
+                TxnOp::Range { key: record.clone(), range_end: None, limit: 0, keys_only: false },
+                TxnOp::Range { key: store.lease_key(&a.scope), range_end: None, limit: 0, keys_only: false },
+            ];
+            let body = wire::txn(Some((&record, Guard::Absent)), &[], &existing);
+            return Ok(Next::Call(wire::TXN, body, Stage::Probe));
+        }
+        let value = record::encode_slot(&SlotValue { entry, snapshot: None });
+        let mut write = Write::new(Guard::Absent, Some((entry, value)), Vec::new(), Won::Claimed);
+        write.claim_lease_ms = Some(a.lease_ms);
+        self.plan(write, store, now_ms)
+    }
+
+    /// A new claim's transaction found the record (its failure branch: the record, then its
+    /// lease key): decide as a read of it.
+    fn existing(
         &mut self,
         store: &EtcdStore,
         txn: &wire::TxnAnswer,
         now_ms: u64,
     ) -> Result<Next, StoreError> {
         let StoreOp::Begin(a) = self.op.clone() else { return Err(unusable("not a begin")) };
-        if txn.succeeded {
-            // Absent: a new record, whose quota came with the answer.
-            let pending = PendingClaim { guard: Guard::Absent, replaced: None, won: Won::Claimed };
-            return self.claim(store, &a, pending, &txn.ranges, now_ms);
-        }
         let mut ranges = txn.ranges.iter();
         let Some(kv) = ranges.next().and_then(|found| found.kvs.first()) else {
             return Err(unusable("etcd's answer lacks the record read"));
@@ -920,18 +982,18 @@ impl Exchange {
         let pending = self.pending_claim.take().ok_or_else(|| unusable("a quota read without its claim"))?;
         if !txn.succeeded {
             // The record changed since it was read: look again, as after a lost write.
-            return self.read_again(store, &a);
+            return self.read_again(store, &a, now_ms);
         }
         self.claim(store, &a, pending, &txn.ranges, now_ms)
     }
 
-    fn read_again(&mut self, store: &EtcdStore, a: &ClaimAttempt) -> Result<Next, StoreError> {
+    fn read_again(&mut self, store: &EtcdStore, a: &ClaimAttempt, now_ms: u64) -> Result<Next, StoreError> {
         self.attempts += 1;
         if self.attempts >= TXN_ATTEMPTS {
             return Err(StoreError::Contention);
         }
         self.write = None;
-        Ok(self.begin_read_call(store, a))
+        self.new_claim(store, a, now_ms)
     }
 
     /// Plans the guarded write that claims the record, unless a quota (its live index ranges,
@@ -944,41 +1006,11 @@ impl Exchange {
         quota: &[wire::RangeAnswer],
         now_ms: u64,
     ) -> Result<Next, StoreError> {
-        let now = a.now_ms;
-        let mut entry = Entry {
-            position: 0,
-            state: State::Processing,
-            flags: FLAG_BODY_NOT_STORED,
-            status: 0,
-            scope: a.scope,
-            fingerprint: a.fingerprint,
-            owner: a.owner,
-            lease_deadline_ms: now.saturating_add(a.lease_ms),
-            expires_at_ms: now.saturating_add(a.ttl_ms),
-            charged_at_ms: now,
-            tenant_tag: 0,
-            principal_tag: 0,
-        };
-        if let Some(q) = &a.quota {
-            // A new record, or a takeover (whose claim stopped counting when its lease ended,
-            // exactly when a takeover becomes possible): charged, within the bounds.
-            let mut live = quota.iter();
-            if let Some(t) = &q.tenant {
-                let range = live.next().ok_or_else(|| unusable("etcd's answer lacks the tenant index"))?;
-                if let Some(refusal) = refusal(range, q.per_tenant, now, true) {
-                    return Ok(Next::Begun(refusal));
-                }
-                entry.flags |= FLAG_TENANT_CHARGED;
-                entry.tenant_tag = tag_of(t);
-            }
-            if let Some(p) = &q.principal {
-                let range = live.next().ok_or_else(|| unusable("etcd's answer lacks the principal index"))?;
-                if let Some(refusal) = refusal(range, q.per_principal, now, false) {
-                    return Ok(Next::Begun(refusal));
-                }
-                entry.flags |= FLAG_PRINCIPAL_CHARGED;
-                entry.principal_tag = tag_of(p);
-            }
+        let entry = charged_entry(a);
+        // A takeover (whose claim stopped counting when its lease ended, exactly when a
+        // takeover becomes possible) or a reuse: charged, within the bounds.
+        if let Some(refusal) = quota_refusal(a, quota, None)? {
+            return Ok(Next::Begun(refusal));
         }
         let stale_index = pending.replaced.map(|old| store.index_keys(&old)).unwrap_or_default();
         let value = record::encode_slot(&SlotValue { entry, snapshot: None });
@@ -1010,7 +1042,18 @@ impl Exchange {
         if current.owner != claim.owner || current.scope != claim.scope || current.is_completed() {
             return Ok(Next::Settled(Settled::Lost));
         }
-        let guard = Guard::ModRevision(kv.mod_revision);
+        self.settle(store, current, Guard::ModRevision(kv.mod_revision), now_ms)
+    }
+
+    /// The guarded write that settles the claim whose record is `current` (while `guard`
+    /// holds): its outcome and the index keys moved to its expiry, or its deletion.
+    fn settle(
+        &mut self,
+        store: &EtcdStore,
+        current: Entry,
+        guard: Guard,
+        now_ms: u64,
+    ) -> Result<Next, StoreError> {
         let stale_index = store.index_keys(&current);
         let write = match &self.op {
             StoreOp::Complete { completion, .. } => {
@@ -1028,7 +1071,7 @@ impl Exchange {
                     // too large to keep.
                     log::debug!(
                         "completion of {} too large for etcd: kept without its body",
-                        claim.scope.log_tag()
+                        current.scope.log_tag()
                     );
                     value = record::encode_slot(&SlotValue { entry: done, snapshot: None });
                 }
@@ -1117,31 +1160,54 @@ impl Exchange {
         }
         // A completion whose guard fails reads the record in the same call: an earlier try's
         // write may have landed after this try's read (`holds_own_outcome`).
-        let on_failure = match (&self.op, w.won) {
-            (StoreOp::Complete { .. }, Won::Settled) => {
+        let on_failure = match (&self.op, w.guard) {
+            (StoreOp::Complete { .. }, _) => {
                 vec![TxnOp::Range { key: key.clone(), range_end: None, limit: 0, keys_only: false }]
             }
+            // A new claim that finds the record reads it and its lease key instead.
+            (StoreOp::Begin(_), Guard::Absent) => vec![
+                TxnOp::Range { key: key.clone(), range_end: None, limit: 0, keys_only: false },
+                TxnOp::Range { key: store.lease_key(&scope), range_end: None, limit: 0, keys_only: false },
+            ],
             _ => Vec::new(),
         };
+        if let (StoreOp::Begin(a), Guard::Absent) = (&self.op, w.guard) {
+            // After the puts: the count includes the new index keys (a transaction's reads see
+            // its earlier writes), the first two keys hold the soonest other one.
+            ops.extend(quota_reads(store, a));
+        }
         Ok(Next::Call(wire::TXN, wire::txn(Some((&key, w.guard)), &ops, &on_failure), Stage::Write))
     }
 
-    fn written(&mut self, store: &EtcdStore, txn: &wire::TxnAnswer) -> Result<Next, StoreError> {
-        let Some(w) = &self.write else { return Err(unusable("no write planned")) };
+    fn written(&mut self, store: &EtcdStore, txn: &wire::TxnAnswer, now_ms: u64) -> Result<Next, StoreError> {
+        let Some(w) = self.write.clone() else { return Err(unusable("no write planned")) };
         match (&self.op, txn.succeeded, w.won) {
             (StoreOp::Begin(a), true, won) => {
                 let locator = u64::try_from(txn.revision).map_err(|_| unusable("a negative revision"))?;
-                let claim = Claim { scope: a.scope, owner: a.owner, locator };
+                let written = w.record.as_ref().map(|(entry, _)| *entry);
+                if let (Guard::Absent, Some(entry)) = (w.guard, written) {
+                    let own = store.index_keys(&entry);
+                    if let Some(refusal) = quota_refusal(a, &txn.ranges, Some((&entry, &own)))? {
+                        // Over the bound: the claim is undone while it is still this write
+                        // (the rare path: a third round trip).
+                        return Ok(self.undo(store, entry, txn.revision, refusal));
+                    }
+                }
+                let claim = Claim { scope: a.scope, owner: a.owner, locator, written };
                 Ok(Next::Begun(if won == Won::TookOver {
                     Begin::TookOver(claim)
                 } else {
                     Begin::Claimed(claim)
                 }))
             }
+            (StoreOp::Begin(_), false, _) if w.guard == Guard::Absent => {
+                // The record exists: the failure branch read it.
+                self.existing(store, txn, now_ms)
+            }
             (StoreOp::Begin(a), false, _) => {
                 // Another worker wrote the record between our read and our write: look again.
                 let a = *a;
-                self.read_again(store, &a)
+                self.read_again(store, &a, now_ms)
             }
             (StoreOp::Complete { completion, .. }, true, _) => {
                 // The record as this write left it in etcd, read back from the bytes written
@@ -1168,6 +1234,84 @@ impl Exchange {
             }
         }
     }
+}
+
+impl Exchange {
+    /// Deletes a new claim found over its quota (record, index keys, lease key), guarded by its
+    /// revision; the begin then answers `refusal`.
+    fn undo(&mut self, store: &EtcdStore, entry: Entry, revision: i64, refusal: Begin) -> Next {
+        let key = store.record_key(&entry.scope);
+        let mut ops: Vec<TxnOp> =
+            store.index_keys(&entry).into_iter().map(|k| TxnOp::Delete { key: k }).collect();
+        ops.push(TxnOp::Delete { key: key.clone() });
+        ops.push(TxnOp::Delete { key: store.lease_key(&entry.scope) });
+        self.refusal = Some(refusal);
+        Next::Call(wire::TXN, wire::txn(Some((&key, Guard::ModRevision(revision))), &ops, &[]), Stage::Undo)
+    }
+}
+
+/// The processing record a claim of `a` writes, charged to the identities its quota names.
+fn charged_entry(a: &ClaimAttempt) -> Entry {
+    let now = a.now_ms;
+    let mut entry = Entry {
+        position: 0,
+        state: State::Processing,
+        flags: FLAG_BODY_NOT_STORED,
+        status: 0,
+        scope: a.scope,
+        fingerprint: a.fingerprint,
+        owner: a.owner,
+        lease_deadline_ms: now.saturating_add(a.lease_ms),
+        expires_at_ms: now.saturating_add(a.ttl_ms),
+        charged_at_ms: now,
+        tenant_tag: 0,
+        principal_tag: 0,
+    };
+    if let Some(q) = &a.quota {
+        if let Some(t) = &q.tenant {
+            entry.flags |= FLAG_TENANT_CHARGED;
+            entry.tenant_tag = tag_of(t);
+        }
+        if let Some(p) = &q.principal {
+            entry.flags |= FLAG_PRINCIPAL_CHARGED;
+            entry.principal_tag = tag_of(p);
+        }
+    }
+    entry
+}
+
+/// The quota's refusal of a claim of `a`, given its live index ranges (in `quota_reads`
+/// order), or None when there is room. `own`: the claim's record and index keys when the
+/// ranges were read after putting them (they count, but not against themselves).
+fn quota_refusal(
+    a: &ClaimAttempt,
+    live: &[wire::RangeAnswer],
+    own: Option<(&Entry, &[Vec<u8>])>,
+) -> Result<Option<Begin>, StoreError> {
+    let Some(q) = &a.quota else { return Ok(None) };
+    let mut ranges = live.iter();
+    for (present, bound, tenant) in
+        [(q.tenant.is_some(), q.per_tenant, true), (q.principal.is_some(), q.per_principal, false)]
+    {
+        if !present {
+            continue;
+        }
+        let what = if tenant { "tenant" } else { "principal" };
+        let range =
+            ranges.next().ok_or_else(|| unusable(&format!("etcd's answer lacks the {what} index")))?;
+        let mut others = range.clone();
+        if let Some((entry, keys)) = own {
+            // The claim's own key is in the live range when it counts after now.
+            if counts_until(entry) > a.now_ms {
+                others.count = others.count.saturating_sub(1);
+            }
+            others.kvs.retain(|kv| !keys.contains(&kv.key));
+        }
+        if let Some(refusal) = refusal(&others, bound, a.now_ms, tenant) {
+            return Ok(Some(refusal));
+        }
+    }
+    Ok(None)
 }
 
 /// True when `value` is the record as `op`, a completion, writes it: this claim's owner token

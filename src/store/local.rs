@@ -676,20 +676,7 @@ impl<S: SharedData> LocalStore<S> {
                 }
             },
         };
-        let new = Entry {
-            position,
-            state: State::Processing,
-            flags: charged.flags,
-            status: 0,
-            scope: a.scope,
-            fingerprint: a.fingerprint,
-            owner: a.owner,
-            lease_deadline_ms: now.saturating_add(a.lease_ms),
-            expires_at_ms: now.saturating_add(a.ttl_ms),
-            charged_at_ms: now,
-            tenant_tag: charged.tenant_tag,
-            principal_tag: charged.principal_tag,
-        };
+        let new = a.processing_entry(position, charged.flags, charged.tenant_tag, charged.principal_tag);
         let mut next: Vec<Entry> = entries.iter().filter(|e| e.position != position).copied().collect();
         next.push(new);
         if !self.write_bucket(bucket, &next, read)? {

@@ -49,6 +49,28 @@ pub struct ClaimAttempt {
     pub quota: Option<QuotaCharge>,
 }
 
+impl ClaimAttempt {
+    /// The processing record this attempt's claim writes (no outcome yet), at bucket
+    /// `position` (the local store's; 0 elsewhere), with the flags and quota tags the store
+    /// decided.
+    pub fn processing_entry(&self, position: u8, flags: u8, tenant_tag: u64, principal_tag: u64) -> Entry {
+        Entry {
+            position,
+            state: State::Processing,
+            flags,
+            status: 0,
+            scope: self.scope,
+            fingerprint: self.fingerprint,
+            owner: self.owner,
+            lease_deadline_ms: self.now_ms.saturating_add(self.lease_ms),
+            expires_at_ms: self.now_ms.saturating_add(self.ttl_ms),
+            charged_at_ms: self.now_ms,
+            tenant_tag,
+            principal_tag,
+        }
+    }
+}
+
 /// Who a new record counts against, and their bounds on live records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QuotaCharge {

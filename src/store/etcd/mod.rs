@@ -1252,32 +1252,19 @@ impl Exchange {
 
 /// The processing record a claim of `a` writes, charged to the identities its quota names.
 fn charged_entry(a: &ClaimAttempt) -> Entry {
-    let now = a.now_ms;
-    let mut entry = Entry {
-        position: 0,
-        state: State::Processing,
-        flags: FLAG_BODY_NOT_STORED,
-        status: 0,
-        scope: a.scope,
-        fingerprint: a.fingerprint,
-        owner: a.owner,
-        lease_deadline_ms: now.saturating_add(a.lease_ms),
-        expires_at_ms: now.saturating_add(a.ttl_ms),
-        charged_at_ms: now,
-        tenant_tag: 0,
-        principal_tag: 0,
-    };
+    // A claim read from etcd is a record without a body (`record::decode_record`).
+    let (mut flags, mut tenant_tag, mut principal_tag) = (FLAG_BODY_NOT_STORED, 0, 0);
     if let Some(q) = &a.quota {
         if let Some(t) = &q.tenant {
-            entry.flags |= FLAG_TENANT_CHARGED;
-            entry.tenant_tag = tag_of(t);
+            flags |= FLAG_TENANT_CHARGED;
+            tenant_tag = tag_of(t);
         }
         if let Some(p) = &q.principal {
-            entry.flags |= FLAG_PRINCIPAL_CHARGED;
-            entry.principal_tag = tag_of(p);
+            flags |= FLAG_PRINCIPAL_CHARGED;
+            principal_tag = tag_of(p);
         }
     }
-    entry
+    a.processing_entry(0, flags, tenant_tag, principal_tag)
 }
 
 /// The quota's refusal of a claim of `a`, given its live index ranges (in `quota_reads`

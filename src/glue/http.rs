@@ -221,10 +221,7 @@ impl<H: Host> Http<H> {
                             self.wait_handle = Some(handle);
                             None
                         }
-                        Err(why) => {
-                            plugin.release_claim(self.context_id, claim, &rule);
-                            Some(self.flow.detach_refused(&why))
-                        }
+                        Err(why) => Some(self.flow.detach_refused(&why)),
                     }
                 }
                 Step::FixHeaders(fixes) => {

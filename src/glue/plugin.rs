@@ -481,8 +481,8 @@ impl<H: Host> PluginState<H> {
     /// Hands a claimed request on a detached rule to this worker's root, which makes the call
     /// (the effective context is the request's: its head and body are read here). `handle`
     /// is where the root tells the stream before it answers it. Refused, with the reason,
-    /// when the worker carries `max_detached_calls` already or the request cannot be sent;
-    /// the caller then gives the claim back.
+    /// when the worker carries `max_detached_calls` already or the request cannot be sent:
+    /// the claim is then given back here (nothing was sent upstream).
     pub fn detach(
         &self,
         context_id: u32,
@@ -490,6 +490,28 @@ impl<H: Host> PluginState<H> {
         rule: &Rc<Rule>,
         handle: WaitHandle,
     ) -> Result<(), String> {
+        let call = self.detached_call(context_id, claim, rule, handle);
+        match call {
+            Ok(call) => {
+                self.detached_in_flight.set(self.detached_in_flight.get() + 1);
+                self.to_root(RootCall::Detached(Box::new(call)));
+                Ok(())
+            }
+            Err(why) => {
+                self.release_claim(context_id, claim, rule);
+                Err(why)
+            }
+        }
+    }
+
+    /// The call `detach` hands to the root, from the request as Envoy holds it.
+    fn detached_call(
+        &self,
+        context_id: u32,
+        claim: Claim,
+        rule: &Rc<Rule>,
+        handle: WaitHandle,
+    ) -> Result<DetachedCall, String> {
         let Execution::Detached { cluster, upstream_timeout_ms } = &rule.execution else {
             return Err("not a detached rule".into());
         };
@@ -512,8 +534,7 @@ impl<H: Host> PluginState<H> {
             .host
             .buffer(BUFFER_REQUEST_BODY, 0, usize::MAX)
             .map_err(|e| format!("the request body could not be read (host status {})", e.0))?;
-        self.detached_in_flight.set(self.detached_in_flight.get() + 1);
-        self.to_root(RootCall::Detached(Box::new(DetachedCall {
+        Ok(DetachedCall {
             context_id,
             claim,
             rule: Rc::clone(rule),
@@ -522,8 +543,7 @@ impl<H: Host> PluginState<H> {
             body,
             timeout_ms: u32::try_from(*upstream_timeout_ms).unwrap_or(u32::MAX),
             handle,
-        })));
-        Ok(())
+        })
     }
 
     /// A detached call is over (answered, refused or abandoned).

@@ -258,7 +258,6 @@ fn resolve_waiter<H: Host>(
             // upstream (the waiter stays held and is answered with the outcome).
             plugin.count(counter, Some(&rule));
             if let Err(why) = plugin.detach(w.context_id, claim, &rule, Rc::clone(&w.handle)) {
-                plugin.release_claim(w.context_id, claim, &rule);
                 refuse_detached(plugin, w.context_id, &w.handle, &rule, &why);
             }
         }
@@ -645,7 +644,6 @@ fn carry_out<H: Host>(plugin: &PluginState<H>, mut begin: Box<RootBegin>, out: O
                 match plugin.detach(begin.context_id, claim, &rule, Rc::clone(&handle)) {
                     Ok(()) => wait_handle = Some(handle),
                     Err(why) => {
-                        plugin.release_claim(begin.context_id, claim, &rule);
                         let more = begin.flow.detach_refused(&why);
                         verdict = more.verdict;
                         steps.extend(more.steps);

@@ -500,8 +500,8 @@ class Bench:
         def sample() -> None:
             m = env.memory_kib()
             try:
-                rq = env.counter("http.ingress_http.downstream_rq_total")
-                st = env.stats("^" + re.escape(STAT_PREFIX))
+                rq = env.counter("http.ingress_http.downstream_rq_total", settle=False)
+                st = env.stats("^" + re.escape(STAT_PREFIX), settle=False)
             except OSError:
                 rq, st = -1, {}
             samples.append({

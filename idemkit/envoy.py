@@ -26,6 +26,9 @@ from idemkit.client import Response, raw_request, request
 from idemkit.process import ClosedPort, Fatal, Process, tail, wait_until
 
 STAT_PREFIX = "wasmcustom.idempotency."
+# The filter counts in Wasm and hands each worker's counts to Envoy at its root's 100 ms tick:
+# two ticks and some room for a loaded machine.
+METRICS_SETTLE_S = 0.25
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -181,8 +184,12 @@ class Envoy(Process):
     def admin(self, path: str, method: str = "GET") -> Response:
         return request(self.admin_port, method, path, timeout=5)
 
-    def stats(self, filter: str | None = None) -> dict[str, int]:
-        """/stats as {name: int} (counters and gauges; histograms are left out)."""
+    def stats(self, filter: str | None = None, settle: bool = True) -> dict[str, int]:
+        """/stats as {name: int} (counters and gauges; histograms are left out). `settle`: first
+        wait out the filter's counter batch (each worker hands its counts to Envoy at its
+        100 ms tick), so what was counted before this call is in the answer."""
+        if settle:
+            time.sleep(METRICS_SETTLE_S)
         path = "/stats" + ("?filter=" + urllib.parse.quote(filter) if filter else "")
         out: dict[str, int] = {}
         for line in self.admin(path).body.decode().splitlines():
@@ -191,9 +198,9 @@ class Envoy(Process):
                 out[name.strip()] = int(value)
         return out
 
-    def counter(self, name: str) -> int:
+    def counter(self, name: str, settle: bool = True) -> int:
         """A stat by full name (0 while it does not exist)."""
-        return self.stats(filter="^" + re.escape(name) + "$").get(name, 0)
+        return self.stats(filter="^" + re.escape(name) + "$", settle=settle).get(name, 0)
 
     def idem(self, outcome: str) -> int:
         """The filter's counter wasmcustom.idempotency.requests.<outcome>."""
@@ -210,7 +217,7 @@ class Envoy(Process):
         full = name if "." in name else STAT_PREFIX + "requests." + name
         deadline = time.monotonic() + timeout
         while True:
-            value = self.counter(full)
+            value = self.counter(full, settle=False)
             if value >= at_least:
                 return value
             if time.monotonic() >= deadline:
@@ -222,9 +229,11 @@ class Envoy(Process):
         after its filters' on_log/on_done, before it lowers this gauge): the outcome of a
         request whose client or upstream went away has been handled."""
         name = "http.ingress_http.downstream_rq_active"
-        wait_until(lambda: self.counter(name) == 0, timeout, what=name + " == 0")
+        wait_until(lambda: self.counter(name, settle=False) == 0, timeout, what=name + " == 0")
 
-    def prometheus(self) -> str:
+    def prometheus(self, settle: bool = True) -> str:
+        if settle:
+            time.sleep(METRICS_SETTLE_S)
         return self.admin("/stats/prometheus").body.decode()
 
     # ---- the process as the kernel sees it --------------------------------------------------

@@ -18,7 +18,7 @@ use crate::config::{Rule, UnknownOutcome};
 use crate::engine::{self, ReplayShape, Reply};
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
-use crate::settlement::{plan_response, ResponsePlan, StreamReport, VIA_UPSTREAM};
+use crate::settlement::{plan_response, ResponsePlan, StreamReport, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM};
 use crate::store::record::Snapshot;
 use crate::store::{Claim, Completion, StoreOp};
 
@@ -70,12 +70,11 @@ pub enum Answer {
     Unknown { timed_out: bool },
 }
 
-/// Envoy's router puts this header on every response it received from an upstream (the async
-/// client's router too); a reply Envoy made itself (its timeout, a reset, no connection) has
-/// none. Measured on Envoy 1.40: a reset after the upstream read the request came back as a
-/// 503 `upstream connect error or disconnect/reset before headers. reset reason: connection
-/// termination` without it, an answer with it.
-pub const UPSTREAM_SERVICE_TIME: &str = "x-envoy-upstream-service-time";
+// `UPSTREAM_SERVICE_TIME` (settlement.rs) is on every response the async client's router
+// received from an upstream; a reply Envoy made itself (its timeout, a reset, no connection)
+// has none. Measured on Envoy 1.40: a reset after the upstream read the request came back as
+// a 503 `upstream connect error or disconnect/reset before headers. reset reason: connection
+// termination` without it, an answer with it.
 
 /// Reasons in Envoy's own reply that prove no upstream connection carried the request (as
 /// `settlement.rs` reads them in `response.code_details` inline).

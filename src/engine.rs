@@ -105,15 +105,31 @@ impl Reply {
     /// The stored response as a local reply. `content-length` is not handed to Envoy: its
     /// local-reply path computes it from the body (and drops it for an empty one), so a stored
     /// value only comes back through `replay_header_fixes` where the body cannot carry it
-    /// (HEAD, 204).
+    /// (HEAD, 204). `replay_shape` is set only when Envoy's rules say the reply will need a
+    /// fix, so a replay that needs none costs no read of its response headers.
     pub fn replay(s: Snapshot) -> Reply {
         let find = |name: &str| s.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
-        let replay_shape =
+        let shape =
             ReplayShape { content_type: find("content-type"), content_length: find("content-length") };
+        let (sent_type, sent_length) = local_reply_content_headers(&shape, &s.body);
+        let needs_fix = !replay_header_fixes(&shape, sent_type.as_deref(), sent_length.as_deref()).is_empty();
         let mut headers: Vec<_> = s.headers.into_iter().filter(|(n, _)| n != "content-length").collect();
         headers.push((REPLAYED_HEADER.to_string(), b"true".to_vec()));
-        Reply { status: s.status, headers, body: s.body, replay_shape: Some(replay_shape) }
+        Reply { status: s.status, headers, body: s.body, replay_shape: needs_fix.then_some(shape) }
     }
+}
+
+/// The `content-type` and `content-length` Envoy's local-reply path gives a reply carrying the
+/// stored `content-type` (if any) and `body` (`Utility::prepareLocalReply`, Envoy 1.40): with a
+/// body, the body's length and the given type, `text/plain` if none was given; without one,
+/// neither. An HCM `local_reply_config` that rewrites replies is the operator's choice and
+/// rewrites replays too (README, "Replays").
+fn local_reply_content_headers(shape: &ReplayShape, body: &[u8]) -> (Option<Vec<u8>>, Option<Vec<u8>>) {
+    if body.is_empty() {
+        return (None, None);
+    }
+    let content_type = shape.content_type.clone().unwrap_or_else(|| b"text/plain".to_vec());
+    (Some(content_type), Some(body.len().to_string().into_bytes()))
 }
 
 /// How a replay's headers, as Envoy's local-reply path prepared them (`sent_content_type`,
@@ -937,7 +953,16 @@ pub(crate) mod tests {
             body: b"abc".to_vec(),
         });
         assert!(r.headers.iter().all(|(n, _)| n != "content-length"), "{:?}", r.headers);
-        assert_eq!(r.replay_shape, Some(shape(Some("a/b"), Some("3"))));
+        // Envoy keeps a given type and sets the body's length: nothing to fix, nothing to read.
+        assert_eq!(r.replay_shape, None);
+        // The three replies Envoy rewrites carry what they must become.
+        let replay = |h: &[(&str, &str)], body: &[u8]| {
+            Reply::replay(Snapshot { status: 200, headers: headers(h), body: body.to_vec() }).replay_shape
+        };
+        assert_eq!(replay(&[("content-type", "a/b")], b""), Some(shape(Some("a/b"), None)));
+        assert_eq!(replay(&[("content-length", "9")], b""), Some(shape(None, Some("9"))));
+        assert_eq!(replay(&[], b"abc"), Some(shape(None, None)));
+        assert_eq!(replay(&[], b""), None);
     }
 
     #[test]

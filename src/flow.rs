@@ -20,7 +20,9 @@ use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
-use crate::settlement::{plan_response, plan_unfinished, ResponsePlan, StreamReport, VIA_UPSTREAM};
+use crate::settlement::{
+    plan_response, plan_unfinished, ResponsePlan, StreamReport, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
+};
 use crate::store::record::{Snapshot, State};
 use crate::store::{Begin, Claim, Completion, Settled, StoreAnswer, StoreError, StoreOp};
 use crate::wait::{self, Recheck, Refused};
@@ -35,8 +37,9 @@ pub const DETAILS_PROBLEM: &str = "idempotency_problem";
 pub struct Unreadable;
 
 /// What the flow may read about its stream, and when it is. Each method is one host call in
-/// the glue; absent values are `None`, failed reads are `Unreadable` where a decision depends
-/// on telling the two apart.
+/// the glue, but the request's headers: one read of the map serves both of their methods
+/// within a callback. Absent values are `None`, failed reads are `Unreadable` where a decision
+/// depends on telling the two apart.
 pub trait StreamFacts {
     fn now_ms(&mut self) -> u64;
     /// A fresh claim owner token (unique per claim).
@@ -307,8 +310,9 @@ impl RequestFlow {
 
     /// Request headers. A host call that returns data costs Envoy about as much as a small
     /// header map copy (a callback into the module to allocate, then the copy: ~2 us each, see
-    /// BENCHMARKS.md), so unprotected traffic costs one read (`:path`), and a protected request
-    /// one more: the whole map, `:method` included.
+    /// BENCHMARKS.md), so every request costs one read: the glue reads the whole map once per
+    /// callback and answers `request_header` and `request_headers` from it (`:path` and
+    /// `:method` of unprotected traffic are found in place, nothing decoded).
     pub fn request_headers(
         &mut self,
         cfg: &Config,
@@ -634,7 +638,12 @@ impl RequestFlow {
             .iter()
             .find(|(n, _)| n == ":status")
             .and_then(|(_, s)| std::str::from_utf8(s).ok()?.parse::<u16>().ok());
-        let details = property_string(facts, &["response", "code_details"]);
+        let details = if sent.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME) {
+            Some(VIA_UPSTREAM.to_string())
+        } else {
+            // Envoy's headers suppressed, or a local reply: Envoy says which.
+            property_string(facts, &["response", "code_details"])
+        };
         // A real upstream answer needs no flags; only local replies are classified by them.
         let (flags, upstream_selected) =
             if details.as_deref() == Some(VIA_UPSTREAM) { (0, true) } else { stream_report(facts) };

@@ -71,8 +71,9 @@ pub struct Inner {
     pub calls: RefCell<Vec<Call>>,
     queues: RefCell<Vec<(String, VecDeque<Vec<u8>>)>>,
     metrics: RefCell<Vec<(String, i64)>>,
-    /// `increment` host calls made (what counting costs).
+    /// `increment`s made (into the batch: what counting costs is in the flush).
     pub increments: Cell<u32>,
+    batch: RefCell<super::MetricBatch>,
     effective: Cell<u32>,
     /// Host calls by method: (calls, bytes copied across the boundary either way). What a
     /// request costs in host calls is a property of the code, so tests can bound it exactly.
@@ -106,15 +107,26 @@ impl FakeHost {
         self.0.failing.borrow_mut().insert(call, status);
     }
 
+    /// A counter as Envoy shows it after the next flush (what was counted, flushed or not).
     pub fn counter(&self, name: &str) -> i64 {
-        let full = format!("idempotency.requests.{name}");
-        self.0.metrics.borrow().iter().find(|(n, _)| *n == full).map_or(0, |(_, v)| *v)
+        self.metric(&format!("idempotency.requests.{name}"), true)
     }
 
-    /// A route rule's counter `idempotency.route.<rule>.requests.<outcome>`.
+    /// A counter as Envoy shows it now: only what a flush handed over.
+    pub fn flushed_counter(&self, name: &str) -> i64 {
+        self.metric(&format!("idempotency.requests.{name}"), false)
+    }
+
+    /// A route rule's counter `idempotency.route.<rule>.requests.<outcome>`, flushed or not.
     pub fn route_counter(&self, rule: &str, name: &str) -> i64 {
-        let full = format!("idempotency.route.{rule}.requests.{name}");
-        self.0.metrics.borrow().iter().find(|(n, _)| *n == full).map_or(0, |(_, v)| *v)
+        self.metric(&format!("idempotency.route.{rule}.requests.{name}"), true)
+    }
+
+    fn metric(&self, full: &str, with_pending: bool) -> i64 {
+        let metrics = self.0.metrics.borrow();
+        let Some(id) = metrics.iter().position(|(n, _)| n == full) else { return 0 };
+        let pending = if with_pending { self.0.batch.borrow().pending(id as u32) } else { 0 };
+        metrics[id].1 + pending
     }
 
     /// Metrics defined so far.
@@ -191,11 +203,11 @@ impl Host for FakeHost {
         };
         Ok(source.into_iter().skip(start).take(max).collect())
     }
-    fn header_pairs(&self, map_type: u32) -> Result<Vec<(String, Vec<u8>)>, HostError> {
+    fn header_map(&self, map_type: u32) -> Result<super::pairs::HeaderMap, HostError> {
         self.fails("header_pairs")?;
         let map = self.map(map_type).borrow().clone();
         self.note("header_pairs", map.iter().map(|(n, v)| n.len() + v.len()).sum());
-        Ok(map)
+        Ok(super::pairs::HeaderMap::from_pairs(&map))
     }
     fn header_value(&self, map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostError> {
         self.fails("header_value")?;
@@ -324,10 +336,16 @@ impl Host for FakeHost {
         Ok(())
     }
     fn increment(&self, metric: u32, by: i64) {
-        self.note("increment_metric", 0);
         self.0.increments.set(self.0.increments.get() + 1);
-        if let Some((_, v)) = self.0.metrics.borrow_mut().get_mut(metric as usize) {
-            *v += by;
+        self.0.batch.borrow_mut().add(metric, by);
+    }
+    fn flush_metrics(&self) {
+        let batch = self.0.batch.borrow_mut().take();
+        for (metric, by) in batch {
+            self.note("increment_metric", 0);
+            if let Some((_, v)) = self.0.metrics.borrow_mut().get_mut(metric as usize) {
+                *v += by;
+            }
         }
     }
 }
@@ -340,11 +358,15 @@ mod tests {
         {"name":"orders","match":{"prefix":"/orders"},"require_key":true},
         {"name":"waits","match":{"prefix":"/wait"},"require_key":true,"concurrent":"wait"}]}"#;
 
-    // The most any key of 2000 took (a key in its second bucket reads one bucket more); without
-    // a quota, its counter is neither read nor written.
-    const NEW_KEY_HOST_CALLS: u64 = 28;
-    const NEW_KEY_HOST_CALLS_WITHOUT_QUOTA: u64 = 26;
-    const REPLAY_HOST_CALLS: u64 = 11;
+    // Budgets (issue 20). A new key placed in its primary bucket; one placed in its secondary
+    // (a few percent of keys) reads that bucket and confirms the primary: two calls more.
+    // Without a quota its counter is neither read nor written.
+    const NEW_KEY_HOST_CALLS: u64 = 20;
+    const NEW_KEY_HOST_CALLS_WITHOUT_QUOTA: u64 = 18;
+    const SECOND_BUCKET_HOST_CALLS: u64 = 2;
+    const REPLAY_HOST_CALLS: u64 = 7;
+    // What the no-op Wasm filter makes is none: an unprotected request may cost one (`:path`).
+    const PASS_THROUGH_HOST_CALLS: u64 = 1;
 
     fn host() -> FakeHost {
         let h = FakeHost::default();
@@ -376,11 +398,46 @@ mod tests {
         http.on_request_body(2, true)
     }
 
+    /// An upstream's answer as the filter sees it: with the header Envoy's router adds.
     fn upstream_answers(h: &FakeHost, status: &str, body: &[u8]) {
-        *h.0.response_headers.borrow_mut() =
-            pairs(&[(":status", status), ("content-type", "application/json")]);
+        *h.0.response_headers.borrow_mut() = pairs(&[
+            (":status", status),
+            ("content-type", "application/json"),
+            ("x-envoy-upstream-service-time", "1"),
+        ]);
         *h.0.response_body.borrow_mut() = body.to_vec();
         h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
+    }
+
+    /// Traffic no rule protects crosses the filter everywhere a mesh-wide policy applies it: it
+    /// costs the `:path` read its rule match needs, and nothing else, not even its counter
+    /// (counted in Wasm, handed to Envoy with the others at the root's next tick).
+    #[test]
+    fn an_unprotected_request_costs_one_host_call() {
+        let h = host();
+        let mut root = root(&h);
+        for (n, (method, path)) in
+            [("GET", "/orders"), ("POST", "/elsewhere"), ("GET", "/health?x=1")].into_iter().enumerate()
+        {
+            let _ = h.take_tally();
+            let mut http = root.http_context(2 + n as u32);
+            *h.0.request_headers.borrow_mut() = pairs(&[(":method", method), (":path", path)]);
+            *h.0.request_body.borrow_mut() = b"{}".to_vec();
+            assert_eq!(http.on_request_headers(false), Verdict::Continue);
+            assert_eq!(http.on_request_body(2, true), Verdict::Continue);
+            upstream_answers(&h, "200", b"ok");
+            assert_eq!(http.on_response_headers(false), Verdict::Continue);
+            assert_eq!(http.on_response_body(2, true), Verdict::Continue);
+            http.on_log();
+            let tally = h.take_tally();
+            let calls: u64 = tally.values().map(|(c, _)| c).sum();
+            assert!(calls <= PASS_THROUGH_HOST_CALLS, "{method} {path}: {tally:?}");
+        }
+        // The three are in Envoy's counter after the tick, as one increment.
+        assert_eq!(h.flushed_counter("passed_through"), 0);
+        root.on_tick();
+        assert_eq!(h.flushed_counter("passed_through"), 3);
+        assert_eq!(h.take_tally().get("increment_metric").map(|(c, _)| *c), Some(1));
     }
 
     #[test]
@@ -410,23 +467,36 @@ mod tests {
         let root = root(&h);
         let mut first = root.http_context(2);
         assert_eq!(post(&h, &mut first, "/orders", "k"), Verdict::Continue);
-        upstream_answers(&h, "201", b"{\"id\":1}");
+        upstream_answers(&h, "201", b"");
         assert_eq!(first.on_response_headers(false), Verdict::Continue);
-        assert_eq!(first.on_response_body(8, true), Verdict::Continue);
+        assert_eq!(first.on_response_body(0, true), Verdict::Continue);
         first.on_log();
         assert_eq!((h.counter("claimed"), h.counter("stored")), (1, 1));
 
         let mut retry = root.http_context(3);
         assert_eq!(post(&h, &mut retry, "/orders", "k"), Verdict::Pause);
         assert_eq!(h.replies(), vec![(0, 201, "idempotency_replay".to_string())]);
-        // Envoy's local-reply path replaced the stored content-type with its own.
-        *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201"), ("content-type", "text/plain")]);
+        // Envoy's local-reply path dropped the stored content-type of an empty body.
+        *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201")]);
         assert_eq!(retry.on_response_headers(false), Verdict::Continue);
         assert!(h
             .0
             .calls
             .borrow()
             .contains(&Call::SetHeader { name: "content-type".into(), value: b"application/json".to_vec() }));
+
+        // With a body Envoy keeps the type it was given: the replay's headers are not even read.
+        let mut first = root.http_context(4);
+        assert_eq!(post(&h, &mut first, "/orders", "j"), Verdict::Continue);
+        upstream_answers(&h, "201", b"{\"id\":1}");
+        first.on_response_headers(false);
+        first.on_response_body(8, true);
+        first.on_log();
+        let mut retry = root.http_context(5);
+        assert_eq!(post(&h, &mut retry, "/orders", "j"), Verdict::Pause);
+        let _ = h.take_tally();
+        assert_eq!(retry.on_response_headers(false), Verdict::Continue);
+        assert!(h.take_tally().is_empty());
     }
 
     /// What a new key and a replay cost in host calls, with the bench's request (1 KiB JSON
@@ -466,7 +536,7 @@ mod tests {
         let answer = vec![b'7'; 1024];
         let total =
             |t: &std::collections::BTreeMap<&str, (u64, u64)>| t.values().map(|(c, _)| c).sum::<u64>();
-        let (mut most, mut sum) = ((0, 0), (0, 0));
+        let (mut most, mut sum, mut within) = ((0, 0), (0, 0), 0u32);
         let keys: u32 = std::env::var("HOST_CALL_KEYS").ok().and_then(|n| n.parse().ok()).unwrap_or(2000);
         for n in 0..keys {
             let key = format!("key-{n}");
@@ -507,12 +577,15 @@ mod tests {
                     }
                 }
             }
-            // A key placed in its second bucket costs a read more; nothing grows with the store.
-            assert!(costs.0 <= new_key_bound, "key {n}: {new_key:?}");
+            // Nothing grows with the store.
+            assert!(costs.0 <= new_key_bound + SECOND_BUCKET_HOST_CALLS, "key {n}: {new_key:?}");
             assert!(costs.1 <= REPLAY_HOST_CALLS, "key {n}: {replay:?}");
             most = (most.0.max(costs.0), most.1.max(costs.1));
             sum = (sum.0 + costs.0, sum.1 + costs.1);
+            within += u32::from(costs.0 <= new_key_bound);
         }
+        // The budget itself holds for the keys placed in their primary bucket: nearly all.
+        assert!(within * 10 >= keys * 9, "{within} of {keys} new keys within {new_key_bound} host calls");
         let keys_f = f64::from(keys);
         println!(
             "{keys} keys: new key {:.2} host calls on average (most {}), replay {:.2} (most {})",

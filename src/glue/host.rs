@@ -3,13 +3,13 @@
 //! UTF-8 in header maps, and a panic kills the VM for every request on the worker. `AbiHost`
 //! offers them to the rest of the glue as the `Host` trait.
 
-use super::pairs::{decode_pairs, encode_pairs};
-use super::{Host, HostError, LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_WARN};
+use super::pairs::{encode_pairs, HeaderMap};
+use super::{Host, HostError, MetricBatch, LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_WARN};
 
 /// Always logged, whatever the level: a refused configuration, a panic.
 pub const LOG_CRITICAL: u32 = 5;
 use crate::store::shared_data::{Cas, Read, SharedData, SharedDataError};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ptr::{null, null_mut};
 
 const OK: u32 = 0;
@@ -196,12 +196,12 @@ fn buffer(buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostErr
 }
 
 /// All pairs of a header map, values as raw bytes (they need not be UTF-8).
-fn header_pairs(map_type: u32) -> Result<Vec<(String, Vec<u8>)>, HostError> {
+fn header_map(map_type: u32) -> Result<HeaderMap, HostError> {
     let mut data = null_mut();
     let mut size = 0usize;
     check(unsafe { proxy_get_header_map_pairs(map_type, &mut data, &mut size) })?;
-    let Some(bytes) = (unsafe { take(data, size) }) else { return Ok(Vec::new()) };
-    decode_pairs(&bytes).ok_or(HostError(u32::MAX))
+    let Some(bytes) = (unsafe { take(data, size) }) else { return Ok(HeaderMap::default()) };
+    HeaderMap::from_bytes(bytes).ok_or(HostError(u32::MAX))
 }
 
 fn header_value(map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostError> {
@@ -312,9 +312,16 @@ fn define_counter(name: &str) -> Result<u32, HostError> {
     Ok(id)
 }
 
-fn increment(metric: u32, by: i64) {
-    if by > 0 {
-        // A lost increment is not worth failing a request for.
+thread_local! {
+    // One VM per worker thread: this is the worker's batch, whichever root flushes it (metric
+    // ids belong to the VM, not to a root).
+    static METRICS: RefCell<MetricBatch> = RefCell::new(MetricBatch::default());
+}
+
+fn flush_metrics() {
+    let batch = METRICS.with(|m| m.try_borrow_mut().map(|mut m| m.take()).unwrap_or_default());
+    for (metric, by) in batch {
+        // A lost increment is not worth failing anything for.
         let _ = unsafe { proxy_increment_metric(metric, by) };
     }
 }
@@ -371,8 +378,8 @@ impl Host for AbiHost {
     fn buffer(&self, buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostError> {
         buffer(buffer_type, start, max)
     }
-    fn header_pairs(&self, map_type: u32) -> Result<Vec<(String, Vec<u8>)>, HostError> {
-        header_pairs(map_type)
+    fn header_map(&self, map_type: u32) -> Result<HeaderMap, HostError> {
+        header_map(map_type)
     }
     fn header_value(&self, map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostError> {
         header_value(map_type, name)
@@ -429,7 +436,14 @@ impl Host for AbiHost {
         dispatch_http_call(cluster, headers, body, timeout_ms)
     }
     fn increment(&self, metric: u32, by: i64) {
-        increment(metric, by)
+        METRICS.with(|m| {
+            if let Ok(mut m) = m.try_borrow_mut() {
+                m.add(metric, by)
+            }
+        })
+    }
+    fn flush_metrics(&self) {
+        flush_metrics()
     }
 }
 

@@ -2,6 +2,7 @@
 //! is `flow::RequestFlow`'s; what remains here is which host call carries out which step, and
 //! how a failed host call is reported.
 
+use super::pairs::HeaderMap;
 use super::plugin::{FlowHandle, PluginState, Store, WaitHandle};
 use super::{
     Host, HostError, BUFFER_REQUEST_BODY, BUFFER_RESPONSE_BODY, MAP_REQUEST_HEADERS, MAP_RESPONSE_HEADERS,
@@ -19,9 +20,23 @@ struct Facts<'p, H: Host> {
     /// Bytes at the start of Envoy's response buffer the flow has read already (held frames
     /// stay in the buffer, and each callback's size counts them all).
     response_start: usize,
+    request_map: Option<Result<HeaderMap, Unreadable>>,
 }
 
 impl<H: Host> Facts<'_, H> {
+    /// The request's header map, read once per callback: the rule match and the admission both
+    /// read from it, so unprotected traffic costs this one host call.
+    fn request_map(&mut self) -> Result<&HeaderMap, Unreadable> {
+        if self.request_map.is_none() {
+            let read = self.plugin.host.header_map(MAP_REQUEST_HEADERS);
+            self.request_map = Some(self.logged("the request headers", read));
+        }
+        match &self.request_map {
+            Some(Ok(map)) => Ok(map),
+            _ => Err(Unreadable),
+        }
+    }
+
     fn logged<T>(&self, what: &str, read: Result<T, HostError>) -> Result<T, Unreadable> {
         read.map_err(|HostError(s)| {
             log::warn!("#{} cannot read {what} (host status {s})", self.context_id);
@@ -38,10 +53,10 @@ impl<H: Host> StreamFacts for Facts<'_, H> {
         self.plugin.owner_token(self.context_id)
     }
     fn request_header(&mut self, name: &str) -> Option<Vec<u8>> {
-        self.plugin.host.header_value(MAP_REQUEST_HEADERS, name).ok().flatten()
+        self.request_map().ok()?.get(name).map(<[u8]>::to_vec)
     }
     fn request_headers(&mut self) -> Result<Vec<(String, Vec<u8>)>, Unreadable> {
-        self.logged("the request headers", self.plugin.host.header_pairs(MAP_REQUEST_HEADERS))
+        Ok(self.request_map()?.pairs())
     }
     fn request_body(&mut self, size: usize) -> Result<Vec<u8>, Unreadable> {
         self.logged("the request body", self.plugin.host.buffer(BUFFER_REQUEST_BODY, 0, size))
@@ -107,8 +122,12 @@ impl<H: Host> Http<H> {
             self.wait_handle = None;
             self.flow.resumed(resumed);
         }
-        let mut facts =
-            Facts { plugin: &plugin, context_id: self.context_id, response_start: self.response_held };
+        let mut facts = Facts {
+            plugin: &plugin,
+            context_id: self.context_id,
+            response_start: self.response_held,
+            request_map: None,
+        };
         let out = event(&mut self.flow, &plugin, &mut facts);
         self.hold_response = response;
         let verdict = self.perform(&plugin, out);

@@ -51,7 +51,11 @@ pub trait Host: SharedData + Clone {
     fn log_critical(&self, message: &str);
     fn set_tick_period_ms(&self, ms: u32) -> Result<(), HostError>;
     fn buffer(&self, buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostError>;
-    fn header_pairs(&self, map_type: u32) -> Result<Vec<(String, Vec<u8>)>, HostError>;
+    /// A whole header map in one call, read in place (`pairs::HeaderMap`).
+    fn header_map(&self, map_type: u32) -> Result<pairs::HeaderMap, HostError>;
+    fn header_pairs(&self, map_type: u32) -> Result<Vec<(String, Vec<u8>)>, HostError> {
+        Ok(self.header_map(map_type)?.pairs())
+    }
     fn header_value(&self, map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostError>;
     /// Sets a header (replacing every value it had).
     fn set_header(&self, map_type: u32, name: &str, value: &[u8]) -> Result<(), HostError>;
@@ -89,8 +93,13 @@ pub trait Host: SharedData + Clone {
         body: &[u8],
         timeout_ms: u32,
     ) -> Result<u32, HostError>;
-    /// A lost increment is not worth failing a request for: no result.
+    /// Adds to a counter in this worker's `MetricBatch`, not a host call: Envoy sees it at the
+    /// next `flush_metrics` (the root's tick, at most 100 ms later; Prometheus scrapes at
+    /// seconds), so a request's counters cost no crossing.
     fn increment(&self, metric: u32, by: i64);
+    /// Hands the batch to Envoy: one `proxy_increment_metric` per counter that grew. A lost
+    /// increment is not worth failing anything for: no result.
+    fn flush_metrics(&self);
     /// Tells Envoy that this root, which answered `on_done` with false, has finished what it
     /// was carrying (`proxy_done`): Envoy deletes it after the current callback.
     fn done(&self) -> Result<(), HostError>;
@@ -106,5 +115,53 @@ pub fn log_filter(host_level: u32) -> log::LevelFilter {
         LOG_WARN => log::LevelFilter::Warn,
         LOG_ERROR => log::LevelFilter::Error,
         _ => log::LevelFilter::Off,
+    }
+}
+
+/// Counter increments not yet handed to Envoy, by metric id. A worker touches a handful of
+/// counters between two ticks, so a short list searched in order is all it needs.
+#[derive(Debug, Default)]
+pub struct MetricBatch(Vec<(u32, i64)>);
+
+impl MetricBatch {
+    pub fn add(&mut self, metric: u32, by: i64) {
+        if by <= 0 {
+            // Counters only grow, and Envoy is never asked to add 0.
+            return;
+        }
+        match self.0.iter_mut().find(|(id, _)| *id == metric) {
+            Some((_, sum)) => *sum = sum.saturating_add(by),
+            None => self.0.push((metric, by)),
+        }
+    }
+
+    /// What to hand to Envoy, each counter once; the batch starts again empty.
+    pub fn take(&mut self) -> Vec<(u32, i64)> {
+        std::mem::take(&mut self.0)
+    }
+
+    /// What is waiting for `metric`.
+    #[cfg(test)]
+    pub fn pending(&self, metric: u32) -> i64 {
+        self.0.iter().find(|(id, _)| *id == metric).map_or(0, |(_, sum)| *sum)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MetricBatch;
+
+    #[test]
+    fn a_batch_sums_each_counter_once_and_starts_again_empty() {
+        let mut batch = MetricBatch::default();
+        for (id, by) in [(7, 1), (9, 1), (7, 1), (7, 3), (9, 0), (11, -2)] {
+            batch.add(id, by);
+        }
+        assert_eq!((batch.pending(7), batch.pending(9), batch.pending(11)), (5, 1, 0));
+        assert_eq!(batch.take(), vec![(7, 5), (9, 1)]);
+        assert!(batch.take().is_empty());
+        batch.add(7, i64::MAX);
+        batch.add(7, 1);
+        assert_eq!(batch.take(), vec![(7, i64::MAX)]);
     }
 }

@@ -20,31 +20,71 @@ pub fn encode_pairs(pairs: &[(String, Vec<u8>)]) -> Vec<u8> {
     out
 }
 
-pub fn decode_pairs(bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
-    let word = |at: usize| -> Option<usize> {
-        Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?) as usize)
-    };
-    if bytes.is_empty() {
-        return Some(Vec::new());
+/// A header map as Envoy serialized it, checked once and read in place: finding `:path` and
+/// `:method` of a request the filter lets pass costs no allocation per header.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct HeaderMap(Vec<u8>);
+
+impl HeaderMap {
+    /// None when the counts lie about the bytes.
+    pub fn from_bytes(bytes: Vec<u8>) -> Option<HeaderMap> {
+        if bytes.is_empty() {
+            return Some(HeaderMap::default());
+        }
+        let count = word(&bytes, 0)?;
+        let mut end = 4usize.checked_add(count.checked_mul(8)?)?;
+        for i in 0..count {
+            let name_len = word(&bytes, 4 + i * 8)?;
+            let value_len = word(&bytes, 8 + i * 8)?;
+            // Each name and value is followed by a NUL; the last one's may be cut.
+            end = end.checked_add(name_len)?.checked_add(1)?.checked_add(value_len)?;
+            if i + 1 < count {
+                end = end.checked_add(1)?;
+            }
+        }
+        (end <= bytes.len()).then_some(HeaderMap(bytes))
     }
-    let count = word(0)?;
-    let mut pairs = Vec::with_capacity(count.min(1024));
-    let mut p = 4usize.checked_add(count.checked_mul(8)?)?;
-    for i in 0..count {
-        let name_len = word(4 + i * 8)?;
-        let value_len = word(8 + i * 8)?;
-        let name = bytes.get(p..p.checked_add(name_len)?)?;
-        p = p.checked_add(name_len + 1)?;
-        let value = bytes.get(p..p.checked_add(value_len)?)?;
-        p = p.checked_add(value_len + 1)?;
-        pairs.push((String::from_utf8_lossy(name).into_owned(), value.to_vec()));
+
+    #[cfg(test)]
+    pub fn from_pairs(pairs: &[(String, Vec<u8>)]) -> HeaderMap {
+        HeaderMap(encode_pairs(pairs))
     }
-    Some(pairs)
+
+    /// (name, value) in Envoy's order.
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        let count = if self.0.is_empty() { 0 } else { word(&self.0, 0).unwrap_or(0) };
+        let mut at = 4 + count * 8;
+        (0..count).map_while(move |i| {
+            let name_len = word(&self.0, 4 + i * 8)?;
+            let value_len = word(&self.0, 8 + i * 8)?;
+            let name = self.0.get(at..at + name_len)?;
+            let value = self.0.get(at + name_len + 1..at + name_len + 1 + value_len)?;
+            at += name_len + value_len + 2;
+            Some((name, value))
+        })
+    }
+
+    /// The first value of a header (names are lower case in Envoy's maps).
+    pub fn get(&self, name: &str) -> Option<&[u8]> {
+        self.iter().find(|(n, _)| *n == name.as_bytes()).map(|(_, v)| v)
+    }
+
+    pub fn pairs(&self) -> Vec<(String, Vec<u8>)> {
+        self.iter().map(|(n, v)| (String::from_utf8_lossy(n).into_owned(), v.to_vec())).collect()
+    }
+}
+
+fn word(bytes: &[u8], at: usize) -> Option<usize> {
+    Some(u32::from_le_bytes(bytes.get(at..at.checked_add(4)?)?.try_into().ok()?) as usize)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn decode_pairs(bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+        Some(HeaderMap::from_bytes(bytes.to_vec())?.pairs())
+    }
 
     #[test]
     fn maps_round_trip_with_raw_bytes_and_empty_values() {
@@ -70,5 +110,24 @@ mod tests {
         let mut huge = u32::MAX.to_le_bytes().to_vec();
         huge.extend_from_slice(&[0; 8]);
         assert_eq!(decode_pairs(&huge), None);
+    }
+
+    #[test]
+    fn a_map_is_read_in_place() {
+        let pairs = vec![
+            (":path".to_string(), b"/orders?x".to_vec()),
+            (":method".to_string(), b"POST".to_vec()),
+            ("x-dup".to_string(), b"1".to_vec()),
+            ("x-dup".to_string(), b"2".to_vec()),
+            ("e".to_string(), vec![]),
+        ];
+        let map = HeaderMap::from_bytes(encode_pairs(&pairs)).unwrap();
+        assert_eq!(map, HeaderMap::from_pairs(&pairs));
+        assert_eq!(map.get(":path"), Some(&b"/orders?x"[..]));
+        assert_eq!(map.get("x-dup"), Some(&b"1"[..]));
+        assert_eq!(map.get("e"), Some(&b""[..]));
+        assert_eq!(map.get(":pat"), None);
+        assert_eq!(map.pairs(), pairs);
+        assert_eq!(HeaderMap::default().get(":path"), None);
     }
 }

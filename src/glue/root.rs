@@ -77,6 +77,7 @@ impl<H: Host> Root<H> {
     /// `PluginState::retirement_bound_ms`.
     pub fn on_done(&mut self) -> bool {
         let Some(plugin) = &self.plugin else { return true };
+        self.host.flush_metrics();
         plugin.withdraw();
         let left = plugin.settlements.borrow().len();
         if left == 0 {
@@ -101,6 +102,7 @@ impl<H: Host> Root<H> {
             abandon(&plugin);
         }
         self.retiring_until_ms = None;
+        self.host.flush_metrics();
         if let Err(HostError(s)) = self.host.done() {
             log::warn!("could not tell Envoy this retired root is done (host status {s})");
         }
@@ -108,6 +110,8 @@ impl<H: Host> Root<H> {
 
     pub fn on_tick(&mut self) {
         let Some(plugin) = self.plugin.clone() else { return };
+        // What this worker counted since the last tick (no request pays a crossing for it).
+        self.host.flush_metrics();
         let now_ms = self.host.now_ms();
         // Settlements handed over without a wake-up (no queue, or the enqueue failed), and
         // those due to be tried again.

@@ -97,18 +97,19 @@ def etcd_cluster(client_ports: Sequence[int], name: str = "etcd",
     return c
 
 
-def router() -> dict:
-    return {
-        "name": "envoy.filters.http.router",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-        },
-    }
+def router(suppress_envoy_headers: bool = False) -> dict:
+    """`suppress_envoy_headers`: the router adds no x-envoy-* headers (x-envoy-upstream-service-time
+    among them), as some operators configure it."""
+    typed: dict[str, Any] = {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
+    if suppress_envoy_headers:
+        typed["suppress_envoy_headers"] = True
+    return {"name": "envoy.filters.http.router", "typed_config": typed}
 
 
 def http_connection_manager(routes: list[dict], http_filters: list[dict],
                             stat_prefix: str = "ingress_http",
-                            http_protocol_options: dict | None = None) -> dict:
+                            http_protocol_options: dict | None = None,
+                            suppress_envoy_headers: bool = False) -> dict:
     """The listener's network filter: one virtual host for every domain with `routes`, then
     `http_filters` and the router."""
     hcm: dict[str, Any] = {
@@ -124,7 +125,7 @@ def http_connection_manager(routes: list[dict], http_filters: list[dict],
         "name": "local_route",
         "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}],
     }
-    hcm["http_filters"] = http_filters + [router()]
+    hcm["http_filters"] = http_filters + [router(suppress_envoy_headers)]
     return {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
 
 
@@ -325,6 +326,7 @@ def orders_proxy(
     enable_trailers: bool = True,
     failure_policy: str = "FAIL_RELOAD",
     stats_config: dict | None = None,
+    suppress_envoy_headers: bool = False,
 ) -> dict:
     """The proxy in front of the orders upstream (cluster `orders`).
 
@@ -360,7 +362,8 @@ def orders_proxy(
         http_filters.append(filter_http_filter(filter_config, wasm_path, failure_policy))
     http_filters += _copy(list(post_filters))
     trailers = {"enable_trailers": enable_trailers}
-    hcm = http_connection_manager(routes, http_filters, "ingress_http", trailers)
+    hcm = http_connection_manager(routes, http_filters, "ingress_http", trailers,
+                                  suppress_envoy_headers=suppress_envoy_headers)
     clusters = [
         cluster("orders", upstream_port, trailers),
         cluster("unreachable", unreachable_port, trailers),

@@ -34,10 +34,12 @@ import time
 
 from bench import OUT_DIR, HarnessError, log, rel
 from bench.load import Loadgen, spread
-from bench.phases import (ORDERS, OTHER, bench_envoy, checked, filter_config, proxy_config, upstream_config,
-                          wasm_filter)
+from bench.phases import (ETCD_CLUSTER, ORDERS, OTHER, bench_envoy, checked, etcd_store, filter_config,
+                          proxy_config, upstream_config, wasm_filter)
 from bench.report import PROFILE_HEADING, PROFILE_SECTION, update_section
 from idemkit import REPO_ROOT as REPO
+from idemkit import bootstrap
+from idemkit.etcd import Etcd
 
 CLASSES = ["Envoy", "host calls", "Wasm code", "kernel"]
 FREQ = 1999  # samples per second of CPU time
@@ -66,8 +68,10 @@ def classify(script: str) -> dict[str, int]:
 
 
 class Profiled:
-    def __init__(self, key: str, title: str, wasm: str, config: str, keys: str, path: str = ORDERS) -> None:
+    def __init__(self, key: str, title: str, wasm: str, config: str, keys: str, path: str = ORDERS,
+                 clusters: list[dict] | None = None) -> None:
         self.key, self.title, self.wasm, self.config, self.keys, self.path = key, title, wasm, config, keys, path
+        self.clusters = clusters
         self.envoy = None
         self.samples: list[dict[str, int]] = []
         self.requests: list[int] = []
@@ -123,7 +127,7 @@ NAIVE_HOST_CALLS = {"header_value": 1, "buffer": 2, "get_shared_data": 1, "set_s
 
 def host_calls() -> dict[str, dict[str, tuple[int, int]]]:
     """The filter's host calls per new key and per replay, by kind (calls, bytes copied), as the
-    glue makes them against the fake host (`glue::fake_host`'s tally test)."""
+    glue makes them against the fake host (the `host_calls_per_new_key_and_per_replay` tests)."""
     p = subprocess.run(["cargo", "test", "--quiet", "--lib", "host_calls_per_new_key_and_per_replay", "--",
                         "--nocapture"], capture_output=True, text=True, cwd=REPO, check=False)
     out: dict[str, dict[str, tuple[int, int]]] = {}
@@ -192,6 +196,8 @@ def markdown(scen: list[Profiled], a: argparse.Namespace, calls: dict | None = N
                      f"(host calls {b['host calls']['median']:.1f} → {new['host calls']['median']:.1f}, "
                      f"Wasm code {b['Wasm code']['median']:.1f} → {new['Wasm code']['median']:.1f}).")
             L.append("")
+    if all(k in by for k in ("etcd-new", "new", "etcd-replay", "replay")):
+        L.extend(etcd_markdown(by))
     if calls:
         L.extend(host_call_markdown(calls))
     if "new" in by and "naive" in by:
@@ -209,6 +215,33 @@ def markdown(scen: list[Profiled], a: argparse.Namespace, calls: dict | None = N
                                     pass_allowed=med["noop"]["total"] / 0.97,
                                     replay_allowed=med["noop"]["total"] / 1.3).split("\n"))
     return "\n".join(L)
+
+
+def etcd_markdown(by: dict[str, dict]) -> list[str]:
+    """What the etcd store adds over the local one, class by class."""
+    L = ["What the etcd store adds over the local store, per class (µs of the proxy's CPU per request, "
+         "medians; the local store's shared-data calls are gone, the callouts to etcd come instead):", "",
+         "| class | what it is with the etcd store | new key: etcd | over local | replay: etcd | over local |",
+         "|---|---|---:|---:|---:|---:|"]
+    what = {
+        "Envoy": "the async client, its router and HTTP/1.1 codec, the connection pool to etcd",
+        "host calls": "dispatching each callout (Envoy starts the async client's stream, router and codec "
+                      "inside that call, so part of the client's cost is here), reading its answer",
+        "Wasm code": "JSON requests and answers (encode, parse), base64 of keys and values, the exchanges",
+        "kernel": "loopback TCP to etcd and back, besides the client's and the upstream's",
+        "total": "",
+    }
+    for c in CLASSES + ["total"]:
+        en, ln = by["etcd-new"][c]["median"], by["new"][c]["median"]
+        er, lr = by["etcd-replay"][c]["median"], by["replay"][c]["median"]
+        L.append(f"| {c} | {what[c]} | {en:.1f} | {en - ln:+.1f} | {er:.1f} | {er - lr:+.1f} |")
+    en, ln = by["etcd-new"]["total"]["median"], by["new"]["total"]["median"]
+    er, lr = by["etcd-replay"]["total"]["median"], by["replay"]["total"]["median"]
+    L.append("")
+    L.append(f"Ratios to the local store (issue 20's targets: at most 2.2x for a new key, 1.5x for a replay): "
+             f"new key {en / max(ln, 1e-9):.2f}x, replay {er / max(lr, 1e-9):.2f}x.")
+    L.append("")
+    return L
 
 
 PASS_REPLAY = """Pass-through and replay, the other two ratio targets. A request no rule matches costs {p[total]:.0f} µs
@@ -265,6 +298,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--connections", type=int, default=8)
     ap.add_argument("--report", default="BENCHMARKS.md")
     ap.add_argument("--no-report", action="store_true")
+    ap.add_argument("--etcd", choices=["on", "off"], default="on",
+                    help="also profile the etcd store (one real etcd member, as make bench's scenarios 7 and 8)")
     a = ap.parse_args(argv)
     why = perf_available()
     if why:
@@ -284,13 +319,26 @@ def main(argv: list[str]) -> int:
                                 a.before_wasm, cfg, "unique"))
     lg = Loadgen(a.loadgen, a.connections)
     up = bench_envoy("profile-upstream", upstream_config(), a.envoy)
-    started = [up]
+    started: list = [up]
+    etcd = None
     try:
+        if a.etcd == "on":
+            # The etcd store next to the local one, with the same routes and ttls (as make bench's
+            # scenarios 7 and 8): what the store adds, class by class.
+            (OUT_DIR / "profile-etcd").mkdir(parents=True, exist_ok=True)
+            etcd = Etcd("profile-etcd", log_dir=OUT_DIR / "profile-etcd").start()
+            cl = [bootstrap.etcd_cluster([etcd.client_port], name=ETCD_CLUSTER, health_checks=False)]
+            scen += [
+                Profiled("etcd-new", "the filter on etcd, new key", a.wasm,
+                         filter_config(ttl="2s", processing_timeout="2s", store=etcd_store()), "unique", clusters=cl),
+                Profiled("etcd-replay", "the filter on etcd, replay", a.wasm, filter_config(store=etcd_store()),
+                         "replay", clusters=cl),
+            ]
         up.spawn()
         checked(up, up.wait_ready, 60.0)
         for s in scen:
             filters = [wasm_filter(rel(s.wasm), s.key, s.config)]
-            s.envoy = bench_envoy(f"profile-{s.key}", proxy_config(up.port, filters), a.envoy)
+            s.envoy = bench_envoy(f"profile-{s.key}", proxy_config(up.port, filters, s.clusters), a.envoy)
             started.append(s.envoy)
             s.envoy.spawn()
         for s in scen:
@@ -310,6 +358,8 @@ def main(argv: list[str]) -> int:
     finally:
         for e in started:
             e.stop()
+        if etcd is not None:
+            etcd.stop()
     text = markdown(scen, a, host_calls())
     log("\n" + text)
     (OUT_DIR / "profile.json").write_text(json.dumps(

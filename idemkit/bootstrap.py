@@ -109,9 +109,11 @@ def router(suppress_envoy_headers: bool = False) -> dict:
 def http_connection_manager(routes: list[dict], http_filters: list[dict],
                             stat_prefix: str = "ingress_http",
                             http_protocol_options: dict | None = None,
-                            suppress_envoy_headers: bool = False) -> dict:
+                            suppress_envoy_headers: bool = False,
+                            virtual_host_per_filter: dict | None = None) -> dict:
     """The listener's network filter: one virtual host for every domain with `routes`, then
-    `http_filters` and the router."""
+    `http_filters` and the router. `virtual_host_per_filter`: the virtual host's
+    typed_per_filter_config (e.g. `cors_policy(...)`), which every route inherits."""
     hcm: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": stat_prefix,
@@ -121,10 +123,10 @@ def http_connection_manager(routes: list[dict], http_filters: list[dict],
     }
     if http_protocol_options is not None:
         hcm["http_protocol_options"] = http_protocol_options
-    hcm["route_config"] = {
-        "name": "local_route",
-        "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}],
-    }
+    vhost: dict[str, Any] = {"name": "all", "domains": ["*"], "routes": routes}
+    if virtual_host_per_filter is not None:
+        vhost["typed_per_filter_config"] = virtual_host_per_filter
+    hcm["route_config"] = {"name": "local_route", "virtual_hosts": [vhost]}
     hcm["http_filters"] = http_filters + [router(suppress_envoy_headers)]
     return {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
 
@@ -310,6 +312,42 @@ def local_ratelimit_route(max_tokens: int, fill_interval: str) -> dict:
     }
 
 
+# ---- CORS (before the filter) ---------------------------------------------------------------
+
+CORS_FILTER = "envoy.filters.http.cors"
+
+
+def cors_filter() -> dict:
+    """An `envoy.filters.http.cors` http_filters entry (for `pre_filters`). It has no policy of
+    its own: it acts on the routes or virtual hosts that carry `cors_policy(...)`."""
+    return {
+        "name": CORS_FILTER,
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors"},
+    }
+
+
+def cors_policy(origins: Sequence[str], allow_methods: str = "GET, POST, OPTIONS",
+                allow_headers: str = "idempotency-key, content-type, authorization",
+                expose_headers: str = "idempotent-replayed, retry-after",
+                max_age: str = "600", forward_not_matching_preflights: bool = False) -> dict:
+    """typed_per_filter_config (for a virtual host, `orders_proxy(virtual_host_per_filter=...)`,
+    or a route, `route(per_filter=...)`) with the CorsPolicy of `cors_filter()`: `origins` are
+    exact origins (e.g. "http://localhost:3000"); the other fields are the header values Envoy
+    sends as they are. `forward_not_matching_preflights`: False (as envoy/envoy.yaml ships it)
+    answers a preflight from an origin not allowed in Envoy, without `access-control-allow-origin`;
+    Envoy's default (True) forwards it upstream as a plain OPTIONS request."""
+    return {
+        CORS_FILTER: {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.cors.v3.CorsPolicy",
+            "allow_origin_string_match": [{"exact": o} for o in origins],
+            "allow_methods": allow_methods,
+            "allow_headers": allow_headers,
+            "expose_headers": expose_headers,
+            "max_age": max_age,
+            "forward_not_matching_preflights": forward_not_matching_preflights,
+        }
+    }
+
 
 def orders_proxy(
     upstream_port: int,
@@ -327,6 +365,7 @@ def orders_proxy(
     failure_policy: str = "FAIL_RELOAD",
     stats_config: dict | None = None,
     suppress_envoy_headers: bool = False,
+    virtual_host_per_filter: dict | None = None,
 ) -> dict:
     """The proxy in front of the orders upstream (cluster `orders`).
 
@@ -339,7 +378,8 @@ def orders_proxy(
     HTTP filter chain: `pre_filters` (e.g. jwt_authn), the idempotency filter, `post_filters`
     (e.g. a local rate limit that answers locally after the filter claimed), the router.
     `stats_config`: the bootstrap's (e.g. `shipped_stats_config()`, the stats tags of
-    envoy/envoy.yaml).
+    envoy/envoy.yaml). `virtual_host_per_filter`: the virtual host's typed_per_filter_config
+    (e.g. `cors_policy(...)`, with `cors_filter()` in `pre_filters`).
     """
     if filter_config is not None and wasm_path is None:
         raise ValueError("a filter configuration needs wasm_path")
@@ -362,8 +402,12 @@ def orders_proxy(
         http_filters.append(filter_http_filter(filter_config, wasm_path, failure_policy))
     http_filters += _copy(list(post_filters))
     trailers = {"enable_trailers": enable_trailers}
-    hcm = http_connection_manager(routes, http_filters, "ingress_http", trailers,
-                                  suppress_envoy_headers=suppress_envoy_headers)
+    hcm = http_connection_manager(
+        routes, http_filters, "ingress_http", trailers,
+        suppress_envoy_headers=suppress_envoy_headers,
+        virtual_host_per_filter=None if virtual_host_per_filter is None
+        else _copy(virtual_host_per_filter),
+    )
     clusters = [
         cluster("orders", upstream_port, trailers),
         cluster("unreachable", unreachable_port, trailers),

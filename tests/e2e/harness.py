@@ -18,6 +18,8 @@ from demo.orders_upstream import response_body
 from idemkit import REPO_ROOT, envoy as _envoy, process as _process
 from idemkit.bootstrap import (  # noqa: F401 (re-exported for the tests)
     MiB,
+    cors_filter,
+    cors_policy,
     direct_response,
     etcd_cluster,
     filter_http_filter,

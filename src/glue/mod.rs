@@ -1,10 +1,10 @@
 //! The proxy-wasm adapter: Envoy's callbacks in, the engine's decisions out as host calls.
 //!
 //! Everything here but `host.rs` and `abi.rs` is written against the `Host` trait and compiles
-//! natively, so `cargo test` drives the callbacks against a fake host (`fake_host.rs`) that
-//! records calls and injects failures. `host.rs` is the raw ABI behind the trait and `abi.rs`
-//! the module's exports (Envoy's callbacks, routed by context id), both wasm32 only and without
-//! decisions of their own.
+//! natively, so `cargo test` drives the callbacks (the suite in `tests/`, one file per subject)
+//! against a fake host (`fake_host.rs`) that records calls and injects failures. `host.rs` is the
+//! raw ABI behind the trait and `abi.rs` the module's exports (Envoy's callbacks, routed by
+//! context id), both wasm32 only and without decisions of their own.
 
 pub mod etcd;
 pub mod http;
@@ -19,6 +19,8 @@ mod abi;
 mod fake_host;
 #[cfg(target_arch = "wasm32")]
 mod host;
+#[cfg(test)]
+mod tests;
 
 use crate::store::shared_data::SharedData;
 
@@ -144,24 +146,5 @@ impl MetricBatch {
     #[cfg(test)]
     pub fn pending(&self, metric: u32) -> i64 {
         self.0.iter().find(|(id, _)| *id == metric).map_or(0, |(_, sum)| *sum)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::MetricBatch;
-
-    #[test]
-    fn a_batch_sums_each_counter_once_and_starts_again_empty() {
-        let mut batch = MetricBatch::default();
-        for (id, by) in [(7, 1), (9, 1), (7, 1), (7, 3), (9, 0), (11, -2)] {
-            batch.add(id, by);
-        }
-        assert_eq!((batch.pending(7), batch.pending(9), batch.pending(11)), (5, 1, 0));
-        assert_eq!(batch.take(), vec![(7, 5), (9, 1)]);
-        assert!(batch.take().is_empty());
-        batch.add(7, i64::MAX);
-        batch.add(7, 1);
-        assert_eq!(batch.take(), vec![(7, i64::MAX)]);
     }
 }

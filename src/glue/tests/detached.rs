@@ -1,0 +1,189 @@
+//! Detached execution (`execution: "detached"`): the root makes the call, records its answer
+//! like an upstream answer, and answers the client if it is still there.
+
+use super::{pairs, root, Sent};
+use crate::flow::Verdict;
+use crate::glue::fake_host::{Call, FakeHost};
+use crate::glue::http::Http;
+use crate::glue::root::Root;
+
+const CONFIG: &str = r#"{"store":{"type":"local","capacity":64},"max_detached_calls":2,"routes":[
+    {"name":"pay","match":{"prefix":"/pay"},"require_key":true,"execution":"detached",
+     "processing_timeout":"10s","upstream_timeout":"4s"}]}"#;
+
+fn host() -> FakeHost {
+    let h = FakeHost::default();
+    *h.0.config.borrow_mut() = CONFIG.as_bytes().to_vec();
+    h.0.now_ms.set(1_000);
+    h.0.clusters.borrow_mut().push("orders".into());
+    h.0.properties.borrow_mut().insert("xds.cluster_name".into(), b"orders".to_vec());
+    h
+}
+
+/// A protected POST of `key`, held; the root then makes its call (returned: the callout).
+fn posted(h: &FakeHost, root: &mut Root<FakeHost>, id: u32, key: &str) -> (Http<FakeHost>, Option<Call>) {
+    let mut http = root.http_context(id);
+    // Envoy runs a stream's callbacks with its own context the effective one.
+    h.0.effective.set(id);
+    *h.0.request_headers.borrow_mut() = pairs(&[
+        (":method", "POST"),
+        (":path", "/pay?x=1"),
+        (":authority", "shop.example"),
+        ("idempotency-key", key),
+        ("content-type", "application/json"),
+        ("content-length", "2"),
+    ]);
+    *h.0.request_body.borrow_mut() = b"{}".to_vec();
+    assert_eq!(http.on_request_headers(false), Verdict::Pause);
+    assert_eq!(http.on_request_body(2, true), Verdict::Pause, "held: the root carries it");
+    let before = h.dispatches().len();
+    h.0.effective.set(1);
+    root.on_queue_ready(0);
+    let call = (h.dispatches().len() > before).then(|| h.dispatches().last().cloned()).flatten();
+    (http, call)
+}
+
+/// The upstream's answer, as Envoy's router hands it over (with its service time).
+fn answers(h: &FakeHost, status: &str, body: &[u8]) {
+    *h.0.call_response_headers.borrow_mut() = pairs(&[
+        (":status", status),
+        ("content-type", "application/json"),
+        ("x-order", "7"),
+        ("x-envoy-upstream-service-time", "3"),
+    ]);
+    *h.0.call_response_body.borrow_mut() = body.to_vec();
+}
+
+/// Envoy's own 504 when `upstream_timeout` passed.
+fn times_out(h: &FakeHost) {
+    *h.0.call_response_headers.borrow_mut() = pairs(&[(":status", "504"), ("content-type", "text/plain")]);
+    *h.0.call_response_body.borrow_mut() = b"upstream request timeout".to_vec();
+}
+
+fn token(call: &Option<Call>) -> u32 {
+    match call {
+        Some(Call::Dispatch { token, .. }) => *token,
+        other => panic!("no callout: {other:?}"),
+    }
+}
+
+fn sent_to(h: &FakeHost, context: u32) -> Vec<Sent> {
+    h.0.calls
+        .borrow()
+        .iter()
+        .filter_map(|c| match c {
+            Call::SendResponse { context: c, status, headers, body, .. } if *c == context => {
+                Some((*status, headers.clone(), body.clone()))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn the_root_makes_the_call_records_the_answer_and_sends_it_as_the_first_response() {
+    let h = host();
+    let mut root = root(&h);
+    let (mut http, call) = posted(&h, &mut root, 2, "k1");
+    let Some(Call::Dispatch { context: 1, cluster, headers, body, timeout_ms: 4_000, .. }) = &call else {
+        panic!("{call:?}")
+    };
+    assert_eq!(cluster, "orders");
+    assert_eq!(body, b"{}");
+    let h_of = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.as_str());
+    assert_eq!(
+        (h_of(":method"), h_of(":path"), h_of(":authority")),
+        (Some("POST"), Some("/pay?x=1"), Some("shop.example"))
+    );
+    assert_eq!(h_of("idempotency-key"), Some("k1"));
+    assert_eq!(h_of("content-length"), None, "Envoy sets it from the body");
+    assert_eq!(h.counter("claimed"), 1);
+    answers(&h, "201", b"{\"id\":1}");
+    root.on_http_call_response(token(&call), 8);
+    assert_eq!(h.counter("stored"), 1);
+    let sent = sent_to(&h, 2);
+    let [(201, headers, body)] = sent.as_slice() else { panic!("{sent:?}") };
+    assert_eq!(body, b"{\"id\":1}");
+    assert!(headers.iter().any(|(n, v)| n == "x-order" && v == b"7"));
+    assert!(!headers.iter().any(|(n, _)| n == crate::engine::REPLAYED_HEADER || n == ":status"));
+    // Our own reply comes back through the encode callbacks: not an upstream answer.
+    *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201"), ("content-type", "application/json")]);
+    assert_eq!(http.on_response_headers(false), Verdict::Continue);
+    assert_eq!(http.on_response_body(8, true), Verdict::Continue);
+    http.on_log();
+    assert_eq!(h.counter("stored"), 1);
+    // A retry is the replay.
+    let (_, none) = posted(&h, &mut root, 3, "k1");
+    assert!(none.is_none());
+    let replay = sent_to(&h, 3);
+    assert!(matches!(replay.as_slice(), [(201, headers, body)]
+        if body == b"{\"id\":1}" && headers.iter().any(|(n, _)| n == crate::engine::REPLAYED_HEADER)));
+}
+
+#[test]
+fn a_client_gone_before_the_answer_still_has_its_answer_recorded() {
+    let h = host();
+    let mut root = root(&h);
+    let (mut http, call) = posted(&h, &mut root, 2, "k2");
+    http.on_log();
+    drop(http);
+    h.fail("set_effective_context", 2);
+    answers(&h, "201", b"{}");
+    root.on_http_call_response(token(&call), 2);
+    assert_eq!(h.counter("stored"), 1);
+    assert!(sent_to(&h, 2).is_empty(), "nobody to answer");
+    h.0.failing.borrow_mut().clear();
+    let (_, none) = posted(&h, &mut root, 3, "k2");
+    assert!(none.is_none(), "the retry is not executed again");
+    assert!(matches!(sent_to(&h, 3).as_slice(), [(201, _, _)]));
+}
+
+#[test]
+fn upstream_timeout_is_an_unknown_outcome_a_5xx_and_the_claim_stays() {
+    let h = host();
+    let mut root = root(&h);
+    let (_http, call) = posted(&h, &mut root, 2, "k3");
+    h.0.now_ms.set(1_000 + 4_000);
+    times_out(&h);
+    root.on_http_call_response(token(&call), 24);
+    assert_eq!((h.counter("kept_unknown"), h.counter("stored")), (1, 0));
+    let sent = sent_to(&h, 2);
+    assert!(
+        matches!(sent.as_slice(), [(504, _, body)] if String::from_utf8_lossy(body).contains("outcome-unknown"))
+    );
+    // A retry at once gets 409, never a second execution.
+    let (_, none) = posted(&h, &mut root, 3, "k3");
+    assert!(none.is_none());
+    assert!(matches!(sent_to(&h, 3).as_slice(), [(409, _, _)]));
+    // An upstream's own 504, sooner than the timeout, is its answer (released, by default).
+    let (_, call) = posted(&h, &mut root, 4, "k4");
+    answers(&h, "504", b"busy");
+    root.on_http_call_response(token(&call), 4);
+    assert_eq!(h.counter("released"), 1);
+    assert!(matches!(sent_to(&h, 4).as_slice(), [(504, _, body)] if body == b"busy"));
+}
+
+#[test]
+fn past_max_detached_calls_a_new_key_gets_503_and_its_claim_back() {
+    let h = host();
+    let mut root = root(&h);
+    let (_a, first) = posted(&h, &mut root, 2, "a");
+    let (_b, second) = posted(&h, &mut root, 3, "b");
+    assert!(first.is_some() && second.is_some());
+    let (_c, third) = posted(&h, &mut root, 4, "c");
+    assert!(third.is_none());
+    assert!(matches!(sent_to(&h, 4).as_slice(), [(503, headers, body)]
+        if String::from_utf8_lossy(body).contains("detached-capacity") && headers.iter().any(|(n, _)| n == "retry-after")));
+    assert_eq!((h.counter("detached_refused"), h.counter("released")), (1, 1));
+    // Once a call is over, the key executes (its claim was given back).
+    answers(&h, "201", b"{}");
+    root.on_http_call_response(token(&first), 2);
+    let (_c, again) = posted(&h, &mut root, 5, "c");
+    assert!(again.is_some());
+    // An unknown cluster: Envoy refuses the call; 503, and the claim is given back.
+    h.0.properties.borrow_mut().insert("xds.cluster_name".into(), b"nowhere".to_vec());
+    let (_d, refused) = posted(&h, &mut root, 6, "d");
+    assert!(refused.is_none());
+    assert!(matches!(sent_to(&h, 6).as_slice(), [(503, _, _)]));
+    assert_eq!((h.counter("detached_refused"), h.counter("released")), (2, 2));
+}

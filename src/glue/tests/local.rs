@@ -1,0 +1,168 @@
+//! One request's path through the glue with the local store (Envoy's shared data): a refused
+//! configuration is logged in one line and a missing one leaves every stream untouched; a replay
+//! gets its stored content-type back; an unreadable body is a 503; a response from no upstream
+//! host releases the claim and a body cut short keeps the outcome without it; trailers end the
+//! request body and the captured response; the router-retry warning and the "body never
+//! received" log are said once (per rule, per minute) while every occurrence is counted.
+
+use super::{host, pairs, post, root, upstream_answers};
+use crate::flow::Verdict;
+use crate::glue::fake_host::{Call, FakeHost};
+use crate::glue::root::Root;
+
+#[test]
+fn a_refused_configuration_is_logged_in_one_line() {
+    let h = FakeHost::default();
+    *h.0.config.borrow_mut() = br#"{"routes":[]}"#.to_vec();
+    assert!(!Root::new(1, h.clone()).on_configure());
+    assert!(matches!(h.0.calls.borrow().as_slice(), [Call::Critical(m)] if m.contains("routes")));
+}
+
+#[test]
+fn without_a_configuration_every_stream_goes_on_untouched() {
+    let h = FakeHost::default();
+    let root = Root::new(1, h.clone());
+    let mut http = root.http_context(2);
+    *h.0.request_headers.borrow_mut() = pairs(&[(":method", "POST"), (":path", "/orders")]);
+    assert_eq!(http.on_request_headers(false), Verdict::Continue);
+    assert_eq!(http.on_request_body(2, true), Verdict::Continue);
+    assert_eq!(http.on_response_headers(true), Verdict::Continue);
+    http.on_log();
+    assert!(h.0.calls.borrow().is_empty());
+}
+
+#[test]
+fn a_replay_gets_its_stored_content_type_back() {
+    let h = host();
+    let root = root(&h);
+    let mut first = root.http_context(2);
+    assert_eq!(post(&h, &mut first, "/orders", "k"), Verdict::Continue);
+    upstream_answers(&h, "201", b"");
+    assert_eq!(first.on_response_headers(false), Verdict::Continue);
+    assert_eq!(first.on_response_body(0, true), Verdict::Continue);
+    first.on_log();
+    assert_eq!((h.counter("claimed"), h.counter("stored")), (1, 1));
+
+    let mut retry = root.http_context(3);
+    assert_eq!(post(&h, &mut retry, "/orders", "k"), Verdict::Pause);
+    assert_eq!(h.replies(), vec![(0, 201, "idempotency_replay".to_string())]);
+    // Envoy's local-reply path dropped the stored content-type of an empty body.
+    *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201")]);
+    assert_eq!(retry.on_response_headers(false), Verdict::Continue);
+    assert!(h
+        .0
+        .calls
+        .borrow()
+        .contains(&Call::SetHeader { name: "content-type".into(), value: b"application/json".to_vec() }));
+
+    // With a body Envoy keeps the type it was given: the replay's headers are not even read.
+    let mut first = root.http_context(4);
+    assert_eq!(post(&h, &mut first, "/orders", "j"), Verdict::Continue);
+    upstream_answers(&h, "201", b"{\"id\":1}");
+    first.on_response_headers(false);
+    first.on_response_body(8, true);
+    first.on_log();
+    let mut retry = root.http_context(5);
+    assert_eq!(post(&h, &mut retry, "/orders", "j"), Verdict::Pause);
+    let _ = h.take_tally();
+    assert_eq!(retry.on_response_headers(false), Verdict::Continue);
+    assert!(h.take_tally().is_empty());
+}
+
+#[test]
+fn an_unreadable_request_body_is_a_503() {
+    let h = host();
+    let root = root(&h);
+    let mut http = root.http_context(2);
+    h.fail("buffer", 2);
+    assert_eq!(post(&h, &mut http, "/orders", "k"), Verdict::Pause);
+    assert_eq!(h.replies(), vec![(0, 503, "idempotency_problem".to_string())]);
+    assert_eq!(h.counter("store_error"), 1);
+}
+
+#[test]
+fn no_upstream_host_releases_the_claim_and_a_cut_body_keeps_the_outcome_without_it() {
+    let h = host();
+    let root = root(&h);
+    let mut http = root.http_context(2);
+    post(&h, &mut http, "/orders", "k");
+    // A direct response: upstream.address is empty.
+    *h.0.response_headers.borrow_mut() = pairs(&[(":status", "200")]);
+    h.0.properties.borrow_mut().insert("response.code_details".into(), b"direct_response".to_vec());
+    h.0.properties.borrow_mut().insert("upstream.address".into(), Vec::new());
+    http.on_response_headers(true);
+    assert_eq!(h.counter("released"), 1);
+    // Released: the retry executes.
+    let mut again = root.http_context(3);
+    assert_eq!(post(&h, &mut again, "/orders", "k"), Verdict::Continue);
+    upstream_answers(&h, "201", b"abcdef");
+    again.on_response_headers(false);
+    again.on_response_body(3, false);
+    again.on_log(); // the upstream reset mid-body
+    assert_eq!(h.counter("response_not_stored"), 1);
+    let mut late = root.http_context(4);
+    post(&h, &mut late, "/orders", "k");
+    assert_eq!(h.replies().last().map(|r| r.1), Some(410));
+}
+
+#[test]
+fn the_router_retry_warning_is_claimed_once_per_rule_by_one_worker() {
+    let h = host();
+    let _ = root(&h);
+    let keys = h.0.data.key_count();
+    let (worker1, worker2) = (
+        crate::glue::plugin::PluginState::configure_with(h.clone(), 1, None).unwrap(),
+        crate::glue::plugin::PluginState::configure_with(h.clone(), 2, None).unwrap(),
+    );
+    assert!(worker1.first_retry_warning("orders"));
+    assert!(!worker2.first_retry_warning("orders"));
+    assert!(!worker1.first_retry_warning("orders"));
+    assert!(worker2.first_retry_warning("waits"));
+    // Every flag existed before traffic: asking created no data key.
+    assert_eq!(h.0.data.key_count(), keys);
+    assert!(!worker1.first_retry_warning("no-such-rule"));
+    assert_eq!(h.0.data.key_count(), keys);
+}
+
+#[test]
+fn a_request_ended_before_its_body_is_counted_each_time_and_logged_once_a_minute() {
+    let h = host();
+    let root = root(&h);
+    let plugin = crate::glue::plugin::PluginState::configure_with(h.clone(), 1, None).unwrap();
+    assert!(plugin.body_never_received_log_due(1_000));
+    assert!(!plugin.body_never_received_log_due(60_999));
+    assert!(plugin.body_never_received_log_due(61_000));
+    // Through the stream's callbacks: held at its headers, ended without a body frame.
+    for n in 0..3 {
+        let mut http = root.http_context(2 + n);
+        *h.0.request_headers.borrow_mut() =
+            pairs(&[(":method", "POST"), (":path", "/orders"), ("idempotency-key", "k")]);
+        assert_eq!(http.on_request_headers(false), Verdict::Pause);
+        http.on_log();
+    }
+    assert_eq!((h.counter("body_never_received"), h.counter("claimed")), (3, 0));
+}
+
+#[test]
+fn trailers_end_the_request_body_and_the_captured_response() {
+    let h = host();
+    let mut root = root(&h);
+    let mut http = root.http_context(2);
+    *h.0.request_headers.borrow_mut() =
+        pairs(&[(":method", "POST"), (":path", "/orders"), ("idempotency-key", "t")]);
+    *h.0.request_body.borrow_mut() = b"x".to_vec();
+    assert_eq!(http.on_request_headers(false), Verdict::Pause);
+    assert_eq!(http.on_request_body(1, false), Verdict::Pause);
+    assert_eq!(http.on_request_trailers(), Verdict::Continue);
+    upstream_answers(&h, "200", b"ok");
+    http.on_response_headers(false);
+    http.on_response_body(2, false);
+    assert_eq!(http.on_response_trailers(), Verdict::Continue);
+    assert_eq!(h.counter("stored"), 1);
+    // The root that goes away stops advertising its wake-up queue.
+    let registry = crate::wait::wake::Registry::new(h.clone());
+    root.on_tick();
+    assert_eq!(registry.live(1_000).unwrap().len(), 1);
+    assert!(root.on_done());
+    assert!(registry.live(1_000).unwrap().is_empty());
+}

@@ -1,0 +1,83 @@
+//! The glue's test suite: Envoy's callbacks (`Root`, `Http`) driven against the fake host
+//! (`glue/fake_host.rs`), which records every host call that changes something and injects
+//! failures per call. One file per subject, each saying what its tests prove; here, what they
+//! share: a host configured with the local store and two rules (`orders`, and `waits` in wait
+//! mode), a keyed POST and an upstream's answer on it, and readers of the calls made.
+
+mod costs;
+mod detached;
+mod detached_model;
+mod etcd_auth;
+mod local;
+mod remote;
+mod remote_wait;
+mod wait;
+
+use super::fake_host::{Call, FakeHost};
+use super::http::Http;
+use super::root::Root;
+use crate::flow::Verdict;
+
+const CONFIG: &str = r#"{"store":{"type":"local","capacity":64},"routes":[
+    {"name":"orders","match":{"prefix":"/orders"},"require_key":true},
+    {"name":"waits","match":{"prefix":"/wait"},"require_key":true,"concurrent":"wait"}]}"#;
+
+fn host() -> FakeHost {
+    let h = FakeHost::default();
+    *h.0.config.borrow_mut() = CONFIG.as_bytes().to_vec();
+    h.0.now_ms.set(1_000);
+    h
+}
+
+fn root(h: &FakeHost) -> Root<FakeHost> {
+    let mut root = Root::new(1, h.clone());
+    assert!(root.on_configure());
+    root
+}
+
+fn pairs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+    list.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
+}
+
+/// A POST with a key, headers and body in the host, the whole body at once.
+fn post(h: &FakeHost, http: &mut Http<FakeHost>, path: &str, key: &str) -> Verdict {
+    *h.0.request_headers.borrow_mut() = pairs(&[
+        (":method", "POST"),
+        (":path", path),
+        ("idempotency-key", key),
+        ("content-type", "application/json"),
+    ]);
+    *h.0.request_body.borrow_mut() = b"{}".to_vec();
+    assert_eq!(http.on_request_headers(false), Verdict::Pause);
+    http.on_request_body(2, true)
+}
+
+/// An upstream's answer as the filter sees it: with the header Envoy's router adds.
+fn upstream_answers(h: &FakeHost, status: &str, body: &[u8]) {
+    *h.0.response_headers.borrow_mut() = pairs(&[
+        (":status", status),
+        ("content-type", "application/json"),
+        ("x-envoy-upstream-service-time", "1"),
+    ]);
+    *h.0.response_body.borrow_mut() = body.to_vec();
+    h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
+}
+
+/// The original (context 2) and a duplicate held in wait mode (context 3).
+fn original_and_waiter(h: &FakeHost, root: &Root<FakeHost>) -> (Http<FakeHost>, Http<FakeHost>) {
+    let mut original = root.http_context(2);
+    assert_eq!(post(h, &mut original, "/wait", "w"), Verdict::Continue);
+    let mut waiter = root.http_context(3);
+    assert_eq!(post(h, &mut waiter, "/wait", "w"), Verdict::Pause);
+    assert_eq!(h.counter("waiting"), 1);
+    (original, waiter)
+}
+
+type Sent = (u16, Vec<(String, Vec<u8>)>, Vec<u8>);
+
+fn last_token(h: &FakeHost) -> u32 {
+    match h.dispatches().last() {
+        Some(Call::Dispatch { token, .. }) => *token,
+        _ => panic!("no callout"),
+    }
+}

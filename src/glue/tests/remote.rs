@@ -1,0 +1,478 @@
+//! The glue with a store across the network (a scripted `RemoteStore`, one callout per
+//! operation): a stream's `begin` and its settlements are the root's callouts while the stream
+//! stays paused, and every way a callout can fail: a missing cluster, an answer without status
+//! or a timeout fail closed (503) or, failing open, forward unprotected and are counted; a claim
+//! answered after its client left is released; a completion the store failed is tried again
+//! with backoff until it lands or its lease has passed; a retired root finishes (or, at its
+//! bound, abandons and counts) its completions before it tells Envoy it is done.
+
+use super::{last_token, pairs, Sent};
+use crate::flow::{FailMode, Verdict};
+use crate::glue::fake_host::{Call, FakeHost};
+use crate::glue::http::Http;
+use crate::glue::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore, Request};
+use crate::glue::root::Root;
+use crate::store::{Begin, Claim, Settled, StoreAnswer, StoreError, StoreOp};
+use std::cell::RefCell;
+use std::rc::Rc;
+
+const CONFIG: &str = r#"{"routes":[{"name":"orders","match":{"prefix":"/orders"},"require_key":true}]}"#;
+
+/// A store that claims on a 200 answer to its one call and settles on a 200 answer to its
+/// one call; anything else is Unavailable (as the etcd exchanges map them).
+struct Scripted(RemoteSettings, Rc<RefCell<Vec<StoreOp>>>);
+
+struct OneCall(StoreOp);
+
+impl Conversation for OneCall {
+    fn into_op(self: Box<Self>) -> StoreOp {
+        self.0
+    }
+    fn step(&mut self, answer: Option<Answer>, _now_ms: u64) -> Next {
+        let Some(answer) = answer else {
+            return Next::Call(Request {
+                path: "/v3/kv/txn",
+                body: b"{}".to_vec(),
+                token: None,
+                timeout_ms: None,
+            });
+        };
+        let ok = answer.status == Some(200);
+        let error = || StoreError::Unavailable(format!("answer {:?}", answer.status));
+        Next::Done(match &self.0 {
+            StoreOp::Begin(a) => StoreAnswer::Begun(if ok {
+                Ok(Begin::Claimed(Claim { scope: a.scope, owner: a.owner, locator: 7, written: None }))
+            } else {
+                Err(error())
+            }),
+            _ => StoreAnswer::Settled(if ok { Ok(Settled::Done) } else { Err(error()) }),
+        })
+    }
+}
+
+impl RemoteStore for Scripted {
+    fn settings(&self) -> &RemoteSettings {
+        &self.0
+    }
+    fn start(&self, op: StoreOp) -> Box<dyn Conversation> {
+        self.1.borrow_mut().push(op.clone());
+        Box::new(OneCall(op))
+    }
+}
+
+fn host() -> FakeHost {
+    let h = FakeHost::default();
+    *h.0.config.borrow_mut() = CONFIG.as_bytes().to_vec();
+    h.0.now_ms.set(1_000);
+    h.0.clusters.borrow_mut().push("etcd".into());
+    h
+}
+
+fn root(h: &FakeHost, cluster: &str, on_error: FailMode) -> Root<FakeHost> {
+    root_with_ops(h, cluster, on_error).0
+}
+
+/// The root, and every operation its store was asked to start.
+fn root_with_ops(
+    h: &FakeHost,
+    cluster: &str,
+    on_error: FailMode,
+) -> (Root<FakeHost>, Rc<RefCell<Vec<StoreOp>>>) {
+    let mut root = Root::new(1, h.clone());
+    let settings = RemoteSettings { cluster: cluster.into(), timeout_ms: 250, on_error };
+    let ops = Rc::new(RefCell::new(Vec::new()));
+    assert!(root.on_configure_with(Some(Box::new(Scripted(settings, Rc::clone(&ops))))));
+    (root, ops)
+}
+
+fn post(h: &FakeHost, http: &mut Http<FakeHost>) -> Verdict {
+    *h.0.request_headers.borrow_mut() =
+        pairs(&[(":method", "POST"), (":path", "/orders"), ("idempotency-key", "k")]);
+    *h.0.request_body.borrow_mut() = b"{}".to_vec();
+    assert_eq!(http.on_request_headers(false), Verdict::Pause);
+    http.on_request_body(2, true)
+}
+
+/// What the next `on_http_call_response` reads: a status (None: Envoy's failure report,
+/// no `:status`) and a body.
+fn store_answers(h: &FakeHost, status: Option<&str>, body: &[u8]) {
+    *h.0.call_response_headers.borrow_mut() = status.map(|s| pairs(&[(":status", s)])).unwrap_or_default();
+    *h.0.call_response_body.borrow_mut() = body.to_vec();
+}
+
+fn resumed(h: &FakeHost) -> usize {
+    h.0.calls.borrow().iter().filter(|c| matches!(c, Call::Resume { .. })).count()
+}
+
+fn problem_reply(h: &FakeHost) -> Sent {
+    h.0.calls
+        .borrow()
+        .iter()
+        .rev()
+        .find_map(|c| match c {
+            Call::SendResponse { status, headers, body, .. } => {
+                Some((*status, headers.clone(), body.clone()))
+            }
+            _ => None,
+        })
+        .expect("a reply")
+}
+
+fn assert_store_unavailable(h: &FakeHost) {
+    let (status, headers, body) = problem_reply(h);
+    assert_eq!(status, 503);
+    assert!(headers.iter().any(|(n, _)| n == "retry-after"), "{headers:?}");
+    assert!(String::from_utf8_lossy(&body).contains("store-unavailable"));
+    assert_eq!(resumed(h), 0, "nothing may be forwarded");
+    assert_eq!(h.counter("store_error"), 1);
+}
+
+/// A protected POST up to its `begin`, which the root starts from its queue callback (the
+/// root's own context is the effective one there); returns the callout's token.
+fn begin(h: &FakeHost, root: &mut Root<FakeHost>, http: &mut Http<FakeHost>) -> Option<u32> {
+    assert_eq!(post(h, http), Verdict::Pause);
+    let before = h.dispatches().len();
+    h.0.effective.set(1);
+    root.on_queue_ready(0);
+    (h.dispatches().len() > before).then(|| last_token(h))
+}
+
+#[test]
+fn begin_is_the_roots_callout_while_the_request_stays_paused_and_its_answer_resumes_it() {
+    let h = host();
+    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut http = root.http_context(2);
+    assert_eq!(post(&h, &mut http), Verdict::Pause);
+    assert!(h.dispatches().is_empty(), "not from the stream's callback");
+    h.0.effective.set(1);
+    root.on_queue_ready(0);
+    let dispatches = h.dispatches();
+    let [Call::Dispatch { context: 1, token, cluster, headers, timeout_ms: 250, .. }] = dispatches.as_slice()
+    else {
+        panic!("{dispatches:?}")
+    };
+    assert_eq!(cluster, "etcd");
+    for pseudo in [":method", ":path", ":authority"] {
+        assert!(headers.iter().any(|(n, _)| n == pseudo));
+    }
+    store_answers(&h, Some("200"), b"{}");
+    root.on_http_call_response(*token, 2);
+    assert_eq!(h.0.calls.borrow().last(), Some(&Call::Resume { context: 2 }));
+    assert_eq!(h.counter("claimed"), 1);
+    // The stream has its flow back: the response is captured and completed.
+    *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201")]);
+    h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
+    assert_eq!(http.on_response_headers(true), Verdict::Pause);
+}
+
+#[test]
+fn a_missing_cluster_refuses_the_callout_and_fails_closed_with_503() {
+    let h = host();
+    let mut root = root(&h, "no-such-cluster", FailMode::Closed);
+    let mut http = root.http_context(2);
+    assert_eq!(begin(&h, &mut root, &mut http), None);
+    assert_store_unavailable(&h);
+    assert_eq!(h.replies()[0].0, 2, "the reply goes to the request, not the root");
+}
+
+#[test]
+fn an_answer_without_status_fails_closed() {
+    let h = host();
+    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut http = root.http_context(2);
+    let token = begin(&h, &mut root, &mut http).expect("a callout");
+    store_answers(&h, None, b"");
+    root.on_http_call_response(token, 0);
+    assert_store_unavailable(&h);
+}
+
+#[test]
+fn a_timeout_fails_closed_and_a_late_answer_is_ignored() {
+    let h = host();
+    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut http = root.http_context(2);
+    let token = begin(&h, &mut root, &mut http).expect("a callout");
+    store_answers(&h, Some("504"), b"upstream request timeout");
+    root.on_http_call_response(token, 24);
+    assert_store_unavailable(&h);
+    let calls = h.0.calls.borrow().len();
+    // A second answer for the same token, or one for a token nobody awaits: nothing happens.
+    store_answers(&h, Some("200"), b"{}");
+    root.on_http_call_response(token, 2);
+    root.on_http_call_response(token + 41, 2);
+    assert_eq!(h.0.calls.borrow().len(), calls);
+    assert_eq!((h.counter("claimed"), h.counter("store_error")), (0, 1));
+}
+
+#[test]
+fn fail_open_forwards_unprotected_and_counts_every_bypass() {
+    let h = host();
+    let mut root = root(&h, "no-such-cluster", FailMode::Open);
+    for id in [2, 3] {
+        let mut http = root.http_context(id);
+        begin(&h, &mut root, &mut http);
+    }
+    assert_eq!(resumed(&h), 2);
+    assert_eq!((h.counter("store_bypassed"), h.counter("store_error")), (2, 0));
+    assert!(h.replies().is_empty());
+    // A timeout resumes the paused request.
+    let h = host();
+    let mut root = self::root(&h, "etcd", FailMode::Open);
+    let mut timed_out = root.http_context(4);
+    let token = begin(&h, &mut root, &mut timed_out).expect("a callout");
+    store_answers(&h, Some("504"), b"");
+    root.on_http_call_response(token, 0);
+    assert_eq!(h.0.calls.borrow().last(), Some(&Call::Resume { context: 4 }));
+    assert_eq!((h.counter("store_bypassed"), h.counter("store_error")), (1, 0));
+    assert!(h.replies().is_empty());
+}
+
+#[test]
+fn a_claim_answered_after_the_client_left_is_released_at_once() {
+    let h = host();
+    let (mut root, ops) = root_with_ops(&h, "etcd", FailMode::Closed);
+    let mut http = root.http_context(2);
+    let token = begin(&h, &mut root, &mut http).expect("a callout");
+    http.on_log(); // the client went away while the request was paused
+    drop(http);
+    h.fail("set_effective_context", 2);
+    store_answers(&h, Some("200"), b"{}");
+    root.on_http_call_response(token, 2);
+    assert!(matches!(ops.borrow().last(), Some(StoreOp::Release(_))), "{:?}", ops.borrow());
+    root.on_http_call_response(last_token(&h), 2);
+    assert_eq!((h.counter("claimed"), h.counter("released")), (0, 1));
+    assert!(!h.0.calls.borrow().iter().any(|c| matches!(c, Call::Resume { .. } | Call::SendResponse { .. })));
+}
+
+/// A stream whose `begin` was answered with a claim, its response headers in.
+fn forwarded(h: &FakeHost, root: &mut Root<FakeHost>, id: u32, status: &str) -> Http<FakeHost> {
+    let mut http = root.http_context(id);
+    let token = begin(h, root, &mut http).expect("a callout");
+    store_answers(h, Some("200"), b"{}");
+    root.on_http_call_response(token, 2);
+    *h.0.response_headers.borrow_mut() = pairs(&[(":status", status)]);
+    h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
+    http
+}
+
+#[test]
+fn the_root_counts_a_remote_requests_outcomes_under_its_rule() {
+    let h = host();
+    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut http = forwarded(&h, &mut root, 2, "201");
+    assert_eq!((h.counter("claimed"), h.route_counter("orders", "claimed")), (1, 1));
+    *h.0.response_body.borrow_mut() = b"{}".to_vec();
+    http.on_response_headers(false);
+    assert_eq!(http.on_response_body(2, true), Verdict::Pause);
+    h.0.effective.set(1);
+    root.on_queue_ready(0);
+    root.on_http_call_response(last_token(&h), 2);
+    assert_eq!((h.counter("stored"), h.route_counter("orders", "stored")), (1, 1));
+}
+
+#[test]
+fn the_body_is_held_while_copied_and_each_frame_read_once() {
+    let h = host();
+    let (mut root, ops) = root_with_ops(&h, "etcd", FailMode::Closed);
+    let mut http = forwarded(&h, &mut root, 2, "201");
+    // Envoy's buffer keeps held frames: each callback's size counts them all.
+    *h.0.response_body.borrow_mut() = b"abcdef".to_vec();
+    assert_eq!(http.on_response_headers(false), Verdict::Continue);
+    assert_eq!(http.on_response_body(3, false), Verdict::Pause);
+    assert_eq!(http.on_response_body(6, false), Verdict::Pause);
+    assert_eq!(http.on_response_body(6, true), Verdict::Pause);
+    h.0.effective.set(1);
+    root.on_queue_ready(0);
+    root.on_http_call_response(last_token(&h), 2);
+    assert_eq!(h.0.calls.borrow().last(), Some(&Call::ResumeResponse { context: 2 }));
+    let ops = ops.borrow();
+    let Some(StoreOp::Complete { completion, .. }) = ops.last() else { panic!("{ops:?}") };
+    let snapshot = completion.snapshot.as_ref().expect("kept with its body");
+    assert_eq!(snapshot.body, b"abcdef");
+}
+
+#[test]
+fn the_completion_is_dispatched_by_the_root_and_survives_the_end_of_its_stream() {
+    let h = host();
+    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut http = forwarded(&h, &mut root, 2, "201");
+    *h.0.response_body.borrow_mut() = b"{}".to_vec();
+    assert_eq!(http.on_response_headers(false), Verdict::Continue);
+    // The end of the response waits for the record to be written.
+    assert_eq!(http.on_response_body(2, true), Verdict::Pause);
+    // Not dispatched by the stream: handed to the root, which is woken through its queue.
+    let dispatched = h.dispatches().len();
+    h.0.effective.set(1);
+    root.on_queue_ready(0);
+    assert_eq!(h.dispatches().len(), dispatched + 1);
+    assert!(matches!(h.dispatches().last(), Some(Call::Dispatch { context: 1, .. })));
+    assert_eq!(h.counter("stored"), 0);
+    root.on_http_call_response(last_token(&h), 2);
+    assert_eq!(h.counter("stored"), 1);
+    assert_eq!(h.0.calls.borrow().last(), Some(&Call::ResumeResponse { context: 2 }));
+
+    // The stream is gone before the store answers (its client left): the root still
+    // counts the outcome, and resumes nothing.
+    let mut gone = forwarded(&h, &mut root, 3, "201");
+    gone.on_response_headers(false);
+    assert_eq!(gone.on_response_body(2, true), Verdict::Pause);
+    gone.on_log();
+    drop(gone);
+    root.on_queue_ready(0);
+    h.fail("set_effective_context", 2);
+    let calls = h.0.calls.borrow().len();
+    root.on_http_call_response(last_token(&h), 2);
+    assert_eq!(h.counter("stored"), 2);
+    assert_eq!(h.0.calls.borrow().len(), calls, "nothing resumed");
+}
+
+#[test]
+fn without_a_queue_the_tick_starts_what_streams_hand_over() {
+    let h = host();
+    h.fail("register_queue", 1);
+    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut http = root.http_context(2);
+    assert_eq!(post(&h, &mut http), Verdict::Pause);
+    assert!(h.dispatches().is_empty());
+    root.on_tick();
+    store_answers(&h, Some("200"), b"{}");
+    root.on_http_call_response(last_token(&h), 2);
+    assert_eq!(resumed(&h), 1);
+    // A failed release goes on at once, and is tried again at a later tick.
+    *h.0.response_headers.borrow_mut() = pairs(&[(":status", "500")]);
+    h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
+    assert_eq!(http.on_response_headers(true), Verdict::Pause);
+    root.on_tick();
+    store_answers(&h, None, b"");
+    root.on_http_call_response(last_token(&h), 0);
+    assert!(matches!(h.0.calls.borrow().last(), Some(Call::ResumeResponse { .. })));
+    let dispatched = h.dispatches().len();
+    h.0.now_ms.set(h.0.now_ms.get() + 100);
+    root.on_tick();
+    assert_eq!(h.dispatches().len(), dispatched + 1);
+    store_answers(&h, Some("200"), b"{}");
+    root.on_http_call_response(last_token(&h), 2);
+    assert_eq!((h.counter("released"), h.counter("store_error")), (1, 0));
+}
+
+/// A forwarded request whose 201 has come back whole: its completion is the root's
+/// callout now (returned: its token).
+fn completing(h: &FakeHost, root: &mut Root<FakeHost>, id: u32) -> (Http<FakeHost>, u32) {
+    let mut http = forwarded(h, root, id, "201");
+    *h.0.response_body.borrow_mut() = b"{}".to_vec();
+    http.on_response_headers(false);
+    assert_eq!(http.on_response_body(2, true), Verdict::Pause);
+    h.0.effective.set(1);
+    root.on_queue_ready(0);
+    (http, last_token(h))
+}
+
+fn at(h: &FakeHost, root: &mut Root<FakeHost>, now_ms: u64) {
+    h.0.now_ms.set(now_ms);
+    root.on_tick();
+}
+
+#[test]
+fn a_completion_the_store_failed_is_tried_again_with_backoff_until_it_lands() {
+    let h = host();
+    let (mut root, ops) = root_with_ops(&h, "etcd", FailMode::Closed);
+    let (_http, token) = completing(&h, &mut root, 2);
+    // Envoy timed the callout out: the client gets its response now, nothing is counted.
+    store_answers(&h, Some("504"), b"upstream request timeout");
+    root.on_http_call_response(token, 24);
+    assert_eq!(h.0.calls.borrow().last(), Some(&Call::ResumeResponse { context: 2 }));
+    assert_eq!((h.counter("stored"), h.counter("store_error")), (0, 0));
+    // Tried again after 100 ms, then 200 ms, as a new conversation of the same completion.
+    let dispatched = h.dispatches().len();
+    at(&h, &mut root, 1_050);
+    assert_eq!(h.dispatches().len(), dispatched, "not due yet");
+    at(&h, &mut root, 1_100);
+    assert_eq!(h.dispatches().len(), dispatched + 1);
+    store_answers(&h, None, b"");
+    root.on_http_call_response(last_token(&h), 0);
+    at(&h, &mut root, 1_250);
+    assert_eq!(h.dispatches().len(), dispatched + 1, "backoff doubled");
+    at(&h, &mut root, 1_300);
+    assert_eq!(h.dispatches().len(), dispatched + 2);
+    store_answers(&h, Some("200"), b"{}");
+    root.on_http_call_response(last_token(&h), 2);
+    assert_eq!((h.counter("stored"), h.counter("settlement_abandoned")), (1, 0));
+    let completions: Vec<StoreOp> =
+        ops.borrow().iter().filter(|op| matches!(op, StoreOp::Complete { .. })).cloned().collect();
+    assert_eq!(completions.len(), 3);
+    assert!(completions.iter().all(|op| *op == completions[0]), "the same completion each time");
+    // Nothing left to try.
+    at(&h, &mut root, 10_000);
+    assert_eq!(h.dispatches().len(), dispatched + 2);
+    assert_eq!(h.0.calls.borrow().iter().filter(|c| matches!(c, Call::ResumeResponse { .. })).count(), 1);
+}
+
+#[test]
+fn a_completion_is_abandoned_and_counted_once_the_lease_has_passed() {
+    let h = host();
+    let mut root = root(&h, "etcd", FailMode::Closed);
+    let (_http, token) = completing(&h, &mut root, 2);
+    store_answers(&h, None, b"");
+    root.on_http_call_response(token, 0);
+    let mut now = 1_000;
+    let mut tries = 1;
+    // The rule's processing_timeout is the default 30 s.
+    while now < 40_000 {
+        now += 100;
+        let before = h.dispatches().len();
+        at(&h, &mut root, now);
+        if h.dispatches().len() > before {
+            tries += 1;
+            store_answers(&h, None, b"");
+            root.on_http_call_response(last_token(&h), 0);
+        }
+    }
+    assert_eq!(h.counter("settlement_abandoned"), 1);
+    assert_eq!(h.route_counter("orders", "settlement_abandoned"), 1);
+    assert_eq!((h.counter("stored"), h.counter("store_error")), (0, 0));
+    // 100, 200, 400, 800, 1600, then every 2 s until 30 s after the first failure.
+    assert!((15..=20).contains(&tries), "{tries} tries");
+}
+
+#[test]
+fn a_retired_root_finishes_its_completions_before_it_tells_envoy_it_is_done() {
+    let h = host();
+    let mut root = root(&h, "etcd", FailMode::Closed);
+    let (http, token) = completing(&h, &mut root, 2);
+    drop(http);
+    h.fail("set_effective_context", 2);
+    // The configuration is replaced: Envoy must wait for the completion in flight.
+    assert!(!root.on_done());
+    assert!(!h.0.calls.borrow().contains(&Call::Done));
+    at(&h, &mut root, 1_500);
+    assert!(!h.0.calls.borrow().contains(&Call::Done));
+    store_answers(&h, Some("200"), b"{}");
+    root.on_http_call_response(token, 2);
+    assert_eq!(h.counter("stored"), 1);
+    assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == Call::Done).count(), 1);
+    // A root with nothing under way goes at once.
+    let h = host();
+    let mut idle = root_with_ops(&h, "etcd", FailMode::Closed).0;
+    assert!(idle.on_done());
+    assert!(!h.0.calls.borrow().contains(&Call::Done));
+}
+
+#[test]
+fn a_retired_root_counts_what_it_abandons_at_its_bound() {
+    let h = host();
+    let mut root = root(&h, "etcd", FailMode::Closed);
+    // A completion whose answer never comes back to the root.
+    let _ = completing(&h, &mut root, 2);
+    assert!(!root.on_done());
+    // The bound: the longest processing_timeout (30 s) and two tries of 4 calls of 250 ms.
+    at(&h, &mut root, 1_000 + 31_999);
+    assert!(!h.0.calls.borrow().contains(&Call::Done));
+    assert_eq!(h.counter("settlement_abandoned"), 0);
+    at(&h, &mut root, 1_000 + 32_000);
+    assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == Call::Done).count(), 1);
+    assert_eq!(h.counter("settlement_abandoned"), 1);
+    assert_eq!(h.route_counter("orders", "settlement_abandoned"), 1);
+    // Said once.
+    at(&h, &mut root, 40_000);
+    assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == Call::Done).count(), 1);
+}

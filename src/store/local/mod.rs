@@ -1,0 +1,252 @@
+//! The embedded store: records in Envoy's shared data, shared by every worker of one Envoy.
+//!
+//! Layout (namespace `idem:v3:<capacity>:`, so a capacity change starts a fresh namespace instead
+//! of misreading the old placement; the old one is retired, see below):
+//! - `b:<i>`     bucket i: up to ENTRIES_PER_BUCKET compact record entries (record.rs);
+//! - `s:<i>:<p>` the snapshot slot of position p in bucket i: the record's committed outcome;
+//! - `q:<j>`     quota key j: up to COUNTERS_PER_QUOTA_KEY live-record counters;
+//! - `f:<k>`     fill shard k: how many entries buckets 64k..64k+63 hold (record.rs, Fill v3);
+//! - `sweep`     the sweep cursor (a fill shard), so workers share the sweeping;
+//! - `ready`     set once every key above exists.
+//!
+//! Two keys are global: `idem:v2:secret` (the 32-byte placement secret every worker shares) and
+//! `idem:layouts` (the registry of namespaces in use, with heartbeats).
+//!
+//! Placement (v3). A scope has two buckets, both keyed hashes of it: its primary and its
+//! secondary. A new record goes to the less loaded one, in a free position, and lookups read the
+//! primary, then the secondary if the scope is not there. There are 1.5 positions per record of
+//! capacity (buckets = ceil(1.5 C / 8)), so the buckets are never the limit below 90% fill; the
+//! limit is the live-record count, capped at C by the fill shards: each holds its buckets' share
+//! of C, a new record in a free position takes one unit of it (a CAS on `f:<k>`) and a dropped
+//! record gives it back. Reusing an expired or abandoned entry's position takes nothing. v2 put a
+//! scope in one bucket of C/8: 5% of new keys were refused at half fill.
+//!
+//! Every key is created once, empty, by `open` when the plugin is configured (the main thread
+//! configures before any worker serves), and never again. That is what makes claims safe: Envoy
+//! ignores the CAS on a write to a missing key, but every write here goes to a key that already
+//! exists, so each CAS really is compare-and-swap. It also bounds memory: keys are never deleted
+//! by Envoy, and this layout has a fixed number of them whatever keys, tenants or principals
+//! clients send: `buckets * (ENTRIES_PER_BUCKET + 2) + ceil(buckets / 64) + 2` per namespace,
+//! plus the 2 global keys. Bytes per live record: one entry in a bucket (ENTRY_LEN = 117 B), its
+//! slot once completed (1 + 117 B plus the snapshot: status, headers, body), and at most two
+//! quota counters (COUNTER_LEN = 36 B each) shared by the identity's records.
+//!
+//! Commit point. A record's slot, not its bucket, is where a completion becomes true: `complete`
+//! CAS-writes the outcome into the slot and only then promotes the bucket entry, best effort. A
+//! slot is written only by its record's owner and by whoever just changed the entry at that
+//! position, so a busy bucket cannot starve a completion. Whenever a reader meets a processing
+//! entry it reads the slot first: an outcome there tagged with the entry's scope and owner means
+//! the record is completed. Whoever replaces or drops an entry (takeover, eviction, sweep) writes
+//! the slot afterwards as a CAS against a read taken before its bucket write ("fence"): an owner
+//! that checked its ownership before that bucket write and writes its outcome after it fails its
+//! CAS and sees it lost; an owner whose outcome landed first wins, and the fencer puts the
+//! completed record back (`restore`).
+//!
+//! Files, one idea each: this one has the handle and the `RecordStore` operations; `layout` the
+//! data keys, the namespace registry and the placement secret; `placement` where a new record
+//! goes and the fill shards; `commit` the slots (fence, restore, promote); `quota` the counters;
+//! `sweep` the sweep and namespace retirement. The unit tests are in `tests`.
+
+use crate::store::record::{self, Entry, SlotValue, State, FLAG_BODY_NOT_STORED, LAYOUT_V3};
+use crate::store::shared_data::{SharedData, SharedDataError};
+use crate::store::{Begin, Claim, ClaimAttempt, Completion, RecordStore, Settled, StoreError};
+use commit::SLOT_ATTEMPTS;
+use layout::{buckets_for, prefix_of};
+use quota::CHARGE_FLAGS;
+
+mod commit;
+mod layout;
+mod placement;
+mod quota;
+mod sweep;
+#[cfg(test)]
+mod tests;
+
+pub use layout::{LAYOUTS_KEY, NAMESPACE, SECRET_KEY};
+pub use quota::COUNTERS_PER_QUOTA_KEY;
+pub use sweep::RETIRE_AFTER_MS;
+
+/// Entries per bucket: small enough that a bucket (about 950 bytes) is cheap to copy under the
+/// host's global shared-data lock on every request, large enough that uneven hashing rarely fills
+/// one bucket while others have room.
+pub const ENTRIES_PER_BUCKET: u8 = 8;
+
+/// CAS attempts on a bucket, quota key or registry before giving up with `Contention`
+/// (bounded: a retry storm must not spin a worker).
+const CAS_ATTEMPTS: usize = 16;
+
+/// Longest `retry-after` suggested when the store is full or a quota is reached.
+const RETRY_CAP_MS: u64 = 60_000;
+
+pub struct LocalStore<S: SharedData> {
+    data: S,
+    /// Live records at most (the configured capacity).
+    records: u32,
+    buckets: u32,
+    prefix: String,
+    /// Keys placement and quota tags (see `keyed`).
+    secret: [u8; 32],
+    created: u32,
+}
+
+fn host(e: SharedDataError) -> StoreError {
+    match e {
+        SharedDataError::CasMismatch => StoreError::Contention,
+        SharedDataError::Host(code) => StoreError::Unavailable(format!("shared data status {code}")),
+    }
+}
+
+fn retry_hint(until_ms: u64, now_ms: u64) -> u64 {
+    until_ms.saturating_sub(now_ms).clamp(1, RETRY_CAP_MS)
+}
+
+impl<S: SharedData> LocalStore<S> {
+    /// Prepares the store for traffic: creates every key of the layout that does not exist yet
+    /// (keys that exist keep their records: shared data survives VM reloads), loads the shared
+    /// placement secret (installing `fresh_secret` if no worker did yet), and registers this
+    /// namespace in the layout registry. Call it where the main thread configures, before any
+    /// worker serves; `fresh_secret` must be unpredictable to clients.
+    pub fn open(data: S, capacity: u32, fresh_secret: [u8; 32], now_ms: u64) -> Result<Self, StoreError> {
+        let mut store = Self::unopened(data, capacity);
+        store.created = store.create_keys()?;
+        store.secret = store.load_secret(fresh_secret)?;
+        store.beat(now_ms)?;
+        Ok(store)
+    }
+
+    /// A handle for in-crate tests that manage the layout themselves (`create_keys`), or want a
+    /// layout that was never created. Its placement secret is fixed (all zeros), so only pair
+    /// it with other `new` handles, never with `open`ed ones.
+    #[cfg(feature = "testing")]
+    pub fn new(data: S, capacity: u32) -> Self {
+        Self::unopened(data, capacity)
+    }
+
+    fn unopened(data: S, capacity: u32) -> Self {
+        let records = capacity.clamp(1, !LAYOUT_V3);
+        let buckets = buckets_for(records);
+        LocalStore { data, records, buckets, prefix: prefix_of(records), secret: [0; 32], created: 0 }
+    }
+
+    pub fn buckets(&self) -> u32 {
+        self.buckets
+    }
+
+    /// Records the store can hold at most.
+    pub fn capacity(&self) -> u64 {
+        u64::from(self.records)
+    }
+
+    /// Keys `open` had to create (0 when the layout survived a reload).
+    pub fn keys_created(&self) -> u32 {
+        self.created
+    }
+
+    pub fn shared_data(&self) -> &S {
+        &self.data
+    }
+}
+
+impl<S: SharedData> RecordStore for LocalStore<S> {
+    fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
+        for _ in 0..CAS_ATTEMPTS {
+            if let Some(outcome) = self.begin_once(attempt)? {
+                return Ok(outcome);
+            }
+        }
+        Err(StoreError::Contention)
+    }
+
+    fn complete(&self, claim: &Claim, c: &Completion) -> Result<Settled, StoreError> {
+        if c.state == State::Processing {
+            return Err(StoreError::Corrupt("a completion must carry an outcome state".into()));
+        }
+        let Some((bucket, position)) = self.locate(claim) else { return Ok(Settled::Lost) };
+        let data_key = self.slot_key(bucket, position);
+        let mut commit: Option<(Entry, Vec<u8>)> = None;
+        // A late completion of a claim whose charge the sweep dropped (abandoned) makes a live
+        // record again: it counts again, past any bound, since its upstream already executed.
+        let mut recharged: Option<Entry> = None;
+        let refund = |recharged: &Option<Entry>| {
+            if let Some(e) = recharged {
+                self.uncharge(e);
+            }
+        };
+        for _ in 0..SLOT_ATTEMPTS {
+            // Slot first, then the ownership check, then the slot write as a CAS against that
+            // first read: an owner that lost its record in between fails the CAS (whoever took
+            // the position fenced the slot after its bucket write) instead of overwriting the
+            // new owner's outcome. The bucket is only read here, so its contention cannot
+            // starve the completion.
+            let (committed, slot) = self.read_slot(bucket, position)?;
+            let (entries, bucket_read) = self.read_bucket(bucket)?;
+            let Some(i) = self.owned(&entries, claim, position) else {
+                refund(&recharged);
+                return Ok(Settled::Lost);
+            };
+            if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
+                // Already completed (its promotion lost): an outcome is final.
+                refund(&recharged);
+                return Ok(Settled::Lost);
+            }
+            let (entry, bytes) = commit.get_or_insert_with(|| {
+                let mut e = entries[i];
+                if e.flags & CHARGE_FLAGS == 0 && (e.tenant_tag != 0 || e.principal_tag != 0) {
+                    self.recharge(&mut e, c.now_ms, c.now_ms.saturating_add(c.ttl_ms));
+                    recharged = Some(e);
+                }
+                e.state = c.state;
+                e.status = c.status;
+                e.flags = if c.snapshot.is_some() {
+                    e.flags & !FLAG_BODY_NOT_STORED
+                } else {
+                    e.flags | FLAG_BODY_NOT_STORED
+                };
+                e.expires_at_ms = c.now_ms.saturating_add(c.ttl_ms);
+                let bytes = record::encode_slot(&SlotValue { entry: e, snapshot: c.snapshot.clone() });
+                (e, bytes)
+            });
+            if self.cas(&data_key, bytes, &slot)? {
+                let late = c.now_ms > entries[i].lease_deadline_ms;
+                if let Err(e) = self.promote(bucket, entry, (entries, bucket_read)) {
+                    log::debug!(
+                        "completion of {} committed, bucket not promoted: {e}",
+                        claim.scope.log_tag()
+                    );
+                }
+                if late {
+                    // Completed after its lease: it lives past what its counters assumed.
+                    self.extend_charge(entry, entry.expires_at_ms);
+                }
+                return Ok(Settled::Done);
+            }
+        }
+        refund(&recharged);
+        Err(StoreError::Contention)
+    }
+
+    fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
+        let Some((bucket, position)) = self.locate(claim) else { return Ok(Settled::Lost) };
+        for _ in 0..CAS_ATTEMPTS {
+            let (committed, _) = self.read_slot(bucket, position)?;
+            let (mut entries, read) = self.read_bucket(bucket)?;
+            let Some(i) = self.owned(&entries, claim, position) else { return Ok(Settled::Lost) };
+            if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
+                // Completed (its promotion lost): an outcome is final, it cannot be released.
+                return Ok(Settled::Lost);
+            }
+            let gone = entries.remove(i);
+            if self.write_bucket(bucket, &entries, &read)? {
+                // Its slot is already empty: the claim fenced it and the owner never completed.
+                self.uncharge(&gone);
+                self.fill_adjust(self.shard_of(bucket), -1);
+                return Ok(Settled::Done);
+            }
+        }
+        Err(StoreError::Contention)
+    }
+
+    fn sweep(&self, now_ms: u64) -> Result<u32, StoreError> {
+        self.sweep_shard(now_ms)
+    }
+}

@@ -86,7 +86,7 @@ e2e-loadgen:
 curl:
 	@command -v curl >/dev/null || { apt-get update -qq && apt-get install -y -qq curl; }
 
-# zsh (macOS's default shell): tests/deploy/test_readme.py runs the README's curl lines in it.
+# zsh (macOS's default shell): tests/deploy/test_readme.py runs the curl lines of README.md and docs/ in it.
 .PHONY: zsh
 zsh:
 	@command -v zsh >/dev/null || { apt-get update -qq && apt-get install -y -qq zsh; }
@@ -120,8 +120,8 @@ validate: build tools
 
 # The module as an OCI image layout (deploy/oci/build.py: the Wasm image spec's compat variant,
 # one tar+gzip layer holding plugin.wasm), tagged with the crate's version. Deterministic: the
-# same module always gives the same digests. Push it to a registry with `skopeo copy` (README,
-# "Deployment").
+# same module always gives the same digests. Push it to a registry with `skopeo copy` (docs/DEPLOYMENT.md,
+# "The OCI image").
 OCI_DIR := dist/oci
 OCI_TAG := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' Cargo.toml | head -n 1)
 

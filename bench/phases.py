@@ -120,7 +120,7 @@ def wasm_filter(wasm: str, name: str, configuration: str) -> dict:
 
 
 def etcd_store() -> dict:
-    """The filter's etcd store as the README documents it (fail_closed, 250 ms per callout)."""
+    """The filter's etcd store as docs/CONFIGURATION.md documents it (fail_closed, 250 ms per callout)."""
     return {"type": "etcd", "cluster": ETCD_CLUSTER, "prefix": ETCD_PREFIX, "timeout": "250ms",
             "on_error": "fail_closed"}
 
@@ -560,7 +560,7 @@ class Bench:
         third = samples[len(samples) * 2 // 3:] if len(samples) >= 3 else samples
         base = third[0]["rss_kib"] if third else 0
         growth = (max(s["rss_kib"] for s in third) - base) / base if base else float("nan")
-        # The bound the README states: capacity x (bucket entry + slot + response + quota counters)
+        # The bound docs/OPERATIONS.md states: capacity x (bucket entry + slot + response + quota counters)
         # + fixed cost (bench/report_memory.py's constants).
         stored_headers = sum(
             6 + len(k) + len(v)

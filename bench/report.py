@@ -444,7 +444,7 @@ def misses_markdown(missed: list[str]) -> list[str]:
     if any("memory per record" in m for m in missed):
         out.append("- Memory per record: the local store keeps a record as a bucket entry (117 B) and a snapshot slot "
                    "(45 B of header, the kept response headers, and Envoy's own bytes for the key and value), and at "
-                   "worst (every record another tenant and caller) two quota counters (72 B): the README's bound is 307 B per unit of capacity beyond the "
+                   "worst (every record another tenant and caller) two quota counters (72 B): the bound docs/OPERATIONS.md states is 307 B per unit of capacity beyond the "
                    "response, before what the allocator keeps under churn. Envoy's allocator counts what the records "
                    f"occupy apart from what it keeps free (\"{MEMORY_HEADING[3:]}\"): the entry and slot header (162 B) "
                    "plus its size-class rounding of each shared-data value (tcmalloc's classes are up to an eighth "

@@ -6,9 +6,9 @@ from __future__ import annotations
 from bench.load import parse_duration_s
 
 MEMORY_HEADING = "## Memory under unique keys"
-ENTRY_HEADER = 45  # bytes of a slot value before its snapshot (README: record layout)
+ENTRY_HEADER = 45  # bytes of a slot value before its snapshot (docs/OPERATIONS.md: Storage and memory)
 TARGET_OVERHEAD = 128  # issue 11: at most the snapshot's bytes plus 128 B per live record
-# The README's bound per unit of capacity (Storage and memory): a bucket entry, a slot's own
+# The bound per unit of capacity of docs/OPERATIONS.md (Storage and memory): a bucket entry, a slot's own
 # bytes, the stored response, two quota counters.
 ENTRY_BYTES = 117
 SLOT_OVERHEAD = 118
@@ -16,7 +16,7 @@ QUOTA_BYTES = 72
 
 
 def store_keys(capacity: int) -> int:
-    """Shared-data keys the local store creates (README): 10 per bucket, a fill key per 64
+    """Shared-data keys the local store creates (docs/OPERATIONS.md): 10 per bucket, a fill key per 64
     buckets, two more; 1.5 entry positions per unit of capacity, 8 per bucket."""
     buckets = -(-capacity * 3 // 16)
     return buckets * 10 + -(-buckets // 64) + 2
@@ -35,7 +35,7 @@ def memory_markdown(m: dict, note: str = "") -> list[str]:
              f"Filter counters (non-zero): {', '.join(f'{k} {n:,}' for k, n in sorted(m['counters'].items()) if n)}; "
              f"records swept {m['swept']:,}.")
     L.append("")
-    L.append(f"Bound (README): capacity x ({ENTRY_BYTES} B bucket entry + {SLOT_OVERHEAD} B slot + stored response + "
+    L.append(f"Bound (docs/OPERATIONS.md): capacity x ({ENTRY_BYTES} B bucket entry + {SLOT_OVERHEAD} B slot + stored response + "
              f"{QUOTA_BYTES} B of quota counters) + fixed cost. Here the stored response is the kept response headers "
              f"(6 B + name + value each: content-type, date, server, x-envoy-upstream-service-time) and the 1024-byte "
              f"body, so 100000 x {m['per_record']} B = **{m['bound_records_mib']:.0f} MiB** of record bytes (before "
@@ -122,7 +122,7 @@ def per_record_markdown(m: dict) -> list[str]:
         f"after start = {p['growth_bytes'] / 2**20:.1f} MiB for the {p['held']:,} records the store holds once full "
         f"(live, or ended and not yet swept or reused); snapshot {p['snapshot']:,} B (slot value without its "
         f"{ENTRY_HEADER} B entry header). (RSS growth / records held) - snapshot = **{p['per_record']:+,.0f} B**. This "
-        "is the README's bound measured: entry, slot and quota bytes, plus what Envoy's shared-data map and the "
+        "is the bound of docs/OPERATIONS.md measured: entry, slot and quota bytes, plus what Envoy's shared-data map and the "
         "allocator add when a million writes replace values of every size (RSS is a high-water mark). The refusal "
         "curve's phase (ttl 24 h, every record live, written once) measures the records alone.",
         "",

@@ -81,20 +81,26 @@ def test_block_is_what_put_expects():
     assert sections.get(sections.block("fill", ""), "fill") == ""
 
 
-def test_update_file_leaves_a_file_without_markers_untouched(tmp_path):
-    path = tmp_path / "README.md"
-    text = (REPO / "README.md").read_text()
+@pytest.mark.parametrize("doc", ["README.md", "docs/OPERATIONS.md"])
+def test_update_file_leaves_a_file_without_markers_untouched(tmp_path, doc):
+    # docs/OPERATIONS.md holds the README's former Performance section (issue 21, section 4)
+    path = tmp_path / "doc.md"
+    text = (REPO / doc).read_text()
     path.write_text(text)
     with pytest.raises(SectionError):
         sections.update_file(path, report.PROFILE_SECTION, "new key 463 req/s")
     assert path.read_text() == text
 
 
-def test_benchmarks_md_has_each_owned_section_once_and_the_readme_none():
+def test_benchmarks_md_has_each_owned_section_once_and_the_readme_and_docs_none():
     benchmarks = (REPO / "BENCHMARKS.md").read_text()
-    readme = (REPO / "README.md").read_text()
+    # the README and docs/ (docs/OPERATIONS.md holds the performance summary since issue 21, section 4)
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert REPO / "docs" / "OPERATIONS.md" in docs
     for name in (report.FILL_SECTION, report.MEMORY_SECTION, report.PROFILE_SECTION, report.SIZE_SECTION,
                  report.WAKE_SECTION):
         assert sections.span(benchmarks, name) is not None, name
-        assert sections.get(readme, name) is None, name
-    assert "<!-- bench:" not in readme
+        for doc in docs:
+            assert sections.get(doc.read_text(), name) is None, (doc, name)
+    for doc in docs:
+        assert "<!-- bench:" not in doc.read_text(), doc

@@ -69,7 +69,7 @@ def etcd_cluster(client_ports: Sequence[int], name: str = "etcd",
     unhealthy, fell back to panic routing and sent callouts to the dead one again (measured:
     about 40 refused requests over 2.5 s after killing the leader, against 3 to 6 within 0.5 s
     with /version). `tls_sni`: the TLS form (an
-    UpstreamTlsContext transport socket), as documented in the README; the tests run plain."""
+    UpstreamTlsContext transport socket), as documented in docs/ETCD.md (TLS to etcd); the tests run plain."""
     c = cluster(name, client_ports[0])
     c["connect_timeout"] = "0.25s"
     c["load_assignment"]["endpoints"] = [

@@ -7,7 +7,7 @@ layer holding `plugin.wasm`, an ordinary OCI image config, and the manifest anno
 `module.wasm.image/variant: compat`. Istio's image fetcher (pkg/wasm/imagefetcher.go) takes this
 form first; its other form, the *oci* variant with the Wasm artifact media types, must have exactly
 two layers (a runtime config beside the module), and skopeo 1.9 refuses `skopeo inspect` on an
-artifact config anyway. See README, "Istio".
+artifact config anyway. See docs/DEPLOYMENT.md, "The OCI image" and "Istio".
 
 Everything is deterministic, so one module always gives the same digests: the tar entry has
 mtime 0, uid/gid 0, mode 0644 and no user names; gzip has mtime 0 and no file name; JSON is

@@ -1,7 +1,7 @@
 """deploy/compose/docker-compose.yaml without a Docker engine: the file is valid, its images are
 pinned to what the tests run, everything it mounts exists, its Envoy config is envoy/envoy-etcd.yaml
 with compose addresses (and passes `envoy --mode validate`), and that config run for real, twice,
-against one real etcd and the demo upstream, runs the README's curl lines: a call on replica A is
+against one real etcd and the demo upstream, runs the curl lines of docs/DEPLOYMENT.md: a call on replica A is
 replayed on replica B."""
 
 from __future__ import annotations
@@ -192,12 +192,18 @@ def _curl_lines(text: str, prefix: str = "") -> list[str]:
     return [l[len(prefix):] for l in text.splitlines() if l.startswith(prefix + "curl ")]
 
 
-def _readme_compose_curls() -> list[str]:
-    """The curl lines of the README's compose recipe (the sh block that runs docker compose)."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```sh\n(.*?)```", readme, re.S) if "docker compose" in b]
-    assert len(blocks) == 1, "one compose recipe expected in README.md"
-    return _curl_lines(blocks[0])
+DEPLOYMENT_DOC = REPO_ROOT / "docs" / "DEPLOYMENT.md"
+
+
+def _doc_compose_curls() -> list[str]:
+    """The curl lines of the compose recipe (the sh block that runs docker compose): one in the
+    docs (README.md and docs/*.md), and it is docs/DEPLOYMENT.md's (issue 21, section 4)."""
+    docs = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    found = [(doc, b) for doc in docs for b in re.findall(r"```sh\n(.*?)```", doc.read_text(), re.S)
+             if "docker compose" in b]
+    assert [doc for doc, _ in found] == [DEPLOYMENT_DOC], (
+        "one compose recipe expected, in docs/DEPLOYMENT.md: %s" % [str(d) for d, _ in found])
+    return _curl_lines(found[0][1])
 
 
 def _curl(line: str, ports: dict[int, int]) -> tuple[Response, str]:
@@ -236,16 +242,16 @@ def _curl(line: str, ports: dict[int, int]) -> tuple[Response, str]:
     return resp, comment.strip()
 
 
-def test_the_compose_file_shows_the_readme_curl_lines():
-    assert _curl_lines(COMPOSE_FILE.read_text(), "#   ") == _readme_compose_curls()
+def test_the_compose_file_shows_the_deployment_doc_curl_lines():
+    assert _curl_lines(COMPOSE_FILE.read_text(), "#   ") == _doc_compose_curls()
 
 
-def test_the_readme_curl_lines_replay_on_the_other_replica(compose, envoy_bin, filter_wasm):
-    """The README's compose recipe against the compose config run twice on one real etcd: the
+def test_the_deployment_doc_curl_lines_replay_on_the_other_replica(compose, envoy_bin, filter_wasm):
+    """docs/DEPLOYMENT.md's compose recipe against the compose config run twice on one real etcd: the
     call on A is replayed on B, executed once; a different payload on B gets 422; and without a
     common Host header (curl's default), B's call is another scope and executes again."""
     cfg = load(_envoy_config_source(compose["services"]["envoy-a"]))
-    # "127.0.0.1:10001:10000" -> 10001, the port the README's curl lines name
+    # "127.0.0.1:10001:10000" -> 10001, the port the recipe's curl lines name
     published = {name: int(p.split(":")[1]) for name in ENVOY_SERVICES
                  for p in compose["services"][name]["ports"] if p.endswith(":10000")}
     up = Upstream("compose-orders").start()
@@ -257,7 +263,7 @@ def test_the_readme_curl_lines_replay_on_the_other_replica(compose, envoy_bin, f
             replicas[name] = Envoy(envoy_bin, native, name=name, log_level="warn",
                                    component_log_level="wasm:info").start()
         ports = {published[name]: replicas[name].port for name in ENVOY_SERVICES}
-        first_line, retry_line, executions_line = _readme_compose_curls()
+        first_line, retry_line, executions_line = _doc_compose_curls()
         first, _ = _curl(first_line, ports)
         assert first.status == 201 and not first.replayed, first
         retry, _ = _curl(retry_line, ports)

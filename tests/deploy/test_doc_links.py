@@ -1,7 +1,9 @@
 """Every relative link in the repository's Markdown resolves to a file or directory that exists:
 inline links `[text](target)` in every tracked `*.md` file, and paths below `docs/` named in
 prose (`see docs/ETCD.md`). Issue 18, item 9: a benchmark section writer replaced the README's
-three references to docs/ETCD.md with a benchmark sentence, and nothing noticed."""
+three references to docs/ETCD.md with a benchmark sentence, and nothing noticed. Issue 21,
+section 4 split the README into docs/: a link's `#anchor` must name a heading of the file it
+points to (GitHub's heading ids), in README.md, ARCHITECTURE.md and docs/*.md alike."""
 
 from __future__ import annotations
 
@@ -41,15 +43,32 @@ def _targets(text: str) -> list[str]:
     return targets
 
 
+def _anchors(md: Path) -> set[str]:
+    """The ids GitHub gives the headings of `md`: lower-cased, punctuation but `-` and `_`
+    dropped, spaces turned into `-`; a repeated id gets `-1`, `-2`, ..."""
+    ids: set[str] = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#* *$", _without_code_blocks(md.read_text()), re.M):
+        base = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        slug, n = base, 0
+        while slug in ids:
+            n += 1
+            slug = f"{base}-{n}"
+        ids.add(slug)
+    return ids
+
+
 def _broken(md: Path) -> list[str]:
     text = _without_code_blocks(md.read_text())
     broken = []
-    for target in _targets(text):
-        path = target.split("#", 1)[0]
-        if path and not (md.parent / path).exists():
+    for target in _targets(text) + re.findall(r"\]\((#[^)\s]*)\)", text):
+        path, _, anchor = target.partition("#")
+        dest = (md.parent / path) if path else md
+        if path and not dest.exists():
             broken.append(f"link ({target})")
+        elif anchor and dest.suffix == ".md" and dest.is_file() and anchor not in _anchors(dest):
+            broken.append(f"anchor ({target})")
     for mention in _DOCS_MENTION.findall(text):
-        path = mention.rstrip(".")
+        path = mention.rstrip(".").split("#", 1)[0]  # a link's anchor is checked above
         if not (REPO_ROOT / path).exists() and not (md.parent / path).exists():
             broken.append(f"mention {mention}")
     return broken
@@ -57,7 +76,8 @@ def _broken(md: Path) -> list[str]:
 
 def test_there_is_markdown_to_check():
     names = {p.relative_to(REPO_ROOT).as_posix() for p in _markdown_files()}
-    assert {"README.md", "ARCHITECTURE.md", "docs/ETCD.md"} <= names, sorted(names)
+    assert {"README.md", "ARCHITECTURE.md", "docs/ETCD.md", "docs/FINGERPRINT.md", "docs/CONFIGURATION.md",
+            "docs/CONTRACT.md", "docs/DEPLOYMENT.md", "docs/OPERATIONS.md", "docs/SECURITY.md"} <= names, sorted(names)
 
 
 def test_every_relative_link_in_the_markdown_resolves():
@@ -71,3 +91,14 @@ def test_the_checker_sees_a_broken_link():
     assert _DOCS_MENTION.findall(bad) == ["docs/ETCD.md", "docs/new", "docs/new"]
     assert _targets("[a](https://x.example) [b](#anchor) [c](docs/ETCD.md#data-model)") == [
         "docs/ETCD.md#data-model"]
+
+
+def test_the_checker_sees_a_broken_anchor(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("# The etcd store (a fleet of Envoys)\n\n## What the upstream's answer does\n\n"
+                   "```\n# not a heading\n```\n\n## Metrics\n\n## Metrics\n\n"
+                   "[a](#the-etcd-store-a-fleet-of-envoys) [b](#what-the-upstreams-answer-does) "
+                   "[c](#metrics-1) [d](doc.md#metrics) [e](#not-a-heading) [f](doc.md#storage) [g](#metrics-2)\n")
+    assert _anchors(doc) == {"the-etcd-store-a-fleet-of-envoys", "what-the-upstreams-answer-does", "metrics",
+                             "metrics-1"}
+    assert _broken(doc) == ["anchor (doc.md#storage)", "anchor (#not-a-heading)", "anchor (#metrics-2)"]

@@ -114,7 +114,7 @@ def _timed(envoy, headers, n):
 
 def test_latency_of_a_first_call_and_a_replay_next_to_the_local_store(
         envoy, envoy_bin, filter_wasm, upstream, record_property):
-    """Not a benchmark: the order of magnitude of a round trip to etcd, reported (README)."""
+    """Not a benchmark: the order of magnitude of a round trip to etcd, reported (docs/ETCD.md)."""
     local = harness.Envoy(envoy_bin, upstream.port,
                           filter_config({"type": "local", "capacity": 10000}),
                           wasm_path=filter_wasm, name="etcd-store-local").start()

@@ -2,7 +2,7 @@
 the original runs on Envoy A is held, and B's waiters poll etcd (50 ms doubling to 1 s) until
 A's outcome is there; waiters on A itself are woken through A's queues, as with the local store.
 The cross-Envoy wake-up latency (A's response end to B's replay) is measured and printed
-(`pytest -s`); README.md quotes it."""
+(`pytest -s`); docs/CONTRACT.md (Wait mode) quotes it."""
 
 from __future__ import annotations
 

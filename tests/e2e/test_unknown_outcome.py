@@ -19,7 +19,7 @@ from harness import STAT_PREFIX, assert_problem, build_request, key_headers, new
 
 BODY = b'{"order":42,"amount":"19.99"}'
 LEASE_S = 3
-ROUTE_TIMEOUT = "1s"  # below the lease, as the README asks
+ROUTE_TIMEOUT = "1s"  # below the lease, as docs/CONFIGURATION.md asks
 SLOW_MS = "3000"  # the upstream outlives the route timeout
 
 
@@ -30,7 +30,7 @@ def filter_config(store: dict) -> dict:
         "routes": [
             dict(rule, name="pay", match={"prefix": "/pay"}, unknown_outcome="refuse"),
             dict(rule, name="orders", match={"prefix": "/orders"}),  # the default: takeover
-            # What the README recommends for payments: both (see Detached execution).
+            # What docs/CONTRACT.md recommends for payments: both (see Detached execution).
             dict(rule, name="dpay", match={"prefix": "/dpay"}, unknown_outcome="refuse",
                  execution="detached", upstream_timeout="2s"),
         ],

@@ -33,12 +33,15 @@ fn main() {
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
     let prefix = format!("/bench-replay/{}-{live}-{now}/", std::process::id());
     // Through the configuration parser, so that this file builds against older trees too
-    // (`make bench-etcd-replay BENCH_BEFORE=...`).
+    // (`make bench-etcd-replay BENCH_BEFORE=...`): those from `StoreConfig::Etcd` on (issue 21
+    // §1); before it the settings were `Config.etcd`.
     let config = format!(
         r#"{{"store":{{"type":"etcd","cluster":"etcd","prefix":"{prefix}","timeout":"5s"}},
             "routes":[{{"name":"r","match":{{"prefix":"/"}}}}]}}"#
     );
-    let settings = config::parse(config.as_bytes()).unwrap().etcd.expect("an etcd store");
+    let config::StoreConfig::Etcd(settings) = config::parse(config.as_bytes()).unwrap().store else {
+        panic!("an etcd store")
+    };
     let worker = BlockingEtcd::new(addr, settings);
     let attempt = |owner: u64, at: u64| ClaimAttempt {
         ttl_ms: 3_600_000,

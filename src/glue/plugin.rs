@@ -300,25 +300,26 @@ impl<H: Host> PluginState<H> {
             .buffer(BUFFER_PLUGIN_CONFIGURATION, 0, usize::MAX)
             .map_err(|e| format!("cannot read the plugin configuration: host status {}", e.0))?;
         let config = config::parse(&bytes).map_err(|e| e.to_string())?;
-        let StoreConfig::Local { capacity } = config.store;
         // The store's placement secret.
         let fresh_secret: [u8; 32] = std::array::from_fn(|i| {
             random_u64((i / 8) as u64).to_be_bytes().get(i % 8).copied().unwrap_or(0)
         });
         let now_ms = host.now_ms();
-        let remote =
-            remote.or_else(|| config.etcd.clone().map(|s| Box::new(EtcdRemote::new(EtcdStore::new(s))) as _));
-        let store = match remote {
-            Some(remote) => {
-                log::info!(
-                    "configured {} route rule(s); remote store on cluster {}",
-                    config.rules.len(),
-                    remote.settings().cluster
-                );
-                Store::Remote(remote)
+        let remote_store = |remote: Box<dyn RemoteStore>| {
+            log::info!(
+                "configured {} route rule(s); remote store on cluster {}",
+                config.rules.len(),
+                remote.settings().cluster
+            );
+            Store::Remote(remote)
+        };
+        let store = match (remote, &config.store) {
+            (Some(remote), _) => remote_store(remote),
+            (None, StoreConfig::Etcd(settings)) => {
+                remote_store(Box::new(EtcdRemote::new(EtcdStore::new(settings.clone()))))
             }
-            None => {
-                let store = LocalStore::open(host.clone(), capacity, fresh_secret, now_ms)
+            (None, StoreConfig::Local { capacity }) => {
+                let store = LocalStore::open(host.clone(), *capacity, fresh_secret, now_ms)
                     .map_err(|e| format!("cannot prepare the local store: {e}"))?;
                 log::info!(
                     "configured {} route rule(s); local store: {} records in {} buckets ({} keys created)",

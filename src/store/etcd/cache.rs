@@ -25,17 +25,9 @@ use crate::identity::scope::ScopeId;
 use crate::store::record::{Entry, Snapshot};
 use crate::store::{completed_answer, Begin};
 
-/// Configured bounds (`store.replay_cache`), per worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReplayCacheSettings {
-    pub entries: u32,
-    pub max_bytes: u64,
-}
-
-pub const DEFAULT_ENTRIES: u32 = 1_024;
-pub const DEFAULT_MAX_BYTES: u64 = 8 * 1024 * 1024;
-pub const MAX_ENTRIES: u32 = 100_000;
-pub const MAX_BYTES: u64 = 256 * 1024 * 1024;
+/// Configured bounds (`store.replay_cache`), per worker; defined with their defaults and limits
+/// in `config::etcd`.
+pub use crate::config::etcd::ReplayCacheSettings;
 
 /// Bookkeeping per cached record (the entry, map and queue slots, header strings' headers),
 /// counted against `max_bytes` so that many small records cannot exceed it unseen.

@@ -93,71 +93,20 @@ mod wire;
 
 use std::cell::RefCell;
 
+use crate::config::etcd::ETCD_MAX_REQUEST_BYTES;
 use crate::store::record::{
     self, Entry, SlotValue, State, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED,
 };
 use crate::store::{
     completed_answer, Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp,
 };
-use cache::{ReplayCache, ReplayCacheSettings};
+use cache::ReplayCache;
 use wire::{Guard, Refused, TxnOp};
 
-/// What to do when etcd cannot be used (unreachable, erroring, too slow).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum OnStoreError {
-    /// Refuse the request (503 store-unavailable): the guarantee is never silently dropped.
-    #[default]
-    FailClosed,
-    /// Forward the request unprotected, counted and logged.
-    FailOpen,
-}
+/// The store's settings are the configuration's `store` section, defined (with their defaults
+/// and the size limits that follow from etcd's) in `config::etcd`, where `parse` builds them.
+pub use crate::config::etcd::{EtcdAuth, EtcdSettings, OnStoreError};
 
-/// Credentials for `/v3/auth/authenticate`.
-#[derive(Clone, PartialEq, Eq)]
-pub struct EtcdAuth {
-    pub username: String,
-    pub password: String,
-}
-
-/// The password never reaches a log line, whoever formats the settings.
-impl std::fmt::Debug for EtcdAuth {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EtcdAuth").field("username", &self.username).field("password", &"<redacted>").finish()
-    }
-}
-
-/// The etcd store's configuration (`store.type: "etcd"`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EtcdSettings {
-    /// Envoy cluster name pointing at etcd's client URLs.
-    pub cluster: String,
-    /// Key prefix every key of this store lives under.
-    pub prefix: String,
-    /// Per callout.
-    pub timeout_ms: u64,
-    pub on_error: OnStoreError,
-    pub auth: Option<EtcdAuth>,
-    /// `store.auth.timeout`: the token fetch's callout (authenticate is a bcrypt check and a Raft
-    /// write on etcd: slow when etcd is loaded, and every exchange waiting for it waits this long
-    /// at most).
-    pub auth_timeout_ms: u64,
-    /// `store.replay_cache`: None (the default) answers every begin from etcd.
-    pub replay_cache: Option<ReplayCacheSettings>,
-}
-
-pub const DEFAULT_PREFIX: &str = "/idempotency/";
-pub const DEFAULT_TIMEOUT_MS: u64 = 250;
-pub const DEFAULT_AUTH_TIMEOUT_MS: u64 = 2_000;
-
-/// etcd's default `--max-request-bytes` (1.5 MiB): the largest request, so the largest
-/// transaction writing a record, etcd accepts.
-pub const ETCD_MAX_REQUEST_BYTES: u64 = 1_572_864;
-/// What a completion's transaction carries besides the response body: the record's entry and
-/// snapshot framing, the response headers (Envoy refuses response headers over 60 KiB by
-/// default; 64 KiB kept), the record and index keys and protobuf framing (4 KiB kept).
-pub const RECORD_OVERHEAD_BYTES: u64 = (64 + 4) * 1024;
-/// The largest `max_response_bytes` a route may have with the etcd store.
-pub const MAX_STORED_BODY_BYTES: u64 = ETCD_MAX_REQUEST_BYTES - RECORD_OVERHEAD_BYTES;
 /// Room kept for keys and framing when checking an encoded record against etcd's limit.
 const TXN_FRAMING_BYTES: u64 = 4 * 1024;
 

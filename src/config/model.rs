@@ -1,0 +1,212 @@
+//! The compiled configuration: the types `parse` builds and the engine reads on every request
+//! (`Config`, its `Rule`s, `Quota`, `StoreConfig`, ...). Data and small methods on it only, so
+//! that reading what a configuration can say does not mean reading how JSON is checked.
+
+use std::fmt;
+use std::rc::Rc;
+
+use super::etcd::EtcdSettings;
+
+/// Compiled, validated configuration. Built once per `on_configure`, shared by every request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Lowercased request header carrying the Idempotency-Key.
+    pub key_header: String,
+    /// Lowercased header whose value names the tenant; `None`: every request is in one tenant.
+    pub tenant_header: Option<String>,
+    /// Lowercased headers whose values identify the caller (hashed into the scope).
+    pub principal_headers: Vec<String>,
+    /// Which store keeps the records (`store.type`).
+    pub store: StoreConfig,
+    pub problem_statuses: ProblemStatuses,
+    /// Ordered; the first matching rule applies. Shared, so that a held request carries its
+    /// rule with it instead of an index to look up again.
+    pub rules: Vec<Rc<Rule>>,
+    /// Requests one Envoy worker holds waiting for the same record (wait mode), at most.
+    pub max_waiters_per_key: u32,
+    /// Requests one Envoy worker holds waiting in all (wait mode), at most.
+    pub max_waiters: u32,
+    /// The principal from claims a JWT filter in front of this one verified, when configured.
+    pub jwt_principal: Option<JwtPrincipal>,
+    /// Live records one tenant or one principal may hold; opt-in (no bound by default).
+    pub quota: Quota,
+    /// Detached calls (`execution: "detached"`) one Envoy worker carries at once, at most.
+    pub max_detached_calls: u32,
+}
+
+/// What a forwarded request whose outcome cannot be known (a timeout, an upstream reset after
+/// the request was sent, a client gone while the upstream worked) does to its record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnknownOutcome {
+    /// The record stays in flight until `processing_timeout` ends; then a retry takes it over
+    /// and executes again (the default: for routes where a repeat is tolerable).
+    Takeover,
+    /// The record is completed at once as "outcome unknown": every retry within the ttl gets
+    /// 502 `outcome-unknown` and is never executed (for payment-like routes).
+    Refuse,
+}
+
+/// Who carries a protected request to the upstream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Execution {
+    /// Envoy's router, on the client's stream (the default): a client that leaves, or Envoy's
+    /// own timeout, resets the upstream request, and the outcome is unknown.
+    Inline,
+    /// The worker's root, as an HTTP callout that does not depend on the client's stream: the
+    /// answer is recorded whether or not the client is still there.
+    Detached {
+        /// The Envoy cluster to call; None: the one Envoy's route picked (`xds.cluster_name`).
+        cluster: Option<String>,
+        /// How long the callout may take; below `processing_timeout`, so a takeover never
+        /// starts while it runs.
+        upstream_timeout_ms: u64,
+    },
+}
+
+/// Where a verified caller identity comes from: Envoy's `jwt_authn` filter writes the claims of
+/// a token it verified into dynamic metadata (`payload_in_metadata`), which a client cannot set.
+/// Unlike a hash of the raw `Authorization` value, these claims stay the same when a client
+/// refreshes its token, so a retry with a refreshed token is the same caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JwtPrincipal {
+    /// The `payload_in_metadata` name of the jwt_authn provider(s).
+    pub payload: String,
+    /// Claims that together name the caller, in this order (e.g. `iss`, `sub`).
+    pub claims: Vec<String>,
+}
+
+/// Bounds on live records, so that one tenant or one caller cannot fill the store for all.
+/// Opt-in: None is no bound, and the default. A default bound would refuse honest traffic
+/// wherever the filter cannot tell callers apart (no identity: every anonymous request is one
+/// principal; one service token in front of many users), so only the operator, who knows how
+/// identities map to clients, can choose one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Quota {
+    /// Applies only when `tenant_header` is set (otherwise there is one tenant: everybody).
+    pub per_tenant: Option<u32>,
+    pub per_principal: Option<u32>,
+}
+
+/// What a duplicate that arrives while the original is still processing gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Concurrency {
+    /// 409 with retry-after at once (the IETF draft's answer).
+    Reject,
+    /// Held until the original's outcome is known (then replayed, or executed if released), or
+    /// until `timeout_ms` passes (then 409).
+    Wait { timeout_ms: u64 },
+}
+
+/// Where records live: the store says which one it is, and carries only its own settings.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StoreConfig {
+    /// Envoy's shared data: one Envoy process, all its workers.
+    Local { capacity: u32 },
+    /// etcd, shared by every Envoy pointed at it (`store.type: "etcd"`).
+    Etcd(EtcdSettings),
+}
+
+/// The status codes of the filter's own problem responses that operators may change.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProblemStatuses {
+    /// Missing (when required) or malformed key. Default 400.
+    pub invalid_key: u16,
+    /// Same key, different payload. Default 422.
+    pub mismatch: u16,
+    /// Same key while the original is still being processed. Default 409.
+    pub in_flight: u16,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathMatch {
+    Prefix(String),
+    Exact(String),
+}
+
+/// One status code or a whole class (`"2xx"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatusPattern {
+    Code(u16),
+    /// 1..=5 for 1xx..5xx.
+    Class(u8),
+}
+
+/// What to do with a real upstream answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// Keep the snapshot; retries replay it.
+    Store,
+    /// Forget the claim; a retry executes again.
+    Release,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatusPolicy {
+    pub store: Vec<StatusPattern>,
+    pub release: Vec<StatusPattern>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    pub name: String,
+    pub path: PathMatch,
+    /// Uppercase method names.
+    pub methods: Vec<String>,
+    pub require_key: bool,
+    pub ttl_ms: u64,
+    pub processing_timeout_ms: u64,
+    pub max_request_bytes: u64,
+    pub max_response_bytes: u64,
+    /// Lowercased header names folded into the fingerprint.
+    pub fingerprint_headers: Vec<String>,
+    /// Decoded RFC 6901 JSON Pointers (reference tokens, already unescaped) removed from JSON
+    /// bodies before hashing.
+    pub ignore_json_fields: Vec<Vec<String>>,
+    pub statuses: StatusPolicy,
+    /// Lowercased response headers never stored, so never replayed (beyond hop-by-hop ones).
+    pub replay_exclude_headers: Vec<String>,
+    pub concurrency: Concurrency,
+    pub execution: Execution,
+    pub unknown_outcome: UnknownOutcome,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Path of the offending field, e.g. `routes[1].match.prefix`; empty for the document itself.
+    pub field: String,
+    pub reason: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "invalid configuration: {}", self.reason)
+        } else {
+            write!(f, "invalid configuration: field `{}`: {}", self.field, self.reason)
+        }
+    }
+}
+
+impl StatusPolicy {
+    /// An exact code beats a class; a status in neither set is released (the upstream answered,
+    /// and nothing asked for it to be kept).
+    pub fn disposition(&self, status: u16) -> Disposition {
+        let code = StatusPattern::Code(status);
+        if self.store.contains(&code) {
+            return Disposition::Store;
+        }
+        if self.release.contains(&code) {
+            return Disposition::Release;
+        }
+        // Statuses >= 600 have no class digit in 1..=5, so they fall through to Release.
+        let class = u8::try_from(status / 100).map(StatusPattern::Class);
+        match class {
+            Ok(c) if self.store.contains(&c) => Disposition::Store,
+            _ => Disposition::Release,
+        }
+    }
+}
+
+impl ProblemStatuses {
+    pub const DEFAULT: ProblemStatuses = ProblemStatuses { invalid_key: 400, mismatch: 422, in_flight: 409 };
+}

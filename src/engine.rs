@@ -123,7 +123,7 @@ impl Reply {
 /// stored `content-type` (if any) and `body` (`Utility::prepareLocalReply`, Envoy 1.40): with a
 /// body, the body's length and the given type, `text/plain` if none was given; without one,
 /// neither. An HCM `local_reply_config` that rewrites replies is the operator's choice and
-/// rewrites replays too (README, "Replays").
+/// rewrites replays too (docs/CONTRACT.md, "Replays are faithful").
 fn local_reply_content_headers(shape: &ReplayShape, body: &[u8]) -> (Option<Vec<u8>>, Option<Vec<u8>>) {
     if body.is_empty() {
         return (None, None);

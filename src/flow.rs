@@ -270,11 +270,25 @@ pub struct RequestFlow {
     rule: Option<Rc<Rule>>,
     /// A request body callback came while the request was held for its body.
     body_seen: bool,
+    /// The record this request is about, once its key and identity made one.
+    scope: Option<ScopeId>,
 }
 
 impl RequestFlow {
     pub fn new(context_id: u32) -> RequestFlow {
-        RequestFlow { context_id, phase: Phase::Idle, forwarded_rule: None, rule: None, body_seen: false }
+        RequestFlow {
+            context_id,
+            phase: Phase::Idle,
+            forwarded_rule: None,
+            rule: None,
+            body_seen: false,
+            scope: None,
+        }
+    }
+
+    /// The record this request is about (None before its body made one, or when unprotected).
+    pub fn scope(&self) -> Option<&ScopeId> {
+        self.scope.as_ref()
     }
 
     /// The route rule the request matched (None: no rule, so it passed through).
@@ -428,6 +442,7 @@ impl RequestFlow {
         };
         let now_ms = facts.now_ms();
         let owner = facts.owner_token();
+        self.scope = Some(pending.scope);
         let attempt = engine::claim_attempt(cfg, &pending, fingerprint, now_ms, owner);
         self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms };
         Output::hold(vec![Step::Store(StoreOp::Begin(attempt))])

@@ -106,6 +106,18 @@ impl Counter {
         Counter::UnknownRefused,
     ];
 
+    /// What happened to one protected request, as its access log may say it: not traffic the
+    /// filter lets pass, nor warnings about the stream or the root.
+    pub fn is_request_outcome(self) -> bool {
+        !matches!(
+            self,
+            Counter::PassedThrough
+                | Counter::UpstreamRetried
+                | Counter::BodyNeverReceived
+                | Counter::SettlementAbandoned
+        )
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Counter::PassedThrough => "passed_through",

@@ -124,6 +124,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
             "principal",
             "quota",
             "max_detached_calls",
+            "publish_outcome",
         ],
     )?;
     let key_header =
@@ -146,6 +147,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let max_waiters_per_key = waiters("max_waiters_per_key", DEFAULT_MAX_WAITERS_PER_KEY)?;
     let jwt_principal = optional(top, "", "principal", jwt_principal)?;
     let quota = optional(top, "", "quota", quota)?.unwrap_or_default();
+    let publish_outcome = optional(top, "", "publish_outcome", boolean)?.unwrap_or(false);
 
     let routes = array(get(top, "routes").ok_or_else(|| err("routes", "required"))?, "routes")?;
     if routes.is_empty() {
@@ -178,6 +180,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         jwt_principal,
         quota,
         max_detached_calls,
+        publish_outcome,
     })
 }
 

@@ -32,6 +32,9 @@ pub struct Config {
     pub quota: Quota,
     /// Detached calls (`execution: "detached"`) one Envoy worker carries at once, at most.
     pub max_detached_calls: u32,
+    /// Each protected request's outcome as its filter state `wasm.idempotency.outcome`, for
+    /// access logs. Off by default: one host call per outcome counted.
+    pub publish_outcome: bool,
 }
 
 /// What a forwarded request whose outcome cannot be known (a timeout, an upstream reset after

@@ -93,6 +93,7 @@ fn rejects_bad_configs_naming_the_field() {
             "routes[0].upstream_timeout",
         ),
         ("detached calls zero", top(r#""max_detached_calls":0"#), "max_detached_calls"),
+        ("publish_outcome not a boolean", top(r#""publish_outcome":"yes""#), "publish_outcome"),
         (
             "detached calls over the memory budget",
             r#"{"max_detached_calls":129,"routes":[{"name":"a","match":{"prefix":"/"},"execution":"detached"}]}"#.into(),
@@ -281,7 +282,8 @@ fn full_example_parses_exactly() {
         }
       ],
       "principal": {"jwt_payload": "jwt_payload", "claims": ["iss", "sub"]},
-      "quota": {"per_tenant": 5000, "per_principal": 100}
+      "quota": {"per_tenant": 5000, "per_principal": 100},
+      "publish_outcome": true
     }"#;
     let expected = Config {
         key_header: "idempotency-key".into(),
@@ -309,6 +311,7 @@ fn full_example_parses_exactly() {
         }),
         quota: Quota { per_tenant: Some(5000), per_principal: Some(100) },
         max_detached_calls: 1_000,
+        publish_outcome: true,
     };
     assert_eq!(parse_str(json), Ok(expected));
 }
@@ -385,6 +388,7 @@ fn minimal_config_yields_all_defaults() {
         // No quota: a default bound would refuse a lone honest caller.
         quota: Quota { per_tenant: None, per_principal: None },
         max_detached_calls: 1_000,
+        publish_outcome: false,
     };
     assert_eq!(parse_str(r#"{"routes":[{"name":"a","match":{"prefix":"/"}}]}"#), Ok(expected));
 }

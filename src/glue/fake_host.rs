@@ -24,6 +24,12 @@ pub enum Call {
     ResumeResponse {
         context: u32,
     },
+    /// Filter state set on the effective context's stream.
+    SetProperty {
+        context: u32,
+        name: String,
+        value: String,
+    },
     SetHeader {
         name: String,
         value: Vec<u8>,
@@ -231,6 +237,17 @@ impl Host for FakeHost {
         self.fails("property")?;
         self.note("property", path.iter().map(|p| p.len() + 1).sum());
         Ok(self.0.properties.borrow().get(&path.join(".")).cloned())
+    }
+    fn set_property(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        self.fails("set_property")?;
+        self.note("set_property", name.len() + value.len());
+        let context = self.0.effective.get();
+        self.0.calls.borrow_mut().push(Call::SetProperty {
+            context,
+            name: name.to_string(),
+            value: String::from_utf8_lossy(value).into_owned(),
+        });
+        Ok(())
     }
     fn send_response(
         &self,

@@ -59,6 +59,12 @@ extern "C" {
         return_value_data: *mut *mut u8,
         return_value_size: *mut usize,
     ) -> u32;
+    fn proxy_set_property(
+        path_data: *const u8,
+        path_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
     fn proxy_get_shared_data(
         key_data: *const u8,
         key_size: usize,
@@ -237,6 +243,10 @@ fn property(path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
     }
 }
 
+fn set_property(name: &str, value: &[u8]) -> Result<(), HostError> {
+    check(unsafe { proxy_set_property(name.as_ptr(), name.len(), value.as_ptr(), value.len()) })
+}
+
 fn send_response(
     status: u16,
     details: &str,
@@ -392,6 +402,9 @@ impl Host for AbiHost {
     }
     fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
         property(path)
+    }
+    fn set_property(&self, name: &str, value: &[u8]) -> Result<(), HostError> {
+        set_property(name, value)
     }
     fn send_response(
         &self,

@@ -185,6 +185,7 @@ impl<H: Host> Http<H> {
             let more = match step {
                 Step::Count(counter) => {
                     plugin.count(counter, self.flow.rule());
+                    plugin.publish(counter, self.flow.scope());
                     None
                 }
                 Step::Reply { reply, details } => {

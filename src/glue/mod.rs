@@ -64,6 +64,9 @@ pub trait Host: SharedData + Clone {
     fn remove_header(&self, map_type: u32, name: &str) -> Result<(), HostError>;
     /// A property by path parts (`["response", "code_details"]`). None when absent.
     fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError>;
+    /// Sets the effective stream's filter state `wasm.<name>` (Envoy 1.40: a CelState of
+    /// bytes, what `%FILTER_STATE(wasm.<name>:PLAIN)%` prints in an access log).
+    fn set_property(&self, name: &str, value: &[u8]) -> Result<(), HostError>;
     fn send_response(
         &self,
         status: u16,

@@ -4,7 +4,7 @@
 
 use super::etcd::EtcdRemote;
 use super::remote::{Conversation, RemoteStore};
-use super::{Host, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
+use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
 use crate::config::{self, Config, Execution, Rule, StoreConfig};
 use crate::detached;
 use crate::flow::{ParkPlan, RequestFlow, Resumed, Settlement};
@@ -36,6 +36,9 @@ fn random_u64(mix: u64) -> u64 {
     h.write_u64(mix);
     h.finish()
 }
+
+/// The filter state a decided request's outcome is published under (Envoy prefixes `wasm.`).
+pub const OUTCOME_PROPERTY: &str = "idempotency.outcome";
 
 /// Counter ids, defined once per root context (define_metric hands out a new id per call):
 /// the outcomes over every rule, and the same outcomes per route rule (by the rule's name).
@@ -382,6 +385,22 @@ impl<H: Host> PluginState<H> {
         let per_rule = rule.and_then(|r| self.metrics.routes.get(&r.name)).and_then(|ids| ids.get(index));
         if let Some(Some(id)) = per_rule {
             self.host.increment(*id, 1);
+        }
+    }
+
+    /// With `publish_outcome`, what just happened to the effective context's protected request
+    /// (`<outcome> <scope tag>`, the tag the filter's logs use too) as its filter state
+    /// `wasm.idempotency.outcome`, for access logs (`%FILTER_STATE(wasm.idempotency.outcome:PLAIN)%`).
+    /// Written at each outcome counted while the stream is there, so the last one stands (a new
+    /// key: `claimed`, then `stored`): one host call each, none when not configured.
+    pub fn publish(&self, counter: Counter, scope: Option<&ScopeId>) {
+        if !self.config.publish_outcome || !counter.is_request_outcome() {
+            return;
+        }
+        let tag = scope.map_or_else(|| "-".to_string(), ScopeId::log_tag);
+        let value = format!("{} {tag}", counter.name());
+        if let Err(HostError(s)) = self.host.set_property(OUTCOME_PROPERTY, value.as_bytes()) {
+            log::debug!("cannot publish the outcome {value} (host status {s})");
         }
     }
 

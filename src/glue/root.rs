@@ -261,12 +261,14 @@ fn resolve_waiter<H: Host>(
             // The waiter owns the record now, on a detached route: the root carries it
             // upstream (the waiter stays held and is answered with the outcome).
             plugin.count(counter, Some(&rule));
+            plugin.publish(counter, Some(&w.pending.scope));
             if let Err(why) = plugin.detach(w.context_id, claim, &rule, Rc::clone(&w.handle)) {
                 refuse_detached(plugin, w.context_id, &w.handle, &rule, &why);
             }
         }
         WaiterPlan::Resume { counter, resumed, release } => {
             plugin.count(counter, Some(&w.pending.rule));
+            plugin.publish(counter, Some(&w.pending.scope));
             w.handle.set(Some(resumed));
             if let Err(HostError(s)) = host.resume_request() {
                 log::warn!(
@@ -283,6 +285,7 @@ fn resolve_waiter<H: Host>(
         }
         WaiterPlan::Answer { counter, resumed, reply, details } => {
             plugin.count(counter, Some(&w.pending.rule));
+            plugin.publish(counter, Some(&w.pending.scope));
             w.handle.set(Some(resumed));
             if let Err(HostError(s)) = host.send_response(reply.status, details, &reply.headers, &reply.body)
             {
@@ -291,6 +294,7 @@ fn resolve_waiter<H: Host>(
         }
         WaiterPlan::Bypass { counter, resumed } => {
             plugin.count(counter, Some(&w.pending.rule));
+            plugin.publish(counter, Some(&w.pending.scope));
             w.handle.set(Some(resumed));
             if let Err(HostError(s)) = host.resume_request() {
                 log::warn!("#{} could not resume a held request (host status {s})", w.context_id);
@@ -621,7 +625,10 @@ fn carry_out<H: Host>(plugin: &PluginState<H>, mut begin: Box<RootBegin>, out: O
     let mut steps: std::collections::VecDeque<Step> = out.steps.into();
     while let Some(step) = steps.pop_front() {
         match step {
-            Step::Count(counter) => plugin.count(counter, begin.flow.rule()),
+            Step::Count(counter) => {
+                plugin.count(counter, begin.flow.rule());
+                plugin.publish(counter, begin.flow.scope());
+            }
             Step::Reply { reply, details } => {
                 if let Err(HostError(s)) =
                     host.send_response(reply.status, details, &reply.headers, &reply.body)
@@ -798,7 +805,15 @@ fn finish_settlement<H: Host>(
     }
     for step in settlement_steps(&call.settlement, settled) {
         match step {
-            Step::Count(counter) => plugin.count(counter, Some(&call.settlement.rule)),
+            Step::Count(counter) => {
+                plugin.count(counter, Some(&call.settlement.rule));
+                // A held response's stream is still there: its access log can say how it ended.
+                if call.holds_response
+                    && plugin.host.set_effective_context(call.settlement.context_id).is_ok()
+                {
+                    plugin.publish(counter, Some(&call.settlement.claim.scope));
+                }
+            }
             Step::Wake(scope) => plugin.broadcast(&scope),
             // A settlement's answer only counts and wakes.
             _ => {}

@@ -166,3 +166,54 @@ fn trailers_end_the_request_body_and_the_captured_response() {
     assert!(root.on_done());
     assert!(registry.live(1_000).unwrap().is_empty());
 }
+
+/// What each request's access log may say (issue 22, item 11): with `publish_outcome`, every
+/// outcome counted for a protected request is its filter state (the last one stands), with the
+/// record's tag; a refusal before any record has `-`; unprotected traffic sets nothing. Without
+/// it nothing is ever set (the host-call budgets hold).
+#[test]
+fn outcomes_are_published_as_filter_state_only_when_configured() {
+    let published = |h: &FakeHost| -> Vec<String> {
+        h.0.calls
+            .borrow()
+            .iter()
+            .filter_map(|c| match c {
+                Call::SetProperty { name, value, .. } if name == "idempotency.outcome" => Some(value.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    let h = host();
+    *h.0.config.borrow_mut() = br#"{"store":{"type":"local","capacity":64},"publish_outcome":true,
+        "routes":[{"name":"orders","match":{"prefix":"/orders"},"require_key":true}]}"#
+        .to_vec();
+    let root = root(&h);
+    let mut first = root.http_context(2);
+    assert_eq!(post(&h, &mut first, "/orders", "k"), Verdict::Continue);
+    upstream_answers(&h, "201", b"{}");
+    first.on_response_headers(false);
+    first.on_response_body(2, true);
+    first.on_log();
+    let mut retry = root.http_context(3);
+    assert_eq!(post(&h, &mut retry, "/orders", "k"), Verdict::Pause);
+    let values = published(&h);
+    let tag = values.first().and_then(|v| v.strip_prefix("claimed ")).unwrap_or_default().to_string();
+    assert_eq!(tag.len(), 12, "{values:?}");
+    assert_eq!(values, vec![format!("claimed {tag}"), format!("stored {tag}"), format!("replayed {tag}")]);
+
+    let mut keyless = root.http_context(4);
+    *h.0.request_headers.borrow_mut() = pairs(&[(":method", "POST"), (":path", "/orders")]);
+    keyless.on_request_headers(false);
+    let mut elsewhere = root.http_context(5);
+    *h.0.request_headers.borrow_mut() = pairs(&[(":method", "POST"), (":path", "/other")]);
+    assert_eq!(elsewhere.on_request_headers(false), Verdict::Continue);
+    assert_eq!(published(&h).last().map(String::as_str), Some("missing_key -"));
+    assert_eq!(published(&h).len(), 4);
+
+    // The default: nothing published.
+    let h = host();
+    let root = super::root(&h);
+    let mut first = root.http_context(2);
+    assert_eq!(post(&h, &mut first, "/orders", "k"), Verdict::Continue);
+    assert!(published(&h).is_empty());
+}

@@ -110,10 +110,12 @@ def http_connection_manager(routes: list[dict], http_filters: list[dict],
                             stat_prefix: str = "ingress_http",
                             http_protocol_options: dict | None = None,
                             suppress_envoy_headers: bool = False,
-                            virtual_host_per_filter: dict | None = None) -> dict:
+                            virtual_host_per_filter: dict | None = None,
+                            access_log: dict | None = None) -> dict:
     """The listener's network filter: one virtual host for every domain with `routes`, then
     `http_filters` and the router. `virtual_host_per_filter`: the virtual host's
-    typed_per_filter_config (e.g. `cors_policy(...)`), which every route inherits."""
+    typed_per_filter_config (e.g. `cors_policy(...)`), which every route inherits.
+    `access_log`: one access logger (e.g. `file_access_log(...)`)."""
     hcm: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": stat_prefix,
@@ -123,12 +125,26 @@ def http_connection_manager(routes: list[dict], http_filters: list[dict],
     }
     if http_protocol_options is not None:
         hcm["http_protocol_options"] = http_protocol_options
+    if access_log is not None:
+        hcm["access_log"] = [access_log]
     vhost: dict[str, Any] = {"name": "all", "domains": ["*"], "routes": routes}
     if virtual_host_per_filter is not None:
         vhost["typed_per_filter_config"] = virtual_host_per_filter
     hcm["route_config"] = {"name": "local_route", "virtual_hosts": [vhost]}
     hcm["http_filters"] = http_filters + [router(suppress_envoy_headers)]
     return {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+
+
+def file_access_log(path: str, text_format: str) -> dict:
+    """An HCM access logger writing one `text_format` line per request to `path`."""
+    return {
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": path,
+            "log_format": {"text_format_source": {"inline_string": text_format}},
+        },
+    }
 
 
 def bootstrap(hcm: dict, clusters: list[dict], connection_buffer_limit: int = 2 * MiB,
@@ -366,6 +382,7 @@ def orders_proxy(
     stats_config: dict | None = None,
     suppress_envoy_headers: bool = False,
     virtual_host_per_filter: dict | None = None,
+    access_log: dict | None = None,
 ) -> dict:
     """The proxy in front of the orders upstream (cluster `orders`).
 
@@ -407,6 +424,7 @@ def orders_proxy(
         suppress_envoy_headers=suppress_envoy_headers,
         virtual_host_per_filter=None if virtual_host_per_filter is None
         else _copy(virtual_host_per_filter),
+        access_log=None if access_log is None else _copy(access_log),
     )
     clusters = [
         cluster("orders", upstream_port, trailers),

@@ -110,10 +110,12 @@ def http_connection_manager(routes: list[dict], http_filters: list[dict],
                             stat_prefix: str = "ingress_http",
                             http_protocol_options: dict | None = None,
                             suppress_envoy_headers: bool = False,
-                            virtual_host_per_filter: dict | None = None) -> dict:
+                            virtual_host_per_filter: dict | None = None,
+                            access_log: Sequence[dict] = ()) -> dict:
     """The listener's network filter: one virtual host for every domain with `routes`, then
     `http_filters` and the router. `virtual_host_per_filter`: the virtual host's
-    typed_per_filter_config (e.g. `cors_policy(...)`), which every route inherits."""
+    typed_per_filter_config (e.g. `cors_policy(...)`), which every route inherits.
+    `access_log`: the HCM's access loggers (e.g. `file_access_log(...)`)."""
     hcm: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": stat_prefix,
@@ -123,12 +125,29 @@ def http_connection_manager(routes: list[dict], http_filters: list[dict],
     }
     if http_protocol_options is not None:
         hcm["http_protocol_options"] = http_protocol_options
+    if access_log:
+        hcm["access_log"] = _copy(list(access_log))
     vhost: dict[str, Any] = {"name": "all", "domains": ["*"], "routes": routes}
     if virtual_host_per_filter is not None:
         vhost["typed_per_filter_config"] = virtual_host_per_filter
     hcm["route_config"] = {"name": "local_route", "virtual_hosts": [vhost]}
     hcm["http_filters"] = http_filters + [router(suppress_envoy_headers)]
     return {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+
+
+def file_access_log(path: Path | str, fields: dict[str, str]) -> dict:
+    """An access logger (for `access_log`) writing one JSON object per downstream request to
+    `path`, with `fields` as Envoy command operators, e.g. {"status": "%RESPONSE_CODE%",
+    "key": "%REQ(IDEMPOTENCY-KEY)%"}. Envoy writes a request's line when its stream ends, and
+    flushes the file about once a second (`--file-flush-interval-msec`, default 1 s)."""
+    return {
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": str(path),
+            "log_format": {"json_format": dict(fields)},
+        },
+    }
 
 
 def bootstrap(hcm: dict, clusters: list[dict], connection_buffer_limit: int = 2 * MiB,
@@ -366,6 +385,7 @@ def orders_proxy(
     stats_config: dict | None = None,
     suppress_envoy_headers: bool = False,
     virtual_host_per_filter: dict | None = None,
+    access_log: Sequence[dict] = (),
 ) -> dict:
     """The proxy in front of the orders upstream (cluster `orders`).
 
@@ -379,7 +399,8 @@ def orders_proxy(
     (e.g. a local rate limit that answers locally after the filter claimed), the router.
     `stats_config`: the bootstrap's (e.g. `shipped_stats_config()`, the stats tags of
     envoy/envoy.yaml). `virtual_host_per_filter`: the virtual host's typed_per_filter_config
-    (e.g. `cors_policy(...)`, with `cors_filter()` in `pre_filters`).
+    (e.g. `cors_policy(...)`, with `cors_filter()` in `pre_filters`). `access_log`: the HCM's
+    access loggers (`file_access_log(...)`).
     """
     if filter_config is not None and wasm_path is None:
         raise ValueError("a filter configuration needs wasm_path")
@@ -407,6 +428,7 @@ def orders_proxy(
         suppress_envoy_headers=suppress_envoy_headers,
         virtual_host_per_filter=None if virtual_host_per_filter is None
         else _copy(virtual_host_per_filter),
+        access_log=access_log,
     )
     clusters = [
         cluster("orders", upstream_port, trailers),

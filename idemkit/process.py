@@ -133,7 +133,12 @@ class Process:
 
 
 class Upstream(Process):
-    """demo/orders_upstream.py as a subprocess on a free port (or on `port`)."""
+    """demo/orders_upstream.py as a subprocess on a free port (or on `port`). A subclass may run
+    another upstream through `script`: one that takes --host and --port, prints
+    "... listening on http://HOST:PORT" first and answers GET /_admin/health (tests/sdk's fake
+    Stripe API)."""
+
+    script: Path = UPSTREAM_SCRIPT
 
     def __init__(self, name: str = "upstream", log_dir: Path | None = None, port: int = 0) -> None:
         self.name = name
@@ -146,7 +151,7 @@ class Upstream(Process):
     def start(self, timeout: float = 10.0) -> "Upstream":
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-u", str(UPSTREAM_SCRIPT), "--host", "127.0.0.1",
+                [sys.executable, "-u", str(self.script), "--host", "127.0.0.1",
                  "--port", str(self.requested_port)],
                 stdout=out,
                 stderr=err,

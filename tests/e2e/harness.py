@@ -23,6 +23,7 @@ from idemkit.bootstrap import (  # noqa: F401 (re-exported for the tests)
     direct_response,
     etcd_cluster,
     file_access_log,
+    text_file_access_log,
     filter_http_filter,
     jwt_authn_filter,
     local_ratelimit_filter,

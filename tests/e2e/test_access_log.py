@@ -28,7 +28,7 @@ FILTER_CONFIG = {
 }
 LOG_PATH.parent.mkdir(parents=True, exist_ok=True)
 LOG_PATH.unlink(missing_ok=True)
-ENVOY_OPTIONS = {"access_log": harness.file_access_log(str(LOG_PATH), FORMAT)}
+ENVOY_OPTIONS = {"access_log": [harness.text_file_access_log(LOG_PATH, FORMAT)]}
 
 BODY = b'{"item":"book","qty":1}'
 LINE = re.compile(r"^(\S+) (\S+) (\d+) idem=\[(.*)\]$")

@@ -6,12 +6,29 @@
 #![allow(clippy::expect_used)]
 
 use idempotency_filter::config::parse;
-use idempotency_filter::engine::{admit, decide, Admission, Decision, RequestHead};
+use idempotency_filter::config::Config;
+use idempotency_filter::engine::{
+    admit, claim_attempt, decision_of, fingerprint_body, Admission, Decision, Pending, RequestHead,
+};
 use idempotency_filter::store::fake::FakeSharedData;
 use idempotency_filter::store::local::LocalStore;
 use idempotency_filter::store::record::{Snapshot, State};
 use idempotency_filter::store::{Completion, RecordStore};
 use std::time::Instant;
+
+/// What `flow::RequestFlow` does with a whole body and a store that answers at once: the
+/// fingerprint, the claim attempt, `begin`, the decision.
+fn decide(
+    cfg: &Config,
+    p: &Pending,
+    body: &[u8],
+    store: &dyn RecordStore,
+    now: u64,
+    owner: u64,
+) -> Option<Decision> {
+    let fingerprint = fingerprint_body(p, body).ok()?;
+    Some(decision_of(cfg, p, store.begin(&claim_attempt(cfg, p, fingerprint, now, owner))))
+}
 
 fn main() {
     let n: u64 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(20_000);
@@ -37,7 +54,7 @@ fn main() {
         ) else {
             continue;
         };
-        if let Decision::Forward { claim, .. } = decide(&cfg, &p, &body, &store, i, i + 1) {
+        if let Some(Decision::Forward { claim, .. }) = decide(&cfg, &p, &body, &store, i, i + 1) {
             let c = Completion {
                 state: State::Succeeded,
                 status: 201,

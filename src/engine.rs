@@ -17,7 +17,7 @@ use crate::identity::scope::{
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
 use crate::store::record::Snapshot;
-use crate::store::{Begin, Claim, ClaimAttempt, QuotaCharge, RecordStore, StoreError};
+use crate::store::{Begin, Claim, ClaimAttempt, QuotaCharge, StoreError};
 use std::rc::Rc;
 
 /// Header added to every replayed response.
@@ -325,21 +325,6 @@ impl Pending {
     }
 }
 
-/// Step 2, once the whole request body is known.
-pub fn decide(
-    cfg: &Config,
-    pending: &Pending,
-    body: &[u8],
-    store: &dyn RecordStore,
-    now_ms: u64,
-    owner: u64,
-) -> Decision {
-    match fingerprint_body(pending, body) {
-        Ok(fingerprint) => decide_fingerprinted(cfg, pending, fingerprint, store, now_ms, owner),
-        Err(problem) => respond_problem(problem),
-    }
-}
-
 /// The request's fingerprint, computed once: a waiter keeps only these 32 bytes and is
 /// rechecked with them, never with its body again.
 pub fn fingerprint_body(pending: &Pending, body: &[u8]) -> Result<Fingerprint, Problem> {
@@ -347,20 +332,6 @@ pub fn fingerprint_body(pending: &Pending, body: &[u8]) -> Result<Fingerprint, P
         return Err(too_large(&pending.rule));
     }
     Ok(pending.fingerprint(body))
-}
-
-/// Step 2 for a request whose fingerprint is known: one atomic `begin` on the store, asked
-/// and answered at once (a store that answers later goes through `flow::RequestFlow`).
-pub fn decide_fingerprinted(
-    cfg: &Config,
-    pending: &Pending,
-    fingerprint: Fingerprint,
-    store: &dyn RecordStore,
-    now_ms: u64,
-    owner: u64,
-) -> Decision {
-    let attempt = claim_attempt(cfg, pending, fingerprint, now_ms, owner);
-    decision_of(cfg, pending, store.begin(&attempt))
 }
 
 /// What `begin` is asked for this request: its scope and fingerprint, a fresh owner, the rule's
@@ -516,6 +487,27 @@ pub fn snapshot_headers(headers: Vec<(String, Vec<u8>)>, excluded: &[String]) ->
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::store::RecordStore;
+
+    /// The whole decision for a request whose body is known, against a store that answers at
+    /// once: what `flow::RequestFlow` does in steps, in one call for these unit tests.
+    pub(crate) fn decide(
+        cfg: &Config,
+        pending: &Pending,
+        body: &[u8],
+        store: &dyn RecordStore,
+        now_ms: u64,
+        owner: u64,
+    ) -> Decision {
+        match fingerprint_body(pending, body) {
+            Ok(fingerprint) => decision_of(
+                cfg,
+                pending,
+                store.begin(&claim_attempt(cfg, pending, fingerprint, now_ms, owner)),
+            ),
+            Err(problem) => respond_problem(problem),
+        }
+    }
     use crate::config::{parse, Quota};
     use crate::identity::scope::tenant_digest;
     use crate::store::fake::FakeSharedData;

@@ -10,12 +10,11 @@
 #![allow(clippy::unwrap_used, clippy::panic)]
 
 use idempotency_filter::config::{parse, Config};
-use idempotency_filter::engine::{admit, decide, Admission, Decision, Pending, RequestHead};
+use idempotency_filter::flow::{Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict};
 use idempotency_filter::metrics::Counter;
 use idempotency_filter::store::fake::FakeSharedData;
 use idempotency_filter::store::local::LocalStore;
-use idempotency_filter::store::record::{Snapshot, State};
-use idempotency_filter::store::{Claim, Completion, RecordStore, Settled};
+use idempotency_filter::store::{RecordStore, StoreOp};
 use std::collections::HashMap;
 
 const LEASE_MS: u64 = 1_000;
@@ -43,9 +42,10 @@ struct Execution {
     ended: bool,
 }
 
+/// A request the model forwarded: its flow goes on with the upstream's answer.
 struct InFlight {
     exec: usize,
-    claim: Claim,
+    flow: RequestFlow,
 }
 
 fn config(capacity: u32) -> Config {
@@ -58,17 +58,98 @@ fn config(capacity: u32) -> Config {
     parse(json.as_bytes()).unwrap()
 }
 
-fn pending(cfg: &Config, scope_key: u64) -> Pending {
-    // Scope = (principal, key): spread over two principals so that equal keys of different
-    // callers are different scopes.
-    let h = vec![
-        ("idempotency-key".to_string(), format!("key-{}", scope_key / 2).into_bytes()),
-        ("authorization".to_string(), format!("caller-{}", scope_key % 2).into_bytes()),
-    ];
-    match admit(cfg, &RequestHead { method: "POST", path: "/orders", headers: &h, verified_claims: None }) {
-        Admission::Collect(p) => p,
-        other => panic!("{other:?}"),
+/// One stream as the flow reads it: the request of `scope_key` with `body`, and the upstream's
+/// answer once there is one. Scope = (principal, key): spread over two principals so that equal
+/// keys of different callers are different scopes.
+struct Stream {
+    now_ms: u64,
+    owner: u64,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+    response: Vec<(String, Vec<u8>)>,
+    response_body: Vec<u8>,
+}
+
+impl Stream {
+    fn request(scope_key: u64, body: &str, now_ms: u64, owner: u64) -> Stream {
+        Stream {
+            now_ms,
+            owner,
+            headers: vec![
+                (":method".to_string(), b"POST".to_vec()),
+                (":path".to_string(), b"/orders".to_vec()),
+                ("idempotency-key".to_string(), format!("key-{}", scope_key / 2).into_bytes()),
+                ("authorization".to_string(), format!("caller-{}", scope_key % 2).into_bytes()),
+            ],
+            body: body.as_bytes().to_vec(),
+            response: Vec::new(),
+            response_body: Vec::new(),
+        }
     }
+
+    /// The upstream's answer, as Envoy's router hands it on (with its service-time header).
+    fn answered(now_ms: u64, status: u16, body: Vec<u8>) -> Stream {
+        let mut s = Stream::request(0, "", now_ms, 0);
+        s.response = vec![
+            (":status".to_string(), status.to_string().into_bytes()),
+            ("x-envoy-upstream-service-time".to_string(), b"1".to_vec()),
+        ];
+        s.response_body = body;
+        s
+    }
+}
+
+impl StreamFacts for Stream {
+    fn now_ms(&mut self) -> u64 {
+        self.now_ms
+    }
+    fn owner_token(&mut self) -> u64 {
+        self.owner
+    }
+    fn request_header(&mut self, name: &str) -> Option<Vec<u8>> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+    }
+    fn request_headers(&mut self) -> Result<Vec<(String, Vec<u8>)>, Unreadable> {
+        Ok(self.headers.clone())
+    }
+    fn request_body(&mut self, _size: usize) -> Result<Vec<u8>, Unreadable> {
+        Ok(self.body.clone())
+    }
+    fn response_headers(&mut self) -> Vec<(String, Vec<u8>)> {
+        self.response.clone()
+    }
+    fn response_body(&mut self, _size: usize) -> Result<Vec<u8>, Unreadable> {
+        Ok(self.response_body.clone())
+    }
+    fn property(&mut self, _path: &[&str]) -> Result<Option<Vec<u8>>, Unreadable> {
+        Ok(None)
+    }
+}
+
+/// Carries out the flow's steps as the glue does with the local store (a store operation is
+/// answered at once and its answer goes back to the flow): the counters and the reply, if any.
+fn carry_out(
+    cfg: &Config,
+    flow: &mut RequestFlow,
+    store: &dyn RecordStore,
+    out: Output,
+) -> (Vec<Counter>, Option<Vec<u8>>, Verdict) {
+    let (mut counted, mut reply, mut verdict) = (Vec::new(), None, out.verdict);
+    let mut steps: std::collections::VecDeque<Step> = out.steps.into();
+    while let Some(step) = steps.pop_front() {
+        match step {
+            Step::Count(c) => counted.push(c),
+            Step::Reply { reply: r, .. } => reply = Some(r.body),
+            Step::Store(op) => {
+                let more = flow.store_answered(cfg, StoreOp::perform(&op, store));
+                verdict = more.verdict;
+                steps.extend(more.steps);
+            }
+            Step::Wake(_) | Step::FixHeaders(_) => {}
+            other => panic!("the model's route does not {other:?}"),
+        }
+    }
+    (counted, reply, verdict)
 }
 
 fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
@@ -88,14 +169,24 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
         let ctx = format!("seed {seed} step {step} worker {w} now {now}");
         match rng.below(10) {
             0..=3 => {
+                // A request arrives: headers, then its whole body, as Envoy delivers them.
                 let scope_key = rng.below(scopes);
                 let payload = rng.below(3).min(1); // mostly the same payload
                 owner += 1;
-                let p = pending(&cfg, scope_key);
                 let body = format!("payload-{payload}");
-                match decide(&cfg, &p, body.as_bytes(), &stores[w], now, owner) {
-                    Decision::Forward { claim, counter } => {
-                        *counts.entry(counter.name()).or_default() += 1;
+                let mut stream = Stream::request(scope_key, &body, now, owner);
+                let mut flow = RequestFlow::new(step as u32);
+                let held = flow.request_headers(&cfg, &mut stream, false);
+                assert_eq!(held.verdict, Verdict::Pause, "a protected request is held for its body ({ctx})");
+                let out = flow.request_body(&cfg, &mut stream, body.len(), true);
+                let (counted, reply, verdict) = carry_out(&cfg, &mut flow, &stores[w], out);
+                let counter = match counted.as_slice() {
+                    [c] => *c,
+                    other => panic!("one outcome per request, got {other:?} ({ctx})"),
+                };
+                *counts.entry(counter.name()).or_default() += 1;
+                match (counter, verdict) {
+                    (Counter::Claimed | Counter::TakenOver, Verdict::Continue) => {
                         for e in execs.iter().filter(|e| e.scope_key == scope_key) {
                             let lease_live = !e.ended && e.completed_at.is_none() && now < e.lease_deadline;
                             let response_live = e.completed_at.is_some_and(|c| now < c + TTL_MS);
@@ -117,80 +208,75 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
                             completed_at: None,
                             ended: false,
                         });
-                        in_flight[w].push(InFlight { exec: execs.len() - 1, claim });
+                        in_flight[w].push(InFlight { exec: execs.len() - 1, flow });
                     }
-                    Decision::Wait { .. } => panic!("reject mode never waits ({ctx})"),
-                    Decision::Respond { reply, counter } => {
-                        *counts.entry(counter.name()).or_default() += 1;
-                        match counter {
-                            Counter::Replayed => {
-                                let id: usize = String::from_utf8_lossy(&reply.body)
-                                    .trim_start_matches("exec-")
-                                    .parse()
-                                    .unwrap();
-                                let e = &execs[id];
-                                assert_eq!(
-                                    (e.scope_key, e.payload),
-                                    (scope_key, payload),
-                                    "replay of another request ({ctx})"
-                                );
-                                assert!(
-                                    e.completed_at.is_some_and(|c| now < c + TTL_MS),
-                                    "replay of a dead record ({ctx})"
-                                );
-                            }
-                            Counter::Mismatch => {
-                                let live_other = execs.iter().any(|e| {
-                                    e.scope_key == scope_key
-                                        && e.payload != payload
-                                        && (e
-                                            .completed_at
-                                            .map_or(now < e.lease_deadline + TTL_MS, |c| now < c + TTL_MS))
-                                });
-                                assert!(live_other, "mismatch without a record of another payload ({ctx})");
-                            }
-                            Counter::InFlight | Counter::StoreFull => {}
-                            other => panic!("unexpected {other:?} ({ctx})"),
-                        }
+                    (Counter::Replayed, Verdict::Pause) => {
+                        let body = reply.unwrap_or_else(|| panic!("a replay without a reply ({ctx})"));
+                        let id: usize =
+                            String::from_utf8_lossy(&body).trim_start_matches("exec-").parse().unwrap();
+                        let e = &execs[id];
+                        assert_eq!(
+                            (e.scope_key, e.payload),
+                            (scope_key, payload),
+                            "replay of another request ({ctx})"
+                        );
+                        assert!(
+                            e.completed_at.is_some_and(|c| now < c + TTL_MS),
+                            "replay of a dead record ({ctx})"
+                        );
                     }
+                    (Counter::Mismatch, Verdict::Pause) => {
+                        let live_other = execs.iter().any(|e| {
+                            e.scope_key == scope_key
+                                && e.payload != payload
+                                && (e
+                                    .completed_at
+                                    .map_or(now < e.lease_deadline + TTL_MS, |c| now < c + TTL_MS))
+                        });
+                        assert!(live_other, "mismatch without a record of another payload ({ctx})");
+                    }
+                    (Counter::InFlight | Counter::StoreFull, Verdict::Pause) => {}
+                    other => panic!("unexpected {other:?} ({ctx})"),
                 }
             }
             4..=5 => {
+                // The upstream answers 201: the flow captures it and completes the record.
                 if in_flight[w].is_empty() {
                     continue;
                 }
                 let i = rng.below(in_flight[w].len() as u64) as usize;
-                let f = in_flight[w].swap_remove(i);
-                let snapshot =
-                    Snapshot { status: 201, headers: vec![], body: format!("exec-{}", f.exec).into_bytes() };
-                let c = Completion {
-                    state: State::Succeeded,
-                    status: 201,
-                    snapshot: Some(snapshot),
-                    now_ms: now,
-                    ttl_ms: TTL_MS,
-                };
-                let settled = stores[w].complete(&f.claim, &c).unwrap();
+                let mut f = in_flight[w].swap_remove(i);
+                let body = format!("exec-{}", f.exec).into_bytes();
+                let mut stream = Stream::answered(now, 201, body.clone());
+                let out = f.flow.response_headers(&mut stream, false);
+                let (mut counted, _, _) = carry_out(&cfg, &mut f.flow, &stores[w], out);
+                let out = f.flow.response_body(&mut stream, body.len(), true);
+                counted.extend(carry_out(&cfg, &mut f.flow, &stores[w], out).0);
                 let e = &mut execs[f.exec];
-                if settled == Settled::Done {
-                    assert!(!e.ended, "an owner that lost its claim completed it ({ctx})");
-                    e.completed_at = Some(now);
-                } else {
-                    e.ended = true;
+                match counted.as_slice() {
+                    [Counter::Stored] => {
+                        assert!(!e.ended, "an owner that lost its claim completed it ({ctx})");
+                        e.completed_at = Some(now);
+                    }
+                    [Counter::CompletionLost] => e.ended = true,
+                    other => panic!("a completion counts stored or lost, got {other:?} ({ctx})"),
                 }
             }
             6 => {
-                if let Some(f) = in_flight[w].pop() {
-                    let settled = stores[w].release(&f.claim).unwrap();
+                // The upstream answers 503 (a released status): the flow gives the claim back.
+                if let Some(mut f) = in_flight[w].pop() {
+                    let mut stream = Stream::answered(now, 503, Vec::new());
+                    let out = f.flow.response_headers(&mut stream, true);
+                    let (counted, _, _) = carry_out(&cfg, &mut f.flow, &stores[w], out);
                     let e = &mut execs[f.exec];
-                    if settled == Settled::Done {
+                    if counted.contains(&Counter::Released) {
                         assert!(!e.ended, "an owner that lost its claim released it ({ctx})");
                     }
                     e.ended = true;
                 }
             }
             7 => {
-                // Counter unknown (timeout, reset, client gone): the claim is simply left.
+                // Outcome unknown (timeout, reset, client gone): the claim is simply left.
                 if !in_flight[w].is_empty() {
                     let i = rng.below(in_flight[w].len() as u64) as usize;
                     in_flight[w].swap_remove(i);

@@ -209,7 +209,8 @@ pub fn wait_timeout_ms(pending: &Pending) -> Option<u64> {
 mod tests {
     use super::*;
     use crate::config::parse;
-    use crate::engine::{admit, decide, fingerprint_body, Admission, RequestHead};
+    use crate::engine::tests::decide;
+    use crate::engine::{admit, fingerprint_body, Admission, RequestHead};
     use crate::store::fake::FakeSharedData;
     use crate::store::local::LocalStore;
     use crate::store::record::{Snapshot, State};

@@ -5,8 +5,9 @@
 //! 1. `admit` (request headers): route rule, key, scope, early size check. Either the request is
 //!    none of our business (pass through), is refused at once, or must be held until its body
 //!    has arrived.
-//! 2. `decide` (end of request body): fingerprint, then one atomic `begin` on the store, which
-//!    yields forward-with-claim, replay, or a problem reply.
+//! 2. at the end of the body (`flow::RequestFlow` carries the steps): `fingerprint_body`, then
+//!    `claim_attempt` for one atomic `begin` on the store, whose answer `decision_of` turns into
+//!    forward-with-claim, replay, wait, or a problem reply.
 
 use crate::config::{Concurrency, Config, Rule};
 use crate::identity::fingerprint::{self, Fingerprint, FingerprintInput};

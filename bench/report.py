@@ -93,6 +93,7 @@ def fmt_ratio(s: dict) -> str:
 
 
 
+# Meets bench/report_model.py's ReportData, what report_more.py and report_svg.py read.
 class Report:
     def __init__(self, bench: Bench, facts: dict[str, str], command: str) -> None:
         self.b = bench

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from bench.load import spread
 
 if TYPE_CHECKING:
-    from bench.report import Report
+    from bench.report_model import ReportData
 
 # Throughput ratios (A/B per round), beyond the five of bench/report.py.
 RATIOS = [(6, 2), (4, 6), (7, 4), (8, 5), (9, 4)]
@@ -32,7 +32,7 @@ CPU_MEANING = {
 }
 
 
-def cpu_ratios(rep: Report) -> dict[str, dict]:
+def cpu_ratios(rep: ReportData) -> dict[str, dict]:
     out = {}
     for a, b in CPU_RATIOS:
         if a not in rep.rows or b not in rep.rows:
@@ -44,13 +44,13 @@ def cpu_ratios(rep: Report) -> dict[str, dict]:
     return out
 
 
-def round_trips(rep: Report, sid: int) -> float:
+def round_trips(rep: ReportData, sid: int) -> float:
     v = getattr(rep.rows[sid]["s"], "verification", None) or {}
     sent = v.get("sent", 0)
     return v.get("store_round_trips", 0) / sent if sent else float("nan")
 
 
-def targets(rep: Report) -> list[tuple[str, str, bool | None]]:
+def targets(rep: ReportData) -> list[tuple[str, str, bool | None]]:
     out: list[tuple[str, str, bool | None]] = []
     r, c = rep.ratios, rep.cpu_ratios
     if "4/6" in r:
@@ -68,7 +68,7 @@ def targets(rep: Report) -> list[tuple[str, str, bool | None]]:
     return out
 
 
-def text(rep: Report) -> list[str]:
+def text(rep: ReportData) -> list[str]:
     out = []
     if rep.cpu_ratios:
         out += ["", "CPU ratios (B's µs/req / A's, per round)"]
@@ -80,7 +80,7 @@ def text(rep: Report) -> list[str]:
     return out
 
 
-def markdown(rep: Report) -> list[str]:
+def markdown(rep: ReportData) -> list[str]:
     rows = rep.rows
     if not any(sid in rows for sid in (6, 7, 8)):
         return []
@@ -107,7 +107,7 @@ def markdown(rep: Report) -> list[str]:
     return L
 
 
-def etcd_markdown(rep: Report) -> list[str]:
+def etcd_markdown(rep: ReportData) -> list[str]:
     rows, b = rep.rows, rep.b
     L = []
     cfg = b.filter_configs.get(7) or b.filter_configs.get(8)
@@ -154,7 +154,7 @@ def etcd_markdown(rep: Report) -> list[str]:
     return L
 
 
-def by_method(rep: Report, sid: int) -> str:
+def by_method(rep: ReportData, sid: int) -> str:
     v = getattr(rep.rows[sid]["s"], "verification", None) or {}
     methods, sent = v.get("etcd_methods") or {}, v.get("sent", 0)
     if not methods or not sent:

@@ -1,6 +1,6 @@
 """bench/results.svg: throughput and p99 per scenario, the memory curve and the refusal-vs-fill
-curve (next to the one kept in bench/baseline/), drawn by hand from a bench.report.Report (no
-plotting library: the bench is standard library only)."""
+curve (next to the one kept in bench/baseline/), drawn by hand from a computed report
+(bench/report_model.py's `ReportData`; no plotting library: the bench is standard library only)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 from bench import fill as fill_phase
 
 if TYPE_CHECKING:
-    from bench.report import Report
+    from bench.report_model import ReportData
 
 
-def render(rep: Report) -> str:
+def render(rep: ReportData) -> str:
     """A hand-written SVG: throughput and p99 per scenario, and the memory curve."""
     b = rep.b
     mem = b.memory

@@ -26,31 +26,15 @@ use crate::settlement::{
 use crate::store::record::{Snapshot, State};
 use crate::store::{Begin, Claim, Completion, Settled, StoreAnswer, StoreError, StoreOp};
 use crate::wait::{self, Recheck, Refused};
+use facts::{property_string, property_u64, stream_report, verified_claims};
 use std::rc::Rc;
+
+mod facts;
+pub use facts::{StreamFacts, Unreadable};
 
 /// `response.code_details` of the filter's own replies, so logs tell them apart.
 pub const DETAILS_REPLAY: &str = "idempotency_replay";
 pub const DETAILS_PROBLEM: &str = "idempotency_problem";
-
-/// A host read that failed; the glue has logged the host's status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Unreadable;
-
-/// What the flow may read about its stream, and when it is. Each method is one host call in
-/// the glue, but the request's headers: one read of the map serves both of their methods
-/// within a callback. Absent values are `None`, failed reads are `Unreadable` where a decision
-/// depends on telling the two apart.
-pub trait StreamFacts {
-    fn now_ms(&mut self) -> u64;
-    /// A fresh claim owner token (unique per claim).
-    fn owner_token(&mut self) -> u64;
-    fn request_header(&mut self, name: &str) -> Option<Vec<u8>>;
-    fn request_headers(&mut self) -> Result<Vec<(String, Vec<u8>)>, Unreadable>;
-    fn request_body(&mut self, size: usize) -> Result<Vec<u8>, Unreadable>;
-    fn response_headers(&mut self) -> Vec<(String, Vec<u8>)>;
-    fn response_body(&mut self, size: usize) -> Result<Vec<u8>, Unreadable>;
-    fn property(&mut self, path: &[&str]) -> Result<Option<Vec<u8>>, Unreadable>;
-}
 
 /// What the glue does, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -837,55 +821,6 @@ fn settled_steps(
     log::debug!("#{} {} key {}", context_id, counter.name(), claim.scope.log_tag());
     steps.push(Step::Count(counter));
     steps
-}
-
-fn property_string(facts: &mut dyn StreamFacts, path: &[&str]) -> Option<String> {
-    facts.property(path).ok()?.map(|b| String::from_utf8_lossy(&b).into_owned())
-}
-
-fn property_u64(facts: &mut dyn StreamFacts, path: &[&str]) -> Option<u64> {
-    let bytes = facts.property(path).ok()??;
-    Some(u64::from_le_bytes(<[u8; 8]>::try_from(bytes.as_slice()).ok()?))
-}
-
-/// Response flags, and whether an upstream host was ever selected: an empty or absent
-/// `upstream.address` says none was; a failed read says nothing, so it counts as selected.
-fn stream_report(facts: &mut dyn StreamFacts) -> (u64, bool) {
-    let flags = property_u64(facts, &["response", "flags"]).unwrap_or(0);
-    let upstream_selected = match facts.property(&["upstream", "address"]) {
-        Ok(Some(address)) => !address.is_empty(),
-        Ok(None) => false,
-        Err(Unreadable) => true,
-    };
-    (flags, upstream_selected)
-}
-
-/// The configured claims of the token a JWT filter in front verified, from its dynamic metadata
-/// (only a verified token fills it; a client cannot); a claim Envoy cannot hand over (a list, an
-/// object) counts as missing. None when there is no verified payload at all: the request
-/// carried no token, and the principal falls back to the principal headers. A payload without
-/// any of the claims is still a payload (`engine::admit` refuses it, as it refuses one that
-/// lacks some): only when no claim is found is the payload itself looked up, so a request with
-/// a complete token costs no extra host call.
-fn verified_claims(
-    facts: &mut dyn StreamFacts,
-    payload: &str,
-    claims: &[String],
-) -> Option<Vec<Option<Vec<u8>>>> {
-    const JWT_AUTHN: [&str; 3] = ["metadata", "filter_metadata", "envoy.filters.http.jwt_authn"];
-    let values: Vec<Option<Vec<u8>>> = claims
-        .iter()
-        .map(|claim| {
-            facts.property(&[JWT_AUTHN[0], JWT_AUTHN[1], JWT_AUTHN[2], payload, claim]).ok().flatten()
-        })
-        .collect();
-    if values.iter().any(Option::is_some) {
-        return Some(values);
-    }
-    // Envoy answers NotFound for a payload jwt_authn did not write; a payload it cannot
-    // serialize (a map with numbers in it) is an error, so it is there.
-    let present = !matches!(facts.property(&[JWT_AUTHN[0], JWT_AUTHN[1], JWT_AUTHN[2], payload]), Ok(None));
-    present.then_some(values)
 }
 
 #[cfg(test)]

@@ -85,23 +85,31 @@
 //! undone still counts for the others until its undo lands. A takeover or reuse with a quota
 //! reads then writes: racing ones can overshoot the bound by their number.
 
+mod auth;
 pub mod base64;
 #[cfg(feature = "testing")]
 pub mod blocking;
 pub mod cache;
+mod keys;
+mod leases;
+mod quota;
 mod wire;
 
 use std::cell::RefCell;
 
 use crate::config::etcd::ETCD_MAX_REQUEST_BYTES;
-use crate::store::record::{
-    self, Entry, SlotValue, State, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED,
-};
+use crate::store::record::{self, Entry, SlotValue, State};
 use crate::store::{
     completed_answer, Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp,
 };
+use auth::TokenFetch;
 use cache::ReplayCache;
+use keys::owner_of;
+use leases::{window_end, CachedLease, ClaimLease, LIVE_CLAIM_RETRY_MS};
+use quota::{charged_entry, quota_reads, quota_refusal};
 use wire::{Guard, Refused, TxnOp};
+
+pub use leases::LEASE_WINDOW_MS;
 
 /// The store's settings are the configuration's `store` section, defined (with their defaults
 /// and the size limits that follow from etcd's) in `config::etcd`, where `parse` builds them.
@@ -136,55 +144,8 @@ pub enum ExchangeStep {
     Done(StoreAnswer),
 }
 
-/// Records whose expiry falls in the same window share one etcd lease, which ends after the
-/// window: a worker grants one lease per window in use, never one per request.
-pub const LEASE_WINDOW_MS: u64 = 10_000;
-/// Added to every lease's TTL: covers the time between the grant and the puts that use it.
-const LEASE_SLACK_S: u64 = 2;
-/// Leases a worker keeps: one per window in use (claims and completions of each ttl in use).
-const CACHED_LEASES: usize = 16;
 /// Transactions lost to other writers before `begin` gives up (`Contention`).
 const TXN_ATTEMPTS: u8 = 3;
-/// Upper bound of a retry-after hint (as the local store).
-const RETRY_CAP_MS: u64 = 60_000;
-
-#[derive(Debug, Clone, Copy)]
-struct CachedLease {
-    window_end_ms: u64,
-    id: i64,
-}
-
-/// A lease for the lease keys of claims with one processing lease length, granted when this
-/// worker asked at `granted_at_ms` (its clock), used for claims made within
-/// `claim_lease_reuse_ms` of that.
-#[derive(Debug, Clone, Copy)]
-struct ClaimLease {
-    lease_ms: u64,
-    granted_at_ms: u64,
-    id: i64,
-}
-
-/// How long a worker puts new claims' lease keys on one claim lease: a lease key outlives its
-/// claim's processing lease by up to this (and `CLAIM_LEASE_SLACK_S`), so a takeover of an
-/// abandoned claim comes at most that much later; a longer reuse means fewer grants.
-fn claim_lease_reuse_ms(lease_ms: u64) -> u64 {
-    (lease_ms / 10).max(1_000)
-}
-
-/// The TTL of a claim lease: every claim put on it within the reuse window keeps its lease key
-/// for at least its processing lease, by etcd's clock.
-fn claim_lease_ttl_s(lease_ms: u64) -> u64 {
-    lease_ms
-        .saturating_add(claim_lease_reuse_ms(lease_ms))
-        .div_ceil(1_000)
-        .saturating_add(CLAIM_LEASE_SLACK_S)
-}
-
-/// Covers the grant's round trip: the reuse window counts from before the lease was granted.
-const CLAIM_LEASE_SLACK_S: u64 = 1;
-/// The retry-after hint for a claim whose lease key lives on past its deadline by this
-/// worker's clock (a clock ahead of the owner's).
-const LIVE_CLAIM_RETRY_MS: u64 = 1_000;
 
 /// Per worker (one per root context): the leases granted per expiry window and the auth token.
 /// Workers never share them (each has its own), so the cells are only touched by one thread.
@@ -197,31 +158,6 @@ pub struct EtcdStore {
     replay: Option<RefCell<ReplayCache>>,
 }
 
-/// The worker's token fetch: at most one at a time, whatever the number of exchanges that need
-/// a token (each authenticate is a bcrypt check and a Raft write on etcd).
-#[derive(Debug, Clone, Default)]
-struct TokenFetch {
-    /// Fetches started so far: the number of the current or last one.
-    started: u64,
-    /// Fetch `started` is in flight until this deadline (its callout's timeout): an exchange
-    /// waiting for it gives up then, and the next one that needs a token fetches anew.
-    in_flight_until_ms: Option<u64>,
-    /// The last fetch that failed (or outlived its deadline), and why: exchanges that waited for
-    /// it fail with the same error.
-    failed: Option<(u64, StoreError)>,
-    /// A fetch ended since the driver last asked (`take_fetch_ended`).
-    ended: bool,
-}
-
-impl TokenFetch {
-    /// Fetch `started` is over without a token.
-    fn fail(&mut self, error: StoreError) {
-        self.failed = Some((self.started, error));
-        self.in_flight_until_ms = None;
-        self.ended = true;
-    }
-}
-
 /// The token is a credential: formatted as present or absent only.
 impl std::fmt::Debug for EtcdStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -232,12 +168,6 @@ impl std::fmt::Debug for EtcdStore {
             .field("replay_cache", &self.replay.as_ref().map(|c| c.borrow().len()))
             .finish()
     }
-}
-
-/// The end of the lease window a record expiring at `expires_at_ms` belongs to: strictly after
-/// its expiry, so the record's lease never ends before the record does.
-fn window_end(expires_at_ms: u64) -> u64 {
-    (expires_at_ms / LEASE_WINDOW_MS).saturating_add(1).saturating_mul(LEASE_WINDOW_MS)
 }
 
 impl EtcdStore {
@@ -276,12 +206,6 @@ impl EtcdStore {
         }
     }
 
-    /// True once after a token fetch ended (a token, or a failure): the driver steps the
-    /// exchanges that answered `AwaitToken` again.
-    pub fn take_fetch_ended(&self) -> bool {
-        std::mem::take(&mut self.fetch.borrow_mut().ended)
-    }
-
     /// (records, bytes) in this worker's replay cache; None when it is off.
     pub fn replay_cache_usage(&self) -> Option<(usize, u64)> {
         self.replay.as_ref().map(|c| {
@@ -299,136 +223,6 @@ impl EtcdStore {
             cache.borrow_mut().keep(entry, snapshot, now_ms);
         }
     }
-
-    fn lease_for(&self, window_end_ms: u64, now_ms: u64) -> Option<i64> {
-        let mut leases = self.leases.borrow_mut();
-        leases.retain(|l| l.window_end_ms > now_ms);
-        leases.iter().find(|l| l.window_end_ms == window_end_ms).map(|l| l.id)
-    }
-
-    fn remember_lease(&self, window_end_ms: u64, id: i64) {
-        let mut leases = self.leases.borrow_mut();
-        leases.retain(|l| l.window_end_ms != window_end_ms);
-        if leases.len() >= CACHED_LEASES {
-            // The soonest window is the one least likely to be asked for again.
-            if let Some(i) = leases.iter().enumerate().min_by_key(|(_, l)| l.window_end_ms).map(|(i, _)| i) {
-                leases.swap_remove(i);
-            }
-        }
-        leases.push(CachedLease { window_end_ms, id });
-    }
-
-    fn forget_lease(&self, id: i64) {
-        self.leases.borrow_mut().retain(|l| l.id != id);
-        self.claim_leases.borrow_mut().retain(|l| l.id != id);
-    }
-
-    fn claim_lease_for(&self, lease_ms: u64, now_ms: u64) -> Option<i64> {
-        let mut leases = self.claim_leases.borrow_mut();
-        // A clock that went back is no reason to keep using a lease: it may be near its end.
-        leases.retain(|l| {
-            now_ms >= l.granted_at_ms
-                && now_ms < l.granted_at_ms.saturating_add(claim_lease_reuse_ms(l.lease_ms))
-        });
-        leases.iter().find(|l| l.lease_ms == lease_ms).map(|l| l.id)
-    }
-
-    fn remember_claim_lease(&self, lease_ms: u64, granted_at_ms: u64, id: i64) {
-        let mut leases = self.claim_leases.borrow_mut();
-        leases.retain(|l| l.lease_ms != lease_ms);
-        if leases.len() >= CACHED_LEASES {
-            leases.remove(0);
-        }
-        leases.push(ClaimLease { lease_ms, granted_at_ms, id });
-    }
-
-    fn token(&self) -> Option<String> {
-        self.token.borrow().clone()
-    }
-
-    fn key(&self, parts: &[&str]) -> Vec<u8> {
-        let mut key = self.settings.prefix.clone().into_bytes();
-        for p in parts {
-            key.extend_from_slice(p.as_bytes());
-        }
-        key
-    }
-
-    /// `<prefix>r/<scope hex>`: the record.
-    fn record_key(&self, scope: &crate::identity::scope::ScopeId) -> Vec<u8> {
-        self.key(&["r/", &hex(&scope.0)])
-    }
-
-    /// `<prefix>l/<scope hex>`: a claim's lease key, on a claim lease: it exists while the
-    /// claim's processing lease runs by etcd's clock, whatever the Envoys' clocks say. Its value
-    /// is the claim's owner token.
-    fn lease_key(&self, scope: &crate::identity::scope::ScopeId) -> Vec<u8> {
-        self.key(&["l/", &hex(&scope.0)])
-    }
-
-    /// `<prefix>q/<t|p>/<tag hex16>/`: one identity's quota index; below it one key per record
-    /// counted, `<until hex16>/<scope hex>`, where `until` is when the record stops counting.
-    /// Keys sort by `until`, so the live ones are a range starting at now.
-    fn index_prefix(&self, tenant: bool, tag: u64) -> Vec<u8> {
-        self.key(&["q/", if tenant { "t/" } else { "p/" }, &format!("{tag:016x}/")])
-    }
-
-    fn index_keys(&self, e: &Entry) -> Vec<Vec<u8>> {
-        let until = counts_until(e);
-        let mut keys = Vec::new();
-        for (flag, tenant, tag) in
-            [(FLAG_TENANT_CHARGED, true, e.tenant_tag), (FLAG_PRINCIPAL_CHARGED, false, e.principal_tag)]
-        {
-            if e.flags & flag != 0 {
-                let mut key = self.index_prefix(tenant, tag);
-                key.extend_from_slice(format!("{until:016x}/{}", hex(&e.scope.0)).as_bytes());
-                keys.push(key);
-            }
-        }
-        keys
-    }
-
-    /// The live part of an identity's index at `now_ms`: keys whose `until` is after now.
-    fn live_index(&self, tenant: bool, tag: u64, now_ms: u64) -> TxnOp {
-        let prefix = self.index_prefix(tenant, tag);
-        let mut key = prefix.clone();
-        key.extend_from_slice(format!("{:016x}", now_ms.saturating_add(1)).as_bytes());
-        let mut range_end = prefix;
-        // '/' + 1: the first key after every key under the prefix.
-        if let Some(last) = range_end.last_mut() {
-            *last = b'0';
-        }
-        TxnOp::Range { key, range_end: Some(range_end), limit: 2, keys_only: true }
-    }
-}
-
-/// When a record stops counting against its quota: a claim at the end of its lease (an abandoned
-/// claim must not lock its client out for the ttl, as the local store's sweep discharges it), a
-/// completed record at its expiry.
-fn counts_until(e: &Entry) -> u64 {
-    if e.is_completed() {
-        e.expires_at_ms
-    } else {
-        e.lease_deadline_ms.min(e.expires_at_ms)
-    }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0x0F)]));
-    }
-    out
-}
-
-/// A quota tag: the first 8 bytes of the identity's digest. A collision (2^-64 per pair) merges
-/// two identities' quotas, nothing worse; the tag keeps the digest itself out of etcd's keys.
-fn tag_of(digest: &[u8; 32]) -> u64 {
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    u64::from_be_bytes(first)
 }
 
 /// Where an exchange is: which answer it waits for.
@@ -689,120 +483,6 @@ impl Exchange {
         self.send(store, now_ms)
     }
 
-    /// The pending call with the worker's token; without one, after the worker's token fetch:
-    /// this exchange makes it, or waits for the one in flight.
-    fn send(&mut self, store: &EtcdStore, now_ms: u64) -> Result<ExchangeStep, StoreError> {
-        if store.settings.auth.is_none() || store.token.borrow().is_some() {
-            return self.resend(store);
-        }
-        let waiting = {
-            let mut fetch = store.fetch.borrow_mut();
-            match fetch.in_flight_until_ms {
-                Some(deadline_ms) if now_ms < deadline_ms => Some(fetch.started),
-                // One whose answer never came in time (its callout failed or timed out, and
-                // its exchange ended without it): over, and a new fetch.
-                Some(_) => {
-                    fetch.fail(StoreError::TimedOut);
-                    None
-                }
-                None => None,
-            }
-        };
-        match waiting {
-            Some(number) => {
-                self.awaiting = Some(number);
-                Ok(ExchangeStep::AwaitToken)
-            }
-            None => Ok(self.authenticate(store, now_ms)),
-        }
-    }
-
-    /// Stepped again while waiting for fetch number `awaiting`: on with the token it brought,
-    /// on waiting while it is in flight, or the fetch's failure (a fetch past its deadline
-    /// timed out).
-    fn token_awaited(&mut self, store: &EtcdStore, now_ms: u64) -> Result<ExchangeStep, StoreError> {
-        let Some(number) = self.awaiting.take() else { return Err(unusable("not waiting for a token")) };
-        if store.token.borrow().as_ref().is_some_and(|t| Some(t) != self.sent_token.as_ref()) {
-            return self.resend(store);
-        }
-        let mut fetch = store.fetch.borrow_mut();
-        if let Some((failed, error)) = &fetch.failed {
-            if *failed >= number {
-                return Err(error.clone());
-            }
-        }
-        match fetch.in_flight_until_ms {
-            // Its own, or a later one (its token was refused before this exchange took it).
-            Some(deadline_ms) if now_ms < deadline_ms => {
-                self.awaiting = Some(fetch.started);
-                Ok(ExchangeStep::AwaitToken)
-            }
-            // Its answer never came in time (the callout failed or timed out and was not handed
-            // to its exchange): over, for everyone waiting.
-            Some(_) => {
-                fetch.fail(StoreError::TimedOut);
-                Err(StoreError::TimedOut)
-            }
-            None => Err(unusable("the token fetch ended without a token")),
-        }
-    }
-
-    /// The operation's last call, with the current token.
-    fn resend(&mut self, store: &EtcdStore) -> Result<ExchangeStep, StoreError> {
-        let (path, body) = self.pending.clone().ok_or_else(|| unusable("no call to send"))?;
-        let token = store.token();
-        self.sent_token.clone_from(&token);
-        Ok(ExchangeStep::Call { path, body, token, timeout_ms: store.settings.timeout_ms })
-    }
-
-    /// Starts the worker's token fetch: the others that need a token wait for it.
-    fn authenticate(&mut self, store: &EtcdStore, now_ms: u64) -> ExchangeStep {
-        let timeout_ms = store.settings.auth_timeout_ms;
-        let number = {
-            let mut fetch = store.fetch.borrow_mut();
-            fetch.started = fetch.started.wrapping_add(1);
-            fetch.in_flight_until_ms = Some(now_ms.saturating_add(timeout_ms));
-            fetch.started
-        };
-        self.fetching = Some(number);
-        let body = match &store.settings.auth {
-            Some(a) => wire::authenticate(&a.username, &a.password),
-            None => Vec::new(),
-        };
-        ExchangeStep::Call { path: wire::AUTHENTICATE, body, token: None, timeout_ms }
-    }
-
-    /// The answer to the fetch this exchange made: the worker's token (and this exchange's
-    /// call sent with it), or the failure every exchange waiting for it gets too.
-    fn authenticated(
-        &mut self,
-        store: &EtcdStore,
-        number: u64,
-        answer: &HttpAnswer,
-    ) -> Result<ExchangeStep, StoreError> {
-        self.fetching = None;
-        let token = wire::body(answer.status, &answer.body).and_then(|body| wire::read_token(&body)).map_err(
-            |refused| match refused {
-                Refused::Unusable(m) => StoreError::Unavailable(format!("authenticate: {m}")),
-                other => other.into_error(),
-            },
-        );
-        {
-            let mut fetch = store.fetch.borrow_mut();
-            // A later fetch (this one outlived its deadline) is not this one's to end.
-            if fetch.started == number {
-                match &token {
-                    Ok(_) => fetch.in_flight_until_ms = None,
-                    Err(error) => fetch.fail(error.clone()),
-                }
-            }
-            // Whoever waits for a token takes this one.
-            fetch.ended = true;
-        }
-        *store.token.borrow_mut() = Some(token?);
-        self.resend(store)
-    }
-
     fn first(&mut self, store: &EtcdStore, now_ms: u64) -> Result<Next, StoreError> {
         match &self.op {
             StoreOp::Begin(a) => match store.cached_answer(a) {
@@ -921,21 +601,6 @@ impl Exchange {
         Ok(Next::Call(wire::TXN, body, Stage::QuotaRead))
     }
 
-    fn quota_read(
-        &mut self,
-        store: &EtcdStore,
-        txn: &wire::TxnAnswer,
-        now_ms: u64,
-    ) -> Result<Next, StoreError> {
-        let StoreOp::Begin(a) = self.op.clone() else { return Err(unusable("not a begin")) };
-        let pending = self.pending_claim.take().ok_or_else(|| unusable("a quota read without its claim"))?;
-        if !txn.succeeded {
-            // The record changed since it was read: look again, as after a lost write.
-            return self.read_again(store, &a, now_ms);
-        }
-        self.claim(store, &a, pending, &txn.ranges, now_ms)
-    }
-
     fn read_again(&mut self, store: &EtcdStore, a: &ClaimAttempt, now_ms: u64) -> Result<Next, StoreError> {
         self.attempts += 1;
         if self.attempts >= TXN_ATTEMPTS {
@@ -1034,44 +699,6 @@ impl Exchange {
     fn plan(&mut self, write: Write, store: &EtcdStore, now_ms: u64) -> Result<Next, StoreError> {
         self.write = Some(write);
         self.lease_or_write(store, now_ms)
-    }
-
-    /// Finds the leases the write needs (its record's, for its expiry window; a claim's lease
-    /// key's, for its processing lease), granting one this worker does not have yet, then
-    /// makes the write.
-    fn lease_or_write(&mut self, store: &EtcdStore, now_ms: u64) -> Result<Next, StoreError> {
-        let Some(w) = self.write.as_mut() else { return Err(unusable("no write planned")) };
-        if let Some((entry, _)) = &w.record {
-            if w.lease == 0 {
-                w.window_end_ms = window_end(entry.expires_at_ms);
-                match store.lease_for(w.window_end_ms, now_ms) {
-                    Some(id) => w.lease = id,
-                    None => {
-                        let ttl_s = w
-                            .window_end_ms
-                            .saturating_sub(now_ms)
-                            .div_ceil(1_000)
-                            .saturating_add(LEASE_SLACK_S);
-                        return Ok(Next::Call(
-                            wire::LEASE_GRANT,
-                            wire::lease_grant(ttl_s),
-                            Stage::LeaseGrant,
-                        ));
-                    }
-                }
-            }
-        }
-        if let (Some(lease_ms), 0) = (w.claim_lease_ms, w.claim_lease) {
-            match store.claim_lease_for(lease_ms, now_ms) {
-                Some(id) => w.claim_lease = id,
-                None => {
-                    w.grant_sent_ms = now_ms;
-                    let ttl_s = claim_lease_ttl_s(lease_ms);
-                    return Ok(Next::Call(wire::LEASE_GRANT, wire::lease_grant(ttl_s), Stage::LeaseGrant));
-                }
-            }
-        }
-        self.write_call(store)
     }
 
     fn write_call(&self, store: &EtcdStore) -> Result<Next, StoreError> {
@@ -1185,71 +812,6 @@ impl Exchange {
     }
 }
 
-impl Exchange {
-    /// Deletes a new claim found over its quota (record, index keys, lease key), guarded by its
-    /// revision; the begin then answers `refusal`.
-    fn undo(&mut self, store: &EtcdStore, entry: Entry, revision: i64, refusal: Begin) -> Next {
-        let key = store.record_key(&entry.scope);
-        let mut ops: Vec<TxnOp> =
-            store.index_keys(&entry).into_iter().map(|k| TxnOp::Delete { key: k }).collect();
-        ops.push(TxnOp::Delete { key: key.clone() });
-        ops.push(TxnOp::Delete { key: store.lease_key(&entry.scope) });
-        self.refusal = Some(refusal);
-        Next::Call(wire::TXN, wire::txn(Some((&key, Guard::ModRevision(revision))), &ops, &[]), Stage::Undo)
-    }
-}
-
-/// The processing record a claim of `a` writes, charged to the identities its quota names.
-fn charged_entry(a: &ClaimAttempt) -> Entry {
-    // A claim read from etcd is a record without a body (`record::decode_record`).
-    let (mut flags, mut tenant_tag, mut principal_tag) = (FLAG_BODY_NOT_STORED, 0, 0);
-    if let Some(q) = &a.quota {
-        if let Some(t) = &q.tenant {
-            flags |= FLAG_TENANT_CHARGED;
-            tenant_tag = tag_of(t);
-        }
-        if let Some(p) = &q.principal {
-            flags |= FLAG_PRINCIPAL_CHARGED;
-            principal_tag = tag_of(p);
-        }
-    }
-    a.processing_entry(0, flags, tenant_tag, principal_tag)
-}
-
-/// The quota's refusal of a claim of `a`, given its live index ranges (in `quota_reads`
-/// order), or None when there is room. `own`: the claim's record and index keys when the
-/// ranges were read after putting them (they count, but not against themselves).
-fn quota_refusal(
-    a: &ClaimAttempt,
-    live: &[wire::RangeAnswer],
-    own: Option<(&Entry, &[Vec<u8>])>,
-) -> Result<Option<Begin>, StoreError> {
-    let Some(q) = &a.quota else { return Ok(None) };
-    let mut ranges = live.iter();
-    for (present, bound, tenant) in
-        [(q.tenant.is_some(), q.per_tenant, true), (q.principal.is_some(), q.per_principal, false)]
-    {
-        if !present {
-            continue;
-        }
-        let what = if tenant { "tenant" } else { "principal" };
-        let range =
-            ranges.next().ok_or_else(|| unusable(&format!("etcd's answer lacks the {what} index")))?;
-        let mut others = range.clone();
-        if let Some((entry, keys)) = own {
-            // The claim's own key is in the live range when it counts after now.
-            if counts_until(entry) > a.now_ms {
-                others.count = others.count.saturating_sub(1);
-            }
-            others.kvs.retain(|kv| !keys.contains(&kv.key));
-        }
-        if let Some(refusal) = refusal(&others, bound, a.now_ms, tenant) {
-            return Ok(Some(refusal));
-        }
-    }
-    Ok(None)
-}
-
 /// True when `value` is the record as `op`, a completion, writes it: this claim's owner token
 /// with this outcome. Owner tokens are unique per claim, so nobody else wrote it: the write of
 /// an earlier try of the same completion landed.
@@ -1273,43 +835,5 @@ fn decode(bytes: &[u8]) -> Result<SlotValue, StoreError> {
     record::decode_record(bytes).map_err(|e| StoreError::Corrupt(format!("etcd record: {e:?}")))
 }
 
-/// A charged attempt's quota reads: its tenant's live index (if it has a tenant), then its
-/// principal's.
-fn quota_reads(store: &EtcdStore, a: &ClaimAttempt) -> Vec<TxnOp> {
-    let mut reads = Vec::new();
-    if let Some(q) = &a.quota {
-        if let Some(t) = &q.tenant {
-            reads.push(store.live_index(true, tag_of(t), a.now_ms));
-        }
-        if let Some(p) = &q.principal {
-            reads.push(store.live_index(false, tag_of(p), a.now_ms));
-        }
-    }
-    reads
-}
-
-/// The owner token a lease key holds.
-fn owner_of(value: &[u8]) -> Option<u64> {
-    <[u8; 8]>::try_from(value).ok().map(u64::from_be_bytes)
-}
-
-/// The quota answer for an identity whose live index is `live`, or None when there is room.
-fn refusal(live: &wire::RangeAnswer, bound: u32, now_ms: u64, tenant: bool) -> Option<Begin> {
-    if live.count < i64::from(bound) {
-        return None;
-    }
-    // The first live key is the one that stops counting first (keys sort by `until`).
-    let soonest = live.kvs.first().and_then(|kv| {
-        let text = std::str::from_utf8(&kv.key).ok()?;
-        let mut parts = text.rsplit('/');
-        parts.next()?;
-        u64::from_str_radix(parts.next()?, 16).ok()
-    });
-    let retry_after_ms = match soonest {
-        Some(until) if bound > 0 => until.saturating_sub(now_ms).clamp(1, RETRY_CAP_MS),
-        _ => RETRY_CAP_MS,
-    };
-    Some(Begin::QuotaExceeded { retry_after_ms, tenant })
-}
 #[cfg(test)]
 mod tests;

@@ -4,9 +4,11 @@
 // Test code: a failed expectation is the test's failure.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use super::keys::hex;
+use super::leases::CACHED_LEASES;
 use super::*;
 use crate::identity::fingerprint::Fingerprint;
-use crate::store::record::Snapshot;
+use crate::store::record::{Snapshot, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED};
 use crate::store::{QuotaCharge, StoreAnswer};
 
 const HEADER: &str = r#""header":{"cluster_id":"15118495548433857066","member_id":"13668033151171901709","revision":"REV","raft_term":"2"}"#;

@@ -1,0 +1,166 @@
+//! etcd authentication: the worker's token, fetched by one exchange at a time
+//! (`/v3/auth/authenticate` is a bcrypt check and a Raft write on etcd) while the others that
+//! need it wait (`ExchangeStep::AwaitToken`), and fetched again, once per exchange, when etcd
+//! refuses it. Apart from the exchange's store steps because none of them depends on it: every
+//! call goes out through `send`, which adds the token.
+
+use super::wire::{self, Refused};
+use super::{unusable, EtcdStore, Exchange, ExchangeStep, HttpAnswer};
+use crate::store::StoreError;
+
+/// The worker's token fetch: at most one at a time, whatever the number of exchanges that need
+/// a token (each authenticate is a bcrypt check and a Raft write on etcd).
+#[derive(Debug, Clone, Default)]
+pub(super) struct TokenFetch {
+    /// Fetches started so far: the number of the current or last one.
+    started: u64,
+    /// Fetch `started` is in flight until this deadline (its callout's timeout): an exchange
+    /// waiting for it gives up then, and the next one that needs a token fetches anew.
+    in_flight_until_ms: Option<u64>,
+    /// The last fetch that failed (or outlived its deadline), and why: exchanges that waited for
+    /// it fail with the same error.
+    failed: Option<(u64, StoreError)>,
+    /// A fetch ended since the driver last asked (`take_fetch_ended`).
+    ended: bool,
+}
+
+impl TokenFetch {
+    /// Fetch `started` is over without a token.
+    fn fail(&mut self, error: StoreError) {
+        self.failed = Some((self.started, error));
+        self.in_flight_until_ms = None;
+        self.ended = true;
+    }
+}
+
+impl EtcdStore {
+    /// True once after a token fetch ended (a token, or a failure): the driver steps the
+    /// exchanges that answered `AwaitToken` again.
+    pub fn take_fetch_ended(&self) -> bool {
+        std::mem::take(&mut self.fetch.borrow_mut().ended)
+    }
+
+    pub(super) fn token(&self) -> Option<String> {
+        self.token.borrow().clone()
+    }
+}
+
+impl Exchange {
+    /// The pending call with the worker's token; without one, after the worker's token fetch:
+    /// this exchange makes it, or waits for the one in flight.
+    pub(super) fn send(&mut self, store: &EtcdStore, now_ms: u64) -> Result<ExchangeStep, StoreError> {
+        if store.settings.auth.is_none() || store.token.borrow().is_some() {
+            return self.resend(store);
+        }
+        let waiting = {
+            let mut fetch = store.fetch.borrow_mut();
+            match fetch.in_flight_until_ms {
+                Some(deadline_ms) if now_ms < deadline_ms => Some(fetch.started),
+                // One whose answer never came in time (its callout failed or timed out, and
+                // its exchange ended without it): over, and a new fetch.
+                Some(_) => {
+                    fetch.fail(StoreError::TimedOut);
+                    None
+                }
+                None => None,
+            }
+        };
+        match waiting {
+            Some(number) => {
+                self.awaiting = Some(number);
+                Ok(ExchangeStep::AwaitToken)
+            }
+            None => Ok(self.authenticate(store, now_ms)),
+        }
+    }
+
+    /// Stepped again while waiting for fetch number `awaiting`: on with the token it brought,
+    /// on waiting while it is in flight, or the fetch's failure (a fetch past its deadline
+    /// timed out).
+    pub(super) fn token_awaited(
+        &mut self,
+        store: &EtcdStore,
+        now_ms: u64,
+    ) -> Result<ExchangeStep, StoreError> {
+        let Some(number) = self.awaiting.take() else { return Err(unusable("not waiting for a token")) };
+        if store.token.borrow().as_ref().is_some_and(|t| Some(t) != self.sent_token.as_ref()) {
+            return self.resend(store);
+        }
+        let mut fetch = store.fetch.borrow_mut();
+        if let Some((failed, error)) = &fetch.failed {
+            if *failed >= number {
+                return Err(error.clone());
+            }
+        }
+        match fetch.in_flight_until_ms {
+            // Its own, or a later one (its token was refused before this exchange took it).
+            Some(deadline_ms) if now_ms < deadline_ms => {
+                self.awaiting = Some(fetch.started);
+                Ok(ExchangeStep::AwaitToken)
+            }
+            // Its answer never came in time (the callout failed or timed out and was not handed
+            // to its exchange): over, for everyone waiting.
+            Some(_) => {
+                fetch.fail(StoreError::TimedOut);
+                Err(StoreError::TimedOut)
+            }
+            None => Err(unusable("the token fetch ended without a token")),
+        }
+    }
+
+    /// The operation's last call, with the current token.
+    fn resend(&mut self, store: &EtcdStore) -> Result<ExchangeStep, StoreError> {
+        let (path, body) = self.pending.clone().ok_or_else(|| unusable("no call to send"))?;
+        let token = store.token();
+        self.sent_token.clone_from(&token);
+        Ok(ExchangeStep::Call { path, body, token, timeout_ms: store.settings.timeout_ms })
+    }
+
+    /// Starts the worker's token fetch: the others that need a token wait for it.
+    fn authenticate(&mut self, store: &EtcdStore, now_ms: u64) -> ExchangeStep {
+        let timeout_ms = store.settings.auth_timeout_ms;
+        let number = {
+            let mut fetch = store.fetch.borrow_mut();
+            fetch.started = fetch.started.wrapping_add(1);
+            fetch.in_flight_until_ms = Some(now_ms.saturating_add(timeout_ms));
+            fetch.started
+        };
+        self.fetching = Some(number);
+        let body = match &store.settings.auth {
+            Some(a) => wire::authenticate(&a.username, &a.password),
+            None => Vec::new(),
+        };
+        ExchangeStep::Call { path: wire::AUTHENTICATE, body, token: None, timeout_ms }
+    }
+
+    /// The answer to the fetch this exchange made: the worker's token (and this exchange's
+    /// call sent with it), or the failure every exchange waiting for it gets too.
+    pub(super) fn authenticated(
+        &mut self,
+        store: &EtcdStore,
+        number: u64,
+        answer: &HttpAnswer,
+    ) -> Result<ExchangeStep, StoreError> {
+        self.fetching = None;
+        let token = wire::body(answer.status, &answer.body).and_then(|body| wire::read_token(&body)).map_err(
+            |refused| match refused {
+                Refused::Unusable(m) => StoreError::Unavailable(format!("authenticate: {m}")),
+                other => other.into_error(),
+            },
+        );
+        {
+            let mut fetch = store.fetch.borrow_mut();
+            // A later fetch (this one outlived its deadline) is not this one's to end.
+            if fetch.started == number {
+                match &token {
+                    Ok(_) => fetch.in_flight_until_ms = None,
+                    Err(error) => fetch.fail(error.clone()),
+                }
+            }
+            // Whoever waits for a token takes this one.
+            fetch.ended = true;
+        }
+        *store.token.borrow_mut() = Some(token?);
+        self.resend(store)
+    }
+}

@@ -14,6 +14,7 @@
 //! The flow reads what a decision needs through `StreamFacts`, one read at a time, so that the
 //! glue never reads (pays a host call for) what no decision looks at.
 
+use crate::config::etcd::OnStoreError;
 use crate::config::{Concurrency, Config, Execution, Rule};
 use crate::engine::{self, Admission, Decision, HeaderFix, Pending, ReplayShape, Reply, RequestHead};
 use crate::identity::fingerprint::Fingerprint;
@@ -142,10 +143,12 @@ pub enum WaiterPlan {
 
 /// What a waiter gets when the store failed during its recheck: the fail mode decides, as for a
 /// request's own `begin` (fail_closed: 503 store-unavailable; fail_open: forward unprotected).
-pub fn waiter_failed(recheck_failed: Recheck, mode: FailMode, rule: &Rc<Rule>) -> WaiterPlan {
+pub fn waiter_failed(recheck_failed: Recheck, mode: OnStoreError, rule: &Rc<Rule>) -> WaiterPlan {
     match mode {
-        FailMode::Open => WaiterPlan::Bypass { counter: Counter::StoreBypassed, resumed: Resumed::Bypassed },
-        FailMode::Closed => waiter_plan(recheck_failed, rule),
+        OnStoreError::FailOpen => {
+            WaiterPlan::Bypass { counter: Counter::StoreBypassed, resumed: Resumed::Bypassed }
+        }
+        OnStoreError::FailClosed => waiter_plan(recheck_failed, rule),
     }
 }
 
@@ -211,17 +214,6 @@ enum Phase {
     Capturing(Capture),
     /// `complete` or `release` asked; the answer only decides what is counted and who is woken.
     Settling { claim: Claim, rule: Rc<Rule>, done: Counter },
-}
-
-/// What a store that cannot be used means for a request waiting for its claim.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailMode {
-    /// 503 `store-unavailable` with `retry-after`; nothing is forwarded (the default: a request
-    /// without a claim could execute twice).
-    Closed,
-    /// Forward without a claim, so without protection, and count it (`store_bypassed`): for
-    /// routes where availability matters more than at-most-once.
-    Open,
 }
 
 /// A `complete` or `release` the flow handed over to be settled by someone who outlives the
@@ -469,9 +461,9 @@ impl RequestFlow {
     /// The store could not be used (it failed or did not answer in time). For a request waiting
     /// for its claim, `mode` decides: fail closed (503) or forward unprotected. A settlement
     /// is counted as a store error either way (the response is already on its way).
-    pub fn store_failed(&mut self, cfg: &Config, error: StoreError, mode: FailMode) -> Output {
+    pub fn store_failed(&mut self, cfg: &Config, error: StoreError, mode: OnStoreError) -> Output {
         match (&self.phase, mode) {
-            (Phase::AwaitingBegin { pending, .. }, FailMode::Open) => {
+            (Phase::AwaitingBegin { pending, .. }, OnStoreError::FailOpen) => {
                 log::debug!(
                     "#{} store unavailable ({error}); forwarding key {} unprotected",
                     self.context_id,
@@ -480,7 +472,7 @@ impl RequestFlow {
                 self.phase = Phase::Idle;
                 Output::go(vec![Step::Count(Counter::StoreBypassed)])
             }
-            (Phase::AwaitingBegin { .. }, FailMode::Closed) => {
+            (Phase::AwaitingBegin { .. }, OnStoreError::FailClosed) => {
                 self.store_answered(cfg, StoreAnswer::Begun(Err(error)))
             }
             (Phase::Settling { .. }, _) => self.store_answered(cfg, StoreAnswer::Settled(Err(error))),
@@ -1107,14 +1099,14 @@ mod tests {
         let mut facts = Facts::post("/orders", "k", b"x");
         let mut flow = RequestFlow::new(1);
         to_begin(&mut flow, &mut facts);
-        let out = flow.store_failed(&cfg(), StoreError::TimedOut, FailMode::Closed);
+        let out = flow.store_failed(&cfg(), StoreError::TimedOut, OnStoreError::FailClosed);
         assert_eq!(counters(&out.steps), vec![Counter::StoreError]);
         assert_eq!(reply_of(&out.steps).0.status, 503);
         // Fail open: forwarded, no claim held, so nothing is settled when the response ends.
         let mut facts = Facts::post("/orders", "k", b"x").upstream_answer(201, b"");
         let mut flow = RequestFlow::new(2);
         to_begin(&mut flow, &mut facts);
-        let out = flow.store_failed(&cfg(), StoreError::Unavailable("down".into()), FailMode::Open);
+        let out = flow.store_failed(&cfg(), StoreError::Unavailable("down".into()), OnStoreError::FailOpen);
         assert_eq!(out, Output::go(vec![Step::Count(Counter::StoreBypassed)]));
         assert!(!flow.awaiting_store());
         assert_eq!(flow.response_headers(&mut facts, true), Output::go(Vec::new()));
@@ -1124,7 +1116,7 @@ mod tests {
         let mut flow = RequestFlow::new(3);
         begun(&mut flow, &mut facts, &w.store());
         flow.response_headers(&mut facts, true);
-        let out = flow.store_failed(&cfg(), StoreError::TimedOut, FailMode::Open);
+        let out = flow.store_failed(&cfg(), StoreError::TimedOut, OnStoreError::FailOpen);
         assert_eq!(out.steps, vec![Step::Count(Counter::StoreError)]);
     }
 

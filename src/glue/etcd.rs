@@ -2,8 +2,7 @@
 //! conversations, its calls the callouts. Nothing is decided here.
 
 use super::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore, Request};
-use crate::flow::FailMode;
-use crate::store::etcd::{EtcdStore, Exchange, ExchangeStep, HttpAnswer, OnStoreError};
+use crate::store::etcd::{EtcdStore, Exchange, ExchangeStep, HttpAnswer};
 use crate::store::StoreOp;
 use std::rc::Rc;
 
@@ -19,10 +18,7 @@ impl EtcdRemote {
             cluster: s.cluster.clone(),
             // Envoy reads 0 as "no timeout": a callout is always bounded.
             timeout_ms: u32::try_from(s.timeout_ms).unwrap_or(u32::MAX).max(1),
-            on_error: match s.on_error {
-                OnStoreError::FailClosed => FailMode::Closed,
-                OnStoreError::FailOpen => FailMode::Open,
-            },
+            on_error: s.on_error,
         };
         EtcdRemote { store: Rc::new(store), settings }
     }

@@ -8,7 +8,7 @@
 //! the fail mode; the conversation is only fed real answers and Envoy's reports of a failure.
 
 use super::{Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS};
-use crate::flow::FailMode;
+use crate::config::etcd::OnStoreError;
 use crate::store::{StoreAnswer, StoreOp};
 
 /// Where and how to reach the store, and what its failure means.
@@ -18,7 +18,7 @@ pub struct RemoteSettings {
     pub cluster: String,
     /// Per callout; Envoy answers a callout that takes longer with a synthesized 504.
     pub timeout_ms: u32,
-    pub on_error: FailMode,
+    pub on_error: OnStoreError,
 }
 
 /// One HTTP answer (or Envoy's report that the callout failed: `status: None`).

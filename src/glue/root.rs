@@ -8,11 +8,11 @@ use super::plugin::{
 };
 use super::remote::{self, Answer, Next, Outcome, RemoteStore};
 use super::{log_filter, Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS};
+use crate::config::etcd::OnStoreError;
 use crate::config::Execution;
 use crate::detached::{self, DETAILS_DETACHED};
 use crate::flow::{
-    settlement_steps, waiter_failed, waiter_plan, FailMode, Output, Resumed, Settlement, Step, Verdict,
-    WaiterPlan,
+    settlement_steps, waiter_failed, waiter_plan, Output, Resumed, Settlement, Step, Verdict, WaiterPlan,
 };
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
@@ -384,7 +384,7 @@ fn recheck_failed<H: Host>(
     }
     let mode = store.settings().on_error;
     let now_ms = plugin.host.now_ms();
-    if mode == FailMode::Open && plugin.bypass_log_due(now_ms) {
+    if mode == OnStoreError::FailOpen && plugin.bypass_log_due(now_ms) {
         log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
     }
     let checked = wait::recheck_answered(&plugin.config, &w, StoreAnswer::Begun(Err(error)), now_ms);
@@ -609,7 +609,7 @@ fn begin_failed<H: Host>(
         return; // its client went away, and no claim is known to exist
     }
     let mode = store.settings().on_error;
-    if mode == FailMode::Open && plugin.bypass_log_due(plugin.host.now_ms()) {
+    if mode == OnStoreError::FailOpen && plugin.bypass_log_due(plugin.host.now_ms()) {
         log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
     }
     let out = begin.flow.store_failed(&plugin.config, error, mode);

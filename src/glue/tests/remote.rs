@@ -7,7 +7,8 @@
 //! bound, abandons and counts) its completions before it tells Envoy it is done.
 
 use super::{last_token, pairs, Sent};
-use crate::flow::{FailMode, Verdict};
+use crate::config::etcd::OnStoreError;
+use crate::flow::Verdict;
 use crate::glue::fake_host::{Call, FakeHost};
 use crate::glue::http::Http;
 use crate::glue::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore, Request};
@@ -68,7 +69,7 @@ fn host() -> FakeHost {
     h
 }
 
-fn root(h: &FakeHost, cluster: &str, on_error: FailMode) -> Root<FakeHost> {
+fn root(h: &FakeHost, cluster: &str, on_error: OnStoreError) -> Root<FakeHost> {
     root_with_ops(h, cluster, on_error).0
 }
 
@@ -76,7 +77,7 @@ fn root(h: &FakeHost, cluster: &str, on_error: FailMode) -> Root<FakeHost> {
 fn root_with_ops(
     h: &FakeHost,
     cluster: &str,
-    on_error: FailMode,
+    on_error: OnStoreError,
 ) -> (Root<FakeHost>, Rc<RefCell<Vec<StoreOp>>>) {
     let mut root = Root::new(1, h.clone());
     let settings = RemoteSettings { cluster: cluster.into(), timeout_ms: 250, on_error };
@@ -140,7 +141,7 @@ fn begin(h: &FakeHost, root: &mut Root<FakeHost>, http: &mut Http<FakeHost>) -> 
 #[test]
 fn begin_is_the_roots_callout_while_the_request_stays_paused_and_its_answer_resumes_it() {
     let h = host();
-    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut root = root(&h, "etcd", OnStoreError::FailClosed);
     let mut http = root.http_context(2);
     assert_eq!(post(&h, &mut http), Verdict::Pause);
     assert!(h.dispatches().is_empty(), "not from the stream's callback");
@@ -168,7 +169,7 @@ fn begin_is_the_roots_callout_while_the_request_stays_paused_and_its_answer_resu
 #[test]
 fn a_missing_cluster_refuses_the_callout_and_fails_closed_with_503() {
     let h = host();
-    let mut root = root(&h, "no-such-cluster", FailMode::Closed);
+    let mut root = root(&h, "no-such-cluster", OnStoreError::FailClosed);
     let mut http = root.http_context(2);
     assert_eq!(begin(&h, &mut root, &mut http), None);
     assert_store_unavailable(&h);
@@ -178,7 +179,7 @@ fn a_missing_cluster_refuses_the_callout_and_fails_closed_with_503() {
 #[test]
 fn an_answer_without_status_fails_closed() {
     let h = host();
-    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut root = root(&h, "etcd", OnStoreError::FailClosed);
     let mut http = root.http_context(2);
     let token = begin(&h, &mut root, &mut http).expect("a callout");
     store_answers(&h, None, b"");
@@ -189,7 +190,7 @@ fn an_answer_without_status_fails_closed() {
 #[test]
 fn a_timeout_fails_closed_and_a_late_answer_is_ignored() {
     let h = host();
-    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut root = root(&h, "etcd", OnStoreError::FailClosed);
     let mut http = root.http_context(2);
     let token = begin(&h, &mut root, &mut http).expect("a callout");
     store_answers(&h, Some("504"), b"upstream request timeout");
@@ -207,7 +208,7 @@ fn a_timeout_fails_closed_and_a_late_answer_is_ignored() {
 #[test]
 fn fail_open_forwards_unprotected_and_counts_every_bypass() {
     let h = host();
-    let mut root = root(&h, "no-such-cluster", FailMode::Open);
+    let mut root = root(&h, "no-such-cluster", OnStoreError::FailOpen);
     for id in [2, 3] {
         let mut http = root.http_context(id);
         begin(&h, &mut root, &mut http);
@@ -217,7 +218,7 @@ fn fail_open_forwards_unprotected_and_counts_every_bypass() {
     assert!(h.replies().is_empty());
     // A timeout resumes the paused request.
     let h = host();
-    let mut root = self::root(&h, "etcd", FailMode::Open);
+    let mut root = self::root(&h, "etcd", OnStoreError::FailOpen);
     let mut timed_out = root.http_context(4);
     let token = begin(&h, &mut root, &mut timed_out).expect("a callout");
     store_answers(&h, Some("504"), b"");
@@ -230,7 +231,7 @@ fn fail_open_forwards_unprotected_and_counts_every_bypass() {
 #[test]
 fn a_claim_answered_after_the_client_left_is_released_at_once() {
     let h = host();
-    let (mut root, ops) = root_with_ops(&h, "etcd", FailMode::Closed);
+    let (mut root, ops) = root_with_ops(&h, "etcd", OnStoreError::FailClosed);
     let mut http = root.http_context(2);
     let token = begin(&h, &mut root, &mut http).expect("a callout");
     http.on_log(); // the client went away while the request was paused
@@ -258,7 +259,7 @@ fn forwarded(h: &FakeHost, root: &mut Root<FakeHost>, id: u32, status: &str) -> 
 #[test]
 fn the_root_counts_a_remote_requests_outcomes_under_its_rule() {
     let h = host();
-    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut root = root(&h, "etcd", OnStoreError::FailClosed);
     let mut http = forwarded(&h, &mut root, 2, "201");
     assert_eq!((h.counter("claimed"), h.route_counter("orders", "claimed")), (1, 1));
     *h.0.response_body.borrow_mut() = b"{}".to_vec();
@@ -273,7 +274,7 @@ fn the_root_counts_a_remote_requests_outcomes_under_its_rule() {
 #[test]
 fn the_body_is_held_while_copied_and_each_frame_read_once() {
     let h = host();
-    let (mut root, ops) = root_with_ops(&h, "etcd", FailMode::Closed);
+    let (mut root, ops) = root_with_ops(&h, "etcd", OnStoreError::FailClosed);
     let mut http = forwarded(&h, &mut root, 2, "201");
     // Envoy's buffer keeps held frames: each callback's size counts them all.
     *h.0.response_body.borrow_mut() = b"abcdef".to_vec();
@@ -294,7 +295,7 @@ fn the_body_is_held_while_copied_and_each_frame_read_once() {
 #[test]
 fn the_completion_is_dispatched_by_the_root_and_survives_the_end_of_its_stream() {
     let h = host();
-    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut root = root(&h, "etcd", OnStoreError::FailClosed);
     let mut http = forwarded(&h, &mut root, 2, "201");
     *h.0.response_body.borrow_mut() = b"{}".to_vec();
     assert_eq!(http.on_response_headers(false), Verdict::Continue);
@@ -330,7 +331,7 @@ fn the_completion_is_dispatched_by_the_root_and_survives_the_end_of_its_stream()
 fn without_a_queue_the_tick_starts_what_streams_hand_over() {
     let h = host();
     h.fail("register_queue", 1);
-    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut root = root(&h, "etcd", OnStoreError::FailClosed);
     let mut http = root.http_context(2);
     assert_eq!(post(&h, &mut http), Verdict::Pause);
     assert!(h.dispatches().is_empty());
@@ -375,7 +376,7 @@ fn at(h: &FakeHost, root: &mut Root<FakeHost>, now_ms: u64) {
 #[test]
 fn a_completion_the_store_failed_is_tried_again_with_backoff_until_it_lands() {
     let h = host();
-    let (mut root, ops) = root_with_ops(&h, "etcd", FailMode::Closed);
+    let (mut root, ops) = root_with_ops(&h, "etcd", OnStoreError::FailClosed);
     let (_http, token) = completing(&h, &mut root, 2);
     // Envoy timed the callout out: the client gets its response now, nothing is counted.
     store_answers(&h, Some("504"), b"upstream request timeout");
@@ -410,7 +411,7 @@ fn a_completion_the_store_failed_is_tried_again_with_backoff_until_it_lands() {
 #[test]
 fn a_completion_is_abandoned_and_counted_once_the_lease_has_passed() {
     let h = host();
-    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut root = root(&h, "etcd", OnStoreError::FailClosed);
     let (_http, token) = completing(&h, &mut root, 2);
     store_answers(&h, None, b"");
     root.on_http_call_response(token, 0);
@@ -437,7 +438,7 @@ fn a_completion_is_abandoned_and_counted_once_the_lease_has_passed() {
 #[test]
 fn a_retired_root_finishes_its_completions_before_it_tells_envoy_it_is_done() {
     let h = host();
-    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut root = root(&h, "etcd", OnStoreError::FailClosed);
     let (http, token) = completing(&h, &mut root, 2);
     drop(http);
     h.fail("set_effective_context", 2);
@@ -452,7 +453,7 @@ fn a_retired_root_finishes_its_completions_before_it_tells_envoy_it_is_done() {
     assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == Call::Done).count(), 1);
     // A root with nothing under way goes at once.
     let h = host();
-    let mut idle = root_with_ops(&h, "etcd", FailMode::Closed).0;
+    let mut idle = root_with_ops(&h, "etcd", OnStoreError::FailClosed).0;
     assert!(idle.on_done());
     assert!(!h.0.calls.borrow().contains(&Call::Done));
 }
@@ -460,7 +461,7 @@ fn a_retired_root_finishes_its_completions_before_it_tells_envoy_it_is_done() {
 #[test]
 fn a_retired_root_counts_what_it_abandons_at_its_bound() {
     let h = host();
-    let mut root = root(&h, "etcd", FailMode::Closed);
+    let mut root = root(&h, "etcd", OnStoreError::FailClosed);
     // A completion whose answer never comes back to the root.
     let _ = completing(&h, &mut root, 2);
     assert!(!root.on_done());

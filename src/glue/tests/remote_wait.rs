@@ -2,7 +2,8 @@
 //! backoff, are woken by this Envoy's completions, and resolve like local waiters.
 
 use super::{last_token, pairs};
-use crate::flow::{FailMode, Verdict};
+use crate::config::etcd::OnStoreError;
+use crate::flow::Verdict;
 use crate::glue::fake_host::{Call, FakeHost};
 use crate::glue::http::Http;
 use crate::glue::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore, Request};
@@ -78,7 +79,7 @@ struct Rig {
 
 const IN_FLIGHT: Begin = Begin::InFlight { retry_after_ms: 30_000 };
 
-fn rig(on_error: FailMode) -> Rig {
+fn rig(on_error: OnStoreError) -> Rig {
     let h = FakeHost::default();
     *h.0.config.borrow_mut() = CONFIG.as_bytes().to_vec();
     h.0.now_ms.set(1_000);
@@ -151,7 +152,7 @@ fn replay() -> Begin {
 
 #[test]
 fn a_remote_waiter_polls_with_backoff_and_gets_the_replay() {
-    let mut r = rig(FailMode::Closed);
+    let mut r = rig(OnStoreError::FailClosed);
     let (_original, mut waiter) = original_and_waiter(&mut r);
     // Polls 50 ms after parking, then 100, 200, 400, 800 ms after each answer (the tick
     // checks every 100 ms in Envoy; here it is driven at the exact times).
@@ -183,7 +184,7 @@ fn a_remote_waiter_polls_with_backoff_and_gets_the_replay() {
 
 #[test]
 fn a_remote_waiter_that_finds_the_record_released_becomes_the_owner() {
-    let mut r = rig(FailMode::Closed);
+    let mut r = rig(OnStoreError::FailClosed);
     let (_original, mut waiter) = original_and_waiter(&mut r);
     assert!(tick_at(&mut r, 1_050));
     answer(&mut r, Some("200")); // nothing scripted: the recheck claims
@@ -202,7 +203,7 @@ fn a_remote_waiter_that_finds_the_record_released_becomes_the_owner() {
 
 #[test]
 fn a_remote_waiter_gets_409_at_its_wait_timeout() {
-    let mut r = rig(FailMode::Closed);
+    let mut r = rig(OnStoreError::FailClosed);
     let (_original, _waiter) = original_and_waiter(&mut r);
     assert!(tick_at(&mut r, 3_000));
     r.begins.borrow_mut().push_back(IN_FLIGHT);
@@ -214,7 +215,7 @@ fn a_remote_waiter_gets_409_at_its_wait_timeout() {
 
 #[test]
 fn a_remote_waiter_whose_client_left_releases_the_claim_its_recheck_got() {
-    let mut r = rig(FailMode::Closed);
+    let mut r = rig(OnStoreError::FailClosed);
     let (_original, mut waiter) = original_and_waiter(&mut r);
     assert!(tick_at(&mut r, 1_050));
     waiter.on_log(); // the client left while the recheck was in flight
@@ -233,7 +234,7 @@ fn a_remote_waiter_whose_client_left_releases_the_claim_its_recheck_got() {
 
 #[test]
 fn a_store_failure_during_a_recheck_fails_closed_with_503() {
-    let mut r = rig(FailMode::Closed);
+    let mut r = rig(OnStoreError::FailClosed);
     let (_original, _waiter) = original_and_waiter(&mut r);
     assert!(tick_at(&mut r, 1_050));
     answer(&mut r, None); // no :status: the callout failed
@@ -253,7 +254,7 @@ fn a_store_failure_during_a_recheck_fails_closed_with_503() {
 
 #[test]
 fn a_store_failure_during_a_recheck_fails_open_unprotected_and_counted() {
-    let mut r = rig(FailMode::Open);
+    let mut r = rig(OnStoreError::FailOpen);
     let (_original, mut waiter) = original_and_waiter(&mut r);
     assert!(tick_at(&mut r, 1_050));
     answer(&mut r, Some("504")); // Envoy's timeout
@@ -271,7 +272,7 @@ fn a_store_failure_during_a_recheck_fails_open_unprotected_and_counted() {
 
 #[test]
 fn a_completion_on_this_envoy_wakes_its_waiters_at_once() {
-    let mut r = rig(FailMode::Closed);
+    let mut r = rig(OnStoreError::FailClosed);
     let (mut original, _waiter) = original_and_waiter(&mut r);
     // A poll is in flight when the original completes here.
     assert!(tick_at(&mut r, 1_050));

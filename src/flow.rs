@@ -26,7 +26,7 @@ use crate::settlement::{
 };
 use crate::store::record::{Snapshot, State};
 use crate::store::{Begin, Claim, Completion, Settled, StoreAnswer, StoreError, StoreOp};
-use crate::wait::{self, Recheck, Refused};
+use crate::wait::{self, Recheck, RoomFull};
 use facts::{property_string, property_u64, stream_report, verified_claims};
 use std::rc::Rc;
 
@@ -560,7 +560,7 @@ impl RequestFlow {
     }
 
     /// Whether the wait room took the request.
-    pub fn parked(&mut self, cfg: &Config, admitted: Result<(), Refused>) -> Output {
+    pub fn parked(&mut self, cfg: &Config, admitted: Result<(), RoomFull>) -> Output {
         let Phase::Parking { pending, lease_remaining_ms } = std::mem::replace(&mut self.phase, Phase::Idle)
         else {
             return Output::go(Vec::new());
@@ -1343,7 +1343,7 @@ mod tests {
         assert_eq!(verdict, Verdict::Pause);
         assert_eq!(plan.recheck_at_ms(true), plan.now_ms);
         assert!(plan.recheck_at_ms(false) > plan.now_ms);
-        let out = dup.parked(&cfg(), Err(Refused::PerKey));
+        let out = dup.parked(&cfg(), Err(RoomFull::PerKey));
         assert_eq!(counters(&out.steps), vec![Counter::WaitRefused]);
         assert_eq!(reply_of(&out.steps).0.status, 409);
         // Admitted: held; its client leaving takes it out of the room.

@@ -14,7 +14,7 @@ use crate::store::etcd::EtcdStore;
 use crate::store::local::LocalStore;
 use crate::store::{Claim, StoreAnswer, StoreError, StoreOp};
 use crate::wait::wake::{self, Registry};
-use crate::wait::{self, Refused, WaitRoom, Waiter};
+use crate::wait::{self, RoomFull, WaitRoom, Waiter};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -429,7 +429,7 @@ impl<H: Host> PluginState<H> {
     /// Holds a request in the wait room as its flow planned. A waiter on a remote store polls
     /// it (its original may run on another Envoy, whose wake-ups never come here): first after
     /// `POLL_FIRST_MS`, doubling; on the local store it relies on wake-ups and the 1 s fallback.
-    pub fn park(&self, context_id: u32, plan: ParkPlan) -> (Result<(), Refused>, WaitHandle) {
+    pub fn park(&self, context_id: u32, plan: ParkPlan) -> (Result<(), RoomFull>, WaitHandle) {
         let handle: WaitHandle = Rc::new(Cell::new(None));
         let just_advertised = self.ensure_advertised(plan.now_ms);
         let (recheck_at_ms, poll_ms) = match &self.store {

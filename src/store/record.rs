@@ -351,7 +351,7 @@ fn decode_slot_layout(bytes: &[u8], claims_allowed: bool) -> Result<SlotValue, D
 
 /// Live-record count of one quota identity (tenant or principal), keyed by its tag.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Counter {
+pub struct QuotaCounter {
     pub tag: u64,
     pub count: u32,
     /// Start of the counter's current epoch: records charged before it are no longer counted.
@@ -362,15 +362,15 @@ pub struct Counter {
     pub until_ms: u64,
 }
 
-pub fn decode_counters(bytes: &[u8]) -> Result<Vec<Counter>, DecodeError> {
+pub fn decode_counters(bytes: &[u8]) -> Result<Vec<QuotaCounter>, DecodeError> {
     if bytes.is_empty() {
         return Ok(Vec::new());
     }
     let mut r = Reader::new(bytes);
     let count = list_header(&mut r)?;
-    let mut counters: Vec<Counter> = Vec::with_capacity(usize::from(count));
+    let mut counters: Vec<QuotaCounter> = Vec::with_capacity(usize::from(count));
     for _ in 0..count {
-        let c = Counter {
+        let c = QuotaCounter {
             tag: r.u64()?,
             count: r.u32()?,
             since_ms: r.u64()?,
@@ -388,7 +388,7 @@ pub fn decode_counters(bytes: &[u8]) -> Result<Vec<Counter>, DecodeError> {
     Ok(counters)
 }
 
-pub fn encode_counters(counters: &[Counter]) -> Vec<u8> {
+pub fn encode_counters(counters: &[QuotaCounter]) -> Vec<u8> {
     if counters.is_empty() {
         return Vec::new();
     }
@@ -641,10 +641,10 @@ mod tests {
 
     #[test]
     fn counters_and_layouts_round_trip_and_refuse_duplicates() {
-        let c = Counter { tag: 9, count: 3, since_ms: 1, soonest_ms: 2, until_ms: 3 };
-        let bytes = encode_counters(&[c, Counter { tag: 10, ..c }]);
+        let c = QuotaCounter { tag: 9, count: 3, since_ms: 1, soonest_ms: 2, until_ms: 3 };
+        let bytes = encode_counters(&[c, QuotaCounter { tag: 10, ..c }]);
         assert_eq!(bytes.len(), 2 + 2 * COUNTER_LEN);
-        assert_eq!(decode_counters(&bytes), Ok(vec![c, Counter { tag: 10, ..c }]));
+        assert_eq!(decode_counters(&bytes), Ok(vec![c, QuotaCounter { tag: 10, ..c }]));
         assert_eq!(decode_counters(&encode_counters(&[c, c])), Err(DecodeError::Duplicate));
         let l = Layout { buckets: 8, beat_ms: 5, cursor: 0 };
         assert_eq!(decode_layouts(&encode_layouts(&[l])), Ok(vec![l]));

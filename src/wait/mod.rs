@@ -50,7 +50,7 @@ impl<H> Waiter<H> {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refused {
+pub enum RoomFull {
     PerKey,
     Total,
 }
@@ -75,13 +75,13 @@ impl<H> WaitRoom<H> {
     }
 
     /// Holds a new waiter, within the bounds.
-    pub fn park(&mut self, w: Waiter<H>) -> Result<(), Refused> {
+    pub fn park(&mut self, w: Waiter<H>) -> Result<(), RoomFull> {
         if self.waiters.len() >= self.max_total {
-            return Err(Refused::Total);
+            return Err(RoomFull::Total);
         }
         let scope = w.scope();
         if self.waiters.iter().filter(|x| x.scope() == scope).count() >= self.max_per_key {
-            return Err(Refused::PerKey);
+            return Err(RoomFull::PerKey);
         }
         self.waiters.push(w);
         Ok(())
@@ -253,9 +253,9 @@ mod tests {
         let mut room = WaitRoom::new(c.max_waiters_per_key, c.max_waiters);
         assert!(room.park(waiter(&c, 1, "a", 0)).is_ok());
         assert!(room.park(waiter(&c, 2, "a", 0)).is_ok());
-        assert_eq!(room.park(waiter(&c, 3, "a", 0)).err(), Some(Refused::PerKey));
+        assert_eq!(room.park(waiter(&c, 3, "a", 0)).err(), Some(RoomFull::PerKey));
         assert!(room.park(waiter(&c, 4, "b", 0)).is_ok());
-        assert_eq!(room.park(waiter(&c, 5, "c", 0)).err(), Some(Refused::Total));
+        assert_eq!(room.park(waiter(&c, 5, "c", 0)).err(), Some(RoomFull::Total));
         assert!(room.leave(4).is_some());
         assert!(room.leave(4).is_none());
         assert!(room.park(waiter(&c, 5, "c", 0)).is_ok());
@@ -356,7 +356,7 @@ mod tests {
         let mut room = WaitRoom::new(c.max_waiters_per_key, c.max_waiters);
         room.start_check(waiter(&c, 1, "a", 0));
         room.park(waiter(&c, 2, "a", 0)).ok();
-        assert_eq!(room.park(waiter(&c, 3, "a", 0)).err(), Some(Refused::PerKey));
+        assert_eq!(room.park(waiter(&c, 3, "a", 0)).err(), Some(RoomFull::PerKey));
         assert_eq!(room.due(u64::MAX).len(), 1);
         assert!(room.wake(&pending(&c, "a").scope).is_empty());
         let w = room.end_check(1).expect("still held");

@@ -20,12 +20,12 @@ pub fn queue_name(seed: u64) -> String {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Entry {
+pub struct Peer {
     pub name: String,
     pub heartbeat_ms: u64,
 }
 
-pub fn decode(bytes: &[u8]) -> Option<Vec<Entry>> {
+pub fn decode(bytes: &[u8]) -> Option<Vec<Peer>> {
     let (&version, rest) = bytes.split_first()?;
     if version != 1 {
         return None;
@@ -36,14 +36,14 @@ pub fn decode(bytes: &[u8]) -> Option<Vec<Entry>> {
         let (&len, r) = rest.split_first()?;
         let name = std::str::from_utf8(r.get(..usize::from(len))?).ok()?.to_string();
         let hb = r.get(usize::from(len)..usize::from(len) + 8)?;
-        out.push(Entry { name, heartbeat_ms: u64::from_be_bytes(hb.try_into().ok()?) });
+        out.push(Peer { name, heartbeat_ms: u64::from_be_bytes(hb.try_into().ok()?) });
         rest = r.get(usize::from(len) + 8..)?;
     }
     rest.is_empty().then_some(out)
 }
 
-pub fn encode(entries: &[Entry]) -> Vec<u8> {
-    let kept: Vec<&Entry> =
+pub fn encode(entries: &[Peer]) -> Vec<u8> {
+    let kept: Vec<&Peer> =
         entries.iter().filter(|e| e.name.len() <= usize::from(u8::MAX)).take(MAX_QUEUES).collect();
     let mut out = vec![1u8, kept.len() as u8];
     for e in kept {
@@ -77,7 +77,7 @@ impl<S: SharedData> Registry<S> {
     }
 
     /// Applies `change` to the live entries under CAS; returns the names after the change.
-    fn update(&self, now_ms: u64, change: impl Fn(&mut Vec<Entry>)) -> Result<Vec<String>, StoreError> {
+    fn update(&self, now_ms: u64, change: impl Fn(&mut Vec<Peer>)) -> Result<Vec<String>, StoreError> {
         for _ in 0..CAS_ATTEMPTS {
             let read = self.data.get(REGISTRY_KEY).map_err(host)?;
             if !read.exists() {
@@ -113,7 +113,7 @@ impl<S: SharedData> Registry<S> {
         self.update(now_ms, |entries| {
             match entries.iter_mut().find(|e| e.name == name) {
                 Some(e) => e.heartbeat_ms = now_ms,
-                None => entries.push(Entry { name: name.to_string(), heartbeat_ms: now_ms }),
+                None => entries.push(Peer { name: name.to_string(), heartbeat_ms: now_ms }),
             }
             crate::sort::small_by_key(entries, |e| std::cmp::Reverse(e.heartbeat_ms));
         })
@@ -147,7 +147,7 @@ mod tests {
 
     #[test]
     fn codec_round_trips_and_refuses_garbage() {
-        let e = vec![Entry { name: queue_name(7), heartbeat_ms: 42 }];
+        let e = vec![Peer { name: queue_name(7), heartbeat_ms: 42 }];
         assert_eq!(decode(&encode(&e)), Some(e));
         assert_eq!(decode(&[2, 0]), None);
         assert_eq!(decode(&[1, 1, 3, b'a']), None);

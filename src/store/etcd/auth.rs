@@ -4,7 +4,7 @@
 //! refuses it. Apart from the exchange's store steps because none of them depends on it: every
 //! call goes out through `send`, which adds the token.
 
-use super::wire::{self, Refused};
+use super::wire::{self, EtcdRefusal};
 use super::{unusable, EtcdStore, Exchange, ExchangeStep, HttpAnswer};
 use crate::store::StoreError;
 
@@ -144,7 +144,7 @@ impl Exchange {
         self.fetching = None;
         let token = wire::body(answer.status, &answer.body).and_then(|body| wire::read_token(&body)).map_err(
             |refused| match refused {
-                Refused::Unusable(m) => StoreError::Unavailable(format!("authenticate: {m}")),
+                EtcdRefusal::Unusable(m) => StoreError::Unavailable(format!("authenticate: {m}")),
                 other => other.into_error(),
             },
         );

@@ -65,7 +65,7 @@
 //! - release: 1: the same guarded txn deleting the record, its index keys and its lease key (a
 //!   failed guard is `Lost`).
 //! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd refuses
-//!   the token (invalid, or older than an auth change: `wire::Refused::InvalidToken`; then the
+//!   the token (invalid, or older than an auth change: `wire::EtcdRefusal::InvalidToken`; then the
 //!   call is sent again, once). One fetch per worker at a time (`TokenFetch`): an exchange that
 //!   needs a token while another fetches it answers `ExchangeStep::AwaitToken` and is stepped
 //!   again (with `None`) when `take_fetch_ended` says the fetch ended, or at the driver's next
@@ -107,7 +107,7 @@ use cache::ReplayCache;
 use keys::owner_of;
 use leases::{window_end, CachedLease, ClaimLease, LIVE_CLAIM_RETRY_MS};
 use quota::{charged_entry, quota_reads, quota_refusal};
-use wire::{Guard, Refused, TxnOp};
+use wire::{EtcdRefusal, Guard, TxnOp};
 
 pub use leases::LEASE_WINDOW_MS;
 
@@ -380,11 +380,11 @@ impl Exchange {
                     return self.authenticated(store, number, &answer);
                 }
                 match wire::body(answer.status, &answer.body) {
-                    Err(Refused::InvalidToken(_))
+                    Err(EtcdRefusal::InvalidToken(_))
                         if store.settings.auth.is_some() && !self.reauthenticated =>
                     {
                         // Tokens expire, die with an etcd restart and go stale with any auth
-                        // change (wire::Refused::InvalidToken): one fresh token, once. Only the
+                        // change (wire::EtcdRefusal::InvalidToken): one fresh token, once. Only the
                         // first exchange refused with this token drops it; the others take the
                         // new one or wait for its fetch.
                         self.reauthenticated = true;
@@ -396,7 +396,7 @@ impl Exchange {
                         }
                         return self.send(store, now_ms);
                     }
-                    Err(Refused::LeaseNotFound) if stage == Stage::Write && !self.lease_regranted => {
+                    Err(EtcdRefusal::LeaseNotFound) if stage == Stage::Write && !self.lease_regranted => {
                         self.lease_regranted = true;
                         match self.write.as_mut() {
                             Some(w) => {
@@ -412,7 +412,7 @@ impl Exchange {
                     Err(refused) => return Err(refused.into_error()),
                     Ok(body) => match stage {
                         Stage::Probe => {
-                            let txn = wire::read_txn(&body).map_err(Refused::into_error)?;
+                            let txn = wire::read_txn(&body).map_err(EtcdRefusal::into_error)?;
                             if txn.succeeded {
                                 // Absent: the leases, then the claim's transaction (which may
                                 // still find a record written meanwhile).
@@ -426,21 +426,21 @@ impl Exchange {
                         Stage::Undo => {
                             // Whether the guard held or not (a claim over its quota is nobody's
                             // to keep), the begin answers with the quota's refusal.
-                            wire::read_txn(&body).map_err(Refused::into_error)?;
+                            wire::read_txn(&body).map_err(EtcdRefusal::into_error)?;
                             let refusal =
                                 self.refusal.take().ok_or_else(|| unusable("an undo without its refusal"))?;
                             Next::Begun(refusal)
                         }
                         Stage::SettleRead => {
-                            let range = wire::read_range(&body).map_err(Refused::into_error)?;
+                            let range = wire::read_range(&body).map_err(EtcdRefusal::into_error)?;
                             self.settle_read(store, &range, now_ms)?
                         }
                         Stage::QuotaRead => {
-                            let txn = wire::read_txn(&body).map_err(Refused::into_error)?;
+                            let txn = wire::read_txn(&body).map_err(EtcdRefusal::into_error)?;
                             self.quota_read(store, &txn, now_ms)?
                         }
                         Stage::LeaseGrant => {
-                            let id = wire::read_lease_id(&body).map_err(Refused::into_error)?;
+                            let id = wire::read_lease_id(&body).map_err(EtcdRefusal::into_error)?;
                             let Some(w) = self.write.as_mut() else {
                                 return Err(unusable("a lease without a write"));
                             };
@@ -455,7 +455,7 @@ impl Exchange {
                             self.lease_or_write(store, now_ms)?
                         }
                         Stage::Write => {
-                            let txn = wire::read_txn(&body).map_err(Refused::into_error)?;
+                            let txn = wire::read_txn(&body).map_err(EtcdRefusal::into_error)?;
                             self.written(store, &txn, now_ms)?
                         }
                         Stage::Start | Stage::Finished => return Err(unusable("no call was made")),

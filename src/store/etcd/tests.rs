@@ -575,7 +575,7 @@ fn a_new_claim_over_its_quota_is_undone() {
     let own_principal = format!("{principal_prefix}{:016x}/{}", 2_000, hex(&[1; 32]));
     let own_tenant = format!("{tenant_prefix}{:016x}/{}", 2_000, hex(&[1; 32]));
     // Two other live records (bound 2), one stopping at 1.5 s, one at 2.5 s: the claim's own
-    // key (2 s) sorts between them. Refused, retry when the first other stops counting.
+    // key (2 s) sorts between them. EtcdRefusal, retry when the first other stops counting.
     let first = format!("{principal_prefix}{:016x}/{}", 1_500, hex(&[9; 32]));
     let (answer, made) = run(
         &warm_store(1_000),
@@ -979,7 +979,7 @@ fn an_invalid_token_is_replaced_once_and_the_call_sent_again() {
     assert_eq!(made[2].token.as_deref(), Some("fresh.2"));
     assert_eq!(store.token().as_deref(), Some("fresh.2"));
 
-    // Refused again with the fresh token: unavailable, no loop.
+    // EtcdRefusal again with the fresh token: unavailable, no loop.
     let (answer, made) = run(
         &with_auth(),
         StoreOp::Release(claim),

@@ -51,7 +51,7 @@ pub struct TxnAnswer {
 
 /// Why an answer cannot be used as it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Refused {
+pub enum EtcdRefusal {
     /// The token cannot be used any more: expired or revoked ("invalid auth token": etcd
     /// restarted, simple tokens time out), issued before an auth change ("revision of auth store
     /// is old": a user, role or permission changed since; JWT tokens carry the revision they were
@@ -65,12 +65,14 @@ pub enum Refused {
     Unusable(String),
 }
 
-impl Refused {
+impl EtcdRefusal {
     pub fn into_error(self) -> StoreError {
         match self {
-            Refused::InvalidToken(m) => StoreError::Unavailable(format!("etcd refused the auth token: {m}")),
-            Refused::LeaseNotFound => StoreError::Unavailable("etcd lost the lease".into()),
-            Refused::Unusable(m) => StoreError::Unavailable(m),
+            EtcdRefusal::InvalidToken(m) => {
+                StoreError::Unavailable(format!("etcd refused the auth token: {m}"))
+            }
+            EtcdRefusal::LeaseNotFound => StoreError::Unavailable("etcd lost the lease".into()),
+            EtcdRefusal::Unusable(m) => StoreError::Unavailable(m),
         }
     }
 }
@@ -91,9 +93,9 @@ fn text<'a>(v: Option<&'a JsonValue>) -> Option<&'a str> {
 }
 
 /// Reads an answer's body as etcd JSON, refusing failed callouts, error statuses and error bodies.
-pub fn body(status: Option<u16>, bytes: &[u8]) -> Result<JsonValue<'_>, Refused> {
+pub fn body(status: Option<u16>, bytes: &[u8]) -> Result<JsonValue<'_>, EtcdRefusal> {
     let Some(status) = status else {
-        return Err(Refused::Unusable("the callout to etcd failed (no status)".into()));
+        return Err(EtcdRefusal::Unusable("the callout to etcd failed (no status)".into()));
     };
     let parsed = json::read(bytes, MAX_DEPTH, MemberOrder::Document);
     let error = parsed.as_ref().ok().and_then(|v| {
@@ -103,30 +105,30 @@ pub fn body(status: Option<u16>, bytes: &[u8]) -> Result<JsonValue<'_>, Refused>
     if let Some((message, code)) = error {
         return Err(match code {
             Some(CODE_UNAUTHENTICATED) if message.contains("invalid auth token") => {
-                Refused::InvalidToken(message)
+                EtcdRefusal::InvalidToken(message)
             }
             Some(CODE_INVALID_ARGUMENT)
                 if message.contains("revision of auth store is old")
                     || message.contains("user name is empty") =>
             {
-                Refused::InvalidToken(message)
+                EtcdRefusal::InvalidToken(message)
             }
-            Some(CODE_NOT_FOUND) if message.contains("lease not found") => Refused::LeaseNotFound,
-            _ => Refused::Unusable(format!("etcd answered {status}: {message}")),
+            Some(CODE_NOT_FOUND) if message.contains("lease not found") => EtcdRefusal::LeaseNotFound,
+            _ => EtcdRefusal::Unusable(format!("etcd answered {status}: {message}")),
         });
     }
     if status != 200 {
         // Envoy's own answers (504 on timeout, 503 on reset) and proxies' error pages land here.
-        return Err(Refused::Unusable(format!("etcd answered {status}")));
+        return Err(EtcdRefusal::Unusable(format!("etcd answered {status}")));
     }
-    parsed.map_err(|e| Refused::Unusable(format!("etcd's answer is not JSON: {e}")))
+    parsed.map_err(|e| EtcdRefusal::Unusable(format!("etcd's answer is not JSON: {e}")))
 }
 
-fn malformed(what: &str) -> Refused {
-    Refused::Unusable(format!("etcd's answer has no valid {what}"))
+fn malformed(what: &str) -> EtcdRefusal {
+    EtcdRefusal::Unusable(format!("etcd's answer has no valid {what}"))
 }
 
-fn range_answer(v: &JsonValue) -> Result<RangeAnswer, Refused> {
+fn range_answer(v: &JsonValue) -> Result<RangeAnswer, EtcdRefusal> {
     let mut kvs = Vec::new();
     match v.get("kvs") {
         None => {}
@@ -151,11 +153,11 @@ fn range_answer(v: &JsonValue) -> Result<RangeAnswer, Refused> {
     Ok(RangeAnswer { kvs, count })
 }
 
-fn revision(v: &JsonValue) -> Result<i64, Refused> {
+fn revision(v: &JsonValue) -> Result<i64, EtcdRefusal> {
     int64(v.get("header").and_then(|h| h.get("revision"))).ok_or_else(|| malformed("header revision"))
 }
 
-pub fn read_txn(v: &JsonValue) -> Result<TxnAnswer, Refused> {
+pub fn read_txn(v: &JsonValue) -> Result<TxnAnswer, EtcdRefusal> {
     let succeeded = match v.get("succeeded") {
         None => false,
         Some(JsonValue::Bool(b)) => *b,
@@ -176,16 +178,16 @@ pub fn read_txn(v: &JsonValue) -> Result<TxnAnswer, Refused> {
     Ok(TxnAnswer { revision: revision(v)?, succeeded, ranges })
 }
 
-pub fn read_range(v: &JsonValue) -> Result<RangeAnswer, Refused> {
+pub fn read_range(v: &JsonValue) -> Result<RangeAnswer, EtcdRefusal> {
     revision(v)?;
     range_answer(v)
 }
 
-pub fn read_lease_id(v: &JsonValue) -> Result<i64, Refused> {
+pub fn read_lease_id(v: &JsonValue) -> Result<i64, EtcdRefusal> {
     int64(v.get("ID")).filter(|id| *id != 0).ok_or_else(|| malformed("lease ID"))
 }
 
-pub fn read_token(v: &JsonValue) -> Result<String, Refused> {
+pub fn read_token(v: &JsonValue) -> Result<String, EtcdRefusal> {
     text(v.get("token")).filter(|t| !t.is_empty()).map(str::to_owned).ok_or_else(|| malformed("token"))
 }
 

@@ -3,7 +3,7 @@
 //! impl below). Apart from placement because a charge outlives any one bucket write.
 
 use super::{host, retry_hint, LocalStore, CAS_ATTEMPTS, RETRY_CAP_MS};
-use crate::store::record::{self, Counter, Entry, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED};
+use crate::store::record::{self, Entry, QuotaCounter, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED};
 use crate::store::shared_data::SharedData;
 use crate::store::{Begin, ClaimAttempt, QuotaCharge, StoreError};
 
@@ -30,17 +30,17 @@ pub(super) struct Charged {
     pub(super) principal_tag: u64,
 }
 
-enum Refusal {
+enum QuotaRefusal {
     Exceeded { retry_after_ms: u64 },
     NoRoom { retry_after_ms: u64 },
 }
 
-impl Refusal {
+impl QuotaRefusal {
     fn answer(self, tenant: bool) -> Begin {
         match self {
-            Refusal::Exceeded { retry_after_ms } => Begin::QuotaExceeded { retry_after_ms, tenant },
+            QuotaRefusal::Exceeded { retry_after_ms } => Begin::QuotaExceeded { retry_after_ms, tenant },
             // A quota key without room for a new identity is a full store, as a full bucket is.
-            Refusal::NoRoom { retry_after_ms } => Begin::Full { retry_after_ms },
+            QuotaRefusal::NoRoom { retry_after_ms } => Begin::Full { retry_after_ms },
         }
     }
 }
@@ -127,7 +127,7 @@ impl<S: SharedData> LocalStore<S> {
         expires: u64,
         until: u64,
         apply: Apply,
-    ) -> Result<Result<(), Refusal>, StoreError> {
+    ) -> Result<Result<(), QuotaRefusal>, StoreError> {
         let data_key = self.quota_key(tag);
         for _ in 0..CAS_ATTEMPTS {
             let read = self.data.get(&data_key).map_err(host)?;
@@ -143,7 +143,9 @@ impl<S: SharedData> LocalStore<S> {
                         // is past, it awaits a sweep, which runs every second.
                         let wait =
                             if c.soonest_ms > now { c.soonest_ms - now } else { QUOTA_RETRY_FALLBACK_MS };
-                        return Ok(Err(Refusal::Exceeded { retry_after_ms: wait.clamp(1, RETRY_CAP_MS) }));
+                        return Ok(Err(QuotaRefusal::Exceeded {
+                            retry_after_ms: wait.clamp(1, RETRY_CAP_MS),
+                        }));
                     }
                     c.count += 1;
                     c.soonest_ms = if c.soonest_ms > now { c.soonest_ms.min(expires) } else { expires };
@@ -151,16 +153,18 @@ impl<S: SharedData> LocalStore<S> {
                 }
                 _ => {
                     if limit == 0 {
-                        return Ok(Err(Refusal::Exceeded { retry_after_ms: RETRY_CAP_MS }));
+                        return Ok(Err(QuotaRefusal::Exceeded { retry_after_ms: RETRY_CAP_MS }));
                     }
                     // A new identity, or one whose counter healed: a new epoch.
                     let fresh =
-                        Counter { tag, count: 1, since_ms: now, soonest_ms: expires, until_ms: until };
+                        QuotaCounter { tag, count: 1, since_ms: now, soonest_ms: expires, until_ms: until };
                     match found {
                         Some(i) => counters[i] = fresh,
                         None if counters.len() >= usize::from(COUNTERS_PER_QUOTA_KEY) => {
                             let soonest = counters.iter().map(|c| c.until_ms).min().unwrap_or(now);
-                            return Ok(Err(Refusal::NoRoom { retry_after_ms: retry_hint(soonest, now) }));
+                            return Ok(Err(QuotaRefusal::NoRoom {
+                                retry_after_ms: retry_hint(soonest, now),
+                            }));
                         }
                         None => counters.push(fresh),
                     }

@@ -6,7 +6,7 @@ use super::layout::{bucket_key_in, fill_key_in, quota_key_in, slot_key_in};
 use super::*;
 use crate::store::conformance::{attempt, charged, claimed, done, snapshot, Backend, LEASE, TTL};
 use crate::store::fake::{FakeSharedData, Interleave};
-use crate::store::record::{Counter, Layout, Snapshot};
+use crate::store::record::{Layout, QuotaCounter, Snapshot};
 
 struct Local {
     data: FakeSharedData,
@@ -552,8 +552,8 @@ fn a_stale_discharge_does_not_eat_into_a_new_epoch() {
 fn a_quota_key_without_room_answers_full() {
     let b = Local::with_capacity(8);
     let w = b.worker(0);
-    let foreign: Vec<Counter> = (0..u64::from(COUNTERS_PER_QUOTA_KEY))
-        .map(|tag| Counter {
+    let foreign: Vec<QuotaCounter> = (0..u64::from(COUNTERS_PER_QUOTA_KEY))
+        .map(|tag| QuotaCounter {
             tag: tag + 1_000,
             count: 1,
             since_ms: 0,

@@ -108,7 +108,9 @@ pub fn dispatch<H: Host>(host: &H, settings: &RemoteSettings, request: &Request)
     let mut headers: Vec<(&str, &[u8])> = vec![
         (":method", b"POST"),
         (":path", request.path.as_bytes()),
-        (":authority", b"etcd"),
+        // The store's cluster names its endpoints; Envoy requires an authority and etcd reads
+        // none, so the cluster's name says where the call went in Envoy's logs and stats.
+        (":authority", settings.cluster.as_bytes()),
         ("content-type", b"application/json"),
     ];
     if let Some(token) = &request.token {

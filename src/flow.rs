@@ -217,7 +217,7 @@ enum Phase {
 }
 
 /// A `complete` or `release` the flow handed over to be settled by someone who outlives the
-/// stream (the root, for a store across the network); `settlement_steps` says what its answer
+/// stream (the root, for a store across the network); `answered` says what its answer
 /// means.
 #[derive(Debug, Clone)]
 pub struct Settlement {
@@ -227,10 +227,30 @@ pub struct Settlement {
     pub done: Counter,
 }
 
-/// What a handed-over settlement's answer means: the same counts and wake-ups as when the flow
-/// itself is answered.
-pub fn settlement_steps(s: &Settlement, settled: Result<Settled, StoreError>) -> Vec<Step> {
-    settled_steps(s.context_id, &s.claim, &s.rule, s.done, settled)
+impl Settlement {
+    /// What the store's answer to this settlement means, whoever carried it out (the flow
+    /// itself, or the root for a stream that may be gone): the counter (`done`, or lost, or a
+    /// store error) and the wake-up of waiters when the record now has an outcome.
+    pub fn answered(&self, settled: Result<Settled, StoreError>) -> Vec<Step> {
+        let mut steps = Vec::new();
+        let counter = match settled {
+            Ok(Settled::Done) => {
+                // Waiters elsewhere may be able to proceed now that this record has an outcome.
+                if matches!(self.rule.concurrency, Concurrency::Wait { .. }) {
+                    steps.push(Step::Wake(self.claim.scope));
+                }
+                self.done
+            }
+            Ok(Settled::Lost) => Counter::CompletionLost,
+            Err(e) => {
+                log::warn!("#{} settling the claim failed: {e}", self.context_id);
+                Counter::StoreError
+            }
+        };
+        log::debug!("#{} {} key {}", self.context_id, counter.name(), self.claim.scope.log_tag());
+        steps.push(Step::Count(counter));
+        steps
+    }
 }
 
 /// One request's state. `context_id` only names it in logs.
@@ -432,7 +452,8 @@ impl RequestFlow {
                 self.decided(pending, fingerprint, now_ms, decision)
             }
             (Phase::Settling { claim, rule, done }, StoreAnswer::Settled(settled)) => {
-                Output::go(self.settled(&claim, &rule, done, settled))
+                let settlement = Settlement { context_id: self.context_id, claim, rule, done };
+                Output::go(settlement.answered(settled))
             }
             (phase, _) => {
                 // An answer nobody here asked for (a late one after a timeout): nothing to do.
@@ -507,7 +528,7 @@ impl RequestFlow {
     }
 
     /// Takes the `complete`/`release` this flow is waiting for out of its hands, for someone
-    /// who outlives the stream to settle (`settlement_steps`); the flow is done with the record.
+    /// who outlives the stream to settle (`Settlement::answered`); the flow is done with the record.
     pub fn hand_off_settlement(&mut self) -> Option<Settlement> {
         match std::mem::replace(&mut self.phase, Phase::Idle) {
             Phase::Settling { claim, rule, done } => {
@@ -776,43 +797,6 @@ impl RequestFlow {
         self.phase = Phase::Settling { claim: c.claim, rule: c.rule, done };
         vec![Step::Store(StoreOp::Complete { claim: c.claim, completion })]
     }
-
-    fn settled(
-        &mut self,
-        claim: &Claim,
-        rule: &Rule,
-        done: Counter,
-        settled: Result<Settled, StoreError>,
-    ) -> Vec<Step> {
-        settled_steps(self.context_id, claim, rule, done, settled)
-    }
-}
-
-fn settled_steps(
-    context_id: u32,
-    claim: &Claim,
-    rule: &Rule,
-    done: Counter,
-    settled: Result<Settled, StoreError>,
-) -> Vec<Step> {
-    let mut steps = Vec::new();
-    let counter = match settled {
-        Ok(Settled::Done) => {
-            // Waiters elsewhere may be able to proceed now that this record has an outcome.
-            if matches!(rule.concurrency, Concurrency::Wait { .. }) {
-                steps.push(Step::Wake(claim.scope));
-            }
-            done
-        }
-        Ok(Settled::Lost) => Counter::CompletionLost,
-        Err(e) => {
-            log::warn!("#{} settling the claim failed: {e}", context_id);
-            Counter::StoreError
-        }
-    };
-    log::debug!("#{} {} key {}", context_id, counter.name(), claim.scope.log_tag());
-    steps.push(Step::Count(counter));
-    steps
 }
 
 #[cfg(test)]
@@ -1132,11 +1116,8 @@ mod tests {
         assert!(!flow.awaiting_store());
         assert!(flow.hand_off_settlement().is_none());
         let StoreAnswer::Settled(settled) = op.perform(&w.store()) else { panic!() };
-        assert_eq!(settlement_steps(&settlement, settled), vec![Step::Count(Counter::Stored)]);
-        assert_eq!(
-            settlement_steps(&settlement, Ok(Settled::Lost)),
-            vec![Step::Count(Counter::CompletionLost)]
-        );
+        assert_eq!(settlement.answered(settled), vec![Step::Count(Counter::Stored)]);
+        assert_eq!(settlement.answered(Ok(Settled::Lost)), vec![Step::Count(Counter::CompletionLost)]);
     }
 
     #[test]
@@ -1306,7 +1287,7 @@ mod tests {
         let [Step::Store(op @ StoreOp::Complete { .. })] = out.steps.as_slice() else { panic!("{out:?}") };
         let settlement = flow.hand_off_settlement().expect("settling");
         let StoreAnswer::Settled(settled) = op.perform(&w.store()) else { panic!() };
-        assert_eq!(settlement_steps(&settlement, settled), vec![Step::Count(Counter::OutcomeUnknown)]);
+        assert_eq!(settlement.answered(settled), vec![Step::Count(Counter::OutcomeUnknown)]);
         assert_eq!(retried(&w, "k", b"x", 1).1, 502);
     }
 

@@ -11,9 +11,7 @@ use super::{log_filter, Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTT
 use crate::config::etcd::OnStoreError;
 use crate::config::Execution;
 use crate::detached::{self, DETAILS_DETACHED};
-use crate::flow::{
-    settlement_steps, waiter_failed, waiter_plan, Output, Resumed, Settlement, Step, Verdict, WaiterPlan,
-};
+use crate::flow::{waiter_failed, waiter_plan, Output, Resumed, Settlement, Step, Verdict, WaiterPlan};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::store::{Begin, RecordStore, Settled, StoreAnswer, StoreError, StoreOp};
@@ -507,7 +505,7 @@ fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_
                     Err(StoreError::Unavailable("a settlement answered with a claim".into()))
                 }
             };
-            for step in settlement_steps(&settlement, settled) {
+            for step in settlement.answered(settled) {
                 match step {
                     Step::Count(counter) => plugin.count(counter, Some(&rule)),
                     Step::Wake(scope) => plugin.broadcast(&scope),
@@ -803,7 +801,7 @@ fn finish_settlement<H: Host>(
         }
         return;
     }
-    for step in settlement_steps(&call.settlement, settled) {
+    for step in call.settlement.answered(settled) {
         match step {
             Step::Count(counter) => {
                 plugin.count(counter, Some(&call.settlement.rule));

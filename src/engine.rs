@@ -79,6 +79,19 @@ pub struct Reply {
     pub replay_shape: Option<ReplayShape>,
 }
 
+/// `response.code_details` of the filter's own replies, so logs tell them apart.
+pub const DETAILS_REPLAY: &str = "idempotency_replay";
+pub const DETAILS_PROBLEM: &str = "idempotency_problem";
+
+/// The `response.code_details` of a reply counted as `counter`.
+pub fn reply_details(counter: Counter) -> &'static str {
+    if counter == Counter::Replayed {
+        DETAILS_REPLAY
+    } else {
+        DETAILS_PROBLEM
+    }
+}
+
 /// What a replay's `content-type` and `content-length` must be, as the upstream sent them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplayShape {

@@ -26,16 +26,15 @@ use crate::settlement::{
 };
 use crate::store::record::{Snapshot, State};
 use crate::store::{Begin, Claim, Completion, Settled, StoreAnswer, StoreError, StoreOp};
-use crate::wait::{self, Recheck, RoomFull};
+use crate::wait::{self, RoomFull};
 use facts::{property_string, property_u64, stream_report, verified_claims};
 use std::rc::Rc;
 
 mod facts;
 pub use facts::{StreamFacts, Unreadable};
 
-/// `response.code_details` of the filter's own replies, so logs tell them apart.
-pub const DETAILS_REPLAY: &str = "idempotency_replay";
-pub const DETAILS_PROBLEM: &str = "idempotency_problem";
+pub use crate::engine::{DETAILS_PROBLEM, DETAILS_REPLAY};
+pub use crate::wait::{Resumed, WaiterPlan};
 
 /// What the glue does, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,72 +108,6 @@ impl ParkPlan {
         } else {
             wait::first_recheck(self.now_ms, self.lease_remaining_ms, self.give_up_at_ms)
         }
-    }
-}
-
-/// How a held request was resolved by its root (read once by its stream).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Resumed {
-    Forwarded {
-        claim: Claim,
-        rule: Rc<Rule>,
-    },
-    Answered {
-        replay_shape: Option<ReplayShape>,
-    },
-    /// The store failed during its recheck and the fail mode is open: forwarded unprotected.
-    Bypassed,
-}
-
-/// What the root does for a waiter it looked at again.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum WaiterPlan {
-    /// Still processing: put it back, to look again at this time.
-    Repark { recheck_at_ms: u64 },
-    /// It owns the record now: count, leave word, resume it. If it cannot be resumed, `release`
-    /// its claim (nothing was sent upstream).
-    Resume { counter: Counter, resumed: Resumed, release: StoreOp },
-    /// Answer it (replay, problem, or 409 after its wait timeout): count, leave word, reply.
-    Answer { counter: Counter, resumed: Resumed, reply: Reply, details: &'static str },
-    /// The store failed during its recheck, fail_open: count, leave word, resume it without a
-    /// claim.
-    Bypass { counter: Counter, resumed: Resumed },
-}
-
-/// What a waiter gets when the store failed during its recheck: the fail mode decides, as for a
-/// request's own `begin` (fail_closed: 503 store-unavailable; fail_open: forward unprotected).
-pub fn waiter_failed(recheck_failed: Recheck, mode: OnStoreError, rule: &Rc<Rule>) -> WaiterPlan {
-    match mode {
-        OnStoreError::FailOpen => {
-            WaiterPlan::Bypass { counter: Counter::StoreBypassed, resumed: Resumed::Bypassed }
-        }
-        OnStoreError::FailClosed => waiter_plan(recheck_failed, rule),
-    }
-}
-
-/// What a woken waiter's recheck means for the root.
-pub fn waiter_plan(recheck: Recheck, rule: &Rc<Rule>) -> WaiterPlan {
-    match recheck {
-        Recheck::KeepWaiting { recheck_at_ms } => WaiterPlan::Repark { recheck_at_ms },
-        Recheck::Forward { claim, counter } => WaiterPlan::Resume {
-            counter,
-            resumed: Resumed::Forwarded { claim, rule: Rc::clone(rule) },
-            release: StoreOp::Release(claim),
-        },
-        Recheck::Respond { reply, counter } => WaiterPlan::Answer {
-            counter,
-            resumed: Resumed::Answered { replay_shape: reply.replay_shape.clone() },
-            details: details_for(counter),
-            reply,
-        },
-    }
-}
-
-fn details_for(counter: Counter) -> &'static str {
-    if counter == Counter::Replayed {
-        DETAILS_REPLAY
-    } else {
-        DETAILS_PROBLEM
     }
 }
 
@@ -564,7 +497,7 @@ impl RequestFlow {
             }
             Decision::Respond { reply, counter } => {
                 log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
-                self.answer(reply, details_for(counter), vec![Step::Count(counter)])
+                self.answer(reply, engine::reply_details(counter), vec![Step::Count(counter)])
             }
             Decision::Wait { lease_remaining_ms } => {
                 let plan = ParkPlan {
@@ -1342,22 +1275,5 @@ mod tests {
         begun(&mut resumed, &mut Facts::post("/wait", "other", b"x"), &w.store());
         resumed.resumed(Resumed::Answered { replay_shape: None });
         assert!(!resumed.waiting(), "only a waiting flow takes word from its root");
-    }
-
-    #[test]
-    fn a_waiter_plan_releases_the_claim_if_it_cannot_resume() {
-        let rule = cfg().rules[1].clone();
-        let claim = Claim { scope: ScopeId([1; 32]), owner: 7, locator: 0, written: None };
-        match waiter_plan(Recheck::Forward { claim, counter: Counter::Claimed }, &rule) {
-            WaiterPlan::Resume { counter, release, .. } => {
-                assert_eq!((counter, release), (Counter::Claimed, StoreOp::Release(claim)))
-            }
-            other => panic!("{other:?}"),
-        }
-        let reply = Reply { status: 200, headers: vec![], body: vec![], replay_shape: None };
-        match waiter_plan(Recheck::Respond { reply, counter: Counter::Replayed }, &rule) {
-            WaiterPlan::Answer { details, .. } => assert_eq!(details, DETAILS_REPLAY),
-            other => panic!("{other:?}"),
-        }
     }
 }

@@ -11,7 +11,7 @@ use super::{log_filter, Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTT
 use crate::config::etcd::OnStoreError;
 use crate::config::Execution;
 use crate::detached::{self, DETAILS_DETACHED};
-use crate::flow::{waiter_failed, waiter_plan, Output, Resumed, Settlement, Step, Verdict, WaiterPlan};
+use crate::flow::{Output, Resumed, Settlement, Step, Verdict, WaiterPlan};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::store::{Begin, RecordStore, Settled, StoreAnswer, StoreError, StoreOp};
@@ -235,8 +235,7 @@ fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>) {
     if host.set_effective_context(w.context_id).is_err() {
         return; // its client went away; nothing is held for it
     }
-    let checked = wait::recheck_answered(&plugin.config, &w, plugin.perform(&op), now_ms);
-    let plan = waiter_plan(checked, &w.pending.rule);
+    let plan = wait::recheck_answered(&plugin.config, &w, plugin.perform(&op), now_ms);
     resolve_waiter(plugin, None, w, plan);
 }
 
@@ -361,8 +360,7 @@ fn converse_recheck<H: Host>(
                 return;
             };
             let now_ms = plugin.host.now_ms();
-            let checked = wait::recheck_answered(&plugin.config, &w, answer, now_ms);
-            let plan = waiter_plan(checked, &w.pending.rule);
+            let plan = wait::recheck_answered(&plugin.config, &w, answer, now_ms);
             resolve_waiter(plugin, Some(store), w, plan);
         }
     }
@@ -385,8 +383,7 @@ fn recheck_failed<H: Host>(
     if mode == OnStoreError::FailOpen && plugin.bypass_log_due(now_ms) {
         log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
     }
-    let checked = wait::recheck_answered(&plugin.config, &w, StoreAnswer::Begun(Err(error)), now_ms);
-    let plan = waiter_failed(checked, mode, &w.pending.rule);
+    let plan = wait::recheck_failed(&plugin.config, &w, error, mode, now_ms);
     resolve_waiter(plugin, Some(store), w, plan);
 }
 

@@ -5,12 +5,18 @@
 
 pub mod wake;
 
-use crate::config::{Concurrency, Config};
-use crate::engine::{claim_attempt, decision_of, in_flight_reply, Decision, Pending, Reply};
+use crate::config::etcd::OnStoreError;
+use crate::config::{Concurrency, Config, Rule};
+use crate::engine::{
+    claim_attempt, decision_of, in_flight_reply, reply_details, Decision, Pending, ReplayShape, Reply,
+};
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
-use crate::store::{Claim, RecordStore, StoreAnswer, StoreError, StoreOp};
+#[cfg(test)]
+use crate::store::RecordStore;
+use crate::store::{Claim, StoreAnswer, StoreError, StoreOp};
+use std::rc::Rc;
 
 /// Longest a waiter goes without looking at its record again, even if no wake-up message
 /// reaches it (a lost message must cost latency, never a wrong answer or a stuck request).
@@ -134,13 +140,60 @@ impl<H> WaitRoom<H> {
 
 /// What a waiter gets when it looks at its record again.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Recheck {
+enum Recheck {
     /// It became the owner (the original was released, or its lease ended): forward it.
     Forward { claim: Claim, counter: Counter },
     /// Answer it (replay, or a problem such as 409 after `wait_timeout`).
     Respond { reply: Reply, counter: Counter },
     /// Still processing: wait on, until `recheck_at_ms` at the latest.
     KeepWaiting { recheck_at_ms: u64 },
+}
+
+/// How a held request was resolved by its root (read once by its stream).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resumed {
+    Forwarded {
+        claim: Claim,
+        rule: Rc<Rule>,
+    },
+    Answered {
+        replay_shape: Option<ReplayShape>,
+    },
+    /// The store failed during its recheck and the fail mode is open: forwarded unprotected.
+    Bypassed,
+}
+
+/// What the root does for a waiter it looked at again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WaiterPlan {
+    /// Still processing: put it back, to look again at this time.
+    Repark { recheck_at_ms: u64 },
+    /// It owns the record now: count, leave word, resume it. If it cannot be resumed, `release`
+    /// its claim (nothing was sent upstream).
+    Resume { counter: Counter, resumed: Resumed, release: StoreOp },
+    /// Answer it (replay, problem, or 409 after its wait timeout): count, leave word, reply.
+    Answer { counter: Counter, resumed: Resumed, reply: Reply, details: &'static str },
+    /// The store failed during its recheck, fail_open: count, leave word, resume it without a
+    /// claim.
+    Bypass { counter: Counter, resumed: Resumed },
+}
+
+/// What a recheck's outcome means for the root.
+fn waiter_plan(recheck: Recheck, rule: &Rc<Rule>) -> WaiterPlan {
+    match recheck {
+        Recheck::KeepWaiting { recheck_at_ms } => WaiterPlan::Repark { recheck_at_ms },
+        Recheck::Forward { claim, counter } => WaiterPlan::Resume {
+            counter,
+            resumed: Resumed::Forwarded { claim, rule: Rc::clone(rule) },
+            release: StoreOp::Release(claim),
+        },
+        Recheck::Respond { reply, counter } => WaiterPlan::Answer {
+            counter,
+            resumed: Resumed::Answered { replay_shape: reply.replay_shape.clone() },
+            details: reply_details(counter),
+            reply,
+        },
+    }
 }
 
 /// The first wait: when to look again if no wake-up comes.
@@ -164,9 +217,10 @@ pub fn give_up_at(pending: &Pending, now_ms: u64) -> u64 {
     now_ms.saturating_add(wait_timeout_ms(pending).unwrap_or(0))
 }
 
-/// `recheck` against a store that answers at once.
-pub fn recheck<H>(cfg: &Config, w: &Waiter<H>, store: &dyn RecordStore, now_ms: u64, owner: u64) -> Recheck {
-    recheck_answered(cfg, w, recheck_op(cfg, w, now_ms, owner).perform(store), now_ms)
+/// A recheck's outcome against a store that answers at once (what `recheck_answered` plans from).
+#[cfg(test)]
+fn recheck<H>(cfg: &Config, w: &Waiter<H>, store: &dyn RecordStore, now_ms: u64, owner: u64) -> Recheck {
+    recheck_outcome(cfg, w, recheck_op(cfg, w, now_ms, owner).perform(store), now_ms)
 }
 
 /// What a waiter asks the store when it looks at its record again: a fresh `begin`.
@@ -174,8 +228,30 @@ pub fn recheck_op<H>(cfg: &Config, w: &Waiter<H>, now_ms: u64, owner: u64) -> St
     StoreOp::Begin(claim_attempt(cfg, &w.pending, w.fingerprint, now_ms, owner))
 }
 
-/// What a woken waiter gets, from the store's answer to its `recheck_op`.
-pub fn recheck_answered<H>(cfg: &Config, w: &Waiter<H>, answer: StoreAnswer, now_ms: u64) -> Recheck {
+/// What the root does for a woken waiter, from the store's answer to its `recheck_op`: the
+/// one place a waiter's fate is decided (the root only carries the plan out).
+pub fn recheck_answered<H>(cfg: &Config, w: &Waiter<H>, answer: StoreAnswer, now_ms: u64) -> WaiterPlan {
+    waiter_plan(recheck_outcome(cfg, w, answer, now_ms), &w.pending.rule)
+}
+
+/// What a waiter gets when the store failed during its recheck: the fail mode decides, as for a
+/// request's own `begin` (fail_closed: 503 store-unavailable; fail_open: forward unprotected).
+pub fn recheck_failed<H>(
+    cfg: &Config,
+    w: &Waiter<H>,
+    error: StoreError,
+    mode: OnStoreError,
+    now_ms: u64,
+) -> WaiterPlan {
+    match mode {
+        OnStoreError::FailOpen => {
+            WaiterPlan::Bypass { counter: Counter::StoreBypassed, resumed: Resumed::Bypassed }
+        }
+        OnStoreError::FailClosed => recheck_answered(cfg, w, StoreAnswer::Begun(Err(error)), now_ms),
+    }
+}
+
+fn recheck_outcome<H>(cfg: &Config, w: &Waiter<H>, answer: StoreAnswer, now_ms: u64) -> Recheck {
     let begun = match answer {
         StoreAnswer::Begun(begun) => begun,
         StoreAnswer::Settled(_) => Err(StoreError::Unavailable("a settlement answered a begin".into())),
@@ -373,5 +449,22 @@ mod tests {
         assert_eq!(first_recheck(0, 300, 5_000), 300);
         assert_eq!(first_recheck(0, 30_000, 5_000), RECHECK_EVERY_MS);
         assert_eq!(first_recheck(0, 30_000, 200), 200);
+    }
+
+    #[test]
+    fn a_waiter_plan_releases_the_claim_if_it_cannot_resume() {
+        let rule = cfg().rules[0].clone();
+        let claim = Claim { scope: ScopeId([1; 32]), owner: 7, locator: 0, written: None };
+        match waiter_plan(Recheck::Forward { claim, counter: Counter::Claimed }, &rule) {
+            WaiterPlan::Resume { counter, release, .. } => {
+                assert_eq!((counter, release), (Counter::Claimed, StoreOp::Release(claim)))
+            }
+            other => panic!("{other:?}"),
+        }
+        let reply = Reply { status: 200, headers: vec![], body: vec![], replay_shape: None };
+        match waiter_plan(Recheck::Respond { reply, counter: Counter::Replayed }, &rule) {
+            WaiterPlan::Answer { details, .. } => assert_eq!(details, crate::engine::DETAILS_REPLAY),
+            other => panic!("{other:?}"),
+        }
     }
 }

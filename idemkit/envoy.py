@@ -26,6 +26,12 @@ from idemkit.client import Response, raw_request, request
 from idemkit.process import ClosedPort, Fatal, Process, tail, wait_until
 
 STAT_PREFIX = "wasmcustom.idempotency."
+# The filter's stat names (src/metrics.rs): an outcome per route rule, the requests no rule
+# matched, the sweep.
+ROUTE_STAT = STAT_PREFIX + "route.%s.requests_total.%s"  # % (rule, outcome)
+UNMATCHED_STAT = STAT_PREFIX + "unmatched_requests_total"
+SWEPT_STAT = STAT_PREFIX + "records_swept_total"
+_OUTCOME_STAT = re.compile(r"route\.(.+)\.requests_total\.([a-z_]+)")
 # The filter counts in Wasm and hands each worker's counts to Envoy at its root's 100 ms tick:
 # two ticks and some room for a loaded machine.
 METRICS_SETTLE_S = 0.25
@@ -205,26 +211,46 @@ class Envoy(Process):
         """A stat by full name (0 while it does not exist)."""
         return self.stats(filter="^" + re.escape(name) + "$", settle=settle).get(name, 0)
 
-    def idem(self, outcome: str) -> int:
-        """The filter's counter wasmcustom.idempotency.requests.<outcome>."""
-        return self.counter(STAT_PREFIX + "requests." + outcome)
+    def idem(self, outcome: str, settle: bool = True) -> int:
+        """An outcome over every route rule (PromQL's `sum by (outcome)`), and for
+        `passed_through` the requests no rule matched too."""
+        return self.outcomes(settle=settle).get(outcome, 0)
 
-    def filter_counters(self, prefix: str = STAT_PREFIX) -> dict[str, int]:
+    def outcomes(self, settle: bool = True) -> dict[str, int]:
+        """{outcome: its count over every route rule}, `passed_through` with the requests no
+        rule matched, from one read of /stats."""
+        out: dict[str, int] = {}
+        for name, value in self.filter_counters(settle=settle).items():
+            m = _OUTCOME_STAT.fullmatch(name)
+            if m:
+                out[m.group(2)] = out.get(m.group(2), 0) + value
+            elif STAT_PREFIX + name == UNMATCHED_STAT:
+                out["passed_through"] = out.get("passed_through", 0) + value
+        return out
+
+    def route_counter(self, rule: str, outcome: str) -> int:
+        """One route rule's outcome counter."""
+        return self.counter(ROUTE_STAT % (rule, outcome))
+
+    def filter_counters(self, prefix: str = STAT_PREFIX, settle: bool = True) -> dict[str, int]:
         """The filter's counters below `prefix`, keyed without it."""
-        return {k[len(prefix):]: v for k, v in self.stats(filter="^" + re.escape(prefix)).items()}
+        stats = self.stats(filter="^" + re.escape(prefix), settle=settle)
+        return {k[len(prefix):]: v for k, v in stats.items()}
 
     def wait_counter(self, name: str, at_least: int, timeout: float = 5.0) -> int:
-        """Wait until the stat `name` (full name, or a bare outcome such as "replayed") reaches
-        `at_least`: a filter may count an outcome when the stream is done, a moment after the
-        client saw the response."""
-        full = name if "." in name else STAT_PREFIX + "requests." + name
+        """Wait until the stat `name` (full name, or a bare outcome such as "replayed": its
+        count over every rule, as idem()) reaches `at_least`: a filter may count an outcome when
+        the stream is done, a moment after the client saw the response."""
         deadline = time.monotonic() + timeout
         while True:
-            value = self.counter(full, settle=False)
+            if "." in name:
+                value = self.counter(name, settle=False)
+            else:
+                value = self.idem(name, settle=False)
             if value >= at_least:
                 return value
             if time.monotonic() >= deadline:
-                raise AssertionError("%s is %d, expected >= %d" % (full, value, at_least))
+                raise AssertionError("%s is %d, expected >= %d" % (name, value, at_least))
             time.sleep(0.02)
 
     def wait_idle(self, timeout: float = 5.0) -> None:

@@ -58,6 +58,8 @@ class EnvoyStartError(Fatal, RuntimeError):
 class Envoy(Process):
     """One Envoy process. `config`: a bootstrap dict (written to <log_dir>/envoy.json) or the
     path of a config file. `console`: Envoy logs to this terminal instead of <log_dir>/envoy.log.
+    `extra_args`: more command-line options (say `--config-yaml`, as istio-agent passes a
+    bootstrap override).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class Envoy(Process):
         component_log_level: str | None = "wasm:debug",
         log_dir: Path | None = None,
         console: bool = False,
+        extra_args: list[str] | None = None,
     ) -> None:
         self.envoy_bin = str(envoy_bin)
         self.config = config
@@ -78,6 +81,7 @@ class Envoy(Process):
         self.log_level = log_level
         self.component_log_level = component_log_level
         self.console = console
+        self.extra_args = list(extra_args or [])
         self.log_dir = self._log_dir(log_dir)
         self.config_path = config if isinstance(config, Path) else self.log_dir / "envoy.json"
         self.log_path = self.log_dir / "envoy.log"
@@ -105,7 +109,7 @@ class Envoy(Process):
         ]
         if self.component_log_level:
             cmd += ["--component-log-level", self.component_log_level]
-        return cmd
+        return cmd + self.extra_args
 
     # ---- life cycle -----------------------------------------------------------------------
 

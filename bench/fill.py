@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench import REPO, log, rel
-from bench.phases import (FILTER_CONFIG, ORDERS, REQUESTS, bench_envoy, checked, proxy_config, upstream_config,
+from bench.phases import (FILTER_CONFIG, ORDERS, bench_envoy, checked, proxy_config, upstream_config,
                           wasm_filter)
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def run(b: Bench) -> dict[str, Any]:
     elapsed = time.monotonic() - t0
     time.sleep(0.3)
     checked(env, env.check_alive)
-    counters = env.filter_counters(REQUESTS)
+    counters = env.outcomes()
     rss1 = env.memory_kib().get("VmRSS", 0)
     # No live record was evicted to make room: the first batch (all stored, at 0% fill) replays.
     again = b.loadgen.run(env.port, ORDERS, requests=batch, key_set=(first_prefix, batch),

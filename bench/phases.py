@@ -40,14 +40,13 @@ from bench.report_memory import ENTRY_BYTES, QUOTA_BYTES, SLOT_OVERHEAD
 from idemkit import bootstrap
 from idemkit.bootstrap import MiB
 from idemkit.client import request
-from idemkit.envoy import STAT_PREFIX, Envoy, EnvoyStartError
+from idemkit.envoy import SWEPT_STAT, Envoy, EnvoyStartError
 from idemkit.etcd import Etcd
 
 ORDERS = "/orders"
 OTHER = "/other"
 REPLAY_KEYS = 64  # scenario 5: keys stored before the rounds, then replayed in turn
-REQUESTS = STAT_PREFIX + "requests."  # the filter's outcome counters
-SWEPT = STAT_PREFIX + "records.swept"
+SWEPT = SWEPT_STAT
 ETCD_CLUSTER = "etcd"  # the proxy's cluster for the etcd store; its upstream_rq_total = round trips
 ETCD_PREFIX = "/bench/"
 
@@ -400,7 +399,7 @@ class Bench:
             s.rss_after_warmup = s.envoy.memory_kib()
         time.sleep(0.2)
         for s in self.scenarios:
-            s.counters_before = s.envoy.filter_counters(REQUESTS)
+            s.counters_before = s.envoy.outcomes()
             s.upstream_rq_before = s.envoy.counter("cluster.upstream.upstream_rq_total")
             if s.store == "etcd":
                 s.etcd_rq_before = s.envoy.counter(f"cluster.{ETCD_CLUSTER}.upstream_rq_total")
@@ -436,7 +435,7 @@ class Bench:
                 log(f"  open {rnd + 1:2d}: " + " | ".join(line))
         time.sleep(0.3)  # counters are bumped when a stream ends
         for s in self.scenarios:
-            s.counters_after = s.envoy.filter_counters(REQUESTS)
+            s.counters_after = s.envoy.outcomes()
             s.upstream_rq_after = s.envoy.counter("cluster.upstream.upstream_rq_total")
             if s.store == "etcd":
                 s.etcd_rq_after = s.envoy.counter(f"cluster.{ETCD_CLUSTER}.upstream_rq_total")
@@ -501,17 +500,18 @@ class Bench:
             m = env.memory_kib()
             try:
                 rq = env.counter("http.ingress_http.downstream_rq_total", settle=False)
-                st = env.stats("^" + re.escape(STAT_PREFIX), settle=False)
+                st = env.outcomes(settle=False)
+                swept = env.counter(SWEPT, settle=False)
             except OSError:
-                rq, st = -1, {}
+                rq, st, swept = -1, {}, 0
             samples.append({
                 "t": round(time.monotonic() - t0, 2),
                 "requests": rq,
                 "rss_kib": m.get("VmRSS", 0),
                 "hwm_kib": m.get("VmHWM", 0),
-                "stored": st.get(REQUESTS + "stored", 0),
-                "store_full": st.get(REQUESTS + "store_full", 0),
-                "swept": st.get(SWEPT, 0),
+                "stored": st.get("stored", 0),
+                "store_full": st.get("store_full", 0),
+                "swept": swept,
             })
 
         def sampler() -> None:
@@ -539,7 +539,7 @@ class Bench:
         time.sleep(0.3)
         sample()
         checked(env, env.check_alive)
-        counters = env.filter_counters(REQUESTS)
+        counters = env.outcomes()
         swept = env.counter(SWEPT)
         heap_end = env.allocator()
         env.stop()

@@ -26,6 +26,12 @@ from idemkit.client import Response, raw_request, request
 from idemkit.process import ClosedPort, Fatal, Process, tail, wait_until
 
 STAT_PREFIX = "wasmcustom.idempotency."
+# The filter's stat names (src/metrics.rs): an outcome per route rule, the requests no rule
+# matched, the sweep.
+ROUTE_STAT = STAT_PREFIX + "route.%s.requests_total.%s"  # % (rule, outcome)
+UNMATCHED_STAT = STAT_PREFIX + "unmatched_requests_total"
+SWEPT_STAT = STAT_PREFIX + "records_swept_total"
+_OUTCOME_STAT = re.compile(r"route\.(.+)\.requests_total\.([a-z_]+)")
 # The filter counts in Wasm and hands each worker's counts to Envoy at its root's 100 ms tick:
 # two ticks and some room for a loaded machine.
 METRICS_SETTLE_S = 0.25
@@ -52,6 +58,8 @@ class EnvoyStartError(Fatal, RuntimeError):
 class Envoy(Process):
     """One Envoy process. `config`: a bootstrap dict (written to <log_dir>/envoy.json) or the
     path of a config file. `console`: Envoy logs to this terminal instead of <log_dir>/envoy.log.
+    `extra_args`: more command-line options (say `--config-yaml`, as istio-agent passes a
+    bootstrap override).
     """
 
     def __init__(
@@ -64,6 +72,7 @@ class Envoy(Process):
         component_log_level: str | None = "wasm:debug",
         log_dir: Path | None = None,
         console: bool = False,
+        extra_args: list[str] | None = None,
     ) -> None:
         self.envoy_bin = str(envoy_bin)
         self.config = config
@@ -72,6 +81,7 @@ class Envoy(Process):
         self.log_level = log_level
         self.component_log_level = component_log_level
         self.console = console
+        self.extra_args = list(extra_args or [])
         self.log_dir = self._log_dir(log_dir)
         self.config_path = config if isinstance(config, Path) else self.log_dir / "envoy.json"
         self.log_path = self.log_dir / "envoy.log"
@@ -99,7 +109,7 @@ class Envoy(Process):
         ]
         if self.component_log_level:
             cmd += ["--component-log-level", self.component_log_level]
-        return cmd
+        return cmd + self.extra_args
 
     # ---- life cycle -----------------------------------------------------------------------
 
@@ -205,26 +215,46 @@ class Envoy(Process):
         """A stat by full name (0 while it does not exist)."""
         return self.stats(filter="^" + re.escape(name) + "$", settle=settle).get(name, 0)
 
-    def idem(self, outcome: str) -> int:
-        """The filter's counter wasmcustom.idempotency.requests.<outcome>."""
-        return self.counter(STAT_PREFIX + "requests." + outcome)
+    def idem(self, outcome: str, settle: bool = True) -> int:
+        """An outcome over every route rule (PromQL's `sum by (outcome)`), and for
+        `passed_through` the requests no rule matched too."""
+        return self.outcomes(settle=settle).get(outcome, 0)
 
-    def filter_counters(self, prefix: str = STAT_PREFIX) -> dict[str, int]:
+    def outcomes(self, settle: bool = True) -> dict[str, int]:
+        """{outcome: its count over every route rule}, `passed_through` with the requests no
+        rule matched, from one read of /stats."""
+        out: dict[str, int] = {}
+        for name, value in self.filter_counters(settle=settle).items():
+            m = _OUTCOME_STAT.fullmatch(name)
+            if m:
+                out[m.group(2)] = out.get(m.group(2), 0) + value
+            elif STAT_PREFIX + name == UNMATCHED_STAT:
+                out["passed_through"] = out.get("passed_through", 0) + value
+        return out
+
+    def route_counter(self, rule: str, outcome: str) -> int:
+        """One route rule's outcome counter."""
+        return self.counter(ROUTE_STAT % (rule, outcome))
+
+    def filter_counters(self, prefix: str = STAT_PREFIX, settle: bool = True) -> dict[str, int]:
         """The filter's counters below `prefix`, keyed without it."""
-        return {k[len(prefix):]: v for k, v in self.stats(filter="^" + re.escape(prefix)).items()}
+        stats = self.stats(filter="^" + re.escape(prefix), settle=settle)
+        return {k[len(prefix):]: v for k, v in stats.items()}
 
     def wait_counter(self, name: str, at_least: int, timeout: float = 5.0) -> int:
-        """Wait until the stat `name` (full name, or a bare outcome such as "replayed") reaches
-        `at_least`: a filter may count an outcome when the stream is done, a moment after the
-        client saw the response."""
-        full = name if "." in name else STAT_PREFIX + "requests." + name
+        """Wait until the stat `name` (full name, or a bare outcome such as "replayed": its
+        count over every rule, as idem()) reaches `at_least`: a filter may count an outcome when
+        the stream is done, a moment after the client saw the response."""
         deadline = time.monotonic() + timeout
         while True:
-            value = self.counter(full, settle=False)
+            if "." in name:
+                value = self.counter(name, settle=False)
+            else:
+                value = self.idem(name, settle=False)
             if value >= at_least:
                 return value
             if time.monotonic() >= deadline:
-                raise AssertionError("%s is %d, expected >= %d" % (full, value, at_least))
+                raise AssertionError("%s is %d, expected >= %d" % (name, value, at_least))
             time.sleep(0.02)
 
     def wait_idle(self, timeout: float = 5.0) -> None:

@@ -1,16 +1,30 @@
 //! The filter's counters: what happened to each request, by name. The names are a contract
-//! with dashboards and with the end-to-end tests, so a variant is never renamed.
+//! with dashboards, alerts and the end-to-end tests: a variant is never renamed, and a change of
+//! the stat names is a breaking change, listed in docs/OPERATIONS.md (Metrics, "Changed
+//! names").
 //!
-//! Each outcome is counted twice when the request matched a route rule: once in
-//! `idempotency.requests.<outcome>` (every rule together) and once in
-//! `idempotency.route.<rule>.requests.<outcome>`. The rule's name sits before a fixed
-//! `requests.<outcome>` tail, and outcomes never contain a dot, so a stats-tag regex anchored at
-//! the end takes out any rule name (dots included) as the `route` label and leaves
-//! `idempotency.requests{route, outcome}` (envoy/envoy.yaml's `stats_config`).
+//! An outcome is counted under the route rule the request matched:
+//! `idempotency.route.<rule>.requests_total.<outcome>`. The rule's name sits before a fixed
+//! `requests_total.<outcome>` tail, and outcomes never contain a dot, so a stats-tag regex
+//! anchored at the end takes out any rule name (dots included) as the `route` label and the
+//! outcome as the `outcome` label, and Prometheus sees one family,
+//! `idempotency_requests_total{route, outcome}` (envoy/envoy.yaml's `stats_config`). There is
+//! no second, all-routes family (it would count every request twice in one `sum`): totals are
+//! `sum by (outcome)`. A request that matched no rule has no route: it is counted in
+//! `idempotency.unmatched_requests_total` only. Counter names end in `_total`, as Prometheus
+//! names counters; Envoy's Prometheus output adds nothing to a stat's name.
 
 use crate::problem::Kind;
 
-/// What happened to a request, one counter each (`idempotency.requests.<name>`).
+/// Requests that matched no route rule (passed through untouched): they have no route to be
+/// counted under.
+pub const UNMATCHED_METRIC: &str = "idempotency.unmatched_requests_total";
+
+/// Expired records reclaimed by the sweep.
+pub const SWEPT_METRIC: &str = "idempotency.records_swept_total";
+
+/// What happened to a request, one counter per route rule each
+/// (`idempotency.route.<rule>.requests_total.<name>`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Counter {
     PassedThrough,
@@ -153,15 +167,10 @@ impl Counter {
         }
     }
 
-    /// The counter over every rule: `idempotency.requests.<outcome>`.
-    pub fn metric_name(self) -> String {
-        format!("idempotency.requests.{}", self.name())
-    }
-
-    /// The counter of one route rule: `idempotency.route.<rule>.requests.<outcome>`. Rule
-    /// names are `A-Z a-z 0-9 _ . -` (config), all of which Envoy keeps in a stat name.
+    /// The counter of one route rule: `idempotency.route.<rule>.requests_total.<outcome>`.
+    /// Rule names are `A-Z a-z 0-9 _ . -` (config), all of which Envoy keeps in a stat name.
     pub fn route_metric_name(self, rule: &str) -> String {
-        format!("idempotency.route.{rule}.requests.{}", self.name())
+        format!("idempotency.route.{rule}.requests_total.{}", self.name())
     }
 
     pub fn of_problem(kind: Kind) -> Counter {
@@ -192,10 +201,9 @@ mod tests {
         for c in Counter::ALL {
             assert!(c.name().bytes().all(|b| b.is_ascii_lowercase() || b == b'_'), "{}", c.name());
         }
-        assert_eq!(Counter::Replayed.metric_name(), "idempotency.requests.replayed");
         assert_eq!(
             Counter::Replayed.route_metric_name("pay.v1-x"),
-            "idempotency.route.pay.v1-x.requests.replayed"
+            "idempotency.route.pay.v1-x.requests_total.replayed"
         );
     }
 

@@ -486,7 +486,7 @@ fn execution(o: &Obj, path: &str, processing_timeout_ms: u64) -> Res<Execution> 
     }
 }
 
-/// The name goes into the rule's counters (`idempotency.route.<name>.requests.<outcome>`), where
+/// The name goes into the rule's counters (`idempotency.route.<name>.requests_total.<outcome>`), where
 /// dots separate the parts of an Envoy stat name: a dot must sit between two parts (Envoy
 /// drops a trailing one, so `a.` and `a` would share one `route` label).
 fn rule_name(v: &Value, path: &str) -> Res<String> {

@@ -110,19 +110,39 @@ impl FakeHost {
         self.0.failing.borrow_mut().insert(call, status);
     }
 
-    /// A counter as Envoy shows it after the next flush (what was counted, flushed or not).
+    /// An outcome over every rule, as Envoy shows it after the next flush (what was counted,
+    /// flushed or not): the sum of the rules' counters, as PromQL's `sum by (outcome)`, plus,
+    /// for `passed_through`, the requests no rule matched.
     pub fn counter(&self, name: &str) -> i64 {
-        self.metric(&format!("idempotency.requests.{name}"), true)
+        self.outcome_sum(name, true)
     }
 
-    /// A counter as Envoy shows it now: only what a flush handed over.
+    /// The same as Envoy shows it now: only what a flush handed over.
     pub fn flushed_counter(&self, name: &str) -> i64 {
-        self.metric(&format!("idempotency.requests.{name}"), false)
+        self.outcome_sum(name, false)
     }
 
-    /// A route rule's counter `idempotency.route.<rule>.requests.<outcome>`, flushed or not.
+    fn outcome_sum(&self, name: &str, with_pending: bool) -> i64 {
+        let tail = format!(".requests_total.{name}");
+        // Each root defines its own ids; `metric` reads a name's first one, as before.
+        let mut names: Vec<String> = self.0.metrics.borrow().iter().map(|(n, _)| n.clone()).collect();
+        names.sort();
+        names.dedup();
+        let mut sum: i64 = names
+            .iter()
+            .filter(|n| n.starts_with("idempotency.route.") && n.ends_with(&tail))
+            .map(|n| self.metric(n, with_pending))
+            .sum();
+        if name == "passed_through" {
+            sum += self.metric(crate::metrics::UNMATCHED_METRIC, with_pending);
+        }
+        sum
+    }
+
+    /// A route rule's counter `idempotency.route.<rule>.requests_total.<outcome>`, flushed or
+    /// not.
     pub fn route_counter(&self, rule: &str, name: &str) -> i64 {
-        self.metric(&format!("idempotency.route.{rule}.requests.{name}"), true)
+        self.metric(&format!("idempotency.route.{rule}.requests_total.{name}"), true)
     }
 
     fn metric(&self, full: &str, with_pending: bool) -> i64 {

@@ -9,7 +9,7 @@ use crate::config::{self, Config, Execution, Rule, StoreConfig};
 use crate::detached;
 use crate::flow::{ParkPlan, RequestFlow, Resumed, Settlement};
 use crate::identity::scope::ScopeId;
-use crate::metrics::Counter;
+use crate::metrics::{Counter, SWEPT_METRIC, UNMATCHED_METRIC};
 use crate::store::etcd::EtcdStore;
 use crate::store::local::LocalStore;
 use crate::store::{Claim, StoreAnswer, StoreError, StoreOp};
@@ -41,10 +41,10 @@ fn random_u64(mix: u64) -> u64 {
 pub const OUTCOME_PROPERTY: &str = "idempotency.outcome";
 
 /// Counter ids, defined once per root context (define_metric hands out a new id per call):
-/// the outcomes over every rule, and the same outcomes per route rule (by the rule's name).
+/// the outcomes per route rule (by the rule's name), the requests no rule matched, the sweep.
 pub struct Metrics {
-    counters: Vec<Option<u32>>,
     routes: HashMap<String, Vec<Option<u32>>>,
+    unmatched: Option<u32>,
     swept: Option<u32>,
 }
 
@@ -58,7 +58,6 @@ impl Metrics {
             }
         };
         Metrics {
-            counters: Counter::ALL.iter().map(|c| define(c.metric_name())).collect(),
             routes: rules
                 .iter()
                 .map(|r| {
@@ -66,7 +65,8 @@ impl Metrics {
                     (r.name.clone(), ids)
                 })
                 .collect(),
-            swept: define("idempotency.records.swept".to_string()),
+            unmatched: define(UNMATCHED_METRIC.to_string()),
+            swept: define(SWEPT_METRIC.to_string()),
         }
     }
 }
@@ -375,16 +375,18 @@ impl<H: Host> PluginState<H> {
         })
     }
 
-    /// Counts an outcome, and again under its route rule when the request matched one: one
-    /// more host call per counted event, no more.
+    /// Counts an outcome under the route rule the request matched; a request that matched no
+    /// rule (passed through) in the unmatched counter. One host call per counted event.
     pub fn count(&self, counter: Counter, rule: Option<&Rule>) {
-        let Some(index) = Counter::ALL.iter().position(|c| *c == counter) else { return };
-        if let Some(Some(id)) = self.metrics.counters.get(index) {
-            self.host.increment(*id, 1);
-        }
-        let per_rule = rule.and_then(|r| self.metrics.routes.get(&r.name)).and_then(|ids| ids.get(index));
-        if let Some(Some(id)) = per_rule {
-            self.host.increment(*id, 1);
+        let id = match rule {
+            Some(rule) => {
+                let Some(index) = Counter::ALL.iter().position(|c| *c == counter) else { return };
+                self.metrics.routes.get(&rule.name).and_then(|ids| ids.get(index).copied().flatten())
+            }
+            None => self.metrics.unmatched,
+        };
+        if let Some(id) = id {
+            self.host.increment(id, 1);
         }
     }
 

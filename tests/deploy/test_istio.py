@@ -4,7 +4,11 @@ mesh-wide in the root namespace (istio/mesh). Each manifest parses; the image is
 parser is shown to refuse a broken one); the two forms of a directory carry the same
 configuration; and each EnvoyFilter's Wasm typed_config, with the module as the local file
 istio-agent turns the oci:// URL into, passes `envoy --mode validate` in a minimal bootstrap and,
-run for real against etcd and the demo upstream, serves a first call and its replay."""
+run for real against etcd and the demo upstream, serves a first call and its replay. And
+istio/stats-tags.yaml, the bootstrap override that gives the counters their route and outcome
+labels on Istio: applied to Istio's own bootstrap stats_config (rendered from its template, see
+istio_bootstrap.py), it keeps Istio's tags and adds ours, and a real Envoy with both shows
+idempotency_requests_total{route,outcome}."""
 
 from __future__ import annotations
 
@@ -15,16 +19,21 @@ import time
 import uuid
 from pathlib import Path
 
+import re
+
 import pytest
 
+import istio_bootstrap
 from conftest import envoy_validate
-from idemkit import bootstrap
+from idemkit import REPO_ROOT, bootstrap
 from idemkit.envoy import Envoy
 from idemkit.etcd import Etcd
-from idemkit.process import Upstream
-from manifests import ISTIO_DIR, RBAC_TYPE, WASM_TYPE, as_json, check_configs, crate_version, load_all
+from idemkit.process import ClosedPort, Upstream
+from manifests import ISTIO_DIR, RBAC_TYPE, WASM_TYPE, as_json, check_configs, crate_version, load, load_all
 
-FILES = sorted(p.relative_to(ISTIO_DIR).as_posix() for p in ISTIO_DIR.rglob("*.yaml"))
+# The filter's manifests, one directory per form; istio/stats-tags.yaml beside them.
+FILES = sorted(p.relative_to(ISTIO_DIR).as_posix() for p in ISTIO_DIR.glob("*/*.yaml"))
+STATS_TAGS_FILE = ISTIO_DIR / "stats-tags.yaml"
 DIRS = ("gateway", "mesh")
 
 
@@ -252,4 +261,98 @@ def test_a_failed_pull_rbac_filter_is_applied_only_with_its_type_listed(type_url
         if proxy is not None:
             proxy.stop()
         etcd.stop()
+        up.stop()
+
+
+# ---- istio/stats-tags.yaml: the route and outcome labels on Istio --------------------------
+
+def _override() -> dict:
+    doc = load(STATS_TAGS_FILE)
+    assert (doc["apiVersion"], doc["kind"]) == ("v1", "ConfigMap")
+    # The key istio-agent reads: the annotation mounts the ConfigMap at
+    # /etc/istio/custom-bootstrap and sets ISTIO_BOOTSTRAP_OVERRIDE to .../custom_bootstrap.json.
+    assert set(doc["data"]) == {"custom_bootstrap.json"}
+    return json.loads(doc["data"]["custom_bootstrap.json"])
+
+
+def test_the_stats_tags_override_carries_the_shipped_tags_and_nothing_else():
+    override = _override()
+    assert override == {"stats_config": bootstrap.shipped_stats_config(REPO_ROOT / "envoy" / "envoy.yaml")}
+    assert "sidecar.istio.io/bootstrapOverride: %s" % load(STATS_TAGS_FILE)["metadata"]["name"] in STATS_TAGS_FILE.read_text()
+
+
+def test_the_template_renders_as_istio_renders_it():
+    """The renderer is right where Istio's own golden file says (pkg/bootstrap/testdata/
+    default_golden.json, stats_config, at the vendored commit): its tags and its matcher."""
+    cfg = istio_bootstrap.render()
+    names = [t["tag_name"] for t in cfg["stats_tags"]]
+    assert names == ["cluster_name", "http_conn_manager_prefix", "thread_name", "tcp_prefix", "response_code",
+                     "response_code_class", "http_conn_manager_listener_prefix", "listener_address",
+                     "mongo_prefix", "cache", "component", "tag", "wasm_filter", "authz_enforce_result",
+                     "authz_dry_run_action", "authz_dry_run_result"]
+    assert cfg["use_all_default_tags"] is False
+    patterns = cfg["stats_matcher"]["inclusion_list"]["patterns"]
+    assert {"prefix": "wasm"} in patterns and {"safe_regex": {"regex": "vhost\\..*\\.route\\..*"}} in patterns
+    # extraStatTags (ProxyConfig, sidecar.istio.io/extraStatTags) add only Istio's fixed form.
+    (extra,) = [t for t in istio_bootstrap.render(extraStatTags=["route"])["stats_tags"] if t["tag_name"] == "route"]
+    assert extra["regex"] == "(route=\\.=(.*?);\\.;)"
+
+
+@pytest.mark.parametrize("extra", [[], ["dlp_status"]])
+def test_the_override_adds_our_tags_to_istios_and_keeps_its_matcher(extra):
+    istio = {"stats_config": istio_bootstrap.render(extraStatTags=extra)}
+    merged = istio_bootstrap.merge_override(istio, _override())["stats_config"]
+    ours = _override()["stats_config"]["stats_tags"]
+    assert merged["stats_tags"] == istio["stats_config"]["stats_tags"] + ours
+    names = [t["tag_name"] for t in merged["stats_tags"]]
+    assert len(names) == len(set(names)), names
+    assert merged["stats_matcher"] == istio["stats_config"]["stats_matcher"]
+    assert merged["use_all_default_tags"] is False
+
+
+def _istio_like_envoy(envoy_bin, filter_wasm, upstream, closed, name, extra_args):
+    filter_config = {"store": {"type": "local", "capacity": 100},
+                     "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True},
+                                {"name": "payments.v2", "match": {"prefix": "/payments"}, "require_key": True}]}
+    cfg = bootstrap.orders_proxy(upstream.port, closed.port, filter_config, filter_wasm,
+                                 stats_config=istio_bootstrap.render())
+    return Envoy(envoy_bin, cfg, name=name, log_level="warn", component_log_level="wasm:info",
+                 extra_args=extra_args).start()
+
+
+def test_on_istios_stats_config_the_override_gives_the_labels(envoy_bin, filter_wasm, tmp_path):
+    """A real Envoy with Istio's stats_config (its tags, use_all_default_tags false, its
+    matcher), without and then with the override passed as istio-agent passes it."""
+    override = json.dumps(_override())
+    up = Upstream("istio-stats-orders").start()
+    closed = ClosedPort()
+    try:
+        for label, extra_args in (("without", []), ("with", ["--config-yaml", override])):
+            proxy = _istio_like_envoy(envoy_bin, filter_wasm, up, closed, "istio-stats-" + label, extra_args)
+            try:
+                key = "istio-stats-" + uuid.uuid4().hex
+                assert proxy.post("/orders", b"{}", {"idempotency-key": key}).status == 201
+                assert proxy.post("/orders", b"{}", {"idempotency-key": key}).replayed
+                assert proxy.post("/payments", b"{}", {"idempotency-key": key}).status == 201
+                proxy.wait_counter("stored", 2)
+                text = proxy.prometheus()
+                lines = [line for line in text.splitlines() if line.startswith("idempotency_")]
+                if label == "without":
+                    # What a sidecar or gateway gets without the override: the rule and the
+                    # outcome in the name (kept by Istio's matcher: its "wasm" prefix).
+                    assert "idempotency_route_orders_requests_total_replayed{} 1" in lines, lines
+                    assert "idempotency_route_payments_v2_requests_total_claimed{} 1" in lines, lines
+                    assert not any(line.startswith("idempotency_requests_total") for line in lines)
+                else:
+                    assert 'idempotency_requests_total{route="orders",outcome="replayed"} 1' in lines, lines
+                    assert 'idempotency_requests_total{route="payments.v2",outcome="claimed"} 1' in lines, lines
+                    families = set(re.findall(r"^# TYPE (idempotency_\w+) counter$", text, re.M))
+                    assert families == {"idempotency_requests_total", "idempotency_unmatched_requests_total",
+                                        "idempotency_records_swept_total"}, families
+                for line in lines:
+                    assert not line.startswith("idempotency_") or re.match(r"[a-z0-9_]+(\{[^}]*\})? \d+$", line), line
+            finally:
+                proxy.stop()
+    finally:
+        closed.close()
         up.stop()

@@ -42,7 +42,7 @@ from idemkit.client import (  # noqa: F401
     request,
     send_and_disconnect,
 )
-from idemkit.envoy import STAT_PREFIX, EnvoyStartError  # noqa: F401
+from idemkit.envoy import ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNMATCHED_STAT, EnvoyStartError  # noqa: F401
 from idemkit.etcd import DelayProxy, EtcdCluster  # noqa: F401
 from idemkit.etcd import Etcd as _Etcd
 from idemkit.process import LIVE, ClosedPort, Fatal, free_port, tail, wait_until  # noqa: F401

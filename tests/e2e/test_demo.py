@@ -173,10 +173,10 @@ def test_readme_quickstart_lines_work_against_make_run(envoy_bin):
                               capture_output=True, text=True, timeout=10).stdout
         assert '"count": 1' in pays, pays
 
-        series = dict(re.findall(r'^(idempotency_requests\{route="orders",outcome="\w+"\}) (\d+)$',
+        series = dict(re.findall(r'^(idempotency_requests_total\{route="orders",outcome="\w+"\}) (\d+)$',
                                  run(commands[5], env), re.M))
         for outcome in ("claimed", "replayed", "mismatch", "in_flight"):
-            assert int(series['idempotency_requests{route="orders",outcome="%s"}' % outcome]) >= 1
+            assert int(series['idempotency_requests_total{route="orders",outcome="%s"}' % outcome]) >= 1
     finally:
         rc = demo.stop(signal.SIGINT, group=False)
     assert rc == 130, demo.text()

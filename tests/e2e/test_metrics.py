@@ -1,11 +1,11 @@
-"""Contract 13: the filter's counters in /stats and /stats/prometheus."""
+"""Contract 13: the filter's counters in /stats and /stats/prometheus (without stats tags)."""
 
 from __future__ import annotations
 
 import re
 
 import harness
-from harness import new_key
+from harness import ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNMATCHED_STAT, new_key
 
 FILTER_CONFIG = {
     "store": {"type": "local", "capacity": 1000},
@@ -14,27 +14,39 @@ FILTER_CONFIG = {
 
 
 def test_all_counters_exist_from_the_start(envoy):
-    counters = envoy.filter_counters()
-    expected = {"requests." + o for o in harness.OUTCOMES} | {"records.swept"}
-    assert expected <= set(counters), sorted(expected - set(counters))
+    counters = set(envoy.filter_counters())
+    expected = {(ROUTE_STAT % ("orders", o))[len(STAT_PREFIX):] for o in harness.OUTCOMES}
+    expected |= {UNMATCHED_STAT[len(STAT_PREFIX):], SWEPT_STAT[len(STAT_PREFIX):]}
+    assert expected <= counters, sorted(expected - counters)
+    # One family per meaning: no all-routes counter that repeats the rules' outcomes.
+    per_rule = re.compile(r"route\.orders\.requests_total\.[a-z_]+")
+    others = {c for c in counters - expected if not per_rule.fullmatch(c)}
+    assert not others, sorted(others)
 
 
 def test_counters_count_and_prometheus_names(envoy, upstream):
     key = new_key()
-    before = envoy.filter_counters()
+    before = envoy.outcomes()
+    unmatched = envoy.counter(UNMATCHED_STAT)
     headers = {"content-type": "application/json", "idempotency-key": key}
     assert envoy.post("/orders", b"{}", headers).status == 201
     assert envoy.post("/orders", b"{}", headers).replayed
     assert envoy.post("/elsewhere", b"{}").status == 201
-    envoy.wait_counter("stored", before["requests.stored"] + 1)
-    after = envoy.filter_counters()
-    assert after["requests.claimed"] == before["requests.claimed"] + 1
-    assert after["requests.replayed"] == before["requests.replayed"] + 1
-    assert after["requests.passed_through"] == before["requests.passed_through"] + 1
-    assert after["requests.mismatch"] == before["requests.mismatch"]
+    envoy.wait_counter("stored", before["stored"] + 1)
+    after = envoy.outcomes()
+    assert after["claimed"] == before["claimed"] + 1
+    assert after["replayed"] == before["replayed"] + 1
+    assert after["passed_through"] == before["passed_through"] + 1
+    assert after["mismatch"] == before["mismatch"]
+    assert envoy.counter(UNMATCHED_STAT) == unmatched + 1
+    assert envoy.route_counter("orders", "passed_through") == 0
 
+    # Without stats tags (a bootstrap that lacks envoy/envoy.yaml's), the rule and the outcome
+    # stay in the name; Envoy drops `wasmcustom.` and turns dots into underscores, nothing else.
     text = envoy.prometheus()
-    m = re.search(r"^idempotency_requests_replayed(?:\{[^}]*\})? (\d+)$", text, re.M)
+    m = re.search(r"^idempotency_route_orders_requests_total_replayed(?:\{\})? (\d+)$", text, re.M)
     assert m, [l for l in text.splitlines() if "idempotency" in l]
-    assert int(m.group(1)) == after["requests.replayed"]
+    assert int(m.group(1)) == after["replayed"]
+    assert re.search(r"^idempotency_unmatched_requests_total(?:\{\})? %d$" % (unmatched + 1), text, re.M)
+    assert re.search(r"^idempotency_records_swept_total(?:\{\})? 0$", text, re.M)
     assert "wasmcustom" not in text

@@ -1,7 +1,9 @@
-"""Issue 12: Prometheus sees the filter's outcomes per route rule as labels. The filter counts
-each outcome under its rule too (wasmcustom.idempotency.route.<rule>.requests.<outcome>), and
-the stats tags of the shipped envoy/envoy.yaml, loaded from the file, turn that into
-idempotency_requests{route="<rule>",outcome="<outcome>"} in /stats/prometheus."""
+"""Issues 12 and 22 (8): Prometheus sees the filter's outcomes per route rule as labels of one
+family. The filter counts each outcome under its rule
+(wasmcustom.idempotency.route.<rule>.requests_total.<outcome>), and the stats tags of the
+shipped envoy/envoy.yaml, loaded from the file, turn that into
+idempotency_requests_total{route="<rule>",outcome="<outcome>"} in /stats/prometheus: counters
+end in _total, the outcome is a label, never part of a name."""
 
 from __future__ import annotations
 
@@ -20,12 +22,13 @@ FILTER_CONFIG = {
 }
 ENVOY_OPTIONS = {"stats_config": shipped_stats_config(REPO_ROOT / "envoy" / "envoy.yaml")}
 
-SERIES = re.compile(r"^idempotency_requests\{([^}]*)\} (\d+)$", re.M)
+SERIES = re.compile(r"^idempotency_requests_total\{([^}]*)\} (\d+)$", re.M)
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def labelled(text: str) -> dict[tuple[str, str], int]:
-    """idempotency_requests series by (route, outcome); each must carry exactly those labels."""
+    """idempotency_requests_total series by (route, outcome); each must carry exactly those
+    labels."""
     out = {}
     for labels, value in SERIES.findall(text):
         found = dict(LABEL.findall(labels))
@@ -47,20 +50,24 @@ def test_first_call_replay_and_mismatch_are_separate_series_with_route_and_outco
     envoy.wait_counter("stored", 2)
 
     text = envoy.prometheus()
-    assert "# TYPE idempotency_requests counter" in text
+    assert "# TYPE idempotency_requests_total counter" in text
     assert "wasmcustom" not in text
+    # Every counter family ends in _total, and no family name carries an outcome.
+    families = re.findall(r"^# TYPE (idempotency_\w+) (\w+)$", text, re.M)
+    assert sorted(families) == [("idempotency_records_swept_total", "counter"),
+                                ("idempotency_requests_total", "counter"),
+                                ("idempotency_unmatched_requests_total", "counter")], families
     after = labelled(text)
     for outcome in ("claimed", "replayed", "mismatch"):
         assert after[("orders", outcome)] == before.get(("orders", outcome), 0) + 1, outcome
         assert after[("payments.v2", outcome)] == before.get(("payments.v2", outcome), 0) + (
             outcome == "claimed"), outcome
-    # The same counts as the rule's own counters in /stats, and the counters over every rule
-    # keep their plain names.
+    # The same counts as the rule's own counters in /stats; the total over every rule is
+    # PromQL's sum by (outcome), here summed by hand.
     for outcome in ("claimed", "replayed", "mismatch"):
-        full = "wasmcustom.idempotency.route.orders.requests." + outcome
-        assert envoy.counter(full) == after[("orders", outcome)]
-        m = re.search(r"^idempotency_requests_%s\{\} (\d+)$" % outcome, text, re.M)
-        assert m and int(m.group(1)) == envoy.idem(outcome), outcome
+        assert envoy.route_counter("orders", outcome) == after[("orders", outcome)]
+        total = sum(v for (_, o), v in after.items() if o == outcome)
+        assert total == envoy.idem(outcome), outcome
 
 
 def test_both_shipped_envoy_configs_and_the_operations_doc_carry_the_same_stats_tags():

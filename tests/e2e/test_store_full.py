@@ -32,7 +32,7 @@ def _post(envoy, key, **extra):
 def test_store_full_then_space_after_ttl(envoy, upstream):
     keys = [new_key() for _ in range(8)]
     results = {}
-    swept_before = envoy.counter(harness.STAT_PREFIX + "records.swept")
+    swept_before = envoy.counter(harness.SWEPT_STAT)
     full_before = envoy.idem("store_full")
 
     def hold(k):
@@ -63,7 +63,7 @@ def test_store_full_then_space_after_ttl(envoy, upstream):
 
     # after the ttl the periodic sweep reclaims the records (nobody claims meanwhile, so only
     # the sweep can free them) ...
-    envoy.wait_counter(harness.STAT_PREFIX + "records.swept", swept_before + 1, timeout=TTL_S + 10)
+    envoy.wait_counter(harness.SWEPT_STAT, swept_before + 1, timeout=TTL_S + 10)
     # ... and a new key is accepted again
     accepted = _post(envoy, ninth)
     assert accepted.status == 201 and not accepted.replayed, accepted

@@ -15,7 +15,7 @@ import time
 import pytest
 
 import harness
-from harness import STAT_PREFIX, assert_problem, build_request, key_headers, new_key
+from harness import assert_problem, build_request, key_headers, new_key
 
 BODY = b'{"order":42,"amount":"19.99"}'
 LEASE_S = 3
@@ -62,7 +62,7 @@ def envoy(request, envoy_bin, filter_wasm, upstream):
 
 
 def _route_counter(envoy, rule: str, outcome: str) -> int:
-    return envoy.counter(STAT_PREFIX + "route.%s.requests.%s" % (rule, outcome))
+    return envoy.route_counter(rule, outcome)
 
 
 def _counts(envoy) -> dict:

@@ -17,7 +17,7 @@ PROBLEM = "application/problem+json"
 def counter_delta(before: dict[str, int], after: dict[str, int], route: str) -> dict[str, int]:
     """The route's filter counters that moved between two `filter_counters()` snapshots, keyed
     by outcome (claimed, stored, in_flight, waiting, replayed, ...)."""
-    prefix = "route.%s.requests." % route
+    prefix = "route.%s.requests_total." % route
     out = {}
     for name, value in after.items():
         if name.startswith(prefix) and value != before.get(name, 0):

@@ -6,6 +6,9 @@ use crate::store::etcd::{EtcdStore, Exchange, ExchangeStep, HttpAnswer};
 use crate::store::StoreOp;
 use std::rc::Rc;
 
+/// What the callouts to etcd name as `:authority`.
+pub const ETCD_AUTHORITY: &str = "etcd";
+
 pub struct EtcdRemote {
     store: Rc<EtcdStore>,
     settings: RemoteSettings,
@@ -16,6 +19,8 @@ impl EtcdRemote {
         let s = store.settings();
         let settings = RemoteSettings {
             cluster: s.cluster.clone(),
+            // etcd's gateway reads no host, but Go's HTTP server refuses an invalid one.
+            authority: ETCD_AUTHORITY.to_string(),
             // Envoy reads 0 as "no timeout": a callout is always bounded.
             timeout_ms: u32::try_from(s.timeout_ms).unwrap_or(u32::MAX).max(1),
             on_error: s.on_error,

@@ -16,6 +16,9 @@ use crate::store::{StoreAnswer, StoreOp};
 pub struct RemoteSettings {
     /// The Envoy cluster of the store's endpoints.
     pub cluster: String,
+    /// The callouts' `:authority`: Envoy requires one and the store's HTTP server checks it is
+    /// a valid host (an Istio cluster name such as `outbound|2379||etcd...` is not).
+    pub authority: String,
     /// Per callout; Envoy answers a callout that takes longer with a synthesized 504.
     pub timeout_ms: u32,
     pub on_error: OnStoreError,
@@ -108,9 +111,7 @@ pub fn dispatch<H: Host>(host: &H, settings: &RemoteSettings, request: &Request)
     let mut headers: Vec<(&str, &[u8])> = vec![
         (":method", b"POST"),
         (":path", request.path.as_bytes()),
-        // The store's cluster names its endpoints; Envoy requires an authority and etcd reads
-        // none, so the cluster's name says where the call went in Envoy's logs and stats.
-        (":authority", settings.cluster.as_bytes()),
+        (":authority", settings.authority.as_bytes()),
         ("content-type", b"application/json"),
     ];
     if let Some(token) = &request.token {

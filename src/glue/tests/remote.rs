@@ -80,7 +80,8 @@ fn root_with_ops(
     on_error: OnStoreError,
 ) -> (Root<FakeHost>, Rc<RefCell<Vec<StoreOp>>>) {
     let mut root = Root::new(1, h.clone());
-    let settings = RemoteSettings { cluster: cluster.into(), timeout_ms: 250, on_error };
+    let settings =
+        RemoteSettings { cluster: cluster.into(), authority: "store".into(), timeout_ms: 250, on_error };
     let ops = Rc::new(RefCell::new(Vec::new()));
     assert!(root.on_configure_with(Some(Box::new(Scripted(settings, Rc::clone(&ops))))));
     (root, ops)
@@ -156,6 +157,8 @@ fn begin_is_the_roots_callout_while_the_request_stays_paused_and_its_answer_resu
     for pseudo in [":method", ":path", ":authority"] {
         assert!(headers.iter().any(|(n, _)| n == pseudo));
     }
+    // The authority the store's settings name, whatever the cluster is called.
+    assert!(headers.iter().any(|(n, v)| n == ":authority" && v == "store"), "{headers:?}");
     store_answers(&h, Some("200"), b"{}");
     root.on_http_call_response(*token, 2);
     assert_eq!(h.0.calls.borrow().last(), Some(&Call::Resume { context: 2 }));

@@ -4,7 +4,7 @@ mesh-wide in the root namespace (istio/mesh). Each manifest parses; the image is
 parser is shown to refuse a broken one); the two forms of a directory carry the same
 configuration; and each EnvoyFilter's Wasm typed_config, with the module as the local file
 istio-agent turns the oci:// URL into, passes `envoy --mode validate` in a minimal bootstrap and,
-run for real against etcd and the demo upstream, serves a first call and its replay."""
+run for real against etcd and the demo upstream, serves a first call and its replay (C8, C9)."""
 
 from __future__ import annotations
 

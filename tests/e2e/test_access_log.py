@@ -1,4 +1,4 @@
-"""Issue 22, item 11: a request's outcome in the access log.
+"""A request's outcome in the access log (`publish_outcome`; no contract row: an operations promise).
 
 With `publish_outcome: true` the filter sets the filter state `wasm.idempotency.outcome` of every
 protected request to `<outcome> <scope tag>` (the tag its own log lines use), rewritten at each

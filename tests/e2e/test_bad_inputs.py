@@ -1,6 +1,7 @@
-"""Issue 3's bad-input catalogue, aimed at a record that already exists: every hostile request
-gets a clear answer (or the documented pass-through) and the stored record stays exactly as it
-was (the original still replays, the upstream ran once). Also: keys and credentials never reach
+"""C1, C4, C7, C9, C14: hostile inputs aimed at a record that already exists. Every hostile
+request gets a clear answer (400 invalid-key, 413, 422, or the pass-through of a route no rule
+matches) and the stored record stays exactly as it was (the original still replays, the upstream
+ran once). Also: keys and credentials never reach
 the logs raw."""
 
 from __future__ import annotations

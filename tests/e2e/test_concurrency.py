@@ -1,5 +1,6 @@
-"""Contracts 5, 8 and 15: in-flight requests, parallel retries across workers, lease expiry and
-takeover, and problem replies that are never stored."""
+"""C10, C13, C8: a retry while the original runs gets 409 with an integer `retry-after` (C10);
+parallel identical requests across workers execute once (C8); a router timeout keeps the record
+until its lease ends, then a retry takes it over (C13); problem replies are never stored."""
 
 from __future__ import annotations
 

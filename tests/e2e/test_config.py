@@ -1,7 +1,8 @@
-"""Contract 14: a bad filter configuration stops Envoy from starting, and the log names the
-offending field. Plus: the shipped envoy/envoy.yaml passes `envoy --mode validate`.
+"""A bad filter configuration stops Envoy from starting, and the log names the offending field
+(no contract row: a promise to the operator). Plus: the shipped envoy/envoy.yaml passes
+`envoy --mode validate`.
 
-Issue 8, item 5: wait-mode bounds are refused at start. With a `concurrent: "wait"` rule, waiters
+Wait-mode bounds are refused at start. With a `concurrent: "wait"` rule, waiters
 that could hold more than 256 MiB of request bodies per worker (`max_waiters` x the largest
 `max_request_bytes` of the wait rules) are refused naming `max_waiters`; a `wait_timeout` over
 5 minutes is refused naming `routes[0].wait_timeout`. Exactly at the bounds (and with a large
@@ -68,7 +69,7 @@ BAD = {
     "wait-timeout-over-5m": (_mutate(lambda c: c["routes"][0].update(concurrent="wait",
                                                                      wait_timeout="1h")),
                              ["routes[0].wait_timeout"]),
-    # Issue 19: a detached call still running when its lease ends could be taken over and run twice.
+    # A detached call still running when its lease ends could be taken over and run twice.
     "detached-upstream-timeout-at-the-lease": (
         _mutate(lambda c: c["routes"][0].update(execution="detached", upstream_timeout="30s")),
         ["routes[0].upstream_timeout"]),

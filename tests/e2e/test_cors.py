@@ -1,5 +1,6 @@
-"""Issue 22, item 13: browser callers (CORS). Envoy's CORS filter runs before the idempotency
-filter, with a CorsPolicy on the virtual host, as envoy/envoy.yaml ships it.
+"""C9 for browser callers (CORS): a replay carries the CORS headers a browser needs. Envoy's CORS
+filter runs before the idempotency filter, with a CorsPolicy on the virtual host, as
+envoy/envoy.yaml ships it.
 
 - A preflight (`OPTIONS /orders` from an allowed origin, asking for POST with `idempotency-key,
   content-type`) is answered by the CORS filter: 200, the key header allowed, the origin echoed.

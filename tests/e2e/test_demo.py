@@ -1,8 +1,10 @@
-"""Issue 12: `make run` and the README's quick start. The demo is started the way `make run` starts
-it (`python -m demo.run --envoy BIN`, envoy/envoy.yaml on its fixed ports 8080, 10000 and 9901),
-the README's marked curl lines are run against it one by one with bash and curl, and what each
-one prints is checked: the docs cannot drift from the product. Then the demo is stopped the ways
-a user stops it, and nothing it started may be left running or listening.
+"""C8, C9, C10, C14: `make run` and the README's quick start (a first call, its replay, another
+body's 422, a retry in flight's 409, a detached payment replayed). The demo is started the way
+`make run` starts it (`python -m demo.run --envoy BIN`, envoy/envoy.yaml on its fixed ports
+8080, 10000 and 9901), the README's marked curl lines are run against it one by one with bash
+and curl, and what each one prints is checked: the docs cannot drift from the product. Then the
+demo is stopped the ways a user stops it, and nothing it started may be left running or
+listening.
 
 These tests need ports 8080, 10000 and 9901 free: they fail (never skip) when another demo holds
 them."""

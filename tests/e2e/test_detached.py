@@ -1,4 +1,4 @@
-"""Issue 19, part 1: detached execution (`routes[].execution: "detached"`) against a real Envoy.
+"""C9, C20, C21: detached execution (`routes[].execution: "detached"`) against a real Envoy.
 
 The 2 AM incident: a payment executes upstream, but its client never gets the answer (it gave
 up, Envoy timed the stream out, the network dropped). Inline, Envoy resets the upstream request
@@ -8,8 +8,9 @@ the answer is recorded whatever happens to the client, and every retry is the re
 
 Also: the happy path is unchanged for the client and the upstream (method, query, Host,
 headers, body bytes; status, headers, body, JSON and a 256 KiB binary), `upstream_timeout`
-answers within about that time and leaves no second execution, and a waiter (wait mode) gets the
-replay of a detached call whose own client left.
+answers within about that time and leaves no second execution (C20), a call Envoy refuses (a
+cluster it does not know) gets 503 detached-capacity with the claim given back (C21), and a
+waiter (wait mode) gets the replay of a detached call whose own client left.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ FILTER_CONFIG = {
         _rule("msd", "/msd"),
         # The harness routes /unreachable to a port that refuses connections.
         _rule("unreachable", "/unreachable"),
+        # A cluster Envoy does not know: it refuses the detached call.
+        _rule("nocluster", "/nocluster", cluster="no-such-cluster"),
     ],
 }
 ENVOY_OPTIONS = {
@@ -188,3 +191,18 @@ def test_an_upstream_that_cannot_be_reached_is_released(envoy, upstream):
     assert first.status == 503, first
     retry = envoy.post("/unreachable/pay", BODY, key_headers(key))
     assert retry.status == 503 and not retry.replayed, retry
+
+
+def test_a_call_envoy_refuses_gets_503_detached_capacity_and_its_claim_back(envoy, upstream):
+    """C21: Envoy refuses the detached call (a cluster it does not know): 503 detached-capacity
+    with `retry-after: 1`, nothing sent upstream, and the claim given back (a retry gets the same
+    503, never 409 request-in-flight)."""
+    key = new_key()
+    refused, released = envoy.idem("detached_refused"), envoy.idem("released")
+    for _ in range(2):
+        resp = envoy.post("/nocluster/pay", BODY, key_headers(key))
+        assert_problem(resp, 503, "detached-capacity")
+        assert retry_after_seconds(resp) == 1, resp
+    assert upstream.executions(key) == 0
+    envoy.wait_counter("detached_refused", refused + 2, timeout=5)
+    envoy.wait_counter("released", released + 2, timeout=5)

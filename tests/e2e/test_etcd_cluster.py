@@ -1,7 +1,7 @@
-"""A three-member etcd cluster on loopback loses its leader (SIGKILL) while a load of unique keys
-runs through one Envoy: no key executes twice, requests during the election succeed or get 503
-(or 409 for a retry whose claim landed unanswered), and the store works again without
-restarting Envoy."""
+"""C8, C19 with a three-member etcd cluster on loopback that loses its leader (SIGKILL) while a
+load of unique keys runs through one Envoy: no key executes twice, requests during the election
+succeed or get 503 (or 409 for a retry whose claim landed unanswered), and the store works again
+without restarting Envoy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""When etcd cannot be used: stopped (fail_closed answers 503 store-unavailable and forwards
+"""C19: when etcd cannot be used: stopped (fail_closed answers 503 store-unavailable and forwards
 nothing; fail_open forwards unprotected; both counted, and both recover when etcd is back
 without restarting Envoy), and slower than the store's `timeout` (503, and the claim the late
 write may have left behind blocks a retry for no longer than the lease)."""
@@ -149,7 +149,7 @@ def test_a_claim_answered_after_the_client_left_is_released_at_once(
 
 def test_a_completion_etcd_answers_too_late_is_written_again_and_replayed_after_the_lease(
         envoy_bin, filter_wasm, upstream, etcd):
-    """Issue 18 item 2: the upstream answered 201 and the client got it, but etcd's answer to
+    """C9: the upstream answered 201 and the client got it, but etcd's answer to
     the completion came after `timeout`. The completion is tried again (it is guarded by the
     claim's revision), so a retry after the lease is the replay, not a second execution."""
     delay = harness.DelayProxy(etcd.client_port, delay=0.0)

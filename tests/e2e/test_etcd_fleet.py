@@ -1,6 +1,6 @@
-"""Two Envoys, one etcd: what the etcd store is for. A key used on one Envoy is replayed by the
-other; a burst of parallel retries of one key (100, then 200) spread over both executes once;
-an Envoy restart loses nothing (the records are in etcd, not in the Envoy)."""
+"""C8, C9 across two Envoys on one etcd: what the etcd store is for. A key used on one Envoy is
+replayed by the other; a burst of parallel retries of one key (100, then 200) spread over both
+executes once; an Envoy restart loses nothing (the records are in etcd, not in the Envoy)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ FILTER_CONFIG = {
     "store": harness.etcd_store(prefix="/e2e-fleet/"),
     "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
                 "processing_timeout": "30s"},
-               # Issue 19: detached execution across the fleet.
+               # Detached execution across the fleet.
                {"name": "pay", "match": {"prefix": "/pay"}, "require_key": True,
                 "execution": "detached", "processing_timeout": "30s", "upstream_timeout": "10s"}],
 }
@@ -59,7 +59,7 @@ def test_a_key_used_on_one_envoy_is_replayed_by_the_other(fleet, upstream):
 
 @pytest.mark.parametrize("parallel", [100, 200])
 def test_parallel_identical_requests_over_both_envoys_execute_once(fleet, upstream, parallel):
-    # Issue 20: 200 as well, under the one-transaction claim (a claim's create-or-read is one
+    # 200 as well, under the one-transaction claim (a claim's create-or-read is one
     # etcd transaction, so whoever loses the race reads the winner's record in the same call).
     key = new_key()
     results: list = [None] * parallel

@@ -1,4 +1,4 @@
-"""Issue 18 item 1: a configuration update does not drop the completions a worker's root carries.
+"""C9 across a configuration update: it does not drop the completions a worker's root carries.
 
 A real Envoy takes its listener from a file (file-based LDS) and its etcd through a proxy that
 holds answers back. A request's 201 comes back from the upstream and its completion is on its

@@ -1,6 +1,6 @@
-"""The etcd store's replay cache (`store.replay_cache`) behind one real Envoy and one real etcd:
-a hot replay is answered without a callout (the etcd cluster's upstream_rq_total stays put),
-another payload under the key is still refused, and a record's expiry ends its replays.
+"""C9, C14 with the etcd store's replay cache (`store.replay_cache`), behind one real Envoy and one
+real etcd: a hot replay is answered without a callout (the etcd cluster's upstream_rq_total stays
+put), another payload under the key is still refused, and a record's expiry ends its replays.
 
 One worker (concurrency 1), so that every request meets the cache its first call filled.
 """

@@ -1,6 +1,7 @@
-"""The etcd store behind one real Envoy and one real etcd (started here on loopback): the store's
-contract at the HTTP level (first call, replay, mismatch, in-flight), a completion that outlives
-its stream (dispatched by the root), and what a round trip to etcd costs next to the local store.
+"""C8, C9, C14, C10 with the etcd store, behind one real Envoy and one real etcd (started here on
+loopback): the contract at the HTTP level (first call, replay, mismatch, in-flight), a completion
+that outlives its stream (dispatched by the root), and what a round trip to etcd costs next to the
+local store.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Wait mode with the etcd store: two Envoys, one etcd. A duplicate that arrives on Envoy B while
+"""C11: wait mode with the etcd store: two Envoys, one etcd. A duplicate that arrives on Envoy B while
 the original runs on Envoy A is held, and B's waiters poll etcd (50 ms doubling to 1 s) until
 A's outcome is there; waiters on A itself are woken through A's queues, as with the local store.
 The cross-Envoy wake-up latency (A's response end to B's replay) is measured and printed

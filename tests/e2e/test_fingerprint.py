@@ -1,4 +1,6 @@
-"""Contract 4: the request fingerprint (method, path, query, listed headers, canonical body)."""
+"""C14, C9: the request fingerprint (method, path, query, listed headers, canonical body). Another
+payload under a key gets 422 and leaves the record alone (C14); a body that is canonically the
+same (member order, whitespace, ignored fields, escapes) replays (C9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Contract 2 (key syntax, missing keys) and the missing-key / invalid-key problems of 10."""
+"""C2, C3, C4: key syntax and missing keys. A missing key passes through on a `require_key: false`
+rule (C2) and gets 400 missing-key on a `require_key: true` one (C3); a malformed or repeated key
+gets 400 invalid-key (C4), and the quoted and bare forms of a key are one key."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Contract 9: request bodies over max_request_bytes are refused with 413, claiming nothing."""
+"""C7: request bodies over max_request_bytes are refused with 413, claiming nothing."""
 
 from __future__ import annotations
 

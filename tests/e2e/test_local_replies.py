@@ -1,4 +1,5 @@
-"""Issue 8, item 9: a local reply from a filter or route after this filter releases the claim.
+"""C8 after a local reply: one from a filter or route after this filter releases the claim, so the
+retry is forwarded as a first request.
 
 - `/direct`: an Envoy `direct_response` route (201, no cluster) on the protected rule `direct`.
   Nothing reached an upstream, so the claim is released (`released`): a retry with the same key
@@ -7,7 +8,7 @@
   one token per 2 s on that route only. Its local 429 releases the claim: the retry after the
   bucket refills is forwarded, not 409.
 
-Today: the claim stays PROCESSING for its lease (30 s), so the retry gets 409.
+(Before the claim was released, it stayed PROCESSING for its lease, 30 s, and the retry got 409.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Contract 13: the filter's counters in /stats and /stats/prometheus."""
+"""The filter's counters in /stats and /stats/prometheus (docs/OPERATIONS.md, Metrics; no contract
+row: a promise to the operator)."""
 
 from __future__ import annotations
 

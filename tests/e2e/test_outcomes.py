@@ -1,7 +1,5 @@
-"""Contracts 6 and 7: what happens to a record for each kind of upstream outcome, and what a
-replay looks like.
-
-Issue 8 (items 1 and 8):
+"""C8, C9, C15: what happens to a record for each kind of upstream outcome (a stored status
+replays, a released one executes again), and what a replay looks like. Also:
 - a response whose status the upstream already sent (201) but whose body was cut (upstream reset
   mid-body, client gone mid-download) is a known answer: a retry gets 410 `response-not-stored`
   with `idempotent-original-status`, never 409 and never a second execution, not even after the

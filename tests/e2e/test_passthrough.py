@@ -1,4 +1,4 @@
-"""Contract 1: a request that matches no rule (path or method) passes through untouched."""
+"""C1: a request that matches no rule (path or method) passes through untouched."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Issue 8, item 2: a refreshed token is the same caller.
+"""C9, C5 with a verified JWT as the caller: a refreshed token is the same caller (its retry
+replays), and a token that lacks a configured claim gets 403 principal-incomplete.
 
 A real `envoy.filters.http.jwt_authn` runs before the filter (harness `pre_filters`): one HS256
 provider with an inline `oct` JWKS, the token from `authorization: Bearer ...`, the verified
@@ -10,8 +11,6 @@ principal is the verified (iss, sub), not the Authorization value: a refreshed t
 exp, jti, so another header value) replays, also while the original is in flight; another sub
 is another caller. A request without a verified payload falls back to `principal_headers`
 (default `["authorization"]`, here absent: the anonymous principal).
-
-Today the filter refuses the unknown `principal` field and Envoy does not start.
 """
 
 from __future__ import annotations
@@ -129,7 +128,7 @@ def test_forged_token_is_refused_before_the_filter(envoy, upstream):
     assert upstream.executions(key) == 1
 
 
-# Issue 18, item 4: a verified payload that lacks a configured claim is no identity. Before, a
+# C5: a verified payload that lacks a configured claim is no identity. Before, a
 # token with `iss` but no `sub` was accepted as the caller (iss, <absent>), so every such caller
 # was one principal and replayed the others' answers; it is now refused with 403
 # `principal-incomplete` (counter `principal_incomplete`), never executed. A request without any

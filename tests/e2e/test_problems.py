@@ -1,5 +1,5 @@
-"""Contract 10: problem_statuses overrides (the shape of problems is checked everywhere by
-harness.assert_problem)."""
+"""C14 with `problem_statuses`: the mismatch answered with the configured status, the other
+problems keeping theirs (the shape of problems is checked everywhere by harness.assert_problem)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 12: Prometheus sees the filter's outcomes per route rule as labels. The filter counts
+"""Prometheus sees the filter's outcomes per route rule as labels. The filter counts
 each outcome under its rule too (wasmcustom.idempotency.route.<rule>.requests.<outcome>), and
 the stats tags of the shipped envoy/envoy.yaml, loaded from the file, turn that into
 idempotency_requests{route="<rule>",outcome="<outcome>"} in /stats/prometheus."""
@@ -67,6 +67,6 @@ def test_both_shipped_envoy_configs_and_the_operations_doc_carry_the_same_stats_
     tags = shipped_stats_config(REPO_ROOT / "envoy" / "envoy.yaml")
     assert [t["tag_name"] for t in tags["stats_tags"]] == ["route", "outcome"]
     assert shipped_stats_config(REPO_ROOT / "envoy" / "envoy-etcd.yaml") == tags
-    # docs/OPERATIONS.md, Metrics: the block users copy into their bootstrap (in README.md
-    # before issue 21, section 4).
+    # docs/OPERATIONS.md, Metrics: the block users copy into their bootstrap (it was in README.md
+    # before the README moved its details to docs/).
     assert shipped_stats_config(REPO_ROOT / "docs" / "OPERATIONS.md") == tags

@@ -1,4 +1,4 @@
-"""Issue 8, item 4: quota. One principal (here: one `authorization` value) or one tenant
+"""C17: quota. One principal (here: one `authorization` value) or one tenant
 (`tenant_header: x-tenant-id`) may hold at most `quota.per_principal` / `quota.per_tenant` live
 records. A new key past the bound gets 429 problem `quota-exceeded` with `retry-after` (counter
 `quota_exceeded`) and is not executed; everyone else keeps working, and the full principal's or
@@ -7,8 +7,6 @@ tenant's existing keys still replay (or get 409 while in flight).
 Every test uses its own tenant and principals (records live for the default ttl of 24h). The
 tenant bound applies only with a `tenant_header`. Without `quota` no bound applies at all
 (tests/e2e/test_quota_defaults.py).
-
-Today the filter refuses the unknown `quota` field and Envoy does not start.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 18, item 5: the default configuration never refuses honest traffic for quota.
+"""C17, C8: the default configuration never refuses honest traffic for quota.
 
 Quotas are opt-in: without a `quota` key no tenant or caller bound applies, so the filter never
 answers 429 `quota-exceeded`, however few callers it can tell apart. Before, the defaults were

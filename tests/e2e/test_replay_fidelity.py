@@ -1,4 +1,5 @@
-"""Issue 8, item 6: replays that Envoy's local-reply path would rewrite.
+"""C9, C6: replays that Envoy's local-reply path would rewrite are still the first answer (C9),
+and gRPC calls, whose replays it would turn into failures, are refused (C6).
 
 A replay is sent as a local reply, and Envoy rewrites local replies: it drops `content-type`
 when the body is empty, adds `text/plain` to a body without one, and turns the reply to a gRPC

@@ -1,9 +1,10 @@
-"""Contract 3: a record belongs to (tenant, principal, method, path, key).
+"""C8, C9: a record belongs to (tenant, principal, host, method, path, key). The same scope
+replays (C9); the same key in another scope is another record, forwarded as a first request (C8).
 
-Issue 8, item 7: ... and to the host. `Host: a.example` and `Host: b.example` are two records;
-the host is compared lower-cased and without the scheme's default port (`A.Example:80` is
-`a.example` on plain HTTP). One `x-tenant-id: a,b` header and two headers `a` + `b` are two
-different tenants. (Envoy's virtual host here has `domains: ["*"]`, so any host routes.)"""
+The host: `Host: a.example` and `Host: b.example` are two records; the host is compared
+lower-cased and without the scheme's default port (`A.Example:80` is `a.example` on plain HTTP).
+One `x-tenant-id: a,b` header and two headers `a` + `b` are two different tenants. (Envoy's
+virtual host here has `domains: ["*"]`, so any host routes.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 11: the local store is usable to its capacity. Two-choice placement over 1.5 positions
+"""C18: the local store is usable to its capacity. Two-choice placement over 1.5 positions
 per record (capacity 200: 38 buckets of 8) lets new keys in until `capacity` records are live,
 then refuses every new key with 503 store-full, and evicts none of the live records.
 

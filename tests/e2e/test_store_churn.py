@@ -1,4 +1,4 @@
-"""Issue 11: the local store stays usable when records end far faster than the sweep comes by.
+"""C18: the local store stays usable when records end far faster than the sweep comes by.
 
 The sweep visits one fill shard (64 buckets) a second, so a pass over capacity 10,000 takes half
 a minute; with an 800 ms ttl at a few thousand new keys a second (a fifth of the capacity live), a

@@ -1,4 +1,4 @@
-"""Issue 8, item 4: abandoned claims are evicted. capacity 8 is exactly one bucket of 8 entries.
+"""C18: abandoned claims are evicted first. capacity 8 is exactly one bucket of 8 entries.
 
 Eight claims whose outcome is unknown (`x-reset: before-headers`: the upstream got the request
 and dropped the connection) stay PROCESSING for their lease (processing_timeout 2s). While the
@@ -7,7 +7,7 @@ them and is forwarded (201), although the ttl (1h) is far away (once a sweep pas
 counting them against the caller's quota: until then the new key gets 429). Quota is set as large as the
 store so that only the store bounds this one principal while the quota is exercised too.
 
-Today: 503 `store-full` until the ttl.
+(Before eviction: 503 `store-full` until the ttl.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Contract 11: a full store refuses new keys with 503 store-full until records expire.
+"""C18: a full store refuses new keys with 503 store-full until records expire.
 
 capacity 8 fits in one bucket of 8 entries, which every key shares (a store that small has no
 placement to balance), so the 9th distinct live key is refused. test_store_capacity.py fills a

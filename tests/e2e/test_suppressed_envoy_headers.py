@@ -1,4 +1,4 @@
-"""Issue 20: an upstream answer is known without a host call, and still known without the hint.
+"""C8, C9: an upstream answer is known without a host call, and still known without the hint.
 
 The filter takes `x-envoy-upstream-service-time` (the router's header on every upstream answer)
 as proof that a response came from the upstream, and reads `response.code_details` only when the

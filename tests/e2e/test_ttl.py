@@ -1,4 +1,4 @@
-"""Contract 12: a stored record replays until its ttl, then the key executes again."""
+"""C9, C8: a stored record replays until its ttl (C9), then the key executes again (C8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 19, part 2: `routes[].unknown_outcome`. When the outcome of a forwarded request cannot
+"""C16, C13, C20: `routes[].unknown_outcome`. When the outcome of a forwarded request cannot
 be known (the route timeout passed, the client left while the upstream worked), a rule with
 `"refuse"` completes the record at once as "outcome unknown": every retry with the key, at once
 and after the lease, gets 502 `outcome-unknown` and the upstream never executes it again. With

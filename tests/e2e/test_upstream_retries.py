@@ -1,4 +1,5 @@
-"""Issue 8, item 3: Envoy retries under one claim are counted.
+"""C9 behind Envoy's own retries: retries under one claim are counted and warned about, and the
+client's retry replays.
 
 The Envoy route `/retried` retries 5xx (`retry_on: 5xx`, `num_retries: 2`) in front of the
 protected rule `retried-orders`. With `x-fail-first: 503` the upstream executes twice under the
@@ -6,8 +7,6 @@ one claim (503, then 201): the client sees 201, the counter `upstream_retried` c
 request (the filter reads the upstream attempt count), a retry with the same key replays, and
 the filter logs one warning naming the rule (Envoy retries can execute a request twice; the
 filter cannot prevent it). concurrency 1: "once" is checked on one worker.
-
-Today: no `upstream_retried` counter and no warning.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Wait mode (issue 4): duplicates that arrive while the original is processing are held and
+"""C11: wait mode. Duplicates that arrive while the original is processing are held and
 answered with the original's result, across worker threads (--concurrency 4)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Wait mode bounds: past max_waiters_per_key a duplicate gets 409 at once and is counted."""
+"""C12: wait mode bounds. Past max_waiters_per_key a duplicate gets 409 at once and is counted."""
 
 from __future__ import annotations
 

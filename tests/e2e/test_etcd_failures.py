@@ -36,12 +36,6 @@ def proxy(envoy_bin, filter_wasm, upstream, port, on_error, name, prefix="/e2e-f
     ).start()
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    member = harness.Etcd("etcd-failures").start()
-    yield member
-    member.stop()
-
 
 @pytest.fixture(scope="module")
 def both(envoy_bin, filter_wasm, upstream, etcd):

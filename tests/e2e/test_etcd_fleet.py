@@ -23,12 +23,6 @@ FILTER_CONFIG = {
 }
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    member = harness.Etcd("etcd-fleet").start()
-    yield member
-    member.stop()
-
 
 def start_envoy(envoy_bin, filter_wasm, upstream, etcd, name):
     return harness.Envoy(

@@ -17,8 +17,6 @@ import os
 import socket
 import time
 
-import pytest
-
 import harness
 from harness import key_headers, new_key
 from idemkit import bootstrap
@@ -81,12 +79,6 @@ class ReloadableEnvoy(_Envoy):
         self.closed_port.close()
         return rc
 
-
-@pytest.fixture(scope="module")
-def etcd():
-    member = harness.Etcd("etcd-reload").start()
-    yield member
-    member.stop()
 
 
 FILTER_CONFIG = filter_config("a")  # the module's Envoy is built by the test itself

@@ -31,12 +31,6 @@ def filter_config(replay_cache: dict | None) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    member = harness.Etcd("etcd-replay-cache").start()
-    yield member
-    member.stop()
-
 
 def start_envoy(envoy_bin, filter_wasm, upstream, etcd, replay_cache, name):
     return harness.Envoy(

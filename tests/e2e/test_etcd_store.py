@@ -32,12 +32,6 @@ def filter_config(store: dict) -> dict:
 FILTER_CONFIG = filter_config(harness.etcd_store(prefix=PREFIX))
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    member = harness.Etcd("etcd-store").start()
-    yield member
-    member.stop()
-
 
 @pytest.fixture(scope="module")
 def envoy(envoy_bin, filter_wasm, upstream, etcd):

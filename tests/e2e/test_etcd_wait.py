@@ -30,12 +30,6 @@ FILTER_CONFIG = {
 }
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    member = harness.Etcd("etcd-wait").start()
-    yield member
-    member.stop()
-
 
 @pytest.fixture(scope="module")
 def fleet(envoy_bin, filter_wasm, upstream, etcd):

@@ -131,7 +131,7 @@ def test_what_the_services_run_is_mounted(compose):
         svc = services[name]
         targets = {t: _bind_source(s) for s, t in _mounts(svc)}
         config_path = _envoy_config_source(svc)
-        # The file that `make validate` and tests/e2e/test_config.py validate (every envoy/*.yaml).
+        # The file that `make validate` and tests/e2e/operations/test_config.py validate (every envoy/*.yaml).
         assert config_path.parent == REPO_ROOT / "envoy", config_path
         cfg = load(config_path)
         modules = [d["filename"] for d in walk(cfg) if "filename" in d and str(d["filename"]).endswith(".wasm")]

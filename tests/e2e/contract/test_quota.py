@@ -6,7 +6,7 @@ tenant's existing keys still replay (or get 409 while in flight).
 
 Every test uses its own tenant and principals (records live for the default ttl of 24h). The
 tenant bound applies only with a `tenant_header`. Without `quota` no bound applies at all
-(tests/e2e/test_quota_defaults.py).
+(tests/e2e/contract/test_quota_defaults.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ capacity/10 live records per caller and capacity/4 per tenant: a deployment with
 
 One Envoy, capacity 200, a `tenant_header` and no `quota`: one anonymous caller without a
 tenant, then one service token of one tenant, each with 90 new keys, fill the store to 90%
-(where the store itself refuses nothing yet, tests/e2e/test_store_capacity.py). Every new key
+(where the store itself refuses nothing yet, tests/e2e/local/test_store_capacity.py). Every new key
 executes once; nothing is refused.
 """
 

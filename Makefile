@@ -75,12 +75,12 @@ WASM_OPT_FLAGS := -O3 --enable-bulk-memory --enable-sign-ext --enable-nontrappin
 wasm-target:
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
 
-# The etcd store's tests (tests/etcd_conformance.rs, tests/e2e/test_etcd_*.py) start their own
+# The etcd store's tests (tests/etcd_conformance.rs, tests/e2e/etcd/) start their own
 # etcd processes on loopback; they fail, never skip, without the binary.
 etcd:
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq etcd-server etcd-client; }
 
-# curl (and bash) run the README's quick-start lines in tests/e2e/test_demo.py.
+# curl (and bash) run the README's quick-start lines in tests/e2e/operations/test_demo.py.
 .PHONY: curl e2e-loadgen
 e2e-loadgen:
 	$(CARGO) build --release --quiet --manifest-path bench/loadgen/Cargo.toml
@@ -218,7 +218,7 @@ lint: wasm-target
 	$(CARGO) clippy --all-targets --features etcd-conformance -- -D warnings
 	$(CARGO) clippy --release --target $(WASM_TARGET) -- -D warnings
 
-# bench/loadgen drives the thousands of requests a second tests/e2e/test_store_churn.py needs.
+# bench/loadgen drives the thousands of requests a second tests/e2e/local/test_store_churn.py needs.
 e2e: build tools etcd curl e2e-loadgen
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) LOADGEN=$(CARGO_TARGET_DIR)/release/loadgen \
 	  $(VENV_PY) -m pytest tests/e2e -q $(PYTEST_ARGS)

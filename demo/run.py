@@ -29,7 +29,7 @@ UPSTREAM_PORT = 8080  # envoy/envoy.yaml's cluster `orders`
 ETCD_PORT = 2379  # envoy/envoy-etcd.yaml's cluster `etcd`
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-# The README's quick-start block: this marker, then a fenced sh block. tests/e2e/test_demo.py
+# The README's quick-start block: this marker, then a fenced sh block. tests/e2e/operations/test_demo.py
 # runs its lines against this very demo, so what is printed here is what the README says.
 QUICKSTART_MARKER = "<!-- quickstart-curl"
 

@@ -406,9 +406,9 @@ fn record_lease(worker: &BlockingEtcd, prefix: &str, scope_n: u64) -> String {
     lease.to_string()
 }
 
-/// Issue 18 item 3: an Envoy whose clock runs ahead of the owner's by more than the lease (26 s
-/// here, with the suite's 1 s lease) sees the claim's deadline long past while the owner's call
-/// is still running. The takeover is decided by etcd's clock (the claim's lease key), so it
+/// C10, C9 across clocks: an Envoy whose clock runs ahead of the owner's by more than the lease
+/// (26 s here, with the suite's 1 s lease) sees the claim's deadline long past while the owner's
+/// call is still running. The takeover is decided by etcd's clock (the claim's lease key), so it
 /// gets 409 and, once the owner completes, the replay: one execution.
 #[test]
 fn a_clock_ahead_by_more_than_the_lease_does_not_take_over_a_running_claim() {

@@ -131,7 +131,7 @@ def test_what_the_services_run_is_mounted(compose):
         svc = services[name]
         targets = {t: _bind_source(s) for s, t in _mounts(svc)}
         config_path = _envoy_config_source(svc)
-        # The file that `make validate` and tests/e2e/test_config.py validate (every envoy/*.yaml).
+        # The file that `make validate` and tests/e2e/operations/test_config.py validate (every envoy/*.yaml).
         assert config_path.parent == REPO_ROOT / "envoy", config_path
         cfg = load(config_path)
         modules = [d["filename"] for d in walk(cfg) if "filename" in d and str(d["filename"]).endswith(".wasm")]
@@ -197,7 +197,7 @@ DEPLOYMENT_DOC = REPO_ROOT / "docs" / "DEPLOYMENT.md"
 
 def _doc_compose_curls() -> list[str]:
     """The curl lines of the compose recipe (the sh block that runs docker compose): one in the
-    docs (README.md and docs/*.md), and it is docs/DEPLOYMENT.md's (issue 21, section 4)."""
+    docs (README.md and docs/*.md), and it is docs/DEPLOYMENT.md's."""
     docs = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
     found = [(doc, b) for doc in docs for b in re.findall(r"```sh\n(.*?)```", doc.read_text(), re.S)
              if "docker compose" in b]
@@ -247,9 +247,10 @@ def test_the_compose_file_shows_the_deployment_doc_curl_lines():
 
 
 def test_the_deployment_doc_curl_lines_replay_on_the_other_replica(compose, envoy_bin, filter_wasm):
-    """docs/DEPLOYMENT.md's compose recipe against the compose config run twice on one real etcd: the
-    call on A is replayed on B, executed once; a different payload on B gets 422; and without a
-    common Host header (curl's default), B's call is another scope and executes again."""
+    """C9, C14, C8: docs/DEPLOYMENT.md's compose recipe against the compose config run twice on one
+    real etcd: the call on A is replayed on B, executed once; a different payload on B gets 422;
+    and without a common Host header (curl's default), B's call is another scope and executes
+    again."""
     cfg = load(_envoy_config_source(compose["services"]["envoy-a"]))
     # "127.0.0.1:10001:10000" -> 10001, the port the recipe's curl lines name
     published = {name: int(p.split(":")[1]) for name in ENVOY_SERVICES

@@ -1,9 +1,9 @@
 """Every relative link in the repository's Markdown resolves to a file or directory that exists:
-inline links `[text](target)` in every tracked `*.md` file, and paths below `docs/` named in
-prose (`see docs/ETCD.md`). Issue 18, item 9: a benchmark section writer replaced the README's
-three references to docs/ETCD.md with a benchmark sentence, and nothing noticed. Issue 21,
-section 4 split the README into docs/: a link's `#anchor` must name a heading of the file it
-points to (GitHub's heading ids), in README.md, ARCHITECTURE.md and docs/*.md alike."""
+inline links `[text](target)` in every tracked `*.md` file, and paths below `docs/` named in prose
+(`see docs/ETCD.md`): once a benchmark section writer replaced the README's three references to
+docs/ETCD.md with a benchmark sentence, and nothing noticed. And since the README's details live in
+docs/, a link's `#anchor` must name a heading of the file it points to (GitHub's heading ids), in
+README.md, ARCHITECTURE.md and docs/*.md alike."""
 
 from __future__ import annotations
 

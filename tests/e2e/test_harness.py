@@ -180,7 +180,7 @@ def test_render_with_filter_is_valid_json():
         env.closed_port.close()
 
 
-# ---- issue 8 plumbing: filters around the (absent) idempotency filter, Envoy-made answers ----
+# ---- plumbing: filters around the (absent) idempotency filter, Envoy-made answers ----
 
 
 def _plain_envoy(envoy_bin, upstream, name, **options):

@@ -70,7 +70,7 @@ def check_sdk_key(result: dict, attempts: list[dict]) -> str:
 
 
 def test_timeout_then_409_then_replay(node, envoy, fake_stripe):
-    """/v1/customers (`concurrent: reject`): the upstream takes 2.5 s, the SDK's timeout is 1 s.
+    """C10, C9: /v1/customers (`concurrent: reject`): the upstream takes 2.5 s, the SDK's timeout is 1 s.
     The SDK's retries get 409 request-in-flight until the original's answer is stored, then
     its replay: the customer of the one execution, parsed by the SDK."""
     total = fake_stripe.total()
@@ -93,7 +93,7 @@ def test_timeout_then_409_then_replay(node, envoy, fake_stripe):
 
 
 def test_timeout_then_held_then_replay(node, envoy, fake_stripe):
-    """/v1/payment_intents (`concurrent: wait`): the upstream takes 2 s, the SDK's timeout is
+    """C11: /v1/payment_intents (`concurrent: wait`): the upstream takes 2 s, the SDK's timeout is
     1 s. Its retry at 1.5 s is held by the filter until the original's answer and gets its
     replay: one retry, no 409, the payment intent of the one execution."""
     total = fake_stripe.total()

@@ -73,7 +73,7 @@ def test_create_answered_by_the_upstream(sdk, envoy, fake_stripe):
 
 
 def test_timeout_then_409_then_replay(sdk, envoy, fake_stripe):
-    """/v1/customers (`concurrent: reject`): the upstream takes 2.5 s. The SDK gives up after
+    """C10, C9: /v1/customers (`concurrent: reject`): the upstream takes 2.5 s. The SDK gives up after
     1 s, retries at 1.5 s and gets 409 request-in-flight, retries the 409 after its backoff
     until the original's answer is stored, then gets its replay: the customer of the one
     execution."""
@@ -103,7 +103,7 @@ def test_timeout_then_409_then_replay(sdk, envoy, fake_stripe):
 
 
 def test_timeout_then_held_then_replay(sdk, envoy, fake_stripe):
-    """/v1/payment_intents (`concurrent: wait`): the upstream takes 2 s. The SDK gives up after
+    """C11: /v1/payment_intents (`concurrent: wait`): the upstream takes 2 s. The SDK gives up after
     1 s; its retry at 1.5 s is held by the filter until the original's answer (about 0.5 s)
     and gets its replay: one retry, no 409, the payment intent of the one execution."""
     client, http = sdk
@@ -129,7 +129,7 @@ def test_timeout_then_held_then_replay(sdk, envoy, fake_stripe):
 
 
 def test_inline_route_loses_the_answer(sdk, envoy, fake_stripe):
-    """The contrast: /v1/refunds is inline (`unknown_outcome: refuse`). The SDK's timeout resets
+    """C16, the contrast: /v1/refunds is inline (`unknown_outcome: refuse`). The SDK's timeout resets
     the upstream request with its stream, so the one execution's answer is lost: every retry
     gets 502 outcome-unknown (never a second execution), which the SDK retries as a 5xx until
     its retries run out, then raises. What a detached route avoids."""

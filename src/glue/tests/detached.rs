@@ -163,6 +163,8 @@ fn upstream_timeout_is_an_unknown_outcome_a_5xx_and_the_claim_stays() {
     assert!(matches!(sent_to(&h, 4).as_slice(), [(504, _, body)] if body == b"busy"));
 }
 
+/// C21: past `max_detached_calls`, or refused by Envoy (unknown cluster), a new key gets 503
+/// `detached-capacity` and its claim back.
 #[test]
 fn past_max_detached_calls_a_new_key_gets_503_and_its_claim_back() {
     let h = host();

@@ -1,0 +1,103 @@
+"""The contract's promises and the tests that prove them. docs/CONTRACT.md numbers the promises
+(C1, C2, ...) in its table "The promises", one row per row of the README's contract table, which
+carries the same IDs in its first column. A test that proves a promise cites its ID in a
+docstring (Python: module, class or function; Rust: `///` or `//!` in a test file).
+
+Checked here: both tables hold the same IDs in the same order, each once; every ID is cited by at
+least one test; no test cites an ID that is not in the tables."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from idemkit import REPO_ROOT
+
+README = REPO_ROOT / "README.md"
+CONTRACT = REPO_ROOT / "docs" / "CONTRACT.md"
+
+_ID = re.compile(r"\bC\d+\b")
+_ROW_ID = re.compile(r"^\|\s*(C\d+)\s*\|", re.M)
+
+
+def _section(text: str, heading: str) -> str:
+    """From the line `heading` to the next heading of the same or a higher level."""
+    level = heading.split(" ", 1)[0]
+    start = text.index("\n" + heading + "\n") + 1
+    ends = [i for i in (text.find("\n" + "#" * n + " ", start + len(heading)) for n in range(1, len(level) + 1))
+            if i >= 0]
+    return text[start:min(ends) if ends else len(text)]
+
+
+def readme_ids() -> list[str]:
+    return _ROW_ID.findall(_section(README.read_text(), "## HTTP contract"))
+
+
+def contract_ids() -> list[str]:
+    return _ROW_ID.findall(_section(CONTRACT.read_text(), "## The promises"))
+
+
+def _python_docstrings(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    nodes = [tree] + [n for n in ast.walk(tree)
+                      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    return [d for n in nodes if (d := ast.get_docstring(n, clean=False))]
+
+
+def _rust_docs(path: Path) -> list[str]:
+    return [m.group(1) for m in re.finditer(r"^\s*//[/!](.*)$", path.read_text(), re.M)]
+
+
+def _test_files() -> list[Path]:
+    tests = REPO_ROOT / "tests"
+    python = [p for p in tests.rglob("*.py") if "node_modules" not in p.parts and ".logs" not in p.parts]
+    rust = [*tests.glob("*.rs"), *(REPO_ROOT / "src").rglob("tests/*.rs"), *(REPO_ROOT / "src").rglob("tests.rs")]
+    return sorted(python + rust)
+
+
+def citations() -> dict[str, set[str]]:
+    """ID -> the test files (relative to the repository) whose docstrings cite it."""
+    cited: dict[str, set[str]] = {}
+    for path in _test_files():
+        if path == Path(__file__).resolve():
+            continue
+        docs = _python_docstrings(path) if path.suffix == ".py" else _rust_docs(path)
+        for ident in {i for doc in docs for i in _ID.findall(doc)}:
+            cited.setdefault(ident, set()).add(path.relative_to(REPO_ROOT).as_posix())
+    return cited
+
+
+def test_the_readme_and_the_contract_doc_number_the_same_promises_in_the_same_order():
+    ids = contract_ids()
+    assert len(ids) >= 20, ids
+    assert len(set(ids)) == len(ids), f"an ID twice in docs/CONTRACT.md: {ids}"
+    assert readme_ids() == ids, (readme_ids(), ids)
+
+
+def test_the_readme_table_gives_every_row_an_id():
+    table = _section(README.read_text(), "## HTTP contract")
+    rows = [l for l in table.splitlines() if l.startswith("|") and not l.startswith("|---")][1:]
+    assert len(rows) == len(readme_ids()), [r[:40] for r in rows if not _ROW_ID.match(r)]
+
+
+def test_every_promise_is_cited_by_a_test():
+    cited = citations()
+    missing = [i for i in contract_ids() if i not in cited]
+    assert not missing, f"promises no test docstring cites: {missing}"
+
+
+def test_no_test_cites_a_promise_that_does_not_exist():
+    known = set(contract_ids())
+    unknown = {i: sorted(files) for i, files in citations().items() if i not in known}
+    assert not unknown, f"tests cite IDs docs/CONTRACT.md does not define: {unknown}"
+
+
+def test_the_checker_reads_docstrings_only(tmp_path):
+    module = tmp_path / "test_x.py"
+    module.write_text('"""C3, C7: module."""\nX = "C99"  # C98\n\n'
+                      'def test_a():\n    """C9: a test."""\n\nclass T:\n    """C10"""\n')
+    assert sorted(i for d in _python_docstrings(module) for i in _ID.findall(d)) == ["C10", "C3", "C7", "C9"]
+    rust = tmp_path / "t.rs"
+    rust.write_text("//! C1: file\n/// C21: a test\n// C5 is a comment\nfn t() { let _ = \"C6\"; }\n")
+    assert [i for d in _rust_docs(rust) for i in _ID.findall(d)] == ["C1", "C21"]

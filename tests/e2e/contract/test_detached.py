@@ -1,0 +1,208 @@
+"""C9, C20, C21: detached execution (`routes[].execution: "detached"`) against a real Envoy.
+
+The 2 AM incident: a payment executes upstream, but its client never gets the answer (it gave
+up, Envoy timed the stream out, the network dropped). Inline, Envoy resets the upstream request
+with the stream, the record stays PROCESSING, retries get 409 until the lease ends, and then a
+retry executes the payment again. Detached, the worker's root makes the upstream call itself:
+the answer is recorded whatever happens to the client, and every retry is the replay.
+
+Also: the happy path is unchanged for the client and the upstream (method, query, Host,
+headers, body bytes; status, headers, body, JSON and a 256 KiB binary), `upstream_timeout`
+answers within about that time and leaves no second execution (C20), a call Envoy refuses (a
+cluster it does not know) gets 503 detached-capacity with the claim given back (C21), and a
+waiter (wait mode) gets the replay of a detached call whose own client left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import harness
+from harness import assert_problem, key_headers, new_key, retry_after_seconds
+
+LEASE_S = 3
+UPSTREAM_TIMEOUT_S = 2
+
+
+def _rule(name: str, prefix: str, **extra) -> dict:
+    rule = {"name": name, "match": {"prefix": prefix}, "require_key": True, "execution": "detached",
+            "processing_timeout": "%ds" % LEASE_S, "upstream_timeout": "%ds" % UPSTREAM_TIMEOUT_S}
+    rule.update(extra)
+    return rule
+
+
+FILTER_CONFIG = {
+    "store": {"type": "local", "capacity": 1000},
+    "routes": [
+        _rule("pay", "/pay"),
+        _rule("waitpay", "/waitpay", concurrent="wait", wait_timeout="10s"),
+        # Envoy's own 504 after 1 s (the route's max_stream_duration) while the upstream works on.
+        _rule("msd", "/msd"),
+        # The harness routes /unreachable to a port that refuses connections.
+        _rule("unreachable", "/unreachable"),
+        # A cluster Envoy does not know: it refuses the detached call.
+        _rule("nocluster", "/nocluster", cluster="no-such-cluster"),
+    ],
+}
+ENVOY_OPTIONS = {
+    "concurrency": 2,
+    "extra_routes": [
+        {"match": {"prefix": "/msd"},
+         "route": {"cluster": "orders", "timeout": "10s",
+                   "max_stream_duration": {"max_stream_duration": "1s"}}},
+    ],
+}
+
+BODY = b'{"amount":4200,"currency":"EUR","card":"tok_visa"}'
+
+
+def _post(envoy, path, key, timeout=15.0, **extra):
+    return envoy.post(path, BODY, key_headers(key, **extra), timeout=timeout)
+
+
+def _send_and_leave(envoy, upstream, path, key, delay_ms, **extra):
+    """Sends a protected POST whose upstream takes `delay_ms`, waits until the upstream has
+    it, then closes the connection (RST): the client is gone while the upstream works."""
+    headers = key_headers(key, **{"x-delay-ms": str(delay_ms)}, **extra)
+    harness.leave_while_upstream_works(envoy.port, upstream, key,
+                                       harness.build_request("POST", path, headers, BODY))
+
+
+def test_a_client_that_leaves_while_the_upstream_works_loses_nothing(envoy, upstream):
+    key = new_key()
+    stored = envoy.idem("stored")
+    _send_and_leave(envoy, upstream, "/pay", key, 800)
+    # The upstream finishes after the client left; the root records its answer.
+    envoy.wait_counter("stored", stored + 1, timeout=5)
+    retry = _post(envoy, "/pay", key)
+    assert retry.status == 201 and retry.replayed, retry
+    # And after the lease: still the replay, never a second execution.
+    time.sleep(LEASE_S + 0.3)
+    late = _post(envoy, "/pay", key)
+    assert late.status == 201 and late.replayed, late
+    assert late.body == retry.body
+    assert upstream.executions(key) == 1
+
+
+def test_envoys_own_504_while_the_upstream_finishes_later(envoy, upstream):
+    key = new_key()
+    t0 = time.monotonic()
+    first = _post(envoy, "/msd", key, **{"x-delay-ms": "1500"})
+    assert first.status == 504, first
+    assert time.monotonic() - t0 < 1.4, "Envoy's max_stream_duration, not the upstream"
+    harness.wait_until(lambda: _post(envoy, "/msd", key).status != 409, 5, interval=0.2,
+                       what="the detached call's end")
+    retry = _post(envoy, "/msd", key)
+    assert retry.status == 201 and retry.replayed, retry
+    assert upstream.executions(key) == 1
+
+
+def test_a_waiter_gets_the_replay_of_a_call_whose_client_left(envoy, upstream):
+    key = new_key()
+    _send_and_leave(envoy, upstream, "/waitpay", key, 1200)
+    t0 = time.monotonic()
+    waiter = _post(envoy, "/waitpay", key)
+    assert waiter.status == 201 and waiter.replayed, waiter
+    assert time.monotonic() - t0 < 3, "woken when the detached call ended"
+    assert upstream.executions(key) == 1
+
+
+def test_upstream_timeout_answers_in_time_and_never_executes_twice(envoy, upstream):
+    key = new_key()
+    t0 = time.monotonic()
+    first = _post(envoy, "/pay", key, **{"x-delay-ms": "4000"})
+    elapsed = time.monotonic() - t0
+    problem = assert_problem(first, 504, "outcome-unknown")
+    assert "unknown" in problem["detail"]
+    assert UPSTREAM_TIMEOUT_S - 0.2 <= elapsed < UPSTREAM_TIMEOUT_S + 1.5, elapsed
+    retry = _post(envoy, "/pay", key)
+    assert_problem(retry, 409, "request-in-flight")
+    assert retry_after_seconds(retry) <= LEASE_S
+    assert upstream.executions(key) == 1
+
+
+def test_the_happy_path_is_unchanged_for_client_and_upstream(envoy, upstream):
+    key = new_key()
+    headers = key_headers(key, **{"x-custom": "a b", "host": "shop.example"})
+    first = envoy.post("/pay?x=1&y=%C3%A9", BODY, headers)
+    assert first.status == 201 and not first.replayed, first
+    assert first.header("content-type") == "application/json"
+    assert first.header("x-execution") and first.header("set-cookie")
+    (seen,) = upstream.requests(key)
+    assert seen["method"] == "POST" and seen["path"] == "/pay?x=1&y=%C3%A9"
+    assert seen["body_sha256"] == hashlib.sha256(BODY).hexdigest()
+    received = dict((k, v) for k, v in seen["headers"])
+    assert received["host"] == "shop.example"
+    assert received["x-custom"] == "a b"
+    assert received["idempotency-key"] == key
+    retry = envoy.post("/pay?x=1&y=%C3%A9", BODY, headers)
+    assert retry.status == 201 and retry.replayed
+    assert retry.body == first.body
+    assert retry.header("x-execution") == first.header("x-execution")
+    # A 256 KiB binary body, byte for byte, the first time and replayed.
+    key = new_key()
+    size = 256 * 1024
+    extra = {"x-response-bytes": str(size), "x-content-type": "application/octet-stream"}
+    first = _post(envoy, "/pay", key, **extra)
+    assert first.status == 201 and not first.replayed
+    n = int(first.header("x-execution"))
+    assert first.body == harness.expected_body(n, size)
+    assert first.header("content-type") == "application/octet-stream"
+    retry = _post(envoy, "/pay", key, **extra)
+    assert retry.replayed and retry.body == first.body
+    assert upstream.executions(key) == 1
+
+
+def test_concurrent_new_keys_each_execute_once(envoy, upstream):
+    keys = [new_key() for _ in range(16)]
+    results = {}
+
+    def call(k):
+        results[k] = _post(envoy, "/pay", k)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert all(results[k].status == 201 and not results[k].replayed for k in keys), results
+    assert all(upstream.executions(k) == 1 for k in keys)
+
+
+def test_an_upstream_reset_after_the_request_was_sent_is_an_unknown_outcome(envoy, upstream):
+    """The upstream read the request (it executed) and dropped the connection without an answer.
+    Envoy answers the callout with its own 503: that is no upstream answer, and releasing the
+    claim would let the retry execute again."""
+    key = new_key()
+    first = _post(envoy, "/pay", key, **{"x-reset": "before-headers"})
+    assert first.status in (502, 503, 504), first
+    assert upstream.executions(key) == 1
+    retry = _post(envoy, "/pay", key)
+    assert retry.status == 409, retry
+    assert upstream.executions(key) == 1
+
+
+def test_an_upstream_that_cannot_be_reached_is_released(envoy, upstream):
+    """Nothing was sent (connection refused): the claim is given back and a retry executes."""
+    key = new_key()
+    first = envoy.post("/unreachable/pay", BODY, key_headers(key))
+    assert first.status == 503, first
+    retry = envoy.post("/unreachable/pay", BODY, key_headers(key))
+    assert retry.status == 503 and not retry.replayed, retry
+
+
+def test_a_call_envoy_refuses_gets_503_detached_capacity_and_its_claim_back(envoy, upstream):
+    """C21: Envoy refuses the detached call (a cluster it does not know): 503 detached-capacity
+    with `retry-after: 1`, nothing sent upstream, and the claim given back (a retry gets the same
+    503, never 409 request-in-flight)."""
+    key = new_key()
+    refused, released = envoy.idem("detached_refused"), envoy.idem("released")
+    for _ in range(2):
+        resp = envoy.post("/nocluster/pay", BODY, key_headers(key))
+        assert_problem(resp, 503, "detached-capacity")
+        assert retry_after_seconds(resp) == 1, resp
+    assert upstream.executions(key) == 0
+    envoy.wait_counter("detached_refused", refused + 2, timeout=5)
+    envoy.wait_counter("released", released + 2, timeout=5)

@@ -1,0 +1,179 @@
+"""C19: when etcd cannot be used: stopped (fail_closed answers 503 store-unavailable and forwards
+nothing; fail_open forwards unprotected; both counted, and both recover when etcd is back
+without restarting Envoy), and slower than the store's `timeout` (503, and the claim the late
+write may have left behind blocks a retry for no longer than the lease)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import harness
+from harness import assert_problem, key_headers, new_key, retry_after_seconds
+
+BODY = b'{"item":"book","qty":1}'
+LEASE_S = 2
+
+
+def filter_config(on_error: str, prefix: str) -> dict:
+    return {
+        "store": harness.etcd_store(prefix=prefix, timeout="250ms", on_error=on_error),
+        "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
+                    "processing_timeout": "%ds" % LEASE_S}],
+    }
+
+
+# Every Envoy of this module is built by its own fixture (the etcd ports come first).
+FILTER_CONFIG = filter_config("fail_closed", "/e2e-failures/")
+
+
+def proxy(envoy_bin, filter_wasm, upstream, port, on_error, name, prefix="/e2e-failures/"):
+    return harness.Envoy(
+        envoy_bin, upstream.port, filter_config(on_error, prefix), wasm_path=filter_wasm,
+        name=name, extra_clusters=[harness.etcd_cluster([port])],
+    ).start()
+
+
+
+@pytest.fixture(scope="module")
+def both(envoy_bin, filter_wasm, upstream, etcd):
+    closed = proxy(envoy_bin, filter_wasm, upstream, etcd.client_port, "fail_closed", "closed")
+    opened = proxy(envoy_bin, filter_wasm, upstream, etcd.client_port, "fail_open", "open")
+    yield closed, opened
+    closed.stop()
+    opened.stop()
+
+
+def test_etcd_stopped_fail_closed_refuses_fail_open_forwards_and_both_recover(both, upstream, etcd):
+    closed, opened = both
+    # Both work while etcd runs.
+    for p in both:
+        assert p.post("/orders", BODY, key_headers(new_key())).status == 201
+    etcd.stop(remove_data=False)
+    try:
+        errors, bypassed = closed.idem("store_error"), opened.idem("store_bypassed")
+        key = new_key()
+        resp = closed.post("/orders", BODY, key_headers(key))
+        assert_problem(resp, 503, "store-unavailable")
+        assert retry_after_seconds(resp) >= 1
+        assert upstream.executions(key) == 0, "fail_closed forwards nothing"
+        closed.wait_counter("store_error", errors + 1)
+
+        key = new_key()
+        resp = opened.post("/orders", BODY, key_headers(key))
+        assert resp.status == 201 and not resp.replayed
+        # Unprotected: a retry executes again.
+        assert opened.post("/orders", BODY, key_headers(key)).status == 201
+        assert upstream.executions(key) == 2
+        opened.wait_counter("store_bypassed", bypassed + 2)
+        # Logged, but at most once a second per worker, not once per request.
+        assert opened.log_text().count("forwarding requests unprotected") <= 2
+    finally:
+        etcd.spawn()
+        etcd.wait_ready()
+    # Back without restarting Envoy (the health check marks the member healthy again).
+    for p in both:
+        key = new_key()
+        harness.wait_until(lambda: p.post("/orders", BODY, key_headers(key)).status == 201, 10,
+                           interval=0.2, what="the store back on " + p.name)
+        assert p.post("/orders", BODY, key_headers(key)).replayed
+
+
+def test_etcd_slower_than_the_timeout_is_503_and_leaves_no_lasting_claim(
+        envoy_bin, filter_wasm, upstream, etcd):
+    """etcd gets the claim but its answer comes after `timeout`: 503, and the claim that landed
+    is nobody's. A retry within the lease sees it (409, retry-after within the lease); one
+    after the lease takes it over and executes, once."""
+    delay = harness.DelayProxy(etcd.client_port, delay=0.0)
+    slow = proxy(envoy_bin, filter_wasm, upstream, delay.port, "fail_closed", "slow",
+                 prefix="/e2e-slow/")
+    try:
+        assert slow.post("/orders", BODY, key_headers(new_key())).status == 201
+        delay.delay = 0.6
+        key = new_key()
+        t0 = time.monotonic()
+        resp = slow.post("/orders", BODY, key_headers(key))
+        assert_problem(resp, 503, "store-unavailable")
+        assert time.monotonic() - t0 < 2, "answered at the timeout, not when etcd answered"
+        assert upstream.executions(key) == 0
+        delay.delay = 0.0
+        retry = slow.post("/orders", BODY, key_headers(key))
+        if retry.status == 409:
+            # The claim is one etcd transaction, so it landed: taken over once its lease has
+            # ended by this Envoy's clock and etcd has dropped its lease key (which outlives
+            # the lease by up to the claim-lease reuse window, 1 s, and 1 s of slack).
+            assert retry_after_seconds(retry) <= LEASE_S
+            deadline = time.monotonic() + LEASE_S + 3
+            while retry.status == 409 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                retry = slow.post("/orders", BODY, key_headers(key))
+        assert retry.status == 201 and not retry.replayed, retry
+        assert upstream.executions(key) == 1
+    finally:
+        slow.stop()
+        delay.close()
+
+
+def test_a_claim_answered_after_the_client_left_is_released_at_once(
+        envoy_bin, filter_wasm, upstream, etcd):
+    """The client goes away while its claim is on its way to etcd (answers delayed, within
+    the timeout): the root gets the claim for a stream that is gone and gives it back, so a
+    retry executes at once instead of getting 409 until the lease ends."""
+    delay = harness.DelayProxy(etcd.client_port, delay=0.0)
+    slow = proxy(envoy_bin, filter_wasm, upstream, delay.port, "fail_closed", "gone",
+                 prefix="/e2e-gone/")
+    try:
+        assert slow.post("/orders", BODY, key_headers(new_key())).status == 201
+        released = slow.idem("released")
+        delay.delay = 0.12
+        key = new_key()
+        data = harness.build_request("POST", "/orders", key_headers(key), BODY)
+        harness.send_and_disconnect(slow.port, data)
+        slow.wait_counter("released", released + 1)
+        delay.delay = 0.0
+        retry = slow.post("/orders", BODY, key_headers(key))
+        assert retry.status == 201 and not retry.replayed, retry
+        assert upstream.executions(key) == 1
+    finally:
+        slow.stop()
+        delay.close()
+
+
+def test_a_completion_etcd_answers_too_late_is_written_again_and_replayed_after_the_lease(
+        envoy_bin, filter_wasm, upstream, etcd):
+    """C9: the upstream answered 201 and the client got it, but etcd's answer to
+    the completion came after `timeout`. The completion is tried again (it is guarded by the
+    claim's revision), so a retry after the lease is the replay, not a second execution."""
+    delay = harness.DelayProxy(etcd.client_port, delay=0.0)
+    slow = proxy(envoy_bin, filter_wasm, upstream, delay.port, "fail_closed", "late-completion",
+                 prefix="/e2e-late-completion/")
+    try:
+        assert slow.post("/orders", BODY, key_headers(new_key())).status == 201
+        key = new_key()
+        result = {}
+
+        def call():
+            result["first"] = slow.post("/orders", BODY, key_headers(key, **{"x-delay-ms": "700"}))
+
+        client = threading.Thread(target=call)
+        client.start()
+        # The claim is written and the upstream runs: every etcd answer from now on is late.
+        harness.wait_until(lambda: upstream.executions(key) == 1, 5, what="the execution")
+        delay.delay = 0.6
+        client.join(10)
+        first = result["first"]
+        assert first.status == 201 and not first.replayed, first
+        delay.delay = 0.0
+        time.sleep(LEASE_S + 0.3)
+        retry = slow.post("/orders", BODY, key_headers(key, **{"x-delay-ms": "700"}))
+        assert retry.status == 201 and retry.replayed, retry
+        assert retry.body == first.body
+        assert upstream.executions(key) == 1
+        # Written by a later try (100 ms, doubling), counted once as stored.
+        assert slow.idem("stored") == 2
+        assert slow.idem("settlement_abandoned") == 0
+    finally:
+        slow.stop()
+        delay.close()

@@ -1,0 +1,53 @@
+"""The filter's counters in /stats and /stats/prometheus without stats tags (docs/OPERATIONS.md,
+Metrics; no contract row: a promise to the operator)."""
+
+from __future__ import annotations
+
+import re
+
+import harness
+from harness import ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNMATCHED_STAT, new_key
+
+FILTER_CONFIG = {
+    "store": {"type": "local", "capacity": 1000},
+    "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True}],
+}
+
+
+def test_all_counters_exist_from_the_start(envoy):
+    counters = set(envoy.filter_counters())
+    expected = {(ROUTE_STAT % ("orders", o))[len(STAT_PREFIX):] for o in harness.OUTCOMES}
+    expected |= {UNMATCHED_STAT[len(STAT_PREFIX):], SWEPT_STAT[len(STAT_PREFIX):]}
+    assert expected <= counters, sorted(expected - counters)
+    # One family per meaning: no all-routes counter that repeats the rules' outcomes.
+    per_rule = re.compile(r"route\.orders\.requests_total\.[a-z_]+")
+    others = {c for c in counters - expected if not per_rule.fullmatch(c)}
+    assert not others, sorted(others)
+
+
+def test_counters_count_and_prometheus_names(envoy, upstream):
+    key = new_key()
+    before = envoy.outcomes()
+    unmatched = envoy.counter(UNMATCHED_STAT)
+    headers = {"content-type": "application/json", "idempotency-key": key}
+    assert envoy.post("/orders", b"{}", headers).status == 201
+    assert envoy.post("/orders", b"{}", headers).replayed
+    assert envoy.post("/elsewhere", b"{}").status == 201
+    envoy.wait_counter("stored", before["stored"] + 1)
+    after = envoy.outcomes()
+    assert after["claimed"] == before["claimed"] + 1
+    assert after["replayed"] == before["replayed"] + 1
+    assert after["passed_through"] == before["passed_through"] + 1
+    assert after["mismatch"] == before["mismatch"]
+    assert envoy.counter(UNMATCHED_STAT) == unmatched + 1
+    assert envoy.route_counter("orders", "passed_through") == 0
+
+    # Without stats tags (a bootstrap that lacks envoy/envoy.yaml's), the rule and the outcome
+    # stay in the name; Envoy drops `wasmcustom.` and turns dots into underscores, nothing else.
+    text = envoy.prometheus()
+    m = re.search(r"^idempotency_route_orders_requests_total_replayed(?:\{\})? (\d+)$", text, re.M)
+    assert m, [l for l in text.splitlines() if "idempotency" in l]
+    assert int(m.group(1)) == after["replayed"]
+    assert re.search(r"^idempotency_unmatched_requests_total(?:\{\})? %d$" % (unmatched + 1), text, re.M)
+    assert re.search(r"^idempotency_records_swept_total(?:\{\})? 0$", text, re.M)
+    assert "wasmcustom" not in text

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from bench import REPO, loadavg, log, rel
 from bench import fill, report_more, report_memory, report_svg, sections
-from bench.report_memory import MEMORY_HEADING, memory_markdown
+from bench.report_memory import MEMORY_HEADING, memory_markdown, write_samples
 from bench.load import BODY_BYTES, merge_hist, merge_status, parse_duration_s, quantile, spread
 from bench.phases import ORDERS, OTHER, REPLAY_KEYS
 from idemkit.envoy import CLK_TCK
@@ -526,6 +526,8 @@ def publish(b: Bench, command: str) -> None:
                     text = sections.put(text, name, kept_other)
             report_path.write_text(text)
             Path(REPO / a.svg).write_text(rep.svg())
+            if b.memory:
+                write_samples(b.memory, REPO)
             log(f"\nwrote {rel(report_path)} and {rel(REPO / a.svg)}")
     elif b.memory and not a.no_report:
         report_path = REPO / a.report
@@ -534,6 +536,7 @@ def publish(b: Bench, command: str) -> None:
             note = (f"_(Written by `make bench-memory` on {when}; the rest of this file, "
                     "its Targets table and `bench/results.svg` come from the last full `make bench`.)_")
             section = "\n".join(memory_markdown(b.memory, note))
+            write_samples(b.memory, REPO)
             sections.update_file(report_path, MEMORY_SECTION, section + "\n")
             log(f"\nupdated the memory section of {a.report}")
         else:

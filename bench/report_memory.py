@@ -3,7 +3,23 @@ its bound, the bucket-fill estimate and the memory per live record."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from bench.load import parse_duration_s
+
+# Every RSS sample of the memory phase: a CSV next to the report, not hundreds of lines in it.
+SAMPLES_CSV = "bench/results/memory-samples.csv"
+
+
+def write_samples(m: dict, repo: Path) -> Path:
+    """All samples of the memory phase as `bench/results/memory-samples.csv` under `repo`."""
+    path = repo / SAMPLES_CSV
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["t_s,requests,rss_kib,stored,store_full,swept"]
+    lines += [f"{x['t']:.2f},{x['requests']},{x['rss_kib']},{x.get('stored', 0)},{x.get('store_full', 0)},"
+              f"{x.get('swept', 0)}" for x in m["samples"]]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 MEMORY_HEADING = "## Memory under unique keys"
 ENTRY_HEADER = 45  # bytes of a slot value before its snapshot (docs/OPERATIONS.md: Storage and memory)
@@ -74,14 +90,7 @@ def memory_markdown(m: dict, note: str = "") -> list[str]:
         L.append(f"| {x['t']:.1f} | {x['requests']:,} | {x['rss_kib'] / 1024:.1f} | {x['stored']:,} | {x['store_full']:,} | {x['swept']:,} |")
     L.append("")
     if step > 1:
-        L.append("<details><summary>all samples (t s, requests, RSS KiB)</summary>")
-        L.append("")
-        L.append("```")
-        for x in samples:
-            L.append(f"{x['t']:.2f} {x['requests']} {x['rss_kib']}")
-        L.append("```")
-        L.append("")
-        L.append("</details>")
+        L.append(f"All {len(samples)} samples: [`{SAMPLES_CSV}`]({SAMPLES_CSV}).")
         L.append("")
     return L
 

@@ -104,3 +104,16 @@ def test_benchmarks_md_has_each_owned_section_once_and_the_readme_and_docs_none(
             assert sections.get(doc.read_text(), name) is None, (doc, name)
     for doc in docs:
         assert "<!-- bench:" not in doc.read_text(), doc
+
+
+def test_the_memory_samples_go_to_a_csv_not_into_the_report(tmp_path):
+    """Issue 21 §4: BENCHMARKS.md keeps its summary tables; the raw RSS samples are a CSV."""
+    from bench.report_memory import SAMPLES_CSV, write_samples
+
+    samples = [{"t": i * 2.0, "requests": i * 100, "rss_kib": 1000 + i, "stored": i, "store_full": 0, "swept": 0}
+               for i in range(100)]
+    path = write_samples({"samples": samples}, tmp_path)
+    lines = path.read_text().splitlines()
+    assert path == tmp_path / SAMPLES_CSV
+    assert lines[0] == "t_s,requests,rss_kib,stored,store_full,swept"
+    assert len(lines) == 101 and lines[-1] == "198.00,9900,1099,99,0,0"

@@ -5,7 +5,7 @@
 //! root), no counter is defined on the request path, and increments are batched per counter
 //! and handed to Envoy at the root's tick.
 
-use super::{host, original_and_waiter, pairs, post, root, upstream_answers};
+use super::{executed, host, original_and_waiter, pairs, post, root, upstream_answers};
 use crate::flow::Verdict;
 use crate::glue::fake_host::FakeHost;
 use crate::glue::MetricBatch;
@@ -156,12 +156,7 @@ fn outcomes_are_counted_per_route_rule_for_one_increment_each() {
     // waits), the unmatched requests and the sweep counter.
     let defined = crate::metrics::Counter::ALL.len() * 2 + 2;
     assert_eq!(h.metrics_defined(), defined);
-    let mut first = root.http_context(2);
-    assert_eq!(post(&h, &mut first, "/orders", "k"), Verdict::Continue);
-    upstream_answers(&h, "201", b"{}");
-    first.on_response_headers(false);
-    first.on_response_body(2, true);
-    first.on_log();
+    executed(&h, &root, 2, "k", b"{}");
     assert_eq!((h.route_counter("orders", "claimed"), h.route_counter("orders", "stored")), (1, 1));
 
     let before = h.0.increments.get();

@@ -5,7 +5,7 @@
 //! request body and the captured response; the router-retry warning and the "body never
 //! received" log are said once (per rule, per minute) while every occurrence is counted.
 
-use super::{host, pairs, post, root, upstream_answers};
+use super::{executed, host, pairs, post, root, upstream_answers};
 use crate::flow::Verdict;
 use crate::glue::fake_host::{Call, FakeHost};
 use crate::glue::root::Root;
@@ -35,12 +35,7 @@ fn without_a_configuration_every_stream_goes_on_untouched() {
 fn a_replay_gets_its_stored_content_type_back() {
     let h = host();
     let root = root(&h);
-    let mut first = root.http_context(2);
-    assert_eq!(post(&h, &mut first, "/orders", "k"), Verdict::Continue);
-    upstream_answers(&h, "201", b"");
-    assert_eq!(first.on_response_headers(false), Verdict::Continue);
-    assert_eq!(first.on_response_body(0, true), Verdict::Continue);
-    first.on_log();
+    executed(&h, &root, 2, "k", b"");
     assert_eq!((h.counter("claimed"), h.counter("stored")), (1, 1));
 
     let mut retry = root.http_context(3);
@@ -56,12 +51,7 @@ fn a_replay_gets_its_stored_content_type_back() {
         .contains(&Call::SetHeader { name: "content-type".into(), value: b"application/json".to_vec() }));
 
     // With a body Envoy keeps the type it was given: the replay's headers are not even read.
-    let mut first = root.http_context(4);
-    assert_eq!(post(&h, &mut first, "/orders", "j"), Verdict::Continue);
-    upstream_answers(&h, "201", b"{\"id\":1}");
-    first.on_response_headers(false);
-    first.on_response_body(8, true);
-    first.on_log();
+    executed(&h, &root, 4, "j", b"{\"id\":1}");
     let mut retry = root.http_context(5);
     assert_eq!(post(&h, &mut retry, "/orders", "j"), Verdict::Pause);
     let _ = h.take_tally();
@@ -188,12 +178,7 @@ fn outcomes_are_published_as_filter_state_only_when_configured() {
         "routes":[{"name":"orders","match":{"prefix":"/orders"},"require_key":true}]}"#
         .to_vec();
     let root = root(&h);
-    let mut first = root.http_context(2);
-    assert_eq!(post(&h, &mut first, "/orders", "k"), Verdict::Continue);
-    upstream_answers(&h, "201", b"{}");
-    first.on_response_headers(false);
-    first.on_response_body(2, true);
-    first.on_log();
+    executed(&h, &root, 2, "k", b"{}");
     let mut retry = root.http_context(3);
     assert_eq!(post(&h, &mut retry, "/orders", "k"), Verdict::Pause);
     let values = published(&h);

@@ -63,6 +63,17 @@ fn upstream_answers(h: &FakeHost, status: &str, body: &[u8]) {
     h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
 }
 
+/// A keyed POST on `context` that the upstream answers 201 with `body`, to the end of its
+/// stream: the record of `key` is stored (the local store settles at once).
+fn executed(h: &FakeHost, root: &Root<FakeHost>, context: u32, key: &str, body: &[u8]) {
+    let mut first = root.http_context(context);
+    assert_eq!(post(h, &mut first, "/orders", key), Verdict::Continue);
+    upstream_answers(h, "201", body);
+    assert_eq!(first.on_response_headers(false), Verdict::Continue);
+    assert_eq!(first.on_response_body(body.len(), true), Verdict::Continue);
+    first.on_log();
+}
+
 /// The original (context 2) and a duplicate held in wait mode (context 3).
 fn original_and_waiter(h: &FakeHost, root: &Root<FakeHost>) -> (Http<FakeHost>, Http<FakeHost>) {
     let mut original = root.http_context(2);

@@ -2,16 +2,16 @@
 //! metric ids, the wait room and this worker's wake-up queue. Held by the root, never in
 //! statics, because after a config update the old and new root contexts share one VM.
 
-use super::etcd::EtcdRemote;
-use super::remote::{Conversation, RemoteStore};
 use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
 use crate::config::{self, Config, Execution, Rule, StoreConfig};
 use crate::detached;
 use crate::flow::{ParkPlan, RequestFlow, Resumed, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::metrics::{Counter, SWEPT_METRIC, UNMATCHED_METRIC};
+use crate::store::etcd::remote::EtcdRemote;
 use crate::store::etcd::EtcdStore;
 use crate::store::local::LocalStore;
+use crate::store::remote::{Conversation, RemoteStore};
 use crate::store::{Claim, StoreAnswer, StoreError, StoreOp};
 use crate::wait::wake::{self, Registry};
 use crate::wait::{self, RoomFull, WaitRoom, Waiter};

@@ -6,7 +6,7 @@ use super::plugin::{
     DetachedCall, DetachedReply, PluginState, Retry, RootBegin, RootCall, RootRecheck, RootSettlement, Store,
     WaitHandle,
 };
-use super::remote::{self, Answer, Next, Outcome, RemoteStore};
+use super::remote::{self, Outcome};
 use super::{log_filter, Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS};
 use crate::config::etcd::OnStoreError;
 use crate::config::Execution;
@@ -14,6 +14,7 @@ use crate::detached::{self, DETAILS_DETACHED};
 use crate::flow::{Output, Resumed, Settlement, Step, Verdict, WaiterPlan};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
+use crate::store::remote::{Answer, Next, RemoteStore};
 use crate::store::{Begin, RecordStore, Settled, StoreAnswer, StoreError, StoreOp};
 use crate::wait::{self, Waiter};
 use std::rc::Rc;

@@ -28,6 +28,7 @@ pub mod etcd;
 pub mod fake;
 pub mod local;
 pub mod record;
+pub mod remote;
 pub mod shared_data;
 
 use crate::identity::fingerprint::Fingerprint;

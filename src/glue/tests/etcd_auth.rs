@@ -1,4 +1,4 @@
-//! The real etcd store (`glue/etcd.rs`) with auth, on the fake host: a worker's streams share
+//! The real etcd store (`store::etcd::remote`) with auth, on the fake host: a worker's streams share
 //! one token fetch; a fetch that times out or is refused fails every stream waiting for it, by
 //! its fail mode, and streams that left while waiting end with nothing held.
 

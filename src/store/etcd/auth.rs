@@ -1,11 +1,12 @@
 //! etcd authentication: the worker's token, fetched by one exchange at a time
 //! (`/v3/auth/authenticate` is a bcrypt check and a Raft write on etcd) while the others that
-//! need it wait (`ExchangeStep::AwaitToken`), and fetched again, once per exchange, when etcd
+//! need it wait (`Next::Wait`), and fetched again, once per exchange, when etcd
 //! refuses it. Apart from the exchange's store steps because none of them depends on it: every
 //! call goes out through `send`, which adds the token.
 
 use super::wire::{self, EtcdRefusal};
-use super::{unusable, EtcdStore, Exchange, ExchangeStep, HttpAnswer};
+use super::{etcd_call, unusable, EtcdStore, Exchange};
+use crate::store::remote::{Answer, Next};
 use crate::store::StoreError;
 
 /// The worker's token fetch: at most one at a time, whatever the number of exchanges that need
@@ -35,7 +36,7 @@ impl TokenFetch {
 
 impl EtcdStore {
     /// True once after a token fetch ended (a token, or a failure): the driver steps the
-    /// exchanges that answered `AwaitToken` again.
+    /// exchanges that answered `Next::Wait` again.
     pub fn take_fetch_ended(&self) -> bool {
         std::mem::take(&mut self.fetch.borrow_mut().ended)
     }
@@ -48,7 +49,7 @@ impl EtcdStore {
 impl Exchange {
     /// The pending call with the worker's token; without one, after the worker's token fetch:
     /// this exchange makes it, or waits for the one in flight.
-    pub(super) fn send(&mut self, store: &EtcdStore, now_ms: u64) -> Result<ExchangeStep, StoreError> {
+    pub(super) fn send(&mut self, store: &EtcdStore, now_ms: u64) -> Result<Next, StoreError> {
         if store.settings.auth.is_none() || store.token.borrow().is_some() {
             return self.resend(store);
         }
@@ -68,7 +69,7 @@ impl Exchange {
         match waiting {
             Some(number) => {
                 self.awaiting = Some(number);
-                Ok(ExchangeStep::AwaitToken)
+                Ok(Next::Wait)
             }
             None => Ok(self.authenticate(store, now_ms)),
         }
@@ -77,11 +78,7 @@ impl Exchange {
     /// Stepped again while waiting for fetch number `awaiting`: on with the token it brought,
     /// on waiting while it is in flight, or the fetch's failure (a fetch past its deadline
     /// timed out).
-    pub(super) fn token_awaited(
-        &mut self,
-        store: &EtcdStore,
-        now_ms: u64,
-    ) -> Result<ExchangeStep, StoreError> {
+    pub(super) fn token_awaited(&mut self, store: &EtcdStore, now_ms: u64) -> Result<Next, StoreError> {
         let Some(number) = self.awaiting.take() else { return Err(unusable("not waiting for a token")) };
         if store.token.borrow().as_ref().is_some_and(|t| Some(t) != self.sent_token.as_ref()) {
             return self.resend(store);
@@ -96,7 +93,7 @@ impl Exchange {
             // Its own, or a later one (its token was refused before this exchange took it).
             Some(deadline_ms) if now_ms < deadline_ms => {
                 self.awaiting = Some(fetch.started);
-                Ok(ExchangeStep::AwaitToken)
+                Ok(Next::Wait)
             }
             // Its answer never came in time (the callout failed or timed out and was not handed
             // to its exchange): over, for everyone waiting.
@@ -109,15 +106,15 @@ impl Exchange {
     }
 
     /// The operation's last call, with the current token.
-    fn resend(&mut self, store: &EtcdStore) -> Result<ExchangeStep, StoreError> {
+    fn resend(&mut self, store: &EtcdStore) -> Result<Next, StoreError> {
         let (path, body) = self.pending.clone().ok_or_else(|| unusable("no call to send"))?;
         let token = store.token();
         self.sent_token.clone_from(&token);
-        Ok(ExchangeStep::Call { path, body, token, timeout_ms: store.settings.timeout_ms })
+        Ok(etcd_call(path, body, token, store.settings.timeout_ms))
     }
 
     /// Starts the worker's token fetch: the others that need a token wait for it.
-    fn authenticate(&mut self, store: &EtcdStore, now_ms: u64) -> ExchangeStep {
+    fn authenticate(&mut self, store: &EtcdStore, now_ms: u64) -> Next {
         let timeout_ms = store.settings.auth_timeout_ms;
         let number = {
             let mut fetch = store.fetch.borrow_mut();
@@ -130,7 +127,7 @@ impl Exchange {
             Some(a) => wire::authenticate(&a.username, &a.password),
             None => Vec::new(),
         };
-        ExchangeStep::Call { path: wire::AUTHENTICATE, body, token: None, timeout_ms }
+        etcd_call(wire::AUTHENTICATE, body, None, timeout_ms)
     }
 
     /// The answer to the fetch this exchange made: the worker's token (and this exchange's
@@ -139,8 +136,8 @@ impl Exchange {
         &mut self,
         store: &EtcdStore,
         number: u64,
-        answer: &HttpAnswer,
-    ) -> Result<ExchangeStep, StoreError> {
+        answer: &Answer,
+    ) -> Result<Next, StoreError> {
         self.fetching = None;
         let token = wire::body(answer.status, &answer.body).and_then(|body| wire::read_token(&body)).map_err(
             |refused| match refused {

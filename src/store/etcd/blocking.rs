@@ -6,7 +6,8 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-use crate::store::etcd::{EtcdSettings, EtcdStore, ExchangeStep, HttpAnswer};
+use crate::store::etcd::{EtcdSettings, EtcdStore};
+use crate::store::remote::{Answer, Next, Request};
 use crate::store::{
     Begin, Claim, ClaimAttempt, Completion, RecordStore, Settled, StoreAnswer, StoreError, StoreOp,
 };
@@ -43,14 +44,14 @@ impl BlockingEtcd {
         let mut answer = None;
         for _ in 0..MAX_CALLS {
             match exchange.step(&self.store, answer.take(), now_ms) {
-                ExchangeStep::Done(done) => return done,
+                Next::Done(done) => return done,
                 // One exchange at a time: the token fetch is always this exchange's own.
-                ExchangeStep::AwaitToken => {
+                Next::Wait => {
                     return StoreAnswer::Settled(Err(StoreError::Unavailable(
                         "waiting for a token no exchange fetches".into(),
                     )))
                 }
-                ExchangeStep::Call { path, body, token, .. } => {
+                Next::Call(Request { path, body, token, .. }) => {
                     self.calls.borrow_mut().push((path, token.is_some()));
                     answer = Some(self.post(path, &body, token.as_deref()));
                 }
@@ -61,11 +62,11 @@ impl BlockingEtcd {
 
     /// One HTTP/1.1 POST on a fresh connection. Any I/O failure is a failed callout (no status),
     /// as Envoy reports a reset.
-    pub fn post(&self, path: &str, body: &[u8], token: Option<&str>) -> HttpAnswer {
-        self.try_post(path, body, token).unwrap_or(HttpAnswer { status: None, body: Vec::new() })
+    pub fn post(&self, path: &str, body: &[u8], token: Option<&str>) -> Answer {
+        self.try_post(path, body, token).unwrap_or(Answer { status: None, body: Vec::new() })
     }
 
-    fn try_post(&self, path: &str, body: &[u8], token: Option<&str>) -> std::io::Result<HttpAnswer> {
+    fn try_post(&self, path: &str, body: &[u8], token: Option<&str>) -> std::io::Result<Answer> {
         let mut stream = TcpStream::connect_timeout(&self.addr, IO_TIMEOUT)?;
         stream.set_read_timeout(Some(IO_TIMEOUT))?;
         stream.set_write_timeout(Some(IO_TIMEOUT))?;
@@ -85,7 +86,7 @@ impl BlockingEtcd {
     }
 }
 
-fn parse_response(raw: &[u8]) -> Option<HttpAnswer> {
+fn parse_response(raw: &[u8]) -> Option<Answer> {
     let split = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
     let head = std::str::from_utf8(&raw[..split]).ok()?;
     let rest = &raw[split + 4..];
@@ -96,7 +97,7 @@ fn parse_response(raw: &[u8]) -> Option<HttpAnswer> {
         l.starts_with("transfer-encoding:") && l.contains("chunked")
     });
     let body = if chunked { dechunk(rest)? } else { rest.to_vec() };
-    Some(HttpAnswer { status: Some(status), body })
+    Some(Answer { status: Some(status), body })
 }
 
 fn dechunk(mut rest: &[u8]) -> Option<Vec<u8>> {
@@ -159,12 +160,9 @@ mod tests {
     #[test]
     fn responses_with_length_or_chunks_are_read() {
         let plain = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}";
-        assert_eq!(parse_response(plain), Some(HttpAnswer { status: Some(200), body: b"{}".to_vec() }));
+        assert_eq!(parse_response(plain), Some(Answer { status: Some(200), body: b"{}".to_vec() }));
         let chunked = b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n4\r\n\":1}\r\n0\r\n\r\n";
-        assert_eq!(
-            parse_response(chunked),
-            Some(HttpAnswer { status: Some(404), body: b"{\"a\":1}".to_vec() })
-        );
+        assert_eq!(parse_response(chunked), Some(Answer { status: Some(404), body: b"{\"a\":1}".to_vec() }));
         assert_eq!(parse_response(b"garbage"), None);
     }
 }

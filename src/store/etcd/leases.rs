@@ -5,7 +5,7 @@
 //! exchange's steps because it is its own bookkeeping: which lease a write names, and when one
 //! must be granted first (`Exchange::lease_or_write`).
 
-use super::{unusable, wire, EtcdStore, Exchange, Next, Stage, StoreError};
+use super::{unusable, wire, EtcdStore, Exchange, Move, Stage, StoreError};
 
 /// Records whose expiry falls in the same window share one etcd lease, which ends after the
 /// window: a worker grants one lease per window in use, never one per request.
@@ -107,7 +107,7 @@ impl Exchange {
     /// Finds the leases the write needs (its record's, for its expiry window; a claim's lease
     /// key's, for its processing lease), granting one this worker does not have yet, then
     /// makes the write.
-    pub(super) fn lease_or_write(&mut self, store: &EtcdStore, now_ms: u64) -> Result<Next, StoreError> {
+    pub(super) fn lease_or_write(&mut self, store: &EtcdStore, now_ms: u64) -> Result<Move, StoreError> {
         let Some(w) = self.write.as_mut() else { return Err(unusable("no write planned")) };
         if let Some((entry, _)) = &w.record {
             if w.lease == 0 {
@@ -120,7 +120,7 @@ impl Exchange {
                             .saturating_sub(now_ms)
                             .div_ceil(1_000)
                             .saturating_add(LEASE_SLACK_S);
-                        return Ok(Next::Call(
+                        return Ok(Move::Call(
                             wire::LEASE_GRANT,
                             wire::lease_grant(ttl_s),
                             Stage::LeaseGrant,
@@ -135,7 +135,7 @@ impl Exchange {
                 None => {
                     w.grant_sent_ms = now_ms;
                     let ttl_s = claim_lease_ttl_s(lease_ms);
-                    return Ok(Next::Call(wire::LEASE_GRANT, wire::lease_grant(ttl_s), Stage::LeaseGrant));
+                    return Ok(Move::Call(wire::LEASE_GRANT, wire::lease_grant(ttl_s), Stage::LeaseGrant));
                 }
             }
         }

@@ -1,7 +1,7 @@
 //! The etcd backend: one store shared by a fleet of Envoys, reached through etcd's v3 JSON
 //! gateway by HTTP callouts. This module is pure (no host calls, no sockets): `EtcdStore::start`
 //! turns a `StoreOp` into an `Exchange`, a state machine that asks for HTTP calls
-//! (`ExchangeStep::Call`) and is fed their answers until it is `Done`. The glue performs the
+//! (`Next::Call`, in the `store::remote` vocabulary) and is fed their answers until it is `Done`. The glue performs the
 //! calls as Envoy callouts; `blocking` (tests only) performs them over std::net. It answers
 //! exactly as the local store does (the conformance suite runs against a real etcd), except
 //! that it has no capacity bound (never `Full`) and `sweep` has nothing to do.
@@ -67,7 +67,7 @@
 //! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd refuses
 //!   the token (invalid, or older than an auth change: `wire::EtcdRefusal::InvalidToken`; then the
 //!   call is sent again, once). One fetch per worker at a time (`TokenFetch`): an exchange that
-//!   needs a token while another fetches it answers `ExchangeStep::AwaitToken` and is stepped
+//!   needs a token while another fetches it answers `Next::Wait` and is stepped
 //!   again (with `None`) when `take_fetch_ended` says the fetch ended, or at the driver's next
 //!   tick; it then sends its call with the token, or fails with the fetch's error (`TimedOut`
 //!   once the fetch is past its deadline, `auth_timeout_ms`, without an answer).
@@ -93,12 +93,14 @@ pub mod cache;
 mod keys;
 mod leases;
 mod quota;
+pub mod remote;
 mod wire;
 
 use std::cell::RefCell;
 
 use crate::config::etcd::ETCD_MAX_REQUEST_BYTES;
 use crate::store::record::{self, Entry, SlotValue, State};
+use crate::store::remote::{Answer, Next, Request};
 use crate::store::{
     completed_answer, Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp,
 };
@@ -118,30 +120,12 @@ pub use crate::config::etcd::{EtcdAuth, EtcdSettings, OnStoreError};
 /// Room kept for keys and framing when checking an encoded record against etcd's limit.
 const TXN_FRAMING_BYTES: u64 = 4 * 1024;
 
-/// An answer to a callout. `status` None: the callout failed (reset, response over the buffer
-/// limit) and no HTTP status exists.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HttpAnswer {
-    pub status: Option<u16>,
-    pub body: Vec<u8>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ExchangeStep {
-    /// POST `body` (JSON) to `path` on the etcd cluster; send `authorization: <token>` when
-    /// `token` is Some; give up on it after `timeout_ms`.
-    Call {
-        path: &'static str,
-        body: Vec<u8>,
-        token: Option<String>,
-        timeout_ms: u64,
-    },
-    /// Waiting for this worker's token, which another exchange is fetching: step again with
-    /// `None` when `EtcdStore::take_fetch_ended` says a fetch ended, and at least every so often
-    /// (a fetch whose callout failed without an answer is over at its deadline; the exchange
-    /// then fails by itself).
-    AwaitToken,
-    Done(StoreAnswer),
+/// A call to etcd in the remote-store vocabulary: POST `body` (JSON) to `path`, with the token
+/// as `authorization` when there is one, given up after `timeout_ms` (Envoy reads 0 as no
+/// timeout: at least 1 ms).
+pub(super) fn etcd_call(path: &'static str, body: Vec<u8>, token: Option<String>, timeout_ms: u64) -> Next {
+    let timeout_ms = Some(u32::try_from(timeout_ms).unwrap_or(u32::MAX).max(1));
+    Next::Call(Request { path, body, token, timeout_ms })
 }
 
 /// Transactions lost to other writers before `begin` gives up (`Contention`).
@@ -324,7 +308,7 @@ pub struct Exchange {
 }
 
 /// What the exchange does next, inside `step`.
-enum Next {
+enum Move {
     Call(&'static str, Vec<u8>, Stage),
     Begun(Begin),
     Settled(Settled),
@@ -337,22 +321,22 @@ impl Exchange {
     }
 
     /// First call with `answer: None`; afterwards with the answer to the last `Call`.
-    pub fn step(&mut self, store: &EtcdStore, answer: Option<HttpAnswer>, now_ms: u64) -> ExchangeStep {
+    pub fn step(&mut self, store: &EtcdStore, answer: Option<Answer>, now_ms: u64) -> Next {
         match self.advance(store, answer, now_ms) {
             Ok(step) => step,
             Err(error) => self.finish(Err(error)),
         }
     }
 
-    fn finish(&mut self, outcome: Result<Next, StoreError>) -> ExchangeStep {
+    fn finish(&mut self, outcome: Result<Move, StoreError>) -> Next {
         self.stage = Stage::Finished;
         let error = match outcome {
-            Ok(Next::Begun(b)) => return ExchangeStep::Done(StoreAnswer::Begun(Ok(b))),
-            Ok(Next::Settled(s)) => return ExchangeStep::Done(StoreAnswer::Settled(Ok(s))),
-            Ok(Next::Call(..)) => unusable("a call where an answer was due"),
+            Ok(Move::Begun(b)) => return Next::Done(StoreAnswer::Begun(Ok(b))),
+            Ok(Move::Settled(s)) => return Next::Done(StoreAnswer::Settled(Ok(s))),
+            Ok(Move::Call(..)) => unusable("a call where an answer was due"),
             Err(e) => e,
         };
-        ExchangeStep::Done(match self.op {
+        Next::Done(match self.op {
             StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),
             StoreOp::Complete { .. } | StoreOp::Release(_) => StoreAnswer::Settled(Err(error)),
         })
@@ -361,9 +345,9 @@ impl Exchange {
     fn advance(
         &mut self,
         store: &EtcdStore,
-        answer: Option<HttpAnswer>,
+        answer: Option<Answer>,
         now_ms: u64,
-    ) -> Result<ExchangeStep, StoreError> {
+    ) -> Result<Next, StoreError> {
         if self.awaiting.is_some() {
             if answer.is_some() {
                 return Err(unusable("an answer while waiting for a token"));
@@ -429,7 +413,7 @@ impl Exchange {
                             wire::read_txn(&body).map_err(EtcdRefusal::into_error)?;
                             let refusal =
                                 self.refusal.take().ok_or_else(|| unusable("an undo without its refusal"))?;
-                            Next::Begun(refusal)
+                            Move::Begun(refusal)
                         }
                         Stage::SettleRead => {
                             let range = wire::read_range(&body).map_err(EtcdRefusal::into_error)?;
@@ -464,7 +448,7 @@ impl Exchange {
             }
         };
         match next {
-            Next::Call(path, body, stage) => self.call(store, path, body, stage, now_ms),
+            Move::Call(path, body, stage) => self.call(store, path, body, stage, now_ms),
             done => Ok(self.finish(Ok(done))),
         }
     }
@@ -477,18 +461,18 @@ impl Exchange {
         body: Vec<u8>,
         stage: Stage,
         now_ms: u64,
-    ) -> Result<ExchangeStep, StoreError> {
+    ) -> Result<Next, StoreError> {
         self.stage = stage;
         self.pending = Some((path, body));
         self.send(store, now_ms)
     }
 
-    fn first(&mut self, store: &EtcdStore, now_ms: u64) -> Result<Next, StoreError> {
+    fn first(&mut self, store: &EtcdStore, now_ms: u64) -> Result<Move, StoreError> {
         match &self.op {
             StoreOp::Begin(a) => match store.cached_answer(a) {
                 // A completed record this worker saw and that has not expired: it cannot have
                 // changed (cache.rs), so etcd would answer the same.
-                Some(answer) => Ok(Next::Begun(answer)),
+                Some(answer) => Ok(Move::Begun(answer)),
                 None => {
                     let a = *a;
                     self.new_claim(store, &a, now_ms)
@@ -507,14 +491,14 @@ impl Exchange {
     /// A settlement of a claim whose record is known (`Claim::written`, as this store's begin
     /// wrote it) is one transaction guarded by the claim's revision: while it holds, the record
     /// is exactly that write. Otherwise the record is read first.
-    fn settle_or_read(&mut self, store: &EtcdStore, claim: Claim, now_ms: u64) -> Result<Next, StoreError> {
+    fn settle_or_read(&mut self, store: &EtcdStore, claim: Claim, now_ms: u64) -> Result<Move, StoreError> {
         match (claim.written, i64::try_from(claim.locator)) {
             (Some(e), Ok(revision))
                 if e.owner == claim.owner && e.scope == claim.scope && !e.is_completed() =>
             {
                 self.settle(store, e, Guard::ModRevision(revision), now_ms)
             }
-            _ => Ok(Next::Call(wire::RANGE, wire::range(&store.record_key(&claim.scope)), Stage::SettleRead)),
+            _ => Ok(Move::Call(wire::RANGE, wire::range(&store.record_key(&claim.scope)), Stage::SettleRead)),
         }
     }
 
@@ -524,7 +508,7 @@ impl Exchange {
     /// its lease key (`existing`), so that a replay, a mismatch or a 409 is one round trip and
     /// never reads the quota. The leases the puts name are granted first when this worker has
     /// none for them yet.
-    fn new_claim(&mut self, store: &EtcdStore, a: &ClaimAttempt, now_ms: u64) -> Result<Next, StoreError> {
+    fn new_claim(&mut self, store: &EtcdStore, a: &ClaimAttempt, now_ms: u64) -> Result<Move, StoreError> {
         let entry = charged_entry(a);
         let leases_known = store.lease_for(window_end(entry.expires_at_ms), now_ms).is_some()
             && store.claim_lease_for(a.lease_ms, now_ms).is_some();
@@ -538,7 +522,7 @@ impl Exchange {
                 TxnOp::Range { key: store.lease_key(&a.scope), range_end: None, limit: 0, keys_only: false },
             ];
             let body = wire::txn(Some((&record, Guard::Absent)), &[], &existing);
-            return Ok(Next::Call(wire::TXN, body, Stage::Probe));
+            return Ok(Move::Call(wire::TXN, body, Stage::Probe));
         }
         let value = record::encode_slot(&SlotValue { entry, snapshot: None });
         let mut write = Write::new(Guard::Absent, Some((entry, value)), Vec::new(), Won::Claimed);
@@ -553,7 +537,7 @@ impl Exchange {
         store: &EtcdStore,
         txn: &wire::TxnAnswer,
         now_ms: u64,
-    ) -> Result<Next, StoreError> {
+    ) -> Result<Move, StoreError> {
         let StoreOp::Begin(a) = self.op.clone() else { return Err(unusable("not a begin")) };
         let mut ranges = txn.ranges.iter();
         let Some(kv) = ranges.next().and_then(|found| found.kvs.first()) else {
@@ -579,14 +563,14 @@ impl Exchange {
             // Expired: absent, whatever etcd still holds until the lease collects it.
             PendingClaim { guard, replaced: Some(e), won: Won::Claimed }
         } else if e.fingerprint != a.fingerprint {
-            return Ok(Next::Begun(Begin::Mismatch));
+            return Ok(Move::Begun(Begin::Mismatch));
         } else if e.is_completed() {
             let answer = completed_answer(&e, existing.snapshot);
-            return Ok(Next::Begun(answer.unwrap_or(Begin::NotStored { status: e.status })));
+            return Ok(Move::Begun(answer.unwrap_or(Begin::NotStored { status: e.status })));
         } else if now < e.lease_deadline_ms {
-            return Ok(Next::Begun(Begin::InFlight { retry_after_ms: e.lease_deadline_ms - now }));
+            return Ok(Move::Begun(Begin::InFlight { retry_after_ms: e.lease_deadline_ms - now }));
         } else if lease_running {
-            return Ok(Next::Begun(Begin::InFlight { retry_after_ms: LIVE_CLAIM_RETRY_MS }));
+            return Ok(Move::Begun(Begin::InFlight { retry_after_ms: LIVE_CLAIM_RETRY_MS }));
         } else {
             // The lease ended without an outcome: take the record over.
             PendingClaim { guard, replaced: Some(e), won: Won::TookOver }
@@ -598,10 +582,10 @@ impl Exchange {
         // read (the rare path: a third round trip).
         self.pending_claim = Some(pending);
         let body = wire::txn(Some((&store.record_key(&a.scope), guard)), &quota_reads(store, &a), &[]);
-        Ok(Next::Call(wire::TXN, body, Stage::QuotaRead))
+        Ok(Move::Call(wire::TXN, body, Stage::QuotaRead))
     }
 
-    fn read_again(&mut self, store: &EtcdStore, a: &ClaimAttempt, now_ms: u64) -> Result<Next, StoreError> {
+    fn read_again(&mut self, store: &EtcdStore, a: &ClaimAttempt, now_ms: u64) -> Result<Move, StoreError> {
         self.attempts += 1;
         if self.attempts >= TXN_ATTEMPTS {
             return Err(StoreError::Contention);
@@ -619,12 +603,12 @@ impl Exchange {
         pending: PendingClaim,
         quota: &[wire::RangeAnswer],
         now_ms: u64,
-    ) -> Result<Next, StoreError> {
+    ) -> Result<Move, StoreError> {
         let entry = charged_entry(a);
         // A takeover (whose claim stopped counting when its lease ended, exactly when a
         // takeover becomes possible) or a reuse: charged, within the bounds.
         if let Some(refusal) = quota_refusal(a, quota, None)? {
-            return Ok(Next::Begun(refusal));
+            return Ok(Move::Begun(refusal));
         }
         let stale_index = pending.replaced.map(|old| store.index_keys(&old)).unwrap_or_default();
         let value = record::encode_slot(&SlotValue { entry, snapshot: None });
@@ -638,23 +622,23 @@ impl Exchange {
         store: &EtcdStore,
         found: &wire::RangeAnswer,
         now_ms: u64,
-    ) -> Result<Next, StoreError> {
+    ) -> Result<Move, StoreError> {
         let claim: Claim = match &self.op {
             StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => *claim,
             StoreOp::Begin(_) => return Err(unusable("not a settlement")),
         };
         // The claim's put is the record's last write while the claim holds it: any other
         // revision means it was taken over, completed, released or replaced.
-        let Some(kv) = found.kvs.first() else { return Ok(Next::Settled(Settled::Lost)) };
+        let Some(kv) = found.kvs.first() else { return Ok(Move::Settled(Settled::Lost)) };
         if u64::try_from(kv.mod_revision).ok() != Some(claim.locator) {
             // A completion sent again (the glue retries one whose answer never came) may find
             // its own earlier write.
             let landed = holds_own_outcome(&self.op, &kv.value);
-            return Ok(Next::Settled(if landed { Settled::Done } else { Settled::Lost }));
+            return Ok(Move::Settled(if landed { Settled::Done } else { Settled::Lost }));
         }
         let current = decode(&kv.value)?.entry;
         if current.owner != claim.owner || current.scope != claim.scope || current.is_completed() {
-            return Ok(Next::Settled(Settled::Lost));
+            return Ok(Move::Settled(Settled::Lost));
         }
         self.settle(store, current, Guard::ModRevision(kv.mod_revision), now_ms)
     }
@@ -667,7 +651,7 @@ impl Exchange {
         current: Entry,
         guard: Guard,
         now_ms: u64,
-    ) -> Result<Next, StoreError> {
+    ) -> Result<Move, StoreError> {
         let stale_index = store.index_keys(&current);
         let write = match &self.op {
             StoreOp::Complete { completion, .. } => {
@@ -696,12 +680,12 @@ impl Exchange {
         self.plan(write, store, now_ms)
     }
 
-    fn plan(&mut self, write: Write, store: &EtcdStore, now_ms: u64) -> Result<Next, StoreError> {
+    fn plan(&mut self, write: Write, store: &EtcdStore, now_ms: u64) -> Result<Move, StoreError> {
         self.write = Some(write);
         self.lease_or_write(store, now_ms)
     }
 
-    fn write_call(&self, store: &EtcdStore) -> Result<Next, StoreError> {
+    fn write_call(&self, store: &EtcdStore) -> Result<Move, StoreError> {
         let Some(w) = &self.write else { return Err(unusable("no write planned")) };
         let scope = match &self.op {
             StoreOp::Begin(a) => a.scope,
@@ -752,10 +736,10 @@ impl Exchange {
             // its earlier writes), the first two keys hold the soonest other one.
             ops.extend(quota_reads(store, a));
         }
-        Ok(Next::Call(wire::TXN, wire::txn(Some((&key, w.guard)), &ops, &on_failure), Stage::Write))
+        Ok(Move::Call(wire::TXN, wire::txn(Some((&key, w.guard)), &ops, &on_failure), Stage::Write))
     }
 
-    fn written(&mut self, store: &EtcdStore, txn: &wire::TxnAnswer, now_ms: u64) -> Result<Next, StoreError> {
+    fn written(&mut self, store: &EtcdStore, txn: &wire::TxnAnswer, now_ms: u64) -> Result<Move, StoreError> {
         let Some(w) = self.write.clone() else { return Err(unusable("no write planned")) };
         match (&self.op, txn.succeeded, w.won) {
             (StoreOp::Begin(a), true, won) => {
@@ -770,7 +754,7 @@ impl Exchange {
                     }
                 }
                 let claim = Claim { scope: a.scope, owner: a.owner, locator, written };
-                Ok(Next::Begun(if won == Won::TookOver {
+                Ok(Move::Begun(if won == Won::TookOver {
                     Begin::TookOver(claim)
                 } else {
                     Begin::Claimed(claim)
@@ -795,9 +779,9 @@ impl Exchange {
                         }
                     }
                 }
-                Ok(Next::Settled(Settled::Done))
+                Ok(Move::Settled(Settled::Done))
             }
-            (_, true, _) => Ok(Next::Settled(Settled::Done)),
+            (_, true, _) => Ok(Move::Settled(Settled::Done)),
             // The claim's revision moved between our read and our write: no longer ours,
             // unless what moved it was an earlier try of this same completion.
             (op, false, _) => {
@@ -806,7 +790,7 @@ impl Exchange {
                     .first()
                     .and_then(|r| r.kvs.first())
                     .is_some_and(|kv| holds_own_outcome(op, &kv.value));
-                Ok(Next::Settled(if landed { Settled::Done } else { Settled::Lost }))
+                Ok(Move::Settled(if landed { Settled::Done } else { Settled::Lost }))
             }
         }
     }

@@ -6,7 +6,7 @@
 
 use super::keys::{counts_until, tag_of};
 use super::wire::{self, Guard, TxnOp};
-use super::{unusable, EtcdStore, Exchange, Next, Stage};
+use super::{unusable, EtcdStore, Exchange, Move, Stage};
 use crate::store::record::{Entry, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED};
 use crate::store::{Begin, ClaimAttempt, StoreError, StoreOp};
 
@@ -104,7 +104,7 @@ impl Exchange {
         store: &EtcdStore,
         txn: &wire::TxnAnswer,
         now_ms: u64,
-    ) -> Result<Next, StoreError> {
+    ) -> Result<Move, StoreError> {
         let StoreOp::Begin(a) = self.op.clone() else { return Err(unusable("not a begin")) };
         let pending = self.pending_claim.take().ok_or_else(|| unusable("a quota read without its claim"))?;
         if !txn.succeeded {
@@ -116,13 +116,13 @@ impl Exchange {
 
     /// Deletes a new claim found over its quota (record, index keys, lease key), guarded by its
     /// revision; the begin then answers `refusal`.
-    pub(super) fn undo(&mut self, store: &EtcdStore, entry: Entry, revision: i64, refusal: Begin) -> Next {
+    pub(super) fn undo(&mut self, store: &EtcdStore, entry: Entry, revision: i64, refusal: Begin) -> Move {
         let key = store.record_key(&entry.scope);
         let mut ops: Vec<TxnOp> =
             store.index_keys(&entry).into_iter().map(|k| TxnOp::Delete { key: k }).collect();
         ops.push(TxnOp::Delete { key: key.clone() });
         ops.push(TxnOp::Delete { key: store.lease_key(&entry.scope) });
         self.refusal = Some(refusal);
-        Next::Call(wire::TXN, wire::txn(Some((&key, Guard::ModRevision(revision))), &ops, &[]), Stage::Undo)
+        Move::Call(wire::TXN, wire::txn(Some((&key, Guard::ModRevision(revision))), &ops, &[]), Stage::Undo)
     }
 }

@@ -154,17 +154,17 @@ fn run(store: &EtcdStore, op: StoreOp, now_ms: u64, answers: Vec<Canned>) -> (St
     let mut answer = None;
     loop {
         match exchange.step(store, answer.take(), now_ms) {
-            ExchangeStep::Done(done) => {
+            Next::Done(done) => {
                 assert!(answers.next().is_none(), "answers left over after {made:?}");
                 // A finished exchange stays finished.
-                assert!(matches!(exchange.step(store, None, now_ms), ExchangeStep::Done(_)));
+                assert!(matches!(exchange.step(store, None, now_ms), Next::Done(_)));
                 return (done, made);
             }
-            ExchangeStep::AwaitToken => panic!("no other exchange fetches a token: {made:?}"),
-            ExchangeStep::Call { path, body, token, .. } => {
+            Next::Wait => panic!("no other exchange fetches a token: {made:?}"),
+            Next::Call(Request { path, body, token, .. }) => {
                 made.push(Made { path, body: String::from_utf8(body).unwrap(), token });
                 let (status, body) = answers.next().unwrap_or_else(|| panic!("no answer left for {made:?}"));
-                answer = Some(HttpAnswer { status, body });
+                answer = Some(Answer { status, body });
             }
         }
     }
@@ -1112,14 +1112,14 @@ fn a_driver_out_of_step_gets_an_error_not_a_panic() {
     let store = store();
     // An answer before any call.
     let mut exchange = store.start(StoreOp::Begin(attempt(0)));
-    let early = exchange.step(&store, Some(HttpAnswer { status: Some(200), body: b"{}".to_vec() }), 0);
-    assert!(matches!(early, ExchangeStep::Done(StoreAnswer::Begun(Err(StoreError::Unavailable(_))))));
+    let early = exchange.step(&store, Some(Answer { status: Some(200), body: b"{}".to_vec() }), 0);
+    assert!(matches!(early, Next::Done(StoreAnswer::Begun(Err(StoreError::Unavailable(_))))));
     // No answer to a call that was made.
     let claim = Claim { scope: scope(1), owner: 11, locator: 4, written: None };
     let mut exchange = store.start(StoreOp::Release(claim));
-    assert!(matches!(exchange.step(&store, None, 0), ExchangeStep::Call { .. }));
+    assert!(matches!(exchange.step(&store, None, 0), Next::Call(Request { .. })));
     let missing = exchange.step(&store, None, 0);
-    assert!(matches!(missing, ExchangeStep::Done(StoreAnswer::Settled(Err(StoreError::Unavailable(_))))));
+    assert!(matches!(missing, Next::Done(StoreAnswer::Settled(Err(StoreError::Unavailable(_))))));
 }
 
 fn cached_store() -> EtcdStore {
@@ -1312,11 +1312,7 @@ fn a_completion_in_one_transaction_whose_guard_fails_after_its_write_landed_is_d
 }
 
 /// Starts a begin of scope `n` per entry and takes each one step.
-fn started(
-    store: &EtcdStore,
-    scopes: std::ops::RangeInclusive<u8>,
-    now_ms: u64,
-) -> Vec<(Exchange, ExchangeStep)> {
+fn started(store: &EtcdStore, scopes: std::ops::RangeInclusive<u8>, now_ms: u64) -> Vec<(Exchange, Next)> {
     warm(store, now_ms);
     scopes
         .map(|n| {
@@ -1327,12 +1323,15 @@ fn started(
         .collect()
 }
 
-fn answer(canned: Canned) -> Option<HttpAnswer> {
-    Some(HttpAnswer { status: canned.0, body: canned.1 })
+fn answer(canned: Canned) -> Option<Answer> {
+    Some(Answer { status: canned.0, body: canned.1 })
 }
 
-fn is_fetch(step: &ExchangeStep) -> bool {
-    matches!(step, ExchangeStep::Call { path: "/v3/auth/authenticate", token: None, timeout_ms: 2_000, .. })
+fn is_fetch(step: &Next) -> bool {
+    matches!(
+        step,
+        Next::Call(Request { path: "/v3/auth/authenticate", token: None, timeout_ms: Some(2_000), .. })
+    )
 }
 
 #[test]
@@ -1341,15 +1340,15 @@ fn exchanges_started_before_any_token_share_one_fetch() {
     let mut exchanges = started(&store, 1..=4, 0);
     let fetches = exchanges.iter().filter(|(_, s)| is_fetch(s)).count();
     assert_eq!(fetches, 1, "{:?}", exchanges.iter().map(|(_, s)| s).collect::<Vec<_>>());
-    assert!(exchanges[1..].iter().all(|(_, s)| *s == ExchangeStep::AwaitToken));
+    assert!(exchanges[1..].iter().all(|(_, s)| *s == Next::Wait));
     // Stepped again before the token: still waiting.
-    assert_eq!(exchanges[1].0.step(&store, None, 100), ExchangeStep::AwaitToken);
+    assert_eq!(exchanges[1].0.step(&store, None, 100), Next::Wait);
     assert!(!store.take_fetch_ended());
     // The token arrives: the fetching exchange goes on with it, with the store's timeout...
     let (first, _) = &mut exchanges[0];
     let step = first.step(&store, answer(authenticated(TOKEN)), 100);
     assert!(
-        matches!(&step, ExchangeStep::Call { path: "/v3/kv/txn", token: Some(t), timeout_ms: 250, .. } if t == TOKEN),
+        matches!(&step, Next::Call(Request { path: "/v3/kv/txn", token: Some(t), timeout_ms: Some(250), .. }) if t == TOKEN),
         "{step:?}"
     );
     // ...and the driver learns, once, that the waiting ones can go on: each with the token.
@@ -1358,11 +1357,11 @@ fn exchanges_started_before_any_token_share_one_fetch() {
     for (e, _) in &mut exchanges[1..] {
         let step = e.step(&store, None, 100);
         assert!(
-            matches!(&step, ExchangeStep::Call { path: "/v3/kv/txn", token: Some(t), .. } if t == TOKEN),
+            matches!(&step, Next::Call(Request { path: "/v3/kv/txn", token: Some(t), .. }) if t == TOKEN),
             "{step:?}"
         );
         // And they finish as usual.
-        assert!(matches!(e.step(&store, answer(ok(written(2))), 100), ExchangeStep::Done(_)));
+        assert!(matches!(e.step(&store, answer(ok(written(2))), 100), Next::Done(_)));
     }
 }
 
@@ -1374,14 +1373,13 @@ fn a_failed_fetch_ends_every_exchange_waiting_for_it_with_its_error() {
         Some(400),
         error_body("etcdserver: authentication failed, invalid user ID or password", 3).into_bytes(),
     );
-    let ExchangeStep::Done(StoreAnswer::Begun(Err(error))) = exchanges[0].0.step(&store, answer(wrong), 50)
-    else {
+    let Next::Done(StoreAnswer::Begun(Err(error))) = exchanges[0].0.step(&store, answer(wrong), 50) else {
         panic!("the fetching exchange fails")
     };
     assert!(matches!(&error, StoreError::Unavailable(m) if m.starts_with("authenticate:")), "{error:?}");
     assert!(store.take_fetch_ended());
     for (e, _) in &mut exchanges[1..] {
-        assert_eq!(e.step(&store, None, 50), ExchangeStep::Done(StoreAnswer::Begun(Err(error.clone()))));
+        assert_eq!(e.step(&store, None, 50), Next::Done(StoreAnswer::Begun(Err(error.clone()))));
     }
     // The next exchange tries again: a failure is not kept as an answer.
     let (_, step) = started(&store, 4..=4, 60).pop().unwrap();
@@ -1394,15 +1392,15 @@ fn a_fetch_whose_answer_never_comes_times_out_every_exchange_waiting_at_its_dead
     // The driver gives up on the fetch's callout (Envoy's 504 after 2 s) and never steps its
     // exchange again: the others end at the fetch's deadline, when the driver steps them.
     let mut exchanges = started(&store, 1..=3, 1_000);
-    assert_eq!(exchanges[1].0.step(&store, None, 2_999), ExchangeStep::AwaitToken);
+    assert_eq!(exchanges[1].0.step(&store, None, 2_999), Next::Wait);
     assert_eq!(
         exchanges[1].0.step(&store, None, 3_000),
-        ExchangeStep::Done(StoreAnswer::Begun(Err(StoreError::TimedOut)))
+        Next::Done(StoreAnswer::Begun(Err(StoreError::TimedOut)))
     );
     assert!(store.take_fetch_ended());
     assert_eq!(
         exchanges[2].0.step(&store, None, 3_050),
-        ExchangeStep::Done(StoreAnswer::Begun(Err(StoreError::TimedOut)))
+        Next::Done(StoreAnswer::Begun(Err(StoreError::TimedOut)))
     );
     // A new exchange fetches anew; one that arrives while a stale fetch is still marked in
     // flight (nobody stepped a waiter since its deadline) fetches anew as well.
@@ -1419,19 +1417,19 @@ fn one_token_refused_to_several_exchanges_is_fetched_again_once() {
     let mut exchanges = started(&store, 1..=3, 0);
     assert!(exchanges
         .iter()
-        .all(|(_, s)| matches!(s, ExchangeStep::Call { token: Some(t), .. } if t == "stale.1")));
+        .all(|(_, s)| matches!(s, Next::Call(Request { token: Some(t), .. }) if t == "stale.1")));
     // All three are refused; the first to hear it fetches, the others wait for that fetch.
-    let steps: Vec<ExchangeStep> =
+    let steps: Vec<Next> =
         exchanges.iter_mut().map(|(e, _)| e.step(&store, answer(old_revision()), 5)).collect();
     assert_eq!(steps.iter().filter(|s| is_fetch(s)).count(), 1, "{steps:?}");
-    assert!(steps[1..].iter().all(|s| *s == ExchangeStep::AwaitToken), "{steps:?}");
+    assert!(steps[1..].iter().all(|s| *s == Next::Wait), "{steps:?}");
     let step = exchanges[0].0.step(&store, answer(authenticated("fresh.2")), 10);
-    assert!(matches!(&step, ExchangeStep::Call { token: Some(t), .. } if t == "fresh.2"), "{step:?}");
+    assert!(matches!(&step, Next::Call(Request { token: Some(t), .. }) if t == "fresh.2"), "{step:?}");
     assert!(store.take_fetch_ended());
     for (e, _) in &mut exchanges[1..] {
         let step = e.step(&store, None, 10);
         assert!(
-            matches!(&step, ExchangeStep::Call { path: "/v3/kv/txn", token: Some(t), .. } if t == "fresh.2"),
+            matches!(&step, Next::Call(Request { path: "/v3/kv/txn", token: Some(t), .. }) if t == "fresh.2"),
             "{step:?}"
         );
     }
@@ -1439,11 +1437,11 @@ fn one_token_refused_to_several_exchanges_is_fetched_again_once() {
     // new one, no fetch.
     let mut late = store.start(StoreOp::Begin(attempt(0)));
     *store.token.borrow_mut() = Some("stale.1".into());
-    assert!(matches!(late.step(&store, None, 20), ExchangeStep::Call { .. }));
+    assert!(matches!(late.step(&store, None, 20), Next::Call(Request { .. })));
     *store.token.borrow_mut() = Some("fresh.2".into());
     let step = late.step(&store, answer(invalid_token()), 20);
     assert!(
-        matches!(&step, ExchangeStep::Call { path: "/v3/kv/txn", token: Some(t), .. } if t == "fresh.2"),
+        matches!(&step, Next::Call(Request { path: "/v3/kv/txn", token: Some(t), .. }) if t == "fresh.2"),
         "{step:?}"
     );
 }

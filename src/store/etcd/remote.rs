@@ -1,12 +1,14 @@
-//! The etcd store (`store::etcd`) as the glue's `RemoteStore`: its exchanges are the
-//! conversations, its calls the callouts. Nothing is decided here.
+//! The etcd store as a `RemoteStore`: each store operation is an `Exchange`, which already speaks
+//! the remote-store vocabulary (`store::remote`); this only keeps the store the exchanges share
+//! and the settings the glue needs to make their calls.
 
-use super::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore, Request};
-use crate::store::etcd::{EtcdStore, Exchange, ExchangeStep, HttpAnswer};
+use super::{EtcdStore, Exchange};
+use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore};
 use crate::store::StoreOp;
 use std::rc::Rc;
 
-/// What the callouts to etcd name as `:authority`.
+/// What the calls to etcd name as `:authority`: etcd's gateway reads no host, but Go's HTTP
+/// server refuses an invalid one (an Istio cluster name such as `outbound|2379||etcd...` is).
 pub const ETCD_AUTHORITY: &str = "etcd";
 
 pub struct EtcdRemote {
@@ -19,9 +21,8 @@ impl EtcdRemote {
         let s = store.settings();
         let settings = RemoteSettings {
             cluster: s.cluster.clone(),
-            // etcd's gateway reads no host, but Go's HTTP server refuses an invalid one.
             authority: ETCD_AUTHORITY.to_string(),
-            // Envoy reads 0 as "no timeout": a callout is always bounded.
+            // Envoy reads 0 as "no timeout": a call is always bounded.
             timeout_ms: u32::try_from(s.timeout_ms).unwrap_or(u32::MAX).max(1),
             on_error: s.on_error,
         };
@@ -48,18 +49,7 @@ struct EtcdConversation {
 
 impl Conversation for EtcdConversation {
     fn step(&mut self, answer: Option<Answer>, now_ms: u64) -> Next {
-        let answer = answer.map(|a| HttpAnswer { status: a.status, body: a.body });
-        match self.exchange.step(&self.store, answer, now_ms) {
-            ExchangeStep::Call { path, body, token, timeout_ms } => Next::Call(Request {
-                path,
-                body,
-                token,
-                // Envoy reads 0 as "no timeout": a callout is always bounded.
-                timeout_ms: Some(u32::try_from(timeout_ms).unwrap_or(u32::MAX).max(1)),
-            }),
-            ExchangeStep::AwaitToken => Next::Wait,
-            ExchangeStep::Done(answer) => Next::Done(answer),
-        }
+        self.exchange.step(&self.store, answer, now_ms)
     }
     fn into_op(self: Box<Self>) -> StoreOp {
         self.exchange.into_op()

@@ -1,0 +1,66 @@
+//! A store across the network, as the store layer speaks it: every operation is a
+//! conversation of HTTP calls that the store's own state machine drives, pure, from the answers
+//! it is handed. The glue (`glue/remote.rs`) makes the calls as Envoy callouts; the etcd store
+//! implements the two traits (`store::etcd::remote`); a blocking client drives the same
+//! conversations in the conformance tests.
+
+use crate::config::etcd::OnStoreError;
+use crate::store::{StoreAnswer, StoreOp};
+
+/// Where and how to reach the store, and what its failure means.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteSettings {
+    /// The Envoy cluster of the store's endpoints.
+    pub cluster: String,
+    /// The callouts' `:authority`: Envoy requires one and the store's HTTP server checks it is
+    /// a valid host (an Istio cluster name such as `outbound|2379||etcd...` is not).
+    pub authority: String,
+    /// Per callout; Envoy answers a callout that takes longer with a synthesized 504.
+    pub timeout_ms: u32,
+    pub on_error: OnStoreError,
+}
+
+/// One HTTP answer (or Envoy's report that the callout failed: `status: None`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    pub status: Option<u16>,
+    pub body: Vec<u8>,
+}
+
+/// A POST the store wants made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub path: &'static str,
+    pub body: Vec<u8>,
+    /// Sent as `authorization` when present.
+    pub token: Option<String>,
+    /// This call's timeout, when not the store's `timeout_ms` (the etcd token fetch has its own).
+    pub timeout_ms: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    Call(Request),
+    /// Waiting for something another conversation of this store is fetching (the etcd token):
+    /// step again with `None` once `RemoteStore::take_woken` is true, and on every tick (a wait
+    /// ends by itself at its deadline).
+    Wait,
+    Done(StoreAnswer),
+}
+
+/// One store operation in progress.
+pub trait Conversation {
+    /// First with `None`, then with the answer to the last `Call` (`None` again after `Wait`).
+    fn step(&mut self, answer: Option<Answer>, now_ms: u64) -> Next;
+    /// The operation, to start it again in a new conversation.
+    fn into_op(self: Box<Self>) -> StoreOp;
+}
+
+pub trait RemoteStore {
+    fn settings(&self) -> &RemoteSettings;
+    fn start(&self, op: StoreOp) -> Box<dyn Conversation>;
+    /// True once after whatever waiting conversations wait for has arrived or failed.
+    fn take_woken(&self) -> bool {
+        false
+    }
+}

@@ -17,6 +17,11 @@ use super::fake_host::{Call, FakeHost};
 use super::http::Http;
 use super::root::Root;
 use crate::flow::Verdict;
+use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore, Request};
+use crate::store::{Begin, Claim, Settled, StoreAnswer, StoreError, StoreOp};
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::rc::Rc;
 
 const CONFIG: &str = r#"{"store":{"type":"local","capacity":64},"routes":[
     {"name":"orders","match":{"prefix":"/orders"},"require_key":true},
@@ -90,5 +95,59 @@ fn last_token(h: &FakeHost) -> u32 {
     match h.dispatches().last() {
         Some(Call::Dispatch { token, .. }) => *token,
         _ => panic!("no callout"),
+    }
+}
+
+/// A store across the network for the remote tests, scripted: one call per operation.
+pub(super) type Begins = Rc<RefCell<VecDeque<Begin>>>;
+
+/// Each operation is one call; a 200 answers a `begin` with the next scripted `Begin`
+/// (a claim when none is left), a settlement with Done; anything else is Unavailable.
+pub(super) struct Scripted {
+    pub(super) settings: RemoteSettings,
+    pub(super) ops: Rc<RefCell<Vec<StoreOp>>>,
+    pub(super) begins: Begins,
+}
+
+struct OneCall(StoreOp, Begins);
+
+impl Conversation for OneCall {
+    fn into_op(self: Box<Self>) -> StoreOp {
+        self.0
+    }
+    fn step(&mut self, answer: Option<Answer>, _now_ms: u64) -> Next {
+        let Some(answer) = answer else {
+            return Next::Call(Request {
+                path: "/v3/kv/txn",
+                body: b"{}".to_vec(),
+                token: None,
+                timeout_ms: None,
+            });
+        };
+        let error = StoreError::Unavailable(format!("answer {:?}", answer.status));
+        let ok = answer.status == Some(200);
+        Next::Done(match &self.0 {
+            StoreOp::Begin(a) if ok => {
+                StoreAnswer::Begun(Ok(self.1.borrow_mut().pop_front().unwrap_or(Begin::Claimed(Claim {
+                    scope: a.scope,
+                    owner: a.owner,
+                    locator: 7,
+                    written: None,
+                }))))
+            }
+            StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),
+            _ if ok => StoreAnswer::Settled(Ok(Settled::Done)),
+            _ => StoreAnswer::Settled(Err(error)),
+        })
+    }
+}
+
+impl RemoteStore for Scripted {
+    fn settings(&self) -> &RemoteSettings {
+        &self.settings
+    }
+    fn start(&self, op: StoreOp) -> Box<dyn Conversation> {
+        self.ops.borrow_mut().push(op.clone());
+        Box::new(OneCall(op, Rc::clone(&self.begins)))
     }
 }

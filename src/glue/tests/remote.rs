@@ -6,60 +6,18 @@
 //! with backoff until it lands or its lease has passed; a retired root finishes (or, at its
 //! bound, abandons and counts) its completions before it tells Envoy it is done.
 
-use super::{last_token, pairs, Sent};
+use super::{last_token, pairs, Begins, Scripted, Sent};
 use crate::config::etcd::OnStoreError;
 use crate::flow::Verdict;
 use crate::glue::fake_host::{Call, FakeHost};
 use crate::glue::http::Http;
 use crate::glue::root::Root;
-use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore, Request};
-use crate::store::{Begin, Claim, Settled, StoreAnswer, StoreError, StoreOp};
+use crate::store::remote::RemoteSettings;
+use crate::store::StoreOp;
 use std::cell::RefCell;
 use std::rc::Rc;
 
 const CONFIG: &str = r#"{"routes":[{"name":"orders","match":{"prefix":"/orders"},"require_key":true}]}"#;
-
-/// A store that claims on a 200 answer to its one call and settles on a 200 answer to its
-/// one call; anything else is Unavailable (as the etcd exchanges map them).
-struct Scripted(RemoteSettings, Rc<RefCell<Vec<StoreOp>>>);
-
-struct OneCall(StoreOp);
-
-impl Conversation for OneCall {
-    fn into_op(self: Box<Self>) -> StoreOp {
-        self.0
-    }
-    fn step(&mut self, answer: Option<Answer>, _now_ms: u64) -> Next {
-        let Some(answer) = answer else {
-            return Next::Call(Request {
-                path: "/v3/kv/txn",
-                body: b"{}".to_vec(),
-                token: None,
-                timeout_ms: None,
-            });
-        };
-        let ok = answer.status == Some(200);
-        let error = || StoreError::Unavailable(format!("answer {:?}", answer.status));
-        Next::Done(match &self.0 {
-            StoreOp::Begin(a) => StoreAnswer::Begun(if ok {
-                Ok(Begin::Claimed(Claim { scope: a.scope, owner: a.owner, locator: 7, written: None }))
-            } else {
-                Err(error())
-            }),
-            _ => StoreAnswer::Settled(if ok { Ok(Settled::Done) } else { Err(error()) }),
-        })
-    }
-}
-
-impl RemoteStore for Scripted {
-    fn settings(&self) -> &RemoteSettings {
-        &self.0
-    }
-    fn start(&self, op: StoreOp) -> Box<dyn Conversation> {
-        self.1.borrow_mut().push(op.clone());
-        Box::new(OneCall(op))
-    }
-}
 
 fn host() -> FakeHost {
     let h = FakeHost::default();
@@ -83,7 +41,8 @@ fn root_with_ops(
     let settings =
         RemoteSettings { cluster: cluster.into(), authority: "store".into(), timeout_ms: 250, on_error };
     let ops = Rc::new(RefCell::new(Vec::new()));
-    assert!(root.on_configure_with(Some(Box::new(Scripted(settings, Rc::clone(&ops))))));
+    let store = Scripted { settings, ops: Rc::clone(&ops), begins: Begins::default() };
+    assert!(root.on_configure_with(Some(Box::new(store))));
     (root, ops)
 }
 

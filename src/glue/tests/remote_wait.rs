@@ -1,74 +1,21 @@
 //! Wait mode with a store across the network: waiters poll it (the root's callouts) with
 //! backoff, are woken by this Envoy's completions, and resolve like local waiters.
 
-use super::{last_token, pairs};
+use super::{last_token, pairs, Begins, Scripted};
 use crate::config::etcd::OnStoreError;
 use crate::flow::Verdict;
 use crate::glue::fake_host::{Call, FakeHost};
 use crate::glue::http::Http;
 use crate::glue::root::Root;
 use crate::store::record::Snapshot;
-use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore, Request};
-use crate::store::{Begin, Claim, Settled, StoreAnswer, StoreError, StoreOp};
+use crate::store::remote::RemoteSettings;
+use crate::store::{Begin, StoreOp};
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::rc::Rc;
 
 const CONFIG: &str = r#"{"routes":[{"name":"w","match":{"prefix":"/orders"},"require_key":true,
     "concurrent":"wait","wait_timeout":"2s","processing_timeout":"30s"}]}"#;
-
-type Begins = Rc<RefCell<VecDeque<Begin>>>;
-
-/// Each operation is one call; a 200 answers a `begin` with the next scripted `Begin`
-/// (a claim when none is left), a settlement with Done; anything else is Unavailable.
-struct Scripted {
-    settings: RemoteSettings,
-    ops: Rc<RefCell<Vec<StoreOp>>>,
-    begins: Begins,
-}
-
-struct OneCall(StoreOp, Begins);
-
-impl Conversation for OneCall {
-    fn into_op(self: Box<Self>) -> StoreOp {
-        self.0
-    }
-    fn step(&mut self, answer: Option<Answer>, _now_ms: u64) -> Next {
-        let Some(answer) = answer else {
-            return Next::Call(Request {
-                path: "/v3/kv/txn",
-                body: b"{}".to_vec(),
-                token: None,
-                timeout_ms: None,
-            });
-        };
-        let error = StoreError::Unavailable(format!("answer {:?}", answer.status));
-        let ok = answer.status == Some(200);
-        Next::Done(match &self.0 {
-            StoreOp::Begin(a) if ok => {
-                StoreAnswer::Begun(Ok(self.1.borrow_mut().pop_front().unwrap_or(Begin::Claimed(Claim {
-                    scope: a.scope,
-                    owner: a.owner,
-                    locator: 7,
-                    written: None,
-                }))))
-            }
-            StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),
-            _ if ok => StoreAnswer::Settled(Ok(Settled::Done)),
-            _ => StoreAnswer::Settled(Err(error)),
-        })
-    }
-}
-
-impl RemoteStore for Scripted {
-    fn settings(&self) -> &RemoteSettings {
-        &self.settings
-    }
-    fn start(&self, op: StoreOp) -> Box<dyn Conversation> {
-        self.ops.borrow_mut().push(op.clone());
-        Box::new(OneCall(op, Rc::clone(&self.begins)))
-    }
-}
 
 struct Rig {
     h: FakeHost,

@@ -13,46 +13,21 @@ skipped. Processes started here log below tests/deploy/.logs (gitignored).
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from idemkit import REPO_ROOT, process
-from idemkit.envoy import default_binary
+from idemkit import REPO_ROOT
+from idemkit.testkit import env_path as _path
+from idemkit.testkit import envoy_bin, filter_wasm, fresh_logs  # noqa: F401 (fixtures)
 
 LOG_ROOT = Path(__file__).resolve().parent / ".logs"
 
 
-def _path(var: str, default: Path) -> Path:
-    raw = os.environ.get(var)
-    path = Path(raw) if raw else default
-    return path if path.is_absolute() else REPO_ROOT / path
-
-
 def pytest_sessionstart(session):
-    shutil.rmtree(LOG_ROOT, ignore_errors=True)
-    LOG_ROOT.mkdir(parents=True, exist_ok=True)
-    process.Process.log_root = LOG_ROOT
-
-
-@pytest.fixture(scope="session")
-def envoy_bin() -> Path:
-    raw = os.environ.get("ENVOY_BIN")
-    path = _path("ENVOY_BIN", Path()) if raw else default_binary()
-    if path is None or not path.is_file() or not os.access(path, os.X_OK):
-        pytest.fail("Envoy binary not found (ENVOY_BIN=%r): run `make tools`" % (raw,), pytrace=False)
-    return path
-
-
-@pytest.fixture(scope="session")
-def filter_wasm() -> Path:
-    path = _path("FILTER_WASM", REPO_ROOT / "dist" / "idempotency_filter.wasm")
-    if not path.is_file():
-        pytest.fail("module not found at %s: run `make build`" % path, pytrace=False)
-    return path.resolve()
+    fresh_logs(LOG_ROOT)
 
 
 @pytest.fixture(scope="session")

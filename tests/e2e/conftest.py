@@ -21,45 +21,16 @@ its report.
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
-
 import pytest
 
 import harness
-from idemkit.envoy import default_binary
-
-_DEFAULT_WASM = harness.REPO_ROOT / "dist" / "idempotency_filter.wasm"
+from idemkit import testkit
+from idemkit.testkit import envoy_bin, filter_wasm  # noqa: F401 (fixtures)
 
 
 def pytest_sessionstart(session):
     # Fresh logs for every run (the directory is gitignored).
-    shutil.rmtree(harness.LOG_ROOT, ignore_errors=True)
-    harness.LOG_ROOT.mkdir(parents=True, exist_ok=True)
-
-
-@pytest.fixture(scope="session")
-def envoy_bin() -> Path:
-    raw = os.environ.get("ENVOY_BIN")
-    path = harness.env_path("ENVOY_BIN", Path()) if raw else default_binary()
-    if path is None or not path.is_file() or not os.access(path, os.X_OK):
-        pytest.fail(
-            "Envoy binary not found (ENVOY_BIN=%r); run `make tools` or set ENVOY_BIN" % (raw,),
-            pytrace=False,
-        )
-    return path
-
-
-@pytest.fixture(scope="session")
-def filter_wasm() -> Path:
-    path = harness.env_path("FILTER_WASM", _DEFAULT_WASM)
-    if not path.is_file():
-        pytest.fail(
-            "filter module not found at %s; run `make build` or set FILTER_WASM" % path,
-            pytrace=False,
-        )
-    return path.resolve()
+    testkit.fresh_logs(harness.LOG_ROOT)
 
 
 @pytest.fixture(scope="session")
@@ -102,15 +73,4 @@ def envoy(request, envoy_bin, upstream):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    report = outcome.get_result()
-    if report.failed and call.when in ("setup", "call"):
-        seen = set()
-        for proc in list(harness.LIVE):
-            if id(proc) in seen:
-                continue
-            seen.add(id(proc))
-            try:
-                text = proc.failure_report()
-            except Exception as exc:  # noqa: BLE001 - never hide the real failure
-                text = "(could not collect: %r)" % (exc,)
-            report.sections.append(("%s: %s" % (type(proc).__name__.lower(), proc.name), text))
+    testkit.attach_process_logs(outcome.get_result())

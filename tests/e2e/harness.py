@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import socket
 import struct
@@ -46,6 +45,7 @@ from idemkit.envoy import ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNMATCHED_STAT, E
 from idemkit.etcd import DelayProxy, EtcdCluster  # noqa: F401
 from idemkit.etcd import Etcd as _Etcd
 from idemkit.process import LIVE, ClosedPort, Fatal, free_port, tail, wait_until  # noqa: F401
+from idemkit.testkit import env_path  # noqa: F401 (re-exported for the tests)
 
 LOG_ROOT = Path(__file__).resolve().parent / ".logs"
 
@@ -156,13 +156,3 @@ def retry_after_seconds(resp: Response) -> int:
     seconds = int(value)
     assert seconds >= 1, resp
     return seconds
-
-
-def env_path(var: str, default: Path) -> Path:
-    raw = os.environ.get(var)
-    if not raw:
-        return default
-    p = Path(raw)
-    if not p.is_absolute() and not p.exists():
-        p = REPO_ROOT / p
-    return p

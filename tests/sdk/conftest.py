@@ -13,16 +13,15 @@ Processes log below tests/sdk/.logs (gitignored); a failed test's report carries
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 
-from idemkit import REPO_ROOT, process
+from idemkit import process
+from idemkit.testkit import attach_process_logs, envoy_bin, filter_wasm, fresh_logs  # noqa: F401 (fixtures)
 from idemkit.bootstrap import file_access_log
-from idemkit.envoy import OrdersProxy, default_binary
-from idemkit.process import LIVE, wait_until
+from idemkit.envoy import OrdersProxy
+from idemkit.process import wait_until
 
 HERE = Path(__file__).resolve().parent
 LOG_ROOT = HERE / ".logs"
@@ -85,33 +84,8 @@ FILTER_CONFIG = {
 }
 
 
-def _path(var: str, default: Path) -> Path:
-    raw = os.environ.get(var)
-    path = Path(raw) if raw else default
-    return path if path.is_absolute() else REPO_ROOT / path
-
-
 def pytest_sessionstart(session):
-    shutil.rmtree(LOG_ROOT, ignore_errors=True)
-    LOG_ROOT.mkdir(parents=True, exist_ok=True)
-    process.Process.log_root = LOG_ROOT
-
-
-@pytest.fixture(scope="session")
-def envoy_bin() -> Path:
-    raw = os.environ.get("ENVOY_BIN")
-    path = _path("ENVOY_BIN", Path()) if raw else default_binary()
-    if path is None or not path.is_file() or not os.access(path, os.X_OK):
-        pytest.fail("Envoy binary not found (ENVOY_BIN=%r): run `make tools`" % (raw,), pytrace=False)
-    return path
-
-
-@pytest.fixture(scope="session")
-def filter_wasm() -> Path:
-    path = _path("FILTER_WASM", REPO_ROOT / "dist" / "idempotency_filter.wasm")
-    if not path.is_file():
-        pytest.fail("filter module not found at %s: run `make build`" % path, pytrace=False)
-    return path
+    fresh_logs(LOG_ROOT)
 
 
 class FakeStripe(process.Upstream):
@@ -179,11 +153,4 @@ def envoy(envoy_bin, filter_wasm, fake_stripe):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    report = outcome.get_result()
-    if report.failed and call.when in ("setup", "call"):
-        for proc in list(LIVE):
-            try:
-                text = proc.failure_report()
-            except Exception as exc:  # noqa: BLE001 - never hide the real failure
-                text = "(could not collect: %r)" % (exc,)
-            report.sections.append(("%s: %s" % (type(proc).__name__.lower(), proc.name), text))
+    attach_process_logs(outcome.get_result())

@@ -80,6 +80,28 @@ wasm-target:
 etcd:
 	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq etcd-server etcd-client; }
 
+# A current etcd next to Debian stable's older one: the store's conformance runs against both,
+# and the compose file pins the same release (gcr.io/etcd-development/etcd, a multi-arch image).
+# Debian trixie's etcd-server (a static Go binary) fetched with a private package list and
+# unpacked into .tools: nothing on the machine is installed or upgraded.
+ETCD_CURRENT_VERSION := 3.5.16
+ETCD_CURRENT_DEB := 3.5.16-4
+ETCD_CURRENT_DIR := $(TOOLS)/etcd-$(ETCD_CURRENT_VERSION)
+ETCD_CURRENT_BIN := $(ETCD_CURRENT_DIR)/usr/bin/etcd
+ETCD_APT := -o Dir::Etc::sourcelist=$(abspath $(ETCD_CURRENT_DIR))/apt/sources.list -o Dir::Etc::sourceparts=- \
+	-o Dir::State::Lists=$(abspath $(ETCD_CURRENT_DIR))/apt/lists -o Dir::Cache=$(abspath $(ETCD_CURRENT_DIR))/apt/cache \
+	-o APT::Sandbox::User=root
+.PHONY: etcd-current
+etcd-current: $(ETCD_CURRENT_BIN)
+
+$(ETCD_CURRENT_BIN):
+	mkdir -p $(ETCD_CURRENT_DIR)/apt/lists/partial $(ETCD_CURRENT_DIR)/apt/cache
+	echo "deb http://deb.debian.org/debian trixie main" > $(ETCD_CURRENT_DIR)/apt/sources.list
+	apt-get -qq $(ETCD_APT) update
+	cd $(ETCD_CURRENT_DIR) && apt-get -qq $(ETCD_APT) download etcd-server=$(ETCD_CURRENT_DEB)
+	dpkg -x $(ETCD_CURRENT_DIR)/etcd-server_$(ETCD_CURRENT_DEB)_*.deb $(ETCD_CURRENT_DIR)
+	@$@ --version | grep -q "etcd Version: $(ETCD_CURRENT_VERSION)$$"
+
 # curl (and bash) run the README's quick-start lines in tests/e2e/operations/test_demo.py.
 .PHONY: curl e2e-loadgen
 e2e-loadgen:
@@ -208,8 +230,9 @@ fuzz: nightly $(CARGO_FUZZ)
 unit:
 	$(CARGO) test
 
-etcd-conformance: etcd
+etcd-conformance: etcd etcd-current
 	$(CARGO) test --features etcd-conformance --test etcd_conformance
+	ETCD_BIN=$(abspath $(ETCD_CURRENT_BIN)) $(CARGO) test --features etcd-conformance --test etcd_conformance
 
 # Formatting, and clippy on both builds: the native one (engine + tests) and the wasm32 one
 # (which alone compiles the glue). unwrap/expect/panic are denied outside tests (Cargo.toml).
@@ -228,9 +251,9 @@ e2e: build tools etcd curl e2e-loadgen
 # etcd and skopeo.
 CHECK_CONFIG := $(CARGO_TARGET_DIR)/debug/examples/check_config
 
-deploy-test: oci tools etcd skopeo zsh
+deploy-test: oci tools etcd etcd-current skopeo zsh
 	$(CARGO) build -q --example check_config
-	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) OCI_LAYOUT=$(OCI_DIR) CHECK_CONFIG=$(CHECK_CONFIG) \
+	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) OCI_LAYOUT=$(OCI_DIR) CHECK_CONFIG=$(CHECK_CONFIG) ETCD_CURRENT_BIN=$(abspath $(ETCD_CURRENT_BIN)) \
 	  $(VENV_PY) -m pytest tests/deploy -q $(PYTEST_ARGS)
 
 # Stripe's SDKs (stripe-python from tests/sdk/requirements.txt, installed by `tools`; stripe-node

@@ -36,8 +36,10 @@ class Etcd(Process):
 
     def __init__(self, name: str = "etcd", log_dir: Path | None = None,
                  client_port: int | None = None, peer_port: int | None = None,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, binary: Path | str | None = None) -> None:
         self.name = name
+        # Another etcd than ETCD_BIN / PATH's (e.g. the current release next to Debian's).
+        self.binary = binary
         # More etcd flags (e.g. `--auth-token jwt,...`).
         self.extra_args = list(extra_args or [])
         self.log_dir = self._log_dir(log_dir)
@@ -58,7 +60,7 @@ class Etcd(Process):
         if self.data_dir is None:
             self.data_dir = Path(tempfile.mkdtemp(prefix="idemkit-etcd-"))
         cmd = [
-            str(etcd_binary()),
+            str(self.binary or etcd_binary()),
             "--name", self.name,
             "--data-dir", str(self.data_dir),
             "--listen-client-urls", self.client_url,

@@ -184,8 +184,7 @@ impl<H: Host> Http<H> {
         while let Some(step) = steps.pop_front() {
             let more = match step {
                 Step::Count(counter) => {
-                    plugin.count(counter, self.flow.rule());
-                    plugin.publish(counter, self.flow.scope());
+                    plugin.count_for_stream(counter, self.flow.rule(), self.flow.scope());
                     None
                 }
                 Step::Reply { reply, details } => {

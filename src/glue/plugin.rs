@@ -390,6 +390,13 @@ impl<H: Host> PluginState<H> {
         }
     }
 
+    /// An outcome of the stream that is the effective context: counted, and published for its
+    /// access log (`publish`).
+    pub fn count_for_stream(&self, counter: Counter, rule: Option<&Rule>, scope: Option<&ScopeId>) {
+        self.count(counter, rule);
+        self.publish(counter, scope);
+    }
+
     /// With `publish_outcome`, what just happened to the effective context's protected request
     /// (`<outcome> <scope tag>`, the tag the filter's logs use too) as its filter state
     /// `wasm.idempotency.outcome`, for access logs (`%FILTER_STATE(wasm.idempotency.outcome:PLAIN)%`).

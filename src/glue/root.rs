@@ -258,15 +258,13 @@ fn resolve_waiter<H: Host>(
         {
             // The waiter owns the record now, on a detached route: the root carries it
             // upstream (the waiter stays held and is answered with the outcome).
-            plugin.count(counter, Some(&rule));
-            plugin.publish(counter, Some(&w.pending.scope));
+            plugin.count_for_stream(counter, Some(&rule), Some(&w.pending.scope));
             if let Err(why) = plugin.detach(w.context_id, claim, &rule, Rc::clone(&w.handle)) {
                 refuse_detached(plugin, w.context_id, &w.handle, &rule, &why);
             }
         }
         WaiterPlan::Resume { counter, resumed, release } => {
-            plugin.count(counter, Some(&w.pending.rule));
-            plugin.publish(counter, Some(&w.pending.scope));
+            plugin.count_for_stream(counter, Some(&w.pending.rule), Some(&w.pending.scope));
             w.handle.set(Some(resumed));
             if let Err(HostError(s)) = host.resume_request() {
                 log::warn!(
@@ -282,8 +280,7 @@ fn resolve_waiter<H: Host>(
             }
         }
         WaiterPlan::Answer { counter, resumed, reply, details } => {
-            plugin.count(counter, Some(&w.pending.rule));
-            plugin.publish(counter, Some(&w.pending.scope));
+            plugin.count_for_stream(counter, Some(&w.pending.rule), Some(&w.pending.scope));
             w.handle.set(Some(resumed));
             if let Err(HostError(s)) = host.send_response(reply.status, details, &reply.headers, &reply.body)
             {
@@ -291,8 +288,7 @@ fn resolve_waiter<H: Host>(
             }
         }
         WaiterPlan::Bypass { counter, resumed } => {
-            plugin.count(counter, Some(&w.pending.rule));
-            plugin.publish(counter, Some(&w.pending.scope));
+            plugin.count_for_stream(counter, Some(&w.pending.rule), Some(&w.pending.scope));
             w.handle.set(Some(resumed));
             if let Err(HostError(s)) = host.resume_request() {
                 log::warn!("#{} could not resume a held request (host status {s})", w.context_id);
@@ -621,10 +617,7 @@ fn carry_out<H: Host>(plugin: &PluginState<H>, mut begin: Box<RootBegin>, out: O
     let mut steps: std::collections::VecDeque<Step> = out.steps.into();
     while let Some(step) = steps.pop_front() {
         match step {
-            Step::Count(counter) => {
-                plugin.count(counter, begin.flow.rule());
-                plugin.publish(counter, begin.flow.scope());
-            }
+            Step::Count(counter) => plugin.count_for_stream(counter, begin.flow.rule(), begin.flow.scope()),
             Step::Reply { reply, details } => {
                 if let Err(HostError(s)) =
                     host.send_response(reply.status, details, &reply.headers, &reply.body)

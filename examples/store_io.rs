@@ -9,22 +9,12 @@ use idempotency_filter::identity::fingerprint::Fingerprint;
 use idempotency_filter::identity::scope::ScopeId;
 use idempotency_filter::store::fake::{FakeSharedData, Io};
 use idempotency_filter::store::local::LocalStore;
+use idempotency_filter::splitmix::SeededRng;
 use idempotency_filter::store::record::{Snapshot, State};
 use idempotency_filter::store::{Begin, Claim, ClaimAttempt, Completion, RecordStore};
 use sha2::{Digest, Sha256};
 
 const TTL: u64 = 86_400_000;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
 
 fn attempt(n: u64, owner: u64) -> ClaimAttempt {
     ClaimAttempt {
@@ -72,13 +62,13 @@ fn claim_one(
     data: &FakeSharedData,
     t: &mut Tally,
     open: &mut Vec<Claim>,
-    rng: &mut Rng,
+    rng: &mut SeededRng,
     owner: &mut u64,
 ) {
     *owner += 1;
     t.tried += 1;
     let before = data.io();
-    match store.begin(&attempt(rng.next(), *owner)).expect("begin") {
+    match store.begin(&attempt(rng.next_u64(), *owner)).expect("begin") {
         Begin::Claimed(c) => {
             t.io = add(t.io, data.io() - before);
             t.claims += 1;
@@ -94,7 +84,7 @@ fn main() {
     let data = FakeSharedData::new();
     let store = LocalStore::open(&data, capacity, [7; 32], 0).expect("store");
     let fixed = data.value_bytes();
-    let mut rng = Rng(1);
+    let mut rng = SeededRng(1);
     let mut owner = 0u64;
     // Claims left processing (released at random for churn) and completed records.
     let mut open: Vec<Claim> = Vec::new();
@@ -114,7 +104,7 @@ fn main() {
             if open.is_empty() {
                 break;
             }
-            let i = (rng.next() % open.len() as u64) as usize;
+            let i = (rng.next_u64() % open.len() as u64) as usize;
             let gone = open.swap_remove(i);
             store.release(&gone).expect("release");
             claim_one(&store, &data, &mut t, &mut open, &mut rng, &mut owner);
@@ -122,7 +112,7 @@ fn main() {
         // A completion and a replay: complete sample claims in place (the fill stays).
         let (mut comp, mut rep, mut m) = (Io::default(), Io::default(), 0u64);
         for _ in 0..200.min(open.len()) {
-            let c = open.swap_remove((rng.next() % open.len() as u64) as usize);
+            let c = open.swap_remove((rng.next_u64() % open.len() as u64) as usize);
             let before = data.io();
             store.complete(&c, &completion()).expect("complete");
             comp = add(comp, data.io() - before);

@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod problem;
 pub mod settlement;
 mod sort;
+pub mod splitmix;
 pub mod store;
 pub mod wait;
 

@@ -17,18 +17,12 @@ use crate::wait::wake::{self, Registry};
 use crate::wait::{self, RoomFull, WaitRoom, Waiter};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use crate::splitmix::splitmix64;
 use std::hash::{BuildHasher, Hasher};
 use std::rc::Rc;
 
 /// Where the root leaves word for a held request it resolved; read once by its HTTP context.
 pub type WaitHandle = Rc<Cell<Option<Resumed>>>;
-
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
 
 /// A random value from the host's WASI random source (each RandomState is seeded from it).
 fn random_u64(mix: u64) -> u64 {

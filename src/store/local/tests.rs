@@ -4,6 +4,7 @@
 
 use super::layout::{bucket_key_in, fill_key_in, quota_key_in, slot_key_in};
 use super::*;
+use crate::splitmix::SeededRng;
 use crate::store::conformance::{attempt, charged, claimed, done, snapshot, Backend, LEASE, TTL};
 use crate::store::fake::{FakeSharedData, Interleave};
 use crate::store::record::{Layout, QuotaCounter, Snapshot};
@@ -33,21 +34,6 @@ fn only_bucket(data: &FakeSharedData) -> Vec<Entry> {
     record::decode_bucket(data.get("idem:v3:8:b:0").unwrap().bytes(), ENTRIES_PER_BUCKET).unwrap()
 }
 
-/// Seeded splitmix64: the placement tests draw the same keys and churn on every run.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
 #[test]
 fn below_ninety_percent_of_capacity_almost_no_new_key_is_refused() {
     // Issue 11: with one bucket of 8 per key, about 10% of new keys were refused at 90% fill
@@ -56,14 +42,14 @@ fn below_ninety_percent_of_capacity_almost_no_new_key_is_refused() {
     const CAPACITY: u32 = 4_000;
     let b = Local::with_capacity(CAPACITY);
     let workers = [b.worker(0), b.worker(1)];
-    let mut rng = Rng(11);
+    let mut rng = SeededRng(11);
     let mut live: Vec<Claim> = Vec::new();
     let (mut tried, mut refused) = (0u32, 0u32);
     let target = (CAPACITY as usize) * 9 / 10;
-    let attempt_one = |live: &mut Vec<Claim>, rng: &mut Rng, tried: &mut u32, refused: &mut u32| {
+    let attempt_one = |live: &mut Vec<Claim>, rng: &mut SeededRng, tried: &mut u32, refused: &mut u32| {
         *tried += 1;
         let w = &workers[rng.below(2)];
-        match w.begin(&attempt(rng.next(), 1, u64::from(*tried), 0)).unwrap() {
+        match w.begin(&attempt(rng.next_u64(), 1, u64::from(*tried), 0)).unwrap() {
             Begin::Claimed(c) => live.push(c),
             Begin::Full { .. } => *refused += 1,
             other => panic!("{other:?}"),
@@ -97,7 +83,7 @@ fn records_expired_but_not_yet_swept_do_not_refuse_new_keys() {
     const STEP_US: u64 = 500; // 2,000 new keys a second: 1,600 live, 20% of capacity
     let b = Local::with_capacity(capacity);
     let w = b.worker(0);
-    let mut rng = Rng(5);
+    let mut rng = SeededRng(5);
     let (mut tried, mut refused, mut next_sweep_ms) = (0u64, 0u64, 1_000u64);
     // 30 s: the store saturates with ended records after 4 s; before the fix, 0.2% refused.
     for n in 0..60_000u64 {
@@ -111,7 +97,7 @@ fn records_expired_but_not_yet_swept_do_not_refuse_new_keys() {
         let a = ClaimAttempt {
             ttl_ms,
             lease_ms: ttl_ms,
-            ..charged(rng.next(), n + 1, now_ms, 0, Some(0), (capacity, capacity))
+            ..charged(rng.next_u64(), n + 1, now_ms, 0, Some(0), (capacity, capacity))
         };
         match w.begin(&a).unwrap() {
             Begin::Claimed(c) => {
@@ -132,12 +118,12 @@ fn at_capacity_new_keys_are_refused_and_no_live_record_is_dropped() {
     const CAPACITY: u32 = 2_000;
     let b = Local::with_capacity(CAPACITY);
     let w = b.worker(0);
-    let mut rng = Rng(7);
+    let mut rng = SeededRng(7);
     let mut live = Vec::new();
     let mut tried = 0u64;
     while live.len() < CAPACITY as usize && tried < u64::from(CAPACITY) * 11 / 10 {
         tried += 1;
-        let n = rng.next();
+        let n = rng.next_u64();
         match w.begin(&attempt(n, 1, tried, 0)).unwrap() {
             Begin::Claimed(c) => {
                 // Half completed, half still processing: both are live.
@@ -152,7 +138,7 @@ fn at_capacity_new_keys_are_refused_and_no_live_record_is_dropped() {
     }
     assert_eq!(live.len(), CAPACITY as usize, "filled to {} in {tried} attempts", live.len());
     for k in 0..1_000u64 {
-        let r = w.begin(&attempt(rng.next(), 1, 1_000_000 + k, 1)).unwrap();
+        let r = w.begin(&attempt(rng.next_u64(), 1, 1_000_000 + k, 1)).unwrap();
         assert!(matches!(r, Begin::Full { retry_after_ms } if retry_after_ms >= 1), "{k}: {r:?}");
     }
     for (i, n) in live.iter().enumerate() {

@@ -7,9 +7,9 @@
 
 use idempotency_filter::identity::fingerprint::Fingerprint;
 use idempotency_filter::identity::scope::ScopeId;
+use idempotency_filter::splitmix::SeededRng;
 use idempotency_filter::store::fake::{FakeSharedData, Io};
 use idempotency_filter::store::local::LocalStore;
-use idempotency_filter::splitmix::SeededRng;
 use idempotency_filter::store::record::{Snapshot, State};
 use idempotency_filter::store::{Begin, Claim, ClaimAttempt, Completion, RecordStore};
 use sha2::{Digest, Sha256};

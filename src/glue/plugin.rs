@@ -8,6 +8,7 @@ use crate::detached;
 use crate::flow::{ParkPlan, RequestFlow, Resumed, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::metrics::{Counter, SWEPT_METRIC, UNMATCHED_METRIC};
+use crate::splitmix::splitmix64;
 use crate::store::etcd::remote::EtcdRemote;
 use crate::store::etcd::EtcdStore;
 use crate::store::local::LocalStore;
@@ -17,7 +18,6 @@ use crate::wait::wake::{self, Registry};
 use crate::wait::{self, RoomFull, WaitRoom, Waiter};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use crate::splitmix::splitmix64;
 use std::hash::{BuildHasher, Hasher};
 use std::rc::Rc;
 

@@ -43,6 +43,7 @@ import grpc
 
 from bench import read_varint
 from idemkit.etcd import Etcd
+from idemkit.process import cpu_ns
 
 PREFIX = b"/idempotency/"
 CLAIM_VALUE = bytes(range(120))
@@ -136,18 +137,6 @@ def pb_fields(buf: bytes) -> dict[int, list]:
 
 
 # ---- measurement helpers ---------------------------------------------------------------------
-
-
-def cpu_ns(pid: int) -> int:
-    """Run time of every thread of `pid` so far, in ns (schedstat: finer than stat's ticks)."""
-    total = 0
-    for task in os.listdir("/proc/%d/task" % pid):
-        try:
-            with open("/proc/%d/task/%s/schedstat" % (pid, task)) as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError):
-            pass  # a thread that ended between listdir and open
-    return total
 
 
 def cpu_ticks_ns(pid: int) -> int:

@@ -194,6 +194,9 @@ class Scenario:
         self.open: list[dict] = []
         self.cpu: list[float] = []  # Envoy CPU seconds per closed-loop round
         self.up_cpu: list[float] = []  # upstream Envoy CPU seconds per closed-loop round
+        self.etcd_cpu: list[float] = []  # etcd's CPU seconds per closed-loop round (etcd scenarios)
+        # (loadgen result, Envoy CPU seconds) per run of the equal-load phase (scenarios 4, 5, 7, 8).
+        self.equal: list[tuple[dict, float]] = []
         self.rss_after_warmup: dict[str, int] = {}
         self.rss_end: dict[str, int] = {}
         self.counters_before: dict[str, int] = {}
@@ -219,6 +222,8 @@ class Bench:
         self.processes: list[Envoy] = []
         self.scenarios: list[Scenario] = []
         self.open_rate: float | None = None
+        # The rate of the equal-load phase: the local and the etcd store's scenarios at one rate.
+        self.equal_rate: float | None = None
         self.memory: dict[str, Any] | None = None
         self.wake: dict[str, Any] | None = None  # bench/wake_latency.py's result
         self.wake_failed = False
@@ -380,9 +385,12 @@ class Bench:
         checked(s.envoy, s.envoy.check_alive)
         checked(self.upstream, self.upstream.check_alive)
         m0 = etcd_methods(self.etcd) if s.store == "etcd" else {}
+        ecpu0 = self.etcd.cpu_seconds() if s.store == "etcd" and self.etcd else 0.0
         cpu0, ucpu0 = s.envoy.cpu_seconds(), self.upstream.cpu_seconds()
         r = self.loadgen.run(s.envoy.port, s.path, duration=duration, rate=rate, label=label or f"s{s.sid}", **kwargs)
         cpu1, ucpu1 = s.envoy.cpu_seconds(), self.upstream.cpu_seconds()
+        if s.store == "etcd" and self.etcd:
+            r["etcd_cpu_s"] = self.etcd.cpu_seconds() - ecpu0
         if s.store == "etcd":
             for k, v in etcd_methods(self.etcd).items():
                 s.etcd_methods[k] = s.etcd_methods.get(k, 0) + v - m0.get(k, 0)
@@ -414,6 +422,8 @@ class Bench:
                 s.closed.append(r)
                 s.cpu.append(cpu)
                 s.up_cpu.append(ucpu)
+                if "etcd_cpu_s" in r:
+                    s.etcd_cpu.append(r["etcd_cpu_s"])
                 line.append(f"s{s.sid} {r['ok_rps']:7.0f}/s p99 {r['latency_us']['p99'] / 1000:5.2f}ms")
             log(f"  round {rnd + 1:2d}: " + " | ".join(line))
         # The etcd scenarios run closed loop only: their throughput is set by the store's round
@@ -433,6 +443,7 @@ class Bench:
                     s.open.append(r)
                     line.append(f"s{s.sid} p99 {r['latency_us']['p99'] / 1000:5.2f}ms")
                 log(f"  open {rnd + 1:2d}: " + " | ".join(line))
+        self.equal_load()
         time.sleep(0.3)  # counters are bumped when a stream ends
         for s in self.scenarios:
             s.counters_after = s.envoy.outcomes()
@@ -442,11 +453,43 @@ class Bench:
             s.rss_end = s.envoy.memory_kib()
         self.verify()
 
+    def equal_load(self) -> None:
+        """The local and the etcd store at one open-loop rate (scenarios 4 and 7, 5 and 8): Envoy's
+        CPU per request depends on its load (at a few hundred requests a second every request
+        wakes Envoy on its own, at thousands their events share wake-ups and warm caches), and
+        the closed loop runs the etcd scenarios at a tenth of the local ones' rate. The rate is
+        `open_fraction` of the slower etcd scenario's closed-loop throughput, so both stores
+        sustain it; each run lasts twice `duration`, and its CPU is read from schedstat (ns), since
+        stat's 10 ms ticks are a few hundred requests' worth at this rate."""
+        a = self.args
+        pairs = [(self.sid(4), self.sid(7)), (self.sid(5), self.sid(8))]
+        pairs = [(x, y) for x, y in pairs if x and y]
+        if a.open_rounds <= 0 or not pairs:
+            return
+        slowest = min(spread([r["ok_rps"] for r in y.closed])["median"] for _, y in pairs)
+        self.equal_rate = max(50.0, round(slowest * a.open_fraction / 50.0) * 50.0)
+        log(f"  equal load: {a.open_rounds} rounds x {2 * a.duration:g}s of scenarios "
+            + ", ".join(f"{x.sid} and {y.sid}" for x, y in pairs) + f" at {self.equal_rate:.0f} req/s")
+        for rnd in range(a.open_rounds):
+            line = []
+            for x, y in pairs:
+                for s in ((x, y) if rnd % 2 == 0 else (y, x)):
+                    assert s.envoy
+                    ns0 = s.envoy.cpu_ns()
+                    r, _, _ = self.run_one(s, 2 * a.duration, rate=self.equal_rate, label=f"s{s.sid} equal {rnd + 1}")
+                    cpu = (s.envoy.cpu_ns() - ns0) / 1e9
+                    self.check_result(f"s{s.sid}", r, f"equal-load round {rnd + 1}",
+                                      fatal=a.smoke and not store_timeouts_only(s, r))
+                    s.equal.append((r, cpu))
+                    line.append(f"s{s.sid} {cpu / max(1, r['requests']) * 1e6:6.0f} µs/req")
+            log(f"  equal {rnd + 1:2d}: " + " | ".join(line))
+
     def verify(self) -> None:
         """The scenarios did what they claim (from Envoy's own counters)."""
         fatal = self.args.smoke
         for s in self.scenarios:
-            sent = sum(r["requests"] for r in s.closed + s.open)
+            runs = s.closed + s.open + [r for r, _ in s.equal]
+            sent = sum(r["requests"] for r in runs)
             d = {k: s.counters_after.get(k, 0) - s.counters_before.get(k, 0) for k in set(s.counters_after) | set(s.counters_before)}
             d = {k: v for k, v in d.items() if v}
             up = s.upstream_rq_after - s.upstream_rq_before
@@ -469,7 +512,7 @@ class Bench:
                 problems.append(f"filter counters {d}, expected {expected}")
             if up != expect_up:
                 problems.append(f"{up} upstream requests, expected {expect_up}")
-            n503 = sum(r["statuses"].get("503", 0) for r in s.closed + s.open)
+            n503 = sum(r["statuses"].get("503", 0) for r in runs)
             if problems:
                 self.problem(f"s{s.sid} verification: " + "; ".join(problems),
                              fatal and not (s.store == "etcd" and n503 and d.get("store_error")))

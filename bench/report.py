@@ -26,7 +26,7 @@ from bench import fill, report_more, report_memory, report_svg, sections
 from bench.report_memory import MEMORY_HEADING, memory_markdown, write_samples
 from bench.load import BODY_BYTES, merge_hist, merge_status, parse_duration_s, quantile, spread
 from bench.phases import ORDERS, OTHER, REPLAY_KEYS
-from idemkit.envoy import CLK_TCK
+from idemkit.process import CLK_TCK
 
 if TYPE_CHECKING:
     from bench.phases import Bench

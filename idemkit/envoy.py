@@ -35,7 +35,6 @@ _OUTCOME_STAT = re.compile(r"route\.(.+)\.requests_total\.([a-z_]+)")
 # The filter counts in Wasm and hands each worker's counts to Envoy at its root's 100 ms tick:
 # two ticks and some room for a loaded machine.
 METRICS_SETTLE_S = 0.25
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def default_binary() -> Path | None:
@@ -270,13 +269,6 @@ class Envoy(Process):
         return self.admin("/stats/prometheus").body.decode()
 
     # ---- the process as the kernel sees it --------------------------------------------------
-
-    def cpu_seconds(self) -> float:
-        """utime + stime of the whole process (all threads), from /proc/<pid>/stat."""
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        # fields[0] is field 3 (state): utime is field 14, stime field 15.
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
     def memory_kib(self) -> dict[str, int]:
         """VmRSS and VmHWM (peak RSS) from /proc/<pid>/status, in KiB."""

@@ -111,11 +111,13 @@ def http_connection_manager(routes: list[dict], http_filters: list[dict],
                             http_protocol_options: dict | None = None,
                             suppress_envoy_headers: bool = False,
                             virtual_host_per_filter: dict | None = None,
-                            access_log: Sequence[dict] = ()) -> dict:
+                            access_log: Sequence[dict] = (),
+                            tracing: dict | None = None) -> dict:
     """The listener's network filter: one virtual host for every domain with `routes`, then
     `http_filters` and the router. `virtual_host_per_filter`: the virtual host's
     typed_per_filter_config (e.g. `cors_policy(...)`), which every route inherits.
-    `access_log`: the HCM's access loggers (e.g. `file_access_log(...)`)."""
+    `access_log`: the HCM's access loggers (e.g. `file_access_log(...)`). `tracing`: the HCM's
+    tracing (e.g. `zipkin_tracing(...)`)."""
     hcm: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": stat_prefix,
@@ -127,6 +129,8 @@ def http_connection_manager(routes: list[dict], http_filters: list[dict],
         hcm["http_protocol_options"] = http_protocol_options
     if access_log:
         hcm["access_log"] = _copy(list(access_log))
+    if tracing is not None:
+        hcm["tracing"] = _copy(tracing)
     vhost: dict[str, Any] = {"name": "all", "domains": ["*"], "routes": routes}
     if virtual_host_per_filter is not None:
         vhost["typed_per_filter_config"] = virtual_host_per_filter
@@ -146,6 +150,25 @@ def file_access_log(path: Path | str, fields: dict[str, str]) -> dict:
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
             "path": str(path),
             "log_format": {"json_format": dict(fields)},
+        },
+    }
+
+
+def zipkin_tracing(collector_cluster: str, custom_tags: Sequence[dict] = ()) -> dict:
+    """An HCM `tracing` that samples every request and sends its spans to a Zipkin collector
+    (JSON v2, POST /api/v2/spans) on `collector_cluster`; `custom_tags` as Envoy takes them,
+    e.g. {"tag": "t", "value": "%FILTER_STATE(...)%"}."""
+    return {
+        "random_sampling": {"value": 100},
+        "custom_tags": _copy(list(custom_tags)),
+        "provider": {
+            "name": "envoy.tracers.zipkin",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.config.trace.v3.ZipkinConfig",
+                "collector_cluster": collector_cluster,
+                "collector_endpoint": "/api/v2/spans",
+                "collector_endpoint_version": "HTTP_JSON",
+            },
         },
     }
 
@@ -399,6 +422,7 @@ def orders_proxy(
     suppress_envoy_headers: bool = False,
     virtual_host_per_filter: dict | None = None,
     access_log: Sequence[dict] = (),
+    tracing: dict | None = None,
 ) -> dict:
     """The proxy in front of the orders upstream (cluster `orders`).
 
@@ -413,7 +437,8 @@ def orders_proxy(
     `stats_config`: the bootstrap's (e.g. `shipped_stats_config()`, the stats tags of
     envoy/envoy.yaml). `virtual_host_per_filter`: the virtual host's typed_per_filter_config
     (e.g. `cors_policy(...)`, with `cors_filter()` in `pre_filters`). `access_log`: the HCM's
-    access loggers (`file_access_log(...)`).
+    access loggers (`file_access_log(...)`). `tracing`: the HCM's tracing (`zipkin_tracing(...)`,
+    whose collector cluster goes in `extra_clusters`).
     """
     if filter_config is not None and wasm_path is None:
         raise ValueError("a filter configuration needs wasm_path")
@@ -442,6 +467,7 @@ def orders_proxy(
         virtual_host_per_filter=None if virtual_host_per_filter is None
         else _copy(virtual_host_per_filter),
         access_log=access_log,
+        tracing=tracing,
     )
     clusters = [
         cluster("orders", upstream_port, trailers),

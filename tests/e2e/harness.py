@@ -23,6 +23,8 @@ from idemkit.bootstrap import (  # noqa: F401 (re-exported for the tests)
     etcd_cluster,
     file_access_log,
     text_file_access_log,
+    zipkin_tracing,
+    cluster,
     filter_http_filter,
     jwt_authn_filter,
     local_ratelimit_filter,

@@ -197,6 +197,8 @@ class Scenario:
         self.etcd_cpu: list[float] = []  # etcd's CPU seconds per closed-loop round (etcd scenarios)
         # (loadgen result, Envoy CPU seconds) per run of the equal-load phase (scenarios 4, 5, 7, 8).
         self.equal: list[tuple[dict, float]] = []
+        self.equal_idle: list[float] = []  # per equal-load run: the CPU seconds idling costs over its wall time
+        self.idle_cpu_per_s = 0.0  # Envoy's CPU seconds per second without traffic (equal-load phase)
         self.rss_after_warmup: dict[str, int] = {}
         self.rss_end: dict[str, int] = {}
         self.counters_before: dict[str, int] = {}
@@ -466,6 +468,16 @@ class Bench:
         pairs = [(x, y) for x, y in pairs if x and y]
         if a.open_rounds <= 0 or not pairs:
             return
+        # What each of these Envoys burns without traffic (timers, the filter's tick, stats), per
+        # second: the same absolute amount for both stores, which would pull their ratio towards
+        # 1, so it is taken off each run (`equal_idle`).
+        time.sleep(0.5)
+        envs = [s for pair in pairs for s in pair if s.envoy]
+        ns0, t0 = [s.envoy.cpu_ns() for s in envs], time.monotonic()
+        time.sleep(3.0)
+        ns1, t1 = [s.envoy.cpu_ns() for s in envs], time.monotonic()
+        for s, x, y in zip(envs, ns0, ns1):
+            s.idle_cpu_per_s = (y - x) / 1e9 / (t1 - t0)
         slowest = min(spread([r["ok_rps"] for r in y.closed])["median"] for _, y in pairs)
         self.equal_rate = max(50.0, round(slowest * a.open_fraction / 50.0) * 50.0)
         log(f"  equal load: {a.open_rounds} rounds x {2 * a.duration:g}s of scenarios "
@@ -475,13 +487,14 @@ class Bench:
             for x, y in pairs:
                 for s in ((x, y) if rnd % 2 == 0 else (y, x)):
                     assert s.envoy
-                    ns0 = s.envoy.cpu_ns()
+                    ns0, t0 = s.envoy.cpu_ns(), time.monotonic()
                     r, _, _ = self.run_one(s, 2 * a.duration, rate=self.equal_rate, label=f"s{s.sid} equal {rnd + 1}")
-                    cpu = (s.envoy.cpu_ns() - ns0) / 1e9
+                    cpu, wall = (s.envoy.cpu_ns() - ns0) / 1e9, time.monotonic() - t0
                     self.check_result(f"s{s.sid}", r, f"equal-load round {rnd + 1}",
                                       fatal=a.smoke and not store_timeouts_only(s, r))
                     s.equal.append((r, cpu))
-                    line.append(f"s{s.sid} {cpu / max(1, r['requests']) * 1e6:6.0f} µs/req")
+                    s.equal_idle.append(s.idle_cpu_per_s * wall)
+                    line.append(f"s{s.sid} {(cpu - s.idle_cpu_per_s * wall) / max(1, r['requests']) * 1e6:6.0f} µs/req")
             log(f"  equal {rnd + 1:2d}: " + " | ".join(line))
 
     def verify(self) -> None:

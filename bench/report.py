@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench import REPO, loadavg, log, rel
+from bench import OUT_DIR, REPO, loadavg, log, rel
 from bench import fill, report_more, report_memory, report_svg, sections
 from bench.report_memory import MEMORY_HEADING, memory_markdown, write_samples
 from bench.load import BODY_BYTES, merge_hist, merge_status, parse_duration_s, quantile, spread
@@ -527,7 +527,9 @@ def publish(b: Bench, command: str) -> None:
             report_path.write_text(text)
             Path(REPO / a.svg).write_text(rep.svg())
             if b.memory:
-                write_samples(b.memory, REPO)
+                # A smoke run's samples stay with its report in bench/.out: the tracked CSV is
+                # the full run's (every `make test` runs the smoke and overwrote it).
+                write_samples(b.memory, OUT_DIR / "smoke" if a.smoke else REPO)
             log(f"\nwrote {rel(report_path)} and {rel(REPO / a.svg)}")
     elif b.memory and not a.no_report:
         report_path = REPO / a.report

@@ -129,6 +129,28 @@ def key_headers(key: str, **extra: str) -> dict[str, str]:
     return headers
 
 
+def new_key_replay_and_mismatch(envoy: Envoy, path: str = "/orders") -> str:
+    """Sends a new key, its retry and the key again with another body to `path`: 201, the 201
+    replayed, 422. Returns the key."""
+    key = new_key()
+    body = b'{"item":"book","qty":1}'
+    first = envoy.post(path, body, key_headers(key))
+    again = envoy.post(path, body, key_headers(key))
+    other = envoy.post(path, b'{"item":"book","qty":2}', key_headers(key))
+    assert (first.status, again.status, other.status) == (201, 201, 422), (first, again, other)
+    assert again.replayed, again
+    return key
+
+
+def assert_published_under_one_record(values: list, outcomes: list[str]) -> None:
+    """`values` are the published `<outcome> <record tag>` of requests (access log, span tag):
+    `outcomes` in order, all under one record tag (12 hex digits)."""
+    parts = [(v or "").split(" ") for v in values]
+    assert [p[0] for p in parts] == outcomes, values
+    tags = {p[1] for p in parts if len(p) == 2}
+    assert len(tags) == 1 and re.fullmatch(r"[0-9a-f]{12}", tags.pop()), values
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

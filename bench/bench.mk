@@ -2,8 +2,9 @@
 # Included from the top Makefile (`include bench/bench.mk`); uses its CARGO, VENV_PY, ENVOY_BIN,
 # DIST_WASM and its build and tools targets.
 #
-#   make bench          all eight scenarios interleaved in one run (Envoy alone, no-op filter, the
-#                       filter three ways, a naive filter, the filter on a real etcd two ways), then
+#   make bench          all ten scenarios interleaved in one run (Envoy alone, no-op filter, the
+#                       filter three ways, a naive filter, detached execution, the filter on a real
+#                       etcd three ways: new key, replay, new key without quotas), then
 #                       the refusal-vs-fill curve and the memory phase; writes BENCHMARKS.md and
 #                       bench/results.svg (BENCH_MEMORY=0: no memory phase)
 #   make bench-memory   the memory phase alone (1,000,000 distinct keys, RSS sampled)

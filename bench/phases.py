@@ -12,6 +12,7 @@ Processes (all the same Envoy binary, each with --concurrency 1 --disable-hot-re
             6 naive       a naive idempotency filter (bench/naive-filter), new key per request
             7 etcd-new    the filter with the etcd store, new key per request
             8 etcd-replay the filter with the etcd store, replay of a stored key
+           10 etcd-new-no-quota  scenario 7 without quotas (the filter's default configuration)
             9 detached-new the filter, new key per request, with `execution: "detached"`
   etcd      (scenarios 7 and 8) one real etcd member on free loopback ports, started and
             stopped by the bench (idemkit/etcd.py), data directory removed at the end.
@@ -69,8 +70,10 @@ FILTER_CONFIG = {
 
 
 def filter_config(ttl: str | None = None, processing_timeout: str | None = None,
-                  store: dict | None = None, execution: str | None = None) -> str:
+                  store: dict | None = None, execution: str | None = None, quota: bool = True) -> str:
     cfg = json.loads(json.dumps(FILTER_CONFIG))
+    if not quota:
+        del cfg["quota"]
     if execution:
         cfg["routes"][0]["execution"] = execution
     if store is not None:
@@ -328,12 +331,18 @@ class Bench:
             # Same routes, quota and ttls as scenarios 4 and 5; only the store differs.
             cfg7 = filter_config(ttl=self.new_key_ttl, processing_timeout=self.new_key_ttl, store=etcd_store())
             cfg8 = filter_config(store=etcd_store())
-            self.filter_configs |= {7: cfg7, 8: cfg8}
+            # Scenario 7 without quotas, as the filter is configured by default (quotas are
+            # opt-in): a claim writes no quota index key and a completion moves none.
+            cfg10 = filter_config(ttl=self.new_key_ttl, processing_timeout=self.new_key_ttl, store=etcd_store(),
+                                  quota=False)
+            self.filter_configs |= {7: cfg7, 8: cfg8, 10: cfg10}
             self.scenarios += [
                 Scenario(7, "etcd-new", "etcd store, new key per request", ORDERS, "unique",
                          lambda: [wasm_filter(wasm, "idempotency", cfg7)], "new", "etcd"),
                 Scenario(8, "etcd-replay", "etcd store, replay of a stored key", ORDERS, "replay",
                          lambda: [wasm_filter(wasm, "idempotency", cfg8)], "replay", "etcd"),
+                Scenario(10, "etcd-new-no-quota", "etcd store, new key per request, no quota (the default)", ORDERS,
+                         "unique", lambda: [wasm_filter(wasm, "idempotency", cfg10)], "new", "etcd"),
             ]
             (OUT_DIR / "etcd").mkdir(parents=True, exist_ok=True)
             self.etcd = Etcd("etcd", log_dir=OUT_DIR / "etcd")
@@ -344,7 +353,7 @@ class Bench:
             # No health checks: with one member they only add requests to the cluster whose
             # request count is the store's round trips.
             cl = bootstrap.etcd_cluster([self.etcd.client_port], name=ETCD_CLUSTER, health_checks=False)
-            extra = {7: [cl], 8: [cl]}
+            extra = {7: [cl], 8: [cl], 10: [cl]}
         for s in self.scenarios:
             s.envoy = bench_envoy(f"s{s.sid}-{s.name}",
                                   proxy_config(self.upstream.port, s.filters_fn(), extra.get(s.sid)), a.envoy)

@@ -105,7 +105,7 @@ def text(rep: ReportData) -> list[str]:
         out += ["", "CPU ratios (B's µs/req / A's, per round)"]
         for k, v in rep.cpu_ratios.items():
             out.append(f"{k:<6} {v['median']:7.3f} {v['p25']:7.3f}..{v['p75']:<7.3f} {v['min']:7.3f}..{v['max']:<7.3f}")
-    for sid in (7, 8):
+    for sid in (7, 8, 10):
         if sid in rep.rows:
             out.append(f"s{sid} etcd round trips per request: {round_trips(rep, sid):.3f}{by_method(rep, sid)}")
     return out
@@ -147,7 +147,10 @@ def etcd_markdown(rep: ReportData) -> list[str]:
              "stopped at the end), reached through an Envoy cluster without health checks (their requests "
              "would count as round trips), in the same interleaved rounds as the local store's scenarios 4 and "
              "5, with the same routes, quota and ttls. Closed loop only: the open-loop rate is set by the local "
-             "scenarios. Plugin configuration of scenario 7 (8: the same with ttl 24h):")
+             "scenarios. Scenario 10 is scenario 7 without `quota`, as the filter runs by default (quotas are "
+             "opt-in): its claim writes no quota index key and its completion moves none; it has no local "
+             "counterpart in this run (its ratio column says n/a). Plugin configuration of scenario 7 (8: the "
+             "same with ttl 24h):")
     L.append("")
     L.append("```json")
     L.append(cfg or "")
@@ -159,7 +162,7 @@ def etcd_markdown(rep: ReportData) -> list[str]:
     L.append("| # | scenario | req/s (median) | p50 ms | p99 ms | Envoy CPU µs/req | etcd CPU µs/req | etcd round trips | "
              "per request | over the local store (throughput, CPU) | 503 (store did not answer in time) |")
     L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
-    for sid, local in ((7, 4), (8, 5)):
+    for sid, local in ((7, 4), (8, 5), (10, 0)):
         if sid not in rows:
             continue
         r = rows[sid]
@@ -172,7 +175,7 @@ def etcd_markdown(rep: ReportData) -> list[str]:
                  + f" | {r['statuses'].get('503', 0):,} |")
     L.append("")
     parts = []
-    for sid, what in ((7, "a new key costs"), (8, "a replay")):
+    for sid, what in ((7, "a new key costs"), (8, "a replay"), (10, "a new key without quotas")):
         if sid in rows:
             parts.append(f"{what} **{round_trips(rep, sid):.2f}** round trips to etcd" + by_method(rep, sid))
     L.append("Measured here: " + "; ".join(parts) + ". By method: etcd's own count of the calls it served "

@@ -1169,6 +1169,26 @@ mod tests {
     }
 
     #[test]
+    fn refuse_never_takes_over_a_claim_whose_lease_ended_without_an_outcome() {
+        // The claim's Envoy died while the request was upstream: no outcome was ever written.
+        let w = World::new();
+        let mut facts = Facts::post("/pay", "d", b"x");
+        assert_eq!(
+            counters(&begun(&mut RequestFlow::new(1), &mut facts, &w.store()).0),
+            vec![Counter::Claimed]
+        );
+        let (counted, status, _) = retried(&w, "d", b"x", 5);
+        assert_eq!((counted, status), (vec![Counter::InFlight], 409), "within the lease");
+        // After the lease (1 s) and until the ttl: 502, never forwarded again.
+        for now in [1_000, 1_001, 86_400_999] {
+            let (counted, status, body) = retried(&w, "d", b"x", now);
+            assert_eq!((counted, status), (vec![Counter::UnknownRefused], 502), "at {now}");
+            assert!(String::from_utf8_lossy(&body).contains("urn:idempotency-filter:outcome-unknown"));
+        }
+        assert_eq!(retried(&w, "d", b"other", 2_000).0, vec![Counter::Mismatch]);
+    }
+
+    #[test]
     fn takeover_keeps_an_unknown_outcome_in_flight_until_its_lease_ends() {
         // The default, unchanged: nothing is written, a retry gets 409, and after the lease it
         // takes the record over.

@@ -3,7 +3,7 @@
 //! statics, because after a config update the old and new root contexts share one VM.
 
 use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
-use crate::config::{self, Config, Execution, Rule, StoreConfig};
+use crate::config::{self, Config, Execution, Rule, StoreConfig, UnknownOutcome};
 use crate::detached;
 use crate::flow::{ParkPlan, RequestFlow, Resumed, Settlement};
 use crate::identity::scope::ScopeId;
@@ -316,8 +316,10 @@ impl<H: Host> PluginState<H> {
                 remote_store(Box::new(EtcdRemote::new(EtcdStore::new(settings.clone()))))
             }
             (None, StoreConfig::Local { capacity }) => {
+                let refusing = config.rules.iter().any(|r| r.unknown_outcome == UnknownOutcome::Refuse);
                 let store = LocalStore::open(host.clone(), *capacity, fresh_secret, now_ms)
-                    .map_err(|e| format!("cannot prepare the local store: {e}"))?;
+                    .map_err(|e| format!("cannot prepare the local store: {e}"))?
+                    .keeping_abandoned_claims(refusing);
                 log::info!(
                     "configured {} route rule(s); local store: {} records in {} buckets ({} keys created)",
                     config.rules.len(),

@@ -9,8 +9,8 @@ use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::store::record::{Snapshot, State};
 use crate::store::{
-    Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled, StoreAnswer, StoreError,
-    StoreOp,
+    Begin, Claim, ClaimAttempt, Completion, LeaseEnd, QuotaCharge, RecordStore, Settled, StoreAnswer,
+    StoreError, StoreOp,
 };
 
 pub const LEASE: u64 = 1_000;
@@ -85,6 +85,7 @@ pub fn attempt(scope_n: u64, fp: u8, owner: u64, now_ms: u64) -> ClaimAttempt {
         lease_ms: LEASE,
         ttl_ms: TTL,
         quota: None,
+        on_lease_end: LeaseEnd::TakeOver,
     }
 }
 
@@ -200,6 +201,34 @@ pub fn expired_lease_is_taken_over_and_the_old_owner_cannot_write<B: Backend>() 
     assert_eq!(w0.begin(&attempt(1, 1, 14, LEASE + 4)).unwrap(), Begin::Replay(snapshot("new")));
     assert_eq!(w0.complete(&old, &done("old", LEASE + 5)).unwrap(), Settled::Lost);
     assert_eq!(w0.begin(&attempt(1, 1, 15, LEASE + 6)).unwrap(), Begin::Replay(snapshot("new")));
+}
+
+/// A rule with `unknown_outcome: "refuse"` (`LeaseEnd::Refuse`): a claim whose lease ends
+/// without an outcome (its Envoy died, its completion was never written) becomes an unknown
+/// outcome at the first begin after the lease, on every worker, and is never taken over.
+pub fn a_refused_lease_end_is_an_unknown_outcome_never_executed_again<B: Backend>() {
+    let b = B::with_capacity(64);
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
+    let refusing = |fp: u8, owner: u64, now: u64| ClaimAttempt {
+        on_lease_end: LeaseEnd::Refuse,
+        ..attempt(1, fp, owner, now)
+    };
+    let old = claimed(w0.begin(&refusing(1, 11, 0)).unwrap());
+    // Within the lease: in flight, as on any rule.
+    assert!(matches!(w1.begin(&refusing(1, 12, LEASE - 1)).unwrap(), Begin::InFlight { .. }));
+    b.let_claim_leases_end();
+    // After it: an unknown outcome, never a takeover, on every worker, and whatever the rule
+    // of a later request (the record is completed now).
+    assert_eq!(w1.begin(&refusing(1, 13, LEASE)).unwrap(), Begin::OutcomeUnknown);
+    assert_eq!(w0.begin(&refusing(1, 14, LEASE + 1)).unwrap(), Begin::OutcomeUnknown);
+    assert_eq!(w0.begin(&attempt(1, 1, 15, LEASE + 2)).unwrap(), Begin::OutcomeUnknown);
+    // Another payload is a mismatch; the old owner's late outcome is lost.
+    assert_eq!(w1.begin(&refusing(2, 16, LEASE + 3)).unwrap(), Begin::Mismatch);
+    assert_eq!(w0.complete(&old, &done("late", LEASE + 4)).unwrap(), Settled::Lost);
+    assert_eq!(w0.release(&old).unwrap(), Settled::Lost);
+    // Kept for the ttl from when the lease end was refused.
+    assert_eq!(w1.begin(&refusing(1, 17, LEASE + TTL - 1)).unwrap(), Begin::OutcomeUnknown);
+    assert!(matches!(w1.begin(&refusing(1, 18, LEASE + TTL)).unwrap(), Begin::Claimed(_)));
 }
 
 pub fn expired_lease_with_another_payload_is_still_a_mismatch<B: Backend>() {
@@ -589,6 +618,10 @@ macro_rules! conformance_suite {
         fn expired_lease_is_taken_over_and_the_old_owner_cannot_write() {
             $crate::store::conformance::expired_lease_is_taken_over_and_the_old_owner_cannot_write::<$backend>(
             );
+        }
+        #[test]
+        fn a_refused_lease_end_is_an_unknown_outcome_never_executed_again() {
+            $crate::store::conformance::a_refused_lease_end_is_an_unknown_outcome_never_executed_again::<$backend>();
         }
         #[test]
         fn expired_lease_with_another_payload_is_still_a_mismatch() {

@@ -48,6 +48,23 @@ pub struct ClaimAttempt {
     /// The quota a new record is charged to; None: no quota applies, and no counter is read
     /// or written.
     pub quota: Option<QuotaCharge>,
+    /// What this begin makes of a processing record whose lease ended without an outcome (its
+    /// rule's `unknown_outcome`).
+    pub on_lease_end: LeaseEnd,
+}
+
+/// A processing record whose lease ended without an outcome: its owner died, its VM was
+/// reloaded, or its completion could not be written. Whether its request reached the upstream
+/// is unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseEnd {
+    /// Take the record over (`Begin::TookOver`): the request is forwarded again.
+    TakeOver,
+    /// Complete the record as outcome unknown (`Completion::outcome_unknown`, at the begin's
+    /// time) and answer `Begin::OutcomeUnknown`: it is never forwarded again until its ttl ends,
+    /// whoever asks. A refuse rule must not execute twice because the first attempt's Envoy
+    /// died before it could record what happened.
+    Refuse,
 }
 
 impl ClaimAttempt {

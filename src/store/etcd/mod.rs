@@ -54,7 +54,9 @@
 //!   the record, its index keys and its lease key and deletes the replaced record's index keys
 //!   (with a quota, the quota is read first in a txn guarded by the observed revision: +1). A
 //!   lost guard starts again with the claim's txn, up to `TXN_ATTEMPTS` times (then
-//!   `Contention`).
+//!   `Contention`). An attempt with `LeaseEnd::Refuse` never takes over: the same guarded txn
+//!   rewrites the lease-ended record as outcome unknown (moving its index keys to the new
+//!   expiry, as a completion does) and the begin answers `OutcomeUnknown`.
 //! - complete: 1 (+1): `Claim::written` is the record the claim put, so a txn guarded by
 //!   mod_revision == locator (while it holds, the record is exactly that put) rewrites the
 //!   record with its outcome and moves its index keys without reading it; on a failed guard its
@@ -102,7 +104,8 @@ use crate::config::etcd::ETCD_MAX_REQUEST_BYTES;
 use crate::store::record::{self, Entry, SlotValue, State};
 use crate::store::remote::{Answer, Next, Request};
 use crate::store::{
-    completed_answer, Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp,
+    completed_answer, Begin, Claim, ClaimAttempt, Completion, LeaseEnd, Settled, StoreAnswer, StoreError,
+    StoreOp,
 };
 use auth::TokenFetch;
 use cache::ReplayCache;
@@ -278,6 +281,27 @@ enum Won {
     Claimed,
     TookOver,
     Settled,
+    /// A begin completed a lease-ended record as outcome unknown (`LeaseEnd::Refuse`).
+    MarkedUnknown,
+}
+
+/// The record `current` with the outcome `c` (expiring `c.ttl_ms` after it), and its bytes.
+fn outcome_record(current: Entry, c: &Completion) -> (Entry, Vec<u8>) {
+    let mut done = current;
+    done.state = c.state;
+    done.status = c.status;
+    done.expires_at_ms = c.now_ms.saturating_add(c.ttl_ms);
+    // encode_slot sets FLAG_BODY_NOT_STORED from the snapshot's presence.
+    let value = record::encode_slot(&SlotValue { entry: done, snapshot: c.snapshot.clone() });
+    if value.len() as u64 + TXN_FRAMING_BYTES <= ETCD_MAX_REQUEST_BYTES {
+        return (done, value);
+    }
+    // Headers beyond what the configuration's sizing assumed: etcd would refuse the whole write
+    // and the outcome would be lost (a retry would execute again). Keep the outcome without its
+    // body instead, as for any response too large to keep.
+    log::debug!("completion of {} too large for etcd: kept without its body", current.scope.log_tag());
+    let value = record::encode_slot(&SlotValue { entry: done, snapshot: None });
+    (done, value)
 }
 
 /// One `StoreOp` carried out as a sequence of HTTP calls to etcd's JSON gateway. Pure state
@@ -571,6 +595,14 @@ impl Exchange {
             return Ok(Move::Begun(Begin::InFlight { retry_after_ms: e.lease_deadline_ms - now }));
         } else if lease_running {
             return Ok(Move::Begun(Begin::InFlight { retry_after_ms: LIVE_CLAIM_RETRY_MS }));
+        } else if a.on_lease_end == LeaseEnd::Refuse {
+            // The lease ended without an outcome, on a rule that never executes such a request
+            // twice: the record is completed as outcome unknown where it is, guarded by the
+            // revision just read (lost to another writer: read again).
+            let unknown = Completion::outcome_unknown(a.now_ms, a.ttl_ms);
+            let (done, value) = outcome_record(e, &unknown);
+            let write = Write::new(guard, Some((done, value)), store.index_keys(&e), Won::MarkedUnknown);
+            return self.plan(write, store, now_ms);
         } else {
             // The lease ended without an outcome: take the record over.
             PendingClaim { guard, replaced: Some(e), won: Won::TookOver }
@@ -655,25 +687,7 @@ impl Exchange {
         let stale_index = store.index_keys(&current);
         let write = match &self.op {
             StoreOp::Complete { completion, .. } => {
-                let Completion { state, status, snapshot, now_ms: at, ttl_ms } = completion;
-                let mut done = current;
-                done.state = *state;
-                done.status = *status;
-                done.expires_at_ms = at.saturating_add(*ttl_ms);
-                // encode_slot sets FLAG_BODY_NOT_STORED from the snapshot's presence.
-                let mut value = record::encode_slot(&SlotValue { entry: done, snapshot: snapshot.clone() });
-                if value.len() as u64 + TXN_FRAMING_BYTES > ETCD_MAX_REQUEST_BYTES {
-                    // Headers beyond what the configuration's sizing assumed: etcd would refuse
-                    // the whole write and the outcome would be lost (a retry would execute
-                    // again). Keep the outcome without its body instead, as for any response
-                    // too large to keep.
-                    log::debug!(
-                        "completion of {} too large for etcd: kept without its body",
-                        current.scope.log_tag()
-                    );
-                    value = record::encode_slot(&SlotValue { entry: done, snapshot: None });
-                }
-                Write::new(guard, Some((done, value)), stale_index, Won::Settled)
+                Write::new(guard, Some(outcome_record(current, completion)), stale_index, Won::Settled)
             }
             _ => Write::new(guard, None, stale_index, Won::Settled),
         };
@@ -742,6 +756,7 @@ impl Exchange {
     fn written(&mut self, store: &EtcdStore, txn: &wire::TxnAnswer, now_ms: u64) -> Result<Move, StoreError> {
         let Some(w) = self.write.clone() else { return Err(unusable("no write planned")) };
         match (&self.op, txn.succeeded, w.won) {
+            (StoreOp::Begin(_), true, Won::MarkedUnknown) => Ok(Move::Begun(Begin::OutcomeUnknown)),
             (StoreOp::Begin(a), true, won) => {
                 let locator = u64::try_from(txn.revision).map_err(|_| unusable("a negative revision"))?;
                 let written = w.record.as_ref().map(|(entry, _)| *entry);

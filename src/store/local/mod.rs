@@ -49,7 +49,7 @@
 
 use crate::store::record::{self, Entry, SlotValue, State, FLAG_BODY_NOT_STORED, LAYOUT_V3};
 use crate::store::shared_data::{SharedData, SharedDataError};
-use crate::store::{Begin, Claim, ClaimAttempt, Completion, RecordStore, Settled, StoreError};
+use crate::store::{Begin, Claim, ClaimAttempt, Completion, LeaseEnd, RecordStore, Settled, StoreError};
 use commit::SLOT_ATTEMPTS;
 use layout::{buckets_for, prefix_of};
 use quota::CHARGE_FLAGS;
@@ -87,6 +87,11 @@ pub struct LocalStore<S: SharedData> {
     /// Keys placement and quota tags (see `keyed`).
     secret: [u8; 32],
     created: u32,
+    /// Whether a new record may take the place of an abandoned claim (processing past its
+    /// lease, no outcome) when nothing else has room. Not while any rule refuses lease-ended
+    /// claims (`LeaseEnd::Refuse`): an evicted claim's retry would find no record and execute
+    /// again, which is what refusing it prevents.
+    evict_abandoned: bool,
 }
 
 fn host(e: SharedDataError) -> StoreError {
@@ -125,7 +130,22 @@ impl<S: SharedData> LocalStore<S> {
     fn unopened(data: S, capacity: u32) -> Self {
         let records = capacity.clamp(1, !LAYOUT_V3);
         let buckets = buckets_for(records);
-        LocalStore { data, records, buckets, prefix: prefix_of(records), secret: [0; 32], created: 0 }
+        LocalStore {
+            data,
+            records,
+            buckets,
+            prefix: prefix_of(records),
+            secret: [0; 32],
+            created: 0,
+            evict_abandoned: true,
+        }
+    }
+
+    /// Keeps abandoned claims until they expire instead of evicting them for room (see
+    /// `evict_abandoned`): set when a rule refuses lease-ended claims.
+    pub fn keeping_abandoned_claims(mut self, keep: bool) -> Self {
+        self.evict_abandoned = !keep;
+        self
     }
 
     pub fn buckets(&self) -> u32 {
@@ -150,8 +170,20 @@ impl<S: SharedData> LocalStore<S> {
 impl<S: SharedData> RecordStore for LocalStore<S> {
     fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
         for _ in 0..CAS_ATTEMPTS {
-            if let Some(outcome) = self.begin_once(attempt)? {
-                return Ok(outcome);
+            match self.begin_once(attempt)? {
+                // A refused lease end: the record is taken over (so nobody else can) and at once
+                // completed as outcome unknown, through the same commit as any completion.
+                Some(Begin::TookOver(claim)) if attempt.on_lease_end == LeaseEnd::Refuse => {
+                    let unknown = Completion::outcome_unknown(attempt.now_ms, attempt.ttl_ms);
+                    return Ok(match self.complete(&claim, &unknown)? {
+                        Settled::Done => Begin::OutcomeUnknown,
+                        // Taken from this claim in between (cannot happen while its fresh lease
+                        // runs): whoever holds the record decides; ask again after a moment.
+                        Settled::Lost => Begin::InFlight { retry_after_ms: 1_000 },
+                    });
+                }
+                Some(outcome) => return Ok(outcome),
+                None => {}
             }
         }
         Err(StoreError::Contention)

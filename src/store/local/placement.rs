@@ -303,8 +303,9 @@ impl<S: SharedData> LocalStore<S> {
     }
 
     /// An entry whose place a new record may take: expired, or processing past its lease with no
-    /// outcome in its slot (abandoned: exactly as safe to replace as a takeover is). Prefers the
-    /// one that ended first. Err: nothing evictable, and when something may become so.
+    /// outcome in its slot (abandoned: exactly as safe to replace as a takeover is, so not while
+    /// a rule refuses lease ends: `evict_abandoned`). Prefers the one that ended first. Err:
+    /// nothing evictable, and when something may become so.
     fn evictable(&self, bucket: u32, entries: &[Entry], now: u64) -> Result<Result<Entry, u64>, StoreError> {
         let ends = |e: &Entry| {
             if e.is_completed() {
@@ -322,7 +323,7 @@ impl<S: SharedData> LocalStore<S> {
                 continue;
             }
             let (current, _, _) = self.resolve(bucket, e)?;
-            if current.is_expired(now) || !current.is_completed() {
+            if current.is_expired(now) || (!current.is_completed() && self.evict_abandoned) {
                 return Ok(Ok(*e));
             }
             soonest = soonest.min(current.expires_at_ms);

@@ -9,7 +9,7 @@
 //!    `claim_attempt` for one atomic `begin` on the store, whose answer `decision_of` turns into
 //!    forward-with-claim, replay, wait, or a problem reply.
 
-use crate::config::{Concurrency, Config, Rule, UnknownOutcome};
+use crate::config::{Concurrency, Config, Rule};
 use crate::identity::fingerprint::{self, Fingerprint, FingerprintInput};
 use crate::identity::key::{parse_key, KeyError};
 use crate::identity::scope::{
@@ -18,7 +18,7 @@ use crate::identity::scope::{
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
 use crate::store::record::Snapshot;
-use crate::store::{Begin, Claim, ClaimAttempt, LeaseEnd, QuotaCharge, StoreError};
+use crate::store::{Begin, Claim, ClaimAttempt, QuotaCharge, StoreError};
 use std::rc::Rc;
 
 /// Header added to every replayed response.
@@ -368,10 +368,7 @@ pub fn claim_attempt(
         lease_ms: rule.processing_timeout_ms,
         ttl_ms: rule.ttl_ms,
         quota: quota_charge(cfg, pending),
-        on_lease_end: match rule.unknown_outcome {
-            UnknownOutcome::Takeover => LeaseEnd::TakeOver,
-            UnknownOutcome::Refuse => LeaseEnd::Refuse,
-        },
+        unknown_outcome: rule.unknown_outcome,
     }
 }
 

@@ -328,7 +328,7 @@ mod quota_model {
     use idempotency_filter::store::local::LocalStore;
     use idempotency_filter::store::record::{Snapshot, State};
     use idempotency_filter::store::{
-        Begin, Claim, ClaimAttempt, Completion, LeaseEnd, QuotaCharge, RecordStore, Settled,
+        Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled, UnknownOutcome,
     };
     use std::collections::HashMap;
 
@@ -399,7 +399,7 @@ mod quota_model {
                 per_tenant: PER_TENANT,
                 per_principal: PER_PRINCIPAL,
             }),
-            on_lease_end: LeaseEnd::TakeOver,
+            unknown_outcome: UnknownOutcome::Takeover,
         }
     }
 

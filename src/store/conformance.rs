@@ -9,8 +9,8 @@ use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::store::record::{Snapshot, State};
 use crate::store::{
-    Begin, Claim, ClaimAttempt, Completion, LeaseEnd, QuotaCharge, RecordStore, Settled, StoreAnswer,
-    StoreError, StoreOp,
+    Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled, StoreAnswer, StoreError,
+    StoreOp, UnknownOutcome,
 };
 
 pub const LEASE: u64 = 1_000;
@@ -85,7 +85,7 @@ pub fn attempt(scope_n: u64, fp: u8, owner: u64, now_ms: u64) -> ClaimAttempt {
         lease_ms: LEASE,
         ttl_ms: TTL,
         quota: None,
-        on_lease_end: LeaseEnd::TakeOver,
+        unknown_outcome: UnknownOutcome::Takeover,
     }
 }
 
@@ -203,14 +203,14 @@ pub fn expired_lease_is_taken_over_and_the_old_owner_cannot_write<B: Backend>() 
     assert_eq!(w0.begin(&attempt(1, 1, 15, LEASE + 6)).unwrap(), Begin::Replay(snapshot("new")));
 }
 
-/// A rule with `unknown_outcome: "refuse"` (`LeaseEnd::Refuse`): a claim whose lease ends
+/// A rule with `unknown_outcome: "refuse"` (`UnknownOutcome::Refuse`): a claim whose lease ends
 /// without an outcome (its Envoy died, its completion was never written) becomes an unknown
 /// outcome at the first begin after the lease, on every worker, and is never taken over.
 pub fn a_refused_lease_end_is_an_unknown_outcome_never_executed_again<B: Backend>() {
     let b = B::with_capacity(64);
     let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     let refusing = |fp: u8, owner: u64, now: u64| ClaimAttempt {
-        on_lease_end: LeaseEnd::Refuse,
+        unknown_outcome: UnknownOutcome::Refuse,
         ..attempt(1, fp, owner, now)
     };
     let old = claimed(w0.begin(&refusing(1, 11, 0)).unwrap());

@@ -48,24 +48,19 @@ pub struct ClaimAttempt {
     /// The quota a new record is charged to; None: no quota applies, and no counter is read
     /// or written.
     pub quota: Option<QuotaCharge>,
-    /// What this begin makes of a processing record whose lease ended without an outcome (its
-    /// rule's `unknown_outcome`).
-    pub on_lease_end: LeaseEnd,
+    /// The rule's `unknown_outcome`, which also decides what this begin makes of a processing
+    /// record whose lease ended without an outcome (its owner died, its VM was reloaded, or its
+    /// completion could not be written: whether its request reached the upstream is unknown).
+    /// `Takeover`: take the record over (`Begin::TookOver`), the request is forwarded again.
+    /// `Refuse`: complete the record as outcome unknown (`Completion::outcome_unknown`, at the
+    /// begin's time) and answer `Begin::OutcomeUnknown`, so it is never forwarded again until its
+    /// ttl ends, whoever asks: a refuse rule must not execute twice because the first attempt's
+    /// Envoy died before it could record what happened.
+    pub unknown_outcome: UnknownOutcome,
 }
 
-/// A processing record whose lease ended without an outcome: its owner died, its VM was
-/// reloaded, or its completion could not be written. Whether its request reached the upstream
-/// is unknown.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LeaseEnd {
-    /// Take the record over (`Begin::TookOver`): the request is forwarded again.
-    TakeOver,
-    /// Complete the record as outcome unknown (`Completion::outcome_unknown`, at the begin's
-    /// time) and answer `Begin::OutcomeUnknown`: it is never forwarded again until its ttl ends,
-    /// whoever asks. A refuse rule must not execute twice because the first attempt's Envoy
-    /// died before it could record what happened.
-    Refuse,
-}
+/// The rule's policy for unknown outcomes (configuration), carried by each `ClaimAttempt`.
+pub use crate::config::UnknownOutcome;
 
 impl ClaimAttempt {
     /// The processing record this attempt's claim writes (no outcome yet), at bucket

@@ -54,7 +54,7 @@
 //!   the record, its index keys and its lease key and deletes the replaced record's index keys
 //!   (with a quota, the quota is read first in a txn guarded by the observed revision: +1). A
 //!   lost guard starts again with the claim's txn, up to `TXN_ATTEMPTS` times (then
-//!   `Contention`). An attempt with `LeaseEnd::Refuse` never takes over: the same guarded txn
+//!   `Contention`). An attempt with `UnknownOutcome::Refuse` never takes over: the same guarded txn
 //!   rewrites the lease-ended record as outcome unknown (moving its index keys to the new
 //!   expiry, as a completion does) and the begin answers `OutcomeUnknown`.
 //! - complete: 1 (+1): `Claim::written` is the record the claim put, so a txn guarded by
@@ -104,8 +104,8 @@ use crate::config::etcd::ETCD_MAX_REQUEST_BYTES;
 use crate::store::record::{self, Entry, SlotValue, State};
 use crate::store::remote::{Answer, Next, Request};
 use crate::store::{
-    completed_answer, Begin, Claim, ClaimAttempt, Completion, LeaseEnd, Settled, StoreAnswer, StoreError,
-    StoreOp,
+    completed_answer, Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp,
+    UnknownOutcome,
 };
 use auth::TokenFetch;
 use cache::ReplayCache;
@@ -281,7 +281,7 @@ enum Won {
     Claimed,
     TookOver,
     Settled,
-    /// A begin completed a lease-ended record as outcome unknown (`LeaseEnd::Refuse`).
+    /// A begin completed a lease-ended record as outcome unknown (`UnknownOutcome::Refuse`).
     MarkedUnknown,
 }
 
@@ -595,7 +595,7 @@ impl Exchange {
             return Ok(Move::Begun(Begin::InFlight { retry_after_ms: e.lease_deadline_ms - now }));
         } else if lease_running {
             return Ok(Move::Begun(Begin::InFlight { retry_after_ms: LIVE_CLAIM_RETRY_MS }));
-        } else if a.on_lease_end == LeaseEnd::Refuse {
+        } else if a.unknown_outcome == UnknownOutcome::Refuse {
             // The lease ended without an outcome, on a rule that never executes such a request
             // twice: the record is completed as outcome unknown where it is, guarded by the
             // revision just read (lost to another writer: read again).

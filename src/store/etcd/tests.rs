@@ -9,7 +9,7 @@ use super::leases::CACHED_LEASES;
 use super::*;
 use crate::identity::fingerprint::Fingerprint;
 use crate::store::record::{Snapshot, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED};
-use crate::store::{LeaseEnd, QuotaCharge, StoreAnswer};
+use crate::store::{QuotaCharge, StoreAnswer, UnknownOutcome};
 
 const HEADER: &str = r#""header":{"cluster_id":"15118495548433857066","member_id":"13668033151171901709","revision":"REV","raft_term":"2"}"#;
 const LEASE_ID: &str = "4111120396376355078";
@@ -189,7 +189,7 @@ fn attempt(now_ms: u64) -> ClaimAttempt {
         lease_ms: 1_000,
         ttl_ms: 10_000,
         quota: None,
-        on_lease_end: LeaseEnd::TakeOver,
+        unknown_outcome: UnknownOutcome::Takeover,
     }
 }
 

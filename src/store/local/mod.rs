@@ -49,7 +49,9 @@
 
 use crate::store::record::{self, Entry, SlotValue, State, FLAG_BODY_NOT_STORED, LAYOUT_V3};
 use crate::store::shared_data::{SharedData, SharedDataError};
-use crate::store::{Begin, Claim, ClaimAttempt, Completion, LeaseEnd, RecordStore, Settled, StoreError};
+use crate::store::{
+    Begin, Claim, ClaimAttempt, Completion, RecordStore, Settled, StoreError, UnknownOutcome,
+};
 use commit::SLOT_ATTEMPTS;
 use layout::{buckets_for, prefix_of};
 use quota::CHARGE_FLAGS;
@@ -89,7 +91,7 @@ pub struct LocalStore<S: SharedData> {
     created: u32,
     /// Whether a new record may take the place of an abandoned claim (processing past its
     /// lease, no outcome) when nothing else has room. Not while any rule refuses lease-ended
-    /// claims (`LeaseEnd::Refuse`): an evicted claim's retry would find no record and execute
+    /// claims (`UnknownOutcome::Refuse`): an evicted claim's retry would find no record and execute
     /// again, which is what refusing it prevents.
     evict_abandoned: bool,
 }
@@ -173,7 +175,7 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
             match self.begin_once(attempt)? {
                 // A refused lease end: the record is taken over (so nobody else can) and at once
                 // completed as outcome unknown, through the same commit as any completion.
-                Some(Begin::TookOver(claim)) if attempt.on_lease_end == LeaseEnd::Refuse => {
+                Some(Begin::TookOver(claim)) if attempt.unknown_outcome == UnknownOutcome::Refuse => {
                     let unknown = Completion::outcome_unknown(attempt.now_ms, attempt.ttl_ms);
                     return Ok(match self.complete(&claim, &unknown)? {
                         Settled::Done => Begin::OutcomeUnknown,

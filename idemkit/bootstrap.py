@@ -61,9 +61,12 @@ def cluster(name: str, port: int, http_protocol_options: dict | None = None) -> 
 
 
 def etcd_cluster(client_ports: Sequence[int], name: str = "etcd",
-                 health_checks: bool = True, tls_sni: str | None = None) -> dict:
+                 health_checks: bool = True, tls_sni: str | None = None, grpc: bool = False) -> dict:
     """The cluster the filter's etcd store calls (`store.cluster`): etcd's client ports on
-    127.0.0.1, HTTP/1.1 to its JSON gateway. `health_checks`: GET /version every 500 ms, so a
+    127.0.0.1, HTTP/1.1 to its JSON gateway, or with `grpc` (for `store.protocol: "grpc"`)
+    HTTP/2 to its gRPC API, health-checked with gRPC's health service, which etcd serves (a
+    plain HTTP/2 GET /version is not gRPC, and etcd's port then has no server for it).
+    `health_checks`: GET /version every 500 ms, so a
     dead member stops getting callouts within a second. Not /health: etcd answers it 503 on
     every member while there is no leader, so during an election Envoy marked all members
     unhealthy, fell back to panic routing and sent callouts to the dead one again (measured:
@@ -72,6 +75,9 @@ def etcd_cluster(client_ports: Sequence[int], name: str = "etcd",
     UpstreamTlsContext transport socket), as documented in docs/ETCD.md (TLS to etcd); the tests run plain."""
     c = cluster(name, client_ports[0])
     c["connect_timeout"] = "0.25s"
+    if grpc:
+        c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"][
+            "explicit_http_config"] = {"http2_protocol_options": {}}
     c["load_assignment"]["endpoints"] = [
         {"lb_endpoints": [{"endpoint": {"address": socket_address(p)}} for p in client_ports]}
     ]
@@ -84,7 +90,7 @@ def etcd_cluster(client_ports: Sequence[int], name: str = "etcd",
             "no_traffic_interval": "0.5s",
             "unhealthy_threshold": 1,
             "healthy_threshold": 1,
-            "http_health_check": {"path": "/version"},
+            **({"grpc_health_check": {}} if grpc else {"http_health_check": {"path": "/version"}}),
         }]
     if tls_sni is not None:
         c["transport_socket"] = {

@@ -138,6 +138,7 @@ fn settings(prefix: &str) -> EtcdSettings {
         auth: None,
         auth_timeout_ms: 2_000,
         replay_cache: None,
+        protocol: Default::default(),
     }
 }
 

@@ -20,7 +20,20 @@ pub enum OnStoreError {
     FailOpen,
 }
 
-/// Credentials for `/v3/auth/authenticate`.
+/// How the store speaks to etcd (`store.protocol`): etcd serves its v3 API both ways on its
+/// client port. docs/ETCD.md (JSON gateway or native gRPC) has what each costs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    /// JSON over HTTP/1.1 to etcd's gateway (`/v3/kv/txn`, ...): works on any cluster, so the
+    /// default; the gateway costs etcd about twice the CPU of gRPC per call.
+    #[default]
+    Json,
+    /// etcd's gRPC API (`/etcdserverpb.KV/Txn`, ...): protobuf in gRPC frames. The cluster must
+    /// speak HTTP/2 to etcd (`http2_protocol_options`).
+    Grpc,
+}
+
+/// Credentials for etcd's Authenticate call.
 #[derive(Clone, PartialEq, Eq)]
 pub struct EtcdAuth {
     pub username: String,
@@ -51,6 +64,7 @@ pub struct EtcdSettings {
     pub auth_timeout_ms: u64,
     /// `store.replay_cache`: None (the default) answers every begin from etcd.
     pub replay_cache: Option<ReplayCacheSettings>,
+    pub protocol: Protocol,
 }
 
 pub const DEFAULT_PREFIX: &str = "/idempotency/";
@@ -103,7 +117,11 @@ const MAX_ETCD_TIMEOUT_MS: u64 = 10_000;
 const MAX_ETCD_PREFIX_LEN: usize = 128;
 
 pub(super) fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
-    reject_unknown(o, path, &["type", "cluster", "prefix", "timeout", "on_error", "auth", "replay_cache"])?;
+    reject_unknown(
+        o,
+        path,
+        &["type", "cluster", "prefix", "timeout", "on_error", "auth", "replay_cache", "protocol"],
+    )?;
     let cluster = required(o, path, "cluster", |v, f| {
         let s = string(v, f)?;
         if s.is_empty() || s.chars().any(char::is_control) {
@@ -183,5 +201,11 @@ pub(super) fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
                 .unwrap_or(DEFAULT_REPLAY_CACHE_BYTES);
         Ok(ReplayCacheSettings { entries, max_bytes })
     })?;
-    Ok(EtcdSettings { cluster, prefix, timeout_ms, on_error, auth, auth_timeout_ms, replay_cache })
+    let protocol = optional(o, path, "protocol", |v, f| match string(v, f)? {
+        "json" => Ok(Protocol::Json),
+        "grpc" => Ok(Protocol::Grpc),
+        other => Err(err(f, format!("{other:?}: expected \"json\" or \"grpc\""))),
+    })?
+    .unwrap_or_default();
+    Ok(EtcdSettings { cluster, prefix, timeout_ms, on_error, auth, auth_timeout_ms, replay_cache, protocol })
 }

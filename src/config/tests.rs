@@ -1,7 +1,7 @@
 //! The configuration's table tests: each case is a JSON document and the field its error must
 //! name (or the `Config` it must yield), so the format's every rule is stated once, here.
 
-use super::etcd::{EtcdAuth, EtcdSettings, OnStoreError, ReplayCacheSettings};
+use super::etcd::{EtcdAuth, EtcdSettings, OnStoreError, Protocol, ReplayCacheSettings};
 use super::*;
 use StatusPattern::{Class, Code};
 
@@ -709,6 +709,8 @@ fn rejects_bad_etcd_configs_naming_the_field() {
         ("timeout over the bound", etcd(r#","timeout":"11s""#, ""), "store.timeout"),
         ("on_error unknown", etcd(r#","on_error":"retry""#, ""), "store.on_error"),
         ("on_error bool", etcd(r#","on_error":true"#, ""), "store.on_error"),
+        ("protocol unknown", etcd(r#","protocol":"http2""#, ""), "store.protocol"),
+        ("protocol not a string", etcd(r#","protocol":1"#, ""), "store.protocol"),
         ("auth not object", etcd(r#","auth":"root:pw""#, ""), "store.auth"),
         ("auth username missing", etcd(r#","auth":{"password":"pw"}"#, ""), "store.auth.username"),
         ("auth password missing", etcd(r#","auth":{"username":"u"}"#, ""), "store.auth.password"),
@@ -829,10 +831,11 @@ fn etcd_store_parses_with_defaults_and_in_full() {
             auth: None,
             auth_timeout_ms: 2_000,
             replay_cache: None,
+            protocol: Protocol::Json,
         })
     );
     let full = etcd(
-        r#","prefix":"/shop/idem/","timeout":"1s","on_error":"fail_open","auth":{"username":"idem","password":"s\"ecret","timeout":"5s"}"#,
+        r#","prefix":"/shop/idem/","timeout":"1s","on_error":"fail_open","auth":{"username":"idem","password":"s\"ecret","timeout":"5s"},"protocol":"grpc""#,
         &format!(r#""max_response_bytes":{}"#, etcd::MAX_STORED_BODY_BYTES),
     );
     assert_eq!(
@@ -845,6 +848,7 @@ fn etcd_store_parses_with_defaults_and_in_full() {
             auth: Some(EtcdAuth { username: "idem".into(), password: "s\"ecret".into() }),
             auth_timeout_ms: 5_000,
             replay_cache: None,
+            protocol: Protocol::Grpc,
         })
     );
     // The local store keeps no etcd settings, and wait mode and large bodies stay its own.

@@ -63,6 +63,7 @@ pub struct Inner {
     pub properties: RefCell<HashMap<String, Vec<u8>>>,
     /// The answer `on_http_call_response` reads (headers, body).
     pub call_response_headers: RefCell<Vec<(String, Vec<u8>)>>,
+    pub call_response_trailers: RefCell<Vec<(String, Vec<u8>)>>,
     pub call_response_body: RefCell<Vec<u8>>,
     /// Clusters the fake Envoy knows; a callout elsewhere is refused with BadArgument.
     pub clusters: RefCell<Vec<String>>,
@@ -176,6 +177,7 @@ impl FakeHost {
         match map_type {
             MAP_REQUEST_HEADERS => &self.0.request_headers,
             super::MAP_HTTP_CALL_RESPONSE_HEADERS => &self.0.call_response_headers,
+            super::MAP_HTTP_CALL_RESPONSE_TRAILERS => &self.0.call_response_trailers,
             _ => &self.0.response_headers,
         }
     }

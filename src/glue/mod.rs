@@ -30,6 +30,7 @@ pub struct HostError(pub u32);
 pub const MAP_REQUEST_HEADERS: u32 = 0;
 pub const MAP_RESPONSE_HEADERS: u32 = 2;
 pub const MAP_HTTP_CALL_RESPONSE_HEADERS: u32 = 6;
+pub const MAP_HTTP_CALL_RESPONSE_TRAILERS: u32 = 7;
 pub const BUFFER_REQUEST_BODY: u32 = 0;
 pub const BUFFER_RESPONSE_BODY: u32 = 1;
 pub const BUFFER_HTTP_CALL_RESPONSE_BODY: u32 = 4;

@@ -7,8 +7,12 @@
 //! (no `:status`) and a timeout (Envoy's synthesized 504) are failures of the store, handled by
 //! the fail mode; the conversation is only fed real answers and Envoy's reports of a failure.
 
-use super::{Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS};
-use crate::store::remote::{Answer, RemoteSettings, Request};
+use super::{
+    Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS,
+    MAP_HTTP_CALL_RESPONSE_TRAILERS,
+};
+use crate::config::etcd::Protocol;
+use crate::store::remote::{Answer, GrpcStatus, RemoteSettings, Request};
 
 /// Envoy answers a callout that outlived its timeout with this synthesized status.
 const TIMEOUT_STATUS: u16 = 504;
@@ -22,14 +26,62 @@ pub enum Outcome {
     TimedOut,
 }
 
+/// Envoy's own message when it gives up on a gRPC callout (its 504 in gRPC form).
+const TIMEOUT_MESSAGE: &str = "upstream request timeout";
+
+fn header<H: Host>(host: &H, map: u32, name: &str) -> Option<String> {
+    match host.header_value(map, name) {
+        Ok(Some(v)) => String::from_utf8(v).ok(),
+        Ok(None) | Err(_) => None,
+    }
+}
+
+/// A gRPC answer's status: in the trailers, or in the headers of a trailers-only answer (errors,
+/// and Envoy's own answers to a gRPC call). `grpc-message` is percent-encoded.
+fn grpc_status<H: Host>(host: &H) -> Option<GrpcStatus> {
+    let (map, code) = match header(host, MAP_HTTP_CALL_RESPONSE_TRAILERS, "grpc-status") {
+        Some(code) => (MAP_HTTP_CALL_RESPONSE_TRAILERS, code),
+        None => {
+            (MAP_HTTP_CALL_RESPONSE_HEADERS, header(host, MAP_HTTP_CALL_RESPONSE_HEADERS, "grpc-status")?)
+        }
+    };
+    let code = code.parse().ok()?;
+    let message = header(host, map, "grpc-message").map(|m| percent_decode(&m)).unwrap_or_default();
+    Some(GrpcStatus { code, message })
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// Reads the callout's answer. A missing `:status` (Envoy's report of a reset or an answer over
 /// its buffer limit) or an unreadable one is handed on as a failed callout, never guessed at.
-pub fn read_answer<H: Host>(host: &H, body_size: usize) -> Outcome {
-    let status = match host.header_value(MAP_HTTP_CALL_RESPONSE_HEADERS, ":status") {
-        Ok(Some(v)) => std::str::from_utf8(&v).ok().and_then(|s| s.parse::<u16>().ok()),
-        Ok(None) | Err(_) => None,
-    };
+pub fn read_answer<H: Host>(host: &H, body_size: usize, protocol: Protocol) -> Outcome {
+    let status = header(host, MAP_HTTP_CALL_RESPONSE_HEADERS, ":status").and_then(|s| s.parse::<u16>().ok());
     if status == Some(TIMEOUT_STATUS) {
+        return Outcome::TimedOut;
+    }
+    let grpc = match protocol {
+        Protocol::Json => None,
+        Protocol::Grpc => grpc_status(host),
+    };
+    if grpc.as_ref().is_some_and(|g| g.code != 0 && g.message == TIMEOUT_MESSAGE) {
         return Outcome::TimedOut;
     }
     let body = if body_size == 0 {
@@ -39,24 +91,32 @@ pub fn read_answer<H: Host>(host: &H, body_size: usize) -> Outcome {
             Ok(body) => body,
             Err(HostError(s)) => {
                 log::warn!("cannot read the store's answer (host status {s})");
-                return Outcome::Answered(Answer { status: None, body: Vec::new() });
+                return Outcome::Answered(Answer::default());
             }
         }
     };
-    Outcome::Answered(Answer { status, body })
+    Outcome::Answered(Answer { status, body, grpc })
 }
 
 /// Makes the call on the store's cluster; the token identifies its answer. Envoy refuses
 /// (BadArgument) a cluster it does not know.
 pub fn dispatch<H: Host>(host: &H, settings: &RemoteSettings, request: &Request) -> Result<u32, HostError> {
+    let (content_type, token_header): (&[u8], &str) = match settings.protocol {
+        Protocol::Json => (b"application/json", "authorization"),
+        // etcd reads its auth token from the call's `token` metadata.
+        Protocol::Grpc => (b"application/grpc", "token"),
+    };
     let mut headers: Vec<(&str, &[u8])> = vec![
         (":method", b"POST"),
         (":path", request.path.as_bytes()),
         (":authority", settings.authority.as_bytes()),
-        ("content-type", b"application/json"),
+        ("content-type", content_type),
     ];
+    if settings.protocol == Protocol::Grpc {
+        headers.push(("te", b"trailers"));
+    }
     if let Some(token) = &request.token {
-        headers.push(("authorization", token.as_bytes()));
+        headers.push((token_header, token.as_bytes()));
     }
     let timeout_ms = request.timeout_ms.unwrap_or(settings.timeout_ms);
     host.dispatch_http_call(&settings.cluster, &headers, &request.body, timeout_ms)

@@ -183,7 +183,7 @@ impl<H: Host> Root<H> {
             call => call,
         };
         let Store::Remote(store) = &plugin.store else { return };
-        let answer = match remote::read_answer(&plugin.host, body_size) {
+        let answer = match remote::read_answer(&plugin.host, body_size, store.settings().protocol) {
             Outcome::TimedOut => Err(StoreError::TimedOut),
             Outcome::Answered(answer) => Ok(answer),
         };

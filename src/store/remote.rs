@@ -4,7 +4,7 @@
 //! implements the two traits (`store::etcd::remote`); a blocking client drives the same
 //! conversations in the conformance tests.
 
-use crate::config::etcd::OnStoreError;
+use crate::config::etcd::{OnStoreError, Protocol};
 use crate::store::{StoreAnswer, StoreOp};
 
 /// Where and how to reach the store, and what its failure means.
@@ -18,21 +18,31 @@ pub struct RemoteSettings {
     /// Per callout; Envoy answers a callout that takes longer with a synthesized 504.
     pub timeout_ms: u32,
     pub on_error: OnStoreError,
+    /// JSON over HTTP/1.1, or gRPC (the calls' headers, and where their status is).
+    pub protocol: Protocol,
 }
 
 /// One HTTP answer (or Envoy's report that the callout failed: `status: None`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Answer {
     pub status: Option<u16>,
     pub body: Vec<u8>,
+    /// A gRPC call's `grpc-status` and `grpc-message` (None for JSON, or when absent).
+    pub grpc: Option<GrpcStatus>,
 }
 
-/// A POST the store wants made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrpcStatus {
+    pub code: u32,
+    pub message: String,
+}
+
+/// A POST the store wants made (its body JSON, or one gRPC message).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
     pub path: &'static str,
     pub body: Vec<u8>,
-    /// Sent as `authorization` when present.
+    /// Sent as `authorization` (JSON) or `token` (gRPC metadata) when present.
     pub token: Option<String>,
     /// This call's timeout, when not the store's `timeout_ms` (the etcd token fetch has its own).
     pub timeout_ms: Option<u32>,

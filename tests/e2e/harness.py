@@ -81,7 +81,8 @@ PROBLEM_TYPE = "urn:idempotency-filter:%s"
 
 def etcd_store(cluster: str = "etcd", **fields) -> dict:
     """The filter's `store` for etcd on the Envoy cluster `cluster` (`etcd_cluster(...)` in
-    ENVOY_OPTIONS' extra_clusters); `fields`: prefix, timeout, on_error."""
+    ENVOY_OPTIONS' extra_clusters); `fields`: prefix, timeout, on_error, protocol ("grpc" needs
+    `etcd_cluster(..., grpc=True)`)."""
     return dict({"type": "etcd", "cluster": cluster}, **fields)
 
 

@@ -38,8 +38,13 @@ fn root_with_ops(
     on_error: OnStoreError,
 ) -> (Root<FakeHost>, Rc<RefCell<Vec<StoreOp>>>) {
     let mut root = Root::new(1, h.clone());
-    let settings =
-        RemoteSettings { cluster: cluster.into(), authority: "store".into(), timeout_ms: 250, on_error };
+    let settings = RemoteSettings {
+        cluster: cluster.into(),
+        authority: "store".into(),
+        timeout_ms: 250,
+        on_error,
+        protocol: Default::default(),
+    };
     let ops = Rc::new(RefCell::new(Vec::new()));
     let store = Scripted { settings, ops: Rc::clone(&ops), begins: Begins::default() };
     assert!(root.on_configure_with(Some(Box::new(store))));

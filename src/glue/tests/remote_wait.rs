@@ -32,8 +32,13 @@ fn rig(on_error: OnStoreError) -> Rig {
     h.0.now_ms.set(1_000);
     h.0.clusters.borrow_mut().push("etcd".into());
     let mut root = Root::new(1, h.clone());
-    let settings =
-        RemoteSettings { cluster: "etcd".into(), authority: "etcd".into(), timeout_ms: 250, on_error };
+    let settings = RemoteSettings {
+        cluster: "etcd".into(),
+        authority: "etcd".into(),
+        timeout_ms: 250,
+        on_error,
+        protocol: Default::default(),
+    };
     let ops = Rc::new(RefCell::new(Vec::new()));
     let begins: Begins = Rc::new(RefCell::new(VecDeque::new()));
     let store = Scripted { settings, ops: Rc::clone(&ops), begins: Rc::clone(&begins) };

@@ -107,10 +107,10 @@ impl Exchange {
 
     /// The operation's last call, with the current token.
     fn resend(&mut self, store: &EtcdStore) -> Result<Next, StoreError> {
-        let (path, body) = self.pending.clone().ok_or_else(|| unusable("no call to send"))?;
+        let call = self.pending.clone().ok_or_else(|| unusable("no call to send"))?;
         let token = store.token();
         self.sent_token.clone_from(&token);
-        Ok(etcd_call(path, body, token, store.settings.timeout_ms))
+        Ok(etcd_call(call, token, store.settings.timeout_ms))
     }
 
     /// Starts the worker's token fetch: the others that need a token wait for it.
@@ -123,11 +123,12 @@ impl Exchange {
             fetch.started
         };
         self.fetching = Some(number);
-        let body = match &store.settings.auth {
-            Some(a) => wire::authenticate(&a.username, &a.password),
-            None => Vec::new(),
+        // Only a store with credentials fetches a token.
+        let (username, password) = match &store.settings.auth {
+            Some(a) => (a.username.as_str(), a.password.as_str()),
+            None => ("", ""),
         };
-        etcd_call(wire::AUTHENTICATE, body, None, timeout_ms)
+        etcd_call(wire::authenticate(store.protocol(), username, password), None, timeout_ms)
     }
 
     /// The answer to the fetch this exchange made: the worker's token (and this exchange's
@@ -139,12 +140,13 @@ impl Exchange {
         answer: &Answer,
     ) -> Result<Next, StoreError> {
         self.fetching = None;
-        let token = wire::body(answer.status, &answer.body).and_then(|body| wire::read_token(&body)).map_err(
-            |refused| match refused {
-                EtcdRefusal::Unusable(m) => StoreError::Unavailable(format!("authenticate: {m}")),
-                other => other.into_error(),
-            },
-        );
+        let token =
+            wire::body(store.protocol(), answer).and_then(|body| body.token()).map_err(
+                |refused| match refused {
+                    EtcdRefusal::Unusable(m) => StoreError::Unavailable(format!("authenticate: {m}")),
+                    other => other.into_error(),
+                },
+            );
         {
             let mut fetch = store.fetch.borrow_mut();
             // A later fetch (this one outlived its deadline) is not this one's to end.

@@ -63,7 +63,7 @@ impl BlockingEtcd {
     /// One HTTP/1.1 POST on a fresh connection. Any I/O failure is a failed callout (no status),
     /// as Envoy reports a reset.
     pub fn post(&self, path: &str, body: &[u8], token: Option<&str>) -> Answer {
-        self.try_post(path, body, token).unwrap_or(Answer { status: None, body: Vec::new() })
+        self.try_post(path, body, token).unwrap_or_default()
     }
 
     fn try_post(&self, path: &str, body: &[u8], token: Option<&str>) -> std::io::Result<Answer> {
@@ -97,7 +97,7 @@ fn parse_response(raw: &[u8]) -> Option<Answer> {
         l.starts_with("transfer-encoding:") && l.contains("chunked")
     });
     let body = if chunked { dechunk(rest)? } else { rest.to_vec() };
-    Some(Answer { status: Some(status), body })
+    Some(Answer { status: Some(status), body, grpc: None })
 }
 
 fn dechunk(mut rest: &[u8]) -> Option<Vec<u8>> {
@@ -160,9 +160,15 @@ mod tests {
     #[test]
     fn responses_with_length_or_chunks_are_read() {
         let plain = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}";
-        assert_eq!(parse_response(plain), Some(Answer { status: Some(200), body: b"{}".to_vec() }));
+        assert_eq!(
+            parse_response(plain),
+            Some(Answer { status: Some(200), body: b"{}".to_vec(), grpc: None })
+        );
         let chunked = b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n4\r\n\":1}\r\n0\r\n\r\n";
-        assert_eq!(parse_response(chunked), Some(Answer { status: Some(404), body: b"{\"a\":1}".to_vec() }));
+        assert_eq!(
+            parse_response(chunked),
+            Some(Answer { status: Some(404), body: b"{\"a\":1}".to_vec(), grpc: None })
+        );
         assert_eq!(parse_response(b"garbage"), None);
     }
 }

@@ -120,11 +120,7 @@ impl Exchange {
                             .saturating_sub(now_ms)
                             .div_ceil(1_000)
                             .saturating_add(LEASE_SLACK_S);
-                        return Ok(Move::Call(
-                            wire::LEASE_GRANT,
-                            wire::lease_grant(ttl_s),
-                            Stage::LeaseGrant,
-                        ));
+                        return Ok(Move::Call(wire::lease_grant(store.protocol(), ttl_s), Stage::LeaseGrant));
                     }
                 }
             }
@@ -135,7 +131,7 @@ impl Exchange {
                 None => {
                     w.grant_sent_ms = now_ms;
                     let ttl_s = claim_lease_ttl_s(lease_ms);
-                    return Ok(Move::Call(wire::LEASE_GRANT, wire::lease_grant(ttl_s), Stage::LeaseGrant));
+                    return Ok(Move::Call(wire::lease_grant(store.protocol(), ttl_s), Stage::LeaseGrant));
                 }
             }
         }

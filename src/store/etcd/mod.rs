@@ -123,12 +123,11 @@ pub use crate::config::etcd::{EtcdAuth, EtcdSettings, OnStoreError};
 /// Room kept for keys and framing when checking an encoded record against etcd's limit.
 const TXN_FRAMING_BYTES: u64 = 4 * 1024;
 
-/// A call to etcd in the remote-store vocabulary: POST `body` (JSON) to `path`, with the token
-/// as `authorization` when there is one, given up after `timeout_ms` (Envoy reads 0 as no
-/// timeout: at least 1 ms).
-pub(super) fn etcd_call(path: &'static str, body: Vec<u8>, token: Option<String>, timeout_ms: u64) -> Next {
+/// A call to etcd in the remote-store vocabulary, with the token when there is one, given up
+/// after `timeout_ms` (Envoy reads 0 as no timeout: at least 1 ms).
+pub(super) fn etcd_call(call: wire::Call, token: Option<String>, timeout_ms: u64) -> Next {
     let timeout_ms = Some(u32::try_from(timeout_ms).unwrap_or(u32::MAX).max(1));
-    Next::Call(Request { path, body, token, timeout_ms })
+    Next::Call(Request { path: call.path, body: call.body, token, timeout_ms })
 }
 
 /// Transactions lost to other writers before `begin` gives up (`Contention`).
@@ -172,6 +171,10 @@ impl EtcdStore {
 
     pub fn settings(&self) -> &EtcdSettings {
         &self.settings
+    }
+
+    fn protocol(&self) -> wire::Protocol {
+        self.settings.protocol
     }
 
     /// Starts one store operation; drive it with `Exchange::step`.
@@ -311,7 +314,7 @@ pub struct Exchange {
     op: StoreOp,
     stage: Stage,
     /// The last call made for the operation itself, sent again after a re-authentication.
-    pending: Option<(&'static str, Vec<u8>)>,
+    pending: Option<wire::Call>,
     /// The number of the worker's token fetch this exchange is making (its answer is due).
     fetching: Option<u64>,
     /// The number of the token fetch this exchange waits for (another exchange makes it).
@@ -333,7 +336,7 @@ pub struct Exchange {
 
 /// What the exchange does next, inside `step`.
 enum Move {
-    Call(&'static str, Vec<u8>, Stage),
+    Call(wire::Call, Stage),
     Begun(Begin),
     Settled(Settled),
 }
@@ -387,7 +390,7 @@ impl Exchange {
                 if let Some(number) = self.fetching {
                     return self.authenticated(store, number, &answer);
                 }
-                match wire::body(answer.status, &answer.body) {
+                match wire::body(store.protocol(), &answer) {
                     Err(EtcdRefusal::InvalidToken(_))
                         if store.settings.auth.is_some() && !self.reauthenticated =>
                     {
@@ -420,7 +423,7 @@ impl Exchange {
                     Err(refused) => return Err(refused.into_error()),
                     Ok(body) => match stage {
                         Stage::Probe => {
-                            let txn = wire::read_txn(&body).map_err(EtcdRefusal::into_error)?;
+                            let txn = body.txn().map_err(EtcdRefusal::into_error)?;
                             if txn.succeeded {
                                 // Absent: the leases, then the claim's transaction (which may
                                 // still find a record written meanwhile).
@@ -434,21 +437,21 @@ impl Exchange {
                         Stage::Undo => {
                             // Whether the guard held or not (a claim over its quota is nobody's
                             // to keep), the begin answers with the quota's refusal.
-                            wire::read_txn(&body).map_err(EtcdRefusal::into_error)?;
+                            body.txn().map_err(EtcdRefusal::into_error)?;
                             let refusal =
                                 self.refusal.take().ok_or_else(|| unusable("an undo without its refusal"))?;
                             Move::Begun(refusal)
                         }
                         Stage::SettleRead => {
-                            let range = wire::read_range(&body).map_err(EtcdRefusal::into_error)?;
+                            let range = body.range().map_err(EtcdRefusal::into_error)?;
                             self.settle_read(store, &range, now_ms)?
                         }
                         Stage::QuotaRead => {
-                            let txn = wire::read_txn(&body).map_err(EtcdRefusal::into_error)?;
+                            let txn = body.txn().map_err(EtcdRefusal::into_error)?;
                             self.quota_read(store, &txn, now_ms)?
                         }
                         Stage::LeaseGrant => {
-                            let id = wire::read_lease_id(&body).map_err(EtcdRefusal::into_error)?;
+                            let id = body.lease_id().map_err(EtcdRefusal::into_error)?;
                             let Some(w) = self.write.as_mut() else {
                                 return Err(unusable("a lease without a write"));
                             };
@@ -463,7 +466,7 @@ impl Exchange {
                             self.lease_or_write(store, now_ms)?
                         }
                         Stage::Write => {
-                            let txn = wire::read_txn(&body).map_err(EtcdRefusal::into_error)?;
+                            let txn = body.txn().map_err(EtcdRefusal::into_error)?;
                             self.written(store, &txn, now_ms)?
                         }
                         Stage::Start | Stage::Finished => return Err(unusable("no call was made")),
@@ -472,7 +475,7 @@ impl Exchange {
             }
         };
         match next {
-            Move::Call(path, body, stage) => self.call(store, path, body, stage, now_ms),
+            Move::Call(call, stage) => self.call(store, call, stage, now_ms),
             done => Ok(self.finish(Ok(done))),
         }
     }
@@ -481,13 +484,12 @@ impl Exchange {
     fn call(
         &mut self,
         store: &EtcdStore,
-        path: &'static str,
-        body: Vec<u8>,
+        call: wire::Call,
         stage: Stage,
         now_ms: u64,
     ) -> Result<Next, StoreError> {
         self.stage = stage;
-        self.pending = Some((path, body));
+        self.pending = Some(call);
         self.send(store, now_ms)
     }
 
@@ -522,7 +524,10 @@ impl Exchange {
             {
                 self.settle(store, e, Guard::ModRevision(revision), now_ms)
             }
-            _ => Ok(Move::Call(wire::RANGE, wire::range(&store.record_key(&claim.scope)), Stage::SettleRead)),
+            _ => Ok(Move::Call(
+                wire::range(store.protocol(), &store.record_key(&claim.scope)),
+                Stage::SettleRead,
+            )),
         }
     }
 
@@ -545,8 +550,8 @@ impl Exchange {
                 TxnOp::Range { key: record.clone(), range_end: None, limit: 0, keys_only: false },
                 TxnOp::Range { key: store.lease_key(&a.scope), range_end: None, limit: 0, keys_only: false },
             ];
-            let body = wire::txn(Some((&record, Guard::Absent)), &[], &existing);
-            return Ok(Move::Call(wire::TXN, body, Stage::Probe));
+            let body = wire::txn(store.protocol(), Some((&record, Guard::Absent)), &[], &existing);
+            return Ok(Move::Call(body, Stage::Probe));
         }
         let value = record::encode_slot(&SlotValue { entry, snapshot: None });
         let mut write = Write::new(Guard::Absent, Some((entry, value)), Vec::new(), Won::Claimed);
@@ -613,8 +618,13 @@ impl Exchange {
         // The quota is read only now that a claim is to be made, guarded by the revision just
         // read (the rare path: a third round trip).
         self.pending_claim = Some(pending);
-        let body = wire::txn(Some((&store.record_key(&a.scope), guard)), &quota_reads(store, &a), &[]);
-        Ok(Move::Call(wire::TXN, body, Stage::QuotaRead))
+        let body = wire::txn(
+            store.protocol(),
+            Some((&store.record_key(&a.scope), guard)),
+            &quota_reads(store, &a),
+            &[],
+        );
+        Ok(Move::Call(body, Stage::QuotaRead))
     }
 
     fn read_again(&mut self, store: &EtcdStore, a: &ClaimAttempt, now_ms: u64) -> Result<Move, StoreError> {
@@ -750,7 +760,7 @@ impl Exchange {
             // its earlier writes), the first two keys hold the soonest other one.
             ops.extend(quota_reads(store, a));
         }
-        Ok(Move::Call(wire::TXN, wire::txn(Some((&key, w.guard)), &ops, &on_failure), Stage::Write))
+        Ok(Move::Call(wire::txn(store.protocol(), Some((&key, w.guard)), &ops, &on_failure), Stage::Write))
     }
 
     fn written(&mut self, store: &EtcdStore, txn: &wire::TxnAnswer, now_ms: u64) -> Result<Move, StoreError> {

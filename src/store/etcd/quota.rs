@@ -123,6 +123,9 @@ impl Exchange {
         ops.push(TxnOp::Delete { key: key.clone() });
         ops.push(TxnOp::Delete { key: store.lease_key(&entry.scope) });
         self.refusal = Some(refusal);
-        Move::Call(wire::TXN, wire::txn(Some((&key, Guard::ModRevision(revision))), &ops, &[]), Stage::Undo)
+        Move::Call(
+            wire::txn(store.protocol(), Some((&key, Guard::ModRevision(revision))), &ops, &[]),
+            Stage::Undo,
+        )
     }
 }

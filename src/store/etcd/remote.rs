@@ -25,6 +25,7 @@ impl EtcdRemote {
             // Envoy reads 0 as "no timeout": a call is always bounded.
             timeout_ms: u32::try_from(s.timeout_ms).unwrap_or(u32::MAX).max(1),
             on_error: s.on_error,
+            protocol: s.protocol,
         };
         EtcdRemote { store: Rc::new(store), settings }
     }

@@ -106,6 +106,7 @@ fn settings(auth: Option<EtcdAuth>) -> EtcdSettings {
         auth,
         auth_timeout_ms: 2_000,
         replay_cache: None,
+        protocol: Default::default(),
     }
 }
 
@@ -164,7 +165,7 @@ fn run(store: &EtcdStore, op: StoreOp, now_ms: u64, answers: Vec<Canned>) -> (St
             Next::Call(Request { path, body, token, .. }) => {
                 made.push(Made { path, body: String::from_utf8(body).unwrap(), token });
                 let (status, body) = answers.next().unwrap_or_else(|| panic!("no answer left for {made:?}"));
-                answer = Some(Answer { status, body });
+                answer = Some(Answer { status, body, grpc: None });
             }
         }
     }
@@ -1113,7 +1114,8 @@ fn a_driver_out_of_step_gets_an_error_not_a_panic() {
     let store = store();
     // An answer before any call.
     let mut exchange = store.start(StoreOp::Begin(attempt(0)));
-    let early = exchange.step(&store, Some(Answer { status: Some(200), body: b"{}".to_vec() }), 0);
+    let early =
+        exchange.step(&store, Some(Answer { status: Some(200), body: b"{}".to_vec(), grpc: None }), 0);
     assert!(matches!(early, Next::Done(StoreAnswer::Begun(Err(StoreError::Unavailable(_))))));
     // No answer to a call that was made.
     let claim = Claim { scope: scope(1), owner: 11, locator: 4, written: None };
@@ -1325,7 +1327,7 @@ fn started(store: &EtcdStore, scopes: std::ops::RangeInclusive<u8>, now_ms: u64)
 }
 
 fn answer(canned: Canned) -> Option<Answer> {
-    Some(Answer { status: canned.0, body: canned.1 })
+    Some(Answer { status: canned.0, body: canned.1, grpc: None })
 }
 
 fn is_fetch(step: &Next) -> bool {

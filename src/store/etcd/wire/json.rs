@@ -1,5 +1,5 @@
-//! etcd v3 JSON gateway messages (etcd 3.4 and later, grpc-gateway over the client port): the
-//! requests the exchanges send and the reading of etcd's answers.
+//! etcd v3 JSON gateway messages (`store.protocol: "json"`; etcd 3.4 and later, grpc-gateway over
+//! the client port): the requests the exchanges send and the reading of etcd's answers.
 //!
 //! Gateway facts these rely on (checked against etcd 3.4.23): keys and values are base64; int64
 //! fields (revisions, counts, lease ids and TTLs) are JSON strings; proto3 omits defaults, so
@@ -7,9 +7,9 @@
 //! a range's `count` is the number of keys in the range whatever its `limit`; errors come as a
 //! non-200 status with `{"error": text, "message": text, "code": grpc code}`.
 
+use super::{malformed, refusal, EtcdRefusal, Guard, Kv, RangeAnswer, TxnAnswer, TxnOp};
 use crate::json::{self, JsonValue, MemberOrder};
 use crate::store::etcd::base64;
-use crate::store::StoreError;
 
 pub const TXN: &str = "/v3/kv/txn";
 pub const RANGE: &str = "/v3/kv/range";
@@ -19,63 +19,6 @@ pub const AUTHENTICATE: &str = "/v3/auth/authenticate";
 /// etcd's answers nest a few levels (txn → responses → range → kvs → kv); anything deeper is not
 /// an etcd answer.
 const MAX_DEPTH: usize = 8;
-
-/// gRPC status codes etcd reports in error bodies.
-const CODE_INVALID_ARGUMENT: i64 = 3;
-const CODE_NOT_FOUND: i64 = 5;
-const CODE_UNAUTHENTICATED: i64 = 16;
-
-/// One key-value pair of a range answer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Kv {
-    pub key: Vec<u8>,
-    pub value: Vec<u8>,
-    pub mod_revision: i64,
-}
-
-/// A range answer: the first keys (as many as the limit allowed) and how many matched.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct RangeAnswer {
-    pub kvs: Vec<Kv>,
-    pub count: i64,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TxnAnswer {
-    /// The store's revision after the transaction: the mod_revision of anything it wrote.
-    pub revision: i64,
-    pub succeeded: bool,
-    /// The range answers among the responses, in order (puts and deletes are skipped).
-    pub ranges: Vec<RangeAnswer>,
-}
-
-/// Why an answer cannot be used as it is.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum EtcdRefusal {
-    /// The token cannot be used any more: expired or revoked ("invalid auth token": etcd
-    /// restarted, simple tokens time out), issued before an auth change ("revision of auth store
-    /// is old": a user, role or permission changed since; JWT tokens carry the revision they were
-    /// issued at), or not seen ("user name is empty"). etcd's own client authenticates again on
-    /// all three; so does the exchange. Carries etcd's message.
-    InvalidToken(String),
-    /// A put named a lease etcd no longer knows (expired, revoked, etcd's data lost): grant a new
-    /// one.
-    LeaseNotFound,
-    /// Anything else: the store cannot be used.
-    Unusable(String),
-}
-
-impl EtcdRefusal {
-    pub fn into_error(self) -> StoreError {
-        match self {
-            EtcdRefusal::InvalidToken(m) => {
-                StoreError::Unavailable(format!("etcd refused the auth token: {m}"))
-            }
-            EtcdRefusal::LeaseNotFound => StoreError::Unavailable("etcd lost the lease".into()),
-            EtcdRefusal::Unusable(m) => StoreError::Unavailable(m),
-        }
-    }
-}
 
 fn int64(v: Option<&JsonValue>) -> Option<i64> {
     match v? {
@@ -93,7 +36,7 @@ fn text<'a>(v: Option<&'a JsonValue>) -> Option<&'a str> {
 }
 
 /// Reads an answer's body as etcd JSON, refusing failed callouts, error statuses and error bodies.
-pub fn body(status: Option<u16>, bytes: &[u8]) -> Result<JsonValue<'_>, EtcdRefusal> {
+pub(super) fn body(status: Option<u16>, bytes: &[u8]) -> Result<JsonValue<'_>, EtcdRefusal> {
     let Some(status) = status else {
         return Err(EtcdRefusal::Unusable("the callout to etcd failed (no status)".into()));
     };
@@ -103,29 +46,13 @@ pub fn body(status: Option<u16>, bytes: &[u8]) -> Result<JsonValue<'_>, EtcdRefu
         Some((message.to_owned(), int64(v.get("code"))))
     });
     if let Some((message, code)) = error {
-        return Err(match code {
-            Some(CODE_UNAUTHENTICATED) if message.contains("invalid auth token") => {
-                EtcdRefusal::InvalidToken(message)
-            }
-            Some(CODE_INVALID_ARGUMENT)
-                if message.contains("revision of auth store is old")
-                    || message.contains("user name is empty") =>
-            {
-                EtcdRefusal::InvalidToken(message)
-            }
-            Some(CODE_NOT_FOUND) if message.contains("lease not found") => EtcdRefusal::LeaseNotFound,
-            _ => EtcdRefusal::Unusable(format!("etcd answered {status}: {message}")),
-        });
+        return Err(refusal(code, message, status));
     }
     if status != 200 {
         // Envoy's own answers (504 on timeout, 503 on reset) and proxies' error pages land here.
         return Err(EtcdRefusal::Unusable(format!("etcd answered {status}")));
     }
     parsed.map_err(|e| EtcdRefusal::Unusable(format!("etcd's answer is not JSON: {e}")))
-}
-
-fn malformed(what: &str) -> EtcdRefusal {
-    EtcdRefusal::Unusable(format!("etcd's answer has no valid {what}"))
 }
 
 fn range_answer(v: &JsonValue) -> Result<RangeAnswer, EtcdRefusal> {
@@ -189,33 +116,6 @@ pub fn read_lease_id(v: &JsonValue) -> Result<i64, EtcdRefusal> {
 
 pub fn read_token(v: &JsonValue) -> Result<String, EtcdRefusal> {
     text(v.get("token")).filter(|t| !t.is_empty()).map(str::to_owned).ok_or_else(|| malformed("token"))
-}
-
-/// One operation of a transaction.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TxnOp {
-    Put {
-        key: Vec<u8>,
-        value: Vec<u8>,
-        lease: i64,
-    },
-    Delete {
-        key: Vec<u8>,
-    },
-    /// `limit` 0: every key; `keys_only` leaves values out (quota indexes have none worth reading).
-    Range {
-        key: Vec<u8>,
-        range_end: Option<Vec<u8>>,
-        limit: i64,
-        keys_only: bool,
-    },
-}
-
-/// What a transaction compares: the record key's create revision (0: absent) or mod revision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Guard {
-    Absent,
-    ModRevision(i64),
 }
 
 fn field_b64(out: &mut Vec<u8>, name: &str, bytes: &[u8]) {

@@ -10,9 +10,9 @@ Processes (all the same Envoy binary, each with --concurrency 1 --disable-hot-re
             4 new-key     the filter; a new Idempotency-Key per request (claim, forward, store)
             5 replay      the filter; every request replays one of a few stored keys (no upstream)
             6 naive       a naive idempotency filter (bench/naive-filter), new key per request
-            7 etcd-new    the filter with the etcd store, new key per request
-            8 etcd-replay the filter with the etcd store, replay of a stored key
-           10 etcd-new-no-quota  scenario 7 without quotas (the filter's default configuration)
+            7 etcd-new    the filter with the etcd store over gRPC, new key per request
+            8 etcd-replay the filter with the etcd store over gRPC, replay of a stored key
+           10 etcd-new-json  scenario 7 over etcd's JSON gateway (the store's default protocol)
             9 detached-new the filter, new key per request, with `execution: "detached"`
   etcd      (scenarios 7 and 8) one real etcd member on free loopback ports, started and
             stopped by the bench (idemkit/etcd.py), data directory removed at the end.
@@ -70,10 +70,8 @@ FILTER_CONFIG = {
 
 
 def filter_config(ttl: str | None = None, processing_timeout: str | None = None,
-                  store: dict | None = None, execution: str | None = None, quota: bool = True) -> str:
+                  store: dict | None = None, execution: str | None = None) -> str:
     cfg = json.loads(json.dumps(FILTER_CONFIG))
-    if not quota:
-        del cfg["quota"]
     if execution:
         cfg["routes"][0]["execution"] = execution
     if store is not None:
@@ -121,10 +119,10 @@ def wasm_filter(wasm: str, name: str, configuration: str) -> dict:
     return bootstrap.wasm_filter(name, wasm, configuration)
 
 
-def etcd_store() -> dict:
+def etcd_store(protocol: str) -> dict:
     """The filter's etcd store as docs/CONFIGURATION.md documents it (fail_closed, 250 ms per callout)."""
     return {"type": "etcd", "cluster": ETCD_CLUSTER, "prefix": ETCD_PREFIX, "timeout": "250ms",
-            "on_error": "fail_closed"}
+            "on_error": "fail_closed", "protocol": protocol}
 
 
 def etcd_methods(etcd: Etcd | None) -> dict[str, int]:
@@ -329,19 +327,18 @@ class Bench:
         extra: dict[int, list[dict]] = {}
         if a.etcd == "on":
             # Same routes, quota and ttls as scenarios 4 and 5; only the store differs.
-            cfg7 = filter_config(ttl=self.new_key_ttl, processing_timeout=self.new_key_ttl, store=etcd_store())
-            cfg8 = filter_config(store=etcd_store())
-            # Scenario 7 without quotas, as the filter is configured by default (quotas are
-            # opt-in): a claim writes no quota index key and a completion moves none.
-            cfg10 = filter_config(ttl=self.new_key_ttl, processing_timeout=self.new_key_ttl, store=etcd_store(),
-                                  quota=False)
+            # gRPC, as docs/ETCD.md recommends for a fleet; scenario 10 is scenario 7 over the
+            # JSON gateway (the default protocol), in the same rounds.
+            cfg7 = filter_config(ttl=self.new_key_ttl, processing_timeout=self.new_key_ttl, store=etcd_store("grpc"))
+            cfg8 = filter_config(store=etcd_store("grpc"))
+            cfg10 = filter_config(ttl=self.new_key_ttl, processing_timeout=self.new_key_ttl, store=etcd_store("json"))
             self.filter_configs |= {7: cfg7, 8: cfg8, 10: cfg10}
             self.scenarios += [
-                Scenario(7, "etcd-new", "etcd store, new key per request", ORDERS, "unique",
+                Scenario(7, "etcd-new", "etcd store (gRPC), new key per request", ORDERS, "unique",
                          lambda: [wasm_filter(wasm, "idempotency", cfg7)], "new", "etcd"),
-                Scenario(8, "etcd-replay", "etcd store, replay of a stored key", ORDERS, "replay",
+                Scenario(8, "etcd-replay", "etcd store (gRPC), replay of a stored key", ORDERS, "replay",
                          lambda: [wasm_filter(wasm, "idempotency", cfg8)], "replay", "etcd"),
-                Scenario(10, "etcd-new-no-quota", "etcd store, new key per request, no quota (the default)", ORDERS,
+                Scenario(10, "etcd-new-json", "etcd store (JSON gateway, the default), new key per request", ORDERS,
                          "unique", lambda: [wasm_filter(wasm, "idempotency", cfg10)], "new", "etcd"),
             ]
             (OUT_DIR / "etcd").mkdir(parents=True, exist_ok=True)
@@ -352,8 +349,9 @@ class Bench:
                 raise HarnessError(f"etcd did not start: {e}") from None
             # No health checks: with one member they only add requests to the cluster whose
             # request count is the store's round trips.
-            cl = bootstrap.etcd_cluster([self.etcd.client_port], name=ETCD_CLUSTER, health_checks=False)
-            extra = {7: [cl], 8: [cl], 10: [cl]}
+            grpc = bootstrap.etcd_cluster([self.etcd.client_port], name=ETCD_CLUSTER, health_checks=False, grpc=True)
+            gateway = bootstrap.etcd_cluster([self.etcd.client_port], name=ETCD_CLUSTER, health_checks=False)
+            extra = {7: [grpc], 8: [grpc], 10: [gateway]}
         for s in self.scenarios:
             s.envoy = bench_envoy(f"s{s.sid}-{s.name}",
                                   proxy_config(self.upstream.port, s.filters_fn(), extra.get(s.sid)), a.envoy)

@@ -10,6 +10,7 @@ mod detached_model;
 mod etcd_auth;
 mod local;
 mod remote;
+mod remote_grpc;
 mod remote_wait;
 mod wait;
 

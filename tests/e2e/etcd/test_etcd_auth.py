@@ -1,7 +1,9 @@
 """The etcd store with etcd authentication, through a real Envoy and a real etcd (JWT tokens,
 which carry the auth revision they were issued at): a user added by an operator does not stop
 the store (the refused token is fetched again), and a burst of new keys on fresh workers costs
-etcd one authenticate per worker, not one per request (counted by etcd's own gRPC metrics)."""
+etcd one authenticate per worker, not one per request (counted by etcd's own gRPC metrics).
+Each with both store protocols: the JSON gateway (token in `authorization`) and gRPC (token in
+the call's `token` metadata)."""
 
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ USER, PASSWORD = "idem", "idem-pw"
 BURST = 32
 
 
-def filter_config() -> dict:
+def filter_config(protocol: str = "json") -> dict:
     return {
-        "store": harness.etcd_store(prefix=PREFIX, auth={"username": USER, "password": PASSWORD}),
+        "store": harness.etcd_store(prefix=PREFIX, auth={"username": USER, "password": PASSWORD},
+                                    protocol=protocol),
         "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
                     "processing_timeout": "30s"}],
     }
@@ -80,15 +83,21 @@ def settled_authenticates(etcd) -> int:
     return last
 
 
-def proxy(envoy_bin, filter_wasm, upstream, etcd, name):
+@pytest.fixture(params=["json", "grpc"])
+def protocol(request) -> str:
+    return request.param
+
+
+def proxy(envoy_bin, filter_wasm, upstream, etcd, name, protocol):
     return harness.Envoy(
-        envoy_bin, upstream.port, filter_config(), wasm_path=filter_wasm, name=name,
-        extra_clusters=[harness.etcd_cluster([etcd.client_port])],
+        envoy_bin, upstream.port, filter_config(protocol), wasm_path=filter_wasm,
+        name=f"{name}-{protocol}",
+        extra_clusters=[harness.etcd_cluster([etcd.client_port], grpc=protocol == "grpc")],
     ).start()
 
 
-def test_a_user_added_elsewhere_does_not_stop_the_store(envoy_bin, filter_wasm, upstream, etcd):
-    envoy = proxy(envoy_bin, filter_wasm, upstream, etcd, "etcd-auth-change")
+def test_a_user_added_elsewhere_does_not_stop_the_store(envoy_bin, filter_wasm, upstream, etcd, protocol):
+    envoy = proxy(envoy_bin, filter_wasm, upstream, etcd, "etcd-auth-change", protocol)
     try:
         # Every worker gets a token (two workers: enough requests to reach both).
         for _ in range(6):
@@ -109,8 +118,8 @@ def test_a_user_added_elsewhere_does_not_stop_the_store(envoy_bin, filter_wasm, 
 
 
 def test_a_burst_on_fresh_workers_authenticates_once_per_worker(envoy_bin, filter_wasm, upstream,
-                                                                 etcd):
-    envoy = proxy(envoy_bin, filter_wasm, upstream, etcd, "etcd-auth-burst")
+                                                                 etcd, protocol):
+    envoy = proxy(envoy_bin, filter_wasm, upstream, etcd, "etcd-auth-burst", protocol)
     try:
         before = settled_authenticates(etcd)
         statuses: list[int] = []

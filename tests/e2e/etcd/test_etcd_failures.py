@@ -1,7 +1,9 @@
 """C19: when etcd cannot be used: stopped (fail_closed answers 503 store-unavailable and forwards
 nothing; fail_open forwards unprotected; both counted, and both recover when etcd is back
 without restarting Envoy), and slower than the store's `timeout` (503, and the claim the late
-write may have left behind blocks a retry for no longer than the lease)."""
+write may have left behind blocks a retry for no longer than the lease). The stopped and slow
+cases run with both store protocols (JSON gateway, gRPC): how a failure reaches the filter
+differs (an HTTP status, or a gRPC status in a trailers-only answer)."""
 
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ BODY = b'{"item":"book","qty":1}'
 LEASE_S = 2
 
 
-def filter_config(on_error: str, prefix: str) -> dict:
+def filter_config(on_error: str, prefix: str, protocol: str = "json") -> dict:
     return {
-        "store": harness.etcd_store(prefix=prefix, timeout="250ms", on_error=on_error),
+        "store": harness.etcd_store(prefix=prefix, timeout="250ms", on_error=on_error, protocol=protocol),
         "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
                     "processing_timeout": "%ds" % LEASE_S}],
     }
@@ -29,18 +31,22 @@ def filter_config(on_error: str, prefix: str) -> dict:
 FILTER_CONFIG = filter_config("fail_closed", "/e2e-failures/")
 
 
-def proxy(envoy_bin, filter_wasm, upstream, port, on_error, name, prefix="/e2e-failures/"):
+def proxy(envoy_bin, filter_wasm, upstream, port, on_error, name, prefix="/e2e-failures/", protocol="json"):
     return harness.Envoy(
-        envoy_bin, upstream.port, filter_config(on_error, prefix), wasm_path=filter_wasm,
-        name=name, extra_clusters=[harness.etcd_cluster([port])],
+        envoy_bin, upstream.port, filter_config(on_error, prefix, protocol), wasm_path=filter_wasm,
+        name=f"{name}-{protocol}", extra_clusters=[harness.etcd_cluster([port], grpc=protocol == "grpc")],
     ).start()
 
 
+@pytest.fixture(params=["json", "grpc"])
+def protocol(request) -> str:
+    return request.param
 
-@pytest.fixture(scope="module")
-def both(envoy_bin, filter_wasm, upstream, etcd):
-    closed = proxy(envoy_bin, filter_wasm, upstream, etcd.client_port, "fail_closed", "closed")
-    opened = proxy(envoy_bin, filter_wasm, upstream, etcd.client_port, "fail_open", "open")
+
+@pytest.fixture
+def both(envoy_bin, filter_wasm, upstream, etcd, protocol):
+    closed = proxy(envoy_bin, filter_wasm, upstream, etcd.client_port, "fail_closed", "closed", protocol=protocol)
+    opened = proxy(envoy_bin, filter_wasm, upstream, etcd.client_port, "fail_open", "open", protocol=protocol)
     yield closed, opened
     closed.stop()
     opened.stop()
@@ -82,13 +88,13 @@ def test_etcd_stopped_fail_closed_refuses_fail_open_forwards_and_both_recover(bo
 
 
 def test_etcd_slower_than_the_timeout_is_503_and_leaves_no_lasting_claim(
-        envoy_bin, filter_wasm, upstream, etcd):
+        envoy_bin, filter_wasm, upstream, etcd, protocol):
     """etcd gets the claim but its answer comes after `timeout`: 503, and the claim that landed
     is nobody's. A retry within the lease sees it (409, retry-after within the lease); one
     after the lease takes it over and executes, once."""
     delay = harness.DelayProxy(etcd.client_port, delay=0.0)
     slow = proxy(envoy_bin, filter_wasm, upstream, delay.port, "fail_closed", "slow",
-                 prefix="/e2e-slow/")
+                 prefix=f"/e2e-slow-{protocol}/", protocol=protocol)
     try:
         assert slow.post("/orders", BODY, key_headers(new_key())).status == 201
         delay.delay = 0.6

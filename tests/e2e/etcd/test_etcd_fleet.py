@@ -1,6 +1,7 @@
 """C8, C9 across two Envoys on one etcd: what the etcd store is for. A key used on one Envoy is
 replayed by the other; a burst of parallel retries of one key (100, then 200) spread over both
-executes once; an Envoy restart loses nothing (the records are in etcd, not in the Envoy)."""
+executes once; an Envoy restart loses nothing (the records are in etcd, not in the Envoy). The
+fleet runs once with each store protocol: etcd's JSON gateway, and its gRPC API."""
 
 from __future__ import annotations
 
@@ -13,27 +14,31 @@ from harness import key_headers, new_key
 
 BODY = b'{"item":"book","qty":1}'
 
-FILTER_CONFIG = {
-    "store": harness.etcd_store(prefix="/e2e-fleet/"),
-    "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
-                "processing_timeout": "30s"},
-               # Detached execution across the fleet.
-               {"name": "pay", "match": {"prefix": "/pay"}, "require_key": True,
-                "execution": "detached", "processing_timeout": "30s", "upstream_timeout": "10s"}],
-}
 
 
+def filter_config(protocol: str) -> dict:
+    return {
+        "store": harness.etcd_store(prefix=f"/e2e-fleet-{protocol}/", protocol=protocol),
+        "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
+                    "processing_timeout": "30s"},
+                   # Detached execution across the fleet.
+                   {"name": "pay", "match": {"prefix": "/pay"}, "require_key": True,
+                    "execution": "detached", "processing_timeout": "30s", "upstream_timeout": "10s"}],
+    }
 
-def start_envoy(envoy_bin, filter_wasm, upstream, etcd, name):
-    return harness.Envoy(
-        envoy_bin, upstream.port, FILTER_CONFIG, wasm_path=filter_wasm, name=name,
-        extra_clusters=[harness.etcd_cluster([etcd.client_port])],
+
+def start_envoy(envoy_bin, filter_wasm, upstream, etcd, name, protocol):
+    proxy = harness.Envoy(
+        envoy_bin, upstream.port, filter_config(protocol), wasm_path=filter_wasm, name=f"{name}-{protocol}",
+        extra_clusters=[harness.etcd_cluster([etcd.client_port], grpc=protocol == "grpc")],
     ).start()
+    proxy.protocol = protocol
+    return proxy
 
 
-@pytest.fixture(scope="module")
-def fleet(envoy_bin, filter_wasm, upstream, etcd):
-    pair = [start_envoy(envoy_bin, filter_wasm, upstream, etcd, n) for n in ("fleet-a", "fleet-b")]
+@pytest.fixture(scope="module", params=["json", "grpc"])
+def fleet(request, envoy_bin, filter_wasm, upstream, etcd):
+    pair = [start_envoy(envoy_bin, filter_wasm, upstream, etcd, n, request.param) for n in ("fleet-a", "fleet-b")]
     yield pair
     for proxy in pair:
         proxy.stop()
@@ -92,7 +97,7 @@ def test_an_envoy_restart_loses_nothing(fleet, envoy_bin, filter_wasm, upstream,
     first = fleet[0].post("/orders", BODY, key_headers(key))
     assert first.status == 201
     fleet[0].stop()
-    fresh = start_envoy(envoy_bin, filter_wasm, upstream, etcd, "fleet-a2")
+    fresh = start_envoy(envoy_bin, filter_wasm, upstream, etcd, "fleet-a2", fleet[0].protocol)
     fleet[0] = fresh
     again = fresh.post("/orders", BODY, key_headers(key))
     assert again.status == 201 and again.replayed

@@ -12,7 +12,7 @@ directory, stopped at the end) and sends it the same three operations both ways:
 - lease grant (TTL 22 s): once per expiry window and worker.
 
 (a) JSON gateway: HTTP/1.1 POST /v3/kv/txn, /v3/kv/range, /v3/lease/grant with the bodies the
-filter sends (src/store/etcd/wire.rs: base64 keys and values, int64 as strings) and the headers
+filter sends (src/store/etcd/wire/json.rs: base64 keys and values, int64 as strings) and the headers
 its glue sends, one keep-alive connection per concurrent caller (as Envoy's HTTP/1.1 pool).
 (b) gRPC: HTTP/2, one connection multiplexing every caller (as Envoy's HTTP/2 pool), generic
 unary calls on /etcdserverpb.KV/Txn, /etcdserverpb.KV/Range, /etcdserverpb.Lease/LeaseGrant
@@ -51,7 +51,7 @@ RECORD_VALUE = bytes(i % 251 for i in range(1024))
 LEASE_TTL_S = 22
 OPS = ("claim", "read", "lease_grant")
 
-# ---- the JSON gateway's bodies, exactly as src/store/etcd/wire.rs writes them -----------------
+# ---- the JSON gateway's bodies, exactly as src/store/etcd/wire/json.rs writes them -----------------
 
 
 def b64(b: bytes) -> str:

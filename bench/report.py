@@ -456,10 +456,11 @@ def misses_markdown(missed: list[str]) -> list[str]:
                    "depends on where the response's size falls between two size classes, which no format controls.")
     if etcd:
         out.append("- The etcd store against the local one at equal load: every etcd round trip is an Envoy callout "
-                   "(the async client, its router and HTTP/1.1 codec, the kernel's loopback both ways, JSON and base64 "
-                   f"in Wasm: \"{PROFILE_HEADING[3:]}\" splits it by class), a new key two and a replay one, where the local "
-                   "store makes shared-data calls; docs/ETCD.md (JSON gateway or native gRPC) has what gRPC would save, "
-                   "mostly on etcd's side, and the replay cache answers repeated replays without a callout.")
+                   "(the async client, its router and codec, the kernel's loopback both ways, the message's encoding "
+                   f"in Wasm: \"{PROFILE_HEADING[3:]}\" splits it by class, measured over the JSON gateway), a new key "
+                   "two and a replay one, where the local store makes shared-data calls. gRPC (scenarios 7 and 8) "
+                   "took protobuf for JSON and base64, which the 7/10 CPU ratio above shows; what is left is the "
+                   "callout itself. The replay cache answers repeated replays without one (docs/ETCD.md).")
     return (["Why the misses are misses:", ""] + out + [""]) if out else []
 
 

@@ -4,7 +4,8 @@
 #
 #   make bench          all ten scenarios interleaved in one run (Envoy alone, no-op filter, the
 #                       filter three ways, a naive filter, detached execution, the filter on a real
-#                       etcd three ways: new key, replay, new key without quotas), then
+#                       etcd three ways: new key and replay over gRPC, new key over the JSON
+#                       gateway; BENCH_BEFORE=<commit>: and the filter at that commit's new key), then
 #                       the refusal-vs-fill curve and the memory phase; writes BENCHMARKS.md and
 #                       bench/results.svg (BENCH_MEMORY=0: no memory phase)
 #   make bench-memory   the memory phase alone (1,000,000 distinct keys, RSS sampled)
@@ -45,8 +46,10 @@ bench-bins:
 	@if [ -n "$(WASM_OPT)" ]; then "$(WASM_OPT)" $(WASM_OPT_FLAGS) $(BENCH_NAIVE_OUT) -o $(BENCH_NAIVE_WASM); \
 	else cp $(BENCH_NAIVE_OUT) $(BENCH_NAIVE_WASM); fi
 
-bench: build tools bench-bins
-	$(BENCH_RUN) --memory $(if $(filter 0 no off false,$(BENCH_MEMORY)),off,on) --command "make bench" $(BENCH_ARGS)
+bench: build tools bench-bins bench-before-wasm
+	$(BENCH_RUN) --memory $(if $(filter 0 no off false,$(BENCH_MEMORY)),off,on) \
+	  $(if $(BENCH_BEFORE),--before-wasm $(BENCH_BEFORE_WASM) --before-label $(BENCH_BEFORE)) \
+	  --command "make bench$(if $(BENCH_BEFORE), BENCH_BEFORE=$(BENCH_BEFORE))" $(BENCH_ARGS)
 
 bench-memory: build tools bench-bins
 	$(BENCH_RUN) --memory only --command "make bench-memory" $(BENCH_ARGS)
@@ -83,16 +86,18 @@ bench-etcd-protocol: etcd $(BENCH_GRPC_VENV)/.installed
 # Where the microseconds of a new key go (bench/profile.py): perf call chains of the proxy Envoy
 # per scenario, written into BENCHMARKS.md's section of that name. Needs perf (Debian's
 # linux-perf; installed here when missing). BENCH_BEFORE=<commit> also builds the filter as it was
-# at that commit (in target/before/, from `git archive`) and profiles it in the same run.
+# at that commit (in target/before/, from `git archive`) and profiles it in the same run; with
+# `make bench`, it runs that filter's etcd new key (scenario 11) in the same rounds.
 BENCH_BEFORE ?=
 BENCH_BEFORE_DIR := $(BENCH_TARGET_DIR)/before
 BENCH_BEFORE_WASM := $(BENCH_BEFORE_DIR)/idempotency_filter.wasm
 
-.PHONY: bench-profile perf
+.PHONY: bench-profile perf bench-before-wasm
 perf:
 	@command -v perf >/dev/null || { apt-get update -qq && apt-get install -y -qq linux-perf; }
 
-bench-profile: build tools bench-bins perf
+# The filter as it was at BENCH_BEFORE (nothing when unset), built as `make build` builds it.
+bench-before-wasm:
 	@if [ -n "$(BENCH_BEFORE)" ]; then \
 	  rm -rf $(BENCH_BEFORE_DIR)/src && mkdir -p $(BENCH_BEFORE_DIR)/src && \
 	  git archive $(BENCH_BEFORE) | tar -x -C $(BENCH_BEFORE_DIR)/src && \
@@ -102,6 +107,8 @@ bench-profile: build tools bench-bins perf
 	    $(BENCH_BEFORE_DIR)/target/wasm32-wasip1/release/idempotency_filter.wasm -o $(BENCH_BEFORE_WASM); \
 	  else cp $(BENCH_BEFORE_DIR)/target/wasm32-wasip1/release/idempotency_filter.wasm $(BENCH_BEFORE_WASM); fi; \
 	fi
+
+bench-profile: build tools bench-bins perf bench-before-wasm
 	$(VENV_PY) -m bench.profile --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM) --noop-wasm $(BENCH_NOOP_WASM) \
 	  --naive-wasm $(BENCH_NAIVE_WASM) --loadgen $(BENCH_LOADGEN) \
 	  $(if $(BENCH_BEFORE),--before-wasm $(BENCH_BEFORE_WASM) --before-label $(BENCH_BEFORE)) $(BENCH_PROFILE_ARGS)

@@ -13,6 +13,7 @@ Processes (all the same Envoy binary, each with --concurrency 1 --disable-hot-re
             7 etcd-new    the filter with the etcd store over gRPC, new key per request
             8 etcd-replay the filter with the etcd store over gRPC, replay of a stored key
            10 etcd-new-json  scenario 7 over etcd's JSON gateway (the store's default protocol)
+           11 etcd-new-before  scenario 10 with the filter at --before-wasm (`make bench BENCH_BEFORE=<commit>`)
             9 detached-new the filter, new key per request, with `execution: "detached"`
   etcd      (scenarios 7 and 8) one real etcd member on free loopback ports, started and
             stopped by the bench (idemkit/etcd.py), data directory removed at the end.
@@ -341,6 +342,17 @@ class Bench:
                 Scenario(10, "etcd-new-json", "etcd store (JSON gateway, the default), new key per request", ORDERS,
                          "unique", lambda: [wasm_filter(wasm, "idempotency", cfg10)], "new", "etcd"),
             ]
+            if a.before_wasm:
+                # The filter as it was at an earlier commit, on the JSON gateway (it may not know
+                # `protocol`): what a change to the etcd store saved, measured in the same rounds.
+                before = rel(a.before_wasm)
+                store11 = {k: v for k, v in etcd_store("json").items() if k != "protocol"}
+                cfg11 = filter_config(ttl=self.new_key_ttl, processing_timeout=self.new_key_ttl, store=store11)
+                self.filter_configs[11] = cfg11
+                self.scenarios.append(
+                    Scenario(11, "etcd-new-before", f"etcd store (JSON gateway), new key per request, the filter at "
+                             f"{a.before_label}", ORDERS, "unique",
+                             lambda: [wasm_filter(before, "idempotency", cfg11)], "new", "etcd"))
             (OUT_DIR / "etcd").mkdir(parents=True, exist_ok=True)
             self.etcd = Etcd("etcd", log_dir=OUT_DIR / "etcd")
             try:
@@ -351,7 +363,7 @@ class Bench:
             # request count is the store's round trips.
             grpc = bootstrap.etcd_cluster([self.etcd.client_port], name=ETCD_CLUSTER, health_checks=False, grpc=True)
             gateway = bootstrap.etcd_cluster([self.etcd.client_port], name=ETCD_CLUSTER, health_checks=False)
-            extra = {7: [grpc], 8: [grpc], 10: [gateway]}
+            extra = {7: [grpc], 8: [grpc], 10: [gateway], 11: [gateway]}
         for s in self.scenarios:
             s.envoy = bench_envoy(f"s{s.sid}-{s.name}",
                                   proxy_config(self.upstream.port, s.filters_fn(), extra.get(s.sid)), a.envoy)

@@ -224,10 +224,10 @@ def etcd_markdown(by: dict[str, dict]) -> list[str]:
          "| class | what it is with the etcd store | new key: etcd | over local | replay: etcd | over local |",
          "|---|---|---:|---:|---:|---:|"]
     what = {
-        "Envoy": "the async client, its router and HTTP/1.1 codec, the connection pool to etcd",
+        "Envoy": "the async client, its router and HTTP/2 codec, the connection pool to etcd",
         "host calls": "dispatching each callout (Envoy starts the async client's stream, router and codec "
                       "inside that call, so part of the client's cost is here), reading its answer",
-        "Wasm code": "JSON requests and answers (encode, parse), base64 of keys and values, the exchanges",
+        "Wasm code": "protobuf requests and answers (encode, read), gRPC framing, the exchanges",
         "kernel": "loopback TCP to etcd and back, besides the client's and the upstream's",
         "total": "",
     }
@@ -327,11 +327,12 @@ def main(argv: list[str]) -> int:
             # scenarios 7 and 8): what the store adds, class by class.
             (OUT_DIR / "profile-etcd").mkdir(parents=True, exist_ok=True)
             etcd = Etcd("profile-etcd", log_dir=OUT_DIR / "profile-etcd").start()
-            cl = [bootstrap.etcd_cluster([etcd.client_port], name=ETCD_CLUSTER, health_checks=False)]
+            cl = [bootstrap.etcd_cluster([etcd.client_port], name=ETCD_CLUSTER, health_checks=False, grpc=True)]
+            store = etcd_store("grpc")
             scen += [
-                Profiled("etcd-new", "the filter on etcd, new key", a.wasm,
-                         filter_config(ttl="2s", processing_timeout="2s", store=etcd_store()), "unique", clusters=cl),
-                Profiled("etcd-replay", "the filter on etcd, replay", a.wasm, filter_config(store=etcd_store()),
+                Profiled("etcd-new", "the filter on etcd (gRPC), new key", a.wasm,
+                         filter_config(ttl="2s", processing_timeout="2s", store=store), "unique", clusters=cl),
+                Profiled("etcd-replay", "the filter on etcd (gRPC), replay", a.wasm, filter_config(store=store),
                          "replay", clusters=cl),
             ]
         up.spawn()

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from bench.report_model import ReportData
 
 # Throughput ratios (A/B per round), beyond the five of bench/report.py.
-RATIOS = [(6, 2), (4, 6), (7, 4), (8, 5), (7, 10), (9, 4)]
+RATIOS = [(6, 2), (4, 6), (7, 4), (8, 5), (7, 10), (7, 11), (10, 11), (9, 4)]
 MEANING = {
     "9/4": "detached execution over inline, new key per request (the root's callout instead of the router)",
     "6/2": "naive idempotency filter on new keys, over the no-op filter",
@@ -20,9 +20,11 @@ MEANING = {
     "7/4": "etcd store over the local store, new key per request",
     "8/5": "etcd store over the local store, replay of a stored key",
     "7/10": "etcd store over gRPC, over the JSON gateway, new key per request",
+    "7/11": "etcd store over gRPC, over the filter at the earlier commit (JSON gateway), new key per request",
+    "10/11": "etcd store over the JSON gateway, over the filter at the earlier commit, new key per request",
 }
 # CPU ratios: B's Envoy CPU per request / A's, per round (like a throughput ratio, higher = cheaper A).
-CPU_RATIOS = [(4, 2), (4, 6), (6, 2), (7, 4), (8, 5), (7, 10), (9, 4)]
+CPU_RATIOS = [(4, 2), (4, 6), (6, 2), (7, 4), (8, 5), (7, 10), (7, 11), (9, 4)]
 CPU_MEANING = {
     "9/4": "detached execution against inline, new key",
     "4/2": "filter on new keys, against the no-op filter",
@@ -31,6 +33,7 @@ CPU_MEANING = {
     "7/4": "etcd store against the local store, new key",
     "8/5": "etcd store against the local store, replay",
     "7/10": "etcd store over gRPC against the JSON gateway, new key",
+    "7/11": "etcd store over gRPC against the filter at the earlier commit, new key",
 }
 
 
@@ -111,7 +114,7 @@ def text(rep: ReportData) -> list[str]:
         out += ["", "CPU ratios (B's µs/req / A's, per round)"]
         for k, v in rep.cpu_ratios.items():
             out.append(f"{k:<6} {v['median']:7.3f} {v['p25']:7.3f}..{v['p75']:<7.3f} {v['min']:7.3f}..{v['max']:<7.3f}")
-    for sid in (7, 8, 10):
+    for sid in (7, 8, 10, 11):
         if sid in rep.rows:
             out.append(f"s{sid} etcd round trips per request: {round_trips(rep, sid):.3f}{by_method(rep, sid)}")
     return out
@@ -155,7 +158,11 @@ def etcd_markdown(rep: ReportData) -> list[str]:
              "5, with the same routes, quota and ttls. They speak etcd's gRPC API (`\"protocol\":\"grpc\"`, an "
              "HTTP/2 cluster), as docs/ETCD.md recommends for a fleet. Scenario 10 is scenario 7 over etcd's "
              "JSON gateway (HTTP/1.1), the store's default protocol. Closed loop only: the open-loop rate is set "
-             "by the local scenarios. Plugin configuration of scenario 7 (8: the same with ttl 24h; 10: the same "
+             "by the local scenarios. "
+             + (f"Scenario 11 is scenario 10 with the filter as it was at `{b.args.before_label}` (built from that "
+                "commit by `make bench BENCH_BEFORE=...`, configured without `protocol`, which it may not know): what "
+                "the etcd store's changes since then saved, in the same rounds. " if 11 in rows else "")
+             + "Plugin configuration of scenario 7 (8: the same with ttl 24h; 10: the same "
              "with `\"protocol\":\"json\"`):")
     L.append("")
     L.append("```json")
@@ -168,7 +175,7 @@ def etcd_markdown(rep: ReportData) -> list[str]:
     L.append("| # | scenario | req/s (median) | p50 ms | p99 ms | Envoy CPU µs/req | etcd CPU µs/req | etcd round trips | "
              "per request | over the local store (throughput, CPU) | 503 (store did not answer in time) |")
     L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
-    for sid, local in ((7, 4), (8, 5), (10, 4)):
+    for sid, local in ((7, 4), (8, 5), (10, 4), (11, 4)):
         if sid not in rows:
             continue
         r = rows[sid]
@@ -181,7 +188,8 @@ def etcd_markdown(rep: ReportData) -> list[str]:
                  + f" | {r['statuses'].get('503', 0):,} |")
     L.append("")
     parts = []
-    for sid, what in ((7, "a new key costs"), (8, "a replay"), (10, "a new key over the JSON gateway")):
+    for sid, what in ((7, "a new key costs"), (8, "a replay"), (10, "a new key over the JSON gateway"),
+                      (11, "a new key with the earlier filter")):
         if sid in rows:
             parts.append(f"{what} **{round_trips(rep, sid):.2f}** round trips to etcd" + by_method(rep, sid))
     L.append("Measured here: " + "; ".join(parts) + ". By method: etcd's own count of the calls it served "

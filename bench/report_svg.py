@@ -24,7 +24,8 @@ def render(rep: ReportData) -> str:
     if b.fill:
         H += 320
     colors = {1: "#6b7280", 2: "#9ca3af", 3: "#60a5fa", 4: "#2563eb", 5: "#16a34a", 6: "#f59e0b",
-              7: "#7c3aed", 8: "#a855f7", 9: "#0891b2", 10: "#c4b5fd"}
+              7: "#7c3aed", 8: "#a855f7", 9: "#0891b2", 10: "#c4b5fd",
+              11: "#ddd6fe"}
 
     def esc(t: str) -> str:
         return t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

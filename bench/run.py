@@ -49,6 +49,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--naive-wasm", default="target/wasm32-wasip1/release/naive_filter.opt.wasm",
                    help="the naive idempotency filter (bench/naive-filter), scenario 6; '' to leave it out")
     p.add_argument("--loadgen", default="target/release/loadgen")
+    p.add_argument("--before-wasm", default=None,
+                   help="the filter built at an earlier commit: its etcd new key runs as scenario 11")
+    p.add_argument("--before-label", default="before", help="that commit, for the report")
     p.add_argument("--etcd", choices=["on", "off"], default="on",
                    help="scenarios 7 and 8: the filter on a real etcd (started and stopped here)")
     p.add_argument("--fill", choices=["on", "off", "only"], default="on",
@@ -95,7 +98,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.report, a.svg = str(OUT_DIR / "BENCHMARKS.smoke.md"), str(OUT_DIR / "results.smoke.svg")
     if a.fill == "only":
         a.memory, a.wake, a.etcd = "off", "off", "off"
-    for name in ("wasm", "noop_wasm", "naive_wasm", "loadgen", "envoy"):
+    for name in ("wasm", "noop_wasm", "naive_wasm", "before_wasm", "loadgen", "envoy"):
         if not getattr(a, name):
             continue
         path = Path(getattr(a, name))

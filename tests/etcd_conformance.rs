@@ -205,6 +205,90 @@ mod with_replay_cache {
     idempotency_filter::conformance_suite!(CachedEtcd);
 }
 
+/// The same suite over etcd's gRPC API (`store.protocol: "grpc"`): every exchange's calls encoded
+/// as protobuf, carried over HTTP/2, and etcd's answers and errors read from gRPC.
+mod over_grpc {
+    use super::*;
+    use idempotency_filter::store::etcd::blocking::Transport;
+    use idempotency_filter::store::etcd::Protocol;
+    use idempotency_filter::store::remote::{Answer, GrpcStatus};
+
+    /// A blocking HTTP/2 (h2c, prior knowledge) client: one connection per call, as the HTTP/1.1
+    /// one; what Envoy's HTTP/2 cluster does for the filter.
+    pub struct H2;
+
+    async fn call(addr: SocketAddr, path: &str, body: &[u8], token: Option<&str>) -> Option<Answer> {
+        let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let (client, connection) = h2::client::handshake(tcp).await.ok()?;
+        tokio::spawn(connection);
+        let mut client = client.ready().await.ok()?;
+        let mut request = http::Request::builder()
+            .method("POST")
+            .uri(format!("http://etcd{path}"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers");
+        if let Some(t) = token {
+            request = request.header("token", t);
+        }
+        let (response, mut send) = client.send_request(request.body(()).ok()?, false).ok()?;
+        send.send_data(bytes::Bytes::copy_from_slice(body), true).ok()?;
+        let (head, mut recv) = response.await.ok()?.into_parts();
+        let mut data = Vec::new();
+        while let Some(chunk) = recv.data().await {
+            let chunk = chunk.ok()?;
+            let _ = recv.flow_control().release_capacity(chunk.len());
+            data.extend_from_slice(&chunk);
+        }
+        let trailers = recv.trailers().await.ok()?;
+        // Trailers, or the headers of a trailers-only answer.
+        let status_from = |map: &http::HeaderMap| {
+            let code = map.get("grpc-status")?.to_str().ok()?.parse().ok()?;
+            let message = map.get("grpc-message").and_then(|m| m.to_str().ok()).unwrap_or("").to_owned();
+            Some(GrpcStatus { code, message })
+        };
+        let grpc = trailers.as_ref().and_then(status_from).or_else(|| status_from(&head.headers));
+        Some(Answer { status: Some(head.status.as_u16()), body: data, grpc })
+    }
+
+    impl Transport for H2 {
+        fn call(&self, addr: SocketAddr, path: &str, body: &[u8], token: Option<&str>) -> Answer {
+            let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_io().enable_time().build()
+            else {
+                return Answer::default();
+            };
+            let answer = runtime.block_on(async {
+                tokio::time::timeout(Duration::from_secs(5), call(addr, path, body, token))
+                    .await
+                    .ok()
+                    .flatten()
+            });
+            answer.unwrap_or_default()
+        }
+    }
+
+    pub struct GrpcEtcd(Etcd);
+
+    impl Backend for GrpcEtcd {
+        const BOUNDED: bool = false;
+        const RECLAIMS_BY_SWEEP: bool = false;
+
+        fn with_capacity(capacity: u32) -> Self {
+            GrpcEtcd(Etcd::with_capacity(capacity))
+        }
+
+        fn let_claim_leases_end(&self) {
+            wait_for_claim_leases();
+        }
+
+        fn worker(&self, _n: u8) -> Box<dyn RecordStore + '_> {
+            let settings = EtcdSettings { protocol: Protocol::Grpc, ..settings(&self.0.prefix) };
+            Box::new(BlockingEtcd::with_transport(self.0.etcd.0.addr, settings, Box::new(H2)))
+        }
+    }
+
+    idempotency_filter::conformance_suite!(GrpcEtcd);
+}
+
 /// Auth against a real etcd: a role limited to the store's prefix, a token fetched on the first
 /// call, and a token etcd expired (simple tokens live `--auth-token-ttl` seconds) replaced once.
 #[test]

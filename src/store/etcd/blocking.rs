@@ -1,6 +1,8 @@
-//! (`testing`) A `RecordStore` over etcd that drives `Exchange`s with a blocking std::net
-//! HTTP/1.1 client: the conformance suite runs against a real etcd through exactly the exchanges
-//! the filter performs as callouts. Never in the shipped filter (no sockets in Wasm).
+//! (`testing`) A `RecordStore` over etcd that drives `Exchange`s with a blocking client: the
+//! conformance suite runs against a real etcd through exactly the exchanges the filter performs
+//! as callouts. Its own std::net HTTP/1.1 client carries JSON (the gateway); a test hands it a
+//! `Transport` for gRPC (tests/etcd_conformance.rs has an HTTP/2 one). Never in the shipped filter
+//! (no sockets in Wasm).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -16,16 +18,37 @@ use crate::store::{
 const MAX_CALLS: usize = 16;
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Carries one call to etcd at `addr` and hands back its answer (a failure: `status: None`).
+pub trait Transport {
+    fn call(&self, addr: SocketAddr, path: &str, body: &[u8], token: Option<&str>) -> Answer;
+}
+
 pub struct BlockingEtcd {
     pub addr: SocketAddr,
     store: EtcdStore,
+    /// None: the HTTP/1.1 client below (JSON).
+    transport: Option<Box<dyn Transport>>,
     /// (path, whether a token was sent) of every call made, for tests of the sequence.
     calls: std::cell::RefCell<Vec<(&'static str, bool)>>,
 }
 
 impl BlockingEtcd {
     pub fn new(addr: SocketAddr, settings: EtcdSettings) -> BlockingEtcd {
-        BlockingEtcd { addr, store: EtcdStore::new(settings), calls: std::cell::RefCell::new(Vec::new()) }
+        BlockingEtcd {
+            addr,
+            store: EtcdStore::new(settings),
+            transport: None,
+            calls: std::cell::RefCell::new(Vec::new()),
+        }
+    }
+
+    /// The exchanges' calls go through `transport` (as gRPC needs; `post` stays HTTP/1.1).
+    pub fn with_transport(
+        addr: SocketAddr,
+        settings: EtcdSettings,
+        transport: Box<dyn Transport>,
+    ) -> BlockingEtcd {
+        BlockingEtcd { transport: Some(transport), ..BlockingEtcd::new(addr, settings) }
     }
 
     pub fn store(&self) -> &EtcdStore {
@@ -53,7 +76,10 @@ impl BlockingEtcd {
                 }
                 Next::Call(Request { path, body, token, .. }) => {
                     self.calls.borrow_mut().push((path, token.is_some()));
-                    answer = Some(self.post(path, &body, token.as_deref()));
+                    answer = Some(match &self.transport {
+                        Some(t) => t.call(self.addr, path, &body, token.as_deref()),
+                        None => self.post(path, &body, token.as_deref()),
+                    });
                 }
             }
         }

@@ -118,7 +118,7 @@ pub use leases::LEASE_WINDOW_MS;
 
 /// The store's settings are the configuration's `store` section, defined (with their defaults
 /// and the size limits that follow from etcd's) in `config::etcd`, where `parse` builds them.
-pub use crate::config::etcd::{EtcdAuth, EtcdSettings, OnStoreError};
+pub use crate::config::etcd::{EtcdAuth, EtcdSettings, OnStoreError, Protocol};
 
 /// Room kept for keys and framing when checking an encoded record against etcd's limit.
 const TXN_FRAMING_BYTES: u64 = 4 * 1024;

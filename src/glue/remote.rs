@@ -101,20 +101,22 @@ pub fn read_answer<H: Host>(host: &H, body_size: usize, protocol: Protocol) -> O
 /// Makes the call on the store's cluster; the token identifies its answer. Envoy refuses
 /// (BadArgument) a cluster it does not know.
 pub fn dispatch<H: Host>(host: &H, settings: &RemoteSettings, request: &Request) -> Result<u32, HostError> {
-    let (content_type, token_header): (&[u8], &str) = match settings.protocol {
-        Protocol::Json => (b"application/json", "authorization"),
-        // etcd reads its auth token from the call's `token` metadata.
-        Protocol::Grpc => (b"application/grpc", "token"),
-    };
     let mut headers: Vec<(&str, &[u8])> = vec![
         (":method", b"POST"),
         (":path", request.path.as_bytes()),
         (":authority", settings.authority.as_bytes()),
-        ("content-type", content_type),
     ];
-    if settings.protocol == Protocol::Grpc {
-        headers.push(("te", b"trailers"));
-    }
+    let token_header = match settings.protocol {
+        Protocol::Json => {
+            headers.push(("content-type", b"application/json"));
+            "authorization"
+        }
+        Protocol::Grpc => {
+            headers.extend([("content-type", &b"application/grpc"[..]), ("te", b"trailers")]);
+            // etcd reads its auth token from the call's `token` metadata.
+            "token"
+        }
+    };
     if let Some(token) = &request.token {
         headers.push((token_header, token.as_bytes()));
     }

@@ -1,5 +1,5 @@
-//! The etcd backend: one store shared by a fleet of Envoys, reached through etcd's v3 JSON
-//! gateway by HTTP callouts. This module is pure (no host calls, no sockets): `EtcdStore::start`
+//! The etcd backend: one store shared by a fleet of Envoys, reached through etcd's v3 API (its
+//! JSON gateway or its gRPC API, `store.protocol`: `wire/`) by HTTP callouts. This module is pure (no host calls, no sockets): `EtcdStore::start`
 //! turns a `StoreOp` into an `Exchange`, a state machine that asks for HTTP calls
 //! (`Next::Call`, in the `store::remote` vocabulary) and is fed their answers until it is `Done`. The glue performs the
 //! calls as Envoy callouts; `blocking` (tests only) performs them over std::net. It answers
@@ -307,7 +307,7 @@ fn outcome_record(current: Entry, c: &Completion) -> (Entry, Vec<u8>) {
     (done, value)
 }
 
-/// One `StoreOp` carried out as a sequence of HTTP calls to etcd's JSON gateway. Pure state
+/// One `StoreOp` carried out as a sequence of HTTP calls to etcd (JSON or gRPC). Pure state
 /// machine: the caller performs each `Call` and feeds its answer back.
 #[derive(Debug)]
 pub struct Exchange {

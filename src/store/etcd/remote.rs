@@ -7,8 +7,8 @@ use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, RemoteSto
 use crate::store::StoreOp;
 use std::rc::Rc;
 
-/// What the calls to etcd name as `:authority`: etcd's gateway reads no host, but Go's HTTP
-/// server refuses an invalid one (an Istio cluster name such as `outbound|2379||etcd...` is).
+/// What the calls to etcd name as `:authority`: etcd reads no host (gateway or gRPC), but Go's
+/// HTTP server refuses an invalid one (an Istio cluster name such as `outbound|2379||etcd...` is).
 pub const ETCD_AUTHORITY: &str = "etcd";
 
 pub struct EtcdRemote {

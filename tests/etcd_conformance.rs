@@ -124,10 +124,29 @@ impl Drop for EtcdUse {
     }
 }
 
-struct Etcd {
+/// One run of the suite against the shared etcd: its own key prefix, and `F` says how its
+/// workers reach etcd.
+struct EtcdWith<F> {
     etcd: EtcdUse,
     prefix: String,
+    flavor: std::marker::PhantomData<F>,
 }
+
+/// How a run's workers reach etcd: their settings (from the run's prefix) and their client.
+trait Flavor {
+    fn worker(addr: SocketAddr, settings: EtcdSettings) -> BlockingEtcd;
+}
+
+/// The JSON gateway, as the filter's default store does.
+struct Gateway;
+
+impl Flavor for Gateway {
+    fn worker(addr: SocketAddr, settings: EtcdSettings) -> BlockingEtcd {
+        BlockingEtcd::new(addr, settings)
+    }
+}
+
+type Etcd = EtcdWith<Gateway>;
 
 fn settings(prefix: &str) -> EtcdSettings {
     EtcdSettings {
@@ -142,7 +161,7 @@ fn settings(prefix: &str) -> EtcdSettings {
     }
 }
 
-impl Backend for Etcd {
+impl<F: Flavor> Backend for EtcdWith<F> {
     // etcd has no capacity bound: no new record is ever refused for room (the suite's Full
     // cases state what an unbounded store must do instead).
     const BOUNDED: bool = false;
@@ -152,12 +171,12 @@ impl Backend for Etcd {
     fn with_capacity(_capacity: u32) -> Self {
         static TESTS: AtomicU32 = AtomicU32::new(0);
         let prefix = format!("/idem-test/{}/", TESTS.fetch_add(1, Ordering::SeqCst));
-        Etcd { etcd: EtcdUse::acquire(), prefix }
+        EtcdWith { etcd: EtcdUse::acquire(), prefix, flavor: std::marker::PhantomData }
     }
 
     fn worker(&self, _n: u8) -> Box<dyn RecordStore + '_> {
         // Each worker has its own EtcdStore (lease cache, token), as each Envoy worker does.
-        Box::new(BlockingEtcd::new(self.etcd.0.addr, settings(&self.prefix)))
+        Box::new(F::worker(self.etcd.0.addr, settings(&self.prefix)))
     }
 
     fn let_claim_leases_end(&self) {
@@ -179,30 +198,16 @@ mod with_replay_cache {
     use super::*;
     use idempotency_filter::store::etcd::cache::ReplayCacheSettings;
 
-    pub struct CachedEtcd(Etcd);
+    pub struct Cached;
 
-    impl Backend for CachedEtcd {
-        const BOUNDED: bool = false;
-        const RECLAIMS_BY_SWEEP: bool = false;
-
-        fn with_capacity(capacity: u32) -> Self {
-            CachedEtcd(Etcd::with_capacity(capacity))
-        }
-
-        fn let_claim_leases_end(&self) {
-            wait_for_claim_leases();
-        }
-
-        fn worker(&self, _n: u8) -> Box<dyn RecordStore + '_> {
+    impl Flavor for Cached {
+        fn worker(addr: SocketAddr, settings: EtcdSettings) -> BlockingEtcd {
             let replay_cache = Some(ReplayCacheSettings { entries: 4, max_bytes: 1 << 20 });
-            Box::new(BlockingEtcd::new(
-                self.0.etcd.0.addr,
-                EtcdSettings { replay_cache, ..settings(&self.0.prefix) },
-            ))
+            BlockingEtcd::new(addr, EtcdSettings { replay_cache, ..settings })
         }
     }
 
-    idempotency_filter::conformance_suite!(CachedEtcd);
+    idempotency_filter::conformance_suite!(EtcdWith<Cached>);
 }
 
 /// The same suite over etcd's gRPC API (`store.protocol: "grpc"`): every exchange's calls encoded
@@ -266,27 +271,19 @@ mod over_grpc {
         }
     }
 
-    pub struct GrpcEtcd(Etcd);
+    pub struct Grpc;
 
-    impl Backend for GrpcEtcd {
-        const BOUNDED: bool = false;
-        const RECLAIMS_BY_SWEEP: bool = false;
-
-        fn with_capacity(capacity: u32) -> Self {
-            GrpcEtcd(Etcd::with_capacity(capacity))
-        }
-
-        fn let_claim_leases_end(&self) {
-            wait_for_claim_leases();
-        }
-
-        fn worker(&self, _n: u8) -> Box<dyn RecordStore + '_> {
-            let settings = EtcdSettings { protocol: Protocol::Grpc, ..settings(&self.0.prefix) };
-            Box::new(BlockingEtcd::with_transport(self.0.etcd.0.addr, settings, Box::new(H2)))
+    impl Flavor for Grpc {
+        fn worker(addr: SocketAddr, settings: EtcdSettings) -> BlockingEtcd {
+            BlockingEtcd::with_transport(
+                addr,
+                EtcdSettings { protocol: Protocol::Grpc, ..settings },
+                Box::new(H2),
+            )
         }
     }
 
-    idempotency_filter::conformance_suite!(GrpcEtcd);
+    idempotency_filter::conformance_suite!(EtcdWith<Grpc>);
 }
 
 /// Auth against a real etcd: a role limited to the store's prefix, a token fetched on the first

@@ -33,7 +33,6 @@ mod field {
     // ResponseHeader
     pub const HEADER_REVISION: u32 = 3;
     // Compare
-    pub const COMPARE_RESULT: u32 = 1;
     pub const COMPARE_TARGET: u32 = 2;
     pub const COMPARE_KEY: u32 = 3;
     pub const COMPARE_CREATE_REVISION: u32 = 5;
@@ -77,10 +76,9 @@ mod field {
     pub const AUTH_TOKEN: u32 = 2;
 }
 
-/// Compare.CompareTarget and Compare.CompareResult values.
+/// Compare.CompareTarget values. (Compare.result is EQUAL, 0, proto3's default: never written.)
 const TARGET_CREATE: u64 = 1;
 const TARGET_MOD: u64 = 2;
-const RESULT_EQUAL: u64 = 0;
 
 // ---- encoding ----
 
@@ -155,7 +153,6 @@ pub fn txn(guard: Option<(&[u8], Guard)>, success: &[TxnOp], failure: &[TxnOp]) 
     framed(|out| {
         if let Some((key, guard)) = guard {
             message_field(out, field::TXN_COMPARE, |m| {
-                int_field(m, field::COMPARE_RESULT, RESULT_EQUAL as i64, false);
                 match guard {
                     Guard::Absent => {
                         int_field(m, field::COMPARE_TARGET, TARGET_CREATE as i64, true);

@@ -437,7 +437,7 @@ impl RequestFlow {
     /// The store answered `begin` after the request's stream had ended: nobody will forward it,
     /// so a claim it got is given back at once (the release to perform, and what to count when
     /// it is answered) rather than left to block retries until its lease ends.
-    pub fn answered_without_stream(&mut self, answer: &StoreAnswer) -> Option<(StoreOp, Settlement)> {
+    pub fn answered_without_stream(&mut self, answer: &StoreAnswer) -> Option<Settlement> {
         let Phase::AwaitingBegin { pending, .. } = std::mem::replace(&mut self.phase, Phase::Idle) else {
             return None;
         };
@@ -454,10 +454,24 @@ impl RequestFlow {
                     rule: pending.rule,
                     done: Counter::Released,
                 };
-                Some((StoreOp::Release(*claim), settlement))
+                Some(settlement)
             }
             _ => None,
         }
+    }
+
+    /// The store failed this flow's `begin` (or never answered it) after writing a claim that
+    /// may have landed: nobody will forward the request, so the claim is given back (what to
+    /// count when the release is answered), and the flow goes on to its fail mode.
+    pub fn unanswered_claim(&self, claim: Claim) -> Option<Settlement> {
+        let Phase::AwaitingBegin { pending, .. } = &self.phase else { return None };
+        log::debug!("#{} claim of key {} unanswered; giving it back", self.context_id, claim.scope.log_tag());
+        Some(Settlement {
+            context_id: self.context_id,
+            claim,
+            rule: Rc::clone(&pending.rule),
+            done: Counter::Released,
+        })
     }
 
     /// Takes the `complete`/`release` this flow is waiting for out of its hands, for someone

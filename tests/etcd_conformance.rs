@@ -286,6 +286,55 @@ mod over_grpc {
     idempotency_filter::conformance_suite!(EtcdWith<Grpc>);
 }
 
+/// A begin whose claim landed in etcd but whose answer was lost (Envoy's timeout, a reset):
+/// nobody forwards that request, so its claim is given back by its owner token (the claim's
+/// lease key) instead of blocking the key until its lease ends, and then, on a rule that refuses
+/// unknown outcomes, reading as one for the whole ttl. A late give-back never touches a claim
+/// that has become someone else's.
+fn an_unanswered_claim_is_given_back_by_its_owner<F: Flavor>() {
+    use idempotency_filter::store::StoreOp;
+    let b = EtcdWith::<F>::with_capacity(0);
+    let lost = F::worker(b.etcd.0.addr, settings(&b.prefix));
+    let other = b.worker(1);
+    let t = 1_000_000;
+    // A claim made moments ago: this worker has its leases, so a claim is one transaction.
+    claimed(lost.begin(&attempt(9, 1, 10, t)).unwrap());
+    let (answer, in_doubt) = lost.perform_losing(StoreOp::Begin(attempt(1, 1, 11, t)), t, Some(0));
+    assert!(matches!(answer, idempotency_filter::store::StoreAnswer::Begun(Err(StoreError::Unavailable(_)))));
+    let in_doubt = in_doubt.expect("the claim went out and its answer was lost");
+    // It landed: another Envoy's retry finds it in flight.
+    assert!(matches!(other.begin(&attempt(1, 1, 12, t + 10)).unwrap(), Begin::InFlight { .. }));
+    assert_eq!(lost.release(&in_doubt).unwrap(), Settled::Done);
+    // Given back: the retry claims the key at once, within what was the lease.
+    let retried = claimed(other.begin(&attempt(1, 1, 12, t + 20)).unwrap());
+    // The same give-back arriving late (tried again after a lost answer) finds another owner's
+    // claim, and leaves it.
+    assert_eq!(lost.release(&in_doubt).unwrap(), Settled::Done);
+    assert!(matches!(lost.begin(&attempt(1, 1, 13, t + 30)).unwrap(), Begin::InFlight { .. }));
+    assert_eq!(other.release(&retried).unwrap(), Settled::Done);
+
+    // A claim in doubt that another Envoy took over once its lease ended: the late give-back
+    // leaves the new owner's claim.
+    let (_, in_doubt) = lost.perform_losing(StoreOp::Begin(attempt(2, 1, 14, t)), t, Some(0));
+    let in_doubt = in_doubt.expect("the claim went out and its answer was lost");
+    b.let_claim_leases_end();
+    let later = t + idempotency_filter::store::conformance::LEASE;
+    let taken = other.begin(&attempt(2, 1, 15, later)).unwrap();
+    assert!(matches!(taken, Begin::TookOver(_)), "{taken:?}");
+    assert_eq!(lost.release(&in_doubt).unwrap(), Settled::Done);
+    assert!(matches!(lost.begin(&attempt(2, 1, 16, later + 10)).unwrap(), Begin::InFlight { .. }));
+}
+
+#[test]
+fn an_unanswered_claim_is_given_back_by_its_owner_over_the_gateway() {
+    an_unanswered_claim_is_given_back_by_its_owner::<Gateway>();
+}
+
+#[test]
+fn an_unanswered_claim_is_given_back_by_its_owner_over_grpc() {
+    an_unanswered_claim_is_given_back_by_its_owner::<over_grpc::Grpc>();
+}
+
 /// Auth against a real etcd: a role limited to the store's prefix, a token fetched on the first
 /// call, and a token etcd expired (simple tokens live `--auth-token-ttl` seconds) replaced once.
 #[test]

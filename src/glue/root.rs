@@ -191,13 +191,17 @@ impl<H: Host> Root<H> {
             (RootCall::Begin(begin), Ok(answer)) => {
                 converse_begin(&plugin, store.as_ref(), begin, Some(answer))
             }
-            (RootCall::Begin(begin), Err(error)) => begin_failed(&plugin, store.as_ref(), begin, error),
+            (RootCall::Begin(begin), Err(error)) => {
+                begin_failed(&plugin, store.as_ref(), begin, error, Sent::Yes)
+            }
             (RootCall::Settle(settle), Ok(answer)) => converse(&plugin, store.as_ref(), settle, Some(answer)),
             (RootCall::Settle(settle), Err(error)) => finish_settlement(&plugin, settle, Err(error)),
             (RootCall::Recheck(check), Ok(answer)) => {
                 converse_recheck(&plugin, store.as_ref(), check, Some(answer))
             }
-            (RootCall::Recheck(check), Err(error)) => recheck_failed(&plugin, store.as_ref(), check, error),
+            (RootCall::Recheck(check), Err(error)) => {
+                recheck_failed(&plugin, store.as_ref(), check, error, Sent::Yes)
+            }
             (RootCall::Detached(_), _) => {}
         }
         if store.take_woken() {
@@ -297,6 +301,14 @@ fn resolve_waiter<H: Host>(
     }
 }
 
+/// Whether a failed store operation's last call reached Envoy (so etcd may have applied it), or
+/// Envoy refused to make it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Sent {
+    Yes,
+    No,
+}
+
 /// Gives back a claim nobody will use (its request is gone or could not be resumed), through
 /// the remote store, counted as released when answered.
 fn release_unused<H: Host>(
@@ -307,9 +319,17 @@ fn release_unused<H: Host>(
     release: StoreOp,
 ) {
     let StoreOp::Release(claim) = release else { return };
-    let settlement = Settlement { context_id, claim, rule: Rc::clone(rule), done: Counter::Released };
+    give_back(
+        plugin,
+        store,
+        Settlement { context_id, claim, rule: Rc::clone(rule), done: Counter::Released },
+    );
+}
+
+/// Releases `settlement`'s claim from the root, tried again like any settlement.
+fn give_back<H: Host>(plugin: &PluginState<H>, store: &dyn RemoteStore, settlement: Settlement) {
     let settle = Box::new(RootSettlement {
-        conversation: store.start(release),
+        conversation: store.start(StoreOp::Release(settlement.claim)),
         settlement,
         holds_response: false,
         retry: None,
@@ -337,12 +357,12 @@ fn converse_recheck<H: Host>(
                     store.settings().cluster
                 );
                 let error = StoreError::Unavailable(format!("callout refused (host status {s})"));
-                recheck_failed(plugin, store, check, error);
+                recheck_failed(plugin, store, check, error, Sent::No);
             }
         },
         Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Recheck(check)),
         Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
-            recheck_failed(plugin, store, check, error)
+            recheck_failed(plugin, store, check, error, Sent::Yes)
         }
         Next::Done(answer) => {
             let w = plugin.room.borrow_mut().end_check(check.context_id);
@@ -363,13 +383,25 @@ fn converse_recheck<H: Host>(
     }
 }
 
-/// The store could not be used for a waiter's recheck: its fail mode decides.
+/// The store could not be used for a waiter's recheck: its fail mode decides. A claim the
+/// store may hold although its answer was lost (`Sent::Yes`) is given back first.
 fn recheck_failed<H: Host>(
     plugin: &PluginState<H>,
     store: &dyn RemoteStore,
     check: RootRecheck,
     error: StoreError,
+    sent: Sent,
 ) {
+    if sent == Sent::Yes {
+        if let Some(claim) = check.conversation.unanswered_claim() {
+            log::debug!(
+                "#{} recheck's claim of key {} unanswered; giving it back",
+                check.context_id,
+                claim.scope.log_tag()
+            );
+            release_unused(plugin, store, check.context_id, &check.rule, StoreOp::Release(claim));
+        }
+    }
     let w = plugin.room.borrow_mut().end_check(check.context_id);
     let Some(w) = w else { return }; // its client went away, and no claim is known to exist
     if plugin.host.set_effective_context(check.context_id).is_err() {
@@ -558,28 +590,20 @@ fn converse_begin<H: Host>(
                     store.settings().cluster
                 );
                 let error = StoreError::Unavailable(format!("callout refused (host status {s})"));
-                begin_failed(plugin, store, begin, error);
+                begin_failed(plugin, store, begin, error, Sent::No);
             }
         },
         Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Begin(begin)),
         Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
-            begin_failed(plugin, store, begin, error)
+            begin_failed(plugin, store, begin, error, Sent::Yes)
         }
         Next::Done(answer) => {
             if plugin.host.set_effective_context(begin.context_id).is_err() {
                 // The client went away while the store answered: nobody will forward the
                 // request, so a claim it got is given back now instead of blocking retries
                 // until its lease ends.
-                if let Some((op, settlement)) = begin.flow.answered_without_stream(&answer) {
-                    let conversation = store.start(op);
-                    let settle = Box::new(RootSettlement {
-                        conversation,
-                        settlement,
-                        holds_response: false,
-                        retry: None,
-                        then_reply: None,
-                    });
-                    converse(plugin, store, settle, None);
+                if let Some(settlement) = begin.flow.answered_without_stream(&answer) {
+                    give_back(plugin, store, settlement);
                 }
                 return;
             }
@@ -591,12 +615,21 @@ fn converse_begin<H: Host>(
 
 /// The store could not be used for a paused request's `begin`: the store's fail mode decides
 /// (a fail-open bypass is logged at most once a second per worker; it is counted every time).
+/// A claim the store may hold although its answer was lost (`Sent::Yes`) is given back first.
 fn begin_failed<H: Host>(
     plugin: &PluginState<H>,
     store: &dyn RemoteStore,
     mut begin: Box<RootBegin>,
     error: StoreError,
+    sent: Sent,
 ) {
+    if sent == Sent::Yes {
+        if let Some(settlement) =
+            begin.conversation.unanswered_claim().and_then(|c| begin.flow.unanswered_claim(c))
+        {
+            give_back(plugin, store, settlement);
+        }
+    }
     if plugin.host.set_effective_context(begin.context_id).is_err() {
         return; // its client went away, and no claim is known to exist
     }

@@ -5,7 +5,7 @@
 //! conversations in the conformance tests.
 
 use crate::config::etcd::{OnStoreError, Protocol};
-use crate::store::{StoreAnswer, StoreOp};
+use crate::store::{Claim, StoreAnswer, StoreOp};
 
 /// Where and how to reach the store, and what its failure means.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,6 +64,12 @@ pub trait Conversation {
     fn step(&mut self, answer: Option<Answer>, now_ms: u64) -> Next;
     /// The operation, to start it again in a new conversation.
     fn into_op(self: Box<Self>) -> StoreOp;
+    /// A begin that failed or is given up on: the claim the store may hold for it although
+    /// nobody will forward the request (its write went out and the answer was lost), for the
+    /// caller to release.
+    fn unanswered_claim(&self) -> Option<Claim> {
+        None
+    }
 }
 
 pub trait RemoteStore {

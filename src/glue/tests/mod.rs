@@ -110,14 +110,24 @@ pub(super) struct Scripted {
     pub(super) begins: Begins,
 }
 
-struct OneCall(StoreOp, Begins);
+/// A begin's call is its claim: once sent, it may have landed until a 200 says how it went.
+struct OneCall(StoreOp, Begins, bool);
 
 impl Conversation for OneCall {
     fn into_op(self: Box<Self>) -> StoreOp {
         self.0
     }
+    fn unanswered_claim(&self) -> Option<Claim> {
+        match &self.0 {
+            StoreOp::Begin(a) if self.2 => {
+                Some(Claim { scope: a.scope, owner: a.owner, locator: 0, written: None })
+            }
+            _ => None,
+        }
+    }
     fn step(&mut self, answer: Option<Answer>, _now_ms: u64) -> Next {
         let Some(answer) = answer else {
+            self.2 = true;
             return Next::Call(Request {
                 path: "/v3/kv/txn",
                 body: b"{}".to_vec(),
@@ -127,6 +137,7 @@ impl Conversation for OneCall {
         };
         let error = StoreError::Unavailable(format!("answer {:?}", answer.status));
         let ok = answer.status == Some(200);
+        self.2 = !ok;
         Next::Done(match &self.0 {
             StoreOp::Begin(a) if ok => {
                 StoreAnswer::Begun(Ok(self.1.borrow_mut().pop_front().unwrap_or(Begin::Claimed(Claim {
@@ -149,6 +160,6 @@ impl RemoteStore for Scripted {
     }
     fn start(&self, op: StoreOp) -> Box<dyn Conversation> {
         self.ops.borrow_mut().push(op.clone());
-        Box::new(OneCall(op, Rc::clone(&self.begins)))
+        Box::new(OneCall(op, Rc::clone(&self.begins), false))
     }
 }

@@ -172,6 +172,77 @@ fn a_timeout_fails_closed_and_a_late_answer_is_ignored() {
     assert_eq!((h.counter("claimed"), h.counter("store_error")), (0, 1));
 }
 
+/// The releases the store was asked for since `from`.
+fn releases(ops: &Rc<RefCell<Vec<StoreOp>>>, from: usize) -> usize {
+    ops.borrow()[from..].iter().filter(|op| matches!(op, StoreOp::Release(_))).count()
+}
+
+#[test]
+fn a_claim_whose_answer_was_lost_is_given_back_while_the_client_gets_503() {
+    // Envoy's timeout, or a failed callout: the claim's write went out and may have landed,
+    // yet nobody will forward the request. Left alone it would block the key until its lease
+    // ended, and then, on a rule that refuses unknown outcomes, read as one (502) for the ttl.
+    for (status, body) in [(Some("504"), &b"upstream request timeout"[..]), (None, &b""[..])] {
+        let h = host();
+        let (mut root, ops) = root_with_ops(&h, "etcd", OnStoreError::FailClosed);
+        let mut http = root.http_context(2);
+        let token = begin(&h, &mut root, &mut http).expect("a callout");
+        store_answers(&h, status, body);
+        root.on_http_call_response(token, body.len());
+        assert_store_unavailable(&h);
+        let [StoreOp::Begin(a), StoreOp::Release(claim)] = ops.borrow().clone()[..] else {
+            panic!("{:?}", ops.borrow())
+        };
+        assert_eq!((claim.scope, claim.owner), (a.scope, a.owner));
+        // Given back from the root, counted when the store answers.
+        let release = last_token(&h);
+        assert_ne!(release, token);
+        store_answers(&h, Some("200"), b"{}");
+        root.on_http_call_response(release, 2);
+        assert_eq!((h.counter("released"), h.counter("store_error")), (1, 1), "{status:?}");
+    }
+}
+
+#[test]
+fn an_unanswered_claim_is_given_back_failing_open_or_with_the_client_gone_and_tried_again() {
+    // Failing open: the request goes on unprotected; the claim nobody holds is given back.
+    let h = host();
+    let (mut root, ops) = root_with_ops(&h, "etcd", OnStoreError::FailOpen);
+    let mut http = root.http_context(2);
+    let token = begin(&h, &mut root, &mut http).expect("a callout");
+    store_answers(&h, Some("504"), b"");
+    root.on_http_call_response(token, 0);
+    assert_eq!(h.counter("store_bypassed"), 1);
+    assert_eq!(releases(&ops, 0), 1);
+    // The client left while the claim's answer was late.
+    let h = host();
+    let (mut root, ops) = root_with_ops(&h, "etcd", OnStoreError::FailClosed);
+    let mut http = root.http_context(2);
+    let token = begin(&h, &mut root, &mut http).expect("a callout");
+    http.on_log();
+    drop(http);
+    h.fail("set_effective_context", 2);
+    store_answers(&h, Some("504"), b"");
+    root.on_http_call_response(token, 0);
+    assert_eq!(releases(&ops, 0), 1);
+    // A release the store failed too is tried again, as any settlement.
+    store_answers(&h, Some("504"), b"");
+    root.on_http_call_response(last_token(&h), 0);
+    h.0.now_ms.set(h.0.now_ms.get() + 150);
+    root.on_tick();
+    assert_eq!(releases(&ops, 0), 2);
+}
+
+#[test]
+fn a_callout_envoy_refused_claimed_nothing_and_gives_nothing_back() {
+    let h = host();
+    let (mut root, ops) = root_with_ops(&h, "no-such-cluster", OnStoreError::FailClosed);
+    let mut http = root.http_context(2);
+    assert_eq!(begin(&h, &mut root, &mut http), None);
+    assert_store_unavailable(&h);
+    assert_eq!(releases(&ops, 0), 0, "{:?}", ops.borrow());
+}
+
 #[test]
 fn fail_open_forwards_unprotected_and_counts_every_bypass() {
     let h = host();

@@ -63,27 +63,39 @@ impl BlockingEtcd {
     /// Carries out `op` with the clock at `now_ms` (the op's own time: the suite's clock is
     /// virtual, and leases are granted relative to it).
     pub fn perform(&self, op: StoreOp, now_ms: u64) -> StoreAnswer {
+        self.perform_losing(op, now_ms, None).0
+    }
+
+    /// `perform`, except that the answer to call number `lose` (from 0), made for real, never
+    /// reaches the exchange (a failed callout, as Envoy reports a timeout or a reset); also the
+    /// claim the exchange then says may be in etcd (`Exchange::unanswered_claim`).
+    pub fn perform_losing(
+        &self,
+        op: StoreOp,
+        now_ms: u64,
+        lose: Option<usize>,
+    ) -> (StoreAnswer, Option<Claim>) {
         let mut exchange = self.store.start(op);
         let mut answer = None;
-        for _ in 0..MAX_CALLS {
+        for call in 0..MAX_CALLS {
             match exchange.step(&self.store, answer.take(), now_ms) {
-                Next::Done(done) => return done,
+                Next::Done(done) => return (done, exchange.unanswered_claim()),
                 // One exchange at a time: the token fetch is always this exchange's own.
                 Next::Wait => {
-                    return StoreAnswer::Settled(Err(StoreError::Unavailable(
-                        "waiting for a token no exchange fetches".into(),
-                    )))
+                    let waiting = StoreError::Unavailable("waiting for a token no exchange fetches".into());
+                    return (StoreAnswer::Settled(Err(waiting)), None);
                 }
                 Next::Call(Request { path, body, token, .. }) => {
                     self.calls.borrow_mut().push((path, token.is_some()));
-                    answer = Some(match &self.transport {
+                    let answered = match &self.transport {
                         Some(t) => t.call(self.addr, path, &body, token.as_deref()),
                         None => self.post(path, &body, token.as_deref()),
-                    });
+                    };
+                    answer = Some(if lose == Some(call) { Answer::default() } else { answered });
                 }
             }
         }
-        StoreAnswer::Settled(Err(StoreError::Unavailable("the exchange did not finish".into())))
+        (StoreAnswer::Settled(Err(StoreError::Unavailable("the exchange did not finish".into()))), None)
     }
 
     /// One HTTP/1.1 POST on a fresh connection. Any I/O failure is a failed callout (no status),

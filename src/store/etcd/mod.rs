@@ -65,7 +65,10 @@
 //!   settlement again. A claim without `written` (not made by this store) is read first (+1:
 //!   ownership, mod_revision == locator, same owner, processing).
 //! - release: 1: the same guarded txn deleting the record, its index keys and its lease key (a
-//!   failed guard is `Lost`).
+//!   failed guard is `Lost`). A claim whose begin failed after its txn went out
+//!   (`Exchange::unanswered_claim`, locator `UNANSWERED`) is released by a txn guarded by its
+//!   lease key holding its owner token (`Guard::Owner`); a failed guard is `Done`: nothing of
+//!   that owner is left.
 //! - With auth, +1 (`/v3/auth/authenticate`) on a worker's first call and whenever etcd refuses
 //!   the token (invalid, or older than an auth change: `wire::EtcdRefusal::InvalidToken`; then the
 //!   call is sent again, once). One fetch per worker at a time (`TokenFetch`): an exchange that
@@ -193,6 +196,7 @@ impl EtcdStore {
             pending_claim: None,
             refusal: None,
             probed: false,
+            unanswered: None,
         }
     }
 
@@ -214,6 +218,13 @@ impl EtcdStore {
         }
     }
 }
+
+/// `Claim::locator` of a claim whose transaction went out but whose answer never came (Envoy's
+/// timeout, a reset, an error after sending): etcd may have applied it, and its revision is
+/// unknown (etcd's revisions start at 1). Only a release carries it, guarded by the claim's
+/// lease key still holding its owner token: while it does, nobody has completed, marked or taken
+/// over the record (each needs that key gone or another owner's), so the record is that claim.
+pub const UNANSWERED: u64 = 0;
 
 /// Where an exchange is: which answer it waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -332,6 +343,9 @@ pub struct Exchange {
     refusal: Option<Begin>,
     /// The record was found absent by a `Probe`: grant the leases and claim.
     probed: bool,
+    /// A begin that failed after sending its claim's transaction (or an undo of it): the claim
+    /// etcd may hold, which nobody will forward (`unanswered_claim`).
+    unanswered: Option<Claim>,
 }
 
 /// What the exchange does next, inside `step`.
@@ -347,6 +361,18 @@ impl Exchange {
         self.op
     }
 
+    fn claim_in_doubt(&self) -> Option<Claim> {
+        let StoreOp::Begin(a) = &self.op else { return None };
+        let w = self.write.as_ref()?;
+        let claims = matches!(w.won, Won::Claimed | Won::TookOver) && w.claim_lease != 0;
+        match (self.stage, &w.record) {
+            (Stage::Write | Stage::Undo, Some((entry, _))) if claims => {
+                Some(Claim { scope: a.scope, owner: entry.owner, locator: UNANSWERED, written: Some(*entry) })
+            }
+            _ => None,
+        }
+    }
+
     /// First call with `answer: None`; afterwards with the answer to the last `Call`.
     pub fn step(&mut self, store: &EtcdStore, answer: Option<Answer>, now_ms: u64) -> Next {
         match self.advance(store, answer, now_ms) {
@@ -355,7 +381,23 @@ impl Exchange {
         }
     }
 
+    /// For a begin that failed, or that the caller gives up on while a call is out (Envoy's
+    /// timeout is never handed to the exchange): the claim that may be in etcd without anyone
+    /// knowing it, because its transaction (or the undo of one over its quota) was sent and no
+    /// usable answer came. Nobody forwards the request, so the caller gives it back
+    /// (`StoreOp::Release`, locator `UNANSWERED`) instead of letting it block the key until its
+    /// lease ends, and then, on a rule that refuses unknown outcomes, read as one for the ttl.
+    pub fn unanswered_claim(&self) -> Option<Claim> {
+        match self.stage {
+            Stage::Finished => self.unanswered,
+            _ => self.claim_in_doubt(),
+        }
+    }
+
     fn finish(&mut self, outcome: Result<Move, StoreError>) -> Next {
+        if outcome.is_err() {
+            self.unanswered = self.claim_in_doubt();
+        }
         self.stage = Stage::Finished;
         let error = match outcome {
             Ok(Move::Begun(b)) => return Next::Done(StoreAnswer::Begun(Ok(b))),
@@ -518,6 +560,12 @@ impl Exchange {
     /// wrote it) is one transaction guarded by the claim's revision: while it holds, the record
     /// is exactly that write. Otherwise the record is read first.
     fn settle_or_read(&mut self, store: &EtcdStore, claim: Claim, now_ms: u64) -> Result<Move, StoreError> {
+        if let (StoreOp::Release(_), UNANSWERED, Some(e)) = (&self.op, claim.locator, claim.written) {
+            if e.owner == claim.owner && e.scope == claim.scope {
+                let write = Write::new(Guard::Owner(claim.owner), None, store.index_keys(&e), Won::Settled);
+                return self.plan(write, store, now_ms);
+            }
+        }
         match (claim.written, i64::try_from(claim.locator)) {
             (Some(e), Ok(revision))
                 if e.owner == claim.owner && e.scope == claim.scope && !e.is_completed() =>
@@ -760,7 +808,12 @@ impl Exchange {
             // its earlier writes), the first two keys hold the soonest other one.
             ops.extend(quota_reads(store, a));
         }
-        Ok(Move::Call(wire::txn(store.protocol(), Some((&key, w.guard)), &ops, &on_failure), Stage::Write))
+        // An unanswered claim's release compares its lease key, the one key that says whose it is.
+        let guarded = if let Guard::Owner(_) = w.guard { store.lease_key(&scope) } else { key };
+        Ok(Move::Call(
+            wire::txn(store.protocol(), Some((&guarded, w.guard)), &ops, &on_failure),
+            Stage::Write,
+        ))
     }
 
     fn written(&mut self, store: &EtcdStore, txn: &wire::TxnAnswer, now_ms: u64) -> Result<Move, StoreError> {
@@ -807,6 +860,11 @@ impl Exchange {
                 Ok(Move::Settled(Settled::Done))
             }
             (_, true, _) => Ok(Move::Settled(Settled::Done)),
+            // An unanswered claim that never landed, or is no longer its owner's: nothing of its
+            // owner is left to give back.
+            (StoreOp::Release(_), false, _) if matches!(w.guard, Guard::Owner(_)) => {
+                Ok(Move::Settled(Settled::Done))
+            }
             // The claim's revision moved between our read and our write: no longer ours,
             // unless what moved it was an earlier try of this same completion.
             (op, false, _) => {

@@ -4,7 +4,7 @@
 
 use super::{EtcdStore, Exchange};
 use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore};
-use crate::store::StoreOp;
+use crate::store::{Claim, StoreOp};
 use std::rc::Rc;
 
 /// What the calls to etcd name as `:authority`: etcd reads no host (gateway or gRPC), but Go's
@@ -54,5 +54,8 @@ impl Conversation for EtcdConversation {
     }
     fn into_op(self: Box<Self>) -> StoreOp {
         self.exchange.into_op()
+    }
+    fn unanswered_claim(&self) -> Option<Claim> {
+        self.exchange.unanswered_claim()
     }
 }

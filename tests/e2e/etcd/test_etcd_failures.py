@@ -1,7 +1,7 @@
 """C19: when etcd cannot be used: stopped (fail_closed answers 503 store-unavailable and forwards
 nothing; fail_open forwards unprotected; both counted, and both recover when etcd is back
 without restarting Envoy), and slower than the store's `timeout` (503, and the claim the late
-write may have left behind blocks a retry for no longer than the lease). The stopped and slow
+write may have left behind is given back once etcd answers in time). The stopped and slow
 cases run with both store protocols (JSON gateway, gRPC): how a failure reaches the filter
 differs (an HTTP status, or a gRPC status in a trailers-only answer)."""
 
@@ -17,13 +17,17 @@ from harness import assert_problem, key_headers, new_key, retry_after_seconds
 
 BODY = b'{"item":"book","qty":1}'
 LEASE_S = 2
+PAY_LEASE_S = 5
 
 
 def filter_config(on_error: str, prefix: str, protocol: str = "json") -> dict:
     return {
         "store": harness.etcd_store(prefix=prefix, timeout="250ms", on_error=on_error, protocol=protocol),
         "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
-                    "processing_timeout": "%ds" % LEASE_S}],
+                    "processing_timeout": "%ds" % LEASE_S},
+                   # The payment setting: an unknown outcome is never executed again.
+                   {"name": "pay", "match": {"prefix": "/pay"}, "require_key": True,
+                    "processing_timeout": "%ds" % PAY_LEASE_S, "unknown_outcome": "refuse"}],
     }
 
 
@@ -31,10 +35,12 @@ def filter_config(on_error: str, prefix: str, protocol: str = "json") -> dict:
 FILTER_CONFIG = filter_config("fail_closed", "/e2e-failures/")
 
 
-def proxy(envoy_bin, filter_wasm, upstream, port, on_error, name, prefix="/e2e-failures/", protocol="json"):
+def proxy(envoy_bin, filter_wasm, upstream, port, on_error, name, prefix="/e2e-failures/", protocol="json",
+          **options):
     return harness.Envoy(
         envoy_bin, upstream.port, filter_config(on_error, prefix, protocol), wasm_path=filter_wasm,
         name=f"{name}-{protocol}", extra_clusters=[harness.etcd_cluster([port], grpc=protocol == "grpc")],
+        **options,
     ).start()
 
 
@@ -87,38 +93,43 @@ def test_etcd_stopped_fail_closed_refuses_fail_open_forwards_and_both_recover(bo
         assert p.post("/orders", BODY, key_headers(key)).replayed
 
 
-def test_etcd_slower_than_the_timeout_is_503_and_leaves_no_lasting_claim(
+def test_etcd_slower_than_the_timeout_is_503_and_the_claim_it_left_is_given_back(
         envoy_bin, filter_wasm, upstream, etcd, protocol):
-    """etcd gets the claim but its answer comes after `timeout`: 503, and the claim that landed
-    is nobody's. A retry within the lease sees it (409, retry-after within the lease); one
-    after the lease takes it over and executes, once."""
+    """etcd gets the claim but its answer comes after `timeout`: 503, and nothing is forwarded.
+    The claim that landed is nobody's, so the filter gives it back (by its owner token) as soon
+    as etcd keeps time again: a retry then executes, once, long before the lease would have
+    ended. On a rule that refuses unknown outcomes (the payment setting) the claim is never
+    mistaken for one: before, the retry after the lease got 502 outcome-unknown for the whole
+    ttl, for a payment that never ran."""
     delay = harness.DelayProxy(etcd.client_port, delay=0.0)
+    # One worker: the first request leaves it the leases a claim names, so the call that times
+    # out is the claim itself (a worker without them would read first, and claim nothing).
     slow = proxy(envoy_bin, filter_wasm, upstream, delay.port, "fail_closed", "slow",
-                 prefix=f"/e2e-slow-{protocol}/", protocol=protocol)
+                 prefix=f"/e2e-slow-{protocol}/", protocol=protocol, concurrency=1)
     try:
-        assert slow.post("/orders", BODY, key_headers(new_key())).status == 201
+        assert slow.post("/pay", BODY, key_headers(new_key())).status == 201
+        released = slow.idem("released")
         delay.delay = 0.6
         key = new_key()
         t0 = time.monotonic()
-        resp = slow.post("/orders", BODY, key_headers(key))
+        resp = slow.post("/pay", BODY, key_headers(key))
         assert_problem(resp, 503, "store-unavailable")
         assert time.monotonic() - t0 < 2, "answered at the timeout, not when etcd answered"
         assert upstream.executions(key) == 0
         delay.delay = 0.0
-        retry = slow.post("/orders", BODY, key_headers(key))
-        # The claim is one etcd transaction, so it landed: taken over once its lease has ended
-        # by this Envoy's clock and etcd has dropped its lease key (which outlives the lease by
-        # up to the claim-lease reuse window, 1 s, and 1 s of slack). Until then a retry gets
-        # 409; or 503 while etcd is still late: the proxy passes on what it already held one
-        # chunk per old delay, and over gRPC every call shares that one connection.
-        deadline = time.monotonic() + LEASE_S + 3
+        # The give-back is tried again until etcd takes it. Until then a retry gets 409 (the
+        # claim is there); or 503 while etcd is still late: the proxy passes on what it already
+        # held one chunk per old delay, and over gRPC every call shares that one connection.
+        deadline = t0 + PAY_LEASE_S
+        retry = slow.post("/pay", BODY, key_headers(key))
         while retry.status in (409, 503) and time.monotonic() < deadline:
-            if retry.status == 409:
-                assert retry_after_seconds(retry) <= LEASE_S
             time.sleep(0.2)
-            retry = slow.post("/orders", BODY, key_headers(key))
+            retry = slow.post("/pay", BODY, key_headers(key))
         assert retry.status == 201 and not retry.replayed, retry
+        assert time.monotonic() < deadline, "executed only once the lease had ended"
         assert upstream.executions(key) == 1
+        slow.wait_counter("released", released + 1)
+        assert slow.idem("unknown_refused") == 0
     finally:
         slow.stop()
         delay.close()

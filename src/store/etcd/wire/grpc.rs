@@ -37,6 +37,7 @@ mod field {
     pub const COMPARE_KEY: u32 = 3;
     pub const COMPARE_CREATE_REVISION: u32 = 5;
     pub const COMPARE_MOD_REVISION: u32 = 6;
+    pub const COMPARE_VALUE: u32 = 7;
     // TxnRequest, TxnResponse
     pub const TXN_COMPARE: u32 = 1;
     pub const TXN_SUCCESS: u32 = 2;
@@ -79,6 +80,7 @@ mod field {
 /// Compare.CompareTarget values. (Compare.result is EQUAL, 0, proto3's default: never written.)
 const TARGET_CREATE: u64 = 1;
 const TARGET_MOD: u64 = 2;
+const TARGET_VALUE: u64 = 3;
 
 // ---- encoding ----
 
@@ -164,6 +166,11 @@ pub fn txn(guard: Option<(&[u8], Guard)>, success: &[TxnOp], failure: &[TxnOp]) 
                         int_field(m, field::COMPARE_TARGET, TARGET_MOD as i64, true);
                         bytes_field(m, field::COMPARE_KEY, key);
                         int_field(m, field::COMPARE_MOD_REVISION, r, true);
+                    }
+                    Guard::Owner(owner) => {
+                        int_field(m, field::COMPARE_TARGET, TARGET_VALUE as i64, true);
+                        bytes_field(m, field::COMPARE_KEY, key);
+                        bytes_field(m, field::COMPARE_VALUE, &owner.to_be_bytes());
                     }
                 }
             });

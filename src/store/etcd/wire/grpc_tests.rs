@@ -92,6 +92,17 @@ fn a_guarded_write_a_delete_and_a_keys_only_range_are_encoded_as_etcd_reads_them
 }
 
 #[test]
+fn an_owner_guard_compares_the_value_as_etcd_reads_it() {
+    let body = txn(Some((b"l", Guard::Owner(11))), &[TxnOp::Delete { key: b"r".to_vec() }], &[]);
+    // compare{target VALUE, key, value = the owner token's 8 big-endian bytes}
+    // | success{request_delete_range{key}}
+    assert_eq!(
+        hex(&body),
+        "00 00 00 00 18 0a 0f 10 03 1a 01 6c 3a 08 00 00 00 00 00 00 00 0b 12 05 1a 03 0a 01 72"
+    );
+}
+
+#[test]
 fn a_transaction_answer_is_read_with_its_ranges_and_revision() {
     let answer = message(|m| {
         header(m, field::TXN_HEADER, 42);

@@ -172,13 +172,21 @@ pub fn txn(guard: Option<(&[u8], Guard)>, success: &[TxnOp], failure: &[TxnOp]) 
     if let Some((key, guard)) = guard {
         out.push(b'{');
         field_b64(&mut out, "key", key);
-        let (target, field, revision) = match guard {
-            Guard::Absent => ("CREATE", "create_revision", 0),
-            Guard::ModRevision(r) => ("MOD", "mod_revision", r),
+        let revision = |out: &mut Vec<u8>, target: &str, field: &str, revision: i64| {
+            out.extend_from_slice(
+                format!(",\"target\":\"{target}\",\"result\":\"EQUAL\",\"{field}\":\"{revision}\"}}")
+                    .as_bytes(),
+            )
         };
-        out.extend_from_slice(
-            format!(",\"target\":\"{target}\",\"result\":\"EQUAL\",\"{field}\":\"{revision}\"}}").as_bytes(),
-        );
+        match guard {
+            Guard::Absent => revision(&mut out, "CREATE", "create_revision", 0),
+            Guard::ModRevision(r) => revision(&mut out, "MOD", "mod_revision", r),
+            Guard::Owner(owner) => {
+                out.extend_from_slice(b",\"target\":\"VALUE\",\"result\":\"EQUAL\",");
+                field_b64(&mut out, "value", &owner.to_be_bytes());
+                out.push(b'}');
+            }
+        }
     }
     out.extend_from_slice(b"],\"success\":");
     ops_json(&mut out, success);

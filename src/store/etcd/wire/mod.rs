@@ -111,11 +111,13 @@ pub enum TxnOp {
     },
 }
 
-/// What a transaction compares: the record key's create revision (0: absent) or mod revision.
+/// What a transaction compares on its key: the create revision (0: absent), the mod revision,
+/// or (on a claim's lease key) the value being this owner token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Guard {
     Absent,
     ModRevision(i64),
+    Owner(u64),
 }
 
 /// A call to etcd, encoded: POST `body` to `path`.

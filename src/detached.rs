@@ -323,8 +323,8 @@ mod tests {
     }
 
     #[test]
-    fn a_released_status_releases_and_an_unknown_outcome_keeps_the_claim() {
-        let r = rule("");
+    fn a_released_status_releases_and_on_a_takeover_rule_an_unknown_outcome_keeps_the_claim() {
+        let r = rule(r#","unknown_outcome":"takeover""#);
         let out = outcome(&r, CLAIM, Answer::Answered { status: 503, headers: vec![], body: vec![] }, 0);
         assert_eq!(
             (out.op, out.done, out.reply.status),
@@ -338,8 +338,8 @@ mod tests {
     }
 
     #[test]
-    fn with_refuse_an_unknown_outcome_is_completed_at_once() {
-        let r = rule(r#","unknown_outcome":"refuse""#);
+    fn by_default_an_unknown_outcome_is_completed_at_once() {
+        let r = rule("");
         for (timed_out, status) in [(true, 504), (false, 502)] {
             let out = outcome(&r, CLAIM, Answer::Unknown { timed_out }, 40);
             let completion = Completion::outcome_unknown(40, r.ttl_ms);

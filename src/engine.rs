@@ -739,9 +739,18 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn expired_lease_is_taken_over() {
+    fn an_expired_lease_is_an_unknown_outcome_unless_the_rule_takes_it_over() {
+        // The default: the claim's Envoy never said how it went, so it may have executed.
         let w = World::new();
         let p = pending(&[("idempotency-key", "k")]);
+        forward(w.decide(&p, b"x", 0, 1));
+        let (r, counter) = reply(w.decide(&p, b"x", 30_000, 2));
+        assert_eq!((r.status, counter), (502, Counter::UnknownRefused));
+        // A rule where a repeat is harmless says so, and the retry executes again.
+        let w = World::new();
+        let mut p = pending(&[("idempotency-key", "k")]);
+        p.rule =
+            Rc::new(Rule { unknown_outcome: crate::config::UnknownOutcome::Takeover, ..(*p.rule).clone() });
         forward(w.decide(&p, b"x", 0, 1));
         match w.decide(&p, b"x", 30_000, 2) {
             Decision::Forward { counter, .. } => assert_eq!(counter, Counter::TakenOver),

@@ -756,7 +756,8 @@ mod tests {
     use std::collections::HashMap;
 
     const CONFIG: &str = r#"{"routes":[
-        {"name":"orders","match":{"prefix":"/orders"},"require_key":true,"max_response_bytes":8},
+        {"name":"orders","match":{"prefix":"/orders"},"require_key":true,"max_response_bytes":8,
+         "unknown_outcome":"takeover"},
         {"name":"waits","match":{"prefix":"/wait"},"require_key":true,"concurrent":"wait"},
         {"name":"pay","match":{"prefix":"/pay"},"require_key":true,"unknown_outcome":"refuse",
          "processing_timeout":"1s"},
@@ -1204,8 +1205,8 @@ mod tests {
 
     #[test]
     fn takeover_keeps_an_unknown_outcome_in_flight_until_its_lease_ends() {
-        // The default, unchanged: nothing is written, a retry gets 409, and after the lease it
-        // takes the record over.
+        // A rule with `"unknown_outcome": "takeover"`: nothing is written, a retry gets 409, and
+        // after the lease it takes the record over.
         let w = World::new();
         let mut facts = Facts::post("/orders", "k", b"x").local_reply("response_timeout", 0x4, "10.0.0.1:80");
         let mut flow = RequestFlow::new(1);

@@ -120,13 +120,15 @@ mod tests {
     use super::*;
     use crate::config::parse;
 
+    /// A rule with `"unknown_outcome": "takeover"` (most plans are the same for both values).
     fn rule() -> Rule {
-        let cfg = parse(br#"{"routes":[{"name":"r","match":{"prefix":"/"}}]}"#).unwrap();
-        (*cfg.rules[0]).clone()
+        Rule { unknown_outcome: UnknownOutcome::Takeover, ..refusing() }
     }
 
+    /// The default rule: unknown outcomes are refused.
     fn refusing() -> Rule {
-        Rule { unknown_outcome: UnknownOutcome::Refuse, ..rule() }
+        let cfg = parse(br#"{"routes":[{"name":"r","match":{"prefix":"/"}}]}"#).unwrap();
+        (*cfg.rules[0]).clone()
     }
 
     fn sent(details: Option<&str>, flags: u64) -> StreamReport<'_> {

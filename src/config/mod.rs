@@ -417,8 +417,8 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
     let execution = execution(o, path, processing_timeout_ms)?;
     let unknown_outcome =
         match optional(o, path, "unknown_outcome", |v, f| string(v, f).map(str::to_owned))?.as_deref() {
-            None | Some("takeover") => UnknownOutcome::Takeover,
-            Some("refuse") => UnknownOutcome::Refuse,
+            Some("takeover") => UnknownOutcome::Takeover,
+            None | Some("refuse") => UnknownOutcome::Refuse,
             Some(other) => {
                 return Err(err(
                     &key(path, "unknown_outcome"),

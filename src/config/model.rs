@@ -42,10 +42,10 @@ pub struct Config {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum UnknownOutcome {
     /// The record stays in flight until `processing_timeout` ends; then a retry takes it over
-    /// and executes again (the default: for routes where a repeat is tolerable).
+    /// and executes again (only for routes where a second execution is harmless).
     Takeover,
     /// The record is completed at once as "outcome unknown": every retry within the ttl gets
-    /// 502 `outcome-unknown` and is never executed (for payment-like routes).
+    /// 502 `outcome-unknown` and is never executed (the default: at most one execution per key).
     Refuse,
 }
 

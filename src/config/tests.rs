@@ -49,7 +49,7 @@ fn default_rule(name: &str, path: PathMatch) -> Rule {
         replay_exclude_headers: vec![],
         concurrency: Concurrency::Reject,
         execution: Execution::Inline,
-        unknown_outcome: UnknownOutcome::Takeover,
+        unknown_outcome: UnknownOutcome::Refuse,
     }
 }
 
@@ -394,9 +394,11 @@ fn minimal_config_yields_all_defaults() {
 }
 
 #[test]
-fn unknown_outcome_defaults_to_takeover_and_takes_both_values() {
+fn unknown_outcome_defaults_to_refuse_and_takes_both_values() {
+    // At most one execution per key unless the operator says a repeat is harmless: the old
+    // default, takeover, executed a timed-out payment again once its lease ended.
     let default = only_rule(r#"{"routes":[{"name":"a","match":{"prefix":"/"}}]}"#);
-    assert_eq!(default.unknown_outcome, UnknownOutcome::Takeover);
+    assert_eq!(default.unknown_outcome, UnknownOutcome::Refuse);
     let cases = [("takeover", UnknownOutcome::Takeover), ("refuse", UnknownOutcome::Refuse)];
     for (value, expected) in cases {
         let json = rule_json(&format!(r#""unknown_outcome":"{value}""#));
@@ -404,12 +406,12 @@ fn unknown_outcome_defaults_to_takeover_and_takes_both_values() {
     }
     // Per rule: one rule's choice is not another's.
     let cfg = parse_str(
-        r#"{"routes":[{"name":"pay","match":{"prefix":"/pay"},"unknown_outcome":"refuse"},
-            {"name":"search","match":{"prefix":"/"}}]}"#,
+        r#"{"routes":[{"name":"search","match":{"prefix":"/search"},"unknown_outcome":"takeover"},
+            {"name":"pay","match":{"prefix":"/"}}]}"#,
     )
     .unwrap();
-    assert_eq!(cfg.rules[0].unknown_outcome, UnknownOutcome::Refuse);
-    assert_eq!(cfg.rules[1].unknown_outcome, UnknownOutcome::Takeover);
+    assert_eq!(cfg.rules[0].unknown_outcome, UnknownOutcome::Takeover);
+    assert_eq!(cfg.rules[1].unknown_outcome, UnknownOutcome::Refuse);
     // The error names the field and the accepted values.
     let e = parse_str(&rule_json(r#""unknown_outcome":"retry""#)).unwrap_err();
     assert_eq!(

@@ -139,22 +139,23 @@ fn a_client_gone_before_the_answer_still_has_its_answer_recorded() {
 }
 
 #[test]
-fn upstream_timeout_is_an_unknown_outcome_a_5xx_and_the_claim_stays() {
+fn upstream_timeout_is_an_unknown_outcome_a_5xx_and_never_executed_again() {
     let h = host();
     let mut root = root(&h);
     let (_http, call) = posted(&h, &mut root, 2, "k3");
     h.0.now_ms.set(1_000 + 4_000);
     times_out(&h);
     root.on_http_call_response(token(&call), 24);
-    assert_eq!((h.counter("kept_unknown"), h.counter("stored")), (1, 0));
+    assert_eq!((h.counter("outcome_unknown"), h.counter("stored")), (1, 0));
     let sent = sent_to(&h, 2);
     assert!(
         matches!(sent.as_slice(), [(504, _, body)] if String::from_utf8_lossy(body).contains("outcome-unknown"))
     );
-    // A retry at once gets 409, never a second execution.
+    // A retry at once gets 502 outcome-unknown (the default, unknown_outcome: refuse), never a
+    // second execution.
     let (_, none) = posted(&h, &mut root, 3, "k3");
     assert!(none.is_none());
-    assert!(matches!(sent_to(&h, 3).as_slice(), [(409, _, _)]));
+    assert!(matches!(sent_to(&h, 3).as_slice(), [(502, _, _)]));
     // An upstream's own 504, sooner than the timeout, is its answer (released, by default).
     let (_, call) = posted(&h, &mut root, 4, "k4");
     answers(&h, "504", b"busy");

@@ -9,14 +9,15 @@ use crate::glue::fake_host::{Call, FakeHost};
 use crate::glue::http::Http;
 use crate::glue::root::Root;
 
+/// A route with `unknown_outcome: "takeover"`.
 const CONFIG: &str = r#"{"store":{"type":"local","capacity":64},"routes":[
     {"name":"pay","match":{"prefix":"/pay"},"require_key":true,"execution":"detached",
-     "processing_timeout":"10s","upstream_timeout":"4s"}]}"#;
-/// The same route with `unknown_outcome: "refuse"`: then no answer at all (Envoy's timeout)
-/// never executes twice either.
+     "processing_timeout":"10s","upstream_timeout":"4s","unknown_outcome":"takeover"}]}"#;
+/// The same route with the default `unknown_outcome`, refuse: then no answer at all (Envoy's
+/// timeout) never executes twice either.
 const REFUSE: &str = r#"{"store":{"type":"local","capacity":64},"routes":[
     {"name":"pay","match":{"prefix":"/pay"},"require_key":true,"execution":"detached",
-     "processing_timeout":"10s","upstream_timeout":"4s","unknown_outcome":"refuse"}]}"#;
+     "processing_timeout":"10s","upstream_timeout":"4s"}]}"#;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Event {

@@ -1,6 +1,7 @@
 """C10, C13, C8: a retry while the original runs gets 409 with an integer `retry-after` (C10);
-parallel identical requests across workers execute once (C8); a router timeout keeps the record
-until its lease ends, then a retry takes it over (C13); problem replies are never stored."""
+parallel identical requests across workers execute once (C8); on a `takeover` rule a router
+timeout keeps the record until its lease ends, then a retry takes it over (C13); problem replies
+are never stored."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ FILTER_CONFIG = {
         {"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
          "processing_timeout": "30s"},
         # A short lease. Envoy's route timeout for /leased is 0.5s (below), so an upstream that
-        # takes longer makes the router answer 504: the outcome is unknown and the record must
-        # stay PROCESSING until the lease runs out.
+        # takes longer makes the router answer 504: the outcome is unknown and, on this takeover
+        # rule, the record must stay PROCESSING until the lease runs out.
         {"name": "leased", "match": {"prefix": "/leased"}, "require_key": True,
-         "processing_timeout": "2s"},
+         "processing_timeout": "2s", "unknown_outcome": "takeover"},
     ],
 }
 ENVOY_OPTIONS = {

@@ -25,7 +25,7 @@ FILTER_CONFIG = {
         {"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
          "max_response_bytes": MAX_RESPONSE},
         {"name": "unreachable", "match": {"prefix": "/unreachable"}, "require_key": True},
-        # a short lease: after it, today's filter lets a retry take over an unknown outcome
+        # a short lease: after it, a takeover rule lets a retry take over an unknown outcome
         {"name": "short-lease", "match": {"prefix": "/short-lease"}, "require_key": True,
          "max_response_bytes": MAX_RESPONSE, "processing_timeout": "%ds" % LEASE_S},
     ],
@@ -202,17 +202,17 @@ def test_response_over_the_limit_with_trailers(envoy, upstream):
     assert upstream.executions(key) == 1
 
 
-def test_upstream_reset_before_headers_keeps_the_record(envoy, upstream):
+def test_upstream_reset_before_headers_is_an_unknown_outcome(envoy, upstream):
     # The upstream got the request and dropped the connection: it may have executed, so the
-    # outcome is unknown and the record waits for its lease (never a stored 503, never released).
+    # outcome is unknown (never a stored 503, never released): by default the record is
+    # completed as such, and a retry gets 502 outcome-unknown, never a second execution.
     key = new_key()
-    unknown = envoy.idem("kept_unknown")
+    unknown = envoy.idem("outcome_unknown")
     first = _post(envoy, key, x_reset="before-headers")
     assert first.status == 503 and not first.replayed, first
-    again = _post(envoy, key)
-    assert_problem(again, 409, "request-in-flight")
+    envoy.wait_counter("outcome_unknown", unknown + 1)
+    assert_problem(_post(envoy, key), 502, "outcome-unknown")
     assert upstream.executions(key) == 1
-    envoy.wait_counter("kept_unknown", unknown + 1)
 
 
 def _past_the_lease(since: float) -> None:
@@ -244,14 +244,15 @@ def test_upstream_reset_mid_body_is_never_executed_again(envoy, upstream):
     _assert_not_stored_201(_post(envoy, key, path="/short-lease"))
     assert upstream.executions(key) == 1
 
-def test_client_gone_while_the_upstream_works_keeps_the_record(envoy, upstream):
+def test_client_gone_while_the_upstream_works_is_an_unknown_outcome(envoy, upstream):
     key = new_key()
+    unknown = envoy.idem("outcome_unknown")
     data = build_request("POST", "/orders", [("content-type", "application/json"),
                                              ("idempotency-key", key),
                                              ("x-delay-ms", "1000")], BODY)
     harness.leave_while_upstream_works(envoy.port, upstream, key, data)
-    again = _post(envoy, key)
-    assert_problem(again, 409, "request-in-flight")
+    envoy.wait_counter("outcome_unknown", unknown + 1)
+    assert_problem(_post(envoy, key), 502, "outcome-unknown")
     assert upstream.executions(key) == 1
 
 

@@ -1,11 +1,11 @@
 """C16, C13, C20: `routes[].unknown_outcome`. When the outcome of a forwarded request cannot
 be known (the route timeout passed, the client left while the upstream worked), a rule with
-`"refuse"` completes the record at once as "outcome unknown": every retry with the key, at once
-and after the lease, gets 502 `outcome-unknown` and the upstream never executes it again. With
-the default, `"takeover"`, the record stays in flight (409) until its lease ends and a retry
-then executes again, as before. A detached call without an answer within its
-`upstream_timeout` follows the same rule. Both stores: the local store and etcd (a real etcd started
-here), whose completion the worker's root writes.
+`"refuse"`, the default, completes the record at once as "outcome unknown": every retry with the
+key, at once and after the lease, gets 502 `outcome-unknown` and the upstream never executes it
+again. With `"takeover"` (for routes where a repeat is harmless) the record stays in flight (409)
+until its lease ends and a retry then executes again. A detached call without an answer within
+its `upstream_timeout` follows the same rule. Both stores: the local store and etcd (a real etcd
+started here), whose completion the worker's root writes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def filter_config(store: dict) -> dict:
         "store": store,
         "routes": [
             dict(rule, name="pay", match={"prefix": "/pay"}, unknown_outcome="refuse"),
-            dict(rule, name="orders", match={"prefix": "/orders"}),  # the default: takeover
+            dict(rule, name="orders", match={"prefix": "/orders"}, unknown_outcome="takeover"),
+            dict(rule, name="charges", match={"prefix": "/charges"}),  # the default
             # What docs/CONTRACT.md recommends for payments: both (see Detached execution).
             dict(rule, name="dpay", match={"prefix": "/dpay"}, unknown_outcome="refuse",
                  execution="detached", upstream_timeout="2s"),
@@ -72,7 +73,7 @@ def _counts(envoy) -> dict:
         "kept_unknown": envoy.idem("kept_unknown"),
     } | {
         "%s.%s" % (rule, outcome): _route_counter(envoy, rule, outcome)
-        for rule in ("pay", "dpay")
+        for rule in ("pay", "dpay", "charges")
         for outcome in ("outcome_unknown", "unknown_refused")
     }
 
@@ -139,7 +140,18 @@ def test_refuse_after_a_detached_call_got_no_answer(envoy, upstream):
     _refused_at_once_and_after_the_lease(envoy, upstream, key, since, before, path="/dpay")
 
 
-def test_takeover_the_default_is_unchanged(envoy, upstream):
+def test_the_default_refuses_after_a_route_timeout(envoy, upstream):
+    # The seed's double charge: a gateway timeout, then the client's retry after the lease
+    # executed the payment again. By default now it never does.
+    key = new_key()
+    before = _counts(envoy)
+    since = time.monotonic()
+    first = envoy.post("/charges", BODY, key_headers(key, x_delay_ms=SLOW_MS))
+    assert first.status == 504 and not first.replayed, first
+    _refused_at_once_and_after_the_lease(envoy, upstream, key, since, before, path="/charges")
+
+
+def test_takeover_executes_again_after_the_lease(envoy, upstream):
     # The record waits for its lease (409), then a retry takes it over and executes again.
     key = new_key()
     kept, taken = envoy.idem("kept_unknown"), envoy.idem("taken_over")

@@ -1,10 +1,10 @@
 """C13, C16 when the Envoy that claimed a key dies while its request is upstream: no outcome is
 ever written, the claim's lease ends in etcd, and a retry lands on another Envoy of the fleet.
 
-On a rule with `unknown_outcome: "refuse"` (the payment configuration) the retry gets 502
+On a rule with `unknown_outcome: "refuse"` (the default, written out here) the retry gets 502
 `outcome-unknown`, and so does every later one: the upstream may have executed, so the key is
-never executed again. On a takeover rule (the default) the retry takes the record over and the
-upstream executes it a second time, as C13 says. Envoy a is killed with SIGKILL: no callback,
+never executed again. On a `takeover` rule the retry takes the record over and the upstream
+executes it a second time, as C13 says. Envoy a is killed with SIGKILL: no callback,
 no drain, nothing written.
 """
 
@@ -26,7 +26,7 @@ FILTER_CONFIG = {
         {"name": "pay", "match": {"prefix": "/pay"}, "require_key": True,
          "unknown_outcome": "refuse", "processing_timeout": "2s"},
         {"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
-         "processing_timeout": "2s"},
+         "processing_timeout": "2s", "unknown_outcome": "takeover"},
     ],
 }
 

@@ -1,4 +1,6 @@
-"""C18: abandoned claims are evicted first. capacity 8 is exactly one bucket of 8 entries.
+"""C18: on a `takeover` rule, abandoned claims are evicted first. capacity 8 is exactly one
+bucket of 8 entries. (On a rule that refuses unknown outcomes, the default, these records are
+completed as outcome unknown and kept for their ttl.)
 
 Eight claims whose outcome is unknown (`x-reset: before-headers`: the upstream got the request
 and dropped the connection) stay PROCESSING for their lease (processing_timeout 2s). While the
@@ -22,7 +24,7 @@ FILTER_CONFIG = {
     "store": {"type": "local", "capacity": 8},
     "quota": {"per_tenant": 8, "per_principal": 8},
     "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
-                "ttl": "1h", "processing_timeout": "%ds" % LEASE_S}],
+                "ttl": "1h", "processing_timeout": "%ds" % LEASE_S, "unknown_outcome": "takeover"}],
 }
 
 BODY = b'{"qty":1}'

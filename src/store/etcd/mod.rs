@@ -99,6 +99,7 @@ mod keys;
 mod leases;
 mod quota;
 pub mod remote;
+pub mod watch;
 mod wire;
 
 use std::cell::RefCell;

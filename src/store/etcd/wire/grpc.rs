@@ -75,6 +75,22 @@ mod field {
     pub const AUTH_NAME: u32 = 1;
     pub const AUTH_PASSWORD: u32 = 2;
     pub const AUTH_TOKEN: u32 = 2;
+    // WatchRequest, WatchCreateRequest, WatchCancelRequest
+    pub const WATCH_CREATE: u32 = 1;
+    pub const WATCH_CANCEL: u32 = 2;
+    pub const WATCH_CREATE_KEY: u32 = 1;
+    pub const WATCH_CANCEL_ID: u32 = 1;
+    // WatchResponse, mvccpb.Event
+    pub const WATCHED_HEADER: u32 = 1;
+    pub const WATCHED_ID: u32 = 2;
+    pub const WATCHED_CREATED: u32 = 3;
+    pub const WATCHED_CANCELED: u32 = 4;
+    pub const WATCHED_CANCEL_REASON: u32 = 6;
+    pub const WATCHED_EVENTS: u32 = 11;
+    // Envoy's GrpcService and its EnvoyGrpc (envoy.config.core.v3)
+    pub const SERVICE_ENVOY_GRPC: u32 = 1;
+    pub const ENVOY_GRPC_CLUSTER: u32 = 1;
+    pub const ENVOY_GRPC_AUTHORITY: u32 = 2;
 }
 
 /// Compare.CompareTarget values. (Compare.result is EQUAL, 0, proto3's default: never written.)
@@ -413,6 +429,77 @@ pub fn read_token(message: &[u8]) -> Result<String, EtcdRefusal> {
         }
     }
     Some(token).filter(|t| !t.is_empty()).ok_or_else(|| malformed("token"))
+}
+
+// ---- Watch: a stream, whose messages Envoy frames and unframes itself ----
+
+pub const WATCH_SERVICE: &str = "etcdserverpb.Watch";
+pub const WATCH_METHOD: &str = "Watch";
+
+/// How Envoy is asked to open a gRPC stream (`proxy_grpc_stream`): a serialized `GrpcService`
+/// naming the cluster and the `:authority` (etcd's server refuses an invalid one, such as an
+/// Istio cluster name).
+pub fn envoy_grpc_service(cluster: &str, authority: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(cluster.len() + authority.len() + 8);
+    message_field(&mut out, field::SERVICE_ENVOY_GRPC, |m| {
+        bytes_field(m, field::ENVOY_GRPC_CLUSTER, cluster.as_bytes());
+        bytes_field(m, field::ENVOY_GRPC_AUTHORITY, authority.as_bytes());
+    });
+    out
+}
+
+/// A watch on one key from now on (every put and delete of it).
+pub fn watch_create(key: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(key.len() + 8);
+    message_field(&mut out, field::WATCH_CREATE, |m| bytes_field(m, field::WATCH_CREATE_KEY, key));
+    out
+}
+
+/// The end of the watch `id` (a oneof member: written even when its id is 0, the first id).
+pub fn watch_cancel(id: i64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(16);
+    message_field(&mut out, field::WATCH_CANCEL, |m| int_field(m, field::WATCH_CANCEL_ID, id, false));
+    out
+}
+
+/// One message of the Watch stream: a watch created or canceled, or events on a watch.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct WatchAnswer {
+    pub id: i64,
+    pub created: bool,
+    pub canceled: bool,
+    pub cancel_reason: String,
+    /// How many events it carries (what they are does not matter: any change of the record is
+    /// a reason for its waiters to look at it).
+    pub events: usize,
+}
+
+pub fn read_watch(message: &[u8]) -> Result<WatchAnswer, EtcdRefusal> {
+    let mut answer = WatchAnswer::default();
+    let mut header = false;
+    for f in fields(message) {
+        match f? {
+            (field::WATCHED_HEADER, v) => {
+                revision(as_bytes(&v, "header")?)?;
+                header = true;
+            }
+            (field::WATCHED_ID, v) => answer.id = as_i64(&v, "watch_id")?,
+            (field::WATCHED_CREATED, v) => answer.created = as_i64(&v, "created")? != 0,
+            (field::WATCHED_CANCELED, v) => answer.canceled = as_i64(&v, "canceled")? != 0,
+            (field::WATCHED_CANCEL_REASON, v) => {
+                answer.cancel_reason = String::from_utf8_lossy(as_bytes(&v, "cancel_reason")?).into_owned()
+            }
+            (field::WATCHED_EVENTS, v) => {
+                as_bytes(&v, "events")?;
+                answer.events += 1;
+            }
+            _ => {}
+        }
+    }
+    if !header {
+        return Err(malformed("header revision"));
+    }
+    Ok(answer)
 }
 
 #[cfg(test)]

@@ -12,6 +12,9 @@ use crate::store::remote::Answer;
 use crate::store::StoreError;
 
 pub use crate::config::etcd::Protocol;
+pub use grpc::{
+    envoy_grpc_service, read_watch, watch_cancel, watch_create, WatchAnswer, WATCH_METHOD, WATCH_SERVICE,
+};
 
 /// gRPC status codes etcd reports (in `grpc-status`, or the gateway's error bodies).
 const CODE_INVALID_ARGUMENT: i64 = 3;

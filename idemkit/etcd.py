@@ -256,6 +256,17 @@ class DelayProxy:
                 except OSError:
                     pass
 
+    def drop_connections(self) -> None:
+        """Cuts every connection made so far (as a crashed etcd or a network cut does); new
+        ones are still accepted."""
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def close(self) -> None:
         self._closed.set()
         try:

@@ -166,6 +166,29 @@ pub extern "C" fn proxy_on_http_call_response(
     with_root(context_id, (), |root| root.on_http_call_response(token, body_size))
 }
 
+/// Only roots open gRPC streams (the etcd watch, glue/root.rs): the same routing.
+#[no_mangle]
+pub extern "C" fn proxy_on_grpc_receive_initial_metadata(_context_id: u32, _token: u32, _num_headers: usize) {
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_grpc_receive(context_id: u32, token: u32, message_size: usize) {
+    with_root(context_id, (), |root| root.on_grpc_receive(token, message_size))
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_grpc_receive_trailing_metadata(
+    _context_id: u32,
+    _token: u32,
+    _num_trailers: usize,
+) {
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_grpc_close(context_id: u32, token: u32, status_code: u32) {
+    with_root(context_id, (), |root| root.on_grpc_close(token, status_code))
+}
+
 #[no_mangle]
 pub extern "C" fn proxy_on_request_headers(context_id: u32, _num_headers: usize, end_of_stream: u32) -> u32 {
     with_stream(context_id, |http| http.on_request_headers(end_of_stream != 0))

@@ -49,6 +49,21 @@ pub enum Call {
     },
     /// `proxy_done`: a root that had asked to wait is finished.
     Done,
+    /// A gRPC stream opened (Envoy gives it to the root context, whichever context is the
+    /// effective one: proxy-wasm's grpc_stream takes `root_context()`).
+    GrpcStream {
+        token: u32,
+        service: Vec<u8>,
+        method: String,
+        metadata: Vec<(String, Vec<u8>)>,
+    },
+    GrpcSend {
+        token: u32,
+        message: Vec<u8>,
+    },
+    GrpcCancel {
+        token: u32,
+    },
 }
 
 #[derive(Default)]
@@ -61,6 +76,8 @@ pub struct Inner {
     pub response_headers: RefCell<Vec<(String, Vec<u8>)>>,
     pub response_body: RefCell<Vec<u8>>,
     pub properties: RefCell<HashMap<String, Vec<u8>>>,
+    /// The message `on_grpc_receive` reads.
+    pub grpc_message: RefCell<Vec<u8>>,
     /// The answer `on_http_call_response` reads (headers, body).
     pub call_response_headers: RefCell<Vec<(String, Vec<u8>)>>,
     pub call_response_trailers: RefCell<Vec<(String, Vec<u8>)>>,
@@ -224,6 +241,7 @@ impl Host for FakeHost {
             super::BUFFER_PLUGIN_CONFIGURATION => self.0.config.borrow().clone(),
             super::BUFFER_REQUEST_BODY => self.0.request_body.borrow().clone(),
             super::BUFFER_HTTP_CALL_RESPONSE_BODY => self.0.call_response_body.borrow().clone(),
+            super::BUFFER_GRPC_RECEIVE => self.0.grpc_message.borrow().clone(),
             _ => self.0.response_body.borrow().clone(),
         };
         Ok(source.into_iter().skip(start).take(max).collect())
@@ -365,6 +383,34 @@ impl Host for FakeHost {
             timeout_ms,
         });
         Ok(token)
+    }
+    fn open_grpc_stream(
+        &self,
+        service: &[u8],
+        service_name: &str,
+        method: &str,
+        metadata: &[(String, Vec<u8>)],
+    ) -> Result<u32, HostError> {
+        self.fails("grpc_stream")?;
+        let token = self.0.tokens.get() + 1;
+        self.0.tokens.set(token);
+        self.0.calls.borrow_mut().push(Call::GrpcStream {
+            token,
+            service: service.to_vec(),
+            method: format!("{service_name}/{method}"),
+            metadata: metadata.to_vec(),
+        });
+        Ok(token)
+    }
+    fn send_grpc_message(&self, token: u32, message: &[u8]) -> Result<(), HostError> {
+        self.fails("grpc_send")?;
+        self.0.calls.borrow_mut().push(Call::GrpcSend { token, message: message.to_vec() });
+        Ok(())
+    }
+    fn cancel_grpc_stream(&self, token: u32) -> Result<(), HostError> {
+        self.fails("grpc_cancel")?;
+        self.0.calls.borrow_mut().push(Call::GrpcCancel { token });
+        Ok(())
     }
     fn done(&self) -> Result<(), HostError> {
         self.fails("done")?;

@@ -125,6 +125,19 @@ extern "C" {
         timeout_ms: u32,
         return_token: *mut u32,
     ) -> u32;
+    fn proxy_grpc_stream(
+        service_data: *const u8,
+        service_size: usize,
+        service_name_data: *const u8,
+        service_name_size: usize,
+        method_data: *const u8,
+        method_size: usize,
+        metadata_data: *const u8,
+        metadata_size: usize,
+        return_token: *mut u32,
+    ) -> u32;
+    fn proxy_grpc_send(token: u32, message_data: *const u8, message_size: usize, end_stream: u32) -> u32;
+    fn proxy_grpc_cancel(token: u32) -> u32;
 }
 
 fn check(status: u32) -> Result<(), HostError> {
@@ -364,6 +377,31 @@ fn dispatch_http_call(
     check(status).map(|()| token)
 }
 
+/// Answered through `proxy_on_grpc_receive` / `proxy_on_grpc_close` of the calling context.
+fn open_grpc_stream(
+    service: &[u8],
+    service_name: &str,
+    method: &str,
+    metadata: &[(String, Vec<u8>)],
+) -> Result<u32, HostError> {
+    let metadata = encode_pairs(metadata);
+    let mut token = 0u32;
+    let status = unsafe {
+        proxy_grpc_stream(
+            service.as_ptr(),
+            service.len(),
+            service_name.as_ptr(),
+            service_name.len(),
+            method.as_ptr(),
+            method.len(),
+            metadata.as_ptr(),
+            metadata.len(),
+            &mut token,
+        )
+    };
+    check(status).map(|()| token)
+}
+
 /// Envoy, through the raw ABI; its shared data is this plugin's vm_id's.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct AbiHost;
@@ -447,6 +485,21 @@ impl Host for AbiHost {
         timeout_ms: u32,
     ) -> Result<u32, HostError> {
         dispatch_http_call(cluster, headers, body, timeout_ms)
+    }
+    fn open_grpc_stream(
+        &self,
+        service: &[u8],
+        service_name: &str,
+        method: &str,
+        metadata: &[(String, Vec<u8>)],
+    ) -> Result<u32, HostError> {
+        open_grpc_stream(service, service_name, method, metadata)
+    }
+    fn send_grpc_message(&self, token: u32, message: &[u8]) -> Result<(), HostError> {
+        check(unsafe { proxy_grpc_send(token, message.as_ptr(), message.len(), 0) })
+    }
+    fn cancel_grpc_stream(&self, token: u32) -> Result<(), HostError> {
+        check(unsafe { proxy_grpc_cancel(token) })
     }
     fn increment(&self, metric: u32, by: i64) {
         METRICS.with(|m| {

@@ -34,6 +34,7 @@ pub const MAP_HTTP_CALL_RESPONSE_TRAILERS: u32 = 7;
 pub const BUFFER_REQUEST_BODY: u32 = 0;
 pub const BUFFER_RESPONSE_BODY: u32 = 1;
 pub const BUFFER_HTTP_CALL_RESPONSE_BODY: u32 = 4;
+pub const BUFFER_GRPC_RECEIVE: u32 = 5;
 pub const BUFFER_PLUGIN_CONFIGURATION: u32 = 7;
 
 pub const LOG_TRACE: u32 = 0;
@@ -98,6 +99,21 @@ pub trait Host: SharedData + Clone {
         body: &[u8],
         timeout_ms: u32,
     ) -> Result<u32, HostError>;
+    /// Opens a gRPC stream (`service` a serialized GrpcService); its messages and its end come
+    /// to `on_grpc_receive` / `on_grpc_close` of the root context, with this token, whichever
+    /// context is the effective one (proxy-wasm's grpc_stream, grpc_send and grpc_cancel all act
+    /// on `root_context()`).
+    fn open_grpc_stream(
+        &self,
+        service: &[u8],
+        service_name: &str,
+        method: &str,
+        metadata: &[(String, Vec<u8>)],
+    ) -> Result<u32, HostError>;
+    /// Sends one message on an open stream (Envoy adds the gRPC frame).
+    fn send_grpc_message(&self, token: u32, message: &[u8]) -> Result<(), HostError>;
+    /// Ends a stream from this side (Envoy still reports its close).
+    fn cancel_grpc_stream(&self, token: u32) -> Result<(), HostError>;
     /// Adds to a counter in this worker's `MetricBatch`, not a host call: Envoy sees it at the
     /// next `flush_metrics` (the root's tick, at most 100 ms later; Prometheus scrapes at
     /// seconds), so a request's counters cost no crossing.

@@ -10,6 +10,7 @@ use crate::identity::scope::ScopeId;
 use crate::metrics::{Counter, SWEPT_METRIC, UNMATCHED_METRIC};
 use crate::splitmix::splitmix64;
 use crate::store::etcd::remote::EtcdRemote;
+use crate::store::etcd::watch::RecordWatch;
 use crate::store::etcd::EtcdStore;
 use crate::store::local::LocalStore;
 use crate::store::remote::{Conversation, RemoteStore};
@@ -460,8 +461,71 @@ impl<H: Host> PluginState<H> {
             poll_ms,
             checking: false,
             woken: false,
+            watched: false,
         };
-        (self.room.borrow_mut().park(waiter), handle)
+        let scope = waiter.scope();
+        let admitted = self.room.borrow_mut().park(waiter);
+        if admitted.is_ok() {
+            self.watch_record(&scope, plan.now_ms);
+        }
+        (admitted, handle)
+    }
+
+    /// Asks the remote store to watch a record a waiter of this worker waits on (etcd over
+    /// gRPC), opening the worker's watch stream first if there is none.
+    pub fn watch_record(&self, scope: &ScopeId, now_ms: u64) {
+        let Store::Remote(store) = &self.store else { return };
+        let Some(watch) = store.watch() else { return };
+        match watch.want(scope) {
+            Some(create) => self.send_watch(watch, &[create], now_ms),
+            None => self.open_watch(watch, now_ms),
+        }
+    }
+
+    /// Opens the watch stream when one is due (something to watch, none open, past the
+    /// backoff of the last one), and sends the watches it is to carry.
+    pub fn open_watch(&self, watch: &RecordWatch, now_ms: u64) {
+        if !watch.should_open(now_ms) {
+            return;
+        }
+        let Some(metadata) = watch.metadata() else { return };
+        let (service, service_name, method) = watch.target();
+        match self.host.open_grpc_stream(service, service_name, method, &metadata) {
+            Ok(token) => {
+                log::debug!("watch stream {token} opened");
+                let creates = watch.opened(token);
+                self.send_watch(watch, &creates, now_ms);
+            }
+            Err(HostError(s)) => {
+                log::debug!("watch stream refused (host status {s}); waiters poll");
+                watch.refused(now_ms);
+            }
+        }
+    }
+
+    /// Sends messages on the watch stream; a stream that refuses one is ended (its waiters
+    /// poll until it is opened again).
+    pub fn send_watch(&self, watch: &RecordWatch, messages: &[Vec<u8>], now_ms: u64) {
+        let Some(token) = watch.token() else { return };
+        for m in messages {
+            if let Err(HostError(s)) = self.host.send_grpc_message(token, m) {
+                log::debug!("watch stream {token} refused a message (host status {s}); closing it");
+                let _ = self.host.cancel_grpc_stream(token);
+                self.watch_ended(watch.closed(now_ms), now_ms);
+                return;
+            }
+        }
+    }
+
+    /// The watch stream ended: changes of these records may go unseen, so their waiters poll
+    /// at the usual pace again, the next time at most `RECHECK_EVERY_MS` from now (not at once:
+    /// a stream usually ends because etcd is unreachable, and a poll into that fails the waiter
+    /// by the store's fail mode).
+    pub fn watch_ended(&self, scopes: Vec<ScopeId>, now_ms: u64) {
+        let mut room = self.room.borrow_mut();
+        for scope in scopes {
+            room.hasten(&scope, now_ms.saturating_add(wait::RECHECK_EVERY_MS));
+        }
     }
 
     /// Hands a settlement to this worker's root, which outlives the stream (the answer to a

@@ -7,7 +7,10 @@ use super::plugin::{
     WaitHandle,
 };
 use super::remote::{self, Outcome};
-use super::{log_filter, Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS};
+use super::{
+    log_filter, Host, HostError, BUFFER_GRPC_RECEIVE, BUFFER_HTTP_CALL_RESPONSE_BODY,
+    MAP_HTTP_CALL_RESPONSE_HEADERS,
+};
 use crate::config::etcd::OnStoreError;
 use crate::config::Execution;
 use crate::detached::{self, DETAILS_DETACHED};
@@ -134,6 +137,7 @@ impl<H: Host> Root<H> {
                 Err(e) => log::warn!("sweep failed: {e}"),
             }
             plugin.heartbeat(now_ms);
+            tend_watch(&plugin, now_ms);
         }
         self.ticks = self.ticks.wrapping_add(1);
         let due = plugin.room.borrow_mut().due(now_ms);
@@ -162,6 +166,54 @@ impl<H: Host> Root<H> {
                 recheck(&plugin, w);
             }
         }
+        self.finish_retirement();
+    }
+
+    /// A message on the worker's watch stream: the records that changed wake their waiters.
+    pub fn on_grpc_receive(&mut self, token: u32, size: usize) {
+        let Some(plugin) = self.plugin.clone() else { return };
+        let Store::Remote(store) = &plugin.store else { return };
+        let Some(watch) = store.watch().filter(|w| w.token() == Some(token)) else { return };
+        let now_ms = self.host.now_ms();
+        let message = match self.host.buffer(BUFFER_GRPC_RECEIVE, 0, size) {
+            Ok(m) => m,
+            Err(HostError(s)) => {
+                log::debug!("watch stream {token}: message unreadable (host status {s})");
+                Vec::new()
+            }
+        };
+        match watch.received(&message) {
+            Ok(received) => {
+                for scope in received.wake.iter().chain(&received.dropped) {
+                    let woken = plugin.room.borrow_mut().wake(scope);
+                    for w in woken {
+                        recheck(&plugin, w);
+                    }
+                }
+                if received.refused {
+                    // Opened again later with the worker's token as it is then.
+                    let _ = self.host.cancel_grpc_stream(token);
+                    plugin.watch_ended(watch.closed(now_ms), now_ms);
+                }
+            }
+            Err(why) => {
+                log::debug!("watch stream {token}: {why}; closing it, waiters poll");
+                let _ = self.host.cancel_grpc_stream(token);
+                plugin.watch_ended(watch.closed(now_ms), now_ms);
+            }
+        }
+        self.finish_retirement();
+    }
+
+    /// The watch stream ended (etcd, the connection, or Envoy): waiters poll until it opens
+    /// again.
+    pub fn on_grpc_close(&mut self, token: u32, status: u32) {
+        let Some(plugin) = self.plugin.clone() else { return };
+        let Store::Remote(store) = &plugin.store else { return };
+        let Some(watch) = store.watch().filter(|w| w.token() == Some(token)) else { return };
+        log::debug!("watch stream {token} closed (grpc-status {status}); waiters poll");
+        let now_ms = self.host.now_ms();
+        plugin.watch_ended(watch.closed(now_ms), now_ms);
         self.finish_retirement();
     }
 
@@ -228,6 +280,9 @@ fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>) {
     let owner = plugin.owner_token(w.context_id);
     let op = wait::recheck_op(&plugin.config, &w, now_ms, owner);
     if let Store::Remote(store) = &plugin.store {
+        // Watched records wake their waiters: those poll only as a fallback.
+        let watched = store.watch().is_some_and(|watch| watch.is_live(&w.scope()));
+        let w = Waiter { watched, ..w };
         let check = RootRecheck {
             context_id: w.context_id,
             rule: Rc::clone(&w.pending.rule),
@@ -254,7 +309,7 @@ fn resolve_waiter<H: Host>(
     let host = &plugin.host;
     match plan {
         WaiterPlan::Repark { recheck_at_ms } => {
-            let poll_ms = if w.poll_ms > 0 { wait::next_poll(w.poll_ms) } else { 0 };
+            let poll_ms = if w.poll_ms > 0 { wait::next_poll(w.poll_ms, w.watched) } else { 0 };
             plugin.room.borrow_mut().repark(Waiter { recheck_at_ms, poll_ms, woken: false, ..w })
         }
         WaiterPlan::Resume { counter, resumed: Resumed::Forwarded { claim, rule }, .. }
@@ -307,6 +362,19 @@ fn resolve_waiter<H: Host>(
 enum Sent {
     Yes,
     No,
+}
+
+/// Once a second: ends the watches no waiter of this worker needs any more, and opens the
+/// watch stream again when it is due.
+fn tend_watch<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
+    let Store::Remote(store) = &plugin.store else { return };
+    let Some(watch) = store.watch() else { return };
+    let cancels = {
+        let room = plugin.room.borrow();
+        watch.tidy(|scope| room.waits_on(scope))
+    };
+    plugin.send_watch(watch, &cancels, now_ms);
+    plugin.open_watch(watch, now_ms);
 }
 
 /// Gives back a claim nobody will use (its request is gone or could not be resumed), through

@@ -5,6 +5,7 @@
 //! conversations in the conformance tests.
 
 use crate::config::etcd::{OnStoreError, Protocol};
+use crate::store::etcd::watch::RecordWatch;
 use crate::store::{Claim, StoreAnswer, StoreOp};
 
 /// Where and how to reach the store, and what its failure means.
@@ -78,5 +79,10 @@ pub trait RemoteStore {
     /// True once after whatever waiting conversations wait for has arrived or failed.
     fn take_woken(&self) -> bool {
         false
+    }
+    /// A watch on the records this worker's waiters wait on, when the store offers one (etcd
+    /// over gRPC): their changes wake the waiters, who otherwise poll.
+    fn watch(&self) -> Option<&RecordWatch> {
+        None
     }
 }

@@ -26,6 +26,9 @@ pub const RECHECK_EVERY_MS: u64 = 1_000;
 pub const POLL_FIRST_MS: u64 = 50;
 /// ...then twice as long each time, up to this (still capped by the lease end and give-up).
 pub const POLL_MAX_MS: u64 = RECHECK_EVERY_MS;
+/// The cap while etcd watches the waiter's record for this worker (its change wakes the
+/// waiter): polling is then only the fallback for a lost event.
+pub const POLL_WATCHED_MAX_MS: u64 = 5_000;
 
 pub struct Waiter<H> {
     pub context_id: u32,
@@ -47,6 +50,8 @@ pub struct Waiter<H> {
     /// A wake-up came while its recheck was in flight: look again at once if that recheck
     /// still finds the original processing (its read may predate the completion).
     pub woken: bool,
+    /// A remote store watches its record for this worker: it polls up to `POLL_WATCHED_MAX_MS`.
+    pub watched: bool,
 }
 
 impl<H> Waiter<H> {
@@ -111,6 +116,19 @@ impl<H> WaitRoom<H> {
             w.woken = true;
         }
         self.take(|w| !w.checking && w.scope() == *scope)
+    }
+
+    /// Makes this record's waiters due by `at_ms` (a watch that would have woken them ended).
+    pub fn hasten(&mut self, scope: &ScopeId, at_ms: u64) {
+        for w in self.waiters.iter_mut().filter(|w| w.scope() == *scope) {
+            w.recheck_at_ms = w.recheck_at_ms.min(at_ms);
+            w.watched = false;
+        }
+    }
+
+    /// True when someone here waits on this record.
+    pub fn waits_on(&self, scope: &ScopeId) -> bool {
+        self.waiters.iter().any(|w| w.scope() == *scope)
     }
 
     /// Waiters whose recheck or give-up time has come (not those being rechecked).
@@ -207,8 +225,13 @@ pub fn poll_recheck(now_ms: u64, poll_ms: u64, lease_remaining_ms: u64, give_up_
     now_ms.saturating_add(lease_remaining_ms.min(poll_ms)).min(give_up_at_ms)
 }
 
-/// The backoff after a poll that found the original still processing.
-pub fn next_poll(poll_ms: u64) -> u64 {
+/// The backoff after a poll that found the original still processing. A watched record's
+/// change wakes its waiters, and they looked once after the watch began (its creation wakes
+/// them): polling is then the fallback for a lost event only.
+pub fn next_poll(poll_ms: u64, watched: bool) -> u64 {
+    if watched {
+        return POLL_WATCHED_MAX_MS;
+    }
     poll_ms.saturating_mul(2).clamp(POLL_FIRST_MS, POLL_MAX_MS)
 }
 
@@ -265,7 +288,12 @@ fn recheck_outcome<H>(cfg: &Config, w: &Waiter<H>, answer: StoreAnswer, now_ms: 
         },
         Decision::Wait { .. } if w.woken => Recheck::KeepWaiting { recheck_at_ms: now_ms },
         Decision::Wait { lease_remaining_ms } if w.poll_ms > 0 => Recheck::KeepWaiting {
-            recheck_at_ms: poll_recheck(now_ms, next_poll(w.poll_ms), lease_remaining_ms, w.give_up_at_ms),
+            recheck_at_ms: poll_recheck(
+                now_ms,
+                next_poll(w.poll_ms, w.watched),
+                lease_remaining_ms,
+                w.give_up_at_ms,
+            ),
         },
         Decision::Wait { lease_remaining_ms } => {
             Recheck::KeepWaiting { recheck_at_ms: first_recheck(now_ms, lease_remaining_ms, w.give_up_at_ms) }
@@ -320,6 +348,7 @@ mod tests {
             poll_ms: 0,
             checking: false,
             woken: false,
+            watched: false,
         }
     }
 
@@ -407,8 +436,10 @@ mod tests {
     #[test]
     fn a_polling_waiter_backs_off_from_50_ms_to_1_s_capped_by_lease_and_give_up() {
         let gaps: Vec<u64> =
-            std::iter::successors(Some(POLL_FIRST_MS), |p| Some(next_poll(*p))).take(7).collect();
+            std::iter::successors(Some(POLL_FIRST_MS), |p| Some(next_poll(*p, false))).take(7).collect();
         assert_eq!(gaps, vec![50, 100, 200, 400, 800, 1_000, 1_000]);
+        // While etcd watches the record for this worker, polling is only the fallback.
+        assert_eq!(next_poll(POLL_FIRST_MS, true), POLL_WATCHED_MAX_MS);
         assert_eq!(poll_recheck(0, 400, 30_000, 5_000), 400);
         assert_eq!(poll_recheck(0, 400, 120, 5_000), 120);
         assert_eq!(poll_recheck(4_900, 400, 30_000, 5_000), 5_000);

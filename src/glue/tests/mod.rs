@@ -18,6 +18,7 @@ use super::fake_host::{Call, FakeHost};
 use super::http::Http;
 use super::root::Root;
 use crate::flow::Verdict;
+use crate::store::etcd::watch::RecordWatch;
 use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore, Request};
 use crate::store::{Begin, Claim, Settled, StoreAnswer, StoreError, StoreOp};
 use std::cell::RefCell;
@@ -108,6 +109,8 @@ pub(super) struct Scripted {
     pub(super) settings: RemoteSettings,
     pub(super) ops: Rc<RefCell<Vec<StoreOp>>>,
     pub(super) begins: Begins,
+    /// A record watch, as the etcd store has over gRPC.
+    pub(super) watch: Option<RecordWatch>,
 }
 
 /// A begin's call is its claim: once sent, it may have landed until a 200 says how it went.
@@ -157,6 +160,9 @@ impl Conversation for OneCall {
 impl RemoteStore for Scripted {
     fn settings(&self) -> &RemoteSettings {
         &self.settings
+    }
+    fn watch(&self) -> Option<&RecordWatch> {
+        self.watch.as_ref()
     }
     fn start(&self, op: StoreOp) -> Box<dyn Conversation> {
         self.ops.borrow_mut().push(op.clone());

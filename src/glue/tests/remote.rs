@@ -46,7 +46,7 @@ fn root_with_ops(
         protocol: Default::default(),
     };
     let ops = Rc::new(RefCell::new(Vec::new()));
-    let store = Scripted { settings, ops: Rc::clone(&ops), begins: Begins::default() };
+    let store = Scripted { settings, ops: Rc::clone(&ops), begins: Begins::default(), watch: None };
     assert!(root.on_configure_with(Some(Box::new(store))));
     (root, ops)
 }

@@ -2,11 +2,13 @@
 //! backoff, are woken by this Envoy's completions, and resolve like local waiters.
 
 use super::{last_token, pairs, Begins, Scripted};
-use crate::config::etcd::OnStoreError;
+use crate::config::etcd::{EtcdSettings, OnStoreError, Protocol};
 use crate::flow::Verdict;
 use crate::glue::fake_host::{Call, FakeHost};
 use crate::glue::http::Http;
 use crate::glue::root::Root;
+use crate::store::etcd::watch::RecordWatch;
+use crate::store::etcd::EtcdStore;
 use crate::store::record::Snapshot;
 use crate::store::remote::RemoteSettings;
 use crate::store::{Begin, StoreOp};
@@ -27,6 +29,25 @@ struct Rig {
 const IN_FLIGHT: Begin = Begin::InFlight { retry_after_ms: 30_000 };
 
 fn rig(on_error: OnStoreError) -> Rig {
+    rig_with(on_error, None)
+}
+
+/// A rig whose store watches records, as the etcd store does over gRPC (keys under `/idem/`).
+fn watching_rig() -> Rig {
+    let settings = EtcdSettings {
+        cluster: "etcd".into(),
+        prefix: "/idem/".into(),
+        timeout_ms: 250,
+        on_error: OnStoreError::FailClosed,
+        auth: None,
+        auth_timeout_ms: 2_000,
+        replay_cache: None,
+        protocol: Protocol::Grpc,
+    };
+    rig_with(OnStoreError::FailClosed, Some(RecordWatch::new(Rc::new(EtcdStore::new(settings)), "etcd")))
+}
+
+fn rig_with(on_error: OnStoreError, watch: Option<RecordWatch>) -> Rig {
     let h = FakeHost::default();
     *h.0.config.borrow_mut() = CONFIG.as_bytes().to_vec();
     h.0.now_ms.set(1_000);
@@ -41,7 +62,7 @@ fn rig(on_error: OnStoreError) -> Rig {
     };
     let ops = Rc::new(RefCell::new(Vec::new()));
     let begins: Begins = Rc::new(RefCell::new(VecDeque::new()));
-    let store = Scripted { settings, ops: Rc::clone(&ops), begins: Rc::clone(&begins) };
+    let store = Scripted { settings, ops: Rc::clone(&ops), begins: Rc::clone(&begins), watch };
     assert!(root.on_configure_with(Some(Box::new(store))));
     root.on_tick(); // advertises the wake queue, as Envoy's first tick does
     Rig { h, root, ops, begins }
@@ -258,4 +279,127 @@ fn a_completion_on_this_envoy_wakes_its_waiters_at_once() {
     let before = begins_started(&r);
     r.root.on_queue_ready(0);
     assert_eq!(begins_started(&r), before + 1, "rechecked on the wake-up, before its poll time");
+}
+
+/// A WatchResponse as etcd encodes it: header, watch id, created, and `events` puts.
+fn watch_response(id: u8, created: bool, events: usize) -> Vec<u8> {
+    let mut out = vec![0x0a, 0x02, 0x18, 0x05];
+    if id != 0 {
+        out.extend_from_slice(&[0x10, id]);
+    }
+    if created {
+        out.extend_from_slice(&[0x18, 0x01]);
+    }
+    for _ in 0..events {
+        out.extend_from_slice(&[0x5a, 0x05, 0x12, 0x03, 0x0a, 0x01, b'k']);
+    }
+    out
+}
+
+/// The watch stream's message `message` arrives; true when it started a recheck.
+fn watch_says(r: &mut Rig, token: u32, message: Vec<u8>) -> bool {
+    let before = begins_started(r);
+    let size = message.len();
+    *r.h.0.grpc_message.borrow_mut() = message;
+    r.root.on_grpc_receive(token, size);
+    begins_started(r) > before
+}
+
+fn grpc_calls(h: &FakeHost) -> Vec<Call> {
+    h.0.calls
+        .borrow()
+        .iter()
+        .filter(|c| matches!(c, Call::GrpcStream { .. } | Call::GrpcSend { .. } | Call::GrpcCancel { .. }))
+        .cloned()
+        .collect()
+}
+
+/// Ten ticks at `at_ms`: the root's once-a-second work runs among them.
+fn second_at(r: &mut Rig, at_ms: u64) {
+    r.h.0.now_ms.set(at_ms);
+    for _ in 0..10 {
+        r.root.on_tick();
+    }
+}
+
+#[test]
+fn a_watched_record_wakes_its_waiters_at_once_and_they_poll_only_as_a_fallback() {
+    let mut r = watching_rig();
+    let (_original, _waiter) = original_and_waiter(&mut r);
+    // Parking opened the worker's watch stream (from the root) and asked for the record.
+    let calls = grpc_calls(&r.h);
+    let [Call::GrpcStream { token, service, method, metadata }, Call::GrpcSend { token: sent_on, message }] =
+        calls.as_slice()
+    else {
+        panic!("{calls:?}")
+    };
+    assert_eq!(sent_on, token);
+    assert_eq!(method, "etcdserverpb.Watch/Watch");
+    assert!(metadata.is_empty(), "no auth, no token");
+    // GrpcService{envoy_grpc{cluster_name "etcd", authority "etcd"}}
+    assert_eq!(
+        service,
+        &[0x0a, 0x0c, 0x0a, 0x04, b'e', b't', b'c', b'd', 0x12, 0x04, b'e', b't', b'c', b'd']
+    );
+    assert!(String::from_utf8_lossy(message).contains("/idem/r/"), "{message:?}");
+    let token = *token;
+    // Created: the waiter looks once (a change before the watch began made no event)...
+    assert!(watch_says(&mut r, token, watch_response(0, true, 0)));
+    r.begins.borrow_mut().push_back(IN_FLIGHT);
+    answer(&mut r, Some("200"));
+    // ...then polls only every 5 s (here its give-up time, 2 s, comes first), not 50 ms
+    // later: the watch wakes it.
+    assert!(!tick_at(&mut r, 2_999));
+    assert!(watch_says(&mut r, token, watch_response(0, false, 1)), "the record changed");
+    r.begins.borrow_mut().push_back(replay());
+    answer(&mut r, Some("200"));
+    assert_eq!(r.h.replies(), vec![(3, 201, "idempotency_replay".to_string())]);
+    // Nobody waits on it any more: the watch is ended within a second.
+    let before = grpc_calls(&r.h).len();
+    second_at(&mut r, 6_000);
+    let calls = grpc_calls(&r.h);
+    assert!(matches!(&calls[before..], [Call::GrpcSend { .. }]), "{calls:?}");
+    // An event on an ended watch wakes nobody.
+    assert!(!watch_says(&mut r, token, watch_response(0, false, 1)));
+}
+
+#[test]
+fn a_closed_watch_stream_makes_waiters_poll_until_it_reopens() {
+    let mut r = watching_rig();
+    let (_original, _waiter) = original_and_waiter(&mut r);
+    let Some(Call::GrpcStream { token, .. }) = grpc_calls(&r.h).first().cloned() else { panic!() };
+    watch_says(&mut r, token, watch_response(0, true, 0));
+    r.begins.borrow_mut().push_back(IN_FLIGHT);
+    answer(&mut r, Some("200"));
+    // etcd went away: the waiter polls at the usual pace again, the next time within a second
+    // (not at once: etcd is likely unreachable).
+    r.root.on_grpc_close(token, 14);
+    assert!(!tick_at(&mut r, 1_999));
+    assert!(tick_at(&mut r, 2_000));
+    r.begins.borrow_mut().push_back(IN_FLIGHT);
+    answer(&mut r, Some("200"));
+    // A message on the old stream is nobody's.
+    assert!(!watch_says(&mut r, token, watch_response(0, false, 1)));
+    // A second after it closed, the stream is opened again with the same watch.
+    let before = grpc_calls(&r.h).len();
+    second_at(&mut r, 2_200);
+    let calls = grpc_calls(&r.h);
+    assert!(matches!(&calls[before..], [Call::GrpcStream { .. }, Call::GrpcSend { .. }]), "{calls:?}");
+}
+
+#[test]
+fn a_watch_stream_envoy_refuses_or_garbles_leaves_waiters_polling() {
+    let mut r = watching_rig();
+    r.h.fail("grpc_stream", 2);
+    let (_original, _waiter) = original_and_waiter(&mut r);
+    assert!(grpc_calls(&r.h).is_empty());
+    assert!(tick_at(&mut r, 1_050), "polls as without a watch");
+    r.begins.borrow_mut().push_back(IN_FLIGHT);
+    answer(&mut r, Some("200"));
+    // Opened later; a message that is not a WatchResponse ends the stream.
+    r.h.0.failing.borrow_mut().clear();
+    second_at(&mut r, 2_100);
+    let Some(Call::GrpcStream { token, .. }) = grpc_calls(&r.h).first().cloned() else { panic!() };
+    assert!(!watch_says(&mut r, token, vec![0xff, 0xff]));
+    assert!(grpc_calls(&r.h).contains(&Call::GrpcCancel { token }));
 }

@@ -2,7 +2,9 @@
 //! the remote-store vocabulary (`store::remote`); this only keeps the store the exchanges share
 //! and the settings the glue needs to make their calls.
 
+use super::watch::RecordWatch;
 use super::{EtcdStore, Exchange};
+use crate::config::etcd::Protocol;
 use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore};
 use crate::store::{Claim, StoreOp};
 use std::rc::Rc;
@@ -14,6 +16,8 @@ pub const ETCD_AUTHORITY: &str = "etcd";
 pub struct EtcdRemote {
     store: Rc<EtcdStore>,
     settings: RemoteSettings,
+    /// Over gRPC: a watch on the records this worker's waiters wait on.
+    watch: Option<RecordWatch>,
 }
 
 impl EtcdRemote {
@@ -27,7 +31,12 @@ impl EtcdRemote {
             on_error: s.on_error,
             protocol: s.protocol,
         };
-        EtcdRemote { store: Rc::new(store), settings }
+        let store = Rc::new(store);
+        let watch = match settings.protocol {
+            Protocol::Grpc => Some(RecordWatch::new(Rc::clone(&store), ETCD_AUTHORITY)),
+            Protocol::Json => None,
+        };
+        EtcdRemote { store, settings, watch }
     }
 }
 
@@ -40,6 +49,9 @@ impl RemoteStore for EtcdRemote {
     }
     fn take_woken(&self) -> bool {
         self.store.take_fetch_ended()
+    }
+    fn watch(&self) -> Option<&RecordWatch> {
+        self.watch.as_ref()
     }
 }
 

@@ -356,6 +356,23 @@ fn resolve_waiter<H: Host>(
     }
 }
 
+/// Settlements being tried again past which a claim whose answer was lost is no longer given
+/// back: so many failing means the store is struggling (slow, or failing every call), and
+/// give-backs tried again with backoff would add to its load. The claim then waits for its
+/// lease, as any abandoned claim.
+const GIVE_BACK_WHILE_RETRYING_AT_MOST: usize = 256;
+
+fn gives_back<H: Host>(plugin: &PluginState<H>) -> bool {
+    let retrying = plugin.settlements.borrow().retrying.len();
+    if retrying >= GIVE_BACK_WHILE_RETRYING_AT_MOST {
+        log::debug!(
+            "{retrying} settlements being tried again: a claim whose answer was lost is left to its lease"
+        );
+        return false;
+    }
+    true
+}
+
 /// Whether a failed store operation's last call reached Envoy (so etcd may have applied it), or
 /// Envoy refused to make it.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -460,7 +477,7 @@ fn recheck_failed<H: Host>(
     error: StoreError,
     sent: Sent,
 ) {
-    if sent == Sent::Yes {
+    if sent == Sent::Yes && gives_back(plugin) {
         if let Some(claim) = check.conversation.unanswered_claim() {
             log::debug!(
                 "#{} recheck's claim of key {} unanswered; giving it back",
@@ -691,7 +708,7 @@ fn begin_failed<H: Host>(
     error: StoreError,
     sent: Sent,
 ) {
-    if sent == Sent::Yes {
+    if sent == Sent::Yes && gives_back(plugin) {
         if let Some(settlement) =
             begin.conversation.unanswered_claim().and_then(|c| begin.flow.unanswered_claim(c))
         {

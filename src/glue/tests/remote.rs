@@ -234,6 +234,54 @@ fn an_unanswered_claim_is_given_back_failing_open_or_with_the_client_gone_and_tr
 }
 
 #[test]
+fn a_lost_claim_is_left_to_its_lease_while_the_store_fails_many_settlements() {
+    // 256 completions the store failed are being tried again: a struggling store gets no
+    // give-backs on top of them.
+    let h = host();
+    let (mut root, ops) = root_with_ops(&h, "etcd", OnStoreError::FailClosed);
+    for id in 0..256 {
+        let mut http = forwarded(&h, &mut root, 10 + id, "201");
+        *h.0.response_body.borrow_mut() = b"{}".to_vec();
+        http.on_response_headers(false);
+        assert_eq!(http.on_response_body(2, true), Verdict::Pause);
+        h.0.effective.set(1);
+        root.on_queue_ready(0);
+        store_answers(&h, Some("500"), b"");
+        root.on_http_call_response(last_token(&h), 0);
+    }
+    let before = ops.borrow().len();
+    let mut http = root.http_context(999);
+    let token = begin(&h, &mut root, &mut http).expect("a callout");
+    store_answers(&h, Some("504"), b"upstream request timeout");
+    root.on_http_call_response(token, 24);
+    assert_eq!(releases(&ops, before), 0, "{:?}", &ops.borrow()[before..]);
+    // The store recovers: the completions are tried again and land, and the next lost claim
+    // is given back again.
+    let sent = h.dispatches().len();
+    h.0.now_ms.set(h.0.now_ms.get() + 150);
+    root.on_tick();
+    let retried: Vec<u32> = h.dispatches()[sent..]
+        .iter()
+        .filter_map(|c| match c {
+            Call::Dispatch { token, .. } => Some(*token),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(retried.len(), 256);
+    store_answers(&h, Some("200"), b"{}");
+    for token in retried {
+        root.on_http_call_response(token, 2);
+    }
+    assert_eq!(h.counter("stored"), 256);
+    let before = ops.borrow().len();
+    let mut http = root.http_context(1_000);
+    let token = begin(&h, &mut root, &mut http).expect("a callout");
+    store_answers(&h, Some("504"), b"upstream request timeout");
+    root.on_http_call_response(token, 24);
+    assert_eq!(releases(&ops, before), 1);
+}
+
+#[test]
 fn a_callout_envoy_refused_claimed_nothing_and_gives_nothing_back() {
     let h = host();
     let (mut root, ops) = root_with_ops(&h, "no-such-cluster", OnStoreError::FailClosed);

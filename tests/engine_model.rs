@@ -5,7 +5,10 @@
 //!   a completed response not yet expired);
 //! - a replay returns exactly the response of an execution with the same scope and payload;
 //! - an owner whose lease was taken over never completes (its late write is refused);
-//! - no live record is evicted: while one lives, its scope is answered from it.
+//! - no live record is evicted: while one lives, its scope is answered from it;
+//! - with `unknown_outcome: "refuse"` (the default), a claim left without an outcome is never
+//!   executed again: after its lease its scope answers 502 `outcome-unknown` until the ttl, and
+//!   nothing is ever taken over. The model runs with both values.
 
 #![allow(clippy::unwrap_used, clippy::panic)]
 
@@ -36,8 +39,11 @@ struct Execution {
     scope_key: u64,
     payload: u64,
     lease_deadline: u64,
-    /// Set once the store accepted its completion: (completed at, response body).
+    /// Set once the store accepted its completion: (completed at, response body). For a claim
+    /// left without an outcome on a refusing rule: when a retry completed it as outcome unknown.
     completed_at: Option<u64>,
+    /// Completed as outcome unknown (never replayed).
+    unknown: bool,
     /// Released or abandoned or lost: no longer holds the record.
     ended: bool,
 }
@@ -48,12 +54,12 @@ struct InFlight {
     flow: RequestFlow,
 }
 
-fn config(capacity: u32) -> Config {
+fn config(capacity: u32, unknown_outcome: &str) -> Config {
     let json = format!(
         // Quotas are lifted here: this model checks execution and replay guarantees; the quota
         // has its own model below (`quotas_and_eviction_hold_under_random_interleavings`).
         r#"{{"store":{{"type":"local","capacity":{capacity}}},"quota":{{"per_tenant":10000000,"per_principal":10000000}},"routes":[{{"name":"r","match":{{"prefix":"/"}},
-        "require_key":true,"ttl":"{TTL_MS}ms","processing_timeout":"{LEASE_MS}ms"}}]}}"#
+        "require_key":true,"ttl":"{TTL_MS}ms","processing_timeout":"{LEASE_MS}ms","unknown_outcome":"{unknown_outcome}"}}]}}"#
     );
     parse(json.as_bytes()).unwrap()
 }
@@ -152,11 +158,23 @@ fn carry_out(
     (counted, reply, verdict)
 }
 
-fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
-    let cfg = config(capacity);
+/// One run; what it counted, by outcome.
+fn run(
+    seed: u64,
+    workers: usize,
+    capacity: u32,
+    scopes: u64,
+    steps: usize,
+    refuse: bool,
+) -> HashMap<&'static str, u32> {
+    let cfg = config(capacity, if refuse { "refuse" } else { "takeover" });
     let data = FakeSharedData::new();
-    let stores: Vec<LocalStore<&FakeSharedData>> =
-        (0..workers).map(|w| LocalStore::open(&data, capacity, [w as u8; 32], 0).unwrap()).collect();
+    // As the plugin opens them: while a rule refuses, abandoned claims keep their place.
+    let stores: Vec<LocalStore<&FakeSharedData>> = (0..workers)
+        .map(|w| {
+            LocalStore::open(&data, capacity, [w as u8; 32], 0).unwrap().keeping_abandoned_claims(refuse)
+        })
+        .collect();
     let mut rng = Lcg(seed);
     let mut now = 1u64;
     let mut execs: Vec<Execution> = Vec::new();
@@ -186,6 +204,25 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
                 };
                 *counts.entry(counter.name()).or_default() += 1;
                 match (counter, verdict) {
+                    (Counter::TakenOver, _) if refuse => panic!("taken over on a refusing rule ({ctx})"),
+                    (Counter::UnknownRefused, Verdict::Pause) => {
+                        assert!(refuse, "502 outcome-unknown on a takeover rule ({ctx})");
+                        let same = |e: &Execution| e.scope_key == scope_key && e.payload == payload;
+                        // Marked earlier and still within its ttl, or left without an outcome
+                        // and past its lease: this retry marks it now.
+                        let marked = execs.iter().any(|e| {
+                            same(e) && e.unknown && e.completed_at.is_some_and(|c| now < c + TTL_MS)
+                        });
+                        if !marked {
+                            let left = execs.iter_mut().find(|e| {
+                                same(e) && !e.ended && e.completed_at.is_none() && now >= e.lease_deadline
+                            });
+                            let left = left
+                                .unwrap_or_else(|| panic!("outcome unknown without a claim left ({ctx})"));
+                            left.completed_at = Some(now);
+                            left.unknown = true;
+                        }
+                    }
                     (Counter::Claimed | Counter::TakenOver, Verdict::Continue) => {
                         for e in execs.iter().filter(|e| e.scope_key == scope_key) {
                             let lease_live = !e.ended && e.completed_at.is_none() && now < e.lease_deadline;
@@ -206,6 +243,7 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
                             payload,
                             lease_deadline: now + LEASE_MS,
                             completed_at: None,
+                            unknown: false,
                             ended: false,
                         });
                         in_flight[w].push(InFlight { exec: execs.len() - 1, flow });
@@ -293,20 +331,41 @@ fn run(seed: u64, workers: usize, capacity: u32, scopes: u64, steps: usize) {
         replays > 0 && counts.get("claimed").copied().unwrap_or(0) > 0,
         "the run exercised nothing: {counts:?}"
     );
+    counts
+}
+
+/// Every run of a test together exercised what an unknown outcome leads to for that value.
+fn assert_unknown_outcomes_exercised(totals: &HashMap<&'static str, u32>, refuse: bool) {
+    let seen = totals.get(if refuse { "unknown_refused" } else { "taken_over" }).copied().unwrap_or(0);
+    assert!(seen > 0, "no run reached an unknown outcome's lease end: {totals:?}");
+}
+
+fn add(totals: &mut HashMap<&'static str, u32>, counts: HashMap<&'static str, u32>) {
+    for (k, v) in counts {
+        *totals.entry(k).or_default() += v;
+    }
 }
 
 #[test]
 fn guarantees_hold_under_random_interleavings() {
-    for seed in 1..=150u64 {
-        let workers = 2 + (seed % 3) as usize;
-        run(seed, workers, 64, 24, 600);
+    for refuse in [true, false] {
+        let mut totals = HashMap::new();
+        for seed in 1..=150u64 {
+            let workers = 2 + (seed % 3) as usize;
+            add(&mut totals, run(seed, workers, 64, 24, 600, refuse));
+        }
+        assert_unknown_outcomes_exercised(&totals, refuse);
     }
 }
 
 #[test]
 fn guarantees_hold_under_capacity_pressure() {
-    for seed in 1000..1100u64 {
-        run(seed, 3, 8, 40, 600);
+    for refuse in [true, false] {
+        let mut totals = HashMap::new();
+        for seed in 1000..1100u64 {
+            add(&mut totals, run(seed, 3, 8, 40, 600, refuse));
+        }
+        assert_unknown_outcomes_exercised(&totals, refuse);
     }
 }
 

@@ -15,6 +15,7 @@
 #                       (first `make bench-unit`: the bench tools' own unit tests, bench/test_*.py)
 #   make bench-etcd-replay  a replay on etcd at 1 and 20,000 live records of its caller (BENCH_BEFORE=<commit>)
 #   (make bench and bench-smoke also measure wait mode's wake-up latency: bench/wake_latency.py)
+#   make bench-wake-fleet  wait mode across two Envoys on etcd: polling (JSON) against the watch (gRPC)
 #
 # BENCH_ARGS passes options to bench/run.py, e.g. BENCH_ARGS='--rounds 20 --duration 3', or
 # '--etcd off', '--fill off', '--fill-capacity 50000'
@@ -137,3 +138,9 @@ bench-etcd-replay: tools etcd
 	fi
 	$(VENV_PY) -m bench.etcd_replay_cost --build "this build=$(BENCH_REPLAY_BIN)" \
 	  $(if $(BENCH_BEFORE),--build "$(BENCH_BEFORE)=$(BENCH_REPLAY_BEFORE_BIN)")
+
+# Wait mode across two Envoys on one etcd, polling (JSON gateway) against the watch (gRPC):
+# wake latency and etcd requests per waiter (bench/wake_fleet.py).
+.PHONY: bench-wake-fleet
+bench-wake-fleet: build tools etcd
+	ENVOY_BIN=$(ENVOY_BIN) $(VENV_PY) -m bench.wake_fleet --envoy $(ENVOY_BIN) --wasm $(DIST_WASM) $(BENCH_ARGS)

@@ -41,6 +41,8 @@ SIZE_HEADING = "## Where the bytes of the module go"
 # The marker names of BENCHMARKS.md's sections (bench/sections.py).
 FILL_SECTION, MEMORY_SECTION, PROFILE_SECTION, SIZE_SECTION, WAKE_SECTION = (
     "fill", "memory", "profile", "size", "wake")
+# Written by bench/wake_fleet.py (`make bench-wake-fleet`); a full `make bench` keeps it.
+WAKE_FLEET_SECTION = "wake-fleet"
 
 
 def machine_facts(a: argparse.Namespace) -> dict[str, str]:
@@ -417,6 +419,8 @@ class Report:
         L.append(f"The run above: {self.command}.")
         L.append("")
         L.append(sections.block(WAKE_SECTION, "\n".join(wake_markdown(b.wake) if b.wake else [])))
+        L.append("")
+        L.append(sections.block(WAKE_FLEET_SECTION, ""))
         return "\n".join(L)
 
     def memory_markdown(self) -> list[str]:
@@ -529,7 +533,7 @@ def publish(b: Bench, command: str) -> None:
             if not b.fill and (kept := earlier(FILL_SECTION, fill.FILL_HEADING,
                                                "From an earlier run: this run had no refusal curve.")):
                 text = sections.put(text, FILL_SECTION, kept)  # --fill off
-            for name in (PROFILE_SECTION, SIZE_SECTION) + (() if b.wake else (WAKE_SECTION,)):
+            for name in (PROFILE_SECTION, SIZE_SECTION, WAKE_FLEET_SECTION) + (() if b.wake else (WAKE_SECTION,)):
                 kept_other = sections.get(old, name)  # other tools' sections; --wake off keeps it
                 if kept_other:
                     text = sections.put(text, name, kept_other)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from bench import OUT_DIR
 from bench.report import WAKE_FLEET_SECTION, update_section
+from bench.wake_latency import percentile
 from idemkit.bootstrap import etcd_cluster
 from idemkit.client import new_key
 from idemkit.envoy import OrdersProxy
@@ -47,13 +48,6 @@ def config(protocol: str) -> dict:
         "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
                     "concurrent": "wait", "wait_timeout": "10s", "processing_timeout": "30s"}],
     }
-
-
-def percentile(values, q):
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100.0 * (len(ordered) - 1)))))]
 
 
 def etcd_requests(etcd) -> float:

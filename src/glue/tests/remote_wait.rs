@@ -34,16 +34,7 @@ fn rig(on_error: OnStoreError) -> Rig {
 
 /// A rig whose store watches records, as the etcd store does over gRPC (keys under `/idem/`).
 fn watching_rig() -> Rig {
-    let settings = EtcdSettings {
-        cluster: "etcd".into(),
-        prefix: "/idem/".into(),
-        timeout_ms: 250,
-        on_error: OnStoreError::FailClosed,
-        auth: None,
-        auth_timeout_ms: 2_000,
-        replay_cache: None,
-        protocol: Protocol::Grpc,
-    };
+    let settings = EtcdSettings { protocol: Protocol::Grpc, ..crate::store::etcd::tests::settings(None) };
     rig_with(OnStoreError::FailClosed, Some(RecordWatch::new(Rc::new(EtcdStore::new(settings)), "etcd")))
 }
 

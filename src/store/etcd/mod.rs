@@ -904,4 +904,4 @@ fn decode(bytes: &[u8]) -> Result<SlotValue, StoreError> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -97,7 +97,9 @@ fn ok(body: String) -> Canned {
     (Some(200), body.into_bytes())
 }
 
-fn settings(auth: Option<EtcdAuth>) -> EtcdSettings {
+/// A store's settings as these tests use them (cluster `etcd`, keys under `/idem/`); also the
+/// watch tests' and the glue's remote wait tests'.
+pub(crate) fn settings(auth: Option<EtcdAuth>) -> EtcdSettings {
     EtcdSettings {
         cluster: "etcd".into(),
         prefix: "/idem/".into(),

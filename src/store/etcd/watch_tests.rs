@@ -181,17 +181,8 @@ fn the_bound_keeps_a_worker_from_holding_unbounded_watches() {
 
 #[test]
 fn the_stream_carries_the_workers_token_and_waits_for_one() {
-    use crate::config::etcd::{EtcdAuth, EtcdSettings, OnStoreError, Protocol};
-    let settings = |auth| EtcdSettings {
-        cluster: "etcd".into(),
-        prefix: "/idem/".into(),
-        timeout_ms: 250,
-        on_error: OnStoreError::FailClosed,
-        auth,
-        auth_timeout_ms: 2_000,
-        replay_cache: None,
-        protocol: Protocol::Grpc,
-    };
+    use crate::config::etcd::{EtcdAuth, EtcdSettings, Protocol};
+    let settings = |auth| EtcdSettings { protocol: Protocol::Grpc, ..super::super::tests::settings(auth) };
     let open = RecordWatch::new(Rc::new(EtcdStore::new(settings(None))), "etcd");
     assert_eq!(open.metadata(), Some(vec![]));
     let auth = EtcdAuth { username: "idem".into(), password: "pw".into() };

@@ -24,17 +24,16 @@ import json
 import random
 import sys
 import threading
-import time
 from pathlib import Path
 
 from bench import OUT_DIR
 from bench.report import WAKE_FLEET_SECTION, update_section
-from bench.wake_latency import percentile
+from bench.wake_latency import held_duplicates, percentile
 from idemkit.bootstrap import etcd_cluster
 from idemkit.client import new_key
 from idemkit.envoy import OrdersProxy
 from idemkit.etcd import Etcd
-from idemkit.process import Upstream, fresh_log_dir, wait_until
+from idemkit.process import Upstream, fresh_log_dir
 
 BODY = b'{"n":1}'
 BATCH = 10
@@ -55,33 +54,9 @@ def etcd_requests(etcd) -> float:
 
 
 def sample(a, b, upstream, rng, waiters, out):
-    key = new_key()
-    delay = str(rng.randint(300, 2500))
-    headers = {"idempotency-key": key, "content-type": "application/json", "x-delay-ms": delay}
-    done = {}
-
-    def original():
-        r = a.post("/orders", BODY, headers, timeout=30)
-        done["original"] = (r, time.monotonic())
-
-    t = threading.Thread(target=original)
-    t.start()
-    wait_until(lambda: upstream.executions(key) == 1, 10, what="the original upstream")
-    time.sleep(0.1)
-    held = []
-
-    def waiter():
-        began = time.monotonic()
-        r = b.post("/orders", BODY, headers, timeout=30)
-        held.append((r, began, time.monotonic()))
-
-    ws = [threading.Thread(target=waiter) for _ in range(waiters)]
-    for w in ws:
-        w.start()
-    t.join(30)
-    for w in ws:
-        w.join(30)
-    r0, t0 = done["original"]
+    headers = {"idempotency-key": new_key(), "content-type": "application/json",
+               "x-delay-ms": str(rng.randint(300, 2500))}
+    (r0, t0), held = held_duplicates(a, b, upstream, headers, waiters, pause_s=0.1)
     for r, began, t1 in held:
         ok = r.status == 201 and r.replayed and r.body == r0.body
         out.append({"ok": ok, "latency_ms": (t1 - t0) * 1000.0, "held_s": t1 - began})

@@ -43,35 +43,45 @@ def percentile(values, q):
     return ordered[k]
 
 
+def held_duplicates(original_proxy, waiter_proxy, upstream, headers, waiters, pause_s=0.0):
+    """One sample: the original on `original_proxy`, and once the upstream has it (and `pause_s`
+    later) `waiters` duplicates on fresh connections to `waiter_proxy`, held until it completes.
+    Returns the original's (response, end time) and each duplicate's (response, start, end)."""
+    key = headers["idempotency-key"]
+    done = {}
+
+    def original():
+        r = original_proxy.post("/orders", b'{"n":1}', headers, timeout=30)
+        done["original"] = (r, time.monotonic())
+
+    t = threading.Thread(target=original)
+    t.start()
+    wait_until(lambda: upstream.executions(key) == 1, 10, what="the original upstream")
+    if pause_s:
+        time.sleep(pause_s)
+    held = []
+
+    def waiter():
+        began = time.monotonic()
+        r = waiter_proxy.post("/orders", b'{"n":1}', headers, timeout=30)
+        held.append((r, began, time.monotonic()))
+
+    ws = [threading.Thread(target=waiter) for _ in range(waiters)]
+    for w in ws:
+        w.start()
+    t.join(30)
+    for w in ws:
+        w.join(30)
+    return done["original"], held
+
+
 def measure(envoy, upstream, samples, waiters):
     lat_ms = []
     errors = 0
     for _ in range(samples):
-        key = new_key()
-        headers = {"idempotency-key": key, "content-type": "application/json", "x-delay-ms": "50"}
-        done = {}
-
-        def original():
-            r = envoy.post("/orders", b'{"n":1}', headers, timeout=30)
-            done["original"] = (r, time.monotonic())
-
-        t = threading.Thread(target=original)
-        t.start()
-        wait_until(lambda: upstream.executions(key) == 1, 10, what="the original upstream")
-        results = []
-
-        def waiter():
-            r = envoy.post("/orders", b'{"n":1}', headers, timeout=30)
-            results.append((r, time.monotonic()))
-
-        ws = [threading.Thread(target=waiter) for _ in range(waiters)]
-        for w in ws:
-            w.start()
-        t.join(30)
-        for w in ws:
-            w.join(30)
-        r0, t0 = done["original"]
-        for r, t1 in results:
+        headers = {"idempotency-key": new_key(), "content-type": "application/json", "x-delay-ms": "50"}
+        (r0, t0), held = held_duplicates(envoy, envoy, upstream, headers, waiters)
+        for r, _, t1 in held:
             if r.status != 201 or not r.replayed or r.body != r0.body:
                 errors += 1
             else:

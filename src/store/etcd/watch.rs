@@ -83,12 +83,14 @@ impl Watches {
         self.watched.iter().position(|w| w.scope == *scope)
     }
 
-    /// A waiter waits on `scope`, whose record is `key`: the create to send now (None when it is
-    /// watched already, the stream is not open, or the bound is reached).
-    pub fn want(&mut self, scope: ScopeId, key: Vec<u8>) -> Option<Vec<u8>> {
+    /// A waiter waits on `scope`, whose record is `key()` (formatted only for a new watch: every
+    /// park asks): the create to send now (None when it is watched already, the stream is not
+    /// open, or the bound is reached).
+    pub fn want(&mut self, scope: ScopeId, key: impl FnOnce() -> Vec<u8>) -> Option<Vec<u8>> {
         if self.find(&scope).is_some() || self.watched.len() >= MAX_WATCHES {
             return None;
         }
+        let key = key();
         let message = wire::watch_create(&key);
         self.watched.push(Watched { scope, key, id: None });
         match self.stream {
@@ -269,7 +271,7 @@ impl RecordWatch {
     }
 
     pub fn want(&self, scope: &ScopeId) -> Option<Vec<u8>> {
-        self.state.borrow_mut().want(*scope, self.store.record_key(scope))
+        self.state.borrow_mut().want(*scope, || self.store.record_key(scope))
     }
 
     pub fn should_open(&self, now_ms: u64) -> bool {

@@ -30,7 +30,7 @@ fn response(id: i64, created: bool, canceled: bool, events: usize) -> Vec<u8> {
 fn a_watch_is_created_when_the_stream_opens_and_its_events_wake_its_record() {
     let mut w = Watches::default();
     assert!(!w.should_open(0), "nothing to watch");
-    assert_eq!(w.want(scope(1), b"/idem/r/01".to_vec()), None, "no stream yet");
+    assert_eq!(w.want(scope(1), || b"/idem/r/01".to_vec()), None, "no stream yet");
     assert!(w.should_open(0));
     let creates = w.opened(7);
     assert_eq!(creates, vec![wire::watch_create(b"/idem/r/01")]);
@@ -41,9 +41,9 @@ fn a_watch_is_created_when_the_stream_opens_and_its_events_wake_its_record() {
     assert_eq!(w.received(&response(0, true, false, 0)).unwrap().wake, vec![scope(1)]);
     assert!(w.is_live(&scope(1)));
     // Asked again: already watched.
-    assert_eq!(w.want(scope(1), b"/idem/r/01".to_vec()), None);
+    assert_eq!(w.want(scope(1), || b"/idem/r/01".to_vec()), None);
     // A second record on the open stream: its create goes at once, answered in order.
-    assert_eq!(w.want(scope(2), b"/idem/r/02".to_vec()), Some(wire::watch_create(b"/idem/r/02")));
+    assert_eq!(w.want(scope(2), || b"/idem/r/02".to_vec()), Some(wire::watch_create(b"/idem/r/02")));
     w.received(&response(1, true, false, 0)).unwrap();
     let got = w.received(&response(1, false, false, 2)).unwrap();
     assert_eq!(got.wake, vec![scope(2)]);
@@ -54,7 +54,7 @@ fn a_watch_is_created_when_the_stream_opens_and_its_events_wake_its_record() {
 #[test]
 fn a_closed_stream_wakes_every_watched_record_and_reopens_with_backoff() {
     let mut w = Watches::default();
-    w.want(scope(1), b"a".to_vec());
+    w.want(scope(1), || b"a".to_vec());
     w.opened(3);
     w.received(&response(0, true, false, 0)).unwrap();
     let mut woken = w.closed(1_000);
@@ -75,8 +75,8 @@ fn a_closed_stream_wakes_every_watched_record_and_reopens_with_backoff() {
 #[test]
 fn watches_nobody_waits_on_are_canceled_and_etcd_may_drop_one() {
     let mut w = Watches::default();
-    w.want(scope(1), b"a".to_vec());
-    w.want(scope(2), b"b".to_vec());
+    w.want(scope(1), || b"a".to_vec());
+    w.want(scope(2), || b"b".to_vec());
     let creates = w.opened(1);
     assert_eq!(creates.len(), 2);
     w.received(&response(0, true, false, 0)).unwrap();
@@ -96,7 +96,7 @@ fn watches_nobody_waits_on_are_canceled_and_etcd_may_drop_one() {
 #[test]
 fn a_create_etcd_refuses_or_nobody_waits_for_any_more_ends_cleanly() {
     let mut w = Watches::default();
-    w.want(scope(1), b"a".to_vec());
+    w.want(scope(1), || b"a".to_vec());
     w.opened(1);
     // Refused at creation (permission denied, a stale token): dropped, polled, and the
     // stream is to be opened again.
@@ -105,7 +105,7 @@ fn a_create_etcd_refuses_or_nobody_waits_for_any_more_ends_cleanly() {
     assert!(got.refused);
     assert!(w.is_empty());
     // Tidied while its create was under way: canceled once created.
-    w.want(scope(2), b"b".to_vec());
+    w.want(scope(2), || b"b".to_vec());
     assert!(w.tidy(|_| false).is_empty());
     w.received(&response(4, true, false, 0)).unwrap();
     assert_eq!(w.tidy(|_| false), vec![wire::watch_cancel(4)]);
@@ -116,7 +116,7 @@ fn a_create_etcd_refuses_or_nobody_waits_for_any_more_ends_cleanly() {
 #[test]
 fn hostile_messages_are_refused_never_a_panic() {
     let mut w = Watches::default();
-    w.want(scope(1), b"a".to_vec());
+    w.want(scope(1), || b"a".to_vec());
     w.opened(1);
     // A creation nobody asked for, a message without header, garbage.
     w.received(&response(0, true, false, 0)).unwrap();
@@ -173,9 +173,9 @@ fn the_bound_keeps_a_worker_from_holding_unbounded_watches() {
             0,
             1,
         ]);
-        assert!(w.want(scope, vec![1]).is_some());
+        assert!(w.want(scope, || vec![1]).is_some());
     }
-    assert_eq!(w.want(scope(9), vec![2]), None);
+    assert_eq!(w.want(scope(9), || vec![2]), None);
     assert_eq!(w.len(), MAX_WATCHES);
 }
 

@@ -3,7 +3,8 @@ process and keeps the registry of live ones (for failure reports), and `Upstream
 orders upstream (demo/orders_upstream.py) as a subprocess.
 
 Every process binds 127.0.0.1; ports are chosen by the kernel (port 0) and read back, so there
-is no port race, unless the caller asks for a fixed port (the demo).
+is no port race, unless the caller asks for a fixed port (the demo) or the process cannot report
+its port (etcd: `free_port`, which at least never hands out one port twice).
 """
 
 from __future__ import annotations
@@ -30,11 +31,23 @@ UPSTREAM_SCRIPT = REPO_ROOT / "demo" / "orders_upstream.py"
 LIVE: list["Process"] = []
 
 
+# Every port free_port handed out in this process.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, and never handed out before by this
+    process. The kernel may give the same port to two binds in a row once the first socket is
+    closed: an etcd asked for a client and a peer port got one port for both and failed to
+    start (CI, bench-smoke)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no fresh free port on 127.0.0.1 after 100 tries")
 
 
 class ClosedPort:

@@ -240,3 +240,33 @@ def test_upstream_body_pause_knob(envoy, upstream):
     r = envoy.post("/orders", b"{}", {"x-response-bytes": "5000", "x-body-pause-ms": "300"})
     assert r.status == 201 and time.monotonic() - t0 >= 0.3, r
     assert r.body == expected_body(int(r.header("x-execution")), 5000)
+
+
+def test_free_port_never_hands_out_one_port_twice(monkeypatch):
+    # The kernel gave one port to two binds in a row, and an etcd got it as both its client and
+    # its peer port (bind: address already in use). Replay that kernel.
+    import socket as socket_module
+
+    from idemkit import process
+
+    kernel_ports = iter([47001, 47001, 47002])
+
+    class KernelSocket:
+        def __init__(self, *args):
+            self.port = None
+
+        def bind(self, addr):
+            self.port = next(kernel_ports)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(process, "_HANDED_OUT", set(), raising=False)
+    monkeypatch.setattr(socket_module, "socket", KernelSocket)
+    assert [process.free_port(), process.free_port()] == [47001, 47002]

@@ -368,7 +368,7 @@ def table(rows: list[dict]) -> str:
 
 
 async def main_async(args) -> list[dict]:
-    etcd = Etcd("etcd-protocol").start()
+    etcd = Etcd("etcd-protocol", durable=True).start()
     try:
         bench = Bench(etcd, args.ops)
         await bench.setup()

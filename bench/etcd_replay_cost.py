@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     builds = [b.split("=", 1) for b in a.build]
-    etcd = Etcd("bench-replay").start()
+    etcd = Etcd("bench-replay", durable=True).start()
     try:
         medians: dict[tuple[str, int], list[int]] = {}
         for _ in range(a.rounds):

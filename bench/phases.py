@@ -356,7 +356,7 @@ class Bench:
                              # requests are still checked.
                              lambda: [wasm_filter(before, "idempotency", cfg11)], "plain", "etcd"))
             (OUT_DIR / "etcd").mkdir(parents=True, exist_ok=True)
-            self.etcd = Etcd("etcd", log_dir=OUT_DIR / "etcd")
+            self.etcd = Etcd("etcd", log_dir=OUT_DIR / "etcd", durable=True)
             try:
                 self.etcd.start()
             except (RuntimeError, TimeoutError, OSError) as e:

@@ -332,7 +332,7 @@ def main(argv: list[str]) -> int:
             # The etcd store next to the local one, with the same routes and ttls (as make bench's
             # scenarios 7 and 8): what the store adds, class by class.
             (OUT_DIR / "profile-etcd").mkdir(parents=True, exist_ok=True)
-            etcd = Etcd("profile-etcd", log_dir=OUT_DIR / "profile-etcd").start()
+            etcd = Etcd("profile-etcd", log_dir=OUT_DIR / "profile-etcd", durable=True).start()
             cl = [bootstrap.etcd_cluster([etcd.client_port], name=ETCD_CLUSTER, health_checks=False, grpc=True)]
             store = etcd_store("grpc")
             scen += [

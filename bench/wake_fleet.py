@@ -137,7 +137,7 @@ def main() -> int:
     ap.add_argument("--no-report", action="store_true", help="print only")
     args = ap.parse_args()
     upstream = Upstream("wake-fleet-upstream", log_dir=fresh_log_dir("wake-fleet-upstream", OUT_DIR)).start()
-    etcd = Etcd("wake-fleet-etcd", log_dir=fresh_log_dir("wake-fleet-etcd", OUT_DIR)).start()
+    etcd = Etcd("wake-fleet-etcd", log_dir=fresh_log_dir("wake-fleet-etcd", OUT_DIR), durable=True).start()
     failed, results = False, []
     try:
         for r in range(args.rounds):

@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
 
     config = Path(a.config or REPO_ROOT / "envoy" / ("envoy-etcd.yaml" if a.etcd else "envoy.yaml"))
     upstream = Upstream("demo-upstream", port=UPSTREAM_PORT)
-    etcd = Etcd("demo-etcd", client_port=ETCD_PORT) if a.etcd else None
+    etcd = Etcd("demo-etcd", client_port=ETCD_PORT, durable=True) if a.etcd else None
     envoy = Envoy(a.envoy, config, "demo", a.concurrency, a.log_level,
                   a.component_log_level, console=True)
     try:

@@ -1,5 +1,5 @@
 """etcd for the tests: `Etcd`, one member (or a member of an `EtcdCluster`) on free loopback
-ports with a temporary data directory, removed when it stops; `DelayProxy`, a TCP proxy in
+ports with a temporary data directory (on tmpfs unless `durable`), removed when it stops; `DelayProxy`, a TCP proxy in
 front of etcd that holds each answer back for a while (an etcd slower than the filter's
 timeout). The binary is Debian's etcd-server (`make etcd` installs it); a missing binary fails,
 it never skips.
@@ -36,8 +36,13 @@ class Etcd(Process):
 
     def __init__(self, name: str = "etcd", log_dir: Path | None = None,
                  client_port: int | None = None, peer_port: int | None = None,
-                 extra_args: list[str] | None = None, binary: Path | str | None = None) -> None:
+                 extra_args: list[str] | None = None, binary: Path | str | None = None,
+                 durable: bool = False) -> None:
         self.name = name
+        # Data on disk (True: the benchmarks, where etcd's fsync is part of the cost measured) or
+        # on tmpfs where the machine has one (tests: a slow disk's fsync, seconds on CI, would
+        # turn into the store's timeouts, and no test depends on etcd's durability).
+        self.durable = durable
         # Another etcd than ETCD_BIN / PATH's (e.g. the current release next to Debian's).
         self.binary = binary
         # More etcd flags (e.g. `--auth-token jwt,...`).
@@ -58,7 +63,7 @@ class Etcd(Process):
 
     def spawn(self, initial_cluster: str | None = None, state: str = "new") -> "Etcd":
         if self.data_dir is None:
-            self.data_dir = Path(tempfile.mkdtemp(prefix="idemkit-etcd-"))
+            self.data_dir = Path(tempfile.mkdtemp(prefix="idemkit-etcd-", dir=self._data_root()))
         cmd = [
             str(self.binary or etcd_binary()),
             "--name", self.name,
@@ -80,6 +85,12 @@ class Etcd(Process):
                                          stdin=subprocess.DEVNULL)
         self._register()
         return self
+
+    def _data_root(self) -> str | None:
+        shm = "/dev/shm"
+        if not self.durable and os.path.isdir(shm) and os.access(shm, os.W_OK):
+            return shm
+        return None  # the temporary directory
 
     def start(self, timeout: float = 20.0) -> "Etcd":
         self.spawn()

@@ -39,8 +39,25 @@ impl Drop for EtcdProcess {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// Two distinct ports on 127.0.0.1 that were free a moment ago: both listeners are held until
+/// both ports are known, since the kernel may hand one port to two binds in a row once the first
+/// is closed (etcd then gets one port as its client and its peer port, and cannot start).
+fn free_ports() -> (u16, u16) {
+    let a = TcpListener::bind("127.0.0.1:0").unwrap();
+    let b = TcpListener::bind("127.0.0.1:0").unwrap();
+    (a.local_addr().unwrap().port(), b.local_addr().unwrap().port())
+}
+
+/// Where a test etcd keeps its data: tmpfs (`/dev/shm`) where the machine has it, so a slow disk's
+/// fsync (seconds, seen on CI) does not turn into the store's timeouts; what these tests check
+/// does not depend on etcd's durability.
+fn etcd_data_root() -> std::path::PathBuf {
+    let shm = std::path::Path::new("/dev/shm");
+    if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    }
 }
 
 fn healthy(addr: SocketAddr) -> bool {
@@ -61,14 +78,14 @@ fn start_etcd() -> EtcdProcess {
 fn start_etcd_with(extra: &[&str]) -> EtcdProcess {
     static STARTS: AtomicU32 = AtomicU32::new(0);
     let bin = std::env::var("ETCD_BIN").unwrap_or_else(|_| "etcd".into());
-    let dir = std::env::temp_dir().join(format!(
+    let dir = etcd_data_root().join(format!(
         "idem-etcd-{}-{}",
         std::process::id(),
         STARTS.fetch_add(1, Ordering::SeqCst)
     ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let (client, peer) = (free_port(), free_port());
+    let (client, peer) = free_ports();
     let client_url = format!("http://127.0.0.1:{client}");
     let peer_url = format!("http://127.0.0.1:{peer}");
     let log = std::fs::File::create(dir.join("etcd.log")).unwrap();

@@ -270,3 +270,20 @@ def test_free_port_never_hands_out_one_port_twice(monkeypatch):
     monkeypatch.setattr(process, "_HANDED_OUT", set(), raising=False)
     monkeypatch.setattr(socket_module, "socket", KernelSocket)
     assert [process.free_port(), process.free_port()] == [47001, 47002]
+
+
+def test_a_test_etcd_keeps_its_data_on_tmpfs_and_a_benchmark_etcd_on_disk(tmp_path):
+    # A slow disk's fsync (3.4 s, seen on CI) turned a test etcd's answers into the store's
+    # timeouts; the benchmarks measure etcd with its fsync.
+    import os
+
+    from idemkit.etcd import Etcd
+
+    assert os.path.isdir("/dev/shm"), "this machine has no tmpfs at /dev/shm"
+    test_etcd = Etcd("harness-tmpfs", log_dir=tmp_path).start()
+    try:
+        assert str(test_etcd.data_dir).startswith("/dev/shm/"), test_etcd.data_dir
+        assert test_etcd.healthy()
+    finally:
+        test_etcd.stop()
+    assert not Etcd("harness-disk", log_dir=tmp_path, durable=True)._data_root()

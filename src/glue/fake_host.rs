@@ -163,6 +163,12 @@ impl FakeHost {
         self.metric(&format!("idempotency.route.{rule}.requests_total.{name}"), true)
     }
 
+    /// A counter of no rule (`metrics::*_METRIC`), flushed or not; `None` while undefined.
+    pub fn plain_counter(&self, full: &str) -> Option<i64> {
+        let defined = self.0.metrics.borrow().iter().any(|(n, _)| n == full);
+        defined.then(|| self.metric(full, true))
+    }
+
     fn metric(&self, full: &str, with_pending: bool) -> i64 {
         let metrics = self.0.metrics.borrow();
         let Some(id) = metrics.iter().position(|(n, _)| n == full) else { return 0 };

@@ -7,7 +7,7 @@ use crate::config::{self, Config, Execution, Rule, StoreConfig, UnknownOutcome};
 use crate::detached;
 use crate::flow::{ParkPlan, RequestFlow, Resumed, Settlement};
 use crate::identity::scope::ScopeId;
-use crate::metrics::{Counter, SWEPT_METRIC, UNMATCHED_METRIC};
+use crate::metrics::{Counter, SWEPT_METRIC, UNMATCHED_METRIC, WATCH_ENDED_METRIC};
 use crate::splitmix::splitmix64;
 use crate::store::etcd::remote::EtcdRemote;
 use crate::store::etcd::watch::RecordWatch;
@@ -41,10 +41,12 @@ pub struct Metrics {
     routes: HashMap<String, Vec<Option<u32>>>,
     unmatched: Option<u32>,
     swept: Option<u32>,
+    /// Defined only where the store watches (the etcd store over gRPC).
+    watch_ended: Option<u32>,
 }
 
 impl Metrics {
-    fn define<H: Host>(host: &H, rules: &[Rc<Rule>]) -> Metrics {
+    fn define<H: Host>(host: &H, rules: &[Rc<Rule>], watches: bool) -> Metrics {
         let define = |name: String| match host.define_counter(&name) {
             Ok(id) => Some(id),
             Err(e) => {
@@ -62,6 +64,7 @@ impl Metrics {
                 .collect(),
             unmatched: define(UNMATCHED_METRIC.to_string()),
             swept: define(SWEPT_METRIC.to_string()),
+            watch_ended: if watches { define(WATCH_ENDED_METRIC.to_string()) } else { None },
         }
     }
 }
@@ -352,8 +355,9 @@ impl<H: Host> PluginState<H> {
             }
         };
         let room = RefCell::new(WaitRoom::new(config.max_waiters_per_key, config.max_waiters));
+        let watches = matches!(&store, Store::Remote(remote) if remote.watch().is_some());
         Ok(PluginState {
-            metrics: Metrics::define(&host, &config.rules),
+            metrics: Metrics::define(&host, &config.rules, watches),
             host,
             config,
             store,
@@ -407,6 +411,14 @@ impl<H: Host> PluginState<H> {
         let value = format!("{} {tag}", counter.name());
         if let Err(HostError(s)) = self.host.set_property(OUTCOME_PROPERTY, value.as_bytes()) {
             log::debug!("cannot publish the outcome {value} (host status {s})");
+        }
+    }
+
+    /// Counted at once, not batched to the tick: it is rare, and the moment it happens is what
+    /// an operator looks for.
+    fn count_watch_ended(&self) {
+        if let Some(id) = self.metrics.watch_ended {
+            self.host.increment(id, 1);
         }
     }
 
@@ -498,6 +510,7 @@ impl<H: Host> PluginState<H> {
             }
             Err(HostError(s)) => {
                 log::debug!("watch stream refused (host status {s}); waiters poll");
+                self.count_watch_ended();
                 watch.refused(now_ms);
             }
         }
@@ -520,8 +533,9 @@ impl<H: Host> PluginState<H> {
     /// The watch stream ended: changes of these records may go unseen, so their waiters poll
     /// at the usual pace again, the next time at most `RECHECK_EVERY_MS` from now (not at once:
     /// a stream usually ends because etcd is unreachable, and a poll into that fails the waiter
-    /// by the store's fail mode).
+    /// by the store's fail mode). Counted in `store_watch_ended_total`.
     pub fn watch_ended(&self, scopes: Vec<ScopeId>, now_ms: u64) {
+        self.count_watch_ended();
         let mut room = self.room.borrow_mut();
         for scope in scopes {
             room.hasten(&scope, now_ms.saturating_add(wait::RECHECK_EVERY_MS));

@@ -7,6 +7,7 @@ use crate::flow::Verdict;
 use crate::glue::fake_host::{Call, FakeHost};
 use crate::glue::http::Http;
 use crate::glue::root::Root;
+use crate::metrics::WATCH_ENDED_METRIC;
 use crate::store::etcd::watch::RecordWatch;
 use crate::store::etcd::EtcdStore;
 use crate::store::record::Snapshot;
@@ -364,7 +365,9 @@ fn a_closed_watch_stream_makes_waiters_poll_until_it_reopens() {
     answer(&mut r, Some("200"));
     // etcd went away: the waiter polls at the usual pace again, the next time within a second
     // (not at once: etcd is likely unreachable).
+    assert_eq!(r.h.plain_counter(WATCH_ENDED_METRIC), Some(0));
     r.root.on_grpc_close(token, 14);
+    assert_eq!(r.h.plain_counter(WATCH_ENDED_METRIC), Some(1));
     assert!(!tick_at(&mut r, 1_999));
     assert!(tick_at(&mut r, 2_000));
     r.begins.borrow_mut().push_back(IN_FLIGHT);
@@ -384,6 +387,7 @@ fn a_watch_stream_envoy_refuses_or_garbles_leaves_waiters_polling() {
     r.h.fail("grpc_stream", 2);
     let (_original, _waiter) = original_and_waiter(&mut r);
     assert!(grpc_calls(&r.h).is_empty());
+    assert_eq!(r.h.plain_counter(WATCH_ENDED_METRIC), Some(1), "a stream Envoy refused");
     assert!(tick_at(&mut r, 1_050), "polls as without a watch");
     r.begins.borrow_mut().push_back(IN_FLIGHT);
     answer(&mut r, Some("200"));
@@ -393,4 +397,13 @@ fn a_watch_stream_envoy_refuses_or_garbles_leaves_waiters_polling() {
     let Some(Call::GrpcStream { token, .. }) = grpc_calls(&r.h).first().cloned() else { panic!() };
     assert!(!watch_says(&mut r, token, vec![0xff, 0xff]));
     assert!(grpc_calls(&r.h).contains(&Call::GrpcCancel { token }));
+    assert_eq!(r.h.plain_counter(WATCH_ENDED_METRIC), Some(2), "and one that garbled");
+}
+
+/// The watch counter exists where a store watches, so a dashboard never shows a flat line for
+/// a watch that cannot happen (the JSON gateway polls).
+#[test]
+fn the_watch_counter_is_defined_only_where_the_store_watches() {
+    assert_eq!(rig(OnStoreError::FailClosed).h.plain_counter(WATCH_ENDED_METRIC), None);
+    assert_eq!(watching_rig().h.plain_counter(WATCH_ENDED_METRIC), Some(0));
 }

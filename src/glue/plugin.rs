@@ -41,12 +41,11 @@ pub struct Metrics {
     routes: HashMap<String, Vec<Option<u32>>>,
     unmatched: Option<u32>,
     swept: Option<u32>,
-    /// Defined only where the store watches (the etcd store over gRPC).
     watch_ended: Option<u32>,
 }
 
 impl Metrics {
-    fn define<H: Host>(host: &H, rules: &[Rc<Rule>], watches: bool) -> Metrics {
+    fn define<H: Host>(host: &H, rules: &[Rc<Rule>]) -> Metrics {
         let define = |name: String| match host.define_counter(&name) {
             Ok(id) => Some(id),
             Err(e) => {
@@ -64,7 +63,9 @@ impl Metrics {
                 .collect(),
             unmatched: define(UNMATCHED_METRIC.to_string()),
             swept: define(SWEPT_METRIC.to_string()),
-            watch_ended: if watches { define(WATCH_ENDED_METRIC.to_string()) } else { None },
+            // Defined whatever the store, as the sweep's is: a family that is always there (at 0
+            // where nothing watches) lets one dashboard and one alert serve every fleet.
+            watch_ended: define(WATCH_ENDED_METRIC.to_string()),
         }
     }
 }
@@ -355,9 +356,8 @@ impl<H: Host> PluginState<H> {
             }
         };
         let room = RefCell::new(WaitRoom::new(config.max_waiters_per_key, config.max_waiters));
-        let watches = matches!(&store, Store::Remote(remote) if remote.watch().is_some());
         Ok(PluginState {
-            metrics: Metrics::define(&host, &config.rules, watches),
+            metrics: Metrics::define(&host, &config.rules),
             host,
             config,
             store,

@@ -348,7 +348,8 @@ def test_on_istios_stats_config_the_override_gives_the_labels(envoy_bin, filter_
                     assert 'idempotency_requests_total{route="payments.v2",outcome="claimed"} 1' in lines, lines
                     families = set(re.findall(r"^# TYPE (idempotency_\w+) counter$", text, re.M))
                     assert families == {"idempotency_requests_total", "idempotency_unmatched_requests_total",
-                                        "idempotency_records_swept_total"}, families
+                                        "idempotency_records_swept_total",
+                                        "idempotency_store_watch_ended_total"}, families
                 for line in lines:
                     assert not line.startswith("idempotency_") or re.match(r"[a-z0-9_]+(\{[^}]*\})? \d+$", line), line
             finally:

@@ -43,7 +43,9 @@ from idemkit.client import (  # noqa: F401
     request,
     send_and_disconnect,
 )
-from idemkit.envoy import ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNMATCHED_STAT, EnvoyStartError  # noqa: F401
+from idemkit.envoy import (  # noqa: F401
+    ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNMATCHED_STAT, WATCH_ENDED_STAT, EnvoyStartError,
+)
 from idemkit.etcd import DelayProxy, EtcdCluster  # noqa: F401
 from idemkit.etcd import Etcd as _Etcd
 from idemkit.process import LIVE, ClosedPort, Fatal, free_port, tail, wait_until  # noqa: F401

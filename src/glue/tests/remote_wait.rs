@@ -399,11 +399,3 @@ fn a_watch_stream_envoy_refuses_or_garbles_leaves_waiters_polling() {
     assert!(grpc_calls(&r.h).contains(&Call::GrpcCancel { token }));
     assert_eq!(r.h.plain_counter(WATCH_ENDED_METRIC), Some(2), "and one that garbled");
 }
-
-/// The watch counter exists where a store watches, so a dashboard never shows a flat line for
-/// a watch that cannot happen (the JSON gateway polls).
-#[test]
-fn the_watch_counter_is_defined_only_where_the_store_watches() {
-    assert_eq!(rig(OnStoreError::FailClosed).h.plain_counter(WATCH_ENDED_METRIC), None);
-    assert_eq!(watching_rig().h.plain_counter(WATCH_ENDED_METRIC), Some(0));
-}

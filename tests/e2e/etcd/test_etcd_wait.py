@@ -19,7 +19,6 @@ import harness
 from harness import assert_problem, key_headers, new_key
 
 BODY = b'{"item":"book","qty":1}'
-WATCH_ENDED = "wasmcustom.idempotency.store_watch_ended_total"
 
 def filter_config(protocol: str = "json") -> dict:
     return {
@@ -210,14 +209,14 @@ def test_a_broken_watch_stream_falls_back_to_polling_and_reopens(envoy_bin, filt
         original = original_running(upstream, a, "/wait", key, x_delay_ms="2500")
         waiter = started(b, "/wait", key_headers(key, x_delay_ms="2500"))
         time.sleep(0.8)
-        assert b.counter(WATCH_ENDED) == 0
+        assert b.counter(harness.WATCH_ENDED_STAT) == 0
         cut.drop_connections()
         first, again = original.result(), waiter.result()
         assert first.status == 201 and again.status == 201 and again.replayed, (again.status, again.body)
         assert waiter.done - original.done < 1.5, "polled again after the cut"
         assert upstream.executions(key) == 1
         # Operators see it: the stream's end is counted.
-        assert b.counter(WATCH_ENDED) >= 1
+        assert b.counter(harness.WATCH_ENDED_STAT) >= 1
         # The stream is back (opened again a second after the cut): woken at once again.
         time.sleep(1.5)
         key = new_key()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import harness
-from harness import ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNMATCHED_STAT, new_key
+from harness import ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNMATCHED_STAT, WATCH_ENDED_STAT, new_key
 
 FILTER_CONFIG = {
     "store": {"type": "local", "capacity": 1000},
@@ -17,7 +17,7 @@ FILTER_CONFIG = {
 def test_all_counters_exist_from_the_start(envoy):
     counters = set(envoy.filter_counters())
     expected = {(ROUTE_STAT % ("orders", o))[len(STAT_PREFIX):] for o in harness.OUTCOMES}
-    expected |= {UNMATCHED_STAT[len(STAT_PREFIX):], SWEPT_STAT[len(STAT_PREFIX):]}
+    expected |= {s[len(STAT_PREFIX):] for s in (UNMATCHED_STAT, SWEPT_STAT, WATCH_ENDED_STAT)}
     assert expected <= counters, sorted(expected - counters)
     # One family per meaning: no all-routes counter that repeats the rules' outcomes.
     per_rule = re.compile(r"route\.orders\.requests_total\.[a-z_]+")
@@ -50,4 +50,5 @@ def test_counters_count_and_prometheus_names(envoy, upstream):
     assert int(m.group(1)) == after["replayed"]
     assert re.search(r"^idempotency_unmatched_requests_total(?:\{\})? %d$" % (unmatched + 1), text, re.M)
     assert re.search(r"^idempotency_records_swept_total(?:\{\})? 0$", text, re.M)
+    assert re.search(r"^idempotency_store_watch_ended_total(?:\{\})? 0$", text, re.M)
     assert "wasmcustom" not in text

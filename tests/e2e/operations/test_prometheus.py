@@ -55,6 +55,7 @@ def test_first_call_replay_and_mismatch_are_separate_series_with_route_and_outco
     families = re.findall(r"^# TYPE (idempotency_\w+) (\w+)$", text, re.M)
     assert sorted(families) == [("idempotency_records_swept_total", "counter"),
                                 ("idempotency_requests_total", "counter"),
+                                ("idempotency_store_watch_ended_total", "counter"),
                                 ("idempotency_unmatched_requests_total", "counter")], families
     after = labelled(text)
     for outcome in ("claimed", "replayed", "mismatch"):

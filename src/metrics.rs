@@ -23,9 +23,9 @@ pub const UNMATCHED_METRIC: &str = "idempotency.unmatched_requests_total";
 /// Expired records reclaimed by the sweep.
 pub const SWEPT_METRIC: &str = "idempotency.records_swept_total";
 
-/// The etcd store over gRPC: a worker's watch stream to etcd ended (etcd closed it, a connection
-/// was cut, a message was refused) or could not be opened. Its waiters poll until it is open
-/// again; a steady rise means wait mode across the fleet is polling.
+/// The etcd store over gRPC (0 on any other store): a worker's watch stream to etcd ended (etcd
+/// closed it, a connection was cut, a message was refused) or could not be opened. Its waiters
+/// poll until it is open again; a steady rise means wait mode across the fleet is polling.
 pub const WATCH_ENDED_METRIC: &str = "idempotency.store_watch_ended_total";
 
 /// What happened to a request, one counter per route rule each

@@ -1,8 +1,8 @@
 """etcd for the tests: `Etcd`, one member (or a member of an `EtcdCluster`) on free loopback
 ports with a temporary data directory (on tmpfs unless `durable`), removed when it stops;
 `DelayProxy`, a TCP proxy in front of etcd that holds each answer back for a while (an etcd
-slower than the filter's timeout). The binary is Debian's etcd-server (`make etcd` installs it); a missing binary fails,
-it never skips.
+slower than the filter's timeout). The binary is Debian's etcd-server (`make etcd` installs
+it); a missing binary fails, it never skips.
 """
 
 from __future__ import annotations

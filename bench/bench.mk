@@ -2,10 +2,11 @@
 # Included from the top Makefile (`include bench/bench.mk`); uses its CARGO, VENV_PY, ENVOY_BIN,
 # DIST_WASM and its build and tools targets.
 #
-#   make bench          all ten scenarios interleaved in one run (Envoy alone, no-op filter, the
+#   make bench          all the scenarios interleaved in one run (Envoy alone, no-op filter, the
 #                       filter three ways, a naive filter, detached execution, the filter on a real
-#                       etcd three ways: new key and replay over gRPC, new key over the JSON
-#                       gateway; BENCH_BEFORE=<commit>: and the filter at that commit's new key), then
+#                       etcd five ways: new key and replay over gRPC, new key over the JSON
+#                       gateway, new key without a quota, replay with the replay cache;
+#                       BENCH_BEFORE=<commit>: and the filter at that commit's new key), then
 #                       the refusal-vs-fill curve and the memory phase; writes BENCHMARKS.md and
 #                       bench/results.svg (BENCH_MEMORY=0: no memory phase)
 #   make bench-memory   the memory phase alone (1,000,000 distinct keys, RSS sampled)

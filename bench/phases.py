@@ -14,8 +14,11 @@ Processes (all the same Envoy binary, each with --concurrency 1 --disable-hot-re
             8 etcd-replay the filter with the etcd store over gRPC, replay of a stored key
            10 etcd-new-json  scenario 7 over etcd's JSON gateway (the store's default protocol)
            11 etcd-new-before  scenario 10 with the filter at --before-wasm (`make bench BENCH_BEFORE=<commit>`)
+           12 etcd-new-default scenario 7 at the product's default: no `quota`, so nothing is counted
+           13 etcd-replay-cached scenario 8 with `store.replay_cache` on: replays answered from memory
             9 detached-new the filter, new key per request, with `execution: "detached"`
-  etcd      (scenarios 7 and 8) one real etcd member on free loopback ports, started and
+           14 new-key-default scenario 4 at the product's default: no `quota`, so nothing is counted
+  etcd      (scenarios 7, 8 and 10 to 13) one real etcd member on free loopback ports, started and
             stopped by the bench (idemkit/etcd.py), data directory removed at the end.
   mem       (memory phase) one more proxy with the filter, ttl 5s, fed 1,000,000 distinct keys.
   fill      (refusal curve, bench/fill.py) one more proxy with a small capacity, filled with new keys.
@@ -319,7 +322,15 @@ class Bench:
         self.scenarios.append(
             Scenario(9, "detached-new", "filter, new key per request, detached execution", ORDERS, "unique",
                      lambda: [wasm_filter(wasm, "idempotency", cfg9)], "new", "local"))
-        self.filter_configs = {3: cfg, 4: cfg4, 5: cfg, 9: cfg9}
+        # Scenario 4 as an operator gets it without a `quota` section (the default): no quota
+        # counters are read or written.
+        cfg14 = json.loads(cfg4)
+        del cfg14["quota"]
+        cfg14 = json.dumps(cfg14, separators=(",", ":"))
+        self.scenarios.append(
+            Scenario(14, "new-key-default", "filter, new key per request, no quota (the default)", ORDERS, "unique",
+                     lambda: [wasm_filter(wasm, "idempotency", cfg14)], "new", "local"))
+        self.filter_configs = {3: cfg, 4: cfg4, 5: cfg, 9: cfg9, 14: cfg14}
         if a.naive_wasm:
             naive = rel(a.naive_wasm)
             self.scenarios.append(
@@ -333,7 +344,16 @@ class Bench:
             cfg7 = filter_config(ttl=self.new_key_ttl, processing_timeout=self.new_key_ttl, store=etcd_store("grpc"))
             cfg8 = filter_config(store=etcd_store("grpc"))
             cfg10 = filter_config(ttl=self.new_key_ttl, processing_timeout=self.new_key_ttl, store=etcd_store("json"))
-            self.filter_configs |= {7: cfg7, 8: cfg8, 10: cfg10}
+            # 12: scenario 7 as an operator gets it without a `quota` section (the default since the
+            # guarantee issue: no identity is counted, so a claim writes no quota index key). 13:
+            # scenario 8 with the replay cache, the zero-round-trip replay.
+            cfg12 = json.loads(cfg7)
+            del cfg12["quota"]
+            cfg12 = json.dumps(cfg12, separators=(",", ":"))
+            cfg13 = json.loads(cfg8)
+            cfg13["store"]["replay_cache"] = {}
+            cfg13 = json.dumps(cfg13, separators=(",", ":"))
+            self.filter_configs |= {7: cfg7, 8: cfg8, 10: cfg10, 12: cfg12, 13: cfg13}
             self.scenarios += [
                 Scenario(7, "etcd-new", "etcd store (gRPC), new key per request", ORDERS, "unique",
                          lambda: [wasm_filter(wasm, "idempotency", cfg7)], "new", "etcd"),
@@ -341,6 +361,10 @@ class Bench:
                          lambda: [wasm_filter(wasm, "idempotency", cfg8)], "replay", "etcd"),
                 Scenario(10, "etcd-new-json", "etcd store (JSON gateway, the default), new key per request", ORDERS,
                          "unique", lambda: [wasm_filter(wasm, "idempotency", cfg10)], "new", "etcd"),
+                Scenario(12, "etcd-new-default", "etcd store (gRPC), new key per request, no quota (the default)",
+                         ORDERS, "unique", lambda: [wasm_filter(wasm, "idempotency", cfg12)], "new", "etcd"),
+                Scenario(13, "etcd-replay-cached", "etcd store (gRPC), replay of a stored key, replay cache on",
+                         ORDERS, "replay", lambda: [wasm_filter(wasm, "idempotency", cfg13)], "replay", "etcd"),
             ]
             if a.before_wasm:
                 # The filter as it was at an earlier commit, on the JSON gateway (it may not know
@@ -365,7 +389,7 @@ class Bench:
             # request count is the store's round trips.
             grpc = bootstrap.etcd_cluster([self.etcd.client_port], name=ETCD_CLUSTER, health_checks=False, grpc=True)
             gateway = bootstrap.etcd_cluster([self.etcd.client_port], name=ETCD_CLUSTER, health_checks=False)
-            extra = {7: [grpc], 8: [grpc], 10: [gateway], 11: [gateway]}
+            extra = {7: [grpc], 8: [grpc], 10: [gateway], 11: [gateway], 12: [grpc], 13: [grpc]}
         for s in self.scenarios:
             s.envoy = bench_envoy(f"s{s.sid}-{s.name}",
                                   proxy_config(self.upstream.port, s.filters_fn(), extra.get(s.sid)), a.envoy)
@@ -477,7 +501,7 @@ class Bench:
         self.verify()
 
     def equal_load(self) -> None:
-        """The local and the etcd store at one open-loop rate (scenarios 4 and 7, 5 and 8): Envoy's
+        """The local and the etcd store at one open-loop rate (scenarios 4 and 7, 5 and 8, 5 and 13): Envoy's
         CPU per request depends on its load (at a few hundred requests a second every request
         wakes Envoy on its own, at thousands their events share wake-ups and warm caches), and
         the closed loop runs the etcd scenarios at a tenth of the local ones' rate. The rate is
@@ -485,7 +509,7 @@ class Bench:
         sustain it; each run lasts twice `duration`, and its CPU is read from schedstat (ns), since
         stat's 10 ms ticks are a few hundred requests' worth at this rate."""
         a = self.args
-        pairs = [(self.sid(4), self.sid(7)), (self.sid(5), self.sid(8))]
+        pairs = [(self.sid(4), self.sid(7)), (self.sid(5), self.sid(8)), (self.sid(5), self.sid(13))]
         pairs = [(x, y) for x, y in pairs if x and y]
         if a.open_rounds <= 0 or not pairs:
             return

@@ -1,5 +1,5 @@
 """BENCHMARKS.md, the scenarios next to the filter on the local store: the naive idempotency filter
-(scenario 6, issue 11's yardstick) and the etcd store (scenarios 7 and 8, issue 10), with their
+(scenario 6, issue 11's yardstick) and the etcd store (scenarios 7, 8 and 10 to 13, issues 10 and 20), with their
 ratios, CPU ratios, targets and the etcd store's round trips per request."""
 
 from __future__ import annotations
@@ -12,28 +12,44 @@ if TYPE_CHECKING:
     from bench.report_model import ReportData
 
 # Throughput ratios (A/B per round), beyond the five of bench/report.py.
-RATIOS = [(6, 2), (4, 6), (7, 4), (8, 5), (7, 10), (7, 11), (10, 11), (9, 4)]
+RATIOS = [(6, 2), (4, 6), (14, 6), (14, 4), (7, 4), (8, 5), (12, 4), (13, 5), (7, 10), (7, 11), (10, 11), (12, 11), (12, 7), (13, 8),
+          (9, 4)]
 MEANING = {
     "9/4": "detached execution over inline, new key per request (the root's callout instead of the router)",
     "6/2": "naive idempotency filter on new keys, over the no-op filter",
     "4/6": "filter on new keys, over the naive idempotency filter",
+    "14/6": "filter on new keys without a quota (the default), over the naive idempotency filter",
+    "14/4": "filter on new keys without a quota (the default), over with the bench's quota",
     "7/4": "etcd store over the local store, new key per request",
     "8/5": "etcd store over the local store, replay of a stored key",
+    "12/4": "etcd store without a quota over the local store (with the bench's quota), new key per request",
+    "13/5": "etcd store with the replay cache over the local store, replay of a stored key",
     "7/10": "etcd store over gRPC, over the JSON gateway, new key per request",
     "7/11": "etcd store over gRPC, over the filter at the earlier commit (JSON gateway), new key per request",
     "10/11": "etcd store over the JSON gateway, over the filter at the earlier commit, new key per request",
+    "12/11": "etcd store over gRPC without a quota (today's default), over the filter at the earlier commit (which "
+             "always counted), new key per request",
+    "12/7": "etcd store over gRPC, new key per request, without a quota over with the bench's quota",
+    "13/8": "etcd store over gRPC, replay of a stored key, replay cache on over off",
 }
 # CPU ratios: B's Envoy CPU per request / A's, per round (like a throughput ratio, higher = cheaper A).
-CPU_RATIOS = [(4, 2), (4, 6), (6, 2), (7, 4), (8, 5), (7, 10), (7, 11), (9, 4)]
+CPU_RATIOS = [(4, 2), (4, 6), (14, 6), (6, 2), (7, 4), (8, 5), (12, 4), (13, 5), (7, 10), (7, 11), (12, 11), (12, 7),
+              (13, 8), (9, 4)]
 CPU_MEANING = {
     "9/4": "detached execution against inline, new key",
     "4/2": "filter on new keys, against the no-op filter",
     "4/6": "filter on new keys, against the naive idempotency filter",
+    "14/6": "filter on new keys without a quota (the default), against the naive idempotency filter",
     "6/2": "naive filter on new keys, against the no-op filter",
     "7/4": "etcd store against the local store, new key",
     "8/5": "etcd store against the local store, replay",
+    "12/4": "etcd store without a quota against the local store (with the bench's quota), new key",
+    "13/5": "etcd store with the replay cache against the local store, replay",
     "7/10": "etcd store over gRPC against the JSON gateway, new key",
     "7/11": "etcd store over gRPC against the filter at the earlier commit, new key",
+    "12/11": "etcd store over gRPC without a quota against the filter at the earlier commit, new key",
+    "12/7": "etcd store over gRPC without a quota against with the bench's quota, new key",
+    "13/8": "etcd store over gRPC with the replay cache against without it, replay",
 }
 
 
@@ -50,16 +66,19 @@ def cpu_ratios(rep: ReportData) -> dict[str, dict]:
 
 
 # Issue 20's bounds on the etcd store's Envoy CPU per request over the local store's, at equal
-# load, and what each pair measures.
-EQUAL_LOAD_BOUNDS = {"7/4": (2.2, "new key"), "8/5": (1.5, "replay")}
+# load, and what each pair measures (13/5: the same bound for the replay with the replay cache,
+# the zero-round-trip path the issue names).
+EQUAL_LOAD_BOUNDS = {"7/4": (2.2, "new key"), "8/5": (1.5, "replay"), "13/5": (1.5, "replay, replay cache on")}
+# The pairs of the equal-load phase: (etcd scenario, local scenario).
+EQUAL_LOAD_PAIRS = ((7, 4), (8, 5), (13, 5))
 
 
 def equal_load_cpu(rep: ReportData, net: bool = True) -> dict[str, tuple[float, float, float]]:
-    """Per pair "7/4" and "8/5": (local µs/req, etcd µs/req, etcd over local), medians of the
-    equal-load phase's runs (scenarios 4 and 7, 5 and 8 at one open-loop rate); `net`: less what
-    the Envoy burns idle over the run's wall time."""
+    """Per pair ("7/4", "8/5", "13/5"): (local µs/req, etcd µs/req, etcd over local), medians of
+    the equal-load phase's runs (each pair at one open-loop rate); `net`: less what the Envoy
+    burns idle over the run's wall time."""
     out = {}
-    for e, loc in ((7, 4), (8, 5)):
+    for e, loc in EQUAL_LOAD_PAIRS:
         if e not in rep.rows or loc not in rep.rows:
             continue
         per = []
@@ -92,6 +111,14 @@ def targets(rep: ReportData) -> list[tuple[str, str, bool | None]]:
     if "4/6" in r:
         m = r["4/6"]["median"]
         out.append(("throughput 4/6 (new key over the naive filter) >= 0.9", f"{m:.3f}", m >= 0.9))
+    # Issue 20's bounds on the local hot paths (issue 11's above are stricter for a new key, looser
+    # for pass-through): with the bench's quota (4) and at the default, which counts nothing (14).
+    for key, what, bound in (("3/2", "pass-through over the no-op filter", 0.98),
+                             ("4/6", "new key over the naive filter", 0.8),
+                             ("14/6", "new key without a quota, the default, over the naive filter", 0.8)):
+        if key in r:
+            m = r[key]["median"]
+            out.append((f"throughput {key} ({what}) >= {bound} (issue 20)", f"{m:.3f}", m >= bound))
     if "4/6" in c:
         m = c["4/6"]["median"]
         out.append(("CPU per request 4/6 (naive's µs / new key's µs) >= 0.9", f"{m:.3f}", m >= 0.9))
@@ -102,6 +129,17 @@ def targets(rep: ReportData) -> list[tuple[str, str, bool | None]]:
         bound, what = EQUAL_LOAD_BOUNDS[k]
         out.append((f"Envoy CPU per request {k} (etcd {what} over local) at equal load <= {bound}x",
                     f"{ratio:.2f}x", ratio <= bound))
+    # Issue 20's throughput and latency targets against the filter it measured (scenario 11):
+    # with the bench's quota (7), and at the product's default, which counts nothing (12).
+    for sid, what in ((7, "with the bench's quota"), (12, "without a quota, the default")):
+        key = f"{sid}/11"
+        if key in r:
+            m = r[key]["median"]
+            out.append((f"throughput {key} (etcd new key {what}, over the filter at the earlier commit) >= 2 (issue 20)",
+                        f"{m:.3f}", m >= 2.0))
+        if sid in rep.rows and 11 in rep.rows and rep.rows[11]["p50"] > 0:
+            p = rep.rows[sid]["p50"] / rep.rows[11]["p50"]
+            out.append((f"p50 latency {key} (etcd new key {what}) <= 0.5 (issue 20)", f"{p:.3f}", p <= 0.5))
     if "9/4" in r:
         m = r["9/4"]["median"]
         out.append(("throughput 9/4 (detached new key over inline) >= 0.85", f"{m:.3f}", m >= 0.85))
@@ -114,7 +152,7 @@ def text(rep: ReportData) -> list[str]:
         out += ["", "CPU ratios (B's µs/req / A's, per round)"]
         for k, v in rep.cpu_ratios.items():
             out.append(f"{k:<6} {v['median']:7.3f} {v['p25']:7.3f}..{v['p75']:<7.3f} {v['min']:7.3f}..{v['max']:<7.3f}")
-    for sid in (7, 8, 10, 11):
+    for sid in (7, 8, 10, 11, 12, 13):
         if sid in rep.rows:
             out.append(f"s{sid} etcd round trips per request: {round_trips(rep, sid):.3f}{by_method(rep, sid)}")
     return out
@@ -162,6 +200,12 @@ def etcd_markdown(rep: ReportData) -> list[str]:
              + (f"Scenario 11 is scenario 10 with the filter as it was at `{b.args.before_label}` (built from that "
                 "commit by `make bench BENCH_BEFORE=...`, configured without `protocol`, which it may not know): what "
                 "the etcd store's changes since then saved, in the same rounds. " if 11 in rows else "")
+             + ("Scenario 12 is scenario 7 without the `quota` section, as the product runs by default (no "
+                "identity is counted: a claim writes no quota index key and reads no count); the filter at the "
+                "earlier commit had no such default, it counted every caller. " if 12 in rows else "")
+             + ("Scenario 13 is scenario 8 with `\"replay_cache\":{}` (docs/ETCD.md, *Replay cache*): the worker "
+                "answers a completed record it has read or written from memory, the zero-round-trip replay. "
+                if 13 in rows else "")
              + "Plugin configuration of scenario 7 (8: the same with ttl 24h; 10: the same "
              "with `\"protocol\":\"json\"`):")
     L.append("")
@@ -175,7 +219,7 @@ def etcd_markdown(rep: ReportData) -> list[str]:
     L.append("| # | scenario | req/s (median) | p50 ms | p99 ms | Envoy CPU µs/req | etcd CPU µs/req | etcd round trips | "
              "per request | over the local store (throughput, CPU) | 503 (store did not answer in time) |")
     L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
-    for sid, local in ((7, 4), (8, 5), (10, 4), (11, 4)):
+    for sid, local in ((7, 4), (8, 5), (10, 4), (11, 4), (12, 4), (13, 5)):
         if sid not in rows:
             continue
         r = rows[sid]
@@ -189,7 +233,8 @@ def etcd_markdown(rep: ReportData) -> list[str]:
     L.append("")
     parts = []
     for sid, what in ((7, "a new key costs"), (8, "a replay"), (10, "a new key over the JSON gateway"),
-                      (11, "a new key with the earlier filter")):
+                      (11, "a new key with the earlier filter"), (12, "a new key without a quota"),
+                      (13, "a replay with the replay cache")):
         if sid in rows:
             parts.append(f"{what} **{round_trips(rep, sid):.2f}** round trips to etcd" + by_method(rep, sid))
     L.append("Measured here: " + "; ".join(parts) + ". By method: etcd's own count of the calls it served "
@@ -225,7 +270,7 @@ def equal_load_markdown(rep: ReportData) -> list[str]:
         g = gross.get(k)
         L.append(f"| {k} ({what}) | {loc:,.0f} | {etcd:,.0f} | **{ratio:.2f}x** | {bound}x | "
                  + (f"{g[0]:,.0f}, {g[1]:,.0f}, {g[2]:.2f}x |" if g else "n/a |"))
-    idle = {sid: rep.rows[sid]["s"].idle_cpu_per_s for sid in (4, 5, 7, 8) if sid in rep.rows}
+    idle = {sid: rep.rows[sid]["s"].idle_cpu_per_s for sid in (4, 5, 7, 8, 13) if sid in rep.rows}
     L.append("")
     L.append("Each run's CPU is taken net of what its Envoy burns without traffic over the run's wall time "
              "(timers, the filter's 100 ms tick, stats; measured for 3 s before the phase: "

@@ -19,13 +19,17 @@ def render(rep: ReportData) -> str:
     mem = b.memory
     W = 940
     panel_w, top, bottom = 390, 80, 320
-    H = 440 if not mem else 740
+    # The legend lists the scenarios two to a row below the bar charts; the panels below it move
+    # down by what a longer list needs.
+    legend_end = bottom + 42 + (len(b.scenarios) + 1) // 2 * 18
+    shift = max(0, legend_end + 12 - 440)
+    H = (440 if not mem else 740) + shift
     fill_top = H + 40  # the refusal curve's panel, below the others
     if b.fill:
         H += 320
     colors = {1: "#6b7280", 2: "#9ca3af", 3: "#60a5fa", 4: "#2563eb", 5: "#16a34a", 6: "#f59e0b",
               7: "#7c3aed", 8: "#a855f7", 9: "#0891b2", 10: "#c4b5fd",
-              11: "#ddd6fe"}
+              11: "#ddd6fe", 12: "#5b21b6", 13: "#d8b4fe", 14: "#1e40af"}
 
     def esc(t: str) -> str:
         return t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
@@ -121,7 +125,7 @@ def render(rep: ReportData) -> str:
 
     if mem and mem["samples"]:
         samples = mem["samples"]
-        x0, y_top, y_bottom, width = 70, 480, 670, 830
+        x0, y_top, y_bottom, width = 70, 480 + shift, 670 + shift, 830
         parts.append(f'<text x="{x0 + width / 2}" y="{y_bottom + 34}" text-anchor="middle" fill="#374151">'
                      'requests sent (each with a new key)</text>')
         xs = [max(0, x["requests"]) for x in samples]

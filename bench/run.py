@@ -53,7 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the filter built at an earlier commit: its etcd new key runs as scenario 11")
     p.add_argument("--before-label", default="before", help="that commit, for the report")
     p.add_argument("--etcd", choices=["on", "off"], default="on",
-                   help="scenarios 7 and 8: the filter on a real etcd (started and stopped here)")
+                   help="scenarios 7, 8 and 10 to 13: the filter on a real etcd (started and stopped here)")
     p.add_argument("--fill", choices=["on", "off", "only"], default="on",
                    help="the refusal-vs-fill curve (bench/fill.py); 'only': nothing else, no report")
     p.add_argument("--fill-capacity", type=int, default=20000)

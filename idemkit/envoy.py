@@ -232,6 +232,16 @@ class Envoy(Process):
                 out["passed_through"] = out.get("passed_through", 0) + value
         return out
 
+    def outcomes_by_rule(self, settle: bool = True) -> dict[tuple[str, str], int]:
+        """{(rule, outcome): count} from one read of /stats: a test that compares several
+        rules' counters waits out the counter batch once, not once per counter."""
+        out: dict[tuple[str, str], int] = {}
+        for name, value in self.filter_counters(settle=settle).items():
+            m = _OUTCOME_STAT.fullmatch(name)
+            if m:
+                out[(m.group(1), m.group(2))] = value
+        return out
+
     def route_counter(self, rule: str, outcome: str) -> int:
         """One route rule's outcome counter."""
         return self.counter(ROUTE_STAT % (rule, outcome))

@@ -111,48 +111,53 @@ def test_a_completion_outlives_a_client_gone_after_the_response_headers(envoy, u
     assert upstream.executions(key) == 1
 
 
-def _timed(envoy, headers, n):
+def _timed(envoy, headers, n, replayed=False):
     out = []
     for _ in range(n):
         t = time.perf_counter()
         resp = envoy.post("/orders", BODY, headers)
         out.append((time.perf_counter() - t) * 1000)
-        assert resp.status == 201, resp
+        assert resp.status == 201 and resp.replayed == replayed, resp
     return out
 
 
-def test_latency_of_a_first_call_and_a_replay_next_to_the_local_store(
-        envoy, envoy_bin, filter_wasm, upstream, record_property):
-    """Not a benchmark: the order of magnitude of a round trip to etcd, reported (docs/ETCD.md)."""
+def test_a_first_call_is_two_etcd_transactions_and_a_replay_one(
+        envoy, envoy_bin, filter_wasm, upstream, etcd, record_property):
+    """Counted by etcd itself (its Txn calls; the cluster's request count would include health
+    checks): a first call claims and completes, two transactions, three when its worker opens a
+    lease window (it reads the record before granting); a replay is one. The latency next to the
+    local store is reported (docs/ETCD.md), not asserted: the bench measures it."""
     local = harness.Envoy(envoy_bin, upstream.port,
                           filter_config({"type": "local", "capacity": 10000}),
                           wasm_path=filter_wasm, name=f"etcd-store-local-{envoy.protocol}").start()
+
+    def txns() -> float:
+        return etcd.metric("grpc_server_handled_total", grpc_method="Txn")
+
     try:
         results = {}
-        calls = "cluster.etcd.upstream_rq_total"
-        rounds = {"first": 0, "replay": 0}
+        per_first, per_replay = [], []
         for name, proxy in (("etcd", envoy), ("local", local)):
             firsts, replays = [], []
             for _ in range(40):
                 headers = key_headers(new_key())
-                # Envoy's own counters (not the filter's batched ones): nothing to wait out. The
-                # pause keeps back-to-back calls from meeting the last one's delayed ACKs (40 ms
-                # first calls, on the local store too).
+                # The pause keeps back-to-back calls from meeting the last one's delayed ACKs
+                # (40 ms first calls, on the local store too).
                 time.sleep(0.1)
-                before = proxy.counter(calls, settle=False)
+                before = txns()
                 firsts += _timed(proxy, headers, 1)
-                middle = proxy.counter(calls, settle=False)
-                replays += _timed(proxy, headers, 1)
+                middle = txns()
+                replays += _timed(proxy, headers, 1, replayed=True)
                 if name == "etcd":
-                    rounds["first"] += middle - before
-                    rounds["replay"] += proxy.counter(calls, settle=False) - middle
+                    per_first.append(middle - before)
+                    per_replay.append(txns() - middle)
             results[name] = (statistics.median(firsts), statistics.median(replays))
     finally:
         local.stop()
     line = (f"{envoy.protocol}: " + "median ms: etcd first %.2f replay %.2f; local first %.2f replay %.2f; "
-            "etcd calls per first call %.2f, per replay %.2f") % (
-        results["etcd"] + results["local"] + (rounds["first"] / 40, rounds["replay"] / 40))
+            "etcd transactions per first call %.2f, per replay %.2f") % (
+        results["etcd"] + results["local"] + (statistics.mean(per_first), statistics.mean(per_replay)))
     print(line)
     record_property("latency", line)
-    # A replay on etcd is one round trip; it stays well within the default 250 ms timeout.
-    assert results["etcd"][1] < 100
+    assert set(per_replay) == {1}, per_replay
+    assert set(per_first) <= {2, 3} and per_first.count(2) > len(per_first) // 2, per_first

@@ -118,10 +118,10 @@ def render(rep: ReportData) -> str:
          f"open loop, {b.open_rate:.0f} req/s" if b.open_rate else "")
     legend_y = bottom + 42
     for i, sc in enumerate(b.scenarios):
-        x = 70 + (i % 2) * 460
+        x = 40 + (i % 2) * 450
         y = legend_y + (i // 2) * 18
         parts.append(f'<rect x="{x}" y="{y - 10}" width="12" height="12" fill="{colors[sc.sid]}"/>')
-        parts.append(f'<text x="{x + 18}" y="{y}">{sc.sid} {esc(sc.title)}</text>')
+        parts.append(f'<text x="{x + 18}" y="{y}" font-size="11">{sc.sid} {esc(sc.title)}</text>')
 
     if mem and mem["samples"]:
         samples = mem["samples"]

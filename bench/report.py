@@ -245,7 +245,7 @@ class Report:
                  "`direct_response` route answering **201** with a fixed **1024-byte JSON** body.")
         L.append(f"- Request, identical in every scenario: `POST` with a **{BODY_BYTES}-byte JSON** body, "
                  "`content-type: application/json` and an `idempotency-key` header (a new key per request, "
-                 f"`<run>-<scenario>-<n>`; scenarios 5 and 8 cycle through {REPLAY_KEYS} keys stored before the rounds). "
+                 f"`<run>-<scenario>-<n>`; scenarios 5, 8 and 13 cycle through {REPLAY_KEYS} keys stored before the rounds). "
                  f"Path `{ORDERS}`, except scenario 3 (`{OTHER}`, which no rule matches).")
         L.append(f"- Load generator `bench/loadgen` (Rust, std only): {a.connections} keep-alive HTTP/1.1 connections, one thread each, "
                  "one request in flight per connection; microsecond log-linear latency histogram; every status checked "
@@ -277,7 +277,9 @@ class Report:
                     if hasattr(self, "peak4") else "")
                  + "Ended records are reused by the claims that find them in their buckets and reclaimed by the sweep, "
                  "so the work per request (both candidate buckets read, the fill count and the bucket written; slot and "
-                 "bucket at completion) is that of a long ttl.")
+                 "bucket at completion) is that of a long ttl."
+                 + (" Scenario 14 is scenario 4 without the `quota` section, the product's default: no quota counter "
+                    "is read or written." if 14 in b.filter_configs else ""))
         L.append("- Wasm filter config: `allow_on_headers_stop_iteration: true`, `failure_policy: FAIL_RELOAD`, "
                  "`vm_config.vm_id`, runtime `envoy.wasm.runtime.v8`; listener `per_connection_buffer_limit_bytes` and "
                  "route `request_body_buffer_limit` 2 MiB.")

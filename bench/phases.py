@@ -42,6 +42,7 @@ from typing import Any, Callable
 from bench import OUT_DIR, HarnessError, loadavg, log, rel
 from bench.load import Loadgen, spread
 from bench.report_memory import ENTRY_BYTES, QUOTA_BYTES, SLOT_OVERHEAD
+from bench.report_more import EQUAL_LOAD_PAIRS
 from idemkit import bootstrap
 from idemkit.bootstrap import MiB
 from idemkit.client import request
@@ -74,8 +75,12 @@ FILTER_CONFIG = {
 
 
 def filter_config(ttl: str | None = None, processing_timeout: str | None = None,
-                  store: dict | None = None, execution: str | None = None) -> str:
+                  store: dict | None = None, execution: str | None = None, quota: bool = True) -> str:
+    """FILTER_CONFIG with these changes; `quota=False`: without the `quota` section, as the
+    product runs by default (no identity is counted)."""
     cfg = json.loads(json.dumps(FILTER_CONFIG))
+    if not quota:
+        del cfg["quota"]
     if execution:
         cfg["routes"][0]["execution"] = execution
     if store is not None:
@@ -324,9 +329,7 @@ class Bench:
                      lambda: [wasm_filter(wasm, "idempotency", cfg9)], "new", "local"))
         # Scenario 4 as an operator gets it without a `quota` section (the default): no quota
         # counters are read or written.
-        cfg14 = json.loads(cfg4)
-        del cfg14["quota"]
-        cfg14 = json.dumps(cfg14, separators=(",", ":"))
+        cfg14 = filter_config(ttl=self.new_key_ttl, processing_timeout=self.new_key_ttl, quota=False)
         self.scenarios.append(
             Scenario(14, "new-key-default", "filter, new key per request, no quota (the default)", ORDERS, "unique",
                      lambda: [wasm_filter(wasm, "idempotency", cfg14)], "new", "local"))
@@ -347,12 +350,9 @@ class Bench:
             # 12: scenario 7 as an operator gets it without a `quota` section (the default since the
             # guarantee issue: no identity is counted, so a claim writes no quota index key). 13:
             # scenario 8 with the replay cache, the zero-round-trip replay.
-            cfg12 = json.loads(cfg7)
-            del cfg12["quota"]
-            cfg12 = json.dumps(cfg12, separators=(",", ":"))
-            cfg13 = json.loads(cfg8)
-            cfg13["store"]["replay_cache"] = {}
-            cfg13 = json.dumps(cfg13, separators=(",", ":"))
+            cfg12 = filter_config(ttl=self.new_key_ttl, processing_timeout=self.new_key_ttl, store=etcd_store("grpc"),
+                                  quota=False)
+            cfg13 = filter_config(store=etcd_store("grpc") | {"replay_cache": {}})
             self.filter_configs |= {7: cfg7, 8: cfg8, 10: cfg10, 12: cfg12, 13: cfg13}
             self.scenarios += [
                 Scenario(7, "etcd-new", "etcd store (gRPC), new key per request", ORDERS, "unique",
@@ -509,7 +509,7 @@ class Bench:
         sustain it; each run lasts twice `duration`, and its CPU is read from schedstat (ns), since
         stat's 10 ms ticks are a few hundred requests' worth at this rate."""
         a = self.args
-        pairs = [(self.sid(4), self.sid(7)), (self.sid(5), self.sid(8)), (self.sid(5), self.sid(13))]
+        pairs = [(self.sid(loc), self.sid(e)) for e, loc in EQUAL_LOAD_PAIRS]
         pairs = [(x, y) for x, y in pairs if x and y]
         if a.open_rounds <= 0 or not pairs:
             return

@@ -17,6 +17,8 @@
 #   make bench-etcd-replay  a replay on etcd at 1 and 20,000 live records of its caller (BENCH_BEFORE=<commit>)
 #   (make bench and bench-smoke also measure wait mode's wake-up latency: bench/wake_latency.py)
 #   make bench-wake-fleet  wait mode across two Envoys on etcd: polling (JSON) against the watch (gRPC)
+#   make bench-callout-floor  one bare etcd callout per request (bench/callout-floor) next to the
+#                       filter's replays, at one open-loop rate: the least a one-round-trip replay costs
 #
 # BENCH_ARGS passes options to bench/run.py, e.g. BENCH_ARGS='--rounds 20 --duration 3', or
 # '--etcd off', '--fill off', '--fill-capacity 50000'
@@ -28,9 +30,12 @@ BENCH_LOADGEN := $(BENCH_TARGET_DIR)/release/loadgen
 BENCH_NOOP_WASM := $(BENCH_TARGET_DIR)/wasm32-wasip1/release/noop_filter.wasm
 BENCH_NAIVE_OUT := $(BENCH_TARGET_DIR)/wasm32-wasip1/release/naive_filter.wasm
 BENCH_NAIVE_WASM := $(BENCH_TARGET_DIR)/wasm32-wasip1/release/naive_filter.opt.wasm
+BENCH_FLOOR_WASM := $(BENCH_TARGET_DIR)/wasm32-wasip1/release/callout_floor.wasm
 BENCH_MEMORY ?= 1
 BENCH_ARGS ?=
 
+BENCH_FLOOR = $(VENV_PY) -m bench.callout_floor --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM) \
+	--floor-wasm $(BENCH_FLOOR_WASM) --loadgen $(BENCH_LOADGEN)
 BENCH_RUN = $(VENV_PY) -m bench.run --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM) \
 	--noop-wasm $(BENCH_NOOP_WASM) --naive-wasm $(BENCH_NAIVE_WASM) --loadgen $(BENCH_LOADGEN)
 
@@ -45,6 +50,8 @@ bench-bins:
 	  --manifest-path bench/noop-filter/Cargo.toml
 	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) $(CARGO) build --release --quiet --target wasm32-wasip1 \
 	  --manifest-path bench/naive-filter/Cargo.toml
+	CARGO_TARGET_DIR=$(BENCH_TARGET_DIR) $(CARGO) build --release --quiet --target wasm32-wasip1 \
+	  --manifest-path bench/callout-floor/Cargo.toml
 	@if [ -n "$(WASM_OPT)" ]; then "$(WASM_OPT)" $(WASM_OPT_FLAGS) $(BENCH_NAIVE_OUT) -o $(BENCH_NAIVE_WASM); \
 	else cp $(BENCH_NAIVE_OUT) $(BENCH_NAIVE_WASM); fi
 
@@ -61,8 +68,9 @@ bench-memory: build tools bench-bins
 bench-unit: tools
 	$(VENV_PY) -m pytest -q -p no:cacheprovider bench
 
-bench-smoke: bench-unit build tools bench-bins
+bench-smoke: bench-unit build tools etcd bench-bins
 	$(BENCH_RUN) --smoke --command "make bench-smoke" $(BENCH_ARGS)
+	$(BENCH_FLOOR) --rounds 1 --duration 0.5 --no-report
 
 bench-baseline: build tools bench-bins
 	$(BENCH_RUN) --fill only --fill-save bench/baseline/refusal-curve-$$(git rev-parse --short=7 HEAD).json $(BENCH_ARGS)
@@ -145,3 +153,12 @@ bench-etcd-replay: tools etcd
 .PHONY: bench-wake-fleet
 bench-wake-fleet: build tools etcd
 	ENVOY_BIN=$(ENVOY_BIN) $(VENV_PY) -m bench.wake_fleet --envoy $(ENVOY_BIN) --wasm $(DIST_WASM) $(BENCH_ARGS)
+
+# The least a one-round-trip etcd replay can cost Envoy: a filter that makes one gRPC callout per
+# request and nothing else, next to the filter's replay on the local store and on etcd, at one
+# open-loop rate (bench/callout_floor.py over bench/callout-floor). Prints its table.
+.PHONY: bench-callout-floor
+FLOOR_ARGS ?=
+
+bench-callout-floor: build tools etcd bench-bins
+	$(BENCH_FLOOR) $(FLOOR_ARGS)

@@ -43,6 +43,9 @@ FILL_SECTION, MEMORY_SECTION, PROFILE_SECTION, SIZE_SECTION, WAKE_SECTION = (
     "fill", "memory", "profile", "size", "wake")
 # Written by bench/wake_fleet.py (`make bench-wake-fleet`); a full `make bench` keeps it.
 WAKE_FLEET_SECTION = "wake-fleet"
+# Written by bench/callout_floor.py (`make bench-callout-floor`); a full `make bench` keeps it.
+CALLOUT_FLOOR_SECTION = "callout-floor"
+CALLOUT_FLOOR_HEADING = "## The callout floor: what one etcd round trip costs Envoy"
 
 
 def machine_facts(a: argparse.Namespace) -> dict[str, str]:
@@ -375,6 +378,7 @@ class Report:
         L.append(sections.block(FILL_SECTION, "\n".join(fill.markdown(b.fill, fill.baseline()) if b.fill else [])))
         L.append(sections.block(MEMORY_SECTION, "\n".join(self.memory_markdown() if b.memory else [])))
         L.append(sections.block(PROFILE_SECTION, ""))
+        L.append(sections.block(CALLOUT_FLOOR_SECTION, ""))
         L.append(sections.block(SIZE_SECTION, ""))
         L.append("## Targets")
         L.append("")
@@ -416,6 +420,7 @@ class Report:
         L.append("make bench-baseline   # the refusal curve alone, into bench/baseline/refusal-curve-<commit>.json")
         L.append("make bench-profile    # where a new key's µs go (perf call chains); BENCH_BEFORE=<commit> adds a build of then")
         L.append("make bench-size       # where the module's bytes go (a build with function names)")
+        L.append("make bench-callout-floor  # one bare etcd callout per request next to the replays, at equal load")
         L.append("```")
         L.append("")
         L.append(f"The run above: {self.command}.")
@@ -472,7 +477,8 @@ def misses_markdown(missed: list[str]) -> list[str]:
                    f"in Wasm: \"{PROFILE_HEADING[3:]}\" splits it by class, measured over the JSON gateway), a new key "
                    "two and a replay one, where the local store makes shared-data calls. gRPC (scenarios 7 and 8) "
                    "took protobuf for JSON and base64, which the 7/10 CPU ratio above shows; what is left is the "
-                   "callout itself. The replay cache answers repeated replays without one (docs/ETCD.md): "
+                   f"callout itself: \"{CALLOUT_FLOOR_HEADING[3:]}\" (`make bench-callout-floor`) measures a filter "
+                   "that makes the one callout and nothing else at over 1.5x the local replay. The replay cache answers repeated replays without one (docs/ETCD.md): "
                    "scenario 13, the 13/5 row.")
     return (["Why the misses are misses:", ""] + out + [""]) if out else []
 
@@ -542,7 +548,7 @@ def publish(b: Bench, command: str) -> None:
             if not b.fill and (kept := earlier(FILL_SECTION, fill.FILL_HEADING,
                                                "From an earlier run: this run had no refusal curve.")):
                 text = sections.put(text, FILL_SECTION, kept)  # --fill off
-            for name in (PROFILE_SECTION, SIZE_SECTION, WAKE_FLEET_SECTION) + (() if b.wake else (WAKE_SECTION,)):
+            for name in (PROFILE_SECTION, CALLOUT_FLOOR_SECTION, SIZE_SECTION, WAKE_FLEET_SECTION) + (() if b.wake else (WAKE_SECTION,)):
                 kept_other = sections.get(old, name)  # other tools' sections; --wake off keeps it
                 if kept_other:
                     text = sections.put(text, name, kept_other)

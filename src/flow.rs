@@ -235,6 +235,14 @@ impl RequestFlow {
         matches!(&self.phase, Phase::Capturing(c) if !c.overflowed)
     }
 
+    /// True when nothing later in the stream can concern this flow: it is idle (its request
+    /// passed through, or was never seen) with no request to settle. Every later callback of an
+    /// idle flow answers "go on" and does nothing (`request_body`, `response_headers`,
+    /// `response_body`, `stream_ended` all leave an idle flow as it is).
+    pub fn inert(&self) -> bool {
+        matches!(self.phase, Phase::Idle) && self.forwarded_rule.is_none()
+    }
+
     /// True while the request is held in the wait room.
     pub fn waiting(&self) -> bool {
         matches!(self.phase, Phase::Waiting)

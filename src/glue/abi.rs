@@ -189,9 +189,24 @@ pub extern "C" fn proxy_on_grpc_close(context_id: u32, token: u32, status_code: 
     with_root(context_id, (), |root| root.on_grpc_close(token, status_code))
 }
 
+/// A stream whose request passed through is forgotten here (`Http::inert`): its later callbacks
+/// find no stream and go on at once, as an unknown stream's do.
 #[no_mangle]
 pub extern "C" fn proxy_on_request_headers(context_id: u32, _num_headers: usize, end_of_stream: u32) -> u32 {
-    with_stream(context_id, |http| http.on_request_headers(end_of_stream != 0))
+    let mut inert = false;
+    let action = with_stream(context_id, |http| {
+        let verdict = http.on_request_headers(end_of_stream != 0);
+        inert = verdict == Verdict::Continue && http.inert();
+        verdict
+    });
+    if inert {
+        STREAMS.with(|streams| {
+            if let Ok(mut streams) = streams.try_borrow_mut() {
+                streams.remove(&context_id);
+            }
+        });
+    }
+    action
 }
 
 #[no_mangle]
@@ -227,11 +242,13 @@ pub extern "C" fn proxy_on_log(context_id: u32) {
     });
 }
 
-/// A stream is done at once; a root may ask Envoy to wait (its callouts in flight).
+/// A stream is done at once, and so is one the module forgot at its request headers; a root may
+/// ask Envoy to wait (its callouts in flight).
 #[no_mangle]
 pub extern "C" fn proxy_on_done(context_id: u32) -> u32 {
-    let is_stream = STREAMS.with(|s| s.try_borrow().map(|s| s.contains_key(&context_id)).unwrap_or(false));
-    if is_stream {
+    let is_root = ROOTS
+        .with(|r| r.try_borrow().map(|r| r.iter().any(|r| r.context_id() == context_id)).unwrap_or(false));
+    if !is_root {
         return 1;
     }
     u32::from(with_root(context_id, true, |root| root.on_done()))

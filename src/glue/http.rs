@@ -139,6 +139,17 @@ impl<H: Host> Http<H> {
         self.callback(false, |flow, p, facts| flow.request_headers(&p.config, facts, end_of_stream))
     }
 
+    /// True when the stream's later callbacks would do nothing: its request passed through at
+    /// its headers and nothing of it is held or handed to the root. The module forgets such a
+    /// stream (glue/abi.rs), so unprotected traffic, which a mesh-wide policy sends through the
+    /// filter everywhere, costs its later callbacks nothing but Envoy's call into the module.
+    pub fn inert(&self) -> bool {
+        self.flow.inert()
+            && self.flow_handle.is_none()
+            && self.wait_handle.is_none()
+            && self.response_held == 0
+    }
+
     pub fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
         self.callback(false, |flow, p, facts| flow.request_body(&p.config, facts, size, end_of_stream))
     }

@@ -35,6 +35,8 @@ fn an_unprotected_request_costs_one_host_call() {
         *h.0.request_headers.borrow_mut() = pairs(&[(":method", method), (":path", path)]);
         *h.0.request_body.borrow_mut() = b"{}".to_vec();
         assert_eq!(http.on_request_headers(false), Verdict::Continue);
+        // The module forgets it here (glue/abi.rs): its later callbacks cost Envoy's call only.
+        assert!(http.inert(), "{method} {path}");
         assert_eq!(http.on_request_body(2, true), Verdict::Continue);
         upstream_answers(&h, "200", b"ok");
         assert_eq!(http.on_response_headers(false), Verdict::Continue);
@@ -49,6 +51,38 @@ fn an_unprotected_request_costs_one_host_call() {
     root.on_tick();
     assert_eq!(h.flushed_counter("passed_through"), 3);
     assert_eq!(h.take_tally().get("increment_metric").map(|(c, _)| *c), Some(1));
+}
+
+/// Only a stream whose request passed through at its headers is forgotten: one held for its
+/// body, forwarded with a claim, answered with a replay or waiting for its original still has
+/// callbacks that matter (a record to write, a replay's headers to put back, a waiter to wake).
+#[test]
+fn only_a_stream_that_passed_through_is_inert() {
+    let h = host();
+    let root = root(&h);
+    let mut held = root.http_context(2);
+    *h.0.request_headers.borrow_mut() =
+        pairs(&[(":method", "POST"), (":path", "/orders"), ("idempotency-key", "k")]);
+    assert_eq!(held.on_request_headers(false), Verdict::Pause);
+    assert!(!held.inert(), "held for its body");
+    *h.0.request_body.borrow_mut() = b"{}".to_vec();
+    assert_eq!(held.on_request_body(2, true), Verdict::Continue);
+    assert!(!held.inert(), "forwarded with a claim");
+    upstream_answers(&h, "201", b"done");
+    assert_eq!(held.on_response_headers(false), Verdict::Continue);
+    assert!(!held.inert(), "capturing the answer");
+    assert_eq!(held.on_response_body(4, true), Verdict::Continue);
+    held.on_log();
+    let mut replay = root.http_context(3);
+    assert_eq!(post(&h, &mut replay, "/orders", "k"), Verdict::Pause);
+    assert!(!replay.inert(), "answered with a replay whose headers come back through it");
+    let (_original, waiter) = original_and_waiter(&h, &root);
+    assert!(!waiter.inert(), "waiting for its original");
+    // Unprotected: no rule matches.
+    let mut other = root.http_context(6);
+    *h.0.request_headers.borrow_mut() = pairs(&[(":method", "POST"), (":path", "/elsewhere")]);
+    assert_eq!(other.on_request_headers(false), Verdict::Continue);
+    assert!(other.inert());
 }
 
 /// What a new key and a replay cost in host calls, with the bench's request (1 KiB JSON

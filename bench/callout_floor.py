@@ -23,7 +23,7 @@ import time
 from bench import HarnessError, log, rel
 from bench.load import Loadgen, spread
 from bench.phases import (ETCD_CLUSTER, ETCD_PREFIX, ORDERS, REPLAY_KEYS, bench_envoy, checked, etcd_store,
-                          filter_config, proxy_config, upstream_config, wasm_filter)
+                          filter_config, idle_cpu_per_s, proxy_config, upstream_config, wasm_filter)
 from bench.report import CALLOUT_FLOOR_HEADING, CALLOUT_FLOOR_SECTION, update_section
 from idemkit import bootstrap
 from idemkit.etcd import Etcd
@@ -140,22 +140,16 @@ def main() -> int:
         etcd.post("/v3/kv/put", {"key": b64(FLOOR_KEY.encode()), "value": b64(record)})
         log(f"  the floor reads a value of {len(record)} bytes, scenario 8's stored record")
 
-        time.sleep(0.5)
-        idle = {}
-        ns0, t0 = {s: p.cpu_ns() for s, p in proxies.items()}, time.monotonic()
-        time.sleep(3.0)
-        wall = time.monotonic() - t0
-        for s, p in proxies.items():
-            idle[s] = (p.cpu_ns() - ns0[s]) / 1e9 / wall
+        idle = dict(zip(proxies, idle_cpu_per_s(list(proxies.values()))))
         per_req: dict[str, list[float]] = {s: [] for s in proxies}
         order = list(proxies)
         for rnd in range(a.rounds):
             line = []
             for sid in order[rnd % len(order):] + order[: rnd % len(order)]:
                 p = proxies[sid]
-                kwargs: dict = {"key_set": (f"{prefix}-{sid}", REPLAY_KEYS)} if sid in "58" else {"key_prefix": prefix}
-                if sid in "58":
-                    kwargs["expect_header"] = "idempotent-replayed: true"
+                # 5 and 8 replay the keys stored above; the floors take any key.
+                kwargs: dict = ({"key_set": (f"{prefix}-{sid}", REPLAY_KEYS), "expect_header": "idempotent-replayed: true"}
+                                if sid in ("5", "8") else {"key_prefix": prefix})
                 ns0_, t0_ = p.cpu_ns(), time.monotonic()
                 r = loadgen.run(p.port, ORDERS, duration=a.duration, rate=a.rate, label=f"s{sid} round {rnd + 1}", **kwargs)
                 cpu, w = (p.cpu_ns() - ns0_) / 1e9, time.monotonic() - t0_

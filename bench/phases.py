@@ -171,6 +171,17 @@ def bench_envoy(name: str, config: dict, envoy_bin: str, concurrency: int = 1) -
                  log_dir=log_dir)
 
 
+def idle_cpu_per_s(envoys: list[Envoy]) -> list[float]:
+    """What each Envoy burns without traffic (timers, the filter's tick, stats), in CPU seconds per
+    second, over 3 s after half a second's rest: taken off each run at one open-loop rate, where
+    it is the same absolute amount for every filter and would pull their ratios towards 1."""
+    time.sleep(0.5)
+    ns0, t0 = [e.cpu_ns() for e in envoys], time.monotonic()
+    time.sleep(3.0)
+    wall = time.monotonic() - t0
+    return [(e.cpu_ns() - n) / 1e9 / wall for e, n in zip(envoys, ns0)]
+
+
 def checked(env: Envoy, step: Callable[..., Any], *args: Any) -> Any:
     """`step` (env.check_alive, env.wait_ready) with a failure as a HarnessError that shows the
     tail of Envoy's log."""
@@ -516,13 +527,9 @@ class Bench:
         # What each of these Envoys burns without traffic (timers, the filter's tick, stats), per
         # second: the same absolute amount for both stores, which would pull their ratio towards
         # 1, so it is taken off each run (`equal_idle`).
-        time.sleep(0.5)
         envs = [s for pair in pairs for s in pair if s.envoy]
-        ns0, t0 = [s.envoy.cpu_ns() for s in envs], time.monotonic()
-        time.sleep(3.0)
-        ns1, t1 = [s.envoy.cpu_ns() for s in envs], time.monotonic()
-        for s, x, y in zip(envs, ns0, ns1):
-            s.idle_cpu_per_s = (y - x) / 1e9 / (t1 - t0)
+        for s, idle in zip(envs, idle_cpu_per_s([s.envoy for s in envs])):
+            s.idle_cpu_per_s = idle
         slowest = min(spread([r["ok_rps"] for r in y.closed])["median"] for _, y in pairs)
         self.equal_rate = max(50.0, round(slowest * a.open_fraction / 50.0) * 50.0)
         log(f"  equal load: {a.open_rounds} rounds x {2 * a.duration:g}s of scenarios "

@@ -118,12 +118,14 @@ def http_connection_manager(routes: list[dict], http_filters: list[dict],
                             suppress_envoy_headers: bool = False,
                             virtual_host_per_filter: dict | None = None,
                             access_log: Sequence[dict] = (),
-                            tracing: dict | None = None) -> dict:
+                            tracing: dict | None = None,
+                            hcm_options: dict | None = None) -> dict:
     """The listener's network filter: one virtual host for every domain with `routes`, then
     `http_filters` and the router. `virtual_host_per_filter`: the virtual host's
     typed_per_filter_config (e.g. `cors_policy(...)`), which every route inherits.
     `access_log`: the HCM's access loggers (e.g. `file_access_log(...)`). `tracing`: the HCM's
-    tracing (e.g. `zipkin_tracing(...)`)."""
+    tracing (e.g. `zipkin_tracing(...)`). `hcm_options`: more HCM fields, as they are (e.g.
+    `internal_callers()`)."""
     hcm: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": stat_prefix,
@@ -137,12 +139,23 @@ def http_connection_manager(routes: list[dict], http_filters: list[dict],
         hcm["access_log"] = _copy(list(access_log))
     if tracing is not None:
         hcm["tracing"] = _copy(tracing)
+    hcm.update(_copy(hcm_options or {}))
     vhost: dict[str, Any] = {"name": "all", "domains": ["*"], "routes": routes}
     if virtual_host_per_filter is not None:
         vhost["typed_per_filter_config"] = virtual_host_per_filter
     hcm["route_config"] = {"name": "local_route", "virtual_hosts": [vhost]}
     hcm["http_filters"] = http_filters + [router(suppress_envoy_headers)]
     return {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+
+
+def internal_callers() -> dict:
+    """HCM fields (for `hcm_options`) with which Envoy counts a caller on 127.0.0.1 as internal,
+    as an edge Envoy behind an internal load balancer counts its callers: it then keeps their
+    `x-envoy-*` router control headers (retries, timeouts) instead of stripping them."""
+    return {
+        "use_remote_address": True,
+        "internal_address_config": {"cidr_ranges": [{"address_prefix": "127.0.0.1", "prefix_len": 32}]},
+    }
 
 
 def file_access_log(path: Path | str, fields: dict[str, str]) -> dict:
@@ -429,6 +442,7 @@ def orders_proxy(
     virtual_host_per_filter: dict | None = None,
     access_log: Sequence[dict] = (),
     tracing: dict | None = None,
+    hcm_options: dict | None = None,
 ) -> dict:
     """The proxy in front of the orders upstream (cluster `orders`).
 
@@ -444,7 +458,8 @@ def orders_proxy(
     envoy/envoy.yaml). `virtual_host_per_filter`: the virtual host's typed_per_filter_config
     (e.g. `cors_policy(...)`, with `cors_filter()` in `pre_filters`). `access_log`: the HCM's
     access loggers (`file_access_log(...)`). `tracing`: the HCM's tracing (`zipkin_tracing(...)`,
-    whose collector cluster goes in `extra_clusters`).
+    whose collector cluster goes in `extra_clusters`). `hcm_options`: more HCM fields
+    (`internal_callers()`).
     """
     if filter_config is not None and wasm_path is None:
         raise ValueError("a filter configuration needs wasm_path")
@@ -474,6 +489,7 @@ def orders_proxy(
         else _copy(virtual_host_per_filter),
         access_log=access_log,
         tracing=tracing,
+        hcm_options=hcm_options,
     )
     clusters = [
         cluster("orders", upstream_port, trailers),

@@ -21,6 +21,7 @@ use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
+use crate::router_control;
 use crate::settlement::{
     plan_response, plan_unfinished, ResponsePlan, StreamReport, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
 };
@@ -53,6 +54,10 @@ pub enum Step {
     Wake(ScopeId),
     /// Change the response headers (a replay's framing headers, back as stored).
     FixHeaders(Vec<HeaderFix>),
+    /// Remove these headers from the held request before anything carries it upstream: Envoy's
+    /// router control headers (`router_control.rs`), which would let the caller lift the
+    /// rule's bounds or ask for a second execution.
+    RemoveRequestHeaders(Vec<&'static str>),
     /// The held request's client went away: take it out of the wait room.
     LeaveWaitRoom,
     /// Envoy sent this claimed request upstream several times: warn, once per rule per Envoy.
@@ -300,12 +305,22 @@ impl RequestFlow {
                 log::debug!("#{} refused at headers: {}", self.context_id, problem.kind.slug());
                 self.refuse(&problem)
             }
-            Admission::Collect(pending) if end_of_stream => {
-                self.body_complete(cfg, pending, Ok(Vec::new()), facts)
-            }
             Admission::Collect(pending) => {
-                self.phase = Phase::Collecting(pending);
-                Output::hold(Vec::new())
+                // A protected request's retries and deadlines are the configuration's, never
+                // its caller's: whatever carries it upstream, it goes without them.
+                let controls = router_control::present(&headers);
+                let mut out = if end_of_stream {
+                    self.body_complete(cfg, pending, Ok(Vec::new()), facts)
+                } else {
+                    self.phase = Phase::Collecting(pending);
+                    Output::hold(Vec::new())
+                };
+                if !controls.is_empty() {
+                    let removed =
+                        [Step::RemoveRequestHeaders(controls), Step::Count(Counter::RouterControlsRemoved)];
+                    out.steps.splice(0..0, removed);
+                }
+                out
             }
         }
     }

@@ -89,10 +89,15 @@ pub enum Counter {
     OutcomeUnknown,
     /// A retry of a record completed as "outcome unknown": 502 `outcome-unknown`, not executed.
     UnknownRefused,
+    /// A protected request came with Envoy's router control headers (`x-envoy-retry-on`,
+    /// `x-envoy-upstream-rq-timeout-ms`, ...; `router_control.rs`), which Envoy keeps from
+    /// callers it counts as internal: removed before the router saw them, so the caller could
+    /// neither ask for a retry nor outlive the lease. Counted besides the request's outcome.
+    RouterControlsRemoved,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 30] = [
+    pub const ALL: [Counter; 31] = [
         Counter::PassedThrough,
         Counter::Claimed,
         Counter::TakenOver,
@@ -123,6 +128,7 @@ impl Counter {
         Counter::DetachedRefused,
         Counter::OutcomeUnknown,
         Counter::UnknownRefused,
+        Counter::RouterControlsRemoved,
     ];
 
     /// What happened to one protected request, as its access log may say it: not traffic the
@@ -134,6 +140,7 @@ impl Counter {
                 | Counter::UpstreamRetried
                 | Counter::BodyNeverReceived
                 | Counter::SettlementAbandoned
+                | Counter::RouterControlsRemoved
         )
     }
 
@@ -169,6 +176,7 @@ impl Counter {
             Counter::DetachedRefused => "detached_refused",
             Counter::OutcomeUnknown => "outcome_unknown",
             Counter::UnknownRefused => "unknown_refused",
+            Counter::RouterControlsRemoved => "router_controls_removed",
         }
     }
 

@@ -269,6 +269,17 @@ impl<H: Host> Http<H> {
                     }
                     None
                 }
+                Step::RemoveRequestHeaders(names) => {
+                    for name in names {
+                        if let Err(HostError(s)) = host.remove_header(MAP_REQUEST_HEADERS, name) {
+                            log::warn!(
+                                "#{} could not remove {name} from the request (host status {s})",
+                                self.context_id
+                            );
+                        }
+                    }
+                    None
+                }
                 Step::LeaveWaitRoom => {
                     plugin.room.borrow_mut().leave(self.context_id);
                     self.wait_handle = None;

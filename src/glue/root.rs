@@ -793,6 +793,7 @@ fn step_name(step: &Step) -> &'static str {
         Step::Park(_) => "park",
         Step::Wake(_) => "wake",
         Step::FixHeaders(_) => "fix headers",
+        Step::RemoveRequestHeaders(_) => "remove request headers",
         Step::LeaveWaitRoom => "leave wait room",
         Step::WarnRetried { .. } => "warn retried",
         Step::WarnBodyNeverReceived { .. } => "warn body never received",

@@ -26,6 +26,7 @@ from idemkit.bootstrap import (  # noqa: F401 (re-exported for the tests)
     zipkin_tracing,
     cluster,
     filter_http_filter,
+    internal_callers,
     jwt_authn_filter,
     local_ratelimit_filter,
     local_ratelimit_route,
@@ -48,7 +49,7 @@ from idemkit.envoy import (  # noqa: F401
 )
 from idemkit.etcd import DelayProxy, EtcdCluster  # noqa: F401
 from idemkit.etcd import Etcd as _Etcd
-from idemkit.process import LIVE, ClosedPort, Fatal, free_port, tail, wait_until  # noqa: F401
+from idemkit.process import LIVE, Blackhole, ClosedPort, Fatal, free_port, tail, wait_until  # noqa: F401
 from idemkit.testkit import env_path  # noqa: F401 (re-exported for the tests)
 
 LOG_ROOT = Path(__file__).resolve().parent / ".logs"
@@ -77,6 +78,7 @@ OUTCOMES = (
     "principal_incomplete",
     "outcome_unknown",
     "unknown_refused",
+    "router_controls_removed",
 )
 PROBLEM_TYPE = "urn:idempotency-filter:%s"
 

@@ -202,3 +202,34 @@ fn outcomes_are_published_as_filter_state_only_when_configured() {
     assert_eq!(post(&h, &mut first, "/orders", "k"), Verdict::Continue);
     assert!(published(&h).is_empty());
 }
+
+/// Issue 30: a caller Envoy counts as internal keeps its router control headers, and with them
+/// could ask Envoy's router for a retry (a second execution under one claim) or outlive the
+/// lease. The filter takes them off a protected request before the router sees it, counts it,
+/// and leaves unprotected traffic alone.
+#[test]
+fn a_protected_request_loses_its_router_control_headers_and_other_traffic_keeps_them() {
+    let h = host();
+    let root = root(&h);
+    let controls = [("x-envoy-retry-on", "5xx"), ("x-envoy-upstream-rq-timeout-ms", "20000")];
+    let mut http = root.http_context(2);
+    let mut headers = pairs(&[(":method", "POST"), (":path", "/orders"), ("idempotency-key", "k")]);
+    headers.extend(pairs(&controls));
+    headers.extend(pairs(&[("x-envoy-retry-on", "reset"), ("x-envoy-attempt-count", "1")]));
+    *h.0.request_headers.borrow_mut() = headers;
+    *h.0.request_body.borrow_mut() = b"{}".to_vec();
+    assert_eq!(http.on_request_headers(false), Verdict::Pause);
+    assert_eq!(http.on_request_body(2, true), Verdict::Continue);
+    let left: Vec<String> = h.0.request_headers.borrow().iter().map(|(n, _)| n.clone()).collect();
+    assert_eq!(left, [":method", ":path", "idempotency-key", "x-envoy-attempt-count"]);
+    assert_eq!((h.counter("router_controls_removed"), h.counter("claimed")), (1, 1));
+
+    // Not protected: untouched, not counted.
+    let mut other = root.http_context(3);
+    let mut headers = pairs(&[(":method", "POST"), (":path", "/elsewhere")]);
+    headers.extend(pairs(&controls));
+    *h.0.request_headers.borrow_mut() = headers.clone();
+    assert_eq!(other.on_request_headers(false), Verdict::Continue);
+    assert_eq!(*h.0.request_headers.borrow(), headers);
+    assert_eq!(h.counter("router_controls_removed"), 1);
+}

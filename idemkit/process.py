@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 from pathlib import Path
@@ -61,6 +62,69 @@ class ClosedPort:
 
     def close(self) -> None:
         self._sock.close()
+
+
+class Blackhole:
+    """A port whose connects time out, as to a host that is gone (SYNs dropped): a listener with
+    an accept queue of one, filled by a connection nobody accepts, so Linux drops every further
+    SYN. `open(to_port)`: the host is back, every connection from then on (and the queued one)
+    is accepted and piped to 127.0.0.1:`to_port`."""
+
+    def __init__(self) -> None:
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(0)
+        self.port = self._listener.getsockname()[1]
+        self._open: list[socket.socket] = [socket.create_connection(("127.0.0.1", self.port), timeout=2)]
+        # Full: one more connect must not complete (else the kernel's queue is larger than asked).
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        probe.settimeout(0.3)
+        try:
+            probe.connect(("127.0.0.1", self.port))
+            raise RuntimeError("Blackhole: a second connection was accepted into the queue")
+        except (socket.timeout, BlockingIOError):
+            pass
+        finally:
+            probe.close()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def open(self, to_port: int) -> None:
+        thread = threading.Thread(target=self._accept, args=(to_port,), daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _accept(self, to_port: int) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", to_port), timeout=5)
+            except OSError:
+                conn.close()
+                continue
+            for sock in (conn, upstream):
+                sock.settimeout(None)
+                self._open.append(sock)
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._closed = True
+        for sock in [self._listener] + self._open:
+            with contextlib.suppress(OSError):
+                sock.close()
 
 
 class Fatal(Exception):

@@ -14,11 +14,14 @@
 //! after this one, response trailers, responses over the async client's 32 MiB; Envoy adds
 //! `x-envoy-internal` and `x-envoy-expected-rq-timeout-ms` to the call.
 
-use crate::config::{Rule, UnknownOutcome};
+use crate::config::{Execution, PathMatch, Rule, UnknownOutcome, UpstreamRewrite};
 use crate::engine::{self, ReplayShape, Reply};
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
-use crate::settlement::{plan_response, ResponsePlan, StreamReport, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM};
+use crate::router_control::is_router_control;
+use crate::settlement::{
+    plan_response, ResponsePlan, StreamReport, NEVER_SENT_RESETS, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
+};
 use crate::store::record::Snapshot;
 use crate::store::{Claim, Completion, StoreOp};
 
@@ -45,16 +48,48 @@ fn hop_by_hop(name: &str) -> bool {
 
 /// The callout's headers from the client's request as Envoy holds it (earlier filters' changes
 /// included): the pseudo-headers `:method`, `:path` (with its query) and `:authority` as the
-/// client sent them, then every other header but the connection-level ones. None when one of
-/// the three is missing (Envoy would refuse the call).
-pub fn call_headers(request: Vec<(String, Vec<u8>)>) -> Option<Vec<(String, Vec<u8>)>> {
+/// client sent them, or as the rule's `upstream_rewrite` says the route would rewrite them,
+/// then every other header but the connection-level ones and Envoy's router control headers
+/// (`router_control.rs`: the async client's router would obey them, so the caller could lift
+/// `upstream_timeout` or ask for retries). None when one of the three is missing (Envoy would
+/// refuse the call).
+pub fn call_headers(rule: &Rule, request: Vec<(String, Vec<u8>)>) -> Option<Vec<(String, Vec<u8>)>> {
     let pseudo = |name: &str| request.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+    static NONE: UpstreamRewrite = UpstreamRewrite { prefix_rewrite: None, host_rewrite_literal: None };
+    let rewrite = match &rule.execution {
+        Execution::Detached { rewrite, .. } => rewrite,
+        Execution::Inline => &NONE,
+    };
+    let path = pseudo(":path")?;
+    let path = match &rewrite.prefix_rewrite {
+        Some(to) => rewritten_path(&rule.path, to, path),
+        None => path,
+    };
+    let authority = match &rewrite.host_rewrite_literal {
+        Some(host) => host.as_bytes().to_vec(),
+        None => pseudo(":authority")?,
+    };
     let mut headers = Vec::with_capacity(request.len());
-    for name in [":method", ":path", ":authority"] {
-        headers.push((name.to_string(), pseudo(name)?));
-    }
-    headers.extend(request.into_iter().filter(|(n, _)| !n.starts_with(':') && !hop_by_hop(n)));
+    headers.push((":method".to_string(), pseudo(":method")?));
+    headers.push((":path".to_string(), path));
+    headers.push((":authority".to_string(), authority));
+    headers.extend(
+        request.into_iter().filter(|(n, _)| !n.starts_with(':') && !hop_by_hop(n) && !is_router_control(n)),
+    );
     Some(headers)
+}
+
+/// `prefix_rewrite` as Envoy's route applies it: what the rule matched (its prefix, or the whole
+/// exact path) is replaced, the rest of the path and the query are kept. A path the rule does
+/// not match (it always does: the rule was chosen by it) is sent as it is.
+fn rewritten_path(matched: &PathMatch, to: &str, path: Vec<u8>) -> Vec<u8> {
+    let prefix = match matched {
+        PathMatch::Prefix(p) | PathMatch::Exact(p) => p.as_bytes(),
+    };
+    match path.strip_prefix(prefix) {
+        Some(rest) => [to.as_bytes(), rest].concat(),
+        None => path,
+    }
 }
 
 /// What came back from a detached call.
@@ -76,14 +111,20 @@ pub enum Answer {
 // a 503 `upstream connect error or disconnect/reset before headers. reset reason: connection
 // termination` without it, an answer with it.
 
-/// Reasons in Envoy's own reply that prove no upstream connection carried the request (as
-/// `settlement.rs` reads them in `response.code_details` inline).
-const NEVER_SENT_REASONS: &[&str] = &[
-    "reset reason: connection failure",
-    "reset reason: remote connection failure",
-    "reset reason: local connection failure",
-    "reset reason: overflow",
-];
+/// Envoy's own replies that prove no upstream connection carried the request: the router's
+/// refusals before it asks for a connection (no healthy host, the cluster in maintenance mode
+/// or dropping overload: `Filter::decodeHeaders`), or a reset whose reason (Envoy 1.40's
+/// `Filter::onUpstreamReset` writes `reset reason: <reason>`, after `retried and the latest `
+/// on a retry, then `, transport failure reason: ...` when there is one) is one of
+/// `NEVER_SENT_RESETS`, the list `settlement.rs` reads inline from `response.code_details`.
+fn never_sent(body: &str) -> bool {
+    if ["no healthy upstream", "maintenance mode", "drop overload"].contains(&body) {
+        return true;
+    }
+    let Some((_, reason)) = body.split_once("reset reason: ") else { return false };
+    let reason = reason.split(", transport failure reason: ").next().unwrap_or_default();
+    NEVER_SENT_RESETS.contains(&reason)
+}
 
 /// Reads a callout's answer: `status` None is Envoy's report of a failed call (no headers).
 pub fn answer_of(status: Option<u16>, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Answer {
@@ -91,9 +132,7 @@ pub fn answer_of(status: Option<u16>, headers: Vec<(String, Vec<u8>)>, body: Vec
     if headers.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME) {
         return Answer::Answered { status, headers, body };
     }
-    let text = String::from_utf8_lossy(&body);
-    let never_sent = text == "no healthy upstream" || NEVER_SENT_REASONS.iter().any(|r| text.ends_with(r));
-    if never_sent {
+    if never_sent(&String::from_utf8_lossy(&body)) {
         Answer::NeverSent { status, headers, body }
     } else {
         // Envoy's timeout (504 `upstream request timeout`) or a reset after sending.
@@ -237,9 +276,13 @@ mod tests {
             ("idempotency-key", "k"),
             ("x-custom", "a"),
             ("x-custom", "b"),
+            ("x-envoy-upstream-rq-timeout-ms", "20000"),
+            ("x-envoy-retry-on", "5xx"),
+            ("x-envoy-max-retries", "3"),
+            ("x-envoy-hedge-on-per-try-timeout", "true"),
         ]);
         assert_eq!(
-            call_headers(request).unwrap(),
+            call_headers(&rule(""), request).unwrap(),
             pairs(&[
                 (":method", "POST"),
                 (":path", "/orders?x=1"),
@@ -250,7 +293,35 @@ mod tests {
                 ("x-custom", "b"),
             ])
         );
-        assert_eq!(call_headers(pairs(&[(":method", "POST"), (":path", "/")])), None);
+        assert_eq!(call_headers(&rule(""), pairs(&[(":method", "POST"), (":path", "/")])), None);
+    }
+
+    #[test]
+    fn the_rules_upstream_rewrite_is_the_routes_rewrite_said_again() {
+        let request =
+            || pairs(&[(":method", "POST"), (":path", "/api/pay/7?x=1"), (":authority", "shop.example")]);
+        let head = |rule: &Rule| {
+            let h = call_headers(rule, request()).unwrap();
+            (String::from_utf8(h[1].1.clone()).unwrap(), String::from_utf8(h[2].1.clone()).unwrap())
+        };
+        let prefix = |extra: &str| {
+            let json = format!(
+                r#"{{"routes":[{{"name":"r","match":{{"prefix":"/api/pay"}},"execution":"detached"{extra}}}]}}"#
+            );
+            (*parse(json.as_bytes()).unwrap().rules[0]).clone()
+        };
+        assert_eq!(head(&prefix("")), ("/api/pay/7?x=1".into(), "shop.example".into()));
+        let both = prefix(
+            r#","upstream_rewrite":{"prefix_rewrite":"/v2/inl","host_rewrite_literal":"payments.internal"}"#,
+        );
+        assert_eq!(head(&both), ("/v2/inl/7?x=1".into(), "payments.internal".into()));
+        let host = prefix(r#","upstream_rewrite":{"host_rewrite_literal":"payments.internal:8443"}"#);
+        assert_eq!(head(&host), ("/api/pay/7?x=1".into(), "payments.internal:8443".into()));
+        // An exact match is replaced whole, as Envoy's prefix_rewrite does with a path match.
+        let exact = r#"{"routes":[{"name":"r","match":{"exact":"/api/pay/7"},"execution":"detached",
+            "upstream_rewrite":{"prefix_rewrite":"/charge"}}]}"#;
+        let exact = (*parse(exact.as_bytes()).unwrap().rules[0]).clone();
+        assert_eq!(head(&exact), ("/charge?x=1".into(), "shop.example".into()));
     }
 
     #[test]
@@ -287,6 +358,35 @@ mod tests {
         ));
         // A failed call (no :status).
         assert_eq!(answer_of(None, vec![], vec![]), Answer::Unknown { timed_out: false });
+    }
+
+    #[test]
+    fn every_reason_a_request_never_left_releases_and_no_other_does() {
+        let envoys = pairs(&[(":status", "503"), ("content-type", "text/plain")]);
+        let answer = |body: String| answer_of(Some(503), envoys.clone(), body.into_bytes());
+        let head = "upstream connect error or disconnect/reset before headers. ";
+        for reason in NEVER_SENT_RESETS {
+            for body in [
+                format!("{head}reset reason: {reason}"),
+                format!("{head}retried and the latest reset reason: {reason}"),
+                format!("{head}reset reason: {reason}, transport failure reason: TLS_error:|268435581:SSL routines"),
+            ] {
+                assert!(matches!(answer(body.clone()), Answer::NeverSent { status: 503, .. }), "{body}");
+            }
+        }
+        // The pool's connect timeout (a host whose SYNs are dropped) by name: issue 30.
+        let timeout = format!("{head}reset reason: connection timeout");
+        assert!(matches!(answer(timeout), Answer::NeverSent { .. }));
+        for refusal in ["no healthy upstream", "maintenance mode", "drop overload"] {
+            assert!(matches!(answer(refusal.into()), Answer::NeverSent { .. }), "{refusal}");
+        }
+        for reason in ["connection termination", "remote reset", "local reset", "protocol error", "overflows"]
+        {
+            let body = format!("{head}reset reason: {reason}");
+            assert_eq!(answer(body.clone()), Answer::Unknown { timed_out: false }, "{body}");
+        }
+        // The reason must be Envoy's, not a word inside an upstream's body Envoy never saw.
+        assert_eq!(answer("reset reason: overflow and more".into()), Answer::Unknown { timed_out: false });
     }
 
     #[test]

@@ -41,16 +41,38 @@ const MAYBE_EXECUTED: u64 = UPSTREAM_REQUEST_TIMEOUT
     | UPSTREAM_PROTOCOL_ERROR;
 
 /// Details prefixes of local replies sent before any upstream request existed.
-const NEVER_SENT_DETAILS: &[&str] = &[
-    "no_healthy_upstream",
-    "cluster_not_found",
-    "route_not_found",
-    "maintenance_mode",
-    "upstream_reset_before_response_started{connection_failure",
-    "upstream_reset_before_response_started{remote_connection_failure",
-    "upstream_reset_before_response_started{local_connection_failure",
-    "upstream_reset_before_response_started{overflow",
+const NEVER_SENT_DETAILS: &[&str] =
+    &["no_healthy_upstream", "cluster_not_found", "route_not_found", "maintenance_mode"];
+
+/// Envoy's reasons for an upstream request that failed before any byte of it was written: the
+/// connection pool gave up (`UpstreamRequest::onPoolFailure` in Envoy 1.40's
+/// `source/common/router/upstream_request.cc` maps each `ConnectionPool::PoolFailureReason`
+/// to one of these `StreamResetReason`s), as `Http::Utility::resetReasonToString` spells them.
+/// "connection failure" is what older Envoys said for either connection failure. Every other
+/// reason (connection termination, a remote or local reset, a protocol error, ...) comes from
+/// a stream that may have carried the request, so its outcome is unknown. The one list for both
+/// forms Envoy reports them in: `response.code_details` inline (`never_sent_details`), the body
+/// of its own reply to a detached call (`detached::answer_of`).
+pub const NEVER_SENT_RESETS: &[&str] = &[
+    "local connection failure",
+    "remote connection failure",
+    "connection timeout",
+    "overflow",
+    "connection failure",
 ];
+
+/// True when `response.code_details` say no upstream request ever carried the request: a
+/// local reply made before one existed, or a reset whose reason is in `NEVER_SENT_RESETS`
+/// (`upstream_reset_before_response_started{<reason, spaces as _>}`, or `{<reason>|<transport
+/// failure>}`).
+pub fn never_sent_details(details: &str) -> bool {
+    if NEVER_SENT_DETAILS.iter().any(|p| details.starts_with(p)) {
+        return true;
+    }
+    let Some(reason) = details.strip_prefix("upstream_reset_before_response_started{") else { return false };
+    let reason = reason.split(['|', '}']).next().unwrap_or_default().replace('_', " ");
+    NEVER_SENT_RESETS.contains(&reason.as_str())
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ResponsePlan {
@@ -99,8 +121,7 @@ pub fn plan_unfinished(rule: &Rule, report: StreamReport) -> ResponsePlan {
     if flags & MAYBE_EXECUTED != 0 {
         return unknown(rule);
     }
-    let never_sent_details = details.is_some_and(|d| NEVER_SENT_DETAILS.iter().any(|p| d.starts_with(p)));
-    if never_sent_details || flags & NEVER_SENT != 0 || !upstream_selected {
+    if details.is_some_and(never_sent_details) || flags & NEVER_SENT != 0 || !upstream_selected {
         ResponsePlan::Release
     } else {
         unknown(rule)
@@ -214,6 +235,29 @@ mod tests {
     }
 
     #[test]
+    fn the_details_of_every_never_sent_reason_are_never_sent_and_no_other_reset_is() {
+        for reason in NEVER_SENT_RESETS {
+            let details = format!("upstream_reset_before_response_started{{{}}}", reason.replace(' ', "_"));
+            assert!(never_sent_details(&details), "{details}");
+            let with_transport =
+                format!("upstream_reset_before_response_started{{{}|TLS_error}}", reason.replace(' ', "_"));
+            assert!(never_sent_details(&with_transport), "{with_transport}");
+        }
+        for reason in [
+            "connection_termination",
+            "remote_reset",
+            "local_reset",
+            "protocol_error",
+            "connection_timeouts",
+            "overflo",
+        ] {
+            let details = format!("upstream_reset_before_response_started{{{reason}}}");
+            assert!(!never_sent_details(&details), "{details}");
+        }
+        assert!(!never_sent_details("upstream_reset_after_response_started{connection_timeout}"));
+    }
+
+    #[test]
     fn never_reached_releases() {
         let cases: &[(Option<&str>, u64)] = &[
             (Some("no_healthy_upstream"), 0x2),
@@ -221,6 +265,9 @@ mod tests {
             (Some("upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}"), 0x20),
             (Some("cluster_not_found"), 0x1000000),
             (Some("route_not_found"), 0x100),
+            // A pool connect timeout (a host whose SYNs are dropped): UF inline too.
+            (Some("upstream_reset_before_response_started{connection_timeout}"), 0x20),
+            (Some("upstream_reset_before_response_started{overflow}"), 0x80),
         ];
         for (d, f) in cases {
             assert_eq!(plan_unfinished(&rule(), sent(*d, *f)), ResponsePlan::Release, "{d:?} {f:#x}");

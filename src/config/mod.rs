@@ -24,7 +24,7 @@ mod tests;
 
 pub use model::{
     Concurrency, Config, ConfigError, Disposition, Execution, JwtPrincipal, PathMatch, ProblemStatuses,
-    Quota, Rule, StatusPattern, StatusPolicy, StoreConfig, UnknownOutcome,
+    Quota, Rule, StatusPattern, StatusPolicy, StoreConfig, UnknownOutcome, UpstreamRewrite,
 };
 
 // ---- rule resolution: which rule, if any, protects a request ----
@@ -357,6 +357,7 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
             "execution",
             "cluster",
             "upstream_timeout",
+            "upstream_rewrite",
             "unknown_outcome",
         ],
     )?;
@@ -455,11 +456,14 @@ fn execution(o: &Obj, path: &str, processing_timeout_ms: u64) -> Res<Execution> 
         Ok(s.to_owned())
     })?;
     let upstream_timeout_ms = optional(o, path, "upstream_timeout", duration_ms)?;
+    let rewrite = optional(o, path, "upstream_rewrite", upstream_rewrite)?;
     match optional(o, path, "execution", |v, f| string(v, f).map(str::to_owned))?.as_deref() {
         None | Some("inline") => {
-            for (field, set) in
-                [("cluster", cluster.is_some()), ("upstream_timeout", upstream_timeout_ms.is_some())]
-            {
+            for (field, set) in [
+                ("cluster", cluster.is_some()),
+                ("upstream_timeout", upstream_timeout_ms.is_some()),
+                ("upstream_rewrite", rewrite.is_some()),
+            ] {
                 if set {
                     return Err(err(&key(path, field), "only applies with \"execution\": \"detached\""));
                 }
@@ -478,12 +482,31 @@ fn execution(o: &Obj, path: &str, processing_timeout_ms: u64) -> Res<Execution> 
                     ),
                 ));
             }
-            Ok(Execution::Detached { cluster, upstream_timeout_ms })
+            Ok(Execution::Detached { cluster, upstream_timeout_ms, rewrite: rewrite.unwrap_or_default() })
         }
         Some(other) => {
             Err(err(&key(path, "execution"), format!("{other:?}: expected \"inline\" or \"detached\"")))
         }
     }
+}
+
+/// `upstream_rewrite`: Envoy's own field names, so that the operator copies them from the route.
+fn upstream_rewrite(v: &Value, path: &str) -> Res<UpstreamRewrite> {
+    let o = object(v, path, &["prefix_rewrite", "host_rewrite_literal"])?;
+    let prefix_rewrite = optional(o, path, "prefix_rewrite", url_path)?;
+    let host_rewrite_literal = optional(o, path, "host_rewrite_literal", |v, f| {
+        let s = string(v, f)?;
+        // An :authority Envoy sends as it is: visible ASCII, no '/', '?', '#' or '@'.
+        let bad = |b: u8| !b.is_ascii_graphic() || matches!(b, b'/' | b'?' | b'#' | b'@');
+        if s.is_empty() || s.len() > 255 || s.bytes().any(bad) {
+            return Err(err(f, format!("{s:?} is not a host: expected host or host:port, 1 to 255 bytes")));
+        }
+        Ok(s.to_owned())
+    })?;
+    if prefix_rewrite.is_none() && host_rewrite_literal.is_none() {
+        return Err(err(path, "expected \"prefix_rewrite\", \"host_rewrite_literal\" or both"));
+    }
+    Ok(UpstreamRewrite { prefix_rewrite, host_rewrite_literal })
 }
 
 /// The name goes into the rule's counters (`idempotency.route.<name>.requests_total.<outcome>`), where

@@ -63,7 +63,21 @@ pub enum Execution {
         /// How long the callout may take; below `processing_timeout`, so a takeover never
         /// starts while it runs.
         upstream_timeout_ms: u64,
+        /// The route's rewrites, said again for the callout, which Envoy's route never sees.
+        rewrite: UpstreamRewrite,
     },
+}
+
+/// `routes[].upstream_rewrite`: what Envoy's route would rewrite before the router sends the
+/// request (`prefix_rewrite`, `host_rewrite_literal`), for a detached call, which is a callout
+/// and not the router, and so names its own `:path` and `:authority`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UpstreamRewrite {
+    /// Replaces the part of the path the rule's `match` matched (its prefix, or the whole
+    /// exact path), as Envoy's `prefix_rewrite` replaces what the route matched; the query stays.
+    pub prefix_rewrite: Option<String>,
+    /// The call's `:authority`.
+    pub host_rewrite_literal: Option<String>,
 }
 
 /// Where a verified caller identity comes from: Envoy's `jwt_authn` filter writes the claims of

@@ -83,6 +83,36 @@ fn rejects_bad_configs_naming_the_field() {
         ("upstream_timeout inline", rule_json(r#""upstream_timeout":"1s""#), "routes[0].upstream_timeout"),
         ("cluster empty", rule_json(r#""execution":"detached","cluster":"""#), "routes[0].cluster"),
         (
+            "upstream_rewrite inline",
+            rule_json(r#""upstream_rewrite":{"prefix_rewrite":"/v2"}"#),
+            "routes[0].upstream_rewrite",
+        ),
+        (
+            "upstream_rewrite empty",
+            rule_json(r#""execution":"detached","upstream_rewrite":{}"#),
+            "routes[0].upstream_rewrite",
+        ),
+        (
+            "upstream_rewrite unknown field",
+            rule_json(r#""execution":"detached","upstream_rewrite":{"regex_rewrite":"x"}"#),
+            "routes[0].upstream_rewrite.regex_rewrite",
+        ),
+        (
+            "prefix_rewrite not a path",
+            rule_json(r#""execution":"detached","upstream_rewrite":{"prefix_rewrite":"v2?x"}"#),
+            "routes[0].upstream_rewrite.prefix_rewrite",
+        ),
+        (
+            "host_rewrite_literal with a path",
+            rule_json(r#""execution":"detached","upstream_rewrite":{"host_rewrite_literal":"h/x"}"#),
+            "routes[0].upstream_rewrite.host_rewrite_literal",
+        ),
+        (
+            "host_rewrite_literal empty",
+            rule_json(r#""execution":"detached","upstream_rewrite":{"host_rewrite_literal":""}"#),
+            "routes[0].upstream_rewrite.host_rewrite_literal",
+        ),
+        (
             "upstream_timeout at the lease",
             rule_json(r#""execution":"detached","processing_timeout":"10s","upstream_timeout":"10s""#),
             "routes[0].upstream_timeout",
@@ -426,16 +456,34 @@ fn detached_execution_and_its_defaults() {
         r#"{"routes":[{"name":"a","match":{"prefix":"/"},"execution":"detached"},
             {"name":"b","match":{"prefix":"/b"},"execution":"detached","cluster":"pay","upstream_timeout":"9s",
              "max_request_bytes":65536,"max_response_bytes":65536},
-            {"name":"c","match":{"prefix":"/c"},"execution":"inline"}]}"#,
+            {"name":"c","match":{"prefix":"/c"},"execution":"inline"},
+            {"name":"d","match":{"prefix":"/d"},"execution":"detached",
+             "upstream_rewrite":{"prefix_rewrite":"/v2/d","host_rewrite_literal":"payments.internal"}}]}"#,
     )
     .unwrap();
     // Half the lease by default; the route's own cluster unless one is named.
-    assert_eq!(cfg.rules[0].execution, Execution::Detached { cluster: None, upstream_timeout_ms: 15_000 });
+    assert_eq!(
+        cfg.rules[0].execution,
+        Execution::Detached {
+            cluster: None,
+            upstream_timeout_ms: 15_000,
+            rewrite: UpstreamRewrite::default()
+        }
+    );
     assert_eq!(
         cfg.rules[1].execution,
-        Execution::Detached { cluster: Some("pay".into()), upstream_timeout_ms: 9_000 }
+        Execution::Detached {
+            cluster: Some("pay".into()),
+            upstream_timeout_ms: 9_000,
+            rewrite: UpstreamRewrite::default()
+        }
     );
     assert_eq!(cfg.rules[2].execution, Execution::Inline);
+    let rewrite = UpstreamRewrite {
+        prefix_rewrite: Some("/v2/d".into()),
+        host_rewrite_literal: Some("payments.internal".into()),
+    };
+    assert!(matches!(&cfg.rules[3].execution, Execution::Detached { rewrite: r, .. } if *r == rewrite));
     // 256 MiB over the largest detached request + response (1 + 1 MiB by default).
     assert_eq!(cfg.max_detached_calls, 128);
     let few =

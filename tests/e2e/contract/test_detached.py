@@ -45,15 +45,35 @@ FILTER_CONFIG = {
         _rule("unreachable", "/unreachable"),
         # A cluster Envoy does not know: it refuses the detached call.
         _rule("nocluster", "/nocluster", cluster="no-such-cluster"),
+        # A host that is gone: its connects time out (BLACKHOLE).
+        _rule("gone", "/gone"),
+        # Routes that rewrite: the detached rule says the same rewrite again; the inline one
+        # needs nothing (the router applies the route's).
+        _rule("rewritten", "/rw/", upstream_rewrite={"prefix_rewrite": "/v2/",
+                                                     "host_rewrite_literal": "payments.internal"}),
+        {"name": "rewritten-inline", "match": {"prefix": "/rwi/"}, "require_key": True},
+        # A route whose rate limit (a filter after this one) allows one request an hour.
+        _rule("limited", "/limited"),
     ],
 }
+ADDED = {"header": {"key": "x-route-added", "value": "1"}}
+# Connects to this port time out (its accept queue is full) until the test opens it.
+BLACKHOLE = harness.Blackhole()
 ENVOY_OPTIONS = {
     "concurrency": 2,
     "extra_routes": [
         {"match": {"prefix": "/msd"},
          "route": {"cluster": "orders", "timeout": "10s",
                    "max_stream_duration": {"max_stream_duration": "1s"}}},
+        {"match": {"prefix": "/gone"}, "route": {"cluster": "gone"}},
+        {"match": {"prefix": "/rw/"}, "request_headers_to_add": [ADDED],
+         "route": {"cluster": "orders", "prefix_rewrite": "/v2/", "host_rewrite_literal": "payments.internal"}},
+        {"match": {"prefix": "/rwi/"}, "request_headers_to_add": [ADDED],
+         "route": {"cluster": "orders", "prefix_rewrite": "/v2/", "host_rewrite_literal": "payments.internal"}},
+        harness.route("/limited", per_filter=harness.local_ratelimit_route(1, "3600s")),
     ],
+    "extra_clusters": [dict(harness.cluster("gone", BLACKHOLE.port), connect_timeout="0.5s")],
+    "post_filters": [harness.local_ratelimit_filter()],
 }
 
 BODY = b'{"amount":4200,"currency":"EUR","card":"tok_visa"}'
@@ -208,3 +228,83 @@ def test_a_call_envoy_refuses_gets_503_detached_capacity_and_its_claim_back(envo
     assert upstream.executions(key) == 0
     envoy.wait_counter("detached_refused", refused + 2, timeout=5)
     envoy.wait_counter("released", released + 2, timeout=5)
+
+
+def test_a_host_whose_connects_time_out_is_never_sent_to_and_the_claim_released(envoy, upstream):
+    """Issue 30: Envoy's pool gave up connecting (`reset reason: connection timeout`): nothing
+    was sent, so the claim is released, not burnt as an unknown outcome. Once the host is back
+    the retry executes, once."""
+    key = new_key()
+    released, unknown = envoy.idem("released"), envoy.idem("outcome_unknown")
+    first = envoy.post("/gone/pay", BODY, key_headers(key))
+    assert first.status == 503, first
+    assert b"connection timeout" in first.body, first
+    envoy.wait_counter("released", released + 1, timeout=5)
+    assert envoy.idem("outcome_unknown") == unknown
+    BLACKHOLE.open(upstream.port)
+    retry = envoy.post("/gone/pay", BODY, key_headers(key))
+    assert retry.status == 201 and not retry.replayed, retry
+    assert upstream.executions(key) == 1
+    again = envoy.post("/gone/pay", BODY, key_headers(key))
+    assert again.status == 201 and again.replayed, again
+
+
+def test_a_201_cut_mid_body_is_an_unknown_outcome_where_inline_keeps_the_status(envoy, upstream):
+    """A difference from inline (docs/CONTRACT.md, Detached execution): Envoy's async client
+    reports an answer reset after its headers as a failed call with no `:status`
+    (`Context::onHttpCallFailure`), so the 201 is lost. Inline the retry gets 410 with
+    `idempotent-original-status: 201` (C15); detached, the outcome is unknown, and by default
+    never executed again."""
+    key = new_key()
+    first = _post(envoy, "/pay", key, **{"x-reset": "mid-body"})
+    assert_problem(first, 502, "outcome-unknown")
+    assert_problem(_post(envoy, "/pay", key), 502, "outcome-unknown")
+    assert upstream.executions(key) == 1
+
+
+def test_the_routes_rewrite_reaches_the_upstream_said_once_more_on_the_rule(envoy, upstream):
+    """Issue 30: a detached call is a callout, so the route's `prefix_rewrite` and
+    `host_rewrite_literal` never apply to it; the rule's `upstream_rewrite` says them again, and
+    the upstream gets the path and Host the inline route sends. What the route adds
+    (`request_headers_to_add`) a detached call does not get, and Envoy adds its own
+    `x-envoy-expected-rq-timeout-ms` (upstream_timeout) to it."""
+    seen = {}
+    for prefix in ("/rw/", "/rwi/"):
+        key = new_key()
+        resp = envoy.post(prefix + "pay?x=1", BODY, key_headers(key, host="shop.example"))
+        assert resp.status == 201, resp
+        (request,) = upstream.requests(key)
+        seen[prefix] = (request["path"], dict(request["headers"]))
+    assert seen["/rw/"][0] == seen["/rwi/"][0] == "/v2/pay?x=1", seen
+    assert seen["/rw/"][1]["host"] == seen["/rwi/"][1]["host"] == "payments.internal", seen
+    assert seen["/rwi/"][1].get("x-route-added") == "1" and "x-route-added" not in seen["/rw/"][1]
+    assert seen["/rw/"][1].get("x-envoy-expected-rq-timeout-ms") == str(UPSTREAM_TIMEOUT_S * 1000)
+
+
+def test_the_filters_after_this_one_never_see_a_detached_call(envoy, upstream):
+    """A rate limit placed after the filter allows one request an hour on /limited (inline its
+    second request gets 429: test_local_replies.py); a detached call never passes it."""
+    for _ in range(2):
+        key = new_key()
+        resp = envoy.post("/limited/pay", BODY, key_headers(key))
+        assert resp.status == 201 and not resp.replayed, resp
+        assert upstream.executions(key) == 1
+
+
+def test_an_answer_with_trailers_is_sent_and_stored_without_them(envoy, upstream):
+    key = new_key()
+    first = _post(envoy, "/pay", key, **{"x-trailers": "1"})
+    assert first.status == 201 and first.header("x-checksum") is None, first
+    retry = _post(envoy, "/pay", key, **{"x-trailers": "1"})
+    assert retry.status == 201 and retry.replayed and retry.body == first.body, retry
+    assert upstream.executions(key) == 1
+
+
+def test_an_answer_over_the_async_clients_32_mib_is_an_unknown_outcome(envoy, upstream):
+    """Envoy's async client refuses an answer over 32 MiB as a failed call, after the upstream
+    executed: 502 outcome-unknown, never executed again."""
+    key = new_key()
+    first = _post(envoy, "/pay", key, **{"x-response-bytes": str(32 * 1024 * 1024 + 1)})
+    assert_problem(first, 502, "outcome-unknown")
+    assert_problem(_post(envoy, "/pay", key), 502, "outcome-unknown")
+    assert upstream.executions(key) == 1

@@ -135,6 +135,35 @@ def test_etcd_slower_than_the_timeout_is_503_and_the_claim_it_left_is_given_back
         delay.close()
 
 
+def test_an_etcd_whose_connects_time_out_is_a_store_failure_and_burns_no_key(
+        envoy_bin, filter_wasm, upstream, etcd, protocol):
+    """Issue 30: the store's callouts pass Envoy's connection pool as a detached call does. A
+    connect that times out (etcd's host gone, its SYNs dropped) is a store failure: 503
+    store-unavailable, nothing forwarded, and the key is not burnt as an unknown outcome (on the
+    payment rule, which refuses them): once etcd can be reached the retry executes, once."""
+    gone = harness.Blackhole()
+    cluster = harness.etcd_cluster([gone.port], grpc=protocol == "grpc", health_checks=False)
+    cluster["connect_timeout"] = "0.3s"
+    config = filter_config("fail_closed", f"/e2e-gone-{protocol}/", protocol)
+    config["store"]["timeout"] = "2s"
+    proxy_ = harness.Envoy(envoy_bin, upstream.port, config, wasm_path=filter_wasm,
+                           name=f"gone-{protocol}", extra_clusters=[cluster]).start()
+    try:
+        key = new_key()
+        resp = proxy_.post("/pay", BODY, key_headers(key))
+        assert_problem(resp, 503, "store-unavailable")
+        assert upstream.executions(key) == 0
+        gone.open(etcd.client_port)
+        retry = proxy_.post("/pay", BODY, key_headers(key))
+        assert retry.status == 201 and not retry.replayed, retry
+        assert proxy_.post("/pay", BODY, key_headers(key)).replayed
+        assert upstream.executions(key) == 1
+        assert proxy_.idem("unknown_refused") == 0 and proxy_.idem("outcome_unknown") == 0
+    finally:
+        proxy_.stop()
+        gone.close()
+
+
 def test_a_claim_answered_after_the_client_left_is_released_at_once(
         envoy_bin, filter_wasm, upstream, etcd):
     """The client goes away while its claim is on its way to etcd (answers delayed, within

@@ -6,7 +6,8 @@
 #                       filter three ways, a naive filter, detached execution, the filter on a real
 #                       etcd five ways: new key and replay over gRPC, new key over the JSON
 #                       gateway, new key without a quota, replay with the replay cache;
-#                       BENCH_BEFORE=<commit>: and the filter at that commit's new key), then
+#                       BENCH_BEFORE=<commit>: and the filter at that commit: pass-through, new
+#                       key, replay, detached and etcd new key, in the same rounds), then
 #                       the refusal-vs-fill curve and the memory phase; writes BENCHMARKS.md and
 #                       bench/results.svg (BENCH_MEMORY=0: no memory phase)
 #   make bench-memory   the memory phase alone (1,000,000 distinct keys, RSS sampled)

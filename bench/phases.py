@@ -17,6 +17,7 @@ Processes (all the same Envoy binary, each with --concurrency 1 --disable-hot-re
            12 etcd-new-default scenario 7 at the product's default: no `quota`, so nothing is counted
            13 etcd-replay-cached scenario 8 with `store.replay_cache` on: replays answered from memory
             9 detached-new the filter, new key per request, with `execution: "detached"`
+           15-18 with --before-wasm: scenarios 3, 4, 5 and 9 with the filter at that commit
            14 new-key-default scenario 4 at the product's default: no `quota`, so nothing is counted
   etcd      (scenarios 7, 8 and 10 to 13) one real etcd member on free loopback ports, started and
             stopped by the bench (idemkit/etcd.py), data directory removed at the end.
@@ -345,6 +346,18 @@ class Bench:
             Scenario(14, "new-key-default", "filter, new key per request, no quota (the default)", ORDERS, "unique",
                      lambda: [wasm_filter(wasm, "idempotency", cfg14)], "new", "local"))
         self.filter_configs = {3: cfg, 4: cfg4, 5: cfg, 9: cfg9, 14: cfg14}
+        if a.before_wasm:
+            # Scenarios 3, 4, 5 and 9 with the filter as it was at an earlier commit, in the same
+            # rounds: what a change costs on the hot paths, as ratios from interleaved runs.
+            before = rel(a.before_wasm)
+            for sid, like in ((15, 3), (16, 4), (17, 5), (18, 9)):
+                base = next(x for x in self.scenarios if x.sid == like)
+                bcfg = self.filter_configs[like]
+                self.scenarios.append(
+                    Scenario(sid, base.name + "-before", f"{base.title}, the filter at {a.before_label}", base.path,
+                             base.keys, lambda bcfg=bcfg: [wasm_filter(before, "idempotency", bcfg)], base.kind,
+                             "local"))
+                self.filter_configs[sid] = bcfg
         if a.naive_wasm:
             naive = rel(a.naive_wasm)
             self.scenarios.append(

@@ -29,7 +29,8 @@ def render(rep: ReportData) -> str:
         H += 320
     colors = {1: "#6b7280", 2: "#9ca3af", 3: "#60a5fa", 4: "#2563eb", 5: "#16a34a", 6: "#f59e0b",
               7: "#7c3aed", 8: "#a855f7", 9: "#0891b2", 10: "#c4b5fd",
-              11: "#ddd6fe", 12: "#5b21b6", 13: "#d8b4fe", 14: "#1e40af"}
+              11: "#ddd6fe", 12: "#5b21b6", 13: "#d8b4fe", 14: "#1e40af",
+              15: "#bfdbfe", 16: "#93c5fd", 17: "#86efac", 18: "#67e8f9"}
 
     def esc(t: str) -> str:
         return t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

@@ -9,10 +9,12 @@
 //! is still there gets it as its first response.
 //!
 //! What a detached call does not get, because it is a callout and not the router (measured on
-//! Envoy 1.40, docs/CONTRACT.md *Detached execution*): route retries, the route timeout (it has
-//! `upstream_timeout` instead), route and virtual-host `request_headers_to_add`, the HTTP filters
-//! after this one, response trailers, responses over the async client's 32 MiB; Envoy adds
-//! `x-envoy-internal` and `x-envoy-expected-rq-timeout-ms` to the call.
+//! Envoy 1.40; docs/CONTRACT.md *Detached execution* lists each with its test): route retries,
+//! the route timeout (it has `upstream_timeout` instead), the route's rewrites (said again in
+//! `upstream_rewrite`), route and virtual-host `request_headers_to_add`, the HTTP filters after
+//! this one, response trailers, responses over the async client's 32 MiB, and the status of an
+//! answer cut after its headers; Envoy adds `x-envoy-internal` and
+//! `x-envoy-expected-rq-timeout-ms` to the call.
 
 use crate::config::{Execution, PathMatch, Rule, UnknownOutcome, UpstreamRewrite};
 use crate::engine::{self, ReplayShape, Reply};

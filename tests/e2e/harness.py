@@ -126,6 +126,15 @@ def expected_body(execution: int, size: int) -> bytes:
     return response_body(execution, size)
 
 
+def detached_rule(name: str, prefix: str, lease_s: int, upstream_timeout_s: int, **extra) -> dict:
+    """A route rule with a key required and `execution: "detached"`, its lease and
+    `upstream_timeout` in whole seconds; `extra`: more rule fields."""
+    rule = {"name": name, "match": {"prefix": prefix}, "require_key": True, "execution": "detached",
+            "processing_timeout": "%ds" % lease_s, "upstream_timeout": "%ds" % upstream_timeout_s}
+    rule.update(extra)
+    return rule
+
+
 def key_headers(key: str, **extra: str) -> dict[str, str]:
     """JSON content-type, `idempotency-key: key`, then `extra` as headers with `_` read as `-`
     (x_delay_ms="50" is `x-delay-ms: 50`); a later name replaces an earlier one."""

@@ -26,10 +26,7 @@ UPSTREAM_TIMEOUT_S = 2
 
 
 def _detached(name: str, prefix: str, **extra) -> dict:
-    rule = {"name": name, "match": {"prefix": prefix}, "require_key": True, "execution": "detached",
-            "processing_timeout": "%ds" % LEASE_S, "upstream_timeout": "%ds" % UPSTREAM_TIMEOUT_S}
-    rule.update(extra)
-    return rule
+    return harness.detached_rule(name, prefix, LEASE_S, UPSTREAM_TIMEOUT_S, **extra)
 
 
 FILTER_CONFIG = {

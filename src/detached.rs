@@ -16,7 +16,7 @@
 //! answer cut after its headers; Envoy adds `x-envoy-internal` and
 //! `x-envoy-expected-rq-timeout-ms` to the call.
 
-use crate::config::{Execution, PathMatch, Rule, UnknownOutcome, UpstreamRewrite};
+use crate::config::{PathMatch, Rule, UnknownOutcome, UpstreamRewrite};
 use crate::engine::{self, ReplayShape, Reply};
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
@@ -55,16 +55,15 @@ fn hop_by_hop(name: &str) -> bool {
 /// (`router_control.rs`: the async client's router would obey them, so the caller could lift
 /// `upstream_timeout` or ask for retries). None when one of the three is missing (Envoy would
 /// refuse the call).
-pub fn call_headers(rule: &Rule, request: Vec<(String, Vec<u8>)>) -> Option<Vec<(String, Vec<u8>)>> {
+pub fn call_headers(
+    matched: &PathMatch,
+    rewrite: &UpstreamRewrite,
+    request: Vec<(String, Vec<u8>)>,
+) -> Option<Vec<(String, Vec<u8>)>> {
     let pseudo = |name: &str| request.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
-    static NONE: UpstreamRewrite = UpstreamRewrite { prefix_rewrite: None, host_rewrite_literal: None };
-    let rewrite = match &rule.execution {
-        Execution::Detached { rewrite, .. } => rewrite,
-        Execution::Inline => &NONE,
-    };
     let path = pseudo(":path")?;
     let path = match &rewrite.prefix_rewrite {
-        Some(to) => rewritten_path(&rule.path, to, path),
+        Some(to) => rewritten_path(matched, to, path),
         None => path,
     };
     let authority = match &rewrite.host_rewrite_literal {
@@ -262,6 +261,12 @@ mod tests {
         list.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
     }
 
+    /// The call's headers for a request on `rule`, as the glue asks for them.
+    fn headers_for(rule: &Rule, request: Vec<(String, Vec<u8>)>) -> Option<Vec<(String, Vec<u8>)>> {
+        let crate::config::Execution::Detached { rewrite, .. } = &rule.execution else { panic!("inline") };
+        call_headers(&rule.path, rewrite, request)
+    }
+
     const CLAIM: Claim = Claim { scope: ScopeId([1; 32]), owner: 7, locator: 3, written: None };
 
     #[test]
@@ -284,7 +289,7 @@ mod tests {
             ("x-envoy-hedge-on-per-try-timeout", "true"),
         ]);
         assert_eq!(
-            call_headers(&rule(""), request).unwrap(),
+            headers_for(&rule(""), request).unwrap(),
             pairs(&[
                 (":method", "POST"),
                 (":path", "/orders?x=1"),
@@ -295,7 +300,7 @@ mod tests {
                 ("x-custom", "b"),
             ])
         );
-        assert_eq!(call_headers(&rule(""), pairs(&[(":method", "POST"), (":path", "/")])), None);
+        assert_eq!(headers_for(&rule(""), pairs(&[(":method", "POST"), (":path", "/")])), None);
     }
 
     #[test]
@@ -303,7 +308,7 @@ mod tests {
         let request =
             || pairs(&[(":method", "POST"), (":path", "/api/pay/7?x=1"), (":authority", "shop.example")]);
         let head = |rule: &Rule| {
-            let h = call_headers(rule, request()).unwrap();
+            let h = headers_for(rule, request()).unwrap();
             (String::from_utf8(h[1].1.clone()).unwrap(), String::from_utf8(h[2].1.clone()).unwrap())
         };
         let prefix = |extra: &str| {

@@ -47,22 +47,26 @@ pub const ROUTER_CONTROL_HEADERS: &[&str] = &[
     "x-envoy-upstream-stream-duration-ms",
 ];
 
-/// True for a router control header (names as Envoy holds them: lowercase).
+/// The listed name `name` is, if it is one (names as Envoy holds them: lowercase). The prefix
+/// test first: most headers are not Envoy's.
+fn control_named(name: &str) -> Option<&'static str> {
+    if !name.starts_with("x-envoy-") {
+        return None;
+    }
+    ROUTER_CONTROL_HEADERS.iter().copied().find(|c| *c == name)
+}
+
+/// True for a router control header.
 pub fn is_router_control(name: &str) -> bool {
-    name.starts_with("x-envoy-") && ROUTER_CONTROL_HEADERS.contains(&name)
+    control_named(name).is_some()
 }
 
 /// The router control headers among a request's headers, each once, in the request's order.
 pub fn present(headers: &[(String, Vec<u8>)]) -> Vec<&'static str> {
     let mut found = Vec::new();
-    for (name, _) in headers {
-        if !name.starts_with("x-envoy-") {
-            continue;
-        }
-        if let Some(control) = ROUTER_CONTROL_HEADERS.iter().find(|c| **c == name.as_str()) {
-            if !found.contains(control) {
-                found.push(*control);
-            }
+    for control in headers.iter().filter_map(|(name, _)| control_named(name)) {
+        if !found.contains(&control) {
+            found.push(control);
         }
     }
     found

@@ -615,7 +615,7 @@ impl<H: Host> PluginState<H> {
         rule: &Rc<Rule>,
         handle: WaitHandle,
     ) -> Result<DetachedCall, String> {
-        let Execution::Detached { cluster, upstream_timeout_ms, .. } = &rule.execution else {
+        let Execution::Detached { cluster, upstream_timeout_ms, rewrite } = &rule.execution else {
             return Err("not a detached rule".into());
         };
         if self.detached_in_flight.get() >= self.config.max_detached_calls {
@@ -631,8 +631,11 @@ impl<H: Host> PluginState<H> {
                 _ => return Err("the route picked no cluster and the rule names none".into()),
             },
         };
-        let headers =
-            self.host.header_pairs(MAP_REQUEST_HEADERS).ok().and_then(|h| detached::call_headers(rule, h));
+        let headers = self
+            .host
+            .header_pairs(MAP_REQUEST_HEADERS)
+            .ok()
+            .and_then(|h| detached::call_headers(&rule.path, rewrite, h));
         let Some(headers) = headers else { return Err("the request head could not be read".into()) };
         let body = self
             .host

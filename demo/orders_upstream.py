@@ -29,13 +29,24 @@ Test knobs (request headers, all optional):
     x-content-type: VALUE    answer with content-type VALUE instead of the default
     x-no-content-type: 1     answer without a content-type header
 
+Lookup by key (not an execution), what a `routes[].reconcile` of the filter asks:
+    GET  /_lookup/<key>                the key's first committed answer (its status, content-type,
+                                       x-execution and body), or 404 if no execution of the key
+                                       ever committed one. An execution commits its answer when it
+                                       is about to send it: after x-delay-ms, never with
+                                       x-reset: before-headers (read, then dropped uncommitted).
+
 Admin endpoints (not executions):
     GET  /_admin/executions            {"total": n, "by_key": {key: count}, "by_path": {path: count}}
-    GET  /_admin/executions?key=K      {"key": K, "count": c}
+    GET  /_admin/executions?key=K      {"key": K, "count": c, "committed": executions that
+                                        committed an answer (see /_lookup/)}
     GET  /_admin/executions?path=P     {"path": P, "count": c}
     GET  /_admin/requests[?key=K]      [{"n", "method", "path", "key", "body_sha256", "received_bytes",
                                         "headers": [[lowercase name, value], ...]}]
     POST /_admin/reset                 zero everything
+    POST /_admin/lookup-fail?count=N[&status=S]
+                                       the next N lookups answer S (default 500)
+    GET  /_admin/lookups[?key=K]       {"total": n, "by_key": {key: count}} or {"key": K, "count": c}
     GET  /_admin/health                200
 
 Keys and paths in queries are percent-encoded latin-1 (header values are latin-1 on the wire).
@@ -84,6 +95,16 @@ class State:
         self.by_key: dict[str, int] = collections.Counter()
         self.by_path: dict[str, int] = collections.Counter()
         self.requests: collections.deque = collections.deque(maxlen=_MAX_REMEMBERED)
+        # key -> (status, headers, body) of its first committed answer
+        self.answers: dict[str, tuple[int, list[tuple[str, str]], bytes]] = {}
+        self.lookups: dict[str, int] = collections.Counter()
+        self.committed: dict[str, int] = collections.Counter()
+        self.lookup_fail = (0, 500)
+
+    def commit(self, key: str, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+        with self.lock:
+            self.committed[key] += 1
+            self.answers.setdefault(key, (status, list(headers), body))
 
     def record(self, method: str, path: str, key: str, body: bytes,
                headers: list[tuple[str, str]] | None = None) -> int:
@@ -191,6 +212,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             path = self.path
             if path.startswith("/_admin/"):
                 self._admin(path, body)
+            elif path.startswith("/_lookup/"):
+                self._lookup(urllib.parse.unquote(path[len("/_lookup/"):].split("?", 1)[0], "latin-1"))
             else:
                 self._execute(path, body)
         except _Drop:
@@ -213,7 +236,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             with STATE.lock:
                 if "key" in query:
                     key = query["key"][0]
-                    self._json(200, {"key": key, "count": STATE.by_key.get(key, 0)})
+                    self._json(200, {"key": key, "count": STATE.by_key.get(key, 0),
+                                     "committed": STATE.committed.get(key, 0)})
                 elif "path" in query:
                     p = query["path"][0]
                     self._json(200, {"path": p, "count": STATE.by_path.get(p, 0)})
@@ -226,6 +250,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
                             "by_path": dict(STATE.by_path),
                         },
                     )
+        elif url.path == "/_admin/lookup-fail" and self.command == "POST":
+            count = int(query.get("count", ["1"])[0])
+            status = int(query.get("status", ["500"])[0])
+            with STATE.lock:
+                STATE.lookup_fail = (count, status)
+            self._json(200, {"count": count, "status": status})
+        elif url.path == "/_admin/lookups":
+            with STATE.lock:
+                if "key" in query:
+                    key = query["key"][0]
+                    self._json(200, {"key": key, "count": STATE.lookups.get(key, 0)})
+                else:
+                    self._json(200, {"total": sum(STATE.lookups.values()), "by_key": dict(STATE.lookups)})
         elif url.path == "/_admin/requests":
             with STATE.lock:
                 reqs = list(STATE.requests)
@@ -234,6 +271,22 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._json(200, reqs)
         else:
             self._json(404, {"error": "unknown admin endpoint"})
+
+    def _lookup(self, key: str) -> None:
+        with STATE.lock:
+            STATE.lookups[key] += 1
+            failing, fail_status = STATE.lookup_fail
+            if failing > 0:
+                STATE.lookup_fail = (failing - 1, fail_status)
+            answer = STATE.answers.get(key)
+        if failing > 0:
+            self._json(fail_status, {"error": "lookup failing on purpose"})
+        elif answer is None:
+            self._json(404, {"error": "no execution of this key committed an answer", "key": key})
+        else:
+            status, headers, payload = answer
+            kept = [(n, v) for n, v in headers if n in ("content-type", "x-execution")]
+            self._send(status, kept, payload)
 
     def _execute(self, path: str, body: bytes) -> None:
         keys = self.headers.get_all(KEY_HEADER) or []
@@ -273,6 +326,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             headers = [h for h in headers if h[0] != "content-type"]
         elif self.headers.get("x-content-type") is not None:
             headers[0] = ("content-type", self.headers.get("x-content-type"))
+        STATE.commit(key, status, headers, payload)
 
         if reset == "mid-body":
             self.send_response(status)

@@ -292,6 +292,20 @@ class Upstream(Process):
         q = urllib.parse.quote(key, safe="", encoding="latin-1")
         return self._get("/_admin/executions?key=" + q).json()["count"]
 
+    def committed(self, key: str) -> int:
+        """Executions of `key` that committed an answer (reached the point of sending it)."""
+        q = urllib.parse.quote(key, safe="", encoding="latin-1")
+        return self._get("/_admin/executions?key=" + q).json()["committed"]
+
+    def lookups(self, key: str) -> int:
+        """Lookups of `key` (`GET /_lookup/<key>`, what a rule's `reconcile` asks)."""
+        q = urllib.parse.quote(key, safe="", encoding="latin-1")
+        return self._get("/_admin/lookups?key=" + q).json()["count"]
+
+    def fail_lookups(self, count: int, status: int = 500) -> None:
+        """The next `count` lookups answer `status`."""
+        assert self._get("/_admin/lookup-fail?count=%d&status=%d" % (count, status), "POST").status == 200
+
     def path_executions(self, path: str) -> int:
         q = urllib.parse.quote(path, safe="", encoding="latin-1")
         return self._get("/_admin/executions?path=" + q).json()["count"]

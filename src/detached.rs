@@ -189,6 +189,8 @@ fn unknown_outcome(rule: &Rule, claim: Claim, timed_out: bool, now_ms: u64) -> O
     let reply = unknown_reply(rule, timed_out);
     match rule.unknown_outcome {
         UnknownOutcome::Takeover => Outcome { op: None, done: Counter::KeptUnknown, reply },
+        // Kept for the lookup at the lease's end, and counted as what it is until then.
+        UnknownOutcome::Reconcile => Outcome { op: None, done: Counter::OutcomeUnknown, reply },
         UnknownOutcome::Refuse => {
             let completion = Completion::outcome_unknown(now_ms, rule.ttl_ms);
             Outcome {
@@ -229,6 +231,12 @@ fn unknown_reply(rule: &Rule, timed_out: bool) -> Reply {
             "{what}: whether the request executed is unknown, and it will not be executed again with this \
              Idempotency-Key (retries get 502 outcome-unknown). Reconcile with the upstream, then send a new \
              Idempotency-Key if it must run"
+        ),
+        UnknownOutcome::Reconcile => format!(
+            "{what}: whether the request executed is unknown. Retries with this Idempotency-Key get 409 \
+             until processing_timeout ({} s) ends; then the upstream is asked what happened, and a retry gets \
+             its answer (or executes, if it never did)",
+            rule.processing_timeout_ms.div_ceil(1000)
         ),
     };
     Reply::problem(&Problem::new(Kind::OutcomeUnknown, status, detail))

@@ -404,6 +404,9 @@ pub fn decision_of(cfg: &Config, pending: &Pending, begun: Result<Begin, StoreEr
             respond_problem(p)
         }
         Ok(Begin::OutcomeUnknown) => respond_problem(outcome_unknown()),
+        // Only a request that asks the upstream's lookup settles such a record (flow.rs); any
+        // other (a waiter) is told to come back as such a request.
+        Ok(Begin::Unsettled) => respond_problem(unsettled(LOOKUP_SPACING_MS)),
         Ok(Begin::Mismatch) => respond_problem(Problem::new(
             Kind::PayloadMismatch,
             statuses.mismatch,
@@ -448,6 +451,21 @@ pub fn outcome_unknown() -> Problem {
          upstream timed out or the connection was lost); it will not be executed again with this key. Reconcile \
          with the upstream (check whether it took effect), then send a new Idempotency-Key if it must run",
     )
+}
+
+/// Lookups for one record are at least this far apart on one worker (`routes[].reconcile`).
+pub const LOOKUP_SPACING_MS: u64 = 1_000;
+
+/// 503 with `retry-after` for a retry of a record whose outcome is unknown and whose lookup
+/// settled nothing yet (it failed, or another is under way): the next retry asks again.
+pub fn unsettled(retry_after_ms: u64) -> Problem {
+    Problem::new(
+        Kind::OutcomeUnknown,
+        503,
+        "the request first sent with this Idempotency-Key may have executed, and the upstream could not yet \
+         say whether it did; retry with the same Idempotency-Key later: it is never executed twice",
+    )
+    .retry_after_ms(retry_after_ms)
 }
 
 /// 503 with `retry-after`: the store failed or did not answer in time. Fail closed: nothing

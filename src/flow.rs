@@ -21,12 +21,13 @@ use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
+use crate::reconcile::LookupAnswer;
 use crate::router_control;
 use crate::settlement::{
     plan_response, plan_unfinished, ResponsePlan, StreamReport, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
 };
 use crate::store::record::{Snapshot, State};
-use crate::store::{Begin, Claim, Completion, Settled, StoreAnswer, StoreError, StoreOp};
+use crate::store::{Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp};
 use crate::wait::{self, RoomFull};
 use facts::{property_string, property_u64, stream_report, verified_claims};
 use std::rc::Rc;
@@ -70,6 +71,10 @@ pub enum Step {
     /// head and body, make the call, record the answer, reply if the client is still there).
     /// The request stays held; if no call can be made, `detach_refused`.
     Detach { claim: Claim, rule: Rc<Rule> },
+    /// `reconcile`: ask the upstream's lookup about this request's record (the glue builds the
+    /// call from the rule and the held request), then hand its answer to `lookup_answered`;
+    /// if no lookup can be made now, `lookup_refused`.
+    Lookup { rule: Rc<Rule> },
 }
 
 /// The answer to the callback: let the stream go on, or hold it.
@@ -135,7 +140,7 @@ enum Phase {
     /// Protected request held until its body is complete.
     Collecting(Pending),
     /// `begin` asked; the request stays held until the store answers.
-    AwaitingBegin { pending: Pending, fingerprint: Fingerprint, now_ms: u64 },
+    AwaitingBegin { pending: Pending, fingerprint: Fingerprint, now_ms: u64, attempt: ClaimAttempt },
     /// Wait mode: asked to be parked in the wait room.
     Parking { pending: Pending, lease_remaining_ms: u64 },
     /// Held in the wait room; the root resolves it (`resumed`).
@@ -152,6 +157,20 @@ enum Phase {
     Capturing(Capture),
     /// `complete` or `release` asked; the answer only decides what is counted and who is woken.
     Settling { claim: Claim, rule: Rc<Rule>, done: Counter },
+    /// `reconcile`: the record's lease ended without an outcome; the upstream's lookup is asked.
+    Reconciling { pending: Pending, fingerprint: Fingerprint, attempt: ClaimAttempt },
+    /// The lookup found the answer: the record is taken over (`begin` asked again) so that the
+    /// answer becomes its outcome.
+    Adopting { pending: Pending, fingerprint: Fingerprint, now_ms: u64, found: Found },
+    /// The lookup's answer is being written as the record's outcome; the request gets it then.
+    SettlingFound { pending: Pending, claim: Claim, found: Found },
+}
+
+/// What the upstream's lookup answered for an executed request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Found {
+    status: u16,
+    snapshot: Option<Snapshot>,
 }
 
 /// A `complete` or `release` the flow handed over to be settled by someone who outlives the
@@ -232,7 +251,13 @@ impl RequestFlow {
 
     /// True while a store operation this flow asked for has not been answered.
     pub fn awaiting_store(&self) -> bool {
-        matches!(self.phase, Phase::AwaitingBegin { .. } | Phase::Settling { .. })
+        matches!(
+            self.phase,
+            Phase::AwaitingBegin { .. }
+                | Phase::Settling { .. }
+                | Phase::Adopting { .. }
+                | Phase::SettlingFound { .. }
+        )
     }
 
     /// True while an upstream answer's body is being copied for its record (and still fits).
@@ -396,16 +421,53 @@ impl RequestFlow {
         let owner = facts.owner_token();
         self.scope = Some(pending.scope);
         let attempt = engine::claim_attempt(cfg, &pending, fingerprint, now_ms, owner);
-        self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms };
+        self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt };
         Output::hold(vec![Step::Store(StoreOp::Begin(attempt))])
     }
 
     /// The store answered the operation this flow asked for.
     pub fn store_answered(&mut self, cfg: &Config, answer: StoreAnswer) -> Output {
         match (std::mem::replace(&mut self.phase, Phase::Idle), answer) {
-            (Phase::AwaitingBegin { pending, fingerprint, now_ms }, StoreAnswer::Begun(begun)) => {
+            (
+                Phase::AwaitingBegin { pending, fingerprint, attempt, .. },
+                StoreAnswer::Begun(Ok(Begin::Unsettled)),
+            ) if pending.rule.reconcile.is_some() => {
+                log::debug!(
+                    "#{} lease ended unsettled; asking the upstream about key {}",
+                    self.context_id,
+                    pending.scope.log_tag()
+                );
+                let rule = Rc::clone(&pending.rule);
+                self.phase = Phase::Reconciling { pending, fingerprint, attempt };
+                Output::hold(vec![Step::Lookup { rule }])
+            }
+            (Phase::AwaitingBegin { pending, fingerprint, now_ms, .. }, StoreAnswer::Begun(begun)) => {
                 let decision = engine::decision_of(cfg, &pending, begun);
                 self.decided(pending, fingerprint, now_ms, decision)
+            }
+            (Phase::Adopting { pending, fingerprint, now_ms, found }, StoreAnswer::Begun(begun)) => {
+                match begun {
+                    // The record is this request's now: the lookup's answer becomes its outcome.
+                    Ok(Begin::Claimed(claim) | Begin::TookOver(claim)) => {
+                        let completion = Completion {
+                            state: State::Succeeded,
+                            status: found.status,
+                            snapshot: found.snapshot.clone(),
+                            now_ms,
+                            ttl_ms: pending.rule.ttl_ms,
+                        };
+                        self.phase = Phase::SettlingFound { pending, claim, found };
+                        Output::hold(vec![Step::Store(StoreOp::Complete { claim, completion })])
+                    }
+                    // Settled by someone else meanwhile (a replay, a request in flight, ...).
+                    begun => {
+                        let decision = engine::decision_of(cfg, &pending, begun);
+                        self.decided(pending, fingerprint, now_ms, decision)
+                    }
+                }
+            }
+            (Phase::SettlingFound { pending, claim, found }, StoreAnswer::Settled(settled)) => {
+                self.found_settled(cfg, pending, claim, found, settled)
             }
             (Phase::Settling { claim, rule, done }, StoreAnswer::Settled(settled)) => {
                 let settlement = Settlement { context_id: self.context_id, claim, rule, done };
@@ -424,10 +486,10 @@ impl RequestFlow {
     /// waits for its claim).
     pub fn store_timed_out(&mut self, cfg: &Config) -> Output {
         let answer = match &self.phase {
-            Phase::AwaitingBegin { .. } => {
+            Phase::AwaitingBegin { .. } | Phase::Adopting { .. } => {
                 StoreAnswer::Begun(Err(StoreError::Unavailable("no answer in time".into())))
             }
-            Phase::Settling { .. } => {
+            Phase::Settling { .. } | Phase::SettlingFound { .. } => {
                 StoreAnswer::Settled(Err(StoreError::Unavailable("no answer in time".into())))
             }
             _ => return Output::go(Vec::new()),
@@ -452,7 +514,11 @@ impl RequestFlow {
             (Phase::AwaitingBegin { .. }, OnStoreError::FailClosed) => {
                 self.store_answered(cfg, StoreAnswer::Begun(Err(error)))
             }
-            (Phase::Settling { .. }, _) => self.store_answered(cfg, StoreAnswer::Settled(Err(error))),
+            (Phase::Settling { .. } | Phase::SettlingFound { .. }, _) => {
+                self.store_answered(cfg, StoreAnswer::Settled(Err(error)))
+            }
+            // The lookup said the request executed: it is never forwarded unprotected.
+            (Phase::Adopting { .. }, _) => self.store_answered(cfg, StoreAnswer::Begun(Err(error))),
             _ => Output::go(Vec::new()),
         }
     }
@@ -601,6 +667,91 @@ impl RequestFlow {
         }
     }
 
+    /// The upstream's lookup answered (`Step::Lookup`).
+    pub fn lookup_answered(&mut self, answer: LookupAnswer, now_ms: u64) -> Output {
+        let Phase::Reconciling { pending, fingerprint, attempt } =
+            std::mem::replace(&mut self.phase, Phase::Idle)
+        else {
+            return Output::go(Vec::new());
+        };
+        let tag = pending.scope.log_tag();
+        let attempt = attempt.after_lookup(now_ms);
+        match answer {
+            LookupAnswer::Found { status, snapshot } => {
+                log::debug!(
+                    "#{} the upstream executed key {tag} ({status}): adopting its answer",
+                    self.context_id
+                );
+                self.phase =
+                    Phase::Adopting { pending, fingerprint, now_ms, found: Found { status, snapshot } };
+                Output::hold(vec![Step::Store(StoreOp::Begin(attempt))])
+            }
+            LookupAnswer::NotFound => {
+                // Never executed: this request executes now, as a takeover, so that no other
+                // retry runs beside it.
+                log::debug!("#{} the upstream never executed key {tag}: executing it", self.context_id);
+                self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt };
+                Output::hold(vec![
+                    Step::Count(Counter::ReconciledNotFound),
+                    Step::Store(StoreOp::Begin(attempt)),
+                ])
+            }
+            LookupAnswer::Failed(why) => {
+                log::debug!("#{} lookup of key {tag} settled nothing: {why}", self.context_id);
+                self.phase = Phase::Reconciling { pending, fingerprint, attempt };
+                self.lookup_refused(engine::LOOKUP_SPACING_MS)
+            }
+        }
+    }
+
+    /// No lookup settled the record now (it failed, or one is under way or was made less than
+    /// `retry_after_ms` ago): 503 `outcome-unknown` with `retry-after`; the next retry asks again.
+    pub fn lookup_refused(&mut self, retry_after_ms: u64) -> Output {
+        if !matches!(self.phase, Phase::Reconciling { .. }) {
+            return Output::go(Vec::new());
+        }
+        let reply = Reply::problem(&engine::unsettled(retry_after_ms));
+        self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::ReconcileFailed)])
+    }
+
+    /// The lookup's answer was written as the record's outcome (or not).
+    fn found_settled(
+        &mut self,
+        cfg: &Config,
+        pending: Pending,
+        claim: Claim,
+        found: Found,
+        settled: Result<Settled, StoreError>,
+    ) -> Output {
+        match settled {
+            Ok(Settled::Done) => {
+                let details = if found.snapshot.is_some() { DETAILS_REPLAY } else { DETAILS_PROBLEM };
+                let begun = match found.snapshot {
+                    Some(snapshot) => Begin::Replay(snapshot),
+                    None => Begin::NotStored { status: found.status },
+                };
+                let mut steps = vec![Step::Count(Counter::ReconciledFound)];
+                if matches!(pending.rule.concurrency, Concurrency::Wait { .. }) {
+                    steps.push(Step::Wake(claim.scope));
+                }
+                match engine::decision_of(cfg, &pending, Ok(begun)) {
+                    Decision::Respond { reply, .. } => self.answer(reply, details, steps),
+                    // A replay or "not stored" is always an answer.
+                    _ => Output::go(steps),
+                }
+            }
+            // Taken from this request in between (its fresh lease makes that all but
+            // impossible), or not written: nothing is settled; the next retry asks again.
+            Ok(Settled::Lost) | Err(_) => {
+                if let Err(e) = &settled {
+                    log::warn!("#{} writing the lookup's answer failed: {e}", self.context_id);
+                }
+                let reply = Reply::problem(&engine::unsettled(engine::LOOKUP_SPACING_MS));
+                self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::ReconcileFailed)])
+            }
+        }
+    }
+
     /// Response headers.
     pub fn response_headers(&mut self, facts: &mut dyn StreamFacts, end_of_stream: bool) -> Output {
         if let Phase::Answered { replay_shape: Some(shape) } = &self.phase {
@@ -743,7 +894,11 @@ impl RequestFlow {
             }
             ResponsePlan::Keep => {
                 self.phase = Phase::Idle;
-                vec![Step::Count(Counter::KeptUnknown)]
+                // With `reconcile` the record waits for the lookup, and until then this is what
+                // it is: an unknown outcome.
+                let counter =
+                    if rule.reconcile.is_some() { Counter::OutcomeUnknown } else { Counter::KeptUnknown };
+                vec![Step::Count(counter)]
             }
             ResponsePlan::Capture { .. } => {
                 self.phase = Phase::Idle;

@@ -11,6 +11,7 @@ pub mod identity;
 pub mod json;
 pub mod metrics;
 pub mod problem;
+pub mod reconcile;
 pub mod router_control;
 pub mod settlement;
 mod sort;

@@ -85,7 +85,8 @@ pub enum Counter {
     /// The outcome of a forwarded request is unknown (timeout, reset after it was sent, client
     /// gone while the upstream worked) and its rule has `unknown_outcome: "refuse"`: the record
     /// was completed as "outcome unknown", so no retry executes it again within the ttl.
-    /// Someone must reconcile with the upstream: alert on it.
+    /// Someone must reconcile with the upstream: alert on it. With `reconcile`, the record is
+    /// kept in flight for the upstream's lookup instead (`reconciled_*` count how it settled).
     OutcomeUnknown,
     /// A retry of a record completed as "outcome unknown": 502 `outcome-unknown`, not executed.
     UnknownRefused,
@@ -94,10 +95,20 @@ pub enum Counter {
     /// callers it counts as internal: removed before the router saw them, so the caller could
     /// neither ask for a retry nor outlive the lease. Counted besides the request's outcome.
     RouterControlsRemoved,
+    /// `reconcile`: the upstream's lookup said the request executed, and its answer became the
+    /// record's outcome (replayed to this request and every later one).
+    ReconciledFound,
+    /// `reconcile`: the upstream's lookup said the request never executed: it executes now, as
+    /// a takeover of the record (or, with no request waiting, the record is released).
+    ReconciledNotFound,
+    /// `reconcile`: the lookup settled nothing (an error, a timeout, an answer that is not final,
+    /// a lookup already under way or made less than a second ago): 503 `outcome-unknown` with
+    /// `retry-after`; the next retry asks again.
+    ReconcileFailed,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 31] = [
+    pub const ALL: [Counter; 34] = [
         Counter::PassedThrough,
         Counter::Claimed,
         Counter::TakenOver,
@@ -129,6 +140,9 @@ impl Counter {
         Counter::OutcomeUnknown,
         Counter::UnknownRefused,
         Counter::RouterControlsRemoved,
+        Counter::ReconciledFound,
+        Counter::ReconciledNotFound,
+        Counter::ReconcileFailed,
     ];
 
     /// What happened to one protected request, as its access log may say it: not traffic the
@@ -177,6 +191,9 @@ impl Counter {
             Counter::OutcomeUnknown => "outcome_unknown",
             Counter::UnknownRefused => "unknown_refused",
             Counter::RouterControlsRemoved => "router_controls_removed",
+            Counter::ReconciledFound => "reconciled_found",
+            Counter::ReconciledNotFound => "reconciled_not_found",
+            Counter::ReconcileFailed => "reconcile_failed",
         }
     }
 

@@ -80,8 +80,8 @@ pub enum ResponsePlan {
     Capture { state: State, status: u16 },
     /// Forget the claim: a retry executes again.
     Release,
-    /// The upstream may have executed (`unknown_outcome: "takeover"`): leave the record
-    /// PROCESSING until its lease ends.
+    /// The upstream may have executed (`unknown_outcome: "takeover"`, or `reconcile`): leave the
+    /// record PROCESSING until its lease ends (then a retry takes it over, or the lookup decides).
     Keep,
     /// The upstream may have executed (`unknown_outcome: "refuse"`): complete the record at once
     /// as "outcome unknown" (`Completion::outcome_unknown`).
@@ -131,7 +131,7 @@ pub fn plan_unfinished(rule: &Rule, report: StreamReport) -> ResponsePlan {
 /// The plan for an outcome that cannot be known, by the rule's `unknown_outcome`.
 pub fn unknown(rule: &Rule) -> ResponsePlan {
     match rule.unknown_outcome {
-        UnknownOutcome::Takeover => ResponsePlan::Keep,
+        UnknownOutcome::Takeover | UnknownOutcome::Reconcile => ResponsePlan::Keep,
         UnknownOutcome::Refuse => ResponsePlan::CompleteUnknown,
     }
 }

@@ -625,6 +625,9 @@ mod quota_model {
                         Begin::OutcomeUnknown => {
                             panic!("an unknown outcome, but the model never completes one as unknown ({ctx})")
                         }
+                        Begin::Unsettled => {
+                            panic!("an unsettled record, but the model's attempts never reconcile ({ctx})")
+                        }
                         Begin::Mismatch => {
                             assert!(
                                 m.execs.iter().any(|e| e.scope == scope

@@ -24,7 +24,7 @@ mod tests;
 
 pub use model::{
     Concurrency, Config, ConfigError, Disposition, Execution, JwtPrincipal, PathMatch, ProblemStatuses,
-    Quota, Rule, StatusPattern, StatusPolicy, StoreConfig, UnknownOutcome, UpstreamRewrite,
+    Quota, Reconcile, Rule, StatusPattern, StatusPolicy, StoreConfig, UnknownOutcome, UpstreamRewrite,
 };
 
 // ---- rule resolution: which rule, if any, protects a request ----
@@ -153,10 +153,13 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     if routes.is_empty() {
         return Err(err("routes", "must contain at least one route"));
     }
+    // A lookup is the caller's own request as the upstream authorizes it: by default it carries
+    // the headers that name the caller and its tenant.
+    let lookup_headers: Vec<String> = principal_headers.iter().chain(&tenant_header).cloned().collect();
     let mut rules: Vec<Rc<Rule>> = Vec::with_capacity(routes.len());
     for (i, v) in routes.iter().enumerate() {
         let path = index("routes", i);
-        let r = rule(v, &path)?;
+        let r = rule(v, &path, &lookup_headers)?;
         // Names label metrics and logs; a duplicate would silently merge two routes' numbers.
         if rules.iter().any(|x| x.name == r.name) {
             return Err(err(&key(&path, "name"), format!("duplicate route name {:?}", r.name)));
@@ -336,7 +339,7 @@ fn problem_statuses(v: &Value, path: &str) -> Res<ProblemStatuses> {
     })
 }
 
-fn rule(v: &Value, path: &str) -> Res<Rule> {
+fn rule(v: &Value, path: &str, lookup_headers: &[String]) -> Res<Rule> {
     let o = object(
         v,
         path,
@@ -359,6 +362,7 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
             "upstream_timeout",
             "upstream_rewrite",
             "unknown_outcome",
+            "reconcile",
         ],
     )?;
     let name = required(o, path, "name", rule_name)?;
@@ -416,8 +420,18 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
         }
     };
     let execution = execution(o, path, processing_timeout_ms)?;
+    let reconcile =
+        optional(o, path, "reconcile", |v, f| reconcile(v, f, processing_timeout_ms, lookup_headers))?;
     let unknown_outcome =
         match optional(o, path, "unknown_outcome", |v, f| string(v, f).map(str::to_owned))?.as_deref() {
+            // Keeping the record in flight for the lookup is the only policy a lookup can follow.
+            Some(_) if reconcile.is_some() => {
+                return Err(err(
+                    &key(path, "unknown_outcome"),
+                    "must be left out with \"reconcile\": an unknown outcome waits for the lookup",
+                ))
+            }
+            None if reconcile.is_some() => UnknownOutcome::Reconcile,
             Some("takeover") => UnknownOutcome::Takeover,
             None | Some("refuse") => UnknownOutcome::Refuse,
             Some(other) => {
@@ -443,18 +457,67 @@ fn rule(v: &Value, path: &str) -> Res<Rule> {
         concurrency,
         execution,
         unknown_outcome,
+        reconcile,
     })
+}
+
+const DEFAULT_LOOKUP_TIMEOUT_MS: u64 = 2_000;
+
+/// `reconcile`: the upstream's lookup by key.
+fn reconcile(
+    v: &Value,
+    path: &str,
+    processing_timeout_ms: u64,
+    default_headers: &[String],
+) -> Res<Reconcile> {
+    let o = object(v, path, &["path", "method", "cluster", "timeout", "headers"])?;
+    let lookup_path = required(o, path, "path", |v, f| {
+        let s = url_path(v, f)?;
+        // The key goes in as one percent-encoded segment, anywhere a segment may be.
+        if s.matches("{key}").count() > 1 || s.replace("{key}", "").contains(['{', '}']) {
+            return Err(err(f, format!("{s:?}: at most one {{key}}, and no other braces")));
+        }
+        Ok(s)
+    })?;
+    let method = optional(o, path, "method", method)?.unwrap_or_else(|| "GET".into());
+    let cluster = optional(o, path, "cluster", cluster_name)?;
+    let timeout_ms = optional(o, path, "timeout", duration_ms)?.unwrap_or(DEFAULT_LOOKUP_TIMEOUT_MS).max(1);
+    if timeout_ms >= processing_timeout_ms {
+        return Err(err(
+            &key(path, "timeout"),
+            format!(
+                "{timeout_ms} ms: must be below processing_timeout ({processing_timeout_ms} ms), so that no \
+                 lookup's answer outlives a lease started after it"
+            ),
+        ));
+    }
+    let headers = match optional(o, path, "headers", |v, f| unique_list(v, f, header_name))? {
+        Some(headers) => {
+            // The lookup's bounds (its timeout, one try) are the configuration's, never a caller's.
+            if let Some(h) = headers.iter().find(|h| crate::router_control::is_router_control(h)) {
+                return Err(err(
+                    &key(path, "headers"),
+                    format!("{h:?} is an Envoy router control header, never copied from a caller"),
+                ));
+            }
+            headers
+        }
+        None => default_headers.to_vec(),
+    };
+    Ok(Reconcile { path: lookup_path, method, cluster, timeout_ms, headers })
+}
+
+fn cluster_name(v: &Value, path: &str) -> Res<String> {
+    let s = string(v, path)?;
+    if s.is_empty() || s.len() > 255 {
+        return Err(err(path, "expected an Envoy cluster name of 1 to 255 bytes"));
+    }
+    Ok(s.to_owned())
 }
 
 /// `execution`, and the fields only a detached rule has.
 fn execution(o: &Obj, path: &str, processing_timeout_ms: u64) -> Res<Execution> {
-    let cluster = optional(o, path, "cluster", |v, f| {
-        let s = string(v, f)?;
-        if s.is_empty() || s.len() > 255 {
-            return Err(err(f, "expected an Envoy cluster name of 1 to 255 bytes"));
-        }
-        Ok(s.to_owned())
-    })?;
+    let cluster = optional(o, path, "cluster", cluster_name)?;
     let upstream_timeout_ms = optional(o, path, "upstream_timeout", duration_ms)?;
     let rewrite = optional(o, path, "upstream_rewrite", upstream_rewrite)?;
     match optional(o, path, "execution", |v, f| string(v, f).map(str::to_owned))?.as_deref() {

@@ -47,6 +47,27 @@ pub enum UnknownOutcome {
     /// The record is completed at once as "outcome unknown": every retry within the ttl gets
     /// 502 `outcome-unknown` and is never executed (the default: at most one execution per key).
     Refuse,
+    /// `routes[].reconcile` is set: the record stays in flight until `processing_timeout` ends;
+    /// then the upstream's lookup decides (`Rule::reconcile`): its answer is replayed, or the
+    /// request executes because the upstream says it never did, or nothing is settled yet.
+    Reconcile,
+}
+
+/// `routes[].reconcile`: the upstream's own lookup that tells, for a key, whether it executed
+/// the request and what it answered (a GET by idempotency key or client reference).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reconcile {
+    /// The lookup's path; `{key}` is replaced by the Idempotency-Key, percent-encoded.
+    pub path: String,
+    pub method: String,
+    /// The Envoy cluster to ask; None: the one Envoy's route picked (`xds.cluster_name`).
+    pub cluster: Option<String>,
+    /// How long the lookup may take; below `processing_timeout`, so a lookup's answer is never
+    /// older than a lease that another request's takeover started after it.
+    pub timeout_ms: u64,
+    /// Lowercased request headers copied from the request that makes the lookup, so that the
+    /// upstream authorizes it as the same caller (default: the principal and tenant headers).
+    pub headers: Vec<String>,
 }
 
 /// Who carries a protected request to the upstream.
@@ -184,7 +205,9 @@ pub struct Rule {
     pub replay_exclude_headers: Vec<String>,
     pub concurrency: Concurrency,
     pub execution: Execution,
+    /// `Reconcile` exactly when `reconcile` is set.
     pub unknown_outcome: UnknownOutcome,
+    pub reconcile: Option<Reconcile>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -50,6 +50,7 @@ fn default_rule(name: &str, path: PathMatch) -> Rule {
         concurrency: Concurrency::Reject,
         execution: Execution::Inline,
         unknown_outcome: UnknownOutcome::Refuse,
+        reconcile: None,
     }
 }
 
@@ -448,6 +449,73 @@ fn unknown_outcome_defaults_to_refuse_and_takes_both_values() {
         e.to_string(),
         r#"invalid configuration: field `routes[0].unknown_outcome`: "retry": expected "takeover" or "refuse""#
     );
+}
+
+#[test]
+fn reconcile_and_its_defaults() {
+    let cfg = parse_str(
+        r#"{"tenant_header":"x-tenant","principal_headers":["authorization","x-user"],"routes":[
+            {"name":"a","match":{"prefix":"/a"},"reconcile":{"path":"/a/by-key/{key}"}},
+            {"name":"b","match":{"prefix":"/b"},"processing_timeout":"10s","reconcile":{"path":"/lookup",
+             "method":"post","cluster":"orders","timeout":"9s","headers":["x-api-key"]}},
+            {"name":"c","match":{"prefix":"/c"}}]}"#,
+    )
+    .unwrap();
+    let a = &cfg.rules[0];
+    assert_eq!(a.unknown_outcome, UnknownOutcome::Reconcile);
+    assert_eq!(
+        a.reconcile,
+        Some(Reconcile {
+            path: "/a/by-key/{key}".into(),
+            method: "GET".into(),
+            cluster: None,
+            timeout_ms: 2_000,
+            // The caller's identity, so that the upstream authorizes the lookup as the caller.
+            headers: vec!["authorization".into(), "x-user".into(), "x-tenant".into()],
+        })
+    );
+    let b = cfg.rules[1].reconcile.as_ref().unwrap();
+    assert_eq!(
+        (b.method.as_str(), b.cluster.as_deref(), b.timeout_ms, b.headers.clone()),
+        ("POST", Some("orders"), 9_000, vec!["x-api-key".to_string()])
+    );
+    assert_eq!((cfg.rules[2].unknown_outcome, &cfg.rules[2].reconcile), (UnknownOutcome::Refuse, &None));
+    let cases = [
+        (r#""reconcile":{}"#, "routes[0].reconcile.path", "required"),
+        (r#""reconcile":{"path":"by-key"}"#, "routes[0].reconcile.path", "is not a path"),
+        (r#""reconcile":{"path":"/k/{key}/{key}"}"#, "routes[0].reconcile.path", "at most one {key}"),
+        (r#""reconcile":{"path":"/k/{id}"}"#, "routes[0].reconcile.path", "no other braces"),
+        (r#""reconcile":{"path":"/k","method":"G T"}"#, "routes[0].reconcile.method", "not an HTTP method"),
+        (r#""reconcile":{"path":"/k","cluster":""}"#, "routes[0].reconcile.cluster", "cluster name"),
+        (
+            r#""reconcile":{"path":"/k","timeout":"30s"}"#,
+            "routes[0].reconcile.timeout",
+            "below processing_timeout",
+        ),
+        (
+            r#""reconcile":{"path":"/k","headers":[":path"]}"#,
+            "routes[0].reconcile.headers[0]",
+            "pseudo-header",
+        ),
+        (
+            r#""reconcile":{"path":"/k","headers":["X-Envoy-Max-Retries"]}"#,
+            "routes[0].reconcile.headers",
+            "router control header",
+        ),
+        (r#""reconcile":{"path":"/k","retries":1}"#, "routes[0].reconcile.retries", "unknown field"),
+        (r#""reconcile":{"path":"/k"},"unknown_outcome":"refuse""#, "routes[0].unknown_outcome", "left out"),
+        (
+            r#""reconcile":{"path":"/k"},"unknown_outcome":"takeover""#,
+            "routes[0].unknown_outcome",
+            "left out",
+        ),
+        (r#""reconcile":"/k""#, "routes[0].reconcile", "expected"),
+    ];
+    for (fields, field, reason) in cases {
+        let e = parse_str(&rule_json(fields)).unwrap_err();
+        assert_eq!(e.field, field, "{fields}: {e}");
+        assert!(e.reason.contains(reason), "{fields}: {e}");
+    }
 }
 
 #[test]

@@ -254,6 +254,20 @@ impl<H: Host> Http<H> {
                         Err(why) => Some(self.flow.detach_refused(&why)),
                     }
                 }
+                // Reconciliation: the root makes the lookup and carries out what its answer
+                // means; the flow goes with it and comes back at the next callback.
+                Step::Lookup { rule } => {
+                    match plugin.start_lookup(self.context_id, self.flow.scope().copied(), &rule) {
+                        Ok(lookup) => {
+                            let flow = std::mem::replace(&mut self.flow, RequestFlow::new(self.context_id));
+                            let handle: FlowHandle = Rc::new(std::cell::RefCell::new(None));
+                            plugin.lookup_from_root(self.context_id, flow, &handle, lookup);
+                            self.flow_handle = Some(handle);
+                            None
+                        }
+                        Err(retry_after_ms) => Some(self.flow.lookup_refused(retry_after_ms)),
+                    }
+                }
                 Step::FixHeaders(fixes) => {
                     for fix in fixes {
                         let result = match &fix {

@@ -8,6 +8,7 @@ use crate::detached;
 use crate::flow::{ParkPlan, RequestFlow, Resumed, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::metrics::{Counter, SWEPT_METRIC, UNMATCHED_METRIC, WATCH_ENDED_METRIC};
+use crate::reconcile::{self, LookupGate};
 use crate::splitmix::splitmix64;
 use crate::store::etcd::remote::EtcdRemote;
 use crate::store::etcd::watch::RecordWatch;
@@ -171,6 +172,26 @@ pub struct RootRecheck {
     pub conversation: Box<dyn Conversation>,
 }
 
+/// A paused request's lookup (`routes[].reconcile`), made by the root: its flow travels with it
+/// and goes back through `handle` once the root has carried out what the answer means.
+pub struct RootLookup {
+    pub context_id: u32,
+    pub flow: RequestFlow,
+    pub handle: FlowHandle,
+    pub lookup: Lookup,
+}
+
+/// A lookup the gate let start: the record, and the call.
+pub struct Lookup {
+    pub scope: ScopeId,
+    /// When its gate entry was taken (`LookupGate::finished`).
+    pub started_ms: u64,
+    pub rule: Rc<Rule>,
+    pub cluster: String,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub timeout_ms: u32,
+}
+
 /// One store operation the root carries out on behalf of a stream.
 pub enum RootCall {
     /// Boxed: a flow is much larger than a settlement.
@@ -180,6 +201,8 @@ pub enum RootCall {
     Recheck(RootRecheck),
     /// Boxed: it carries the request.
     Detached(Box<DetachedCall>),
+    /// Boxed: it carries the flow.
+    Lookup(Box<RootLookup>),
 }
 
 /// What a worker's root is doing with the remote store on behalf of its streams. The root
@@ -282,6 +305,8 @@ pub struct PluginState<H: Host> {
     pub queue_id: Option<u32>,
     /// Detached calls this worker carries (handed over, made, not yet answered).
     pub detached_in_flight: Cell<u32>,
+    /// This Envoy's lookups (`routes[].reconcile`): one at a time and one a second per record.
+    pub lookups: LookupGate<H>,
     /// Live wake queues of all workers (refreshed by the heartbeat), with resolved ids.
     peers: RefCell<Vec<(String, Option<u32>)>>,
     /// This root's queue is in the registry (a heartbeat succeeded).
@@ -321,7 +346,9 @@ impl<H: Host> PluginState<H> {
                 remote_store(Box::new(EtcdRemote::new(EtcdStore::new(settings.clone()))))
             }
             (None, StoreConfig::Local { capacity }) => {
-                let refusing = config.rules.iter().any(|r| r.unknown_outcome == UnknownOutcome::Refuse);
+                // An abandoned claim evicted for room would let its retry execute with no
+                // record: only a rule that takes such claims over anyway can lose one.
+                let refusing = config.rules.iter().any(|r| r.unknown_outcome != UnknownOutcome::Takeover);
                 let store = LocalStore::open(host.clone(), *capacity, fresh_secret, now_ms)
                     .map_err(|e| format!("cannot prepare the local store: {e}"))?
                     .keeping_abandoned_claims(refusing);
@@ -343,6 +370,10 @@ impl<H: Host> PluginState<H> {
                 // Racy creation is harmless here: every creator writes the same empty value.
                 host.set(&data_key, &[], None).map_err(|e| format!("cannot prepare {data_key}: {e:?}"))?;
             }
+        }
+        let lookups = LookupGate::new(host.clone());
+        if config.rules.iter().any(|r| r.reconcile.is_some()) {
+            lookups.create_keys().map_err(|e| format!("cannot prepare the lookup gate: {e:?}"))?;
         }
         let seed = random_u64(u64::from(context_id) ^ now_ms.rotate_left(32));
         let registry = Registry::new(host.clone());
@@ -371,6 +402,7 @@ impl<H: Host> PluginState<H> {
             queue_name,
             queue_id,
             detached_in_flight: Cell::new(0),
+            lookups,
             peers: RefCell::new(Vec::new()),
             advertised: Cell::new(false),
         })
@@ -651,6 +683,59 @@ impl<H: Host> PluginState<H> {
             timeout_ms: u32::try_from(*upstream_timeout_ms).unwrap_or(u32::MAX),
             handle,
         })
+    }
+
+    /// Starts the lookup of a paused request's record (the effective context is the request's:
+    /// its head is read here). Refused, with when to try again, when this record's lookup is
+    /// under way or was made less than a second ago on this Envoy, or the request cannot be read.
+    pub fn start_lookup(
+        &self,
+        context_id: u32,
+        scope: Option<ScopeId>,
+        rule: &Rc<Rule>,
+    ) -> Result<Lookup, u64> {
+        let (Some(reconcile), Some(scope)) = (&rule.reconcile, scope) else {
+            return Err(crate::engine::LOOKUP_SPACING_MS);
+        };
+        let started_ms = self.host.now_ms();
+        self.lookups.start(&scope, started_ms, reconcile.timeout_ms)?;
+        let call = self
+            .host
+            .header_pairs(MAP_REQUEST_HEADERS)
+            .ok()
+            .and_then(|request| reconcile::lookup_call(&self.config, reconcile, &request));
+        let cluster = match call.as_ref().map(|c| c.cluster.clone()) {
+            Some(Some(c)) => Some(c),
+            Some(None) => match self.host.property(&["xds", "cluster_name"]) {
+                Ok(Some(name)) if !name.is_empty() => Some(String::from_utf8_lossy(&name).into_owned()),
+                _ => None,
+            },
+            None => None,
+        };
+        let (Some(call), Some(cluster)) = (call, cluster) else {
+            log::warn!("#{context_id} no lookup for key {}: no cluster or no request head", scope.log_tag());
+            self.lookups.finished(&scope, started_ms, started_ms);
+            return Err(crate::engine::LOOKUP_SPACING_MS);
+        };
+        Ok(Lookup {
+            scope,
+            started_ms,
+            rule: Rc::clone(rule),
+            cluster,
+            headers: call.headers,
+            timeout_ms: call.timeout_ms,
+        })
+    }
+
+    /// Hands a started lookup and its paused request's flow to this worker's root, which makes
+    /// the call and gives the flow back through `handle`.
+    pub fn lookup_from_root(&self, context_id: u32, flow: RequestFlow, handle: &FlowHandle, lookup: Lookup) {
+        self.to_root(RootCall::Lookup(Box::new(RootLookup {
+            context_id,
+            flow,
+            handle: Rc::clone(handle),
+            lookup,
+        })));
     }
 
     /// A detached call is over (answered, refused or abandoned).

@@ -3,8 +3,8 @@
 
 use super::http::Http;
 use super::plugin::{
-    DetachedCall, DetachedReply, PluginState, Retry, RootBegin, RootCall, RootRecheck, RootSettlement, Store,
-    WaitHandle,
+    DetachedCall, DetachedReply, FlowHandle, Lookup, PluginState, Retry, RootBegin, RootCall, RootLookup,
+    RootRecheck, RootSettlement, Store, WaitHandle,
 };
 use super::remote::{self, Outcome};
 use super::{
@@ -14,9 +14,10 @@ use super::{
 use crate::config::etcd::OnStoreError;
 use crate::config::Execution;
 use crate::detached::{self, DETAILS_DETACHED};
-use crate::flow::{Output, Resumed, Settlement, Step, Verdict, WaiterPlan};
+use crate::flow::{Output, RequestFlow, Resumed, Settlement, Step, Verdict, WaiterPlan};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
+use crate::reconcile::{self, LookupAnswer};
 use crate::store::remote::{Answer, Next, RemoteStore};
 use crate::store::{Begin, RecordStore, Settled, StoreAnswer, StoreError, StoreOp};
 use crate::wait::{self, Waiter};
@@ -232,6 +233,11 @@ impl<H: Host> Root<H> {
                 self.finish_retirement();
                 return;
             }
+            RootCall::Lookup(call) => {
+                lookup_answered(&plugin, *call, body_size);
+                self.finish_retirement();
+                return;
+            }
             call => call,
         };
         let Store::Remote(store) = &plugin.store else { return };
@@ -254,7 +260,7 @@ impl<H: Host> Root<H> {
             (RootCall::Recheck(check), Err(error)) => {
                 recheck_failed(&plugin, store.as_ref(), check, error, Sent::Yes)
             }
-            (RootCall::Detached(_), _) => {}
+            (RootCall::Detached(_) | RootCall::Lookup(_), _) => {}
         }
         if store.take_woken() {
             resume_parked(&plugin);
@@ -508,6 +514,7 @@ fn start_settlements<H: Host>(plugin: &PluginState<H>) {
     for call in queued {
         match (call, &plugin.store) {
             (RootCall::Detached(call), _) => dispatch_detached(plugin, call),
+            (RootCall::Lookup(call), _) => dispatch_lookup(plugin, call),
             (RootCall::Begin(begin), Store::Remote(store)) => {
                 converse_begin(plugin, store.as_ref(), begin, None)
             }
@@ -517,7 +524,7 @@ fn start_settlements<H: Host>(plugin: &PluginState<H>) {
             (RootCall::Recheck(check), Store::Remote(store)) => {
                 converse_recheck(plugin, store.as_ref(), check, None)
             }
-            // Only detached calls are handed over with the local store.
+            // Only detached calls and lookups are handed over with the local store.
             (_, Store::Local(_)) => {}
         }
     }
@@ -650,8 +657,9 @@ fn resume_parked<H: Host>(plugin: &PluginState<H>) {
             RootCall::Begin(begin) => converse_begin(plugin, store.as_ref(), begin, None),
             RootCall::Settle(settle) => converse(plugin, store.as_ref(), settle, None),
             RootCall::Recheck(check) => converse_recheck(plugin, store.as_ref(), check, None),
-            // A detached call never waits for the store's token: it is made at once.
+            // A detached call or a lookup never waits for the store's token: it is made at once.
             RootCall::Detached(call) => dispatch_detached(plugin, call),
+            RootCall::Lookup(call) => dispatch_lookup(plugin, call),
         }
     }
 }
@@ -692,8 +700,9 @@ fn converse_begin<H: Host>(
                 }
                 return;
             }
-            let out = begin.flow.store_answered(&plugin.config, answer);
-            carry_out(plugin, begin, out);
+            let RootBegin { context_id, mut flow, handle, .. } = *begin;
+            let out = flow.store_answered(&plugin.config, answer);
+            carry_out(plugin, context_id, flow, handle, out);
         }
     }
 }
@@ -704,7 +713,7 @@ fn converse_begin<H: Host>(
 fn begin_failed<H: Host>(
     plugin: &PluginState<H>,
     store: &dyn RemoteStore,
-    mut begin: Box<RootBegin>,
+    begin: Box<RootBegin>,
     error: StoreError,
     sent: Sent,
 ) {
@@ -722,67 +731,159 @@ fn begin_failed<H: Host>(
     if mode == OnStoreError::FailOpen && plugin.bypass_log_due(plugin.host.now_ms()) {
         log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
     }
-    let out = begin.flow.store_failed(&plugin.config, error, mode);
-    carry_out(plugin, begin, out);
+    let RootBegin { context_id, mut flow, handle, .. } = *begin;
+    let out = flow.store_failed(&plugin.config, error, mode);
+    carry_out(plugin, context_id, flow, handle, out);
 }
 
 /// Carries out what the flow decided for its paused request (the effective context is the
-/// request's), then gives the flow back to its stream.
-fn carry_out<H: Host>(plugin: &PluginState<H>, mut begin: Box<RootBegin>, out: Output) {
+/// request's), then gives the flow back to its stream; or, when the flow asks the store or the
+/// upstream's lookup again, hands it on with that conversation (the local store answers at once).
+fn carry_out<H: Host>(
+    plugin: &PluginState<H>,
+    context_id: u32,
+    mut flow: RequestFlow,
+    handle: FlowHandle,
+    out: Output,
+) {
     let host = &plugin.host;
     let mut verdict = out.verdict;
     let mut wait_handle = None;
     let mut steps: std::collections::VecDeque<Step> = out.steps.into();
     while let Some(step) = steps.pop_front() {
-        match step {
-            Step::Count(counter) => plugin.count_for_stream(counter, begin.flow.rule(), begin.flow.scope()),
+        let more = match step {
+            Step::Count(counter) => {
+                plugin.count_for_stream(counter, flow.rule(), flow.scope());
+                None
+            }
             Step::Reply { reply, details } => {
                 if let Err(HostError(s)) =
                     host.send_response(reply.status, details, &reply.headers, &reply.body)
                 {
-                    log::warn!("#{} could not send the local reply (host status {s})", begin.context_id);
+                    log::warn!("#{context_id} could not send the local reply (host status {s})");
                 }
+                None
             }
             // Wait mode: the request stays paused in this worker's wait room; its handle goes
             // back to the stream with its flow.
             Step::Park(plan) => {
-                let (admitted, handle) = plugin.park(begin.context_id, plan);
+                let (admitted, handle) = plugin.park(context_id, plan);
                 if admitted.is_ok() {
                     wait_handle = Some(handle);
                 }
-                let more = begin.flow.parked(&plugin.config, admitted);
-                verdict = more.verdict;
-                steps.extend(more.steps);
+                Some(flow.parked(&plugin.config, admitted))
             }
             // Detached execution: the call is handed to this root (its queue), the request
             // stays paused, and the handle that will say how it was answered goes back with
             // its flow.
             Step::Detach { claim, rule } => {
                 let handle: WaitHandle = Rc::new(std::cell::Cell::new(None));
-                match plugin.detach(begin.context_id, claim, &rule, Rc::clone(&handle)) {
-                    Ok(()) => wait_handle = Some(handle),
-                    Err(why) => {
-                        let more = begin.flow.detach_refused(&why);
-                        verdict = more.verdict;
-                        steps.extend(more.steps);
+                match plugin.detach(context_id, claim, &rule, Rc::clone(&handle)) {
+                    Ok(()) => {
+                        wait_handle = Some(handle);
+                        None
                     }
+                    Err(why) => Some(flow.detach_refused(&why)),
                 }
             }
-            // What an answer to `begin` leads to is counted, replied, parked or detached.
-            other => log::warn!(
-                "#{} unexpected step after a remote begin: {}",
-                begin.context_id,
-                step_name(&other)
-            ),
+            Step::Wake(scope) => {
+                plugin.broadcast(&scope);
+                None
+            }
+            // After a lookup: the record is asked again (taken over).
+            Step::Store(op) => match &plugin.store {
+                Store::Local(_) => Some(flow.store_answered(&plugin.config, plugin.perform(&op))),
+                Store::Remote(store) => {
+                    if !steps.is_empty() {
+                        log::warn!("#{context_id} {} step(s) after a store step dropped", steps.len());
+                    }
+                    let conversation = store.start(op);
+                    let begin = Box::new(RootBegin { context_id, conversation, flow, handle });
+                    converse_begin(plugin, store.as_ref(), begin, None);
+                    return;
+                }
+            },
+            // A remote begin found the record's lease ended unsettled: ask the upstream.
+            Step::Lookup { rule } => match plugin.start_lookup(context_id, flow.scope().copied(), &rule) {
+                // Already in the root: made at once.
+                Ok(lookup) => {
+                    dispatch_lookup(plugin, Box::new(RootLookup { context_id, flow, handle, lookup }));
+                    return;
+                }
+                Err(retry_after_ms) => Some(flow.lookup_refused(retry_after_ms)),
+            },
+            // What an answer to `begin` leads to is counted, replied, parked, detached, asked
+            // again or looked up.
+            other => {
+                log::warn!("#{context_id} unexpected step after a remote begin: {}", step_name(&other));
+                None
+            }
+        };
+        if let Some(more) = more {
+            verdict = more.verdict;
+            steps.extend(more.steps);
         }
     }
-    let RootBegin { context_id, flow, handle, .. } = *begin;
     *handle.borrow_mut() = Some((flow, wait_handle));
     if verdict == Verdict::Continue {
         if let Err(HostError(s)) = host.resume_request() {
             log::warn!("#{context_id} could not resume the request (host status {s})");
         }
     }
+}
+
+/// Makes a paused request's lookup from the root, so that its answer comes whether or not the
+/// stream is still there (a stream's callouts end with it).
+fn dispatch_lookup<H: Host>(plugin: &PluginState<H>, call: Box<RootLookup>) {
+    let l = &call.lookup;
+    let headers: Vec<(&str, &[u8])> = l.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
+    match plugin.host.dispatch_http_call(&l.cluster, &headers, &[], l.timeout_ms) {
+        Ok(token) => {
+            plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Lookup(call));
+        }
+        Err(HostError(s)) => {
+            log::warn!("#{} lookup to cluster {} refused (host status {s})", call.context_id, l.cluster);
+            let RootLookup { context_id, mut flow, handle, lookup } = *call;
+            plugin.lookups.finished(&lookup.scope, lookup.started_ms, plugin.host.now_ms());
+            if plugin.host.set_effective_context(context_id).is_err() {
+                return; // its client went away; nothing was written
+            }
+            let out = flow.lookup_answered(
+                LookupAnswer::Failed(format!("Envoy refused the call (host status {s})")),
+                plugin.host.now_ms(),
+            );
+            carry_out(plugin, context_id, flow, handle, out);
+        }
+    }
+}
+
+/// The lookup's answer, for the request that asked (if it is still there: a lookup writes
+/// nothing, so a client that left leaves the record as it was, for its retry's lookup).
+fn lookup_answered<H: Host>(plugin: &PluginState<H>, call: RootLookup, body_size: usize) {
+    let host = &plugin.host;
+    let RootLookup { context_id, mut flow, handle, lookup } = call;
+    let Lookup { scope, rule, started_ms, .. } = lookup;
+    plugin.lookups.finished(&scope, started_ms, host.now_ms());
+    let status = match host.header_value(MAP_HTTP_CALL_RESPONSE_HEADERS, ":status") {
+        Ok(Some(v)) => std::str::from_utf8(&v).ok().and_then(|s| s.parse::<u16>().ok()),
+        Ok(None) | Err(_) => None,
+    };
+    let headers = host.header_pairs(MAP_HTTP_CALL_RESPONSE_HEADERS);
+    let body = if body_size == 0 {
+        Ok(Vec::new())
+    } else {
+        host.buffer(BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size)
+    };
+    let answer = match (headers, body) {
+        (Ok(headers), Ok(body)) => reconcile::answer_of(&rule, status, headers, body),
+        _ => LookupAnswer::Failed("the lookup's answer could not be read".into()),
+    };
+    if host.set_effective_context(context_id).is_err() {
+        log::debug!("#{context_id} lookup of key {} answered after its client left", scope.log_tag());
+        return;
+    }
+    let out = flow.lookup_answered(answer, host.now_ms());
+    carry_out(plugin, context_id, flow, handle, out);
 }
 
 fn step_name(step: &Step) -> &'static str {
@@ -798,6 +899,7 @@ fn step_name(step: &Step) -> &'static str {
         Step::WarnRetried { .. } => "warn retried",
         Step::WarnBodyNeverReceived { .. } => "warn body never received",
         Step::Detach { .. } => "detach",
+        Step::Lookup { .. } => "lookup",
     }
 }
 
@@ -861,7 +963,8 @@ fn abandon<H: Host>(plugin: &PluginState<H>) {
                 plugin.detached_done();
                 plugin.count(Counter::SettlementAbandoned, Some(&call.rule));
             }
-            RootCall::Begin(_) | RootCall::Recheck(_) => {}
+            // A lookup writes nothing: its record stays as it was, for the next retry's lookup.
+            RootCall::Begin(_) | RootCall::Recheck(_) | RootCall::Lookup(_) => {}
         }
     }
     log::warn!(

@@ -231,6 +231,39 @@ pub fn a_refused_lease_end_is_an_unknown_outcome_never_executed_again<B: Backend
     assert!(matches!(w1.begin(&refusing(1, 18, LEASE + TTL)).unwrap(), Begin::Claimed(_)));
 }
 
+/// A rule with `reconcile` (`UnknownOutcome::Reconcile`): a claim whose lease ends without an
+/// outcome is answered `Unsettled` and left exactly as it is, on every worker, until a request
+/// that asked the upstream takes it over (`ClaimAttempt::after_lookup`) to write the lookup's
+/// answer or to execute; from then on it is a record like any other.
+pub fn a_reconciled_lease_end_is_unsettled_until_a_lookup_takes_it_over<B: Backend>() {
+    let b = B::with_capacity(64);
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
+    let reconciling = |fp: u8, owner: u64, now: u64| ClaimAttempt {
+        unknown_outcome: UnknownOutcome::Reconcile,
+        ..attempt(1, fp, owner, now)
+    };
+    let old = claimed(w0.begin(&reconciling(1, 11, 0)).unwrap());
+    assert!(matches!(w1.begin(&reconciling(1, 12, LEASE - 1)).unwrap(), Begin::InFlight { .. }));
+    b.let_claim_leases_end();
+    // Unsettled, as often as asked, and nothing written: another payload is still a mismatch.
+    assert_eq!(w1.begin(&reconciling(1, 13, LEASE)).unwrap(), Begin::Unsettled);
+    assert_eq!(w0.begin(&reconciling(1, 14, LEASE + 1)).unwrap(), Begin::Unsettled);
+    assert_eq!(w1.begin(&reconciling(2, 15, LEASE + 2)).unwrap(), Begin::Mismatch);
+    // Two lookups answered at once: one takes the record over, the other finds it in flight.
+    let adopted = match w1.begin(&reconciling(1, 16, LEASE + 3).after_lookup(LEASE + 3)).unwrap() {
+        Begin::TookOver(claim) => claim,
+        other => panic!("expected a takeover, got {other:?}"),
+    };
+    assert!(matches!(
+        w0.begin(&reconciling(1, 17, LEASE + 3).after_lookup(LEASE + 4)).unwrap(),
+        Begin::InFlight { .. }
+    ));
+    // The lookup's answer becomes the outcome; the old owner's late one is lost.
+    assert_eq!(w1.complete(&adopted, &done("found", LEASE + 5)).unwrap(), Settled::Done);
+    assert_eq!(w0.complete(&old, &done("late", LEASE + 6)).unwrap(), Settled::Lost);
+    assert_eq!(w0.begin(&reconciling(1, 18, LEASE + 7)).unwrap(), Begin::Replay(snapshot("found")));
+}
+
 pub fn expired_lease_with_another_payload_is_still_a_mismatch<B: Backend>() {
     let b = B::with_capacity(64);
     let w = through_ops(&b, 0);
@@ -622,6 +655,10 @@ macro_rules! conformance_suite {
         #[test]
         fn a_refused_lease_end_is_an_unknown_outcome_never_executed_again() {
             $crate::store::conformance::a_refused_lease_end_is_an_unknown_outcome_never_executed_again::<$backend>();
+        }
+        #[test]
+        fn a_reconciled_lease_end_is_unsettled_until_a_lookup_takes_it_over() {
+            $crate::store::conformance::a_reconciled_lease_end_is_unsettled_until_a_lookup_takes_it_over::<$backend>();
         }
         #[test]
         fn expired_lease_with_another_payload_is_still_a_mismatch() {

@@ -63,6 +63,13 @@ pub struct ClaimAttempt {
 pub use crate::config::UnknownOutcome;
 
 impl ClaimAttempt {
+    /// The attempt a request makes once the upstream's lookup answered for an `Unsettled`
+    /// record: it takes the lease-ended record over (to complete it with the lookup's answer,
+    /// or to execute when the upstream never did), at a time of its own.
+    pub fn after_lookup(self, now_ms: u64) -> ClaimAttempt {
+        ClaimAttempt { unknown_outcome: UnknownOutcome::Takeover, now_ms, ..self }
+    }
+
     /// The processing record this attempt's claim writes (no outcome yet), at bucket
     /// `position` (the local store's; 0 elsewhere), with the flags and quota tags the store
     /// decided.
@@ -121,6 +128,10 @@ pub enum Begin {
     Replay(Snapshot),
     /// Completed, but the response was too large to keep; it must not execute again.
     NotStored { status: u16 },
+    /// A processing record whose lease ended without an outcome, asked for by an attempt whose
+    /// rule reconciles (`UnknownOutcome::Reconcile`): nothing was written. The upstream's lookup
+    /// decides; the request then asks again as a takeover (`ClaimAttempt::after_lookup`).
+    Unsettled,
     /// Completed as "outcome unknown" (`Completion::outcome_unknown`): the upstream may have
     /// executed and nobody knows its answer; it must not execute again.
     OutcomeUnknown,

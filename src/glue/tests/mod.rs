@@ -9,6 +9,7 @@ mod detached;
 mod detached_model;
 mod etcd_auth;
 mod local;
+mod reconcile;
 mod remote;
 mod remote_grpc;
 mod remote_wait;

@@ -649,6 +649,10 @@ impl Exchange {
             return Ok(Move::Begun(Begin::InFlight { retry_after_ms: e.lease_deadline_ms - now }));
         } else if lease_running {
             return Ok(Move::Begun(Begin::InFlight { retry_after_ms: LIVE_CLAIM_RETRY_MS }));
+        } else if a.unknown_outcome == UnknownOutcome::Reconcile {
+            // The lease ended without an outcome, on a rule whose lookup decides: nothing is
+            // written until the upstream has said what happened.
+            return Ok(Move::Begun(Begin::Unsettled));
         } else if a.unknown_outcome == UnknownOutcome::Refuse {
             // The lease ended without an outcome, on a rule that never executes such a request
             // twice: the record is completed as outcome unknown where it is, guarded by the

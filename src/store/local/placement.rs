@@ -11,7 +11,7 @@ use super::{host, retry_hint, LocalStore, CAS_ATTEMPTS, ENTRIES_PER_BUCKET, RETR
 use crate::identity::scope::ScopeId;
 use crate::store::record::{self, Entry};
 use crate::store::shared_data::{Read, SharedData};
-use crate::store::{completed_answer, Begin, Claim, ClaimAttempt, StoreError};
+use crate::store::{completed_answer, Begin, Claim, ClaimAttempt, StoreError, UnknownOutcome};
 use sha2::{Digest, Sha256};
 
 /// Buckets a claim sweeps at most when its fill shard counts no room (`reclaim_in_shard`): enough
@@ -88,6 +88,9 @@ impl<S: SharedData> LocalStore<S> {
             }
             if now < existing.lease_deadline_ms {
                 return Ok(Some(Begin::InFlight { retry_after_ms: existing.lease_deadline_ms - now }));
+            }
+            if a.unknown_outcome == UnknownOutcome::Reconcile {
+                return Ok(Some(Begin::Unsettled));
             }
             // The lease ended without an outcome: take the record over. It keeps its quota
             // charge (same scope, so same tenant and principal): a takeover is not charged,

@@ -1,0 +1,159 @@
+"""C23: `routes[].reconcile`. An unknown outcome (the route timeout passed while the upstream
+worked, the upstream reset after reading the request, a detached call past `upstream_timeout`)
+is kept in flight until its lease ends: a retry meanwhile gets 409 with `retry-after`. After the
+lease the upstream's own lookup decides, asked by the first retry: a final 2xx is the outcome
+(replayed to that retry and every later one, with `idempotent-reconciled: true`, and no second
+lookup), a 404 lets the retry execute (one execution that committed, in all), and anything else
+settles nothing (503 `outcome-unknown` with `retry-after`, the next retry asks again). A
+different payload under the key is refused before any lookup. Both stores: the local store and
+etcd (a real etcd started here).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+import harness
+from harness import assert_problem, key_headers, new_key, retry_after_seconds
+
+BODY = b'{"order":42,"amount":"19.99"}'
+LEASE_S = 3
+ROUTE_TIMEOUT = "1s"  # below the lease
+SLOW_MS = "1500"  # the upstream outlives the route timeout, and commits within the lease
+LOOKUP = {"path": "/_lookup/{key}"}
+
+
+def filter_config(store: dict) -> dict:
+    rule = {"require_key": True, "processing_timeout": "%ds" % LEASE_S, "reconcile": LOOKUP}
+    return {
+        "store": store,
+        "routes": [
+            dict(rule, name="pay", match={"prefix": "/pay"}),
+            harness.detached_rule("dpay", "/dpay", LEASE_S, 1, reconcile=LOOKUP),
+        ],
+    }
+
+
+@pytest.fixture(scope="module", params=["local", "etcd"])
+def envoy(request, envoy_bin, filter_wasm, upstream):
+    etcd = None
+    store = {"type": "local", "capacity": 1000}
+    options = {}
+    if request.param == "etcd":
+        etcd = harness.Etcd("etcd-reconcile").start()
+        store = harness.etcd_store(prefix="/e2e-reconcile/")
+        options["extra_clusters"] = [harness.etcd_cluster([etcd.client_port])]
+    proxy = harness.Envoy(
+        envoy_bin, upstream.port, filter_config(store), wasm_path=filter_wasm,
+        name="reconcile-" + request.param, route_timeout=ROUTE_TIMEOUT, **options,
+    )
+    try:
+        yield proxy.start()
+    finally:
+        proxy.stop()
+        if etcd is not None:
+            etcd.stop()
+
+
+def _after_the_lease(envoy, since: float, path: str, key: str, body: bytes = BODY):
+    """The first retry past the lease that is not 409 (etcd ends a claim's lease by its own
+    clock, in whole seconds: up to two more 409s)."""
+    remaining = since + LEASE_S + 0.3 - time.monotonic()
+    if remaining > 0:
+        time.sleep(remaining)
+    deadline = time.monotonic() + 5
+    resp = envoy.post(path, body, key_headers(key))
+    while resp.status == 409 and time.monotonic() < deadline:
+        time.sleep(0.25)
+        resp = envoy.post(path, body, key_headers(key))
+    return resp
+
+
+def _assert_reconciled_replay(resp, upstream, key) -> None:
+    """`resp` is the committed answer of the key's one execution, replayed from the lookup."""
+    assert resp.status == 201 and resp.replayed, resp
+    assert resp.header("idempotent-reconciled") == "true", resp
+    (execution,) = upstream.requests(key)
+    assert json.loads(resp.body)["order_id"] == execution["n"], resp
+    assert resp.header("content-type") == "application/json", resp
+
+
+def _in_flight_during_the_lease(envoy, path: str, key: str) -> None:
+    resp = envoy.post(path, BODY, key_headers(key))
+    assert_problem(resp, 409, "request-in-flight")
+    assert 1 <= retry_after_seconds(resp) <= LEASE_S, resp
+
+
+def test_a_route_timeout_then_the_lookup_finds_the_answer(envoy, upstream):
+    key = new_key()
+    found, unknown = envoy.idem("reconciled_found"), envoy.idem("outcome_unknown")
+    since = time.monotonic()
+    first = envoy.post("/pay", BODY, key_headers(key, x_delay_ms=SLOW_MS))
+    assert first.status == 504 and not first.replayed, first
+    envoy.wait_counter("outcome_unknown", unknown + 1)
+    _in_flight_during_the_lease(envoy, "/pay", key)
+    # Another payload: refused before any lookup.
+    other = envoy.post("/pay", b'{"order":42,"amount":"5.00"}', key_headers(key))
+    assert_problem(other, 422, "payload-mismatch")
+    assert upstream.lookups(key) == 0
+    retry = _after_the_lease(envoy, since, "/pay", key)
+    _assert_reconciled_replay(retry, upstream, key)
+    envoy.wait_counter("reconciled_found", found + 1)
+    # Every later retry replays the record: no second lookup, no second execution.
+    again = envoy.post("/pay", BODY, key_headers(key))
+    _assert_reconciled_replay(again, upstream, key)
+    assert again.body == retry.body
+    assert (upstream.lookups(key), upstream.executions(key)) == (1, 1)
+
+
+def test_a_reset_before_the_upstream_committed_executes_after_the_lookup(envoy, upstream):
+    key = new_key()
+    not_found = envoy.idem("reconciled_not_found")
+    since = time.monotonic()
+    first = envoy.post("/pay", BODY, key_headers(key, x_reset="before-headers"))
+    assert first.status == 503 and not first.replayed, first
+    _in_flight_during_the_lease(envoy, "/pay", key)
+    retry = _after_the_lease(envoy, since, "/pay", key)
+    # The upstream read the request and dropped it uncommitted: the lookup's 404 lets the retry
+    # execute, once.
+    assert retry.status == 201 and not retry.replayed, retry
+    assert retry.header("idempotent-reconciled") is None, retry
+    envoy.wait_counter("reconciled_not_found", not_found + 1)
+    again = envoy.post("/pay", BODY, key_headers(key))
+    assert again.status == 201 and again.replayed and again.body == retry.body, again
+    assert (upstream.executions(key), upstream.committed(key), upstream.lookups(key)) == (2, 1, 1)
+
+
+def test_a_failing_lookup_settles_nothing_until_it_recovers(envoy, upstream):
+    key = new_key()
+    failed = envoy.idem("reconcile_failed")
+    since = time.monotonic()
+    first = envoy.post("/pay", BODY, key_headers(key, x_delay_ms=SLOW_MS))
+    assert first.status == 504, first
+    upstream.fail_lookups(1, status=500)
+    retry = _after_the_lease(envoy, since, "/pay", key)
+    doc = assert_problem(retry, 503, "outcome-unknown")
+    assert "same Idempotency-Key" in doc["detail"], doc
+    wait_s = retry_after_seconds(retry)
+    envoy.wait_counter("reconcile_failed", failed + 1)
+    # Asked again within the second: refused without a lookup.
+    assert_problem(envoy.post("/pay", BODY, key_headers(key)), 503, "outcome-unknown")
+    assert upstream.lookups(key) == 1
+    time.sleep(wait_s + 0.1)
+    _assert_reconciled_replay(envoy.post("/pay", BODY, key_headers(key)), upstream, key)
+    assert (upstream.lookups(key), upstream.executions(key)) == (2, 1)
+
+
+def test_a_detached_call_past_its_upstream_timeout_is_reconciled(envoy, upstream):
+    key = new_key()
+    since = time.monotonic()
+    first = envoy.post("/dpay", BODY, key_headers(key, x_delay_ms=SLOW_MS))
+    doc = assert_problem(first, 504, "outcome-unknown")
+    assert "asked what happened" in doc["detail"], doc
+    _in_flight_during_the_lease(envoy, "/dpay", key)
+    retry = _after_the_lease(envoy, since, "/dpay", key)
+    _assert_reconciled_replay(retry, upstream, key)
+    assert (upstream.lookups(key), upstream.executions(key)) == (1, 1)

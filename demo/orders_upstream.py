@@ -38,8 +38,9 @@ Lookup by key (not an execution), what a `routes[].reconcile` of the filter asks
 
 Admin endpoints (not executions):
     GET  /_admin/executions            {"total": n, "by_key": {key: count}, "by_path": {path: count}}
-    GET  /_admin/executions?key=K      {"key": K, "count": c, "committed": executions that
-                                        committed an answer (see /_lookup/)}
+    GET  /_admin/executions?key=K      {"key": K, "count": c}
+    GET  /_admin/committed?key=K       {"key": K, "count": executions of K that committed an
+                                        answer (see /_lookup/)}
     GET  /_admin/executions?path=P     {"path": P, "count": c}
     GET  /_admin/requests[?key=K]      [{"n", "method", "path", "key", "body_sha256", "received_bytes",
                                         "headers": [[lowercase name, value], ...]}]
@@ -236,8 +237,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             with STATE.lock:
                 if "key" in query:
                     key = query["key"][0]
-                    self._json(200, {"key": key, "count": STATE.by_key.get(key, 0),
-                                     "committed": STATE.committed.get(key, 0)})
+                    self._json(200, {"key": key, "count": STATE.by_key.get(key, 0)})
                 elif "path" in query:
                     p = query["path"][0]
                     self._json(200, {"path": p, "count": STATE.by_path.get(p, 0)})
@@ -256,6 +256,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             with STATE.lock:
                 STATE.lookup_fail = (count, status)
             self._json(200, {"count": count, "status": status})
+        elif url.path == "/_admin/committed":
+            key = query.get("key", [""])[0]
+            with STATE.lock:
+                self._json(200, {"key": key, "count": STATE.committed.get(key, 0)})
         elif url.path == "/_admin/lookups":
             with STATE.lock:
                 if "key" in query:

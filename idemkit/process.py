@@ -295,7 +295,7 @@ class Upstream(Process):
     def committed(self, key: str) -> int:
         """Executions of `key` that committed an answer (reached the point of sending it)."""
         q = urllib.parse.quote(key, safe="", encoding="latin-1")
-        return self._get("/_admin/executions?key=" + q).json()["committed"]
+        return self._get("/_admin/committed?key=" + q).json()["count"]
 
     def lookups(self, key: str) -> int:
         """Lookups of `key` (`GET /_lookup/<key>`, what a rule's `reconcile` asks)."""

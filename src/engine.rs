@@ -404,9 +404,13 @@ pub fn decision_of(cfg: &Config, pending: &Pending, begun: Result<Begin, StoreEr
             respond_problem(p)
         }
         Ok(Begin::OutcomeUnknown) => respond_problem(outcome_unknown()),
-        // Only a request that asks the upstream's lookup settles such a record (flow.rs); any
-        // other (a waiter) is told to come back as such a request.
-        Ok(Begin::Unsettled) => respond_problem(unsettled(LOOKUP_SPACING_MS)),
+        // Only a request that asks the upstream's lookup settles such a record (flow.rs). A
+        // waiter stays held until it settles (the lookup of the Envoy that saw the unknown
+        // outcome, or another request's) or its wait_timeout ends; it looks again within a second.
+        Ok(Begin::Unsettled) => match rule.concurrency {
+            Concurrency::Wait { .. } => Decision::Wait { lease_remaining_ms: LOOKUP_SPACING_MS },
+            Concurrency::Reject => respond_problem(unsettled(LOOKUP_SPACING_MS)),
+        },
         Ok(Begin::Mismatch) => respond_problem(Problem::new(
             Kind::PayloadMismatch,
             statuses.mismatch,

@@ -698,8 +698,8 @@ impl RequestFlow {
             }
             LookupAnswer::Failed(why) => {
                 log::debug!("#{} lookup of key {tag} settled nothing: {why}", self.context_id);
-                self.phase = Phase::Reconciling { pending, fingerprint, attempt };
-                self.lookup_refused(engine::LOOKUP_SPACING_MS)
+                let reply = Reply::problem(&engine::unsettled(engine::LOOKUP_SPACING_MS));
+                self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::ReconcileFailed)])
             }
         }
     }
@@ -707,8 +707,14 @@ impl RequestFlow {
     /// No lookup settled the record now (it failed, or one is under way or was made less than
     /// `retry_after_ms` ago): 503 `outcome-unknown` with `retry-after`; the next retry asks again.
     pub fn lookup_refused(&mut self, retry_after_ms: u64) -> Output {
-        if !matches!(self.phase, Phase::Reconciling { .. }) {
+        let Phase::Reconciling { pending, fingerprint, attempt } = std::mem::replace(&mut self.phase, Phase::Idle)
+        else {
             return Output::go(Vec::new());
+        };
+        if matches!(pending.rule.concurrency, Concurrency::Wait { .. }) {
+            // Another lookup of the record is under way: wait for it as for any original.
+            let decision = Decision::Wait { lease_remaining_ms: retry_after_ms };
+            return self.decided(pending, fingerprint, attempt.now_ms, decision);
         }
         let reply = Reply::problem(&engine::unsettled(retry_after_ms));
         self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::ReconcileFailed)])

@@ -79,6 +79,9 @@ OUTCOMES = (
     "outcome_unknown",
     "unknown_refused",
     "router_controls_removed",
+    "reconciled_found",
+    "reconciled_not_found",
+    "reconcile_failed",
 )
 PROBLEM_TYPE = "urn:idempotency-filter:%s"
 

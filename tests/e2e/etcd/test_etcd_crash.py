@@ -4,8 +4,9 @@ ever written, the claim's lease ends in etcd, and a retry lands on another Envoy
 On a rule with `unknown_outcome: "refuse"` (the default, written out here) the retry gets 502
 `outcome-unknown`, and so does every later one: the upstream may have executed, so the key is
 never executed again. On a `takeover` rule the retry takes the record over and the upstream
-executes it a second time, as C13 says. Envoy a is killed with SIGKILL: no callback,
-no drain, nothing written.
+executes it a second time, as C13 says. On a rule with `reconcile` (C23) the retry asks the
+upstream's lookup, finds the answer the upstream committed after Envoy a died, and gets it
+replayed: one execution. Envoy a is killed with SIGKILL: no callback, no drain, nothing written.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ FILTER_CONFIG = {
          "unknown_outcome": "refuse", "processing_timeout": "2s"},
         {"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
          "processing_timeout": "2s", "unknown_outcome": "takeover"},
+        {"name": "rpay", "match": {"prefix": "/rpay"}, "require_key": True,
+         "processing_timeout": "3s", "reconcile": {"path": "/_lookup/{key}", "timeout": "1s"}},
     ],
 }
 
@@ -46,12 +49,12 @@ def crashing_pair(envoy_bin, filter_wasm, upstream, etcd):
         proxy.stop()
 
 
-def claim_then_crash(a, upstream, path: str, key: str) -> None:
+def claim_then_crash(a, upstream, path: str, key: str, delay_ms: str = "8000") -> None:
     """Sends `key` to Envoy a with a slow upstream, waits until the upstream executes it, then
     kills Envoy a (SIGKILL): the claim stays in etcd without an outcome."""
     def send():
         try:
-            a.post(path, BODY, key_headers(key, x_delay_ms="8000"), timeout=20)
+            a.post(path, BODY, key_headers(key, x_delay_ms=delay_ms), timeout=20)
         except OSError:
             pass  # Envoy a dies under it
 
@@ -93,3 +96,20 @@ def test_a_takeover_rule_executes_again_after_the_claiming_envoy_died(crashing_p
     retry = after_the_lease(b, "/orders", key)
     assert retry.status == 201 and not retry.replayed, retry
     assert upstream.executions(key) == 2
+
+
+def test_a_reconcile_rule_replays_what_the_upstream_committed_after_the_claiming_envoy_died(
+    crashing_pair, upstream
+):
+    a, b = crashing_pair
+    key = new_key()
+    # The upstream commits its answer a second later, with nobody left to take it.
+    claim_then_crash(a, upstream, "/rpay", key, delay_ms="1000")
+    harness.wait_until(lambda: upstream.committed(key) == 1, 10, what="the upstream to commit")
+    retry = after_the_lease(b, "/rpay", key)
+    assert retry.status == 201 and retry.replayed, retry
+    assert retry.header("idempotent-reconciled") == "true", retry
+    again = b.post("/rpay", BODY, key_headers(key))
+    assert again.status == 201 and again.body == retry.body, again
+    assert (upstream.executions(key), upstream.lookups(key)) == (1, 1)
+    assert b.idem("reconciled_found") == 1

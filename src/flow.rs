@@ -70,11 +70,27 @@ pub enum Step {
     /// Detached execution: the worker's root carries the claimed request upstream (read its
     /// head and body, make the call, record the answer, reply if the client is still there).
     /// The request stays held; if no call can be made, `detach_refused`.
-    Detach { claim: Claim, rule: Rc<Rule> },
+    Detach { claim: Claim, rule: Rc<Rule>, later: Option<Box<LaterLookup>> },
     /// `reconcile`: ask the upstream's lookup about this request's record (the glue builds the
     /// call from the rule and the held request), then hand its answer to `lookup_answered`;
     /// if no lookup can be made now, `lookup_refused`.
-    Lookup { rule: Rc<Rule> },
+    Lookup { rule: Rc<Rule>, request: Vec<(String, Vec<u8>)> },
+    /// `reconcile`: this request's outcome is unknown and its record kept in flight; the
+    /// worker's root asks the upstream itself when the lease ends (`RequestFlow::lease_end`),
+    /// so that a key nobody retries settles too. The glue builds the lookup now, from the
+    /// request's head.
+    LookUpAtLeaseEnd(Box<LaterLookup>),
+}
+
+/// What the root needs to look a record up when its lease ends, with no request waiting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaterLookup {
+    pub pending: Pending,
+    pub fingerprint: Fingerprint,
+    /// The request's head as the lookup needs it (`reconcile::lookup_request`).
+    pub request: Vec<(String, Vec<u8>)>,
+    /// When the claim's lease ends.
+    pub due_ms: u64,
 }
 
 /// The answer to the callback: let the stream go on, or hold it.
@@ -225,6 +241,24 @@ pub struct RequestFlow {
     body_seen: bool,
     /// The record this request is about, once its key and identity made one.
     scope: Option<ScopeId>,
+    /// `reconcile`: what a lookup at the lease's end needs, kept while the request is forwarded.
+    later: Option<Box<LaterLookup>>,
+    /// `reconcile`: the request's head as a lookup needs it, kept from admission.
+    lookup_request: Vec<(String, Vec<u8>)>,
+    /// A lookup the root makes when a lease ends, for no stream (`lease_end`): it replies to
+    /// nobody, and an upstream that never executed gets the record released, not executed.
+    lease_end: Option<Box<LeaseEnd>>,
+}
+
+/// A lease-end lookup's call (built while its stream was there) and what acting on its answer
+/// asks the store; `tries`: lookups made that settled nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseEnd {
+    pub cluster: String,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub timeout_ms: u32,
+    pub attempt: ClaimAttempt,
+    pub tries: u32,
 }
 
 impl RequestFlow {
@@ -236,7 +270,72 @@ impl RequestFlow {
             rule: None,
             body_seen: false,
             scope: None,
+            later: None,
+            lookup_request: Vec::new(),
+            lease_end: None,
         }
+    }
+
+    /// The root's own lookup of a record whose lease ended after an unknown outcome it saw
+    /// (`Step::LookUpAtLeaseEnd`); `attempt` is what acting on the answer asks the store.
+    pub fn lease_end(context_id: u32, later: LaterLookup, lease_end: LeaseEnd) -> RequestFlow {
+        let attempt = lease_end.attempt;
+        let LaterLookup { pending, fingerprint, request, .. } = later;
+        RequestFlow {
+            context_id,
+            forwarded_rule: None,
+            rule: Some(Rc::clone(&pending.rule)),
+            body_seen: true,
+            scope: Some(pending.scope),
+            later: None,
+            lookup_request: request,
+            lease_end: Some(Box::new(lease_end)),
+            phase: Phase::Reconciling { pending, fingerprint, attempt },
+        }
+    }
+
+    /// A lease-end lookup's flow (`lease_end`): no stream to answer or resume.
+    pub fn headless(&self) -> bool {
+        self.lease_end.is_some()
+    }
+
+    /// A lease-end lookup's call, and its rule.
+    pub fn lease_end_call(&self) -> Option<(&LeaseEnd, &Rc<Rule>)> {
+        Some((self.lease_end.as_deref()?, self.rule.as_ref()?))
+    }
+
+    /// A lease-end lookup is due: it asks the store first (at `now_ms`), and looks the record up
+    /// only while it is unsettled (`Begin::Unsettled`); in flight (etcd keeps a claim's lease by
+    /// its own clock, a few seconds late) it is asked again later; settled, it is done.
+    pub fn lease_end_due(&mut self, now_ms: u64) -> Output {
+        let Phase::Reconciling { pending, fingerprint, attempt } =
+            std::mem::replace(&mut self.phase, Phase::Idle)
+        else {
+            return Output::go(Vec::new());
+        };
+        if !self.headless() {
+            self.phase = Phase::Reconciling { pending, fingerprint, attempt };
+            return Output::go(Vec::new());
+        }
+        let attempt = ClaimAttempt { now_ms, ..attempt };
+        self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt };
+        Output::go(vec![Step::Store(StoreOp::Begin(attempt))])
+    }
+
+    /// A lease-end lookup settled nothing once more: how often now.
+    pub fn lease_end_tried(&mut self) -> u32 {
+        match &mut self.lease_end {
+            Some(l) => {
+                l.tries = l.tries.saturating_add(1);
+                l.tries
+            }
+            None => 0,
+        }
+    }
+
+    /// True while the upstream's lookup is to be asked (or asked again).
+    pub fn awaiting_lookup(&self) -> bool {
+        matches!(self.phase, Phase::Reconciling { .. })
     }
 
     /// The record this request is about (None before its body made one, or when unprotected).
@@ -331,6 +430,9 @@ impl RequestFlow {
                 self.refuse(&problem)
             }
             Admission::Collect(pending) => {
+                if let Some(reconcile) = &pending.rule.reconcile {
+                    self.lookup_request = crate::reconcile::lookup_request(cfg, reconcile, &headers);
+                }
                 // A protected request's retries and deadlines are the configuration's, never
                 // its caller's: whatever carries it upstream, it goes without them.
                 let controls = router_control::present(&headers);
@@ -439,7 +541,7 @@ impl RequestFlow {
                 );
                 let rule = Rc::clone(&pending.rule);
                 self.phase = Phase::Reconciling { pending, fingerprint, attempt };
-                Output::hold(vec![Step::Lookup { rule }])
+                Output::hold(vec![Step::Lookup { rule, request: self.lookup_request.clone() }])
             }
             (Phase::AwaitingBegin { pending, fingerprint, now_ms, .. }, StoreAnswer::Begun(begun)) => {
                 let decision = engine::decision_of(cfg, &pending, begun);
@@ -584,14 +686,45 @@ impl RequestFlow {
         now_ms: u64,
         decision: Decision,
     ) -> Output {
+        if let Some(lease_end) = &self.lease_end {
+            let attempt = lease_end.attempt;
+            return match decision {
+                // The upstream never executed it and no request is here to: the record goes,
+                // so the client's retry executes.
+                Decision::Forward { claim, .. } => {
+                    log::debug!(
+                        "#{} releasing key {}: never executed",
+                        self.context_id,
+                        claim.scope.log_tag()
+                    );
+                    self.phase = Phase::Settling { claim, rule: pending.rule, done: Counter::Released };
+                    Output::go(vec![Step::Store(StoreOp::Release(claim))])
+                }
+                // Still in flight by the store's clock (etcd ends a lease key by its own, a few
+                // seconds late), or the store failed: asked again later.
+                Decision::Respond { counter: Counter::InFlight | Counter::StoreError, .. }
+                | Decision::Wait { .. } => {
+                    self.phase = Phase::Reconciling { pending, fingerprint, attempt };
+                    Output::go(Vec::new())
+                }
+                // Settled by someone else meanwhile: nothing to do.
+                Decision::Respond { .. } => Output::go(Vec::new()),
+            };
+        }
         match decision {
             Decision::Forward { claim, counter } => {
+                if pending.rule.reconcile.is_some() {
+                    let due_ms = now_ms.saturating_add(pending.rule.processing_timeout_ms);
+                    let request = self.lookup_request.clone();
+                    let later = LaterLookup { pending: pending.clone(), fingerprint, request, due_ms };
+                    self.later = Some(Box::new(later));
+                }
                 log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
                 if matches!(pending.rule.execution, Execution::Detached { .. }) {
                     self.phase = Phase::Detached;
                     return Output::hold(vec![
                         Step::Count(counter),
-                        Step::Detach { claim, rule: pending.rule },
+                        Step::Detach { claim, rule: pending.rule, later: self.later.take() },
                     ]);
                 }
                 self.forwarded_rule = Some(Rc::clone(&pending.rule));
@@ -675,7 +808,9 @@ impl RequestFlow {
             return Output::go(Vec::new());
         };
         let tag = pending.scope.log_tag();
-        let attempt = attempt.after_lookup(now_ms);
+        // Acting on a final answer takes the record over; a lookup that settled nothing leaves
+        // the attempt as it was (a lease-end lookup asks again with it: it must never take over).
+        let (attempt, unsettled) = (attempt.after_lookup(now_ms), attempt);
         match answer {
             LookupAnswer::Found { status, snapshot } => {
                 log::debug!(
@@ -698,6 +833,11 @@ impl RequestFlow {
             }
             LookupAnswer::Failed(why) => {
                 log::debug!("#{} lookup of key {tag} settled nothing: {why}", self.context_id);
+                if self.headless() {
+                    // Asked again later by the root.
+                    self.phase = Phase::Reconciling { pending, fingerprint, attempt: unsettled };
+                    return Output::go(vec![Step::Count(Counter::ReconcileFailed)]);
+                }
                 let reply = Reply::problem(&engine::unsettled(engine::LOOKUP_SPACING_MS));
                 self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::ReconcileFailed)])
             }
@@ -707,7 +847,8 @@ impl RequestFlow {
     /// No lookup settled the record now (it failed, or one is under way or was made less than
     /// `retry_after_ms` ago): 503 `outcome-unknown` with `retry-after`; the next retry asks again.
     pub fn lookup_refused(&mut self, retry_after_ms: u64) -> Output {
-        let Phase::Reconciling { pending, fingerprint, attempt } = std::mem::replace(&mut self.phase, Phase::Idle)
+        let Phase::Reconciling { pending, fingerprint, attempt } =
+            std::mem::replace(&mut self.phase, Phase::Idle)
         else {
             return Output::go(Vec::new());
         };
@@ -740,6 +881,9 @@ impl RequestFlow {
                 if matches!(pending.rule.concurrency, Concurrency::Wait { .. }) {
                     steps.push(Step::Wake(claim.scope));
                 }
+                if self.headless() {
+                    return Output::go(steps);
+                }
                 match engine::decision_of(cfg, &pending, Ok(begun)) {
                     Decision::Respond { reply, .. } => self.answer(reply, details, steps),
                     // A replay or "not stored" is always an answer.
@@ -751,6 +895,9 @@ impl RequestFlow {
             Ok(Settled::Lost) | Err(_) => {
                 if let Err(e) = &settled {
                     log::warn!("#{} writing the lookup's answer failed: {e}", self.context_id);
+                }
+                if self.headless() {
+                    return Output::go(vec![Step::Count(Counter::ReconcileFailed)]);
                 }
                 let reply = Reply::problem(&engine::unsettled(engine::LOOKUP_SPACING_MS));
                 self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::ReconcileFailed)])
@@ -902,9 +1049,12 @@ impl RequestFlow {
                 self.phase = Phase::Idle;
                 // With `reconcile` the record waits for the lookup, and until then this is what
                 // it is: an unknown outcome.
-                let counter =
-                    if rule.reconcile.is_some() { Counter::OutcomeUnknown } else { Counter::KeptUnknown };
-                vec![Step::Count(counter)]
+                if rule.reconcile.is_none() {
+                    return vec![Step::Count(Counter::KeptUnknown)];
+                }
+                let mut steps = vec![Step::Count(Counter::OutcomeUnknown)];
+                steps.extend(self.later.take().map(Step::LookUpAtLeaseEnd));
+                steps
             }
             ResponsePlan::Capture { .. } => {
                 self.phase = Phase::Idle;

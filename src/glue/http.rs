@@ -244,9 +244,9 @@ impl<H: Host> Http<H> {
                 }
                 // Detached execution: the root makes the call and answers this stream (the
                 // handle says how, before its reply comes through the encode callbacks).
-                Step::Detach { claim, rule } => {
+                Step::Detach { claim, rule, later } => {
                     let handle: WaitHandle = Rc::new(std::cell::Cell::new(None));
-                    match plugin.detach(self.context_id, claim, &rule, Rc::clone(&handle)) {
+                    match plugin.detach(self.context_id, claim, &rule, Rc::clone(&handle), later) {
                         Ok(()) => {
                             self.wait_handle = Some(handle);
                             None
@@ -256,8 +256,8 @@ impl<H: Host> Http<H> {
                 }
                 // Reconciliation: the root makes the lookup and carries out what its answer
                 // means; the flow goes with it and comes back at the next callback.
-                Step::Lookup { rule } => {
-                    match plugin.start_lookup(self.context_id, self.flow.scope().copied(), &rule) {
+                Step::Lookup { rule, request } => {
+                    match plugin.start_lookup(self.context_id, self.flow.scope().copied(), &rule, &request) {
                         Ok(lookup) => {
                             let flow = std::mem::replace(&mut self.flow, RequestFlow::new(self.context_id));
                             let handle: FlowHandle = Rc::new(std::cell::RefCell::new(None));
@@ -267,6 +267,12 @@ impl<H: Host> Http<H> {
                         }
                         Err(retry_after_ms) => Some(self.flow.lookup_refused(retry_after_ms)),
                     }
+                }
+                Step::LookUpAtLeaseEnd(later) => {
+                    if let Some(lookup) = plugin.lease_end_lookup(self.context_id, *later) {
+                        plugin.look_up_at_lease_end(lookup);
+                    }
+                    None
                 }
                 Step::FixHeaders(fixes) => {
                     for fix in fixes {

@@ -5,7 +5,7 @@
 use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
 use crate::config::{self, Config, Execution, Rule, StoreConfig, UnknownOutcome};
 use crate::detached;
-use crate::flow::{ParkPlan, RequestFlow, Resumed, Settlement};
+use crate::flow::{LaterLookup, LeaseEnd, ParkPlan, RequestFlow, Resumed, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::metrics::{Counter, SWEPT_METRIC, UNMATCHED_METRIC, WATCH_ENDED_METRIC};
 use crate::reconcile::{self, LookupGate};
@@ -111,6 +111,9 @@ pub struct DetachedCall {
     pub timeout_ms: u32,
     /// Where the root tells the stream how it was resolved, before answering it.
     pub handle: WaitHandle,
+    /// `reconcile`: the record's lookup at its lease's end, should the call end without an
+    /// outcome.
+    pub lease_end: Option<Box<LeaseEndLookup>>,
 }
 
 /// First wait before a settlement is started again, doubled after each failure up to
@@ -181,7 +184,21 @@ pub struct RootLookup {
     pub lookup: Lookup,
 }
 
-/// A lookup the gate let start: the record, and the call.
+/// How long after a lease ends the root looks its record up itself.
+pub const LEASE_END_MARGIN_MS: u64 = 2_000;
+
+/// Lease-end lookups one worker keeps at most (each holds a request head and its rule).
+pub const MAX_LEASE_END_LOOKUPS: usize = 1_024;
+
+/// A record whose lease ends after an unknown outcome this worker saw: the root looks it up
+/// itself at `due_ms` (and again, backing off, while the lookup settles nothing).
+pub struct LeaseEndLookup {
+    pub due_ms: u64,
+    /// Headless (`RequestFlow::lease_end`): it carries its call.
+    pub flow: RequestFlow,
+}
+
+/// A lookup: the record, and the call (`started_ms`: when the gate let it start).
 pub struct Lookup {
     pub scope: ScopeId,
     /// When its gate entry was taken (`LookupGate::finished`).
@@ -307,6 +324,8 @@ pub struct PluginState<H: Host> {
     pub detached_in_flight: Cell<u32>,
     /// This Envoy's lookups (`routes[].reconcile`): one at a time and one a second per record.
     pub lookups: LookupGate<H>,
+    /// Records this worker looks up itself when their leases end.
+    pub lease_end_lookups: RefCell<Vec<LeaseEndLookup>>,
     /// Live wake queues of all workers (refreshed by the heartbeat), with resolved ids.
     peers: RefCell<Vec<(String, Option<u32>)>>,
     /// This root's queue is in the registry (a heartbeat succeeded).
@@ -403,6 +422,7 @@ impl<H: Host> PluginState<H> {
             queue_id,
             detached_in_flight: Cell::new(0),
             lookups,
+            lease_end_lookups: RefCell::new(Vec::new()),
             peers: RefCell::new(Vec::new()),
             advertised: Cell::new(false),
         })
@@ -624,8 +644,13 @@ impl<H: Host> PluginState<H> {
         claim: Claim,
         rule: &Rc<Rule>,
         handle: WaitHandle,
+        later: Option<Box<LaterLookup>>,
     ) -> Result<(), String> {
-        let call = self.detached_call(context_id, claim, rule, handle);
+        let call = self.detached_call(context_id, claim, rule, handle).map(|mut call| {
+            // Built while the request's head is at hand: the call may end without an outcome.
+            call.lease_end = later.and_then(|later| self.lease_end_lookup(context_id, *later)).map(Box::new);
+            call
+        });
         match call {
             Ok(call) => {
                 self.detached_in_flight.set(self.detached_in_flight.get() + 1);
@@ -682,28 +707,44 @@ impl<H: Host> PluginState<H> {
             body,
             timeout_ms: u32::try_from(*upstream_timeout_ms).unwrap_or(u32::MAX),
             handle,
+            lease_end: None,
         })
     }
 
-    /// Starts the lookup of a paused request's record (the effective context is the request's:
-    /// its head is read here). Refused, with when to try again, when this record's lookup is
-    /// under way or was made less than a second ago on this Envoy, or the request cannot be read.
+    /// Starts the lookup of a paused request's record, made from `request` (its head as the
+    /// flow kept it). Refused, with when to try again, when this record's lookup is under way or
+    /// was made less than a second ago on this Envoy, or no lookup can be made.
     pub fn start_lookup(
         &self,
         context_id: u32,
         scope: Option<ScopeId>,
         rule: &Rc<Rule>,
+        request: &[(String, Vec<u8>)],
     ) -> Result<Lookup, u64> {
-        let (Some(reconcile), Some(scope)) = (&rule.reconcile, scope) else {
-            return Err(crate::engine::LOOKUP_SPACING_MS);
-        };
+        let Some(scope) = scope else { return Err(crate::engine::LOOKUP_SPACING_MS) };
+        let timeout_ms = rule.reconcile.as_ref().map_or(0, |r| r.timeout_ms);
         let started_ms = self.host.now_ms();
-        self.lookups.start(&scope, started_ms, reconcile.timeout_ms)?;
-        let call = self
-            .host
-            .header_pairs(MAP_REQUEST_HEADERS)
-            .ok()
-            .and_then(|request| reconcile::lookup_call(&self.config, reconcile, &request));
+        self.lookups.start(&scope, started_ms, timeout_ms)?;
+        match self.lookup_of(context_id, scope, rule, request) {
+            Some(lookup) => Ok(Lookup { started_ms, ..lookup }),
+            None => {
+                self.lookups.finished(&scope, started_ms, started_ms);
+                Err(crate::engine::LOOKUP_SPACING_MS)
+            }
+        }
+    }
+
+    /// The lookup of `scope`, made from `request`, to the rule's cluster or (read from the
+    /// effective stream) the route's. None (logged) if it cannot be made.
+    fn lookup_of(
+        &self,
+        context_id: u32,
+        scope: ScopeId,
+        rule: &Rc<Rule>,
+        request: &[(String, Vec<u8>)],
+    ) -> Option<Lookup> {
+        let reconcile = rule.reconcile.as_ref()?;
+        let call = reconcile::lookup_call(&self.config, reconcile, request);
         let cluster = match call.as_ref().map(|c| c.cluster.clone()) {
             Some(Some(c)) => Some(c),
             Some(None) => match self.host.property(&["xds", "cluster_name"]) {
@@ -713,18 +754,53 @@ impl<H: Host> PluginState<H> {
             None => None,
         };
         let (Some(call), Some(cluster)) = (call, cluster) else {
-            log::warn!("#{context_id} no lookup for key {}: no cluster or no request head", scope.log_tag());
-            self.lookups.finished(&scope, started_ms, started_ms);
-            return Err(crate::engine::LOOKUP_SPACING_MS);
+            log::warn!(
+                "#{context_id} no lookup for key {}: no cluster, or no key or authority",
+                scope.log_tag()
+            );
+            return None;
         };
-        Ok(Lookup {
+        Some(Lookup {
             scope,
-            started_ms,
+            started_ms: 0,
             rule: Rc::clone(rule),
             cluster,
             headers: call.headers,
             timeout_ms: call.timeout_ms,
         })
+    }
+
+    /// What the root needs to look the stream's record up when its lease ends, with no request
+    /// waiting (`Step::LookUpAtLeaseEnd`): the lookup is built now (the route's cluster is the
+    /// stream's).
+    pub fn lease_end_lookup(&self, context_id: u32, later: LaterLookup) -> Option<LeaseEndLookup> {
+        let rule = Rc::clone(&later.pending.rule);
+        let lookup = self.lookup_of(context_id, later.pending.scope, &rule, &later.request)?;
+        let owner = self.owner_token(context_id);
+        let attempt = crate::engine::claim_attempt(
+            &self.config,
+            &later.pending,
+            later.fingerprint,
+            later.due_ms,
+            owner,
+        );
+        // A margin past the lease: etcd ends a claim's lease key by its own clock, in whole
+        // seconds, and a retry at the lease's end is given the first word.
+        let due_ms = later.due_ms.saturating_add(LEASE_END_MARGIN_MS);
+        let Lookup { cluster, headers, timeout_ms, .. } = lookup;
+        let lease_end = LeaseEnd { cluster, headers, timeout_ms, attempt, tries: 0 };
+        Some(LeaseEndLookup { due_ms, flow: RequestFlow::lease_end(context_id, later, lease_end) })
+    }
+
+    /// Keeps a lease-end lookup for the root. At most `MAX_LEASE_END_LOOKUPS` per worker: past
+    /// it, the record waits for a retry's lookup.
+    pub fn look_up_at_lease_end(&self, lookup: LeaseEndLookup) {
+        let mut queue = self.lease_end_lookups.borrow_mut();
+        if queue.len() >= MAX_LEASE_END_LOOKUPS {
+            log::debug!("lease-end lookups full; a record waits for a retry");
+            return;
+        }
+        queue.push(lookup);
     }
 
     /// Hands a started lookup and its paused request's flow to this worker's root, which makes

@@ -3,8 +3,8 @@
 
 use super::http::Http;
 use super::plugin::{
-    DetachedCall, DetachedReply, FlowHandle, Lookup, PluginState, Retry, RootBegin, RootCall, RootLookup,
-    RootRecheck, RootSettlement, Store, WaitHandle,
+    DetachedCall, DetachedReply, FlowHandle, LeaseEndLookup, Lookup, PluginState, Retry, RootBegin, RootCall,
+    RootLookup, RootRecheck, RootSettlement, Store, WaitHandle,
 };
 use super::remote::{self, Outcome};
 use super::{
@@ -120,6 +120,7 @@ impl<H: Host> Root<H> {
         // those due to be tried again.
         start_settlements(&plugin);
         retry_settlements(&plugin, now_ms);
+        start_lease_end_lookups(&plugin, now_ms);
         // Conversations waiting for a token: on, or over once its fetch is past its deadline.
         resume_parked(&plugin);
         if self.ticks.is_multiple_of(SLOW_EVERY_TICKS) {
@@ -324,7 +325,7 @@ fn resolve_waiter<H: Host>(
             // The waiter owns the record now, on a detached route: the root carries it
             // upstream (the waiter stays held and is answered with the outcome).
             plugin.count_for_stream(counter, Some(&rule), Some(&w.pending.scope));
-            if let Err(why) = plugin.detach(w.context_id, claim, &rule, Rc::clone(&w.handle)) {
+            if let Err(why) = plugin.detach(w.context_id, claim, &rule, Rc::clone(&w.handle), None) {
                 refuse_detached(plugin, w.context_id, &w.handle, &rule, &why);
             }
         }
@@ -607,8 +608,12 @@ fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_
         // An answer that cannot be read: what it said is unknown.
         _ => detached::Answer::Unknown { timed_out: false },
     };
-    let DetachedCall { context_id, claim, rule, handle, .. } = call;
+    let DetachedCall { context_id, claim, rule, handle, lease_end, .. } = call;
     let out = detached::outcome(&rule, claim, answer, now_ms);
+    // Kept for the lookup at the lease's end (`reconcile`): the root makes it if no retry does.
+    if let (None, Counter::OutcomeUnknown, Some(lease_end)) = (&out.op, out.done, lease_end) {
+        plugin.look_up_at_lease_end(*lease_end);
+    }
     log::debug!("#{context_id} detached call answered: {} key {}", out.done.name(), claim.scope.log_tag());
     let settlement = Settlement { context_id, claim, rule: Rc::clone(&rule), done: out.done };
     match (out.op, &plugin.store) {
@@ -691,7 +696,7 @@ fn converse_begin<H: Host>(
             begin_failed(plugin, store, begin, error, Sent::Yes)
         }
         Next::Done(answer) => {
-            if plugin.host.set_effective_context(begin.context_id).is_err() {
+            if !begin.flow.headless() && plugin.host.set_effective_context(begin.context_id).is_err() {
                 // The client went away while the store answered: nobody will forward the
                 // request, so a claim it got is given back now instead of blocking retries
                 // until its lease ends.
@@ -724,10 +729,11 @@ fn begin_failed<H: Host>(
             give_back(plugin, store, settlement);
         }
     }
-    if plugin.host.set_effective_context(begin.context_id).is_err() {
+    if !begin.flow.headless() && plugin.host.set_effective_context(begin.context_id).is_err() {
         return; // its client went away, and no claim is known to exist
     }
-    let mode = store.settings().on_error;
+    // A lease-end lookup acts on the record only through the store: nothing to forward.
+    let mode = if begin.flow.headless() { OnStoreError::FailClosed } else { store.settings().on_error };
     if mode == OnStoreError::FailOpen && plugin.bypass_log_due(plugin.host.now_ms()) {
         log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
     }
@@ -752,6 +758,12 @@ fn carry_out<H: Host>(
     let mut steps: std::collections::VecDeque<Step> = out.steps.into();
     while let Some(step) = steps.pop_front() {
         let more = match step {
+            // A lease-end lookup's flow has no stream to publish to or answer.
+            Step::Count(counter) if flow.headless() => {
+                plugin.count(counter, flow.rule());
+                None
+            }
+            Step::Reply { .. } if flow.headless() => None,
             Step::Count(counter) => {
                 plugin.count_for_stream(counter, flow.rule(), flow.scope());
                 None
@@ -776,9 +788,9 @@ fn carry_out<H: Host>(
             // Detached execution: the call is handed to this root (its queue), the request
             // stays paused, and the handle that will say how it was answered goes back with
             // its flow.
-            Step::Detach { claim, rule } => {
+            Step::Detach { claim, rule, later } => {
                 let handle: WaitHandle = Rc::new(std::cell::Cell::new(None));
-                match plugin.detach(context_id, claim, &rule, Rc::clone(&handle)) {
+                match plugin.detach(context_id, claim, &rule, Rc::clone(&handle), later) {
                     Ok(()) => {
                         wait_handle = Some(handle);
                         None
@@ -803,15 +815,25 @@ fn carry_out<H: Host>(
                     return;
                 }
             },
-            // A remote begin found the record's lease ended unsettled: ask the upstream.
-            Step::Lookup { rule } => match plugin.start_lookup(context_id, flow.scope().copied(), &rule) {
-                // Already in the root: made at once.
-                Ok(lookup) => {
+            // A lease-end lookup found its record unsettled: ask the upstream (unless a request
+            // on this Envoy is asking already: it settles it, or its client retries).
+            Step::Lookup { .. } if flow.headless() => {
+                if let Some(lookup) = start_lease_end_lookup(plugin, &flow) {
                     dispatch_lookup(plugin, Box::new(RootLookup { context_id, flow, handle, lookup }));
-                    return;
                 }
-                Err(retry_after_ms) => Some(flow.lookup_refused(retry_after_ms)),
-            },
+                return;
+            }
+            // A remote begin found the record's lease ended unsettled: ask the upstream.
+            Step::Lookup { rule, request } => {
+                match plugin.start_lookup(context_id, flow.scope().copied(), &rule, &request) {
+                    // Already in the root: made at once.
+                    Ok(lookup) => {
+                        dispatch_lookup(plugin, Box::new(RootLookup { context_id, flow, handle, lookup }));
+                        return;
+                    }
+                    Err(retry_after_ms) => Some(flow.lookup_refused(retry_after_ms)),
+                }
+            }
             // What an answer to `begin` leads to is counted, replied, parked, detached, asked
             // again or looked up.
             other => {
@@ -823,6 +845,12 @@ fn carry_out<H: Host>(
             verdict = more.verdict;
             steps.extend(more.steps);
         }
+    }
+    if flow.headless() {
+        if flow.awaiting_lookup() {
+            look_up_again_later(plugin, flow);
+        }
+        return;
     }
     *handle.borrow_mut() = Some((flow, wait_handle));
     if verdict == Verdict::Continue {
@@ -843,27 +871,17 @@ fn dispatch_lookup<H: Host>(plugin: &PluginState<H>, call: Box<RootLookup>) {
         }
         Err(HostError(s)) => {
             log::warn!("#{} lookup to cluster {} refused (host status {s})", call.context_id, l.cluster);
-            let RootLookup { context_id, mut flow, handle, lookup } = *call;
-            plugin.lookups.finished(&lookup.scope, lookup.started_ms, plugin.host.now_ms());
-            if plugin.host.set_effective_context(context_id).is_err() {
-                return; // its client went away; nothing was written
-            }
-            let out = flow.lookup_answered(
-                LookupAnswer::Failed(format!("Envoy refused the call (host status {s})")),
-                plugin.host.now_ms(),
-            );
-            carry_out(plugin, context_id, flow, handle, out);
+            plugin.lookups.finished(&call.lookup.scope, call.lookup.started_ms, plugin.host.now_ms());
+            let why = format!("Envoy refused the call (host status {s})");
+            answer_lookup(plugin, *call, LookupAnswer::Failed(why));
         }
     }
 }
 
-/// The lookup's answer, for the request that asked (if it is still there: a lookup writes
-/// nothing, so a client that left leaves the record as it was, for its retry's lookup).
+/// The lookup's answer, read from the callout's.
 fn lookup_answered<H: Host>(plugin: &PluginState<H>, call: RootLookup, body_size: usize) {
     let host = &plugin.host;
-    let RootLookup { context_id, mut flow, handle, lookup } = call;
-    let Lookup { scope, rule, started_ms, .. } = lookup;
-    plugin.lookups.finished(&scope, started_ms, host.now_ms());
+    plugin.lookups.finished(&call.lookup.scope, call.lookup.started_ms, host.now_ms());
     let status = match host.header_value(MAP_HTTP_CALL_RESPONSE_HEADERS, ":status") {
         Ok(Some(v)) => std::str::from_utf8(&v).ok().and_then(|s| s.parse::<u16>().ok()),
         Ok(None) | Err(_) => None,
@@ -875,15 +893,83 @@ fn lookup_answered<H: Host>(plugin: &PluginState<H>, call: RootLookup, body_size
         host.buffer(BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size)
     };
     let answer = match (headers, body) {
-        (Ok(headers), Ok(body)) => reconcile::answer_of(&rule, status, headers, body),
+        (Ok(headers), Ok(body)) => reconcile::answer_of(&call.lookup.rule, status, headers, body),
         _ => LookupAnswer::Failed("the lookup's answer could not be read".into()),
     };
-    if host.set_effective_context(context_id).is_err() {
-        log::debug!("#{context_id} lookup of key {} answered after its client left", scope.log_tag());
+    answer_lookup(plugin, call, answer);
+}
+
+/// Lease-end lookups tried this often settle nothing, then the record waits for a retry's.
+const LEASE_END_TRIES: u32 = 8;
+/// The longest pause between two tries of a lease-end lookup (from 2 s, doubling).
+const LEASE_END_BACKOFF_MAX_MS: u64 = 60_000;
+
+/// What the lookup's answer means, carried out for the request that asked (if it is still
+/// there: a lookup writes nothing, so a client that left leaves the record as it was, for its
+/// retry's lookup), or for a lease-end lookup.
+fn answer_lookup<H: Host>(plugin: &PluginState<H>, call: RootLookup, answer: LookupAnswer) {
+    let host = &plugin.host;
+    let RootLookup { context_id, mut flow, handle, lookup } = call;
+    if !flow.headless() && host.set_effective_context(context_id).is_err() {
+        log::debug!("#{context_id} lookup of key {} answered after its client left", lookup.scope.log_tag());
         return;
     }
     let out = flow.lookup_answered(answer, host.now_ms());
     carry_out(plugin, context_id, flow, handle, out);
+}
+
+/// A lease-end lookup that settled nothing yet (the lookup failed, or the store still holds
+/// the claim's lease by its own clock): asked again later, backing off, `LEASE_END_TRIES` times.
+fn look_up_again_later<H: Host>(plugin: &PluginState<H>, mut flow: RequestFlow) {
+    let tries = flow.lease_end_tried();
+    let tag = flow.scope().map(ScopeId::log_tag).unwrap_or_default();
+    if tries >= LEASE_END_TRIES {
+        log::warn!("lookup of key {tag} settled nothing {tries} times; its record waits for a retry");
+        return;
+    }
+    let backoff_ms = (1_000u64 << tries.min(16)).min(LEASE_END_BACKOFF_MAX_MS);
+    let due_ms = plugin.host.now_ms().saturating_add(backoff_ms);
+    log::debug!("lookup of key {tag} asked again in {backoff_ms} ms");
+    plugin.look_up_at_lease_end(LeaseEndLookup { due_ms, flow });
+}
+
+/// Starts the lease-end lookups that are due: each asks the store first, and looks its record
+/// up only if it is still unsettled.
+fn start_lease_end_lookups<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
+    let due: Vec<LeaseEndLookup> = {
+        let mut queue = plugin.lease_end_lookups.borrow_mut();
+        if !queue.iter().any(|l| l.due_ms <= now_ms) {
+            return;
+        }
+        let (due, later) = std::mem::take(&mut *queue).into_iter().partition(|l| l.due_ms <= now_ms);
+        *queue = later;
+        due
+    };
+    for LeaseEndLookup { mut flow, .. } in due {
+        let out = flow.lease_end_due(now_ms);
+        let handle: FlowHandle = Rc::new(std::cell::RefCell::new(None));
+        carry_out(plugin, 0, flow, handle, out);
+    }
+}
+
+/// The lookup of a lease-end flow's record, through this Envoy's gate. None when a lookup of the
+/// record is under way or was just made here: then a request is here for it.
+fn start_lease_end_lookup<H: Host>(plugin: &PluginState<H>, flow: &RequestFlow) -> Option<Lookup> {
+    let (call, rule) = flow.lease_end_call()?;
+    let scope = flow.scope().copied()?;
+    let now_ms = plugin.host.now_ms();
+    if plugin.lookups.start(&scope, now_ms, u64::from(call.timeout_ms)).is_err() {
+        log::debug!("lease-end lookup of key {} left to the request already asking", scope.log_tag());
+        return None;
+    }
+    Some(Lookup {
+        scope,
+        started_ms: now_ms,
+        rule: Rc::clone(rule),
+        cluster: call.cluster.clone(),
+        headers: call.headers.clone(),
+        timeout_ms: call.timeout_ms,
+    })
 }
 
 fn step_name(step: &Step) -> &'static str {
@@ -900,6 +986,7 @@ fn step_name(step: &Step) -> &'static str {
         Step::WarnBodyNeverReceived { .. } => "warn body never received",
         Step::Detach { .. } => "detach",
         Step::Lookup { .. } => "lookup",
+        Step::LookUpAtLeaseEnd(_) => "look up at lease end",
     }
 }
 

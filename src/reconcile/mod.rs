@@ -73,6 +73,21 @@ pub fn lookup_call(cfg: &Config, reconcile: &Reconcile, request: &[(String, Vec<
     Some(LookupCall { cluster: reconcile.cluster.clone(), headers, timeout_ms })
 }
 
+/// The part of a request's head its lookup is made from (`lookup_call`): `:authority`, the key
+/// header and the headers `reconcile` copies. Kept from admission: Envoy hands the filter the
+/// request's head only while the request is being decoded (and again at its log).
+pub fn lookup_request(
+    cfg: &Config,
+    reconcile: &Reconcile,
+    request: &[(String, Vec<u8>)],
+) -> Vec<(String, Vec<u8>)> {
+    request
+        .iter()
+        .filter(|(n, _)| n == ":authority" || *n == cfg.key_header || reconcile.headers.contains(n))
+        .cloned()
+        .collect()
+}
+
 /// RFC 3986 percent-encoding of everything but the unreserved characters, so that a key is one
 /// path segment whatever it holds (`/`, `?`, `%`, ...).
 fn percent_encode(s: &str) -> String {

@@ -237,3 +237,82 @@ fn on_a_remote_store_the_root_carries_the_begin_the_lookup_and_the_takeover() {
     assert_eq!((sent[0].0, header(&sent[0], "idempotent-reconciled")), (201, Some(&b"true"[..])));
     assert_eq!(h.counter("reconciled_found"), 1);
 }
+
+/// The root's own lookup when the lease ends, with no retry: answered with `status`.
+fn looked_up_at_lease_end(h: &FakeHost, root: &mut Root<FakeHost>, status: &str, body: &[u8]) {
+    let before = h.dispatches().len();
+    h.0.effective.set(1);
+    h.0.now_ms.set(12_999);
+    root.on_tick();
+    assert_eq!(h.dispatches().len(), before, "not before the margin past the lease's end");
+    h.0.now_ms.set(13_000);
+    root.on_tick();
+    let dispatches = h.dispatches();
+    assert_eq!(dispatches.len(), before + 1, "one lookup at the lease's end");
+    let Call::Dispatch { headers, .. } = &dispatches[before] else { panic!() };
+    assert!(headers.iter().any(|(n, v)| n == ":path" && v == "/lookup/k"), "{headers:?}");
+    lookup_answers(h, root, &dispatches[before], status, body);
+}
+
+#[test]
+fn with_no_retry_the_root_looks_up_at_the_leases_end_and_settles_the_record() {
+    let h = host();
+    let mut root = root(&h);
+    unknown_outcome(&h, &root, "k");
+    looked_up_at_lease_end(&h, &mut root, "201", b"{\"id\":4}");
+    assert_eq!(h.counter("reconciled_found"), 1);
+    // Nobody to answer: no reply was sent on any stream.
+    assert!(!h.0.calls.borrow().iter().any(|c| matches!(c, Call::SendResponse { .. })));
+    // The client's retry, whenever it comes, is the replay: no lookup of its own.
+    h.0.now_ms.set(60_000);
+    let (_, verdict) = post(&h, &root, 5, "k");
+    let sent = sent_to(&h, 5);
+    assert_eq!((verdict, sent[0].0, sent[0].2.as_slice()), (Verdict::Pause, 201, &b"{\"id\":4}"[..]));
+    assert_eq!(header(&sent[0], "idempotent-reconciled"), Some(&b"true"[..]));
+    assert_eq!(h.dispatches().len(), 1);
+}
+
+#[test]
+fn with_no_retry_a_404_at_the_leases_end_releases_the_record() {
+    let h = host();
+    let mut root = root(&h);
+    unknown_outcome(&h, &root, "k");
+    looked_up_at_lease_end(&h, &mut root, "404", b"");
+    assert_eq!((h.counter("reconciled_not_found"), h.counter("released")), (1, 1));
+    // The retry finds no record: it executes, with no lookup.
+    let (_, verdict) = post(&h, &root, 5, "k");
+    assert_eq!((verdict, h.counter("claimed"), h.dispatches().len()), (Verdict::Continue, 2, 1));
+}
+
+#[test]
+fn a_retry_that_asked_within_the_second_leaves_the_root_nothing_to_ask() {
+    let h = host();
+    let mut root = root(&h);
+    unknown_outcome(&h, &root, "k");
+    h.0.now_ms.set(12_500);
+    let (_, call) = retry_looked_up(&h, &mut root, 4, "k");
+    lookup_answers(&h, &mut root, &call, "503", b"");
+    h.0.now_ms.set(13_000);
+    root.on_tick();
+    h.0.now_ms.set(30_000);
+    root.on_tick();
+    assert_eq!(h.dispatches().len(), 1);
+}
+
+#[test]
+fn with_no_retry_a_failed_lookup_at_the_leases_end_is_tried_again_later() {
+    let h = host();
+    let mut root = root(&h);
+    unknown_outcome(&h, &root, "k");
+    looked_up_at_lease_end(&h, &mut root, "500", b"");
+    assert_eq!(h.counter("reconcile_failed"), 1);
+    h.0.now_ms.set(14_000);
+    root.on_tick();
+    assert_eq!(h.dispatches().len(), 1, "backs off");
+    h.0.now_ms.set(15_000);
+    root.on_tick();
+    let dispatches = h.dispatches();
+    assert_eq!(dispatches.len(), 2);
+    lookup_answers(&h, &mut root, &dispatches[1], "200", b"{}");
+    assert_eq!(h.counter("reconciled_found"), 1);
+}

@@ -141,7 +141,7 @@ def test_readme_quickstart_lines_work_against_make_run(envoy_bin):
     if shutil.which("curl") is None:
         pytest.fail("curl not found: the README's lines need it (`make e2e` installs it)", pytrace=False)
     env, commands = curl_steps()
-    assert list(env) == ["K"] and len(commands) == 6, commands
+    assert list(env) == ["K"] and len(commands) == 7, commands
     demo = Demo(envoy_bin)
     try:
         pids = demo.pids()
@@ -175,8 +175,19 @@ def test_readme_quickstart_lines_work_against_make_run(envoy_bin):
                               capture_output=True, text=True, timeout=10).stdout
         assert '"count": 1' in pays, pays
 
+        # The route timed out while the upstream worked; after the lease the retry's lookup
+        # found the answer the upstream committed.
+        out = run(commands[5], env)
+        assert "timed out: 504" in out, out
+        status, headers, body = response(out[out.index("HTTP/1.1"):])
+        assert (status, headers.get("idempotent-reconciled"), headers.get("idempotent-replayed")) == (
+            201, "true", "true"), out
+        charges = subprocess.run(["curl", "-s", "localhost:8080/_admin/executions?key=%s-charge" % env["K"]],
+                                 capture_output=True, text=True, timeout=10).stdout
+        assert '"count": 1' in charges, charges
+
         series = dict(re.findall(r'^(idempotency_requests_total\{route="orders",outcome="\w+"\}) (\d+)$',
-                                 run(commands[5], env), re.M))
+                                 run(commands[6], env), re.M))
         for outcome in ("claimed", "replayed", "mismatch", "in_flight"):
             assert int(series['idempotency_requests_total{route="orders",outcome="%s"}' % outcome]) >= 1
     finally:

@@ -185,8 +185,13 @@ mod tests {
     fn only_a_final_2xx_is_found_and_only_404_is_not_found() {
         let c = cfg(r#"{"path":"/p/{key}"}"#);
         let rule = &c.rules[0];
-        let headers =
-            pairs(&[("content-type", "application/json"), ("set-cookie", "s=1"), ("connection", "close")]);
+        // An upstream's own marker is not taken for the filter's.
+        let headers = pairs(&[
+            ("content-type", "application/json"),
+            ("set-cookie", "s=1"),
+            ("connection", "close"),
+            (RECONCILED_HEADER, "false"),
+        ]);
         let found = answer_of(rule, Some(201), headers.clone(), b"{\"id\":1}".to_vec());
         let snapshot = Snapshot {
             status: 201,

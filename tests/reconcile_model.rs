@@ -17,6 +17,7 @@ use idempotency_filter::flow::{
     LaterLookup, LeaseEnd, Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict,
 };
 use idempotency_filter::reconcile::{answer_of, LookupAnswer, LookupGate};
+use idempotency_filter::store::fake::permutations;
 use idempotency_filter::store::fake::FakeSharedData;
 use idempotency_filter::store::local::LocalStore;
 use idempotency_filter::store::{Begin, ClaimAttempt, RecordStore, Settled, StoreAnswer, StoreOp};
@@ -241,22 +242,6 @@ impl World<'_> {
             self.lease_end = Some(flow);
         }
     }
-}
-
-fn permutations(items: &[Event]) -> Vec<Vec<Event>> {
-    if items.len() <= 1 {
-        return vec![items.to_vec()];
-    }
-    let mut out = Vec::new();
-    for i in 0..items.len() {
-        let mut rest = items.to_vec();
-        let first = rest.remove(i);
-        for mut tail in permutations(&rest) {
-            tail.insert(0, first);
-            out.push(tail);
-        }
-    }
-    out
 }
 
 fn run(upstream: Upstream, order: &[Event]) {

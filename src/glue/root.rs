@@ -587,26 +587,34 @@ fn answer_detached<H: Host>(
     }
 }
 
+/// The answer to a callout of the root's that is not the store's (a detached call, a lookup):
+/// its status (None: Envoy's failure report, no `:status`), headers and body. None when it
+/// cannot be read.
+type CalloutAnswer = (Option<u16>, Vec<(String, Vec<u8>)>, Vec<u8>);
+fn callout_answer<H: Host>(host: &H, body_size: usize) -> Option<CalloutAnswer> {
+    let status = match host.header_value(MAP_HTTP_CALL_RESPONSE_HEADERS, ":status") {
+        Ok(Some(v)) => std::str::from_utf8(&v).ok().and_then(|s| s.parse::<u16>().ok()),
+        Ok(None) | Err(_) => None,
+    };
+    let headers = host.header_pairs(MAP_HTTP_CALL_RESPONSE_HEADERS).ok()?;
+    let body = if body_size == 0 {
+        Vec::new()
+    } else {
+        host.buffer(BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size).ok()?
+    };
+    Some((status, headers, body))
+}
+
 /// A detached call's answer: recorded exactly as an inline upstream answer would be, then sent
 /// to its client if it is still there (with a remote store, once the record is written).
 fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_size: usize) {
     let host = &plugin.host;
     plugin.detached_done();
     let now_ms = host.now_ms();
-    let status = match host.header_value(MAP_HTTP_CALL_RESPONSE_HEADERS, ":status") {
-        Ok(Some(v)) => std::str::from_utf8(&v).ok().and_then(|s| s.parse::<u16>().ok()),
-        Ok(None) | Err(_) => None,
-    };
-    let headers = host.header_pairs(MAP_HTTP_CALL_RESPONSE_HEADERS);
-    let body = if body_size == 0 {
-        Ok(Vec::new())
-    } else {
-        host.buffer(BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size)
-    };
-    let answer = match (headers, body) {
-        (Ok(headers), Ok(body)) => detached::answer_of(status, headers, body),
+    let answer = match callout_answer(host, body_size) {
+        Some((status, headers, body)) => detached::answer_of(status, headers, body),
         // An answer that cannot be read: what it said is unknown.
-        _ => detached::Answer::Unknown { timed_out: false },
+        None => detached::Answer::Unknown { timed_out: false },
     };
     let DetachedCall { context_id, claim, rule, handle, lease_end, .. } = call;
     let out = detached::outcome(&rule, claim, answer, now_ms);
@@ -882,19 +890,9 @@ fn dispatch_lookup<H: Host>(plugin: &PluginState<H>, call: Box<RootLookup>) {
 fn lookup_answered<H: Host>(plugin: &PluginState<H>, call: RootLookup, body_size: usize) {
     let host = &plugin.host;
     plugin.lookups.finished(&call.lookup.scope, call.lookup.started_ms, host.now_ms());
-    let status = match host.header_value(MAP_HTTP_CALL_RESPONSE_HEADERS, ":status") {
-        Ok(Some(v)) => std::str::from_utf8(&v).ok().and_then(|s| s.parse::<u16>().ok()),
-        Ok(None) | Err(_) => None,
-    };
-    let headers = host.header_pairs(MAP_HTTP_CALL_RESPONSE_HEADERS);
-    let body = if body_size == 0 {
-        Ok(Vec::new())
-    } else {
-        host.buffer(BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size)
-    };
-    let answer = match (headers, body) {
-        (Ok(headers), Ok(body)) => reconcile::answer_of(&call.lookup.rule, status, headers, body),
-        _ => LookupAnswer::Failed("the lookup's answer could not be read".into()),
+    let answer = match callout_answer(host, body_size) {
+        Some((status, headers, body)) => reconcile::answer_of(&call.lookup.rule, status, headers, body),
+        None => LookupAnswer::Failed("the lookup's answer could not be read".into()),
     };
     answer_lookup(plugin, call, answer);
 }

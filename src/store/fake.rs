@@ -203,6 +203,24 @@ impl<S: SharedData> SharedData for Interleave<'_, S> {
     }
 }
 
+/// Every order of `items` (n! of them; equal items give equal orders more than once), for the
+/// model tests that run each order of a few events.
+pub fn permutations<T: Clone>(items: &[T]) -> Vec<Vec<T>> {
+    if items.len() <= 1 {
+        return vec![items.to_vec()];
+    }
+    let mut out = Vec::new();
+    for i in 0..items.len() {
+        let mut rest = items.to_vec();
+        let first = rest.remove(i);
+        for mut tail in permutations(&rest) {
+            tail.insert(0, first.clone());
+            out.push(tail);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,3 +280,4 @@ mod tests {
         assert_eq!(s.get("k").unwrap().bytes(), b"w");
     }
 }
+

@@ -6,6 +6,7 @@ tests/e2e/.logs/ (gitignored): one Envoy log per module, the upstream's stderr.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -110,6 +111,26 @@ class Envoy(_envoy.OrdersProxy):
     parameters), logging below tests/e2e/.logs."""
 
     log_root = LOG_ROOT
+
+
+@contextlib.contextmanager
+def envoy_on_store(kind: str, name: str, envoy_bin, filter_wasm, upstream, filter_config, **options):
+    """An Envoy whose filter configuration is `filter_config(store)`, with `kind` "local" (the
+    local store) or "etcd" (a real etcd started here, its cluster added); both stopped after."""
+    etcd = None
+    store = {"type": "local", "capacity": 1000}
+    if kind == "etcd":
+        etcd = Etcd("etcd-" + name).start()
+        store = etcd_store(prefix="/e2e-%s/" % name)
+        options["extra_clusters"] = [etcd_cluster([etcd.client_port])]
+    proxy = Envoy(envoy_bin, upstream.port, filter_config(store), wasm_path=filter_wasm,
+                  name="%s-%s" % (name, kind), **options)
+    try:
+        yield proxy.start()
+    finally:
+        proxy.stop()
+        if etcd is not None:
+            etcd.stop()
 
 
 def leave_while_upstream_works(port: int, upstream: "Upstream", key: str, data: bytes) -> None:

@@ -1,7 +1,7 @@
 //! Detached execution (`execution: "detached"`): the root makes the call, records its answer
 //! like an upstream answer, and answers the client if it is still there.
 
-use super::{pairs, root, Sent};
+use super::{pairs, root, sent_to};
 use crate::flow::Verdict;
 use crate::glue::fake_host::{Call, FakeHost};
 use crate::glue::http::Http;
@@ -65,19 +65,6 @@ fn token(call: &Option<Call>) -> u32 {
         Some(Call::Dispatch { token, .. }) => *token,
         other => panic!("no callout: {other:?}"),
     }
-}
-
-fn sent_to(h: &FakeHost, context: u32) -> Vec<Sent> {
-    h.0.calls
-        .borrow()
-        .iter()
-        .filter_map(|c| match c {
-            Call::SendResponse { context: c, status, headers, body, .. } if *c == context => {
-                Some((*status, headers.clone(), body.clone()))
-            }
-            _ => None,
-        })
-        .collect()
 }
 
 #[test]

@@ -8,6 +8,7 @@ use super::pairs;
 use crate::glue::fake_host::{Call, FakeHost};
 use crate::glue::http::Http;
 use crate::glue::root::Root;
+use crate::store::fake::permutations;
 
 /// A route with `unknown_outcome: "takeover"`.
 const CONFIG: &str = r#"{"store":{"type":"local","capacity":64},"routes":[
@@ -52,22 +53,6 @@ fn replies_to(h: &FakeHost, id: u32) -> Vec<(u16, bool)> {
             _ => None,
         })
         .collect()
-}
-
-fn permutations(items: &[Event]) -> Vec<Vec<Event>> {
-    if items.len() <= 1 {
-        return vec![items.to_vec()];
-    }
-    let mut out = Vec::new();
-    for i in 0..items.len() {
-        let mut rest = items.to_vec();
-        let first = rest.remove(i);
-        for mut tail in permutations(&rest) {
-            tail.insert(0, first);
-            out.push(tail);
-        }
-    }
-    out
 }
 
 #[test]

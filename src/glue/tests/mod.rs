@@ -94,6 +94,20 @@ fn original_and_waiter(h: &FakeHost, root: &Root<FakeHost>) -> (Http<FakeHost>, 
 
 type Sent = (u16, Vec<(String, Vec<u8>)>, Vec<u8>);
 
+/// Every local reply sent on stream `context`, in order.
+pub(super) fn sent_to(h: &FakeHost, context: u32) -> Vec<Sent> {
+    h.0.calls
+        .borrow()
+        .iter()
+        .filter_map(|c| match c {
+            Call::SendResponse { context: c, status, headers, body, .. } if *c == context => {
+                Some((*status, headers.clone(), body.clone()))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
 fn last_token(h: &FakeHost) -> u32 {
     match h.dispatches().last() {
         Some(Call::Dispatch { token, .. }) => *token,

@@ -4,7 +4,7 @@
 //! the retry execute as a takeover, anything else answers 503 with `retry-after` and writes
 //! nothing; a client gone before the answer leaves the record as it was.
 
-use super::{pairs, root, Scripted, Sent};
+use super::{pairs, root, sent_to, Scripted, Sent};
 use crate::flow::Verdict;
 use crate::glue::fake_host::{Call, FakeHost};
 use crate::glue::http::Http;
@@ -74,19 +74,6 @@ fn lookup_answers(h: &FakeHost, root: &mut Root<FakeHost>, call: &Call, status: 
         pairs(&[(":status", status), ("content-type", "application/json"), ("set-cookie", "s=1")]);
     *h.0.call_response_body.borrow_mut() = body.to_vec();
     root.on_http_call_response(*token, body.len());
-}
-
-fn sent_to(h: &FakeHost, context: u32) -> Vec<Sent> {
-    h.0.calls
-        .borrow()
-        .iter()
-        .filter_map(|c| match c {
-            Call::SendResponse { context: c, status, headers, body, .. } if *c == context => {
-                Some((*status, headers.clone(), body.clone()))
-            }
-            _ => None,
-        })
-        .collect()
 }
 
 fn header<'s>(sent: &'s Sent, name: &str) -> Option<&'s [u8]> {

@@ -40,23 +40,9 @@ def filter_config(store: dict) -> dict:
 
 @pytest.fixture(scope="module", params=["local", "etcd"])
 def envoy(request, envoy_bin, filter_wasm, upstream):
-    etcd = None
-    store = {"type": "local", "capacity": 1000}
-    options = {}
-    if request.param == "etcd":
-        etcd = harness.Etcd("etcd-reconcile").start()
-        store = harness.etcd_store(prefix="/e2e-reconcile/")
-        options["extra_clusters"] = [harness.etcd_cluster([etcd.client_port])]
-    proxy = harness.Envoy(
-        envoy_bin, upstream.port, filter_config(store), wasm_path=filter_wasm,
-        name="reconcile-" + request.param, route_timeout=ROUTE_TIMEOUT, **options,
-    )
-    try:
-        yield proxy.start()
-    finally:
-        proxy.stop()
-        if etcd is not None:
-            etcd.stop()
+    with harness.envoy_on_store(request.param, "reconcile", envoy_bin, filter_wasm, upstream, filter_config,
+                                route_timeout=ROUTE_TIMEOUT) as proxy:
+        yield proxy
 
 
 def _after_the_lease(envoy, since: float, path: str, key: str, through_unsettled: bool = True):

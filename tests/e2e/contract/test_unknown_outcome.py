@@ -43,23 +43,9 @@ FILTER_CONFIG = filter_config({"type": "local", "capacity": 1000})
 
 @pytest.fixture(scope="module", params=["local", "etcd"])
 def envoy(request, envoy_bin, filter_wasm, upstream):
-    etcd = None
-    store = {"type": "local", "capacity": 1000}
-    options = {}
-    if request.param == "etcd":
-        etcd = harness.Etcd("etcd-unknown").start()
-        store = harness.etcd_store(prefix="/e2e-unknown/")
-        options["extra_clusters"] = [harness.etcd_cluster([etcd.client_port])]
-    proxy = harness.Envoy(
-        envoy_bin, upstream.port, filter_config(store), wasm_path=filter_wasm,
-        name="unknown-outcome-" + request.param, route_timeout=ROUTE_TIMEOUT, **options,
-    )
-    try:
-        yield proxy.start()
-    finally:
-        proxy.stop()
-        if etcd is not None:
-            etcd.stop()
+    with harness.envoy_on_store(request.param, "unknown", envoy_bin, filter_wasm, upstream, filter_config,
+                                route_timeout=ROUTE_TIMEOUT) as proxy:
+        yield proxy
 
 
 def _counts(envoy) -> dict:

@@ -6,7 +6,8 @@ lease the upstream's own lookup decides, asked by the first retry: a final 2xx i
 lookup), a 404 lets the retry execute (one execution that committed, in all), and anything else
 settles nothing (503 `outcome-unknown` with `retry-after`, the next retry asks again). A
 different payload under the key is refused before any lookup. A key nobody retries is looked up
-by the Envoy that saw its unknown outcome, a moment after the lease. Both stores: the local store and
+by the Envoy that saw its unknown outcome, a moment after the lease; a waiter (wait mode) is held
+until then and gets the replay. Both stores: the local store and
 etcd (a real etcd started here).
 """
 
@@ -33,6 +34,7 @@ def filter_config(store: dict) -> dict:
         "store": store,
         "routes": [
             dict(rule, name="pay", match={"prefix": "/pay"}),
+            dict(rule, name="waitpay", match={"prefix": "/waitpay"}, concurrent="wait", wait_timeout="10s"),
             harness.detached_rule("dpay", "/dpay", LEASE_S, 1, reconcile=LOOKUP),
         ],
     }
@@ -129,6 +131,18 @@ def test_with_no_retry_the_envoy_that_saw_it_looks_it_up_when_the_lease_ends(env
     retry = envoy.post("/pay", BODY, key_headers(key))
     _assert_reconciled_replay(retry, upstream, key)
     assert (upstream.lookups(key), upstream.executions(key)) == (1, 1)
+
+
+def test_a_waiter_is_held_until_the_lookup_settles_the_record(envoy, upstream):
+    key = new_key()
+    since = time.monotonic()
+    first = envoy.post("/waitpay", BODY, key_headers(key, x_delay_ms=SLOW_MS))
+    assert first.status == 504, first
+    # Held through the lease and past it, until the Envoy's own lookup settles the record.
+    waiter = envoy.post("/waitpay", BODY, key_headers(key), timeout=15)
+    _assert_reconciled_replay(waiter, upstream, key)
+    assert time.monotonic() - since >= LEASE_S, "answered before the lease ended"
+    assert upstream.executions(key) == 1
 
 
 def test_a_failing_lookup_settles_nothing_until_it_recovers(envoy, upstream):

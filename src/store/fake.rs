@@ -280,4 +280,3 @@ mod tests {
         assert_eq!(s.get("k").unwrap().bytes(), b"w");
     }
 }
-

@@ -715,7 +715,7 @@ impl RequestFlow {
             Decision::Forward { claim, counter } => {
                 if pending.rule.reconcile.is_some() {
                     let due_ms = now_ms.saturating_add(pending.rule.processing_timeout_ms);
-                    let request = self.lookup_request.clone();
+                    let request = std::mem::take(&mut self.lookup_request);
                     let later = LaterLookup { pending: pending.clone(), fingerprint, request, due_ms };
                     self.later = Some(Box::new(later));
                 }

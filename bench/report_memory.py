@@ -76,7 +76,7 @@ def memory_markdown(m: dict, note: str = "") -> list[str]:
     L.append(f"Refusals. About rate x ttl = {rate:.0f}/s x {m['ttl']} = {live:,.0f} records are live at a time "
              f"({live / 100000:.0%} of the capacity), while the sweep takes a shard of 64 buckets a second, so most "
              f"records in the store have ended and are not yet swept; a claim whose shard counts no room reclaims them "
-             f"from a few of the shard's buckets. `503 store_full`: {refused:,} of {r['requests']:,} "
+             f"from the shard's other buckets. `503 store_full`: {refused:,} of {r['requests']:,} "
              f"({refused / max(1, r['requests']):.1e}). How refusals grow with live records is the refusal curve above.")
     L.append("")
     samples = m["samples"]

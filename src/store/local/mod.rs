@@ -53,8 +53,9 @@ use crate::store::{
     Begin, Claim, ClaimAttempt, Completion, RecordStore, Settled, StoreError, UnknownOutcome,
 };
 use commit::SLOT_ATTEMPTS;
-use layout::{buckets_for, prefix_of};
+use layout::{buckets_for, prefix_of, FILL_SHARD_BUCKETS};
 use quota::CHARGE_FLAGS;
+use std::cell::Cell;
 
 mod commit;
 mod layout;
@@ -94,6 +95,10 @@ pub struct LocalStore<S: SharedData> {
     /// claims (`UnknownOutcome::Refuse`): an evicted claim's retry would find no record and execute
     /// again, which is what refusing it prevents.
     evict_abandoned: bool,
+    /// Per fill shard, until when this worker does not try to reclaim room in it: a pass over
+    /// all its buckets found only live records (`reclaim_in_shard`). Worker memory, not shared
+    /// data: a pause only spares this worker's reads.
+    reclaim_paused_until: Vec<Cell<u64>>,
 }
 
 fn host(e: SharedDataError) -> StoreError {
@@ -140,6 +145,7 @@ impl<S: SharedData> LocalStore<S> {
             secret: [0; 32],
             created: 0,
             evict_abandoned: true,
+            reclaim_paused_until: (0..buckets.div_ceil(FILL_SHARD_BUCKETS)).map(|_| Cell::new(0)).collect(),
         }
     }
 

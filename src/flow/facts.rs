@@ -34,6 +34,18 @@ pub(super) fn property_u64(facts: &mut dyn StreamFacts, path: &[&str]) -> Option
     Some(u64::from_le_bytes(<[u8; 8]>::try_from(bytes.as_slice()).ok()?))
 }
 
+/// The request body bytes Envoy received from the client, read at the stream's end: Envoy's
+/// `request.total_size` (bytes received plus the request header map's size, the sum of its
+/// names' and values' lengths) less that header map. None when either is unreadable. Envoy
+/// counts the bytes as they come off the connection, before any filter sees them, so a body
+/// held back from the filter counts too.
+pub(super) fn body_bytes_received(facts: &mut dyn StreamFacts) -> Option<u64> {
+    let total = property_u64(facts, &["request", "total_size"])?;
+    let headers = facts.request_headers().ok()?;
+    let head: u64 = headers.iter().map(|(name, value)| (name.len() + value.len()) as u64).sum();
+    Some(total.saturating_sub(head))
+}
+
 /// Response flags, and whether an upstream host was ever selected: an empty or absent
 /// `upstream.address` says none was; a failed read says nothing, so it counts as selected.
 pub(super) fn stream_report(facts: &mut dyn StreamFacts) -> (u64, bool) {

@@ -315,6 +315,12 @@ impl<H: Host> Http<H> {
                     }
                     None
                 }
+                Step::ErrorStopIterationMissing { rule, details, body_bytes } => {
+                    if plugin.first_stop_iteration_error() {
+                        log::error!("{}", stop_iteration_missing_line(&rule, details.as_deref(), body_bytes));
+                    }
+                    None
+                }
                 Step::WarnBodyNeverReceived { rule, details } => {
                     if plugin.body_never_received_log_due(host.now_ms()) {
                         log::warn!(
@@ -339,4 +345,18 @@ impl<H: Host> Http<H> {
             verdict
         }
     }
+}
+
+/// The error line for a worker whose Envoy keeps request bodies from the filter: what happened,
+/// what it does to traffic, the setting that is missing and where it can be set.
+pub fn stop_iteration_missing_line(rule: &str, details: Option<&str>, body_bytes: u64) -> String {
+    format!(
+        "route rule {rule}: {body_bytes} bytes of a protected request's body reached Envoy but never this \
+         filter ({}): the Wasm filter's config lacks allow_on_headers_stop_iteration: true (or the \
+         control plane dropped it), so every protected request with a body hangs until Envoy's timeout \
+         (504) and none is forwarded (counter body_never_received). Set it in the Wasm filter's config; \
+         on Istio the EnvoyFilter form needs Istio >= 1.28 (1.27 drops the field without an error, 1.26 \
+         and older ship an Envoy without it), and a WasmPlugin cannot set it. Logged once per worker.",
+        details.unwrap_or("no response details")
+    )
 }

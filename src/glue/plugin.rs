@@ -313,6 +313,9 @@ pub struct PluginState<H: Host> {
     pub settlements: RefCell<Settlements>,
     bypass_log: LogEvery,
     body_never_received_log: LogEvery,
+    /// Set once this worker has logged that Envoy keeps request bodies from the filter
+    /// (`allow_on_headers_stop_iteration` missing): one error line per worker, not per request.
+    stop_iteration_error_logged: Cell<bool>,
     metrics: Metrics,
     tokens: Cell<u64>,
     seed: u64,
@@ -414,6 +417,7 @@ impl<H: Host> PluginState<H> {
             settlements: RefCell::new(Settlements::default()),
             bypass_log: LogEvery::new(BYPASS_LOG_EVERY_MS),
             body_never_received_log: LogEvery::new(BODY_NEVER_RECEIVED_LOG_EVERY_MS),
+            stop_iteration_error_logged: Cell::new(false),
             tokens: Cell::new(0),
             seed,
             room,
@@ -871,6 +875,12 @@ impl<H: Host> PluginState<H> {
     /// once a minute per worker).
     pub fn body_never_received_log_due(&self, now_ms: u64) -> bool {
         self.body_never_received_log.due(now_ms)
+    }
+
+    /// True the first time this worker (this root) asks: the error that Envoy keeps request
+    /// bodies from the filter is logged once per worker; every such request is counted.
+    pub fn first_stop_iteration_error(&self) -> bool {
+        !self.stop_iteration_error_logged.replace(true)
     }
 
     /// Tells every worker that this record's outcome may be known, so that its waiters look.

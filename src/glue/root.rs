@@ -982,6 +982,7 @@ fn step_name(step: &Step) -> &'static str {
         Step::LeaveWaitRoom => "leave wait room",
         Step::WarnRetried { .. } => "warn retried",
         Step::WarnBodyNeverReceived { .. } => "warn body never received",
+        Step::ErrorStopIterationMissing { .. } => "error stop iteration missing",
         Step::Detach { .. } => "detach",
         Step::Lookup { .. } => "lookup",
         Step::LookUpAtLeaseEnd(_) => "look up at lease end",

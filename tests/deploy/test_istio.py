@@ -125,6 +125,23 @@ def test_envoyfilter_sets_what_a_wasmplugin_cannot(rel):
     assert patch["patch"]["value"]["config_discovery"]["type_urls"] == [WASM_TYPE, RBAC_TYPE]
 
 
+@pytest.mark.parametrize("rel", FILES)
+def test_every_manifest_states_the_istio_floor(rel):
+    """Istio 1.27 accepts the EnvoyFilter form and drops allow_on_headers_stop_iteration (its
+    go-control-plane lacks the field): each manifest's header says the floor, and
+    docs/DEPLOYMENT.md gives the evidence."""
+    text = (ISTIO_DIR / rel).read_text()
+    header = text[:text.index("\napiVersion:")]
+    assert re.search(r"ISTIO >= 1\.28|Istio >= 1\.28", header), header
+    assert "1.27" in header and "allow_on_headers_stop_iteration" in header, header
+    assert 'docs/DEPLOYMENT.md, "Istio version floor"' in re.sub(r"\s*\n#\s*", " ", header), header
+    deployment = (REPO_ROOT / "docs" / "DEPLOYMENT.md").read_text()
+    section = deployment[deployment.index("**Istio version floor: 1.28 for the EnvoyFilter form.**"):]
+    for evidence in ("BuildXDSObjectFromStruct", "2025-07-15", "v1.32.5-0.20250627145903-197b96a9c7f8",
+                     "v1.35.1-0.20251009075907-cccc37f025be", "body_never_received"):
+        assert evidence in section.split("\n\n**")[0], evidence
+
+
 def test_every_configuration_is_accepted_by_the_filter(check_config, tmp_path):
     results = check_configs(check_config, _configurations(), tmp_path)
     assert all(line.startswith("ok ") for line in results.values()), results

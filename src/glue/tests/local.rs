@@ -5,7 +5,7 @@
 //! request body and the captured response; the router-retry warning and the "body never
 //! received" log are said once (per rule, per minute) while every occurrence is counted.
 
-use super::{executed, host, pairs, post, root, upstream_answers};
+use super::{capture_logs, executed, host, logged, pairs, post, root, upstream_answers};
 use crate::flow::Verdict;
 use crate::glue::fake_host::{Call, FakeHost};
 use crate::glue::root::Root;
@@ -131,6 +131,50 @@ fn a_request_ended_before_its_body_is_counted_each_time_and_logged_once_a_minute
         http.on_log();
     }
     assert_eq!((h.counter("body_never_received"), h.counter("claimed")), (3, 0));
+}
+
+#[test]
+fn a_body_envoy_kept_from_the_filter_is_logged_as_an_error_once_per_worker() {
+    capture_logs();
+    let h = host();
+    let root = root(&h);
+    let head = pairs(&[(":method", "POST"), (":path", "/orders"), ("idempotency-key", "k")]);
+    let head_bytes: usize = head.iter().map(|(n, v)| n.len() + v.len()).sum();
+    // Envoy received 23 bytes of body (request.total_size counts them with the header map) and
+    // handed none of them over: allow_on_headers_stop_iteration is missing.
+    let total = (head_bytes as u64 + 23).to_le_bytes().to_vec();
+    h.0.properties.borrow_mut().insert("request.total_size".into(), total);
+    h.0.properties.borrow_mut().insert("response.code_details".into(), b"stream_idle_timeout".to_vec());
+    for n in 0..3 {
+        let mut http = root.http_context(2 + n);
+        *h.0.request_headers.borrow_mut() = head.clone();
+        assert_eq!(http.on_request_headers(false), Verdict::Pause);
+        http.on_log();
+    }
+    assert_eq!((h.counter("body_never_received"), h.counter("claimed")), (3, 0));
+    let errors = logged(log::Level::Error);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    for words in [
+        "route rule orders: 23 bytes",
+        "(stream_idle_timeout)",
+        "lacks allow_on_headers_stop_iteration: true",
+        "counter body_never_received",
+        "Istio >= 1.28",
+    ] {
+        assert!(errors[0].contains(words), "{words:?} in {:?}", errors[0]);
+    }
+    assert!(logged(log::Level::Warn).iter().all(|w| !w.contains("allow_on_headers_stop_iteration")));
+    // A client that left before its body (Envoy received none): the once-a-minute warning, not
+    // the error.
+    let total = (head_bytes as u64).to_le_bytes().to_vec();
+    h.0.properties.borrow_mut().insert("request.total_size".into(), total);
+    let mut http = root.http_context(9);
+    *h.0.request_headers.borrow_mut() = head.clone();
+    assert_eq!(http.on_request_headers(false), Verdict::Pause);
+    http.on_log();
+    assert_eq!(logged(log::Level::Error).len(), 1);
+    let warnings = logged(log::Level::Warn);
+    assert!(warnings.iter().any(|w| w.contains("ended before any of it arrived")), "{warnings:?}");
 }
 
 #[test]

@@ -30,6 +30,44 @@ const CONFIG: &str = r#"{"store":{"type":"local","capacity":64},"routes":[
     {"name":"orders","match":{"prefix":"/orders"},"require_key":true},
     {"name":"waits","match":{"prefix":"/wait"},"require_key":true,"concurrent":"wait"}]}"#;
 
+thread_local! {
+    static LOGGED: RefCell<Vec<(log::Level, String)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Keeps the `log` lines (info and above) of the thread that wrote them: each test runs on a
+/// thread of its own, so a test reads its own lines only.
+struct Capture;
+
+impl log::Log for Capture {
+    fn enabled(&self, metadata: &log::Metadata) -> bool {
+        metadata.level() <= log::Level::Info
+    }
+    fn log(&self, record: &log::Record) {
+        if self.enabled(record.metadata()) {
+            LOGGED.with(|l| l.borrow_mut().push((record.level(), record.args().to_string())));
+        }
+    }
+    fn flush(&self) {}
+}
+
+static CAPTURE: Capture = Capture;
+
+/// From here on, this thread's log lines are kept for `logged` (the glue logs through the `log`
+/// facade; in Envoy `glue/host.rs` routes it to Envoy's log).
+fn capture_logs() {
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| {
+        let _ = log::set_logger(&CAPTURE);
+    });
+    log::set_max_level(log::LevelFilter::Info);
+    LOGGED.with(|l| l.borrow_mut().clear());
+}
+
+/// This thread's log lines at `level` since `capture_logs`.
+fn logged(level: log::Level) -> Vec<String> {
+    LOGGED.with(|l| l.borrow().iter().filter(|(lv, _)| *lv == level).map(|(_, m)| m.clone()).collect())
+}
+
 fn host() -> FakeHost {
     let h = FakeHost::default();
     *h.0.config.borrow_mut() = CONFIG.as_bytes().to_vec();

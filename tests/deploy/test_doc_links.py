@@ -3,7 +3,9 @@ inline links `[text](target)` in every tracked `*.md` file, and paths below `doc
 (`see docs/ETCD.md`): once a benchmark section writer replaced the README's three references to
 docs/ETCD.md with a benchmark sentence, and nothing noticed. And since the README's details live in
 docs/, a link's `#anchor` must name a heading of the file it points to (GitHub's heading ids), in
-README.md, ARCHITECTURE.md and docs/*.md alike."""
+README.md, ARCHITECTURE.md and docs/*.md alike. The alerting rules' runbook links
+(deploy/prometheus/alerts.yaml, `runbook_url`) are checked the same way: each names a section of
+docs/OPERATIONS.md."""
 
 from __future__ import annotations
 
@@ -11,7 +13,11 @@ import re
 import subprocess
 from pathlib import Path
 
+import yaml
+
 from idemkit import REPO_ROOT
+
+ALERT_RULES = REPO_ROOT / "deploy" / "prometheus" / "alerts.yaml"
 
 # An inline link's target: up to the first ')' or whitespace-then-title; targets with spaces are
 # taken whole up to ')', so a broken one is reported rather than skipped.
@@ -102,3 +108,39 @@ def test_the_checker_sees_a_broken_anchor(tmp_path):
     assert _anchors(doc) == {"the-etcd-store-a-fleet-of-envoys", "what-the-upstreams-answer-does", "metrics",
                              "metrics-1"}
     assert _broken(doc) == ["anchor (doc.md#storage)", "anchor (#not-a-heading)", "anchor (#metrics-2)"]
+
+
+def _runbook_links(rules: Path = ALERT_RULES) -> dict[str, str]:
+    """{alert: its runbook_url}."""
+    doc = yaml.safe_load(rules.read_text())
+    return {r["alert"]: r.get("annotations", {}).get("runbook_url", "")
+            for g in doc["groups"] for r in g["rules"] if "alert" in r}
+
+
+def _broken_runbooks(links: dict[str, str]) -> dict[str, str]:
+    """The links that are not `docs/OPERATIONS.md#<a heading there>`."""
+    operations = REPO_ROOT / "docs" / "OPERATIONS.md"
+    broken = {}
+    for alert, url in links.items():
+        path, _, anchor = url.partition("#")
+        if path != "docs/OPERATIONS.md" or not anchor or anchor not in _anchors(operations):
+            broken[alert] = url
+    return broken
+
+
+def test_every_alert_runbook_link_names_a_section_of_operations():
+    links = _runbook_links()
+    assert len(links) >= 8, links
+    assert not _broken_runbooks(links), _broken_runbooks(links)
+
+
+def test_the_checker_sees_a_broken_runbook_link(tmp_path):
+    rules = tmp_path / "alerts.yaml"
+    rules.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
+        {"alert": "Good", "expr": "up", "annotations": {"runbook_url": "docs/OPERATIONS.md#idempotencystoreerrors"}},
+        {"alert": "NoSection", "expr": "up", "annotations": {"runbook_url": "docs/OPERATIONS.md#no-such-section"}},
+        {"alert": "OtherFile", "expr": "up", "annotations": {"runbook_url": "docs/ETCD.md#data-model"}},
+        {"alert": "None", "expr": "up"},
+        {"record": "a:b", "expr": "up"}]}]}))
+    assert _broken_runbooks(_runbook_links(rules)) == {
+        "NoSection": "docs/OPERATIONS.md#no-such-section", "OtherFile": "docs/ETCD.md#data-model", "None": ""}

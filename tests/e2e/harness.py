@@ -9,10 +9,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
+import signal
 import socket
 import struct
+import subprocess
+import sys
+import threading
 from pathlib import Path
+
+import pytest
 
 from demo.orders_upstream import response_body
 from idemkit import REPO_ROOT, envoy as _envoy, process as _process
@@ -218,3 +225,81 @@ def retry_after_seconds(resp: Response) -> int:
     seconds = int(value)
     assert seconds >= 1, resp
     return seconds
+
+
+# ---- `make run` ------------------------------------------------------------------------------
+
+DEMO_PORTS = {"upstream": 8080, "Envoy": 10000, "Envoy admin": 9901}
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open("/proc/%d/stat" % pid) as f:  # a zombie is not running
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class Demo:
+    """`make run`: `python -m demo.run --envoy BIN` (envoy/envoy.yaml on its fixed ports) in its own
+    session, as a terminal would run it; its output in lines. Fails (never skips) when another
+    demo holds the ports."""
+
+    def __init__(self, envoy_bin) -> None:
+        busy = [name for name, port in DEMO_PORTS.items() if listening(port)]
+        if busy:
+            pytest.fail("ports taken (%s): is a `make run` running?" % ", ".join(busy), pytrace=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "demo.run", "--envoy", str(envoy_bin)],
+            cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        wait_until(lambda: self._ready(), 90, 0.1, "`make run` to say it is ready")
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            self.lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError("demo exited with %s:\n%s" % (self.proc.returncode, self.text()))
+        return any("Ctrl-C here stops" in line for line in self.lines)
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def pids(self) -> dict[str, int]:
+        """What it said it started: upstream and Envoy pids."""
+        found = {}
+        for name in ("upstream", "Envoy"):
+            m = re.search(r"^make run:\s+%s\s+http://\S+\s+pid (\d+)" % name, self.text(), re.M)
+            assert m, "no pid for %s in:\n%s" % (name, self.text())
+            found[name] = int(m.group(1))
+        return found
+
+    def stop(self, sig: int, group: bool) -> int:
+        if group:
+            os.killpg(self.proc.pid, sig)  # Ctrl-C in a terminal: the whole foreground group
+        else:
+            self.proc.send_signal(sig)  # kill <pid>: the runner alone
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError("demo did not exit within 30 s:\n" + self.text())
+
+    def assert_all_gone(self, pids: dict[str, int]) -> None:
+        wait_until(lambda: not any(alive(p) for p in pids.values()), 10, 0.1,
+                   "the demo's processes to end")
+        assert not [name for name, port in DEMO_PORTS.items() if listening(port)], self.text()
+        assert "make run: stopped Envoy (pid %d), upstream (pid %d)" % (
+            pids["Envoy"], pids["upstream"]) in self.text()

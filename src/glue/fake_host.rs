@@ -92,6 +92,8 @@ pub struct Inner {
     pub calls: RefCell<Vec<Call>>,
     queues: RefCell<Vec<(String, VecDeque<Vec<u8>>)>>,
     metrics: RefCell<Vec<(String, i64)>>,
+    /// Gauges by name, as last set.
+    gauges: RefCell<Vec<(String, u64)>>,
     /// `increment`s made (into the batch: what counting costs is in the flush).
     pub increments: Cell<u32>,
     batch: RefCell<super::MetricBatch>,
@@ -174,6 +176,11 @@ impl FakeHost {
         let Some(id) = metrics.iter().position(|(n, _)| n == full) else { return 0 };
         let pending = if with_pending { self.0.batch.borrow().pending(id as u32) } else { 0 };
         metrics[id].1 + pending
+    }
+
+    /// A gauge as last set; `None` while undefined.
+    pub fn gauge(&self, name: &str) -> Option<u64> {
+        self.0.gauges.borrow().iter().find(|(n, _)| n == name).map(|(_, v)| *v)
     }
 
     /// Metrics defined so far.
@@ -360,6 +367,17 @@ impl Host for FakeHost {
         let mut metrics = self.0.metrics.borrow_mut();
         metrics.push((name.to_string(), 0));
         Ok(metrics.len() as u32 - 1)
+    }
+    fn set_gauge(&self, name: &str, value: u64) -> Result<(), HostError> {
+        self.fails("set_gauge")?;
+        self.note("define_metric", name.len());
+        self.note("record_metric", 0);
+        let mut gauges = self.0.gauges.borrow_mut();
+        match gauges.iter_mut().find(|(n, _)| n == name) {
+            Some((_, v)) => *v = value,
+            None => gauges.push((name.to_string(), value)),
+        }
+        Ok(())
     }
     fn dispatch_http_call(
         &self,

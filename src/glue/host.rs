@@ -17,6 +17,7 @@ const NOT_FOUND: u32 = 1;
 const CAS_MISMATCH: u32 = 8;
 
 const METRIC_COUNTER: u32 = 0;
+const METRIC_GAUGE: u32 = 1;
 const STREAM_HTTP_REQUEST: u32 = 0;
 const STREAM_HTTP_RESPONSE: u32 = 1;
 const EMPTY: u32 = 7;
@@ -112,6 +113,7 @@ extern "C" {
         return_id: *mut u32,
     ) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
+    fn proxy_record_metric(metric_id: u32, value: u64) -> u32;
     fn proxy_done() -> u32;
     fn proxy_http_call(
         upstream_data: *const u8,
@@ -335,6 +337,12 @@ fn define_counter(name: &str) -> Result<u32, HostError> {
     Ok(id)
 }
 
+fn set_gauge(name: &str, value: u64) -> Result<(), HostError> {
+    let mut id = 0u32;
+    check(unsafe { proxy_define_metric(METRIC_GAUGE, name.as_ptr(), name.len(), &mut id) })?;
+    check(unsafe { proxy_record_metric(id, value) })
+}
+
 thread_local! {
     // One VM per worker thread: this is the worker's batch, whichever root flushes it (metric
     // ids belong to the VM, not to a root).
@@ -476,6 +484,9 @@ impl Host for AbiHost {
     }
     fn define_counter(&self, name: &str) -> Result<u32, HostError> {
         define_counter(name)
+    }
+    fn set_gauge(&self, name: &str, value: u64) -> Result<(), HostError> {
+        set_gauge(name, value)
     }
     fn dispatch_http_call(
         &self,

@@ -89,6 +89,9 @@ pub trait Host: SharedData + Clone {
     /// The next message, None when the queue is empty.
     fn dequeue(&self, queue_id: u32) -> Result<Option<Vec<u8>>, HostError>;
     fn define_counter(&self, name: &str) -> Result<u32, HostError>;
+    /// Defines the gauge `name` and sets it to `value` (two host calls): for a value set once,
+    /// when a root starts (`build_info`), never per request.
+    fn set_gauge(&self, name: &str, value: u64) -> Result<(), HostError>;
     /// Starts an HTTP callout on `cluster`; its answer comes to `on_http_call_response` of the
     /// context that dispatched it, with this token. Refused (BadArgument) when the cluster is
     /// unknown or a pseudo-header is missing. `timeout_ms` 0 would mean none: never pass it.

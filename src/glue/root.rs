@@ -45,6 +45,21 @@ impl<H: Host> Root<H> {
         Root { context_id, host, plugin: None, ticks: 0, retiring_until_ms: None }
     }
 
+    /// Envoy started this root (once per root context: the canary, the main thread, each
+    /// worker, and again for a configuration update). Says which module this is, off any
+    /// request's path: the build-info gauge, and a log line from the first root of this Envoy
+    /// to start this version (`build_info`). Never refuses.
+    pub fn on_vm_start(&mut self) -> bool {
+        log::set_max_level(log_filter(self.host.log_level()));
+        if log::Level::Info <= log::max_level() && crate::build_info::first_to_announce(&self.host) {
+            log::info!("{}", crate::build_info::START_LINE);
+        }
+        if let Err(HostError(s)) = self.host.set_gauge(crate::build_info::GAUGE, 1) {
+            log::warn!("cannot set metric {} (host status {s})", crate::build_info::GAUGE);
+        }
+        true
+    }
+
     /// False makes Envoy refuse the configuration; the reason is logged in one line naming
     /// the field.
     pub fn on_configure(&mut self) -> bool {

@@ -30,10 +30,15 @@ def load_all(path: Path) -> list[Any]:
         return [doc for doc in yaml.safe_load_all(f) if doc is not None]
 
 
+def package_field(name: str) -> str:
+    """A field of Cargo.toml's [package]."""
+    with open(REPO_ROOT / "Cargo.toml", "rb") as f:
+        return tomllib.load(f)["package"][name]
+
+
 def crate_version() -> str:
     """The package version in Cargo.toml, which `make oci` uses as the image tag."""
-    with open(REPO_ROOT / "Cargo.toml", "rb") as f:
-        return tomllib.load(f)["package"]["version"]
+    return package_field("version")
 
 
 def envoy_version() -> str:

@@ -8,7 +8,7 @@ run for real against etcd and the demo upstream, serves a first call and its rep
 istio/stats-tags.yaml, the bootstrap override that gives the counters their route and outcome
 labels on Istio: applied to Istio's own bootstrap stats_config (rendered from its template, see
 istio_bootstrap.py), it keeps Istio's tags and adds ours, and a real Envoy with both shows
-idempotency_requests_total{route,outcome}."""
+idempotency_requests_total{route,outcome} and idempotency_build_info{version}."""
 
 from __future__ import annotations
 
@@ -83,8 +83,12 @@ def test_the_manifests_parse():
 
 
 def _image_tag(url: str) -> str:
+    """The tag of an image reference pinned by digest (`oci://.../idempotency-filter:<tag>@sha256:<hex>`,
+    deploy/oci/pin.py; test_oci.py checks the digest is the one make oci builds)."""
     assert url.startswith("oci://"), url
-    return url.rsplit(":", 1)[1]
+    name, at, digest = url.partition("@")
+    assert at and re.fullmatch(r"sha256:[0-9a-f]{64}", digest), "not pinned by digest: %s" % url
+    return name.rsplit(":", 1)[1]
 
 
 @pytest.mark.parametrize("rel", [f for f in FILES if f.endswith("wasmplugin.yaml")])
@@ -360,9 +364,14 @@ def test_on_istios_stats_config_the_override_gives_the_labels(envoy_bin, filter_
                     assert "idempotency_route_orders_requests_total_replayed{} 1" in lines, lines
                     assert "idempotency_route_payments_v2_requests_total_claimed{} 1" in lines, lines
                     assert not any(line.startswith("idempotency_requests_total") for line in lines)
+                    # The version in the name, dots made underscores.
+                    assert "idempotency_build_info_version_%s{} 1" % crate_version().replace(".", "_") in lines, lines
+                    assert not any(line.startswith("idempotency_build_info{") for line in lines)
                 else:
                     assert 'idempotency_requests_total{route="orders",outcome="replayed"} 1' in lines, lines
                     assert 'idempotency_requests_total{route="payments.v2",outcome="claimed"} 1' in lines, lines
+                    assert 'idempotency_build_info{version="%s"} 1' % crate_version() in lines, lines
+                    assert "# TYPE idempotency_build_info gauge" in text
                     families = set(re.findall(r"^# TYPE (idempotency_\w+) counter$", text, re.M))
                     assert families == {"idempotency_requests_total", "idempotency_unmatched_requests_total",
                                         "idempotency_records_swept_total",

@@ -2,7 +2,13 @@
 standard OCI tool from Debian. The form is the Wasm image spec's compat variant, which Istio's
 image fetcher takes: one tar+gzip layer holding plugin.wasm. skopeo reads the layout, reports the
 media types, and copies it out verifying every blob's digest; the plugin.wasm inside is the
-module byte for byte, and rebuilding gives the same digests."""
+module byte for byte, and rebuilding gives the same digests. The image carries the OCI
+annotations version, source and licenses (from Cargo.toml), and a revision only when asked.
+
+And the pin (deploy/oci/pin.py, `make pin`): every image reference in istio/*/*.yaml names the
+image `make oci` built, by its manifest digest, which a copy with `skopeo copy
+--preserve-digests` (as a push) keeps; `make pin-check` fails on a stale pin, naming `make pin`,
+and `make pin` mends it."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import gzip
 import hashlib
 import io
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -18,9 +25,12 @@ from pathlib import Path
 import pytest
 
 from idemkit import REPO_ROOT
-from manifests import crate_version
+from manifests import ISTIO_DIR, crate_version, package_field
 
 BUILD = REPO_ROOT / "deploy" / "oci" / "build.py"
+PIN = REPO_ROOT / "deploy" / "oci" / "pin.py"
+sys.path.insert(0, str(PIN.parent))
+import pin  # noqa: E402 (deploy/oci/pin.py, standard library only)
 
 
 def _skopeo(skopeo: str, *args: str) -> str:
@@ -97,3 +107,97 @@ def test_not_a_module_is_refused(tmp_path):
                            str(tmp_path / "out"), "--tag", "x"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "not a Wasm module" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _manifest_digest(oci_layout: Path) -> str:
+    return json.loads((oci_layout / "index.json").read_text())["manifests"][0]["digest"]
+
+
+def test_the_oci_annotations_come_from_cargo_toml(skopeo, ref):
+    manifest = json.loads(_skopeo(skopeo, "inspect", "--raw", ref))
+    expected = {
+        "org.opencontainers.image.version": crate_version(),
+        "org.opencontainers.image.source": package_field("repository"),
+        "org.opencontainers.image.licenses": package_field("license"),
+    }
+    annotations = manifest["annotations"]
+    assert {k: annotations.get(k) for k in expected} == expected, annotations
+    assert expected["org.opencontainers.image.source"].startswith("https://")
+    # The pinned image has no revision (a commit could never pin its own digest) and no
+    # creation time (the digest would change at every build).
+    assert "org.opencontainers.image.revision" not in annotations
+    assert "org.opencontainers.image.created" not in annotations
+    # The same as the config's labels, which is what `skopeo inspect` shows.
+    assert json.loads(_skopeo(skopeo, "inspect", ref))["Labels"] == expected
+
+
+def test_a_revision_only_when_asked_and_then_another_digest(skopeo, oci_layout, filter_wasm, tmp_path):
+    out = tmp_path / "with-revision"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    subprocess.run([sys.executable, str(BUILD), "--wasm", str(filter_wasm), "--out", str(out),
+                    "--revision", revision], check=True, capture_output=True, timeout=60)
+    manifest = json.loads(_skopeo(skopeo, "inspect", "--raw", "oci:%s:%s" % (out, crate_version())))
+    assert manifest["annotations"]["org.opencontainers.image.revision"] == revision
+    assert _manifest_digest(out) != _manifest_digest(oci_layout)
+
+
+def _pinned(istio_dir: Path = ISTIO_DIR) -> dict[str, list[tuple[str, str | None, str | None]]]:
+    """{manifest: [(repository, tag, digest) of each image reference]}"""
+    return {p.relative_to(istio_dir).as_posix(): [(m.group("repo"), m.group("tag"), m.group("digest"))
+                                                 for m in pin.references(p.read_text())]
+            for p in pin.manifests(istio_dir)}
+
+
+def test_the_istio_manifests_pin_the_digest_make_oci_builds(oci_layout):
+    """The one check a developer meets after changing the Rust code: the module's bytes moved the
+    digest, and istio/ must follow (`make pin`, then commit istio/ with the change)."""
+    built = _manifest_digest(oci_layout)
+    manifest = json.loads((oci_layout / "blobs" / "sha256" / built.split(":", 1)[1]).read_text())
+    module = manifest["annotations"]["io.github.idempotency-filter.module.digest"]
+    pinned = _pinned()
+    assert sorted(pinned) == ["gateway/envoyfilter.yaml", "gateway/wasmplugin.yaml",
+                              "mesh/envoyfilter.yaml", "mesh/wasmplugin.yaml"]
+    stale = {rel: refs for rel, refs in pinned.items()
+             if len(refs) != 1 or refs[0][1:] != (crate_version(), built)}
+    assert not stale, (
+        "The pinned image is stale: run `make pin` and commit istio/ with your change "
+        "(CONTRIBUTING.md). make oci built idempotency-filter:%s@%s (module %s), but %s. If the code "
+        "did not change, the toolchain did: rust-toolchain.toml and the Makefile's WASM_OPT_VERSION fix it."
+        % (crate_version(), built, module,
+           "; ".join("%s pins %s" % (rel, ", ".join("%s:%s@%s" % r for r in refs) or "nothing")
+                     for rel, refs in sorted(stale.items()))))
+
+
+def test_a_copy_that_keeps_digests_has_the_pinned_digest(skopeo, ref, oci_layout, tmp_path):
+    # What a push with `skopeo copy --preserve-digests` (docs/DEPLOYMENT.md) stores under the
+    # manifest digest, here into a directory instead of a registry.
+    out = tmp_path / "pushed"
+    _skopeo(skopeo, "--insecure-policy", "copy", "--quiet", "--preserve-digests", ref, "dir:%s" % out)
+    assert _sha256((out / "manifest.json").read_bytes()) == _manifest_digest(oci_layout)
+
+
+def test_pin_check_fails_on_a_stale_pin_and_pin_mends_it(oci_layout, tmp_path):
+    istio = tmp_path / "istio"
+    shutil.copytree(ISTIO_DIR, istio)
+    stale = "sha256:" + "0" * 64
+    doc = istio / "mesh" / "wasmplugin.yaml"
+    doc.write_text(pin.REFERENCE.sub(lambda m: "%s:0.0.1@%s" % (m.group("repo"), stale), doc.read_text()))
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(PIN), "--layout", str(oci_layout), "--istio", str(istio), *args],
+                              capture_output=True, text=True, timeout=60)
+
+    check = run("--check")
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "mesh/wasmplugin.yaml pins" in check.stderr and stale in check.stderr
+    assert "run `make pin`" in check.stderr
+    assert doc.read_text().count(stale) == 1  # --check changes nothing
+    mend = run()
+    assert mend.returncode == 0, mend.stderr
+    assert run("--check").returncode == 0
+    # Only the references moved: each file is the repository's with the built image's reference.
+    tag, digest = pin.built(oci_layout)
+    assert (tag, digest) == (crate_version(), _manifest_digest(oci_layout))
+    for path in pin.manifests(istio):
+        original = (ISTIO_DIR / path.relative_to(istio)).read_text()
+        assert path.read_text() == pin.pinned_text(original, tag, digest), path

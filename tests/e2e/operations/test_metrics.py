@@ -1,12 +1,19 @@
 """The filter's counters in /stats and /stats/prometheus without stats tags (docs/OPERATIONS.md,
-Metrics; no contract row: a promise to the operator)."""
+Metrics; no contract row: a promise to the operator), and its build-info gauge there."""
 
 from __future__ import annotations
 
 import re
 
+import tomllib
+
 import harness
-from harness import ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNMATCHED_STAT, WATCH_ENDED_STAT, new_key
+from harness import REPO_ROOT, ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNMATCHED_STAT, WATCH_ENDED_STAT, new_key
+
+with open(REPO_ROOT / "Cargo.toml", "rb") as _f:
+    VERSION = tomllib.load(_f)["package"]["version"]
+# The build-info gauge (test_build_info.py): a gauge, not a counter, and the one other stat.
+BUILD_INFO = "build_info.version." + VERSION
 
 FILTER_CONFIG = {
     "store": {"type": "local", "capacity": 1000},
@@ -22,7 +29,7 @@ def test_all_counters_exist_from_the_start(envoy):
     # One family per meaning: no all-routes counter that repeats the rules' outcomes.
     per_rule = re.compile(r"route\.orders\.requests_total\.[a-z_]+")
     others = {c for c in counters - expected if not per_rule.fullmatch(c)}
-    assert not others, sorted(others)
+    assert others == {BUILD_INFO}, sorted(others)
 
 
 def test_counters_count_and_prometheus_names(envoy, upstream):
@@ -51,4 +58,8 @@ def test_counters_count_and_prometheus_names(envoy, upstream):
     assert re.search(r"^idempotency_unmatched_requests_total(?:\{\})? %d$" % (unmatched + 1), text, re.M)
     assert re.search(r"^idempotency_records_swept_total(?:\{\})? 0$", text, re.M)
     assert re.search(r"^idempotency_store_watch_ended_total(?:\{\})? 0$", text, re.M)
+    # The version in the name, its dots made underscores, as a gauge.
+    gauge = "idempotency_build_info_version_" + VERSION.replace(".", "_")
+    assert re.search(r"^# TYPE %s gauge$" % gauge, text, re.M)
+    assert re.search(r"^%s(?:\{\})? 1$" % gauge, text, re.M)
     assert "wasmcustom" not in text

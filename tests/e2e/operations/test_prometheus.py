@@ -51,9 +51,11 @@ def test_first_call_replay_and_mismatch_are_separate_series_with_route_and_outco
     text = envoy.prometheus()
     assert "# TYPE idempotency_requests_total counter" in text
     assert "wasmcustom" not in text
-    # Every counter family ends in _total, and no family name carries an outcome.
+    # Every counter family ends in _total, and no family name carries an outcome; the one gauge
+    # says which module runs (test_build_info.py).
     families = re.findall(r"^# TYPE (idempotency_\w+) (\w+)$", text, re.M)
-    assert sorted(families) == [("idempotency_records_swept_total", "counter"),
+    assert sorted(families) == [("idempotency_build_info", "gauge"),
+                                ("idempotency_records_swept_total", "counter"),
                                 ("idempotency_requests_total", "counter"),
                                 ("idempotency_store_watch_ended_total", "counter"),
                                 ("idempotency_unmatched_requests_total", "counter")], families
@@ -72,7 +74,7 @@ def test_first_call_replay_and_mismatch_are_separate_series_with_route_and_outco
 
 def test_both_shipped_envoy_configs_and_the_operations_doc_carry_the_same_stats_tags():
     tags = shipped_stats_config(REPO_ROOT / "envoy" / "envoy.yaml")
-    assert [t["tag_name"] for t in tags["stats_tags"]] == ["route", "outcome"]
+    assert [t["tag_name"] for t in tags["stats_tags"]] == ["route", "outcome", "version"]
     assert shipped_stats_config(REPO_ROOT / "envoy" / "envoy-etcd.yaml") == tags
     # docs/OPERATIONS.md, Metrics: the block users copy into their bootstrap (it was in README.md
     # before the README moved its details to docs/).

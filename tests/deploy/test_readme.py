@@ -12,7 +12,10 @@ import re
 import shutil
 import subprocess
 
+import pytest
+
 from idemkit import REPO_ROOT
+from idemkit.terminal import PASTE_MODES, SHELLS, Terminal
 
 README = REPO_ROOT / "README.md"
 OPERATIONS = REPO_ROOT / "docs" / "OPERATIONS.md"
@@ -106,38 +109,100 @@ def test_the_etcd_store_fields_are_tabled_once_in_the_configuration_doc():
     assert "\n## The etcd store\n" in CONFIGURATION.read_text()
 
 
-# ---- the docs' shell lines in bash and zsh (macOS's default shell) ---------------------------
+# ---- the docs' shell blocks, pasted whole into bash and zsh (macOS's default shell) -----------
 
-# curl, sleep and grep stand-ins: each call prints its arguments, one call per line, in one
-# write (a line's background call must not interleave with the foreground one's); printf, since
-# zsh's echo reads the backslashes in the arguments.
-_STUBS = ("curl() { local s; s=$(printf '[%s]' \"$@\"); printf '%s\\n' \"$s\"; }; sleep() { :; }; "
-          "grep() { local s; s=$(printf '[%s]' grep \"$@\"); printf '%s\\n' \"$s\"; }; ")
-
-
-def _shell_lines() -> list[str]:
-    """Every curl line a reader copies: the sh blocks of the README and of docs/*.md (the
-    compose recipe is docs/DEPLOYMENT.md's), and the compose file's recipe."""
-    lines = [l for doc in _docs() for b in re.findall(r"```sh\n(.*?)```", doc.read_text(), re.S)
-             for l in b.splitlines() if l.startswith("curl ")]
-    compose = (REPO_ROOT / "deploy" / "compose" / "docker-compose.yaml").read_text()
-    lines += [l[len("#   "):] for l in compose.splitlines() if l.startswith("#   curl ")]
-    return lines
+# Where a reader finds shell blocks to paste: the top-level documents and docs/.
+SHELL_DOCS = [README, REPO_ROOT / "ARCHITECTURE.md", REPO_ROOT / "BENCHMARKS.md", *_docs()[1:]]
+_SHELL_FENCE = re.compile(r"^```(?:sh|bash|shell|console|zsh)\n(.*?)^```", re.M | re.S)
+# The commands the docs' blocks run, each a stand-in that appends its arguments to $ARGV_LOG, one
+# call a line, in one write (a background call's line cannot interleave with the foreground
+# one's); printf, since zsh's echo reads the backslashes in the arguments. A block that runs
+# anything else fails the test (command not found) until its command has a stand-in here.
+_STUBBED = ("make", "docker", "skopeo", "curl", "sleep", "grep")
+_STUBS = ("_argv() { local s; s=$(printf '[%s]' \"$@\"); printf '%s\\n' \"$s\" >> \"$ARGV_LOG\"; }; "
+          + " ".join("%s() { _argv %s \"$@\"; };" % (c, c) for c in _STUBBED))
+# $RANDOM seeded, so a block's `K=order-$RANDOM` gives the same key pasted as run as a script;
+# each shell has its own sequence, and its first values are named in the comparison.
+_SEED = "RANDOM=4242"
 
 
-def _argv(shell: str, line: str) -> list[str]:
-    proc = subprocess.run([shell, "-c", _STUBS + line + "; wait"], capture_output=True, text=True,
-                          timeout=30, env={"PATH": os.environ["PATH"], "K": "order-1"})
-    assert proc.returncode == 0 and not proc.stderr, (shell, line, proc.returncode, proc.stderr)
-    return sorted(proc.stdout.splitlines())
+def _shell_blocks() -> list[tuple[str, str]]:
+    """(where, text) of every shell block in the docs."""
+    out = []
+    for doc in SHELL_DOCS:
+        text = doc.read_text()
+        for n, m in enumerate(_SHELL_FENCE.finditer(text), 1):
+            line = text.count("\n", 0, m.start()) + 1
+            out.append(("%s:%d (block %d)" % (doc.relative_to(REPO_ROOT), line, n), m.group(1)))
+    return out
 
 
-def test_every_curl_line_of_the_docs_runs_the_same_in_bash_and_zsh():
-    """An unquoted `?` is a glob in zsh ("no matches found"): every line must give curl the same
-    arguments in both shells."""
-    zsh = shutil.which("zsh")
-    assert zsh, "zsh not found (`make deploy-test` installs it)"
-    lines = _shell_lines()
-    assert len(lines) >= 9 and any("?key=" in l for l in lines), lines
-    for line in lines:
-        assert _argv(zsh, line) == _argv("bash", line), line
+def _random_names(shell: str) -> dict[str, str]:
+    out = subprocess.run([shell, "-c", _SEED + "; echo $RANDOM $RANDOM $RANDOM"], capture_output=True,
+                         text=True, timeout=10, check=True).stdout.split()
+    return {value: "$RANDOM%d" % i for i, value in enumerate(out, 1)}
+
+
+def _calls(log, shell: str) -> list[str]:
+    """The stand-ins' lines, sorted (a background call and a foreground one race), the seeded
+    random values named."""
+    names = _random_names(shell)
+    text = log.read_text() if log.exists() else ""
+    text = re.sub(r"(?<!\d)\d+(?!\d)", lambda m: names.get(m.group(0), m.group(0)), text)
+    return sorted(text.splitlines())
+
+
+def _as_a_script(block: str, log) -> list[str]:
+    """What `block` runs as a bash script (comments are comments there): the reference."""
+    proc = subprocess.run(["bash", "-c", _SEED + "; " + _STUBS + "\n" + block + "\nwait"],
+                          capture_output=True, text=True, timeout=30,
+                          env={"PATH": os.environ["PATH"], "ARGV_LOG": str(log)})
+    assert proc.returncode == 0 and not proc.stderr, (block, proc.returncode, proc.stderr)
+    return _calls(log, "bash")
+
+
+def test_the_docs_shell_blocks_are_found():
+    blocks = _shell_blocks()
+    where = [w for w, _ in blocks]
+    assert len(blocks) >= 4, where
+    assert any(w.startswith("README.md") and "K=order-$RANDOM" in b for w, b in blocks), where
+    assert any(w.startswith("docs/DEPLOYMENT.md") and "docker compose" in b for w, b in blocks), where
+    # An unquoted `?` is a glob in zsh ("no matches found"): one line at least holds one, quoted.
+    assert any("?key=" in b for _, b in blocks), where
+    # A block of commands without a shell tag would escape this test.
+    for doc in SHELL_DOCS:
+        for m in re.finditer(r"^```\n(.*?)^```", doc.read_text(), re.M | re.S):
+            assert not re.search(r"^\s*(?:\$ )?(?:%s) " % "|".join(_STUBBED), m.group(1), re.M), (
+                doc, m.group(1))
+
+
+@pytest.mark.parametrize("mode", PASTE_MODES)
+@pytest.mark.parametrize("shell", sorted(SHELLS))
+def test_every_shell_block_of_the_docs_pastes_whole_into_an_interactive_shell(shell, mode, tmp_path):
+    """Every shell block of the docs pasted whole, as a user pastes it, into `bash --norc -i` and
+    `zsh -f -i` (no `interactivecomments`: a `#` there starts no comment, so `make run  # ...`
+    gives make the words of the comment, and an apostrophe in it opens a quote that swallows
+    the next lines), typed and as a bracketed paste, through a pseudo-terminal: the shell
+    reports no error and runs exactly the commands, with exactly the arguments, that the block
+    runs as a bash script. The commands are stand-ins (no Docker here, no registry); what the
+    quick start's lines answer against `make run`, pasted the same way, is
+    tests/e2e/operations/test_demo.py's."""
+    if shutil.which(SHELLS[shell][0]) is None:
+        pytest.fail("%s not found (`make zsh` installs it)" % shell, pytrace=False)
+    failures = []
+    for n, (where, block) in enumerate(_shell_blocks()):
+        expected = _as_a_script(block, tmp_path / ("script-%d.log" % n))
+        log = tmp_path / ("pasted-%d.log" % n)
+        with Terminal(shell, env={"ARGV_LOG": str(log)}) as term:
+            term.type(_SEED + "; " + _STUBS + "\n")
+            try:
+                term.paste_block(block, bracketed=mode == "bracketed", timeout=15)
+            except AssertionError as exc:
+                failures.append("%s: %s" % (where, exc))
+                continue
+            errors = term.errors()
+            got = _calls(log, SHELLS[shell][0])
+            if errors or got != expected:
+                failures.append("%s:\n  errors: %s\n  ran:      %s\n  expected: %s\n  the terminal showed:\n%s"
+                                % (where, errors, got, expected, term.text()))
+    assert not failures, "\n\n".join(failures)

@@ -3,14 +3,18 @@ body's 422, a retry in flight's 409, a detached payment replayed). The demo is s
 `make run` starts it (`python -m demo.run --envoy BIN`, envoy/envoy.yaml on its fixed ports
 8080, 10000 and 9901), the README's marked curl lines are run against it one by one with bash
 and curl, and what each one prints is checked: the docs cannot drift from the product. Then the
-demo is stopped the ways a user stops it, and nothing it started may be left running or
-listening.
+whole block is pasted, as a user pastes it, into an interactive bash and an interactive zsh
+(macOS's default shell, `zsh -f -i`: no `interactivecomments`, so a `#` there starts no
+comment) through a pseudo-terminal, typed and as a bracketed paste, and what the terminal shows
+must be what the block's steps promise. Then the demo is stopped the ways a user stops it, and
+nothing it started may be left running or listening.
 
 These tests need ports 8080, 10000 and 9901 free: they fail (never skip) when another demo holds
 them."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,7 +25,9 @@ import time
 import pytest
 
 from demo.run import quickstart_block
-from harness import REPO_ROOT, Demo
+from harness import REPO_ROOT, Demo, wait_until
+from idemkit.client import request
+from idemkit.terminal import PASTE_MODES, SHELLS, Terminal
 
 FILTER_CONFIG = None  # the demo runs envoy/envoy.yaml, not the harness's Envoy
 README = REPO_ROOT / "README.md"
@@ -115,6 +121,81 @@ def test_readme_quickstart_lines_work_against_make_run(envoy_bin):
                                  run(commands[6], env), re.M))
         for outcome in ("claimed", "replayed", "mismatch", "in_flight"):
             assert int(series['idempotency_requests_total{route="orders",outcome="%s"}' % outcome]) >= 1
+    finally:
+        rc = demo.stop(signal.SIGINT, group=False)
+    assert rc == 130, demo.text()
+    demo.assert_all_gone(pids)
+
+
+def pasted_responses(shown: str) -> list[tuple[int, dict[str, str], object]]:
+    """Every response `curl -si` printed to the terminal, in order: status, headers (lowercased
+    names), and the JSON value its body starts with. A body has no newline of its own: what
+    follows it (the next prompt, the next response, a -w line) starts on its line."""
+    out = []
+    for m in re.finditer(r"HTTP/1\.1 (\d{3}) [^\n]*\n((?:[^\n]+\n)*)\n((?:(?!HTTP/1\.1 )[^\n])*)", shown):
+        headers = dict((n.strip().lower(), v.strip()) for n, _, v in
+                       (l.partition(":") for l in m.group(2).splitlines()))
+        try:
+            body = json.JSONDecoder().raw_decode(m.group(3))[0]
+        except ValueError:
+            body = None
+        out.append((int(m.group(1)), headers, body))
+    return out
+
+
+def _need_shell(shell: str) -> None:
+    for tool, target in ((SHELLS[shell][0], "make zsh"), ("curl", "make curl")):
+        if shutil.which(tool) is None:
+            pytest.fail("%s not found: the pasted quick start needs it (`%s`)" % (tool, target), pytrace=False)
+
+
+@pytest.mark.parametrize("mode", PASTE_MODES)
+@pytest.mark.parametrize("shell", sorted(SHELLS))
+def test_the_readme_quickstart_pasted_whole_into_an_interactive_shell(envoy_bin, shell, mode):
+    """The README's quick-start block, pasted whole into `bash --norc -i` or `zsh -f -i` in a
+    pseudo-terminal (typed line by line, as tmux send-keys does, or as one bracketed paste and
+    Enter, as a terminal pastes), against a fresh `make run`: each step answers what the README
+    says it answers, each key executed once, and the shell reported no error."""
+    _need_shell(shell)
+    block = "\n".join(quickstart_block(README.read_text())) + "\n"
+    demo = Demo(envoy_bin)
+    try:
+        pids = demo.pids()
+        with Terminal(shell) as term:
+            shown = term.paste_block(block, bracketed=mode == "bracketed", timeout=60)
+            term.type('printf "K=<%s>\\n" "$K"\n')
+            key = term.wait_for(r"^K=<(.*)>$", 10).group(1)
+            context = "%s, %s paste; the terminal showed:\n%s" % (shell, mode, term.text())
+            errors = term.errors()
+
+        got = pasted_responses(shown)
+        assert [status for status, _, _ in got] == [201, 201, 422, 409, 201, 201], context
+        (first, h1, b1), (_, h2, b2), (_, h3, b3), (_, h4, b4), (_, h5, _), (_, h6, _) = got
+        # 1. executed; 2. its replay, the same body; 3. another body: 422 payload-mismatch
+        assert "idempotent-replayed" not in h1 and b1 and b1["path"] == "/orders", context
+        assert (h2.get("idempotent-replayed"), b2) == ("true", b1), context
+        assert h3["content-type"] == "application/problem+json", context
+        assert b3["type"] == "urn:idempotency-filter:payload-mismatch", context
+        # 4. the retry while the slow call runs: 409 request-in-flight; the slow call itself: 201
+        assert b4["type"] == "urn:idempotency-filter:request-in-flight" and "retry-after" in h4, context
+        assert re.findall(r"slow call: (\d{3})", shown) == ["201"], context
+        # 5. the payment's client gave up (no status); its retry is the stored 201, replayed
+        assert re.findall(r"gave up: (\d{3})", shown) == ["000"], context
+        assert h5.get("idempotent-replayed") == "true", context
+        # 6. the charge timed out (504); its retry after the lease: the committed 201, reconciled
+        assert re.findall(r"timed out: (\d{3})", shown) == ["504"], context
+        assert (h6.get("idempotent-reconciled"), h6.get("idempotent-replayed")) == ("true", "true"), context
+        # 7. the counters, as Prometheus scrapes them
+        series = dict(re.findall(r'idempotency_requests_total\{route="orders",outcome="(\w+)"\} (\d+)$',
+                                 shown, re.M))
+        assert {o: series.get(o) for o in ("claimed", "replayed", "mismatch", "in_flight")} == {
+            "claimed": "2", "replayed": "1", "mismatch": "1", "in_flight": "1"}, context
+        # Each key executed once by the upstream, and nothing else; not one shell error.
+        assert re.fullmatch(r"order-\d+", key), context
+        executions = request(8080, "GET", "/_admin/executions", timeout=5).json()["by_key"]
+        assert executions == {key: 1, key + "-slow": 1, key + "-pay": 1, key + "-charge": 1}, (
+            executions, context)
+        assert not errors, context
     finally:
         rc = demo.stop(signal.SIGINT, group=False)
     assert rc == 130, demo.text()

@@ -117,7 +117,7 @@ $(ETCD_CURRENT_BIN):
 	dpkg -x $(ETCD_CURRENT_DIR)/etcd-server_$(ETCD_CURRENT_DEB)_*.deb $(ETCD_CURRENT_DIR)
 	@$@ --version | grep -q "etcd Version: $(ETCD_CURRENT_VERSION)$$"
 
-# curl (and bash) run the README's quick-start lines in tests/e2e/operations/test_demo.py.
+# curl (and bash, and zsh) run the README's quick-start lines in tests/e2e/operations/test_demo.py.
 .PHONY: curl e2e-loadgen
 e2e-loadgen:
 	$(CARGO) build --release --quiet --manifest-path bench/loadgen/Cargo.toml
@@ -125,7 +125,9 @@ e2e-loadgen:
 curl:
 	@command -v curl >/dev/null || { apt-get update -qq && apt-get install -y -qq curl; }
 
-# zsh (macOS's default shell): tests/deploy/test_readme.py runs the curl lines of README.md and docs/ in it.
+# zsh (macOS's default shell): the docs' shell blocks are pasted whole into an interactive zsh
+# (and bash) through a pseudo-terminal, tests/deploy/test_readme.py with stand-in commands, and
+# the README's quick start against `make run` in tests/e2e/operations/test_demo.py.
 .PHONY: zsh
 zsh:
 	@command -v zsh >/dev/null || { apt-get update -qq && apt-get install -y -qq zsh; }
@@ -292,7 +294,7 @@ lint: wasm-target
 	$(CARGO) clippy --release --target $(WASM_TARGET) -- -D warnings
 
 # bench/loadgen drives the thousands of requests a second tests/e2e/local/test_store_churn.py needs.
-e2e: build tools etcd curl e2e-loadgen promtool
+e2e: build tools etcd curl zsh e2e-loadgen promtool
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) LOADGEN=$(CARGO_TARGET_DIR)/release/loadgen \
 	  $(VENV_PY) -m pytest tests/e2e -q $(PYTEST_ARGS)
 

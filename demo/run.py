@@ -1,6 +1,7 @@
 """`make run`: the orders upstream on 127.0.0.1:8080 behind Envoy on 127.0.0.1:10000 (admin
 127.0.0.1:9901, envoy/envoy.yaml), started and stopped together through the kit (idemkit/).
-It says what it starts and where, then prints the README's quick-start curl lines. Envoy logs to
+It says what it starts and where, then prints the README's quick-start curl lines (no comments
+among them: they paste whole into an interactive bash or zsh). Envoy logs to
 this terminal. Ctrl-C, SIGTERM or SIGHUP (a closed terminal) stops everything it started, also
 when only this process got the signal; a second Ctrl-C does not cut that cleanup short. With
 `--etcd` (`make run-etcd`) the filter keeps its records in an etcd started here on
@@ -92,7 +93,8 @@ def main(argv: list[str]) -> int:
         say("  Envoy       http://127.0.0.1:%d  pid %d  logs to this terminal" % (envoy.port, envoy.proc.pid))
         say("  Envoy admin http://127.0.0.1:%d  (/stats/prometheus, /stats?filter=idempotency)"
             % envoy.admin_port)
-        say("ready. Try, from another shell (README.md, Quick start):")
+        say("ready. Paste these lines into another shell, bash or zsh (README.md, Quick start, says")
+        say("what each one answers):")
         say()
         print("\n".join("  " + line if line else "" for line in _quickstart()), flush=True)
         say()

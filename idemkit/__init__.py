@@ -5,6 +5,7 @@ and the demo (`make run`). Standard library only.
     idemkit.process    processes: wait_until, the demo upstream (demo/orders_upstream.py)
     idemkit.envoy      a real Envoy process: start, readiness, admin, stats, /proc CPU and memory
     idemkit.bootstrap  Envoy bootstrap builder (clusters, routes, the Wasm filter, jwt_authn, ...)
+    idemkit.terminal   an interactive bash or zsh in a pseudo-terminal, to paste the docs' blocks into
 
 Imported from the repository root: pytest finds it through `pythonpath` in tests/e2e/pytest.ini,
 the bench and the demo run as modules from the root (`python -m bench.run`, `python -m demo.run`).

@@ -129,7 +129,14 @@ class Terminal:
             return None
         if self.proc.poll() is None:
             try:
-                self.type("\x03exit\n")  # Ctrl-C first: a continuation prompt (quote>) ends
+                # Ctrl-C first, which ends a continuation prompt (quote>) too; `exit` at the
+                # prompt it gives back (typed before it, the line editor would lose a key).
+                prompts = self.raw().count(BRACKETED_PASTE_ON)
+                self.type("\x03")
+                deadline = time.monotonic() + timeout
+                while self.raw().count(BRACKETED_PASTE_ON) == prompts and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                self.type("exit 0\n")
                 self.proc.wait(timeout)
             except (OSError, subprocess.TimeoutExpired):
                 try:

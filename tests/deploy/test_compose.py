@@ -96,6 +96,9 @@ def test_images_are_pinned_to_what_the_tests_run(compose):
     m = re.search(r"etcd Version: (\S+)", out.stdout)
     assert m, out.stdout + out.stderr
     assert services["etcd"]["image"] == "gcr.io/etcd-development/etcd:v" + m.group(1), services["etcd"]["image"]
+    # The file's own header names that release and where the tests get it.
+    header = COMPOSE_FILE.read_text().split("\nname:", 1)[0]
+    assert "# %s, the current release" % m.group(1) in header and "(`make etcd-current`;" in header, header
     debian = subprocess.run([str(etcd_binary()), "--version"], capture_output=True, text=True, timeout=30)
     assert m.group(1) != re.search(r"etcd Version: (\S+)", debian.stdout).group(1), "the same etcd twice"
     # The upstream image: an exact release, not a moving tag.
@@ -220,11 +223,9 @@ def _doc_compose_curls() -> list[str]:
     return _curl_lines(found[0][1])
 
 
-def _curl(line: str, ports: dict[int, int]) -> tuple[Response, str]:
-    """What curl does with `line`, sent to the local port standing in for its published port:
-    the request and its trailing comment (the output the docs promise)."""
-    command, _, comment = line.partition(" # ")
-    args = shlex.split(command)
+def _curl(line: str, ports: dict[int, int]) -> Response:
+    """What curl does with `line`, sent to the local port standing in for its published port."""
+    args = shlex.split(line)
     assert args[0] == "curl"
     headers: list[tuple[str, str]] = []
     body = url = None
@@ -252,12 +253,17 @@ def _curl(line: str, ports: dict[int, int]) -> tuple[Response, str]:
     if body is not None and "content-type" not in names:
         headers.append(("content-type", "application/x-www-form-urlencoded"))
     path = parts.path + ("?" + parts.query if parts.query else "")
-    resp = request(ports[parts.port], "POST" if body is not None else "GET", path, body, headers)
-    return resp, comment.strip()
+    return request(ports[parts.port], "POST" if body is not None else "GET", path, body, headers)
+
+
+# What the recipe's executions line answers, as docs/DEPLOYMENT.md and the compose file say it.
+PROMISED_EXECUTIONS = '{"key": "k-1", "count": 1}'
 
 
 def test_the_compose_file_shows_the_deployment_doc_curl_lines():
     assert _curl_lines(COMPOSE_FILE.read_text(), "#   ") == _doc_compose_curls()
+    assert "`%s`" % PROMISED_EXECUTIONS in DEPLOYMENT_DOC.read_text()
+    assert "# %s." % PROMISED_EXECUTIONS in COMPOSE_FILE.read_text()
 
 
 def test_the_deployment_doc_curl_lines_replay_on_the_other_replica(compose, envoy_bin, filter_wasm):
@@ -279,22 +285,22 @@ def test_the_deployment_doc_curl_lines_replay_on_the_other_replica(compose, envo
                                    component_log_level="wasm:info").start()
         ports = {published[name]: replicas[name].port for name in ENVOY_SERVICES}
         first_line, retry_line, executions_line = _doc_compose_curls()
-        first, _ = _curl(first_line, ports)
+        first = _curl(first_line, ports)
         assert first.status == 201 and not first.replayed, first
-        retry, _ = _curl(retry_line, ports)
+        retry = _curl(retry_line, ports)
         assert retry.status == 201 and retry.replayed and retry.body == first.body, retry
-        executions, promised = _curl(executions_line, ports)
+        executions = _curl(executions_line, ports)
         assert executions.status == 200
-        assert json.loads(executions.body) == json.loads(promised) == {"key": "k-1", "count": 1}
+        assert json.loads(executions.body) == json.loads(PROMISED_EXECUTIONS) == {"key": "k-1", "count": 1}
 
-        other, _ = _curl(retry_line.replace('{"item":"book"}', '{"item":"pen"}'), ports)
+        other = _curl(retry_line.replace('{"item":"book"}', '{"item":"pen"}'), ports)
         assert other.status == 422, other
 
         def without_host(line: str) -> str:
             return line.replace(" -H 'host: orders.example'", "").replace("k-1", "k-2")
 
         _curl(without_host(first_line), ports)
-        again, _ = _curl(without_host(retry_line), ports)
+        again = _curl(without_host(retry_line), ports)
         assert again.status == 201 and not again.replayed, again
         assert up.executions("k-2") == 2
     finally:

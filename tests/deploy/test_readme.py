@@ -176,6 +176,19 @@ def test_the_docs_shell_blocks_are_found():
                 doc, m.group(1))
 
 
+def test_the_command_lines_in_the_shipped_files_headers_carry_no_comment():
+    """The command lines a reader copies from a shipped file's header (`#   make run`) hold no
+    `# ...` of their own: pasted into an interactive zsh, its words would be arguments. What
+    they do is said in the prose above them."""
+    files = [*sorted((REPO_ROOT / "envoy").glob("*.yaml")), *sorted((REPO_ROOT / "deploy").rglob("*.yaml")),
+             *sorted((REPO_ROOT / "istio").rglob("*.yaml"))]
+    commands = re.compile(r"^#\s{2,}((?:make|curl|docker|kubectl|istioctl|skopeo|etcd) .*)$", re.M)
+    found = {f.relative_to(REPO_ROOT).as_posix(): commands.findall(f.read_text()) for f in files}
+    assert sum(map(len, found.values())) >= 8, found
+    commented = [(f, line) for f, lines in found.items() for line in lines if " #" in line]
+    assert not commented, commented
+
+
 @pytest.mark.parametrize("mode", PASTE_MODES)
 @pytest.mark.parametrize("shell", sorted(SHELLS))
 def test_every_shell_block_of_the_docs_pastes_whole_into_an_interactive_shell(shell, mode, tmp_path):

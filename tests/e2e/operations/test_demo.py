@@ -152,15 +152,19 @@ def _need_shell(shell: str) -> None:
 @pytest.mark.parametrize("mode", PASTE_MODES)
 @pytest.mark.parametrize("shell", sorted(SHELLS))
 def test_the_readme_quickstart_pasted_whole_into_an_interactive_shell(envoy_bin, shell, mode):
-    """The README's quick-start block, pasted whole into `bash --norc -i` or `zsh -f -i` in a
-    pseudo-terminal (typed line by line, as tmux send-keys does, or as one bracketed paste and
-    Enter, as a terminal pastes), against a fresh `make run`: each step answers what the README
-    says it answers, each key executed once, and the shell reported no error."""
+    """The README's quick-start block, as `make run` prints it, pasted whole into
+    `bash --norc -i` or `zsh -f -i` in a pseudo-terminal (typed line by line, as tmux send-keys
+    does, or as one bracketed paste and Enter, as a terminal pastes), against that fresh
+    `make run`: each step answers what the README says it answers, each key executed once, and
+    the shell reported no error."""
     _need_shell(shell)
-    block = "\n".join(quickstart_block(README.read_text())) + "\n"
     demo = Demo(envoy_bin)
     try:
         pids = demo.pids()
+        # What is pasted: the README's block as `make run` printed it (indented), where a user
+        # running it copies it from.
+        block = "\n".join("  " + line if line else "" for line in quickstart_block(README.read_text()))
+        assert block in demo.text(), demo.text()
         with Terminal(shell) as term:
             shown = term.paste_block(block, bracketed=mode == "bracketed", timeout=60)
             term.type('printf "K=<%s>\\n" "$K"\n')

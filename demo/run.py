@@ -6,6 +6,8 @@ this terminal. Ctrl-C, SIGTERM or SIGHUP (a closed terminal) stops everything it
 when only this process got the signal; a second Ctrl-C does not cut that cleanup short. With
 `--etcd` (`make run-etcd`) the filter keeps its records in an etcd started here on
 127.0.0.1:2379 (envoy/envoy-etcd.yaml; its data directory is temporary and removed at the end).
+A port something already listens on (another Envoy, a `make run` still running) stops it before
+it starts anything, with one line naming the port.
 
     python -m demo.run --envoy BIN [--etcd] [--log-level warn] [--component-log-level wasm:info]
 
@@ -18,6 +20,7 @@ import argparse
 import os
 import re
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -42,6 +45,36 @@ def quickstart_block(readme: str) -> list[str]:
     if m is None:
         raise ValueError("README.md has no %s ...> block followed by a ```sh block" % QUICKSTART_MARKER)
     return m.group(1).splitlines()
+
+
+def taken(ports: dict[int, str]) -> list[str]:
+    """The ports of `ports` ({port: what listens there}) that something already listens on on
+    127.0.0.1, as lines to print. Bound the way Envoy binds a listener without reuse-port
+    (SO_REUSEADDR, no SO_REUSEPORT): any listening socket there makes the bind fail, whether it
+    reuses the port or not, and connections of an earlier run in TIME_WAIT do not."""
+    out = []
+    for port, what in ports.items():
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                out.append("port %d (%s) is taken: another Envoy, or a `make run` still running? "
+                           "`ss -ltnp 'sport = :%d'` shows which process holds it" % (port, what, port))
+    return out
+
+
+def config_ports(config: Path) -> dict[int, str]:
+    """The admin port and the listeners' ports of an Envoy config written as the shipped ones are
+    (`socket_address: { address: ..., port_value: N }` under `admin:` and `listeners:`)."""
+    text = config.read_text()
+    admin = re.search(r"^admin:\n(.*?)^\S", text, re.S | re.M)
+    listeners = re.search(r"^  listeners:\n(.*?)^  clusters:", text, re.S | re.M)
+    ports = {}
+    for block, what in ((listeners, "Envoy's listener"), (admin, "Envoy's admin")):
+        for port in re.findall(r"port_value: (\d+)", block.group(1) if block else ""):
+            ports[int(port)] = what
+    return ports
 
 
 def say(line: str = "") -> None:
@@ -73,6 +106,15 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, _stop_on)
 
     config = Path(a.config or REPO_ROOT / "envoy" / ("envoy-etcd.yaml" if a.etcd else "envoy.yaml"))
+    # A port something else holds stops the run before anything starts. (The shipped listeners
+    # do not reuse the port either: Envoy alone would fail to bind, not share the port.)
+    ports = {UPSTREAM_PORT: "the orders upstream", **({ETCD_PORT: "etcd"} if a.etcd else {})}
+    ports.update(config_ports(config) if config.is_file() else {})
+    busy = taken(ports)
+    if busy:
+        for line in busy:
+            print("make run: " + line, file=sys.stderr, flush=True)
+        return 1
     upstream = Upstream("demo-upstream", port=UPSTREAM_PORT)
     etcd = Etcd("demo-etcd", client_port=ETCD_PORT, durable=True) if a.etcd else None
     envoy = Envoy(a.envoy, config, "demo", a.concurrency, a.log_level,

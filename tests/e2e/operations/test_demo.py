@@ -9,6 +9,11 @@ comment) through a pseudo-terminal, typed and as a bracketed paste, and what the
 must be what the block's steps promise. Then the demo is stopped the ways a user stops it, and
 nothing it started may be left running or listening.
 
+And a port another Envoy holds: the shipped listener does not share it (`enable_reuse_port:
+false`), so a second Envoy with envoy/envoy.yaml fails to start instead of splitting the
+connections (with Envoy's default reuse-port, they split), and `make run` beside another Envoy
+exits at once naming the port.
+
 These tests need ports 8080, 10000 and 9901 free: they fail (never skip) when another demo holds
 them."""
 
@@ -23,10 +28,12 @@ import subprocess
 import time
 
 import pytest
+import yaml
 
 from demo.run import quickstart_block
-from harness import REPO_ROOT, Demo, wait_until
+from harness import DEMO_PORTS as PORTS, REPO_ROOT, Demo, EnvoyStartError, free_port, listening, wait_until
 from idemkit.client import request
+from idemkit.envoy import Envoy
 from idemkit.terminal import PASTE_MODES, SHELLS, Terminal
 
 FILTER_CONFIG = None  # the demo runs envoy/envoy.yaml, not the harness's Envoy
@@ -221,3 +228,114 @@ def test_make_run_stops_everything_it_started(envoy_bin, how):
         time.sleep(0.05)
     assert demo.stop(sig, group) == code, demo.text()
     demo.assert_all_gone(pids)
+
+
+# ---- a port another Envoy holds ----------------------------------------------------------------
+
+SHIPPED = REPO_ROOT / "envoy" / "envoy.yaml"
+
+
+def shipped_envoy(listener_port: int, upstream_port: int, wasm, as_shipped: bool = True) -> dict:
+    """envoy/envoy.yaml (what `make run` runs) with its listener on `listener_port`, its admin on a
+    free port and its cluster on `upstream_port`. `as_shipped=False`: without the listener's
+    `enable_reuse_port: false`, so with Envoy's default (reuse-port on), as another Envoy's
+    config would be."""
+    cfg = yaml.safe_load(SHIPPED.read_text().replace("dist/idempotency_filter.wasm", str(wasm)))
+    cfg["admin"]["address"]["socket_address"]["port_value"] = 0
+    (listener,) = cfg["static_resources"]["listeners"]
+    listener["address"]["socket_address"]["port_value"] = listener_port
+    if not as_shipped:
+        listener.pop("enable_reuse_port", None)
+    (orders,) = cfg["static_resources"]["clusters"]
+    orders["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
+        "socket_address"]["port_value"] = upstream_port
+    return cfg
+
+
+def _served(envoys: list, port: int, n: int) -> list[int]:
+    """`n` requests, each on a fresh connection, to `port`: how many each Envoy took."""
+    name = "http.ingress_http.downstream_rq_total"
+    before = [e.counter(name, settle=False) for e in envoys]
+    for i in range(n):
+        assert request(port, "GET", "/served/%d" % i, timeout=10).status == 201  # the upstream executed it
+    return [e.counter(name, settle=False) - b for e, b in zip(envoys, before)]
+
+
+def test_shipped_listeners_do_not_reuse_the_port():
+    """Every listener of every shipped Envoy config binds without reuse-port: two Envoys on one
+    port do not share it."""
+    for path in sorted((REPO_ROOT / "envoy").glob("*.yaml")):
+        for listener in yaml.safe_load(path.read_text())["static_resources"]["listeners"]:
+            assert listener.get("enable_reuse_port") is False, (path.name, listener["name"])
+
+
+def test_a_second_envoy_on_the_shipped_listener_port_fails_to_start(envoy_bin, filter_wasm, upstream):
+    """A second Envoy with envoy/envoy.yaml on the port the first one holds exits at start, the
+    log naming the port, and the first one takes every connection. Without the listener's
+    `enable_reuse_port: false` (Envoy's default), the second one starts and the connections
+    split between the two: what the setting prevents."""
+    port = free_port()
+    first = Envoy(envoy_bin, shipped_envoy(port, upstream.port, filter_wasm), name="reuse-first",
+                  log_level="warn", component_log_level=None).start()
+    second = Envoy(envoy_bin, shipped_envoy(port, upstream.port, filter_wasm), name="reuse-second",
+                   log_level="warn", component_log_level=None)
+    try:
+        with pytest.raises(EnvoyStartError):
+            second.start()
+        assert second.proc.returncode not in (None, 0), second.failure_report()
+        assert "cannot bind '127.0.0.1:%d': Address already in use" % port in second.log_text(), (
+            second.failure_report())
+        assert _served([first], port, 20) == [20]
+    finally:
+        second.stop()
+        first.stop()
+
+    # The control: both with Envoy's default.
+    port = free_port()
+    envoys = [Envoy(envoy_bin, shipped_envoy(port, upstream.port, filter_wasm, as_shipped=False),
+                    name="reuse-default-%d" % i, log_level="warn", component_log_level=None)
+              for i in (1, 2)]
+    try:
+        for e in envoys:
+            e.start()
+        served = _served(envoys, port, 40)
+        assert sum(served) == 40 and min(served) > 0, served
+    finally:
+        for e in envoys:
+            e.stop()
+
+
+def test_make_run_refuses_the_port_another_envoy_holds(envoy_bin, filter_wasm, upstream):
+    """Another Envoy (with Envoy's default reuse-port) listens on :10000: `make run` does not
+    start beside it, splitting the traffic, but exits at once with one line naming the port,
+    having started nothing; the other Envoy keeps every connection."""
+    busy = [name for name, port in PORTS.items() if listening(port)]
+    if busy:
+        pytest.fail("ports taken (%s): is a `make run` running?" % ", ".join(busy), pytrace=False)
+    other = Envoy(envoy_bin, shipped_envoy(PORTS["Envoy"], upstream.port, filter_wasm, as_shipped=False),
+                  name="other-envoy", log_level="warn", component_log_level=None).start()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "demo.run", "--envoy", str(envoy_bin)],
+                                cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True, text=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        try:
+            wait_until(lambda: proc.poll() is not None or any("Ctrl-C here stops" in l for l in lines),
+                       90, 0.1, "`make run` to exit or start")
+            started = proc.poll() is None
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+                proc.wait(30)
+            reader.join(10)
+        out = "".join(lines)
+        assert not started, "make run started beside the other Envoy:\n" + out
+        assert proc.returncode == 1, out
+        assert re.search(r"^make run: port 10000 \(Envoy's listener\) is taken", out, re.M), out
+        assert "starting" not in out, out  # nothing was started
+        assert not listening(PORTS["upstream"]) and not listening(PORTS["Envoy admin"]), out
+        assert _served([other], PORTS["Envoy"], 20) == [20]
+    finally:
+        other.stop()

@@ -28,6 +28,7 @@ import re
 import signal
 import struct
 import subprocess
+import sys
 import tempfile
 import termios
 import threading
@@ -46,6 +47,8 @@ _ESCAPES = re.compile(
     rb"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)"  # OSC: window titles
     rb"|\x1b[()][0-9A-Za-z]|\x1b[=>78M]"  # charsets, keypad, cursor save/restore, reverse index
 )
+_TAKE_TTY_AND_EXEC = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                      "os.execvp(sys.argv[1], sys.argv[1:])")
 # Shell error messages: "bash: x: command not found", "zsh: no matches found: ...".
 SHELL_ERROR = re.compile(r"^(?:bash|zsh): .*$", re.M)
 
@@ -97,11 +100,12 @@ class Terminal:
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", self.rows, self.columns, 0, 0))
         try:
+            # In a new session, the pty becomes its controlling terminal (as in a terminal window)
+            # before the shell replaces this small Python: no preexec_fn in a threaded process.
             self.proc = subprocess.Popen(
-                self.argv, stdin=slave, stdout=slave, stderr=slave, env=self.env, cwd=self.cwd,
+                [sys.executable, "-c", _TAKE_TTY_AND_EXEC, *self.argv],
+                stdin=slave, stdout=slave, stderr=slave, env=self.env, cwd=self.cwd,
                 start_new_session=True,
-                # The pty becomes the new session's controlling terminal, as in a terminal window.
-                preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
             )
         finally:
             os.close(slave)

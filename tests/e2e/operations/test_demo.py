@@ -25,6 +25,8 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
+import threading
 import time
 
 import pytest

@@ -17,7 +17,7 @@ use crate::identity::scope::{
 };
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
-use crate::store::record::Snapshot;
+use crate::store::record::{Label, Snapshot};
 use crate::store::{Begin, Claim, ClaimAttempt, QuotaCharge, StoreError};
 use std::rc::Rc;
 
@@ -50,6 +50,8 @@ pub struct Pending {
     /// even across a configuration update.
     pub rule: Rc<Rule>,
     pub scope: ScopeId,
+    /// The rule's name and the key, kept with the record for operators (the admin API).
+    pub label: Label,
     /// Digest of the tenant's header values (None: no tenant header configured).
     tenant: Option<[u8; 32]>,
     principal: [u8; 32],
@@ -227,6 +229,7 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
     Admission::Collect(Pending {
         rule: Rc::clone(rule),
         scope,
+        label: Label::new(&rule.name, key.as_str()),
         tenant: tenant_values.as_deref().map(tenant_digest),
         principal,
         method: head.method.to_string(),
@@ -369,6 +372,7 @@ pub fn claim_attempt(
         ttl_ms: rule.ttl_ms,
         quota: quota_charge(cfg, pending),
         unknown_outcome: rule.unknown_outcome,
+        label: Some(pending.label),
     }
 }
 

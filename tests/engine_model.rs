@@ -459,6 +459,7 @@ mod quota_model {
                 per_principal: PER_PRINCIPAL,
             }),
             unknown_outcome: UnknownOutcome::Takeover,
+            label: None,
         }
     }
 

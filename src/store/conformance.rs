@@ -7,7 +7,7 @@
 
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
-use crate::store::record::{Snapshot, State};
+use crate::store::record::{Label, Snapshot, State};
 use crate::store::{
     Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled, StoreAnswer, StoreError,
     StoreOp, UnknownOutcome,
@@ -86,6 +86,8 @@ pub fn attempt(scope_n: u64, fp: u8, owner: u64, now_ms: u64) -> ClaimAttempt {
         ttl_ms: TTL,
         quota: None,
         unknown_outcome: UnknownOutcome::Takeover,
+        // Every conformance record carries its label, as the filter's do.
+        label: Some(Label::new("orders", &format!("key-{scope_n}"))),
     }
 }
 

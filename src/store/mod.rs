@@ -33,7 +33,7 @@ pub mod shared_data;
 
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
-use crate::store::record::{Entry, Snapshot, State, STATUS_OUTCOME_UNKNOWN};
+use crate::store::record::{Entry, Label, Snapshot, State, STATUS_OUTCOME_UNKNOWN};
 
 /// What `begin` needs to know about the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +57,9 @@ pub struct ClaimAttempt {
     /// ttl ends, whoever asks: a refuse rule must not execute twice because the first attempt's
     /// Envoy died before it could record what happened.
     pub unknown_outcome: UnknownOutcome,
+    /// The route and key the record is about, kept with it for operators (the admin API). None:
+    /// a record without one (tests).
+    pub label: Option<Label>,
 }
 
 /// The rule's policy for unknown outcomes (configuration), carried by each `ClaimAttempt`.

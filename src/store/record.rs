@@ -29,6 +29,13 @@
 //!   v3 changed where records are placed, not how they are written.
 //! Record v2 (etcd store, one key per record): the slot layout, whose entry may also be a claim
 //!   (processing, flags saying no body stored, no snapshot); `decode_record` reads it.
+//! Slot v4:     [4u8] | entry | label | snapshot as in v2. Label: created_at_ms u64 | route len
+//!   u8 | route | key len u8 | key (UTF-8, at most 64 and 255 bytes). Whereas v2 slots hold only
+//!   outcomes, a v4 slot may also hold a claim's label: a processing entry without snapshot,
+//!   which the claim writes as it fences the slot and its completion carries into the outcome,
+//!   so every record an operator lists has its route and key. Readers of v2 and v4 alike; a
+//!   build before v4 reads a v4 value as an unknown version (the store then answers errors for
+//!   that record, never a second execution), which is the downgrade limit the changelog states.
 //!
 //! Outcome unknown (`routes[].unknown_outcome: "refuse"`): a completed entry with status 0
 //! (`STATUS_OUTCOME_UNKNOWN`), state FAILED_FINAL and `FLAG_BODY_NOT_STORED`, so a slot (or an
@@ -45,6 +52,8 @@ use crate::identity::scope::ScopeId;
 
 pub const FORMAT_V2: u8 = 2;
 pub const FORMAT_V3: u8 = 3;
+/// Slot and etcd record values that carry their `Label` (see the module docs).
+pub const FORMAT_V4: u8 = 4;
 /// Layout ids with this bit are `idem:v3:<capacity>:` namespaces.
 pub const LAYOUT_V3: u32 = 1 << 31;
 /// The status of a completed entry whose outcome is unknown (module docs: Outcome unknown).
@@ -252,16 +261,111 @@ pub struct Snapshot {
 /// carries the whole outcome (the entry, completed) besides the snapshot, tagged by the entry's
 /// scope and owner so that a reader can tell the current record's outcome from a stale one left
 /// by an earlier record at the same position.
+/// What a record is about, in an operator's words: the rule's route name and the client's
+/// Idempotency-Key. The scope id is a one-way hash of them (and the caller), so a record that
+/// must be found by key, or shown to an operator, carries them. Fixed-size and `Copy`, like the
+/// attempt that carries it; both parts are bounded by the configuration (route names) and the
+/// key parser (keys), and a longer one is cut, never refused.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Label {
+    /// When the record's current claim was made (the store sets it as it writes the claim).
+    pub created_at_ms: u64,
+    route_len: u8,
+    key_len: u8,
+    route: [u8; LABEL_ROUTE_MAX],
+    key: [u8; LABEL_KEY_MAX],
+}
+
+pub const LABEL_ROUTE_MAX: usize = 64;
+pub const LABEL_KEY_MAX: usize = 255;
+
+impl Label {
+    pub fn new(route: &str, key: &str) -> Label {
+        let cut = |s: &str, max: usize| {
+            // Cut at a character boundary, so both parts stay text.
+            let mut n = s.len().min(max);
+            while !s.is_char_boundary(n) {
+                n -= 1;
+            }
+            n
+        };
+        let (rn, kn) = (cut(route, LABEL_ROUTE_MAX), cut(key, LABEL_KEY_MAX));
+        let mut label = Label {
+            created_at_ms: 0,
+            route_len: rn as u8,
+            key_len: kn as u8,
+            route: [0; LABEL_ROUTE_MAX],
+            key: [0; LABEL_KEY_MAX],
+        };
+        label.route[..rn].copy_from_slice(&route.as_bytes()[..rn]);
+        label.key[..kn].copy_from_slice(&key.as_bytes()[..kn]);
+        label
+    }
+
+    pub fn route(&self) -> &str {
+        std::str::from_utf8(&self.route[..usize::from(self.route_len)]).unwrap_or("")
+    }
+
+    pub fn key(&self) -> &str {
+        std::str::from_utf8(&self.key[..usize::from(self.key_len)]).unwrap_or("")
+    }
+
+    pub fn created_at(self, now_ms: u64) -> Label {
+        Label { created_at_ms: now_ms, ..self }
+    }
+
+    fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.created_at_ms.to_be_bytes());
+        out.push(self.route_len);
+        out.extend_from_slice(&self.route[..usize::from(self.route_len)]);
+        out.push(self.key_len);
+        out.extend_from_slice(&self.key[..usize::from(self.key_len)]);
+    }
+
+    fn read(r: &mut Reader) -> Result<Label, DecodeError> {
+        fn text(bytes: &[u8], max: usize) -> Result<&str, DecodeError> {
+            let s = std::str::from_utf8(bytes).map_err(|_| DecodeError::NonCanonical)?;
+            if s.len() > max {
+                return Err(DecodeError::NonCanonical);
+            }
+            Ok(s)
+        }
+        let created_at_ms = r.u64()?;
+        let n = usize::from(r.u8()?);
+        let route = text(r.take(n)?, LABEL_ROUTE_MAX)?;
+        let n = usize::from(r.u8()?);
+        let key = text(r.take(n)?, LABEL_KEY_MAX)?;
+        Ok(Label::new(route, key).created_at(created_at_ms))
+    }
+}
+
+impl std::fmt::Debug for Label {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Label")
+            .field("created_at_ms", &self.created_at_ms)
+            .field("route", &self.route())
+            .field("key", &self.key())
+            .finish()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotValue {
     pub entry: Entry,
     /// None exactly when the entry's flags say the body was not stored.
     pub snapshot: Option<Snapshot>,
+    /// What the record is about (v4 values); None: written before records carried it (v2).
+    pub label: Option<Label>,
 }
 
 impl SlotValue {
     pub fn belongs_to(&self, e: &Entry) -> bool {
         self.entry.scope == e.scope && self.entry.owner == e.owner
+    }
+
+    /// A local slot's value that a claim wrote when it fenced the slot: its label, no outcome.
+    pub fn is_claim_label(&self) -> bool {
+        !self.entry.is_completed()
     }
 }
 
@@ -269,8 +373,9 @@ pub fn encode_slot(v: &SlotValue) -> Vec<u8> {
     let snapshot_len = v.snapshot.as_ref().map_or(0, |s| {
         8 + s.headers.iter().map(|(n, val)| 6 + n.len() + val.len()).sum::<usize>() + s.body.len()
     });
-    let mut out = Vec::with_capacity(1 + ENTRY_LEN + snapshot_len);
-    out.push(FORMAT_V2);
+    let label_len = v.label.map_or(0, |l| 10 + usize::from(l.route_len) + usize::from(l.key_len));
+    let mut out = Vec::with_capacity(1 + ENTRY_LEN + label_len + snapshot_len);
+    out.push(if v.label.is_some() { FORMAT_V4 } else { FORMAT_V2 });
     let mut entry = v.entry;
     // The flag and the snapshot's presence must agree, or the bytes would have two meanings.
     if v.snapshot.is_some() {
@@ -279,6 +384,9 @@ pub fn encode_slot(v: &SlotValue) -> Vec<u8> {
         entry.flags |= FLAG_BODY_NOT_STORED;
     }
     write_entry(&mut out, &entry);
+    if let Some(label) = &v.label {
+        label.write(&mut out);
+    }
     let Some(s) = &v.snapshot else { return out };
     out.extend_from_slice(&s.status.to_be_bytes());
     // Header counts and sizes are bounded by Envoy's header limits (far below these widths);
@@ -302,8 +410,10 @@ pub fn encode_slot(v: &SlotValue) -> Vec<u8> {
     out
 }
 
+/// Decodes a local store's slot: a committed outcome (v2 or v4), or (v4 only) the label a claim
+/// left there when it fenced the slot, a processing entry without snapshot, which is no outcome
+/// (`SlotValue::is_claim_label`).
 pub fn decode_slot(bytes: &[u8]) -> Result<SlotValue, DecodeError> {
-    // Only outcomes are committed to a slot; a processing record lives in its bucket alone.
     decode_slot_layout(bytes, false)
 }
 
@@ -317,12 +427,13 @@ pub fn decode_record(bytes: &[u8]) -> Result<SlotValue, DecodeError> {
 fn decode_slot_layout(bytes: &[u8], claims_allowed: bool) -> Result<SlotValue, DecodeError> {
     let mut r = Reader::new(bytes);
     let version = r.u8()?;
-    if version != FORMAT_V2 {
+    if version != FORMAT_V2 && version != FORMAT_V4 {
         return Err(DecodeError::UnknownVersion(version));
     }
     let entry = read_entry(&mut r)?;
-    // A claim (etcd only) never has a snapshot.
-    let claim_ok = claims_allowed && !entry.body_stored();
+    let label = if version == FORMAT_V4 { Some(Label::read(&mut r)?) } else { None };
+    // A claim (an etcd record, or a claim's label in a v4 slot) never has a snapshot.
+    let claim_ok = (claims_allowed || label.is_some()) && !entry.body_stored();
     if !entry.is_completed() && !claim_ok {
         return Err(DecodeError::BadState(entry.state.code()));
     }
@@ -330,7 +441,7 @@ fn decode_slot_layout(bytes: &[u8], claims_allowed: bool) -> Result<SlotValue, D
         if !r.rest().is_empty() {
             return Err(DecodeError::TrailingBytes);
         }
-        return Ok(SlotValue { entry, snapshot: None });
+        return Ok(SlotValue { entry, snapshot: None, label });
     }
     let status = r.u16()?;
     let count = r.u16()?;
@@ -346,7 +457,7 @@ fn decode_slot_layout(bytes: &[u8], claims_allowed: bool) -> Result<SlotValue, D
     if !r.rest().is_empty() {
         return Err(DecodeError::TrailingBytes);
     }
-    Ok(SlotValue { entry, snapshot: Some(Snapshot { status, headers, body }) })
+    Ok(SlotValue { entry, snapshot: Some(Snapshot { status, headers, body }), label })
 }
 
 /// Live-record count of one quota identity (tenant or principal), keyed by its tag.
@@ -576,6 +687,7 @@ mod tests {
                 headers: vec![("set-cookie".into(), b"a=b".to_vec()), ("x".into(), vec![0xff])],
                 body: b"{\"id\":1}".to_vec(),
             }),
+            label: None,
         };
         let bytes = encode_slot(&v);
         assert_eq!(decode_slot(&bytes), Ok(v));
@@ -589,13 +701,17 @@ mod tests {
         let v = SlotValue {
             entry: Entry { flags: FLAG_BODY_NOT_STORED | FLAG_TENANT_CHARGED, ..entry(2, 5) },
             snapshot: None,
+            label: None,
         };
         let bytes = encode_slot(&v);
         assert_eq!(bytes.len(), 1 + ENTRY_LEN);
         assert_eq!(decode_slot(&bytes), Ok(v));
         // A processing entry is never a committed outcome.
-        let processing =
-            SlotValue { entry: Entry { state: State::Processing, ..entry(2, 5) }, snapshot: None };
+        let processing = SlotValue {
+            entry: Entry { state: State::Processing, ..entry(2, 5) },
+            snapshot: None,
+            label: None,
+        };
         assert_eq!(decode_slot(&encode_slot(&processing)), Err(DecodeError::BadState(1)));
     }
 
@@ -607,7 +723,7 @@ mod tests {
             flags: FLAG_BODY_NOT_STORED | FLAG_PRINCIPAL_CHARGED,
             ..entry(2, 5)
         };
-        let v = SlotValue { entry: unknown, snapshot: None };
+        let v = SlotValue { entry: unknown, snapshot: None, label: None };
         let bytes = encode_slot(&v);
         assert_eq!(decode_slot(&bytes), Ok(v.clone()));
         assert_eq!(decode_record(&bytes), Ok(v.clone()));
@@ -668,7 +784,7 @@ mod tests {
     #[test]
     fn a_claim_is_a_record_for_etcd_but_never_a_slot() {
         let claim = Entry { state: State::Processing, status: 0, ..entry(0, 5) };
-        let bytes = encode_slot(&SlotValue { entry: claim, snapshot: None });
+        let bytes = encode_slot(&SlotValue { entry: claim, snapshot: None, label: None });
         let read = decode_record(&bytes);
         assert_eq!(
             read.as_ref().map(|v| (v.entry.state, v.snapshot.is_none())),
@@ -683,8 +799,57 @@ mod tests {
         let done = SlotValue {
             entry: Entry { flags: FLAG_PRINCIPAL_CHARGED | FLAG_BODY_NOT_STORED, ..entry(0, 5) },
             snapshot: None,
+            label: None,
         };
         assert_eq!(decode_record(&encode_slot(&done)), Ok(done.clone()));
         assert_eq!(decode_slot(&encode_slot(&done)), Ok(done));
+    }
+
+    fn labelled(entry: Entry, snapshot: Option<Snapshot>) -> SlotValue {
+        SlotValue { entry, snapshot, label: Some(Label::new("orders", "order-42 ü").created_at(7)) }
+    }
+
+    #[test]
+    fn a_labelled_outcome_round_trips_and_every_truncation_is_an_error() {
+        let snapshot =
+            Snapshot { status: 201, headers: vec![("a".into(), b"b".to_vec())], body: b"{}".to_vec() };
+        for v in [
+            labelled(entry(3, 42), Some(snapshot)),
+            labelled(Entry { flags: FLAG_BODY_NOT_STORED, ..entry(3, 42) }, None),
+        ] {
+            let bytes = encode_slot(&v);
+            assert_eq!(bytes[0], FORMAT_V4);
+            assert_eq!(decode_slot(&bytes), Ok(v.clone()));
+            assert_eq!(decode_record(&bytes), Ok(v.clone()));
+            let label = v.label.unwrap();
+            assert_eq!((label.route(), label.key(), label.created_at_ms), ("orders", "order-42 ü", 7));
+            for n in 0..bytes.len() {
+                assert!(decode_slot(&bytes[..n]).is_err(), "prefix {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_claims_label_reads_from_a_slot_as_no_outcome() {
+        let claim = Entry { state: State::Processing, flags: FLAG_BODY_NOT_STORED, status: 0, ..entry(2, 5) };
+        let v = labelled(claim, None);
+        let read = decode_slot(&encode_slot(&v)).unwrap();
+        assert!(read.is_claim_label());
+        assert_eq!(read, v);
+        // An outcome is none.
+        assert!(!labelled(Entry { flags: FLAG_BODY_NOT_STORED, ..entry(2, 5) }, None).is_claim_label());
+    }
+
+    #[test]
+    fn a_label_is_cut_at_its_bounds_on_a_character_boundary_and_bad_text_is_refused() {
+        let long = Label::new(&"r".repeat(100), &"é".repeat(200));
+        assert_eq!(long.route().len(), LABEL_ROUTE_MAX);
+        assert_eq!(long.key().len(), 254);
+        assert!(long.key().chars().all(|c| c == 'é'));
+        let mut bytes = encode_slot(&labelled(Entry { flags: FLAG_BODY_NOT_STORED, ..entry(2, 5) }, None));
+        // The key's first byte (after version, entry, created_at, route len + route, key len).
+        let at = 1 + ENTRY_LEN + 8 + 1 + "orders".len() + 1;
+        bytes[at] = 0xff;
+        assert_eq!(decode_slot(&bytes), Err(DecodeError::NonCanonical));
     }
 }

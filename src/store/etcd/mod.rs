@@ -307,7 +307,7 @@ fn outcome_record(current: Entry, c: &Completion) -> (Entry, Vec<u8>) {
     done.status = c.status;
     done.expires_at_ms = c.now_ms.saturating_add(c.ttl_ms);
     // encode_slot sets FLAG_BODY_NOT_STORED from the snapshot's presence.
-    let value = record::encode_slot(&SlotValue { entry: done, snapshot: c.snapshot.clone() });
+    let value = record::encode_slot(&SlotValue { entry: done, snapshot: c.snapshot.clone(), label: None });
     if value.len() as u64 + TXN_FRAMING_BYTES <= ETCD_MAX_REQUEST_BYTES {
         return (done, value);
     }
@@ -315,7 +315,7 @@ fn outcome_record(current: Entry, c: &Completion) -> (Entry, Vec<u8>) {
     // and the outcome would be lost (a retry would execute again). Keep the outcome without its
     // body instead, as for any response too large to keep.
     log::debug!("completion of {} too large for etcd: kept without its body", current.scope.log_tag());
-    let value = record::encode_slot(&SlotValue { entry: done, snapshot: None });
+    let value = record::encode_slot(&SlotValue { entry: done, snapshot: None, label: None });
     (done, value)
 }
 
@@ -602,7 +602,7 @@ impl Exchange {
             let body = wire::txn(store.protocol(), Some((&record, Guard::Absent)), &[], &existing);
             return Ok(Move::Call(body, Stage::Probe));
         }
-        let value = record::encode_slot(&SlotValue { entry, snapshot: None });
+        let value = record::encode_slot(&SlotValue { entry, snapshot: None, label: None });
         let mut write = Write::new(Guard::Absent, Some((entry, value)), Vec::new(), Won::Claimed);
         write.claim_lease_ms = Some(a.lease_ms);
         self.plan(write, store, now_ms)
@@ -706,7 +706,7 @@ impl Exchange {
             return Ok(Move::Begun(refusal));
         }
         let stale_index = pending.replaced.map(|old| store.index_keys(&old)).unwrap_or_default();
-        let value = record::encode_slot(&SlotValue { entry, snapshot: None });
+        let value = record::encode_slot(&SlotValue { entry, snapshot: None, label: None });
         let mut write = Write::new(pending.guard, Some((entry, value)), stale_index, pending.won);
         write.claim_lease_ms = Some(a.lease_ms);
         self.plan(write, store, now_ms)

@@ -193,6 +193,7 @@ fn attempt(now_ms: u64) -> ClaimAttempt {
         ttl_ms: 10_000,
         quota: None,
         unknown_outcome: UnknownOutcome::Takeover,
+        label: None,
     }
 }
 
@@ -226,7 +227,7 @@ fn processing(owner: u64, at: u64) -> Entry {
 }
 
 fn value(entry: Entry, snapshot: Option<Snapshot>) -> Vec<u8> {
-    record::encode_slot(&SlotValue { entry, snapshot })
+    record::encode_slot(&SlotValue { entry, snapshot, label: None })
 }
 
 fn snapshot() -> Snapshot {

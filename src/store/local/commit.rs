@@ -5,7 +5,7 @@
 //! late owner overwrites a takeover.
 
 use super::{host, LocalStore, CAS_ATTEMPTS};
-use crate::store::record::{self, Entry, SlotValue, State};
+use crate::store::record::{self, Entry, Label, SlotValue, State};
 use crate::store::shared_data::{Read, SharedData};
 use crate::store::{Claim, StoreError};
 
@@ -31,8 +31,19 @@ pub(super) enum Fenced {
 }
 
 impl<S: SharedData> LocalStore<S> {
-    /// Reads a slot that must exist, and the outcome it holds, whoever it belongs to.
+    /// Reads a slot that must exist, and the outcome it holds, whoever it belongs to. A claim's
+    /// label there is no outcome: it reads as an empty slot (`read_slot_value` shows it).
     pub(super) fn read_slot(
+        &self,
+        bucket: u32,
+        position: u8,
+    ) -> Result<(Option<SlotValue>, Read), StoreError> {
+        let (value, read) = self.read_slot_value(bucket, position)?;
+        Ok((value.filter(|v| !v.is_claim_label()), read))
+    }
+
+    /// Reads a slot that must exist: an outcome, or the label of the claim that fenced it.
+    pub(super) fn read_slot_value(
         &self,
         bucket: u32,
         position: u8,
@@ -77,17 +88,32 @@ impl<S: SharedData> LocalStore<S> {
         Ok(slot.filter(|v| v.belongs_to(entry)).and_then(|v| v.snapshot))
     }
 
-    /// After putting `ours` at its position, empties the slot as a CAS against `pre` (read
-    /// before the bucket write). Any owner of the replaced record that checked ownership before
-    /// our bucket write and writes its outcome after this fails its CAS; an outcome that landed
-    /// first wins, and the bucket is rolled back to it.
-    pub(super) fn fence(&self, bucket: u32, ours: &Entry, pre: Read, now: u64) -> Result<Fenced, StoreError> {
+    /// After putting `ours` at its position, writes the slot as a CAS against `pre` (read before
+    /// the bucket write): empty, or with the claim's label (no outcome: `read_slot` reads it as
+    /// empty). Any owner of the replaced record that checked ownership before our bucket write
+    /// and writes its outcome after this fails its CAS; an outcome that landed first wins, and
+    /// the bucket is rolled back to it.
+    pub(super) fn fence(
+        &self,
+        bucket: u32,
+        ours: &Entry,
+        label: Option<Label>,
+        pre: Read,
+        now: u64,
+    ) -> Result<Fenced, StoreError> {
         let data_key = self.slot_key(bucket, ours.position);
+        let value = label.map_or_else(Vec::new, |label| {
+            record::encode_slot(&SlotValue {
+                entry: *ours,
+                snapshot: None,
+                label: Some(label.created_at(now)),
+            })
+        });
         let mut read = pre;
         for _ in 0..SLOT_ATTEMPTS {
             // Written even when the slot is already empty: the write bumps the slot's CAS, which
             // is what makes a late owner holding an older read fail.
-            if self.cas(&data_key, &[], &read)? {
+            if self.cas(&data_key, &value, &read)? {
                 return Ok(Fenced::Done);
             }
             let (slot, again) = self.read_slot(bucket, ours.position)?;

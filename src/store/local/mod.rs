@@ -218,11 +218,16 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
             // the position fenced the slot after its bucket write) instead of overwriting the
             // new owner's outcome. The bucket is only read here, so its contention cannot
             // starve the completion.
-            let (committed, slot) = self.read_slot(bucket, position)?;
+            let (value, slot) = self.read_slot_value(bucket, position)?;
             let (entries, bucket_read) = self.read_bucket(bucket)?;
             let Some(i) = self.owned(&entries, claim, position) else {
                 refund(&recharged);
                 return Ok(Settled::Lost);
+            };
+            // The outcome keeps the label its claim left in the slot.
+            let (label, committed) = match value {
+                Some(v) if v.is_claim_label() => (v.label.filter(|_| v.belongs_to(&entries[i])), None),
+                other => (None, other),
             };
             if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
                 // Already completed (its promotion lost): an outcome is final.
@@ -243,7 +248,7 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
                     e.flags | FLAG_BODY_NOT_STORED
                 };
                 e.expires_at_ms = c.now_ms.saturating_add(c.ttl_ms);
-                let bytes = record::encode_slot(&SlotValue { entry: e, snapshot: c.snapshot.clone() });
+                let bytes = record::encode_slot(&SlotValue { entry: e, snapshot: c.snapshot.clone(), label });
                 (e, bytes)
             });
             if self.cas(&data_key, bytes, &slot)? {

@@ -415,6 +415,7 @@ fn an_outcome_committed_before_the_takeover_fence_wins() {
     let outcome = SlotValue {
         entry: Entry { state: State::Succeeded, status: 201, expires_at_ms: LEASE + TTL, ..entry },
         snapshot: Some(snapshot("old")),
+        label: None,
     };
     // Slot ops of a takeover: the read (resolve), the slot pre-read... then the fence.
     let racing = Interleave::new(&data, ":s:", 2, || {
@@ -546,7 +547,8 @@ fn eviction_empties_the_snapshot_slots_it_frees() {
     for n in 100..108 {
         assert!(matches!(w.begin(&attempt(n, 1, n, TTL)).unwrap(), Begin::Claimed(_)));
     }
-    assert!(b.data.value_bytes() < 2_000, "{}", b.data.value_bytes());
+    // What stays: the new claims' entries and the labels they left in their slots.
+    assert!(b.data.value_bytes() < 3_000, "{}", b.data.value_bytes());
 }
 
 #[test]

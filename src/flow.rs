@@ -285,7 +285,7 @@ impl RequestFlow {
     /// The root's own lookup of a record whose lease ended after an unknown outcome it saw
     /// (`Step::LookUpAtLeaseEnd`); `attempt` is what acting on the answer asks the store.
     pub fn lease_end(context_id: u32, later: LaterLookup, lease_end: LeaseEnd) -> RequestFlow {
-        let attempt = lease_end.attempt;
+        let attempt = lease_end.attempt.clone();
         let LaterLookup { pending, fingerprint, request, .. } = later;
         RequestFlow {
             context_id,
@@ -324,7 +324,7 @@ impl RequestFlow {
             return Output::go(Vec::new());
         }
         let attempt = ClaimAttempt { now_ms, ..attempt };
-        self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt };
+        self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt: attempt.clone() };
         Output::go(vec![Step::Store(StoreOp::Begin(attempt))])
     }
 
@@ -529,7 +529,7 @@ impl RequestFlow {
         let owner = facts.owner_token();
         self.scope = Some(pending.scope);
         let attempt = engine::claim_attempt(cfg, &pending, fingerprint, now_ms, owner);
-        self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt };
+        self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt: attempt.clone() };
         Output::hold(vec![Step::Store(StoreOp::Begin(attempt))])
     }
 
@@ -693,7 +693,7 @@ impl RequestFlow {
         decision: Decision,
     ) -> Output {
         if let Some(lease_end) = &self.lease_end {
-            let attempt = lease_end.attempt;
+            let attempt = lease_end.attempt.clone();
             return match decision {
                 // The upstream never executed it and no request is here to: the record goes,
                 // so the client's retry executes.
@@ -816,7 +816,7 @@ impl RequestFlow {
         let tag = pending.scope.log_tag();
         // Acting on a final answer takes the record over; a lookup that settled nothing leaves
         // the attempt as it was (a lease-end lookup asks again with it: it must never take over).
-        let (attempt, unsettled) = (attempt.after_lookup(now_ms), attempt);
+        let (attempt, unsettled) = (attempt.clone().after_lookup(now_ms), attempt);
         match answer {
             LookupAnswer::Found { status, snapshot } => {
                 log::debug!(
@@ -831,7 +831,7 @@ impl RequestFlow {
                 // Never executed: this request executes now, as a takeover, so that no other
                 // retry runs beside it.
                 log::debug!("#{} the upstream never executed key {tag}: executing it", self.context_id);
-                self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt };
+                self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt: attempt.clone() };
                 Output::hold(vec![
                     Step::Count(Counter::ReconciledNotFound),
                     Step::Store(StoreOp::Begin(attempt)),

@@ -49,7 +49,7 @@ fn mismatched(answer: StoreAnswer) -> StoreError {
 
 impl RecordStore for ThroughOps<'_> {
     fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
-        match StoreOp::Begin(*attempt).perform(&*self.0) {
+        match StoreOp::Begin(attempt.clone()).perform(&*self.0) {
             StoreAnswer::Begun(begun) => begun,
             other => Err(mismatched(other)),
         }

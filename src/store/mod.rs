@@ -36,7 +36,7 @@ use crate::identity::scope::ScopeId;
 use crate::store::record::{Entry, Label, Snapshot, State, STATUS_OUTCOME_UNKNOWN};
 
 /// What `begin` needs to know about the request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClaimAttempt {
     pub scope: ScopeId,
     pub fingerprint: Fingerprint,
@@ -60,6 +60,59 @@ pub struct ClaimAttempt {
     /// The route and key the record is about, kept with it for operators (the admin API). None:
     /// a record without one (tests).
     pub label: Option<Label>,
+}
+
+/// A record as an operator sees it (the admin API): where it is, what it is about, and its
+/// stored response when asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordView {
+    pub scope: ScopeId,
+    /// Backend-specific, as `Claim::locator`.
+    pub locator: u64,
+    /// As it stands: completed if its outcome is committed, whatever its bucket entry says.
+    pub entry: Entry,
+    /// None: written before records carried their label.
+    pub label: Option<Label>,
+    pub snapshot: Option<Snapshot>,
+}
+
+/// How an operator names a record: the tag the filter's logs and access logs print (the first
+/// 6 bytes of its scope id, 12 hex digits), or the whole scope id (64).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordId {
+    Tag([u8; 6]),
+    Scope(ScopeId),
+}
+
+impl RecordId {
+    pub fn parse(hex: &str) -> Option<RecordId> {
+        let bytes = crate::identity::scope::unhex(hex)?;
+        match bytes.len() {
+            6 => bytes.try_into().ok().map(RecordId::Tag),
+            32 => bytes.try_into().ok().map(|b| RecordId::Scope(ScopeId(b))),
+            _ => None,
+        }
+    }
+
+    pub fn names(&self, scope: &ScopeId) -> bool {
+        match self {
+            RecordId::Tag(tag) => scope.0.starts_with(tag),
+            RecordId::Scope(s) => s == scope,
+        }
+    }
+}
+
+/// Why an operator's release or resolve changed nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// A claim within its lease: its request may be executing right now.
+    Live { lease_ends_at_ms: u64 },
+    /// Completed with a known outcome (a release needs `force`; a resolve never applies).
+    Completed,
+    /// Its owner settled it between the operator's look and the change.
+    SettledMeanwhile,
+    /// Not there any more (expired, released, replaced).
+    Gone,
 }
 
 /// The rule's policy for unknown outcomes (configuration), carried by each `ClaimAttempt`.

@@ -262,18 +262,16 @@ pub struct Snapshot {
 /// scope and owner so that a reader can tell the current record's outcome from a stale one left
 /// by an earlier record at the same position.
 /// What a record is about, in an operator's words: the rule's route name and the client's
-/// Idempotency-Key. The scope id is a one-way hash of them (and the caller), so a record that
-/// must be found by key, or shown to an operator, carries them. Fixed-size and `Copy`, like the
-/// attempt that carries it; both parts are bounded by the configuration (route names) and the
-/// key parser (keys), and a longer one is cut, never refused.
-#[derive(Clone, Copy, PartialEq, Eq)]
+/// Idempotency-Key, and when its current claim was made. The scope id is a one-way hash of them
+/// (and the caller), so a record that must be found by key, or shown to an operator, carries
+/// them. Both parts are bounded by the configuration (route names) and the key parser (keys); a
+/// longer one is cut at a character boundary, never refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Label {
     /// When the record's current claim was made (the store sets it as it writes the claim).
     pub created_at_ms: u64,
-    route_len: u8,
-    key_len: u8,
-    route: [u8; LABEL_ROUTE_MAX],
-    key: [u8; LABEL_KEY_MAX],
+    route: String,
+    key: String,
 }
 
 pub const LABEL_ROUTE_MAX: usize = 64;
@@ -282,44 +280,38 @@ pub const LABEL_KEY_MAX: usize = 255;
 impl Label {
     pub fn new(route: &str, key: &str) -> Label {
         let cut = |s: &str, max: usize| {
-            // Cut at a character boundary, so both parts stay text.
             let mut n = s.len().min(max);
             while !s.is_char_boundary(n) {
                 n -= 1;
             }
-            n
+            s[..n].to_string()
         };
-        let (rn, kn) = (cut(route, LABEL_ROUTE_MAX), cut(key, LABEL_KEY_MAX));
-        let mut label = Label {
-            created_at_ms: 0,
-            route_len: rn as u8,
-            key_len: kn as u8,
-            route: [0; LABEL_ROUTE_MAX],
-            key: [0; LABEL_KEY_MAX],
-        };
-        label.route[..rn].copy_from_slice(&route.as_bytes()[..rn]);
-        label.key[..kn].copy_from_slice(&key.as_bytes()[..kn]);
-        label
+        Label { created_at_ms: 0, route: cut(route, LABEL_ROUTE_MAX), key: cut(key, LABEL_KEY_MAX) }
     }
 
     pub fn route(&self) -> &str {
-        std::str::from_utf8(&self.route[..usize::from(self.route_len)]).unwrap_or("")
+        &self.route
     }
 
     pub fn key(&self) -> &str {
-        std::str::from_utf8(&self.key[..usize::from(self.key_len)]).unwrap_or("")
+        &self.key
     }
 
     pub fn created_at(self, now_ms: u64) -> Label {
         Label { created_at_ms: now_ms, ..self }
     }
 
+    fn encoded_len(&self) -> usize {
+        10 + self.route.len() + self.key.len()
+    }
+
     fn write(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.created_at_ms.to_be_bytes());
-        out.push(self.route_len);
-        out.extend_from_slice(&self.route[..usize::from(self.route_len)]);
-        out.push(self.key_len);
-        out.extend_from_slice(&self.key[..usize::from(self.key_len)]);
+        // Both at most 255 bytes (`new`).
+        out.push(self.route.len() as u8);
+        out.extend_from_slice(self.route.as_bytes());
+        out.push(self.key.len() as u8);
+        out.extend_from_slice(self.key.as_bytes());
     }
 
     fn read(r: &mut Reader) -> Result<Label, DecodeError> {
@@ -336,16 +328,6 @@ impl Label {
         let n = usize::from(r.u8()?);
         let key = text(r.take(n)?, LABEL_KEY_MAX)?;
         Ok(Label::new(route, key).created_at(created_at_ms))
-    }
-}
-
-impl std::fmt::Debug for Label {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Label")
-            .field("created_at_ms", &self.created_at_ms)
-            .field("route", &self.route())
-            .field("key", &self.key())
-            .finish()
     }
 }
 
@@ -373,7 +355,7 @@ pub fn encode_slot(v: &SlotValue) -> Vec<u8> {
     let snapshot_len = v.snapshot.as_ref().map_or(0, |s| {
         8 + s.headers.iter().map(|(n, val)| 6 + n.len() + val.len()).sum::<usize>() + s.body.len()
     });
-    let label_len = v.label.map_or(0, |l| 10 + usize::from(l.route_len) + usize::from(l.key_len));
+    let label_len = v.label.as_ref().map_or(0, Label::encoded_len);
     let mut out = Vec::with_capacity(1 + ENTRY_LEN + label_len + snapshot_len);
     out.push(if v.label.is_some() { FORMAT_V4 } else { FORMAT_V2 });
     let mut entry = v.entry;
@@ -821,7 +803,7 @@ mod tests {
             assert_eq!(bytes[0], FORMAT_V4);
             assert_eq!(decode_slot(&bytes), Ok(v.clone()));
             assert_eq!(decode_record(&bytes), Ok(v.clone()));
-            let label = v.label.unwrap();
+            let label = v.label.clone().unwrap();
             assert_eq!((label.route(), label.key(), label.created_at_ms), ("orders", "order-42 ü", 7));
             for n in 0..bytes.len() {
                 assert!(decode_slot(&bytes[..n]).is_err(), "prefix {n}");

@@ -190,7 +190,7 @@ fn a_claim_whose_answer_was_lost_is_given_back_while_the_client_gets_503() {
         store_answers(&h, status, body);
         root.on_http_call_response(token, body.len());
         assert_store_unavailable(&h);
-        let [StoreOp::Begin(a), StoreOp::Release(claim)] = ops.borrow().clone()[..] else {
+        let [StoreOp::Begin(ref a), StoreOp::Release(claim)] = ops.borrow().clone()[..] else {
             panic!("{:?}", ops.borrow())
         };
         assert_eq!((claim.scope, claim.owner), (a.scope, a.owner));

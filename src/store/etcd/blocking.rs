@@ -170,7 +170,7 @@ fn settled(answer: StoreAnswer) -> Result<Settled, StoreError> {
 
 impl RecordStore for BlockingEtcd {
     fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
-        begun(self.perform(StoreOp::Begin(*attempt), attempt.now_ms))
+        begun(self.perform(StoreOp::Begin(attempt.clone()), attempt.now_ms))
     }
     fn complete(&self, claim: &Claim, completion: &Completion) -> Result<Settled, StoreError> {
         settled(

@@ -471,7 +471,8 @@ impl Exchange {
                                 // Absent: the leases, then the claim's transaction (which may
                                 // still find a record written meanwhile).
                                 self.probed = true;
-                                let StoreOp::Begin(a) = self.op else { return Err(unusable("not a begin")) };
+                                let StoreOp::Begin(a) = &self.op else { return Err(unusable("not a begin")) };
+                                let a = a.clone();
                                 self.new_claim(store, &a, now_ms)?
                             } else {
                                 self.existing(store, &txn, now_ms)?
@@ -543,7 +544,7 @@ impl Exchange {
                 // changed (cache.rs), so etcd would answer the same.
                 Some(answer) => Ok(Move::Begun(answer)),
                 None => {
-                    let a = *a;
+                    let a = a.clone();
                     self.new_claim(store, &a, now_ms)
                 }
             },
@@ -849,7 +850,7 @@ impl Exchange {
             }
             (StoreOp::Begin(a), false, _) => {
                 // Another worker wrote the record between our read and our write: look again.
-                let a = *a;
+                let a = a.clone();
                 self.read_again(store, &a, now_ms)
             }
             (StoreOp::Complete { completion, .. }, true, _) => {

@@ -97,7 +97,7 @@ impl<S: SharedData> LocalStore<S> {
         &self,
         bucket: u32,
         ours: &Entry,
-        label: Option<Label>,
+        label: Option<&Label>,
         pre: Read,
         now: u64,
     ) -> Result<Fenced, StoreError> {
@@ -106,7 +106,7 @@ impl<S: SharedData> LocalStore<S> {
             record::encode_slot(&SlotValue {
                 entry: *ours,
                 snapshot: None,
-                label: Some(label.created_at(now)),
+                label: Some(label.clone().created_at(now)),
             })
         });
         let mut read = pre;

@@ -57,6 +57,7 @@ use layout::{buckets_for, prefix_of, FILL_SHARD_BUCKETS};
 use quota::CHARGE_FLAGS;
 use std::cell::Cell;
 
+mod admin;
 mod commit;
 mod layout;
 mod placement;
@@ -226,7 +227,10 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
             };
             // The outcome keeps the label its claim left in the slot.
             let (label, committed) = match value {
-                Some(v) if v.is_claim_label() => (v.label.filter(|_| v.belongs_to(&entries[i])), None),
+                Some(v) if v.is_claim_label() => {
+                    let own = v.belongs_to(&entries[i]);
+                    (v.label.filter(|_| own), None)
+                }
                 other => (None, other),
             };
             if committed.is_some_and(|v| v.belongs_to(&entries[i])) {

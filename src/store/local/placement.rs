@@ -133,7 +133,7 @@ impl<S: SharedData> LocalStore<S> {
                 refund(&next);
                 return Ok(None);
             };
-            return match self.fence(bucket, &next, a.label, slot_read, now)? {
+            return match self.fence(bucket, &next, a.label.as_ref(), slot_read, now)? {
                 Fenced::RolledBack => {
                     refund(&next);
                     Ok(None)
@@ -248,7 +248,7 @@ impl<S: SharedData> LocalStore<S> {
             unfill();
             return Ok(None);
         }
-        match self.fence(bucket, &new, a.label, slot_read, now)? {
+        match self.fence(bucket, &new, a.label.as_ref(), slot_read, now)? {
             Fenced::RolledBack => {
                 self.uncharge(&new);
                 unfill();

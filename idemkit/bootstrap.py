@@ -443,6 +443,7 @@ def orders_proxy(
     access_log: Sequence[dict] = (),
     tracing: dict | None = None,
     hcm_options: dict | None = None,
+    extra_listeners: Sequence[dict] = (),
 ) -> dict:
     """The proxy in front of the orders upstream (cluster `orders`).
 
@@ -459,7 +460,8 @@ def orders_proxy(
     (e.g. `cors_policy(...)`, with `cors_filter()` in `pre_filters`). `access_log`: the HCM's
     access loggers (`file_access_log(...)`). `tracing`: the HCM's tracing (`zipkin_tracing(...)`,
     whose collector cluster goes in `extra_clusters`). `hcm_options`: more HCM fields
-    (`internal_callers()`).
+    (`internal_callers()`). `extra_listeners`: listeners after the proxy's own (e.g.
+    `admin_listener(...)`).
     """
     if filter_config is not None and wasm_path is None:
         raise ValueError("a filter configuration needs wasm_path")
@@ -500,4 +502,17 @@ def orders_proxy(
     )
     if stats_config is not None:
         config["stats_config"] = _copy(stats_config)
+    config["static_resources"]["listeners"] += _copy(list(extra_listeners))
     return config
+
+
+def admin_listener(admin_config: dict | str, wasm_path: Path | str, port: int = 0) -> dict:
+    """A listener (named `idempotency_admin`) whose only filter is the idempotency filter with
+    an admin configuration (`{"admin": {...}}`): the same module, vm_id and root_id as the
+    proxy's filter, so it reads the same shared data, as the shipped envoy/envoy.yaml has it."""
+    hcm = http_connection_manager(
+        [{"match": {"prefix": "/"}, "direct_response": {"status": 404}}],
+        [filter_http_filter(admin_config, wasm_path)],
+        "idempotency_admin",
+    )
+    return {"name": "idempotency_admin", "address": socket_address(port), "filter_chains": [{"filters": [hcm]}]}

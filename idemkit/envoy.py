@@ -88,6 +88,7 @@ class Envoy(Process):
         self.admin_address_path = self.log_dir / "admin_address"
         self.admin_port = 0
         self.port = 0
+        self.listener_ports: dict[str, int] = {}
 
     def render(self) -> dict:
         assert isinstance(self.config, dict), "this Envoy runs %s" % self.config
@@ -169,6 +170,11 @@ class Envoy(Process):
         listeners = self.admin("/listeners?format=json").json()
         addr = listeners["listener_statuses"][0]["local_address"]["socket_address"]
         self.port = int(addr["port_value"])
+        # Every listener's port by name (the first one is `port`).
+        self.listener_ports = {
+            s["name"]: int(s["local_address"]["socket_address"]["port_value"])
+            for s in listeners["listener_statuses"]
+        }
 
         def listening():
             with socket.create_connection(("127.0.0.1", self.port), timeout=1):

@@ -1,6 +1,7 @@
 //! Idempotency-Key filter for Envoy. The engine (everything but `glue`) is pure Rust and runs
 //! under plain `cargo test`; `glue` adapts it to Envoy's proxy-wasm host. See ARCHITECTURE.md.
 
+pub mod admin;
 pub mod build_info;
 pub mod config;
 pub mod detached;

@@ -26,6 +26,8 @@ pub const SWEPT_METRIC: &str = "idempotency.records_swept_total";
 /// The etcd store over gRPC (0 on any other store): a worker's watch stream to etcd ended (etcd
 /// closed it, a connection was cut, a message was refused) or could not be opened. Its waiters
 /// poll until it is open again; a steady rise means wait mode across the fleet is polling.
+/// The admin API's requests, one counter per `admin::Action`: `idempotency.admin.<action>_total`.
+pub const ADMIN_METRIC_PREFIX: &str = "idempotency.admin.";
 pub const WATCH_ENDED_METRIC: &str = "idempotency.store_watch_ended_total";
 
 /// What happened to a request, one counter per route rule each
@@ -218,6 +220,11 @@ impl Counter {
             Kind::PrincipalIncomplete => Counter::PrincipalIncomplete,
             Kind::OutcomeUnknown => Counter::UnknownRefused,
             Kind::DetachedCapacity => Counter::DetachedRefused,
+            // The admin API's own problems: never a protected request's answer (it counts them
+            // in `ADMIN_METRIC_PREFIX`'s counters instead).
+            Kind::AdminUnauthorized | Kind::AdminBadRequest | Kind::RecordNotFound | Kind::RecordConflict => {
+                Counter::StoreError
+            }
         }
     }
 }

@@ -21,6 +21,10 @@ pub enum Kind {
     PrincipalIncomplete,
     OutcomeUnknown,
     DetachedCapacity,
+    AdminUnauthorized,
+    AdminBadRequest,
+    RecordNotFound,
+    RecordConflict,
 }
 
 impl Kind {
@@ -39,6 +43,10 @@ impl Kind {
             Kind::PrincipalIncomplete => "principal-incomplete",
             Kind::OutcomeUnknown => "outcome-unknown",
             Kind::DetachedCapacity => "detached-capacity",
+            Kind::AdminUnauthorized => "admin-unauthorized",
+            Kind::AdminBadRequest => "admin-bad-request",
+            Kind::RecordNotFound => "record-not-found",
+            Kind::RecordConflict => "record-conflict",
         }
     }
 
@@ -57,6 +65,10 @@ impl Kind {
             Kind::PrincipalIncomplete => "Verified token lacks the claims that identify the caller",
             Kind::OutcomeUnknown => "Outcome of the original request is unknown",
             Kind::DetachedCapacity => "Too many detached calls in flight",
+            Kind::AdminUnauthorized => "The admin API needs its bearer token",
+            Kind::AdminBadRequest => "The admin request is malformed",
+            Kind::RecordNotFound => "No such record",
+            Kind::RecordConflict => "The record is not in a state that allows this",
         }
     }
 }

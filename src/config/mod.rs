@@ -8,6 +8,7 @@
 //! (`Config::rule_for`), what the rest of the crate calls; the types are in `model.rs`, the
 //! typed JSON readers in `fields.rs`, the etcd store's section in `etcd.rs`.
 
+use crate::admin::AdminConfig;
 use std::rc::Rc;
 
 use crate::json::{self, JsonValue as Value, MemberOrder};
@@ -125,6 +126,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
             "quota",
             "max_detached_calls",
             "publish_outcome",
+            "admin",
         ],
     )?;
     let key_header =
@@ -149,8 +151,28 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let quota = optional(top, "", "quota", quota)?.unwrap_or_default();
     let publish_outcome = optional(top, "", "publish_outcome", boolean)?.unwrap_or(false);
 
-    let routes = array(get(top, "routes").ok_or_else(|| err("routes", "required"))?, "routes")?;
-    if routes.is_empty() {
+    let admin = optional(top, "", "admin", admin)?;
+    if admin.is_some() {
+        // One filter entry, one job: an admin instance sits on its own listener, where no
+        // protected traffic comes, and a data-plane entry never answers admin paths.
+        if get(top, "routes").is_some() {
+            return Err(err(
+                "admin",
+                "an admin instance protects no routes: put the admin API in its own filter entry, on its own listener",
+            ));
+        }
+        if matches!(store, StoreConfig::Etcd(_)) {
+            return Err(err(
+                "admin",
+                "the admin API serves the local store for now; the etcd store's records are in etcd (docs/OPERATIONS.md)",
+            ));
+        }
+    }
+    let routes = match (&admin, get(top, "routes")) {
+        (Some(_), _) => Vec::new(),
+        (None, v) => array(v.ok_or_else(|| err("routes", "required"))?, "routes")?.to_vec(),
+    };
+    if routes.is_empty() && admin.is_none() {
         return Err(err("routes", "must contain at least one route"));
     }
     // A lookup is the caller's own request as the upstream authorizes it: by default it carries
@@ -184,7 +206,20 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         quota,
         max_detached_calls,
         publish_outcome,
+        admin,
     })
+}
+
+/// `admin`: `{"token_sha256": "<64 hex digits>"}` (the token itself never appears in a config).
+fn admin(v: &Value, path: &str) -> Res<AdminConfig> {
+    let o = object(v, path, &["token_sha256"])?;
+    let token_sha256 = optional(o, path, "token_sha256", |v, f| {
+        let s = string(v, f)?;
+        crate::identity::scope::unhex(s)
+            .and_then(|b| <[u8; 32]>::try_from(b).ok())
+            .ok_or_else(|| err(f, "expected the token's SHA-256 as 64 hex digits (sha256sum of the token)"))
+    })?;
+    Ok(AdminConfig { token_sha256 })
 }
 
 /// A detached call holds its request body and then its response in the worker's memory, so

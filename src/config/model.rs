@@ -35,6 +35,8 @@ pub struct Config {
     /// Each protected request's outcome as its filter state `wasm.idempotency.outcome`, for
     /// access logs. Off by default: one host call per outcome counted.
     pub publish_outcome: bool,
+    /// This instance serves the admin API (and protects no routes: `rules` is empty).
+    pub admin: Option<crate::admin::AdminConfig>,
 }
 
 /// What a forwarded request whose outcome cannot be known (a timeout, an upstream reset after

@@ -125,6 +125,14 @@ fn rejects_bad_configs_naming_the_field() {
         ),
         ("detached calls zero", top(r#""max_detached_calls":0"#), "max_detached_calls"),
         ("publish_outcome not a boolean", top(r#""publish_outcome":"yes""#), "publish_outcome"),
+        ("admin beside routes", top(r#""admin":{}"#), "admin"),
+        (
+            "admin on the etcd store",
+            r#"{"admin":{},"store":{"type":"etcd","cluster":"etcd"}}"#.into(),
+            "admin",
+        ),
+        ("admin token not a digest", r#"{"admin":{"token_sha256":"abc"}}"#.into(), "admin.token_sha256"),
+        ("admin unknown field", r#"{"admin":{"token":"x"}}"#.into(), "admin.token"),
         (
             "detached calls over the memory budget",
             r#"{"max_detached_calls":129,"routes":[{"name":"a","match":{"prefix":"/"},"execution":"detached"}]}"#.into(),
@@ -343,6 +351,7 @@ fn full_example_parses_exactly() {
         quota: Quota { per_tenant: Some(5000), per_principal: Some(100) },
         max_detached_calls: 1_000,
         publish_outcome: true,
+        admin: None,
     };
     assert_eq!(parse_str(json), Ok(expected));
 }
@@ -420,6 +429,7 @@ fn minimal_config_yields_all_defaults() {
         quota: Quota { per_tenant: None, per_principal: None },
         max_detached_calls: 1_000,
         publish_outcome: false,
+        admin: None,
     };
     assert_eq!(parse_str(r#"{"routes":[{"name":"a","match":{"prefix":"/"}}]}"#), Ok(expected));
 }
@@ -1000,4 +1010,14 @@ fn etcd_store_parses_with_defaults_and_in_full() {
 fn etcd_sizing_leaves_the_default_body_limit_room() {
     // 1.5 MiB of request minus 68 KiB of headers and framing: the 1 MiB default fits.
     assert_eq!(etcd::MAX_STORED_BODY_BYTES, 1_503_232);
+}
+
+#[test]
+fn an_admin_instance_protects_no_routes_and_keeps_the_tokens_digest() {
+    let digest = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+    let c = parse_str(&format!(r#"{{"admin":{{"token_sha256":"{digest}"}}}}"#)).unwrap();
+    assert!(c.rules.is_empty());
+    let admin = c.admin.unwrap();
+    assert_eq!(crate::identity::scope::hex(&admin.token_sha256.unwrap()), digest);
+    assert_eq!(parse_str(r#"{"admin":{}}"#).unwrap().admin.unwrap().token_sha256, None);
 }

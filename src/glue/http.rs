@@ -2,6 +2,7 @@
 //! is `flow::RequestFlow`'s; what remains here is which host call carries out which step, and
 //! how a failed host call is reported.
 
+use super::admin;
 use super::pairs::HeaderMap;
 use super::plugin::{FlowHandle, PluginState, Store, WaitHandle};
 use super::{
@@ -87,6 +88,8 @@ pub struct Http<H: Host> {
     hold_response: bool,
     /// Bytes of the response body held in Envoy's buffer (remote store, while capturing).
     response_held: usize,
+    /// An admin instance's request (`glue::admin`): its head, read at the headers.
+    admin: Option<admin::AdminHead>,
 }
 
 impl<H: Host> Http<H> {
@@ -99,6 +102,7 @@ impl<H: Host> Http<H> {
             flow_handle: None,
             hold_response: false,
             response_held: 0,
+            admin: None,
         }
     }
 
@@ -136,6 +140,10 @@ impl<H: Host> Http<H> {
     }
 
     pub fn on_request_headers(&mut self, end_of_stream: bool) -> Verdict {
+        if let Some(plugin) = self.plugin.clone().filter(|p| p.config.admin.is_some()) {
+            self.admin = admin::head(&plugin);
+            return admin::on_headers(&plugin, self.admin.as_ref(), end_of_stream);
+        }
         self.callback(false, |flow, p, facts| flow.request_headers(&p.config, facts, end_of_stream))
     }
 
@@ -148,9 +156,13 @@ impl<H: Host> Http<H> {
             && self.flow_handle.is_none()
             && self.wait_handle.is_none()
             && self.response_held == 0
+            && self.admin.is_none()
     }
 
     pub fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
+        if let Some(plugin) = self.plugin.clone().filter(|p| p.config.admin.is_some()) {
+            return admin::on_body(&plugin, self.admin.as_ref(), size, end_of_stream);
+        }
         self.callback(false, |flow, p, facts| flow.request_body(&p.config, facts, size, end_of_stream))
     }
 

@@ -6,6 +6,7 @@
 //! raw ABI behind the trait and `abi.rs` the module's exports (Envoy's callbacks, routed by
 //! context id), both wasm32 only and without decisions of their own.
 
+pub mod admin;
 pub mod http;
 pub mod pairs;
 pub mod plugin;

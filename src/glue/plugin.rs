@@ -7,7 +7,7 @@ use crate::config::{self, Config, Execution, Rule, StoreConfig, UnknownOutcome};
 use crate::detached;
 use crate::flow::{LaterLookup, LeaseEnd, ParkPlan, RequestFlow, Resumed, Settlement};
 use crate::identity::scope::ScopeId;
-use crate::metrics::{Counter, SWEPT_METRIC, UNMATCHED_METRIC, WATCH_ENDED_METRIC};
+use crate::metrics::{Counter, ADMIN_METRIC_PREFIX, SWEPT_METRIC, UNMATCHED_METRIC, WATCH_ENDED_METRIC};
 use crate::reconcile::{self, LookupGate};
 use crate::splitmix::splitmix64;
 use crate::store::etcd::remote::EtcdRemote;
@@ -43,10 +43,12 @@ pub struct Metrics {
     unmatched: Option<u32>,
     swept: Option<u32>,
     watch_ended: Option<u32>,
+    /// An admin instance's requests, by `admin::Action` (none elsewhere).
+    admin: Vec<Option<u32>>,
 }
 
 impl Metrics {
-    fn define<H: Host>(host: &H, rules: &[Rc<Rule>]) -> Metrics {
+    fn define<H: Host>(host: &H, rules: &[Rc<Rule>], admin: bool) -> Metrics {
         let define = |name: String| match host.define_counter(&name) {
             Ok(id) => Some(id),
             Err(e) => {
@@ -67,6 +69,14 @@ impl Metrics {
             // Defined whatever the store, as the sweep's is: a family that is always there (at 0
             // where nothing watches) lets one dashboard and one alert serve every fleet.
             watch_ended: define(WATCH_ENDED_METRIC.to_string()),
+            admin: if admin {
+                crate::admin::Action::ALL
+                    .iter()
+                    .map(|a| define(format!("{ADMIN_METRIC_PREFIX}{}_total", a.name())))
+                    .collect()
+            } else {
+                Vec::new()
+            },
         }
     }
 }
@@ -410,7 +420,7 @@ impl<H: Host> PluginState<H> {
         };
         let room = RefCell::new(WaitRoom::new(config.max_waiters_per_key, config.max_waiters));
         Ok(PluginState {
-            metrics: Metrics::define(&host, &config.rules),
+            metrics: Metrics::define(&host, &config.rules, config.admin.is_some()),
             host,
             config,
             store,
@@ -474,6 +484,13 @@ impl<H: Host> PluginState<H> {
     /// an operator looks for.
     fn count_watch_ended(&self) {
         if let Some(id) = self.metrics.watch_ended {
+            self.host.increment(id, 1);
+        }
+    }
+
+    pub fn count_admin(&self, action: crate::admin::Action) {
+        let index = crate::admin::Action::ALL.iter().position(|a| *a == action);
+        if let Some(id) = index.and_then(|i| self.metrics.admin.get(i).copied().flatten()) {
             self.host.increment(id, 1);
         }
     }

@@ -229,7 +229,7 @@ def retry_after_seconds(resp: Response) -> int:
 
 # ---- `make run` ------------------------------------------------------------------------------
 
-DEMO_PORTS = {"upstream": 8080, "Envoy": 10000, "Envoy admin": 9901}
+DEMO_PORTS = {"upstream": 8080, "Envoy": 10000, "Envoy admin": 9901, "idempotency admin API": 9902}
 
 
 def listening(port: int) -> bool:

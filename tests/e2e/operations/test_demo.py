@@ -238,13 +238,15 @@ SHIPPED = REPO_ROOT / "envoy" / "envoy.yaml"
 
 
 def shipped_envoy(listener_port: int, upstream_port: int, wasm, as_shipped: bool = True) -> dict:
-    """envoy/envoy.yaml (what `make run` runs) with its listener on `listener_port`, its admin on a
-    free port and its cluster on `upstream_port`. `as_shipped=False`: without the listener's
+    """envoy/envoy.yaml (what `make run` runs) with its listener on `listener_port`, Envoy's admin
+    and the idempotency admin API on free ports and its cluster on `upstream_port`. `as_shipped=False`: without the listener's
     `enable_reuse_port: false`, so with Envoy's default (reuse-port on), as another Envoy's
     config would be."""
     cfg = yaml.safe_load(SHIPPED.read_text().replace("dist/idempotency_filter.wasm", str(wasm)))
     cfg["admin"]["address"]["socket_address"]["port_value"] = 0
-    (listener,) = cfg["static_resources"]["listeners"]
+    listener, admin_api = cfg["static_resources"]["listeners"]
+    assert admin_api["name"] == "idempotency_admin", admin_api["name"]
+    admin_api["address"]["socket_address"]["port_value"] = 0
     listener["address"]["socket_address"]["port_value"] = listener_port
     if not as_shipped:
         listener.pop("enable_reuse_port", None)
@@ -341,3 +343,41 @@ def test_make_run_refuses_the_port_another_envoy_holds(envoy_bin, filter_wasm, u
         assert _served([other], PORTS["Envoy"], 20) == [20]
     finally:
         other.stop()
+
+
+def runbook_block(name: str) -> list[str]:
+    """The lines of docs/OPERATIONS.md's `<!-- runbook: name -->` shell block."""
+    text = (REPO_ROOT / "docs" / "OPERATIONS.md").read_text()
+    _, marker, rest = text.partition("<!-- runbook: %s -->" % name)
+    m = re.search(r"^```sh\n(.*?)^```", rest, re.S | re.M) if marker else None
+    assert m, "docs/OPERATIONS.md has no runbook block %r" % name
+    return [line for line in m.group(1).splitlines() if line.strip()]
+
+
+def test_the_outcome_unknown_runbook_settles_a_record_against_make_run(envoy_bin):
+    # C24: the admin API on envoy/envoy.yaml's loopback listener, the runbook's lines as they are.
+    lines = runbook_block("outcome_unknown")
+    assert len(lines) == 7, lines
+    # One bash session, as a terminal would run the block; each line's output apart.
+    script = "".join("%s\nprintf '\\n@@@ %d\\n'\n" % (line, i) for i, line in enumerate(lines))
+    demo = Demo(envoy_bin)
+    try:
+        pids = demo.pids()
+        out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+        parts = [p.strip("\n") for p in re.split(r"^@@@ \d+\n", out.stdout, flags=re.M)]
+        assert len(parts) == len(lines) + 1, (out.stdout, out.stderr)
+        listed, looked_up, resolved, retry = parts[2], parts[4], parts[5], parts[6]
+        assert '"state":"outcome_unknown"' in listed and '"route":"orders"' in listed, listed
+        assert listed.count('"tag"') == 1, listed
+        tag = re.search(r'"tag":"([0-9a-f]{12})"', listed).group(1)
+        assert '"tag":"%s"' % tag in looked_up and '"state":"outcome_unknown"' in looked_up, looked_up
+        assert resolved == '{"resolved":"%s"}' % tag, resolved
+        status, headers, body = response(retry)
+        assert (status, headers.get("idempotent-replayed"), body) == (201, "true", '{"order": "placed"}'), retry
+        key = re.search(r'"key":"(gave-up-\d+)"', listed).group(1)
+        executions = subprocess.run(["curl", "-s", "localhost:8080/_admin/executions?key=" + key],
+                                    capture_output=True, text=True, timeout=10).stdout
+        assert '"count": 1' in executions, executions
+    finally:
+        demo.stop(signal.SIGINT, group=False)
+    demo.assert_all_gone(pids)

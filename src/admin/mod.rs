@@ -1,0 +1,450 @@
+//! The admin API (C24): an operator inspects, releases and settles records. A filter instance
+//! configured with `admin` and no `routes` serves it on its own listener; each request is
+//! answered here, from the request's method, path, token and body, as a reply the glue sends.
+//! Pure: the store is the local one, read and written at once; nothing here imports proxy-wasm.
+//!
+//! - `GET  /idempotency/records?state=&route=&key=&limit=`   list
+//! - `GET  /idempotency/records/{id}`                   one record, with its stored response
+//! - `POST /idempotency/records/{id}/release[?force=true]`
+//! - `POST /idempotency/records/{id}/resolve`           body: the upstream's real answer
+//!
+//! `{id}` is the record's tag (12 hex digits, the one logs and access logs print) or its whole
+//! scope id (64).
+
+mod time;
+
+use crate::engine::Reply;
+use crate::identity::scope::{hex, unhex};
+use crate::json::{emit_string, JsonValue, MemberOrder};
+use crate::problem::{Kind, Problem};
+use crate::store::local::LocalStore;
+use crate::store::record::{Entry, Snapshot};
+use crate::store::shared_data::SharedData;
+use crate::store::{RecordId, RecordView, Refusal, StoreError};
+use sha2::{Digest, Sha256};
+
+/// `admin` in the configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdminConfig {
+    /// SHA-256 of the bearer token every request must present; None: no token (the listener
+    /// alone guards the API: the shipped configs bind it to loopback).
+    pub token_sha256: Option<[u8; 32]>,
+}
+
+/// Records a list shows by default, and at most (`limit`).
+pub const DEFAULT_LIMIT: usize = 100;
+pub const MAX_LIMIT: usize = 1_000;
+/// Largest resolve body: the answer it carries is stored like an upstream's.
+pub const MAX_BODY: usize = 4 << 20;
+
+pub struct AdminRequest<'a> {
+    pub method: &'a str,
+    /// With its query.
+    pub path: &'a str,
+    pub authorization: Option<&'a [u8]>,
+    pub body: &'a [u8],
+    pub now_ms: u64,
+}
+
+/// What an admin request did, for the log line and the counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Listed,
+    LookedUp,
+    Released,
+    Resolved,
+    /// Answered with a problem (bad request, unknown record, a state that does not allow it).
+    Refused,
+    Unauthorized,
+}
+
+impl Action {
+    pub fn name(self) -> &'static str {
+        match self {
+            Action::Listed => "listed",
+            Action::LookedUp => "looked_up",
+            Action::Released => "released",
+            Action::Resolved => "resolved",
+            Action::Refused => "refused",
+            Action::Unauthorized => "unauthorized",
+        }
+    }
+
+    pub const ALL: [Action; 6] = [
+        Action::Listed,
+        Action::LookedUp,
+        Action::Released,
+        Action::Resolved,
+        Action::Refused,
+        Action::Unauthorized,
+    ];
+}
+
+pub struct Answered {
+    pub reply: Reply,
+    pub action: Action,
+    /// The record acted on (its tag), for the log line.
+    pub tag: Option<String>,
+    /// Who: the token's first 8 hex digits ("-" without a token).
+    pub who: String,
+    /// A record released or resolved: waiters held for it are woken.
+    pub changed: Option<crate::identity::scope::ScopeId>,
+}
+
+pub fn answer<S: SharedData>(cfg: &AdminConfig, store: &LocalStore<S>, req: &AdminRequest) -> Answered {
+    let who =
+        req.authorization.and_then(bearer).map_or_else(|| "-".to_string(), |t| hex(&Sha256::digest(t)[..4]));
+    let done = |reply: Result<
+        (Reply, Action, Option<String>, Option<crate::identity::scope::ScopeId>),
+        Problem,
+    >| {
+        match reply {
+            Ok((reply, action, tag, changed)) => Answered { reply, action, tag, who: who.clone(), changed },
+            Err(p) => {
+                let action =
+                    if p.kind == Kind::AdminUnauthorized { Action::Unauthorized } else { Action::Refused };
+                Answered { reply: problem_reply(&p), action, tag: None, who: who.clone(), changed: None }
+            }
+        }
+    };
+    if let Some(expected) = &cfg.token_sha256 {
+        let presented = req.authorization.and_then(bearer).map(Sha256::digest);
+        if !presented.is_some_and(|p| constant_time_eq(&p, expected)) {
+            let mut p = Problem::new(
+                Kind::AdminUnauthorized,
+                401,
+                "present the admin token as authorization: Bearer <token>",
+            );
+            p.headers.push(("www-authenticate", "Bearer".to_string()));
+            return done(Err(p));
+        }
+    }
+    done(route(store, req))
+}
+
+type Routed = (Reply, Action, Option<String>, Option<crate::identity::scope::ScopeId>);
+
+fn route<S: SharedData>(store: &LocalStore<S>, req: &AdminRequest) -> Result<Routed, Problem> {
+    let (path, query) = req.path.split_once('?').unwrap_or((req.path, ""));
+    let rest = path
+        .strip_prefix("/idempotency/records")
+        .ok_or_else(|| not_found(format!("{path} is not an admin path: /idempotency/records...")))?;
+    let parts: Vec<&str> = rest.split('/').filter(|p| !p.is_empty()).collect();
+    match (req.method, parts.as_slice()) {
+        ("GET", []) => list(store, query, req.now_ms).map(|r| (r, Action::Listed, None, None)),
+        ("GET", [id]) => {
+            let v = one(store, id, req.now_ms)?;
+            Ok((
+                json_reply(200, &view_json(&v, true, req.now_ms)),
+                Action::LookedUp,
+                Some(v.scope.log_tag()),
+                None,
+            ))
+        }
+        ("POST", [id, "release"]) => {
+            let force = query_param(query, "force").is_some_and(|v| v == "true");
+            let v = one(store, id, req.now_ms)?;
+            refused(store.release_record(&v, force, req.now_ms))?;
+            let body = format!("{{\"released\":\"{}\"}}", v.scope.log_tag());
+            Ok((json_reply(200, body.as_bytes()), Action::Released, Some(v.scope.log_tag()), Some(v.scope)))
+        }
+        ("POST", [id, "resolve"]) => {
+            let outcome = resolution(req.body)?;
+            let v = one(store, id, req.now_ms)?;
+            refused(store.resolve_record(&v, outcome, req.now_ms))?;
+            let body = format!("{{\"resolved\":\"{}\"}}", v.scope.log_tag());
+            Ok((json_reply(200, body.as_bytes()), Action::Resolved, Some(v.scope.log_tag()), Some(v.scope)))
+        }
+        (_, [] | [_] | [_, "release" | "resolve"]) => {
+            let mut p =
+                Problem::new(Kind::AdminBadRequest, 405, format!("{} is not allowed on {path}", req.method));
+            p.headers.push(("allow", if parts.len() == 2 { "POST" } else { "GET" }.to_string()));
+            Err(p)
+        }
+        _ => Err(not_found(format!("{path} is not an admin path"))),
+    }
+}
+
+fn list<S: SharedData>(store: &LocalStore<S>, query: &str, now_ms: u64) -> Result<Reply, Problem> {
+    let state = query_param(query, "state").unwrap_or_else(|| "all".to_string());
+    let wanted: fn(&Entry) -> bool = match state.as_str() {
+        "all" => |_| true,
+        "outcome_unknown" => Entry::outcome_unknown,
+        "processing" => |e| !e.is_completed(),
+        "completed" => |e| e.is_completed() && !e.outcome_unknown(),
+        other => {
+            return Err(bad(format!("state={other}: expected outcome_unknown, processing, completed or all")))
+        }
+    };
+    let limit = match query_param(query, "limit") {
+        None => DEFAULT_LIMIT,
+        Some(n) => match n.parse::<usize>() {
+            Ok(n) if (1..=MAX_LIMIT).contains(&n) => n,
+            _ => return Err(bad(format!("limit={n}: expected 1 to {MAX_LIMIT}"))),
+        },
+    };
+    let route = query_param(query, "route");
+    let key = query_param(query, "key");
+    let mut out = b"{\"records\":[".to_vec();
+    let mut shown = 0usize;
+    let mut more = false;
+    store
+        .visit_records(now_ms, &wanted, &mut |v| {
+            let label = v.label.as_ref();
+            if route.as_deref().is_some_and(|r| label.map(|l| l.route()) != Some(r))
+                || key.as_deref().is_some_and(|k| label.map(|l| l.key()) != Some(k))
+            {
+                return true;
+            }
+            if shown == limit {
+                more = true;
+                return false;
+            }
+            if shown > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(&view_json(&v, false, now_ms));
+            shown += 1;
+            true
+        })
+        .map_err(unavailable)?;
+    out.extend_from_slice(b"],\"truncated\":");
+    out.extend_from_slice(if more { b"true" } else { b"false" });
+    out.push(b'}');
+    Ok(json_reply(200, &out))
+}
+
+fn one<S: SharedData>(store: &LocalStore<S>, id: &str, now_ms: u64) -> Result<RecordView, Problem> {
+    let rid = RecordId::parse(id)
+        .ok_or_else(|| bad(format!("{id:?} is not a record id: its tag (12 hex digits) or scope id (64)")))?;
+    let mut found = store.find_records(&rid, now_ms).map_err(unavailable)?;
+    match found.len() {
+        0 => Err(not_found(format!("no live record {id}"))),
+        1 => Ok(found.remove(0)),
+        n => {
+            let ids: Vec<String> = found.iter().map(|v| hex(&v.scope.0)).collect();
+            Err(Problem::new(
+                Kind::RecordConflict,
+                409,
+                format!("{n} records have the tag {id}: name one by its scope id ({})", ids.join(", ")),
+            ))
+        }
+    }
+}
+
+fn refused(r: Result<Result<(), Refusal>, StoreError>) -> Result<(), Problem> {
+    match r.map_err(unavailable)? {
+        Ok(()) => Ok(()),
+        Err(Refusal::Live { lease_ends_at_ms }) => Err(Problem::new(
+            Kind::RecordConflict,
+            409,
+            format!(
+                "a claim within its lease (until {}): its request may be executing; ask again after it",
+                time::rfc3339(lease_ends_at_ms)
+            ),
+        )),
+        Err(Refusal::Completed) => Err(Problem::new(
+            Kind::RecordConflict,
+            409,
+            "completed with a known outcome: every retry replays it (release it with ?force=true to let the key execute again)",
+        )),
+        Err(Refusal::SettledMeanwhile) => {
+            Err(Problem::new(Kind::RecordConflict, 409, "its request settled it meanwhile: look it up again"))
+        }
+        Err(Refusal::Gone) => Err(not_found("the record is gone (expired, released or replaced)".to_string())),
+    }
+}
+
+/// The answer a resolve writes: `{"status": 201, "headers": [["name", "value"]], "body": "..."}`
+/// (or `"body_base64"`).
+fn resolution(body: &[u8]) -> Result<Snapshot, Problem> {
+    if body.len() > MAX_BODY {
+        return Err(bad(format!("the body is over {MAX_BODY} bytes")));
+    }
+    let doc = crate::json::read(body, 4, MemberOrder::Document).map_err(|e| bad(format!("the body: {e}")))?;
+    if let JsonValue::Object(members) = &doc {
+        if let Some((name, _)) =
+            members.iter().find(|(n, _)| !matches!(n.as_ref(), "status" | "headers" | "body" | "body_base64"))
+        {
+            return Err(bad(format!(
+                "unknown member {name:?}: expected status, headers, body or body_base64"
+            )));
+        }
+    } else {
+        return Err(bad("the body must be a JSON object".to_string()));
+    }
+    let status = match doc.get("status") {
+        Some(JsonValue::Number(n)) => n.parse::<u16>().ok().filter(|s| (200..600).contains(s)),
+        _ => None,
+    }
+    .ok_or_else(|| bad("status: expected an HTTP status from 200 to 599".to_string()))?;
+    let mut headers = Vec::new();
+    match doc.get("headers") {
+        None => {}
+        Some(JsonValue::Array(items)) => {
+            for item in items {
+                let JsonValue::Array(pair) = item else { return Err(bad(HEADER_SHAPE.to_string())) };
+                let [JsonValue::String(n), JsonValue::String(v)] = pair.as_slice() else {
+                    return Err(bad(HEADER_SHAPE.to_string()));
+                };
+                let name = n.to_ascii_lowercase();
+                if name.is_empty() || name.starts_with(':') || !name.bytes().all(|b| b.is_ascii_graphic()) {
+                    return Err(bad(format!("header name {n:?} is not one a response may carry")));
+                }
+                headers.push((name, v.as_bytes().to_vec()));
+            }
+        }
+        Some(_) => return Err(bad(HEADER_SHAPE.to_string())),
+    }
+    let body = match (doc.get("body"), doc.get("body_base64")) {
+        (Some(JsonValue::String(s)), None) => s.as_bytes().to_vec(),
+        (None, Some(JsonValue::String(s))) => crate::store::etcd::base64::decode(s)
+            .ok_or_else(|| bad("body_base64 is not base64".to_string()))?,
+        (None, None) => Vec::new(),
+        _ => return Err(bad("body: a string, or body_base64: a base64 string, not both".to_string())),
+    };
+    Ok(Snapshot { status, headers, body })
+}
+
+const HEADER_SHAPE: &str = "headers: expected [[\"name\", \"value\"], ...]";
+
+/// Headers whose values an operator's view does not show: credentials.
+const REDACTED: [&str; 3] = ["authorization", "cookie", "set-cookie"];
+
+fn view_json(v: &RecordView, detail: bool, now_ms: u64) -> Vec<u8> {
+    let e = &v.entry;
+    let mut out = b"{\"tag\":".to_vec();
+    emit_string(&v.scope.log_tag(), &mut out);
+    out.extend_from_slice(b",\"id\":");
+    emit_string(&hex(&v.scope.0), &mut out);
+    let (route, key) = v.label.as_ref().map_or((None, None), |l| (Some(l.route()), Some(l.key())));
+    for (name, value) in [("route", route), ("key", key)] {
+        out.extend_from_slice(format!(",\"{name}\":").as_bytes());
+        match value {
+            Some(s) => emit_string(s, &mut out),
+            None => out.extend_from_slice(b"null"),
+        }
+    }
+    let state = if e.outcome_unknown() {
+        "outcome_unknown"
+    } else if e.is_completed() {
+        "completed"
+    } else {
+        "processing"
+    };
+    out.extend_from_slice(format!(",\"state\":\"{state}\"").as_bytes());
+    if e.is_completed() && !e.outcome_unknown() {
+        out.extend_from_slice(format!(",\"status\":{}", e.status).as_bytes());
+    }
+    if let Some(l) = &v.label {
+        out.extend_from_slice(format!(",\"created_at\":\"{}\"", time::rfc3339(l.created_at_ms)).as_bytes());
+    }
+    out.extend_from_slice(format!(",\"expires_at\":\"{}\"", time::rfc3339(e.expires_at_ms)).as_bytes());
+    if !e.is_completed() {
+        out.extend_from_slice(
+            format!(",\"lease_ends_at\":\"{}\"", time::rfc3339(e.lease_deadline_ms)).as_bytes(),
+        );
+        out.extend_from_slice(format!(",\"lease_ended\":{}", now_ms >= e.lease_deadline_ms).as_bytes());
+    }
+    if detail {
+        if let Some(s) = &v.snapshot {
+            out.extend_from_slice(
+                format!(",\"response\":{{\"status\":{},\"headers\":[", s.status).as_bytes(),
+            );
+            for (i, (name, value)) in s.headers.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.push(b'[');
+                emit_string(name, &mut out);
+                out.push(b',');
+                let shown = if REDACTED.contains(&name.as_str()) {
+                    "[redacted]".to_string()
+                } else {
+                    String::from_utf8_lossy(value).into_owned()
+                };
+                emit_string(&shown, &mut out);
+                out.push(b']');
+            }
+            out.extend_from_slice(format!("],\"body_bytes\":{}}}", s.body.len()).as_bytes());
+        }
+    }
+    out.push(b'}');
+    out
+}
+
+fn query_param(query: &str, name: &str) -> Option<String> {
+    query.split('&').find_map(|pair| {
+        let (n, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (n == name).then(|| percent_decode(v))
+    })
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match (b[i], b.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok()).and_then(unhex)) {
+            (b'%', Some(byte)) => {
+                out.extend_from_slice(&byte);
+                i += 3;
+            }
+            (b'+', _) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn bearer(value: &[u8]) -> Option<&[u8]> {
+    let v = std::str::from_utf8(value).ok()?.trim();
+    let (scheme, token) = v.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim().as_bytes())
+}
+
+/// Equal in time that does not depend on where they differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn json_reply(status: u16, body: &[u8]) -> Reply {
+    Reply {
+        status,
+        headers: vec![
+            ("content-type".into(), b"application/json".to_vec()),
+            ("cache-control".into(), b"no-store".to_vec()),
+        ],
+        body: body.to_vec(),
+        replay_shape: None,
+    }
+}
+
+fn problem_reply(p: &Problem) -> Reply {
+    let mut headers: Vec<(String, Vec<u8>)> =
+        p.response_headers().into_iter().map(|(n, v)| (n.to_string(), v.into_bytes())).collect();
+    headers.push(("cache-control".into(), b"no-store".to_vec()));
+    Reply { status: p.status, headers, body: p.body(), replay_shape: None }
+}
+
+fn bad(detail: String) -> Problem {
+    Problem::new(Kind::AdminBadRequest, 400, detail)
+}
+
+fn not_found(detail: String) -> Problem {
+    Problem::new(Kind::RecordNotFound, 404, detail)
+}
+
+fn unavailable(e: StoreError) -> Problem {
+    Problem::new(Kind::StoreUnavailable, 503, format!("the store: {e}"))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests;

@@ -1,0 +1,174 @@
+//! The admin API against a local store on the fake shared data (the store fake keeps Envoy's
+//! shared-data rules), request by request as an operator makes them.
+
+use super::*;
+use crate::json::read;
+use crate::store::conformance::{attempt, claimed, done, scope, snapshot, LEASE};
+use crate::store::fake::FakeSharedData;
+use crate::store::{Begin, ClaimAttempt, RecordStore, UnknownOutcome};
+
+const TOKEN: &str = "s3cret-admin-token";
+
+fn store(data: &FakeSharedData) -> LocalStore<&FakeSharedData> {
+    LocalStore::open(data, 64, [1; 32], 0).unwrap()
+}
+
+fn cfg(token: bool) -> AdminConfig {
+    AdminConfig { token_sha256: token.then(|| Sha256::digest(TOKEN.as_bytes()).into()) }
+}
+
+fn ask(
+    cfg: &AdminConfig,
+    s: &LocalStore<&FakeSharedData>,
+    method: &str,
+    path: &str,
+    body: &str,
+    now_ms: u64,
+) -> (u16, String, Action) {
+    let auth = format!("Bearer {TOKEN}");
+    let req =
+        AdminRequest { method, path, authorization: Some(auth.as_bytes()), body: body.as_bytes(), now_ms };
+    let a = answer(cfg, s, &req);
+    (a.reply.status, String::from_utf8(a.reply.body).unwrap(), a.action)
+}
+
+fn unknown_outcome_of(s: &LocalStore<&FakeSharedData>, n: u64) {
+    claimed(s.begin(&attempt(n, 1, n * 10, 0)).unwrap());
+    let refuse = ClaimAttempt { unknown_outcome: UnknownOutcome::Refuse, ..attempt(n, 1, n * 10 + 1, LEASE) };
+    assert_eq!(s.begin(&refuse).unwrap(), Begin::OutcomeUnknown);
+}
+
+#[test]
+fn list_then_find_by_key_then_resolve_and_the_retry_replays() {
+    let data = FakeSharedData::new();
+    let s = store(&data);
+    let c = claimed(s.begin(&attempt(1, 1, 1, 0)).unwrap());
+    s.complete(&c, &done("one", 1)).unwrap();
+    unknown_outcome_of(&s, 2);
+    let (status, body, action) =
+        ask(&cfg(true), &s, "GET", "/idempotency/records?state=outcome_unknown", "", LEASE + 1);
+    assert_eq!((status, action), (200, Action::Listed), "{body}");
+    let doc = read(body.as_bytes(), 8, MemberOrder::Document).unwrap();
+    let Some(JsonValue::Array(records)) = doc.get("records") else { panic!("{body}") };
+    assert_eq!(records.len(), 1, "{body}");
+    let r = &records[0];
+    assert_eq!(r.get("key"), Some(&JsonValue::String("key-2".into())));
+    assert_eq!(r.get("route"), Some(&JsonValue::String("orders".into())));
+    assert_eq!(r.get("state"), Some(&JsonValue::String("outcome_unknown".into())));
+    assert_eq!(r.get("tag"), Some(&JsonValue::String(scope(2).log_tag().into())));
+    let Some(JsonValue::String(created)) = r.get("created_at") else { panic!("{body}") };
+    assert!(created.starts_with("1970-01-01T00:00:01"), "{created}");
+
+    let resolve = format!("/idempotency/records/{}/resolve", scope(2).log_tag());
+    let answer_body =
+        r#"{"status":201,"headers":[["content-type","application/json"]],"body":"{\"paid\":true}"}"#;
+    let (status, body, action) = ask(&cfg(true), &s, "POST", &resolve, answer_body, LEASE + 2);
+    assert_eq!((status, action), (200, Action::Resolved), "{body}");
+    let replay = s.begin(&attempt(2, 1, 99, LEASE + 3)).unwrap();
+    let Begin::Replay(snap) = replay else { panic!("{replay:?}") };
+    assert_eq!((snap.status, snap.body.as_slice()), (201, br#"{"paid":true}"#.as_slice()));
+    // Once is enough: a known outcome is not resolved again.
+    let (status, body, _) = ask(&cfg(true), &s, "POST", &resolve, answer_body, LEASE + 4);
+    assert_eq!(status, 409, "{body}");
+    // The detail view shows the stored response, credentials redacted.
+    let c = claimed(s.begin(&attempt(3, 1, 3, 0)).unwrap());
+    let mut with_cookie = snapshot("three");
+    with_cookie.headers.push(("set-cookie".into(), b"session=abc".to_vec()));
+    s.complete(&c, &crate::store::Completion { snapshot: Some(with_cookie), ..done("three", 1) }).unwrap();
+    let (status, body, action) =
+        ask(&cfg(true), &s, "GET", &format!("/idempotency/records/{}", hex(&scope(3).0)), "", 2);
+    assert_eq!((status, action), (200, Action::LookedUp), "{body}");
+    assert!(body.contains(r#"["set-cookie","[redacted]"]"#) && !body.contains("session=abc"), "{body}");
+    assert!(body.contains(r#""status":201"#) && body.contains(r#""body_bytes":17"#), "{body}");
+}
+
+#[test]
+fn release_lets_the_key_execute_and_a_live_claim_or_a_known_outcome_is_refused() {
+    let data = FakeSharedData::new();
+    let s = store(&data);
+    unknown_outcome_of(&s, 1);
+    claimed(s.begin(&attempt(2, 1, 2, LEASE)).unwrap());
+    let release = |n: u64, q: &str| format!("/idempotency/records/{}/release{q}", scope(n).log_tag());
+    let (status, body, _) = ask(&cfg(false), &s, "POST", &release(2, ""), "", LEASE + 1);
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("within its lease"), "{body}");
+    let (status, body, action) = ask(&cfg(false), &s, "POST", &release(1, ""), "", LEASE + 1);
+    assert_eq!((status, action), (200, Action::Released), "{body}");
+    assert!(matches!(s.begin(&attempt(1, 1, 7, LEASE + 2)).unwrap(), Begin::Claimed(_)));
+    let c = claimed(s.begin(&attempt(3, 1, 3, 0)).unwrap());
+    s.complete(&c, &done("three", 1)).unwrap();
+    assert_eq!(ask(&cfg(false), &s, "POST", &release(3, ""), "", 2).0, 409);
+    assert_eq!(ask(&cfg(false), &s, "POST", &release(3, "?force=true"), "", 2).0, 200);
+    assert_eq!(ask(&cfg(false), &s, "POST", &release(3, "?force=true"), "", 3).0, 404);
+}
+
+#[test]
+fn a_missing_or_wrong_token_gets_401_and_nothing_is_read() {
+    let data = FakeSharedData::new();
+    let s = store(&data);
+    for auth in [None, Some("Bearer wrong"), Some("Basic czNjcmV0"), Some(TOKEN)] {
+        let req = AdminRequest {
+            method: "GET",
+            path: "/idempotency/records",
+            authorization: auth.map(str::as_bytes),
+            body: b"",
+            now_ms: 1,
+        };
+        let a = answer(&cfg(true), &s, &req);
+        assert_eq!((a.reply.status, a.action), (401, Action::Unauthorized), "{auth:?}");
+        assert!(a.reply.headers.iter().any(|(n, v)| n == "www-authenticate" && v == b"Bearer"));
+    }
+    assert_eq!(ask(&cfg(true), &s, "GET", "/idempotency/records", "", 1).0, 200);
+}
+
+#[test]
+fn bad_requests_get_a_problem_that_says_what_is_wrong() {
+    let data = FakeSharedData::new();
+    let s = store(&data);
+    unknown_outcome_of(&s, 1);
+    let tag = scope(1).log_tag();
+    let resolve = format!("/idempotency/records/{tag}/resolve");
+    for (method, path, body, status, says) in [
+        ("GET", "/idempotency/records?state=odd", "", 400, "state=odd"),
+        ("GET", "/idempotency/records?limit=0", "", 400, "limit=0"),
+        ("GET", "/idempotency/records/xyz", "", 400, "not a record id"),
+        ("GET", "/idempotency/records/000000000000", "", 404, "no live record"),
+        ("GET", "/other", "", 404, "not an admin path"),
+        ("DELETE", "/idempotency/records", "", 405, "not allowed"),
+        ("POST", resolve.as_str(), "{", 400, "the body"),
+        ("POST", resolve.as_str(), r#"{"status":99}"#, 400, "status"),
+        ("POST", resolve.as_str(), r#"{"status":201,"extra":1}"#, 400, "unknown member"),
+        ("POST", resolve.as_str(), r#"{"status":201,"headers":[[":status","1"]]}"#, 400, "header name"),
+        ("POST", resolve.as_str(), r#"{"status":201,"body":"a","body_base64":"YQ=="}"#, 400, "not both"),
+    ] {
+        let (got, body, action) = ask(&cfg(false), &s, method, path, body, LEASE + 1);
+        assert_eq!((got, action), (status, Action::Refused), "{method} {path}: {body}");
+        assert!(body.contains(says), "{method} {path}: {body}");
+        assert!(body.contains("urn:idempotency-filter:"), "{body}");
+    }
+    // A base64 body.
+    let (got, body, _) =
+        ask(&cfg(false), &s, "POST", &resolve, r#"{"status":200,"body_base64":"aGk="}"#, LEASE + 1);
+    assert_eq!(got, 200, "{body}");
+    let Begin::Replay(snap) = s.begin(&attempt(1, 1, 5, LEASE + 2)).unwrap() else { panic!() };
+    assert_eq!(snap.body, b"hi");
+}
+
+#[test]
+fn a_list_stops_at_its_limit_and_says_it_was_truncated() {
+    let data = FakeSharedData::new();
+    let s = store(&data);
+    for n in 1..=5 {
+        claimed(s.begin(&attempt(n, 1, n, 0)).unwrap());
+    }
+    let (status, body, _) =
+        ask(&cfg(false), &s, "GET", "/idempotency/records?state=processing&limit=2", "", 1);
+    assert_eq!(status, 200);
+    assert_eq!(body.matches("\"tag\"").count(), 2, "{body}");
+    assert!(body.ends_with("\"truncated\":true}"), "{body}");
+    let (_, body, _) = ask(&cfg(false), &s, "GET", "/idempotency/records?route=other", "", 1);
+    assert_eq!(body, "{\"records\":[],\"truncated\":false}");
+    let (_, body, _) = ask(&cfg(false), &s, "GET", "/idempotency/records?key=key-4", "", 1);
+    assert_eq!(body.matches("\"tag\"").count(), 1, "{body}");
+    assert!(body.contains(&scope(4).log_tag()), "{body}");
+}

@@ -1,0 +1,109 @@
+//! The admin API's glue: an admin instance's stream is one request the module answers itself
+//! (`crate::admin` decides the answer). Its head is read at the headers, its body collected,
+//! and the answer sent as a local reply; each request is counted and logged.
+
+use super::plugin::{PluginState, Store};
+use super::{Host, HostError, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
+use crate::admin::{self, AdminRequest, MAX_BODY};
+use crate::flow::Verdict;
+
+/// `response.code_details` of the admin API's replies.
+pub const DETAILS_ADMIN: &str = "idempotency_admin";
+
+/// What an admin request said in its headers, kept until its body has arrived.
+pub struct AdminHead {
+    method: String,
+    path: String,
+    authorization: Option<Vec<u8>>,
+}
+
+/// The request's head; None when the host cannot give it (answered 500 by the caller).
+pub fn head<H: Host>(plugin: &PluginState<H>) -> Option<AdminHead> {
+    let map = plugin.host.header_map(MAP_REQUEST_HEADERS).ok()?;
+    let text = |name: &str| map.get(name).map(|v| String::from_utf8_lossy(v).into_owned());
+    Some(AdminHead {
+        method: text(":method")?,
+        path: text(":path")?,
+        authorization: map.get("authorization").map(<[u8]>::to_vec),
+    })
+}
+
+/// At the request's headers: answered now when it has no body, else held for it.
+pub fn on_headers<H: Host>(
+    plugin: &PluginState<H>,
+    head: Option<&AdminHead>,
+    end_of_stream: bool,
+) -> Verdict {
+    match head {
+        None => {
+            send(plugin, 500, b"{\"detail\":\"cannot read the request headers\"}");
+            Verdict::Pause
+        }
+        Some(head) if end_of_stream => {
+            serve(plugin, head, &[]);
+            Verdict::Pause
+        }
+        Some(_) => Verdict::Pause,
+    }
+}
+
+/// At each piece of the body: answered with the last one (Envoy buffers the rest).
+pub fn on_body<H: Host>(
+    plugin: &PluginState<H>,
+    head: Option<&AdminHead>,
+    size: usize,
+    end_of_stream: bool,
+) -> Verdict {
+    let Some(head) = head else { return Verdict::Pause };
+    if size > MAX_BODY {
+        send(plugin, 413, b"{\"detail\":\"the admin request body is over 4 MiB\"}");
+        return Verdict::Pause;
+    }
+    if !end_of_stream {
+        return Verdict::Pause;
+    }
+    match plugin.host.buffer(BUFFER_REQUEST_BODY, 0, size) {
+        Ok(body) => serve(plugin, head, &body),
+        Err(HostError(s)) => {
+            log::warn!("admin: cannot read the request body (host status {s})");
+            send(plugin, 500, b"{\"detail\":\"cannot read the request body\"}");
+        }
+    }
+    Verdict::Pause
+}
+
+fn serve<H: Host>(plugin: &PluginState<H>, head: &AdminHead, body: &[u8]) {
+    let (Some(cfg), Store::Local(store)) = (&plugin.config.admin, &plugin.store) else {
+        send(plugin, 500, b"{\"detail\":\"not an admin instance\"}");
+        return;
+    };
+    let req = AdminRequest {
+        method: &head.method,
+        path: &head.path,
+        authorization: head.authorization.as_deref(),
+        body,
+        now_ms: plugin.host.now_ms(),
+    };
+    let answered = admin::answer(cfg, store, &req);
+    plugin.count_admin(answered.action);
+    log::info!(
+        "admin {} {} {} -> {} ({}) by {}",
+        head.method,
+        head.path.split('?').next().unwrap_or(""),
+        answered.tag.as_deref().unwrap_or("-"),
+        answered.reply.status,
+        answered.action.name(),
+        answered.who
+    );
+    let r = &answered.reply;
+    if let Err(HostError(s)) = plugin.host.send_response(r.status, DETAILS_ADMIN, &r.headers, &r.body) {
+        log::warn!("admin: could not send the reply (host status {s})");
+    }
+}
+
+fn send<H: Host>(plugin: &PluginState<H>, status: u16, body: &[u8]) {
+    let headers = vec![("content-type".to_string(), b"application/json".to_vec())];
+    if let Err(HostError(s)) = plugin.host.send_response(status, DETAILS_ADMIN, &headers, body) {
+        log::warn!("admin: could not send the reply (host status {s})");
+    }
+}

@@ -1,0 +1,117 @@
+"""C24: the admin API. An operator lists the records whose outcome is unknown, finds one by its
+key, settles it with the upstream's real answer (every retry then replays it, and the upstream
+never executes it again), and releases another (its retry then executes). The admin instance is
+the same module, vm_id and root_id on its own listener, as envoy/envoy.yaml ships it, so it
+reads the data plane's records in the local store; a token that does not match gets 401, and a
+configuration with both `admin` and `routes` does not start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+import harness
+from harness import assert_problem, key_headers, new_key
+from idemkit.bootstrap import admin_listener
+from idemkit.client import request
+
+BODY = b'{"order":42,"amount":"19.99"}'
+TOKEN = "e2e-admin-token"
+STORE = {"type": "local", "capacity": 1000}
+FILTER_CONFIG = {
+    "store": STORE,
+    "routes": [{"name": "pay", "match": {"prefix": "/pay"}, "require_key": True, "processing_timeout": "3s"}],
+}
+ADMIN_CONFIG = {"store": STORE, "admin": {"token_sha256": hashlib.sha256(TOKEN.encode()).hexdigest()}}
+
+
+@pytest.fixture(scope="module")
+def envoy(envoy_bin, filter_wasm, upstream):
+    proxy = harness.Envoy(envoy_bin, upstream.port, FILTER_CONFIG, wasm_path=filter_wasm, name="admin",
+                          route_timeout="1s", extra_listeners=[admin_listener(ADMIN_CONFIG, filter_wasm)])
+    yield proxy.start()
+    proxy.stop()
+
+
+def admin(envoy, method: str, path: str, body=None, token: str | None = TOKEN):
+    headers = {"authorization": "Bearer " + token} if token is not None else {}
+    return request(envoy.listener_ports["idempotency_admin"], method, path, body, headers)
+
+
+def unknown_outcome(envoy, upstream) -> str:
+    """A key whose first request outlived the route timeout: its outcome is unknown."""
+    key = new_key()
+    first = envoy.post("/pay", BODY, key_headers(key, x_delay_ms="1500"))
+    assert first.status == 504, first
+    envoy.wait_counter("outcome_unknown", 1)
+    assert_problem(envoy.post("/pay", BODY, key_headers(key)), 502, "outcome-unknown")
+    return key
+
+
+def find(envoy, key: str) -> dict:
+    listed = admin(envoy, "GET", "/idempotency/records?state=outcome_unknown&route=pay")
+    assert listed.status == 200, listed
+    found = [r for r in json.loads(listed.body)["records"] if r["key"] == key]
+    assert len(found) == 1, listed.body
+    return found[0]
+
+
+def test_an_operator_resolves_an_unknown_outcome_and_every_retry_replays_it(envoy, upstream):
+    key = unknown_outcome(envoy, upstream)
+    record = find(envoy, key)
+    assert record["route"] == "pay" and record["state"] == "outcome_unknown", record
+    assert record["created_at"].endswith("Z") and record["expires_at"] > record["created_at"], record
+    # The upstream committed it (its own log says so): the operator settles the record with that.
+    answer = {"status": 201, "headers": [["content-type", "application/json"]], "body": '{"paid":true}'}
+    settled = admin(envoy, "POST", "/idempotency/records/%s/resolve" % record["tag"], answer)
+    assert settled.status == 200, settled
+    for _ in range(2):
+        retry = envoy.post("/pay", BODY, key_headers(key))
+        assert (retry.status, retry.body, retry.replayed) == (201, b'{"paid":true}', True), retry
+    assert upstream.executions(key) == 1
+    # The record now shows its stored response; resolving it again is refused.
+    shown = admin(envoy, "GET", "/idempotency/records/" + record["tag"])
+    doc = json.loads(shown.body)
+    assert (doc["state"], doc["status"], doc["response"]["body_bytes"]) == ("completed", 201, 13), doc
+    again = admin(envoy, "POST", "/idempotency/records/%s/resolve" % record["tag"], answer)
+    assert_problem(again, 409, "record-conflict")
+    assert envoy.counter(harness.STAT_PREFIX + "admin.resolved_total") == 1
+
+
+def test_an_operator_releases_an_unknown_outcome_and_the_retry_executes(envoy, upstream):
+    key = unknown_outcome(envoy, upstream)
+    record = find(envoy, key)
+    released = admin(envoy, "POST", "/idempotency/records/%s/release" % record["id"])
+    assert released.status == 200, released
+    retry = envoy.post("/pay", BODY, key_headers(key))
+    assert retry.status == 201 and not retry.replayed, retry
+    assert upstream.executions(key) == 2
+    # A known outcome is released only with force.
+    done = find_completed(envoy, key)
+    assert_problem(admin(envoy, "POST", "/idempotency/records/%s/release" % done["tag"]), 409, "record-conflict")
+
+
+def find_completed(envoy, key: str) -> dict:
+    listed = admin(envoy, "GET", "/idempotency/records?state=completed&limit=1000")
+    found = [r for r in json.loads(listed.body)["records"] if r["key"] == key]
+    assert len(found) == 1, listed.body
+    return found[0]
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_a_token_that_does_not_match_gets_401(envoy, token):
+    resp = admin(envoy, "GET", "/idempotency/records", token=token)
+    assert_problem(resp, 401, "admin-unauthorized")
+    assert resp.header("www-authenticate") == "Bearer", resp
+    envoy.wait_counter(harness.STAT_PREFIX + "admin.unauthorized_total", 1)
+
+
+def test_a_configuration_with_both_admin_and_routes_does_not_start(envoy_bin, filter_wasm, upstream):
+    both = dict(FILTER_CONFIG, admin={})
+    proxy = harness.Envoy(envoy_bin, upstream.port, both, wasm_path=filter_wasm, name="admin-and-routes")
+    with pytest.raises(harness.EnvoyStartError) as failed:
+        proxy.start(timeout=10)
+    assert "field `admin`: an admin instance protects no routes" in str(failed.value)

@@ -270,8 +270,10 @@ pub struct Snapshot {
 pub struct Label {
     /// When the record's current claim was made (the store sets it as it writes the claim).
     pub created_at_ms: u64,
-    route: String,
-    key: String,
+    /// Route then key, in one shared allocation: every step that carries an attempt clones it,
+    /// and a replay never writes it, so a clone is a count, not a copy.
+    text: std::rc::Rc<str>,
+    route_len: usize,
 }
 
 pub const LABEL_ROUTE_MAX: usize = 64;
@@ -284,17 +286,21 @@ impl Label {
             while !s.is_char_boundary(n) {
                 n -= 1;
             }
-            s[..n].to_string()
+            n
         };
-        Label { created_at_ms: 0, route: cut(route, LABEL_ROUTE_MAX), key: cut(key, LABEL_KEY_MAX) }
+        let (route, key) = (&route[..cut(route, LABEL_ROUTE_MAX)], &key[..cut(key, LABEL_KEY_MAX)]);
+        let mut text = String::with_capacity(route.len() + key.len());
+        text.push_str(route);
+        text.push_str(key);
+        Label { created_at_ms: 0, text: text.into(), route_len: route.len() }
     }
 
     pub fn route(&self) -> &str {
-        &self.route
+        self.text.get(..self.route_len).unwrap_or("")
     }
 
     pub fn key(&self) -> &str {
-        &self.key
+        self.text.get(self.route_len..).unwrap_or("")
     }
 
     pub fn created_at(self, now_ms: u64) -> Label {
@@ -302,16 +308,16 @@ impl Label {
     }
 
     fn encoded_len(&self) -> usize {
-        10 + self.route.len() + self.key.len()
+        10 + self.text.len()
     }
 
     fn write(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.created_at_ms.to_be_bytes());
         // Both at most 255 bytes (`new`).
-        out.push(self.route.len() as u8);
-        out.extend_from_slice(self.route.as_bytes());
-        out.push(self.key.len() as u8);
-        out.extend_from_slice(self.key.as_bytes());
+        out.push(self.route().len() as u8);
+        out.extend_from_slice(self.route().as_bytes());
+        out.push(self.key().len() as u8);
+        out.extend_from_slice(self.key().as_bytes());
     }
 
     fn read(r: &mut Reader) -> Result<Label, DecodeError> {

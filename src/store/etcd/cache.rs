@@ -8,8 +8,9 @@
 //! therefore answered only while it has not expired, and with the same decision as
 //! `Exchange::begin_read` makes: a different fingerprint is a mismatch, a record without its
 //! body answers "not stored". Claims never come from here: a miss, an expired entry or a
-//! processing record always goes to etcd. What the cache cannot see is etcd losing or an
-//! operator deleting a record before its expiry, or another Envoy whose clock runs ahead
+//! processing record always goes to etcd. Nor do outcome-unknown records, which an operator
+//! may settle (C24): each begin of one reads etcd. What the cache cannot see is etcd losing a
+//! record before its expiry, an operator force-releasing a known outcome (C24), or another Envoy whose clock runs ahead
 //! claiming the key anew once it considers the record expired: this worker keeps replaying the
 //! record until its own clock reaches the expiry.
 //!
@@ -91,8 +92,10 @@ impl ReplayCache {
     }
 
     /// Keeps a completed record (anything else is ignored) that has not expired at `now_ms`.
+    /// An outcome-unknown record is not kept: it waits for an operator's release or resolve
+    /// (C24), which every worker must see on its next begin.
     pub fn keep(&mut self, entry: Entry, snapshot: Option<&Snapshot>, now_ms: u64) {
-        if !entry.is_completed() || entry.is_expired(now_ms) {
+        if !entry.is_completed() || entry.outcome_unknown() || entry.is_expired(now_ms) {
             return;
         }
         let snapshot = snapshot.filter(|_| entry.body_stored());
@@ -210,14 +213,15 @@ mod tests {
     }
 
     #[test]
-    fn a_record_whose_outcome_is_unknown_answers_outcome_unknown() {
+    fn a_record_whose_outcome_is_unknown_is_never_kept() {
+        // An operator settles it (C24's release or resolve), and every worker must see that
+        // at once, not when its copy expires a ttl later.
         let mut c = cache(8, 1 << 20);
         let unknown =
             Entry { state: State::FailedFinal, status: STATUS_OUTCOME_UNKNOWN, ..completed(1, 9, false) };
         c.keep(unknown, None, 0);
-        assert_eq!(c.answer(&ScopeId([1; 32]), &Fingerprint([9; 32]), 0), Some(Begin::OutcomeUnknown));
-        assert_eq!(c.answer(&ScopeId([1; 32]), &Fingerprint([8; 32]), 0), Some(Begin::Mismatch));
-        assert_eq!(c.answer(&ScopeId([1; 32]), &Fingerprint([9; 32]), TTL), None, "expired");
+        assert!(c.is_empty());
+        assert_eq!(c.answer(&ScopeId([1; 32]), &Fingerprint([9; 32]), 0), None);
     }
 
     #[test]

@@ -1059,6 +1059,20 @@ pub(crate) mod tests {
             fn sweep(&self, _: u64) -> Result<u32, crate::store::StoreError> {
                 unreachable!()
             }
+            fn records(
+                &self,
+                _: &crate::store::RecordQuery,
+            ) -> Result<crate::store::RecordPage, crate::store::StoreError> {
+                unreachable!()
+            }
+            fn amend(
+                &self,
+                _: &crate::store::RecordView,
+                _: &crate::store::Amendment,
+                _: u64,
+            ) -> Result<Result<(), crate::store::Refusal>, crate::store::StoreError> {
+                unreachable!()
+            }
         }
         let p = pending(&[("idempotency-key", "k")]);
         let (r, counter) = reply(decide(&cfg(), &p, b"x", &AtQuota, 0, 1));

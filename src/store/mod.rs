@@ -102,6 +102,90 @@ impl RecordId {
     }
 }
 
+/// Which records an operator asks for (the admin API): one record (`id`), or a list filtered by
+/// state, route and key, `limit` at most, resuming after `cursor` (a `RecordPage::next` of the
+/// same backend).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordQuery {
+    pub id: Option<RecordId>,
+    pub state: StateFilter,
+    pub route: Option<String>,
+    pub key: Option<String>,
+    pub limit: usize,
+    pub cursor: Option<String>,
+    /// With their stored responses (a lookup); a list leaves them out.
+    pub detail: bool,
+    pub now_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateFilter {
+    All,
+    OutcomeUnknown,
+    Processing,
+    Completed,
+}
+
+impl StateFilter {
+    pub fn admits(self, e: &Entry) -> bool {
+        match self {
+            StateFilter::All => true,
+            StateFilter::OutcomeUnknown => e.outcome_unknown(),
+            StateFilter::Processing => !e.is_completed(),
+            StateFilter::Completed => e.is_completed() && !e.outcome_unknown(),
+        }
+    }
+}
+
+impl RecordQuery {
+    /// The route and key filters, on a record's label (a record without one matches neither).
+    pub fn admits_label(&self, label: Option<&Label>) -> bool {
+        let matches =
+            |wanted: &Option<String>, got: Option<&str>| wanted.as_deref().is_none_or(|w| got == Some(w));
+        matches(&self.route, label.map(Label::route)) && matches(&self.key, label.map(Label::key))
+    }
+}
+
+/// The records a query found, and where a list goes on (None: nothing more to scan).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RecordPage {
+    pub views: Vec<RecordView>,
+    pub next: Option<String>,
+}
+
+/// What an operator does to a record they looked up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Amendment {
+    /// Deleted, so the next request with its key executes (a completed one only with `force`).
+    Release { force: bool },
+    /// Settled with the upstream's real answer, which every retry then replays.
+    Resolve(Snapshot),
+}
+
+impl Amendment {
+    /// Why this cannot be done to `e` as it stands at `now_ms`, if it cannot: a claim within its
+    /// lease may be executing right now, and a known outcome is never replaced (a release of one
+    /// needs `force`).
+    pub fn refusal(&self, e: &Entry, now_ms: u64) -> Option<Refusal> {
+        if !e.is_completed() && now_ms < e.lease_deadline_ms {
+            return Some(Refusal::Live { lease_ends_at_ms: e.lease_deadline_ms });
+        }
+        let force = matches!(self, Amendment::Release { force: true });
+        (e.is_completed() && !e.outcome_unknown() && !force).then_some(Refusal::Completed)
+    }
+
+    /// The completion a resolve writes: the record's own expiry kept.
+    pub fn completion(outcome: Snapshot, e: &Entry, now_ms: u64) -> Completion {
+        Completion {
+            state: if outcome.status < 400 { State::Succeeded } else { State::FailedFinal },
+            status: outcome.status,
+            snapshot: Some(outcome),
+            now_ms,
+            ttl_ms: e.expires_at_ms.saturating_sub(now_ms),
+        }
+    }
+}
+
 /// Why an operator's release or resolve changed nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
@@ -284,6 +368,16 @@ pub trait RecordStore {
     /// backend needs (called about once a second by every live root); returns how many records
     /// were removed.
     fn sweep(&self, now_ms: u64) -> Result<u32, StoreError>;
+    /// An operator's look at records (the admin API; never on a request's path).
+    fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError>;
+    /// An operator's change to a record `records` showed, as it stood then (`view`): refused if
+    /// it no longer may be done, or if the record changed meanwhile.
+    fn amend(
+        &self,
+        view: &RecordView,
+        change: &Amendment,
+        now_ms: u64,
+    ) -> Result<Result<(), Refusal>, StoreError>;
 }
 
 /// One conversation with the store, as data: the engine says what to perform, the glue performs
@@ -292,14 +386,38 @@ pub trait RecordStore {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreOp {
     Begin(ClaimAttempt),
-    Complete { claim: Claim, completion: Completion },
+    Complete {
+        claim: Claim,
+        completion: Completion,
+    },
     Release(Claim),
+    /// The admin API's: a look at records, then a change to one of them.
+    Records(RecordQuery),
+    Amend {
+        view: Box<RecordView>,
+        change: Amendment,
+        now_ms: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreAnswer {
     Begun(Result<Begin, StoreError>),
     Settled(Result<Settled, StoreError>),
+    Records(Result<RecordPage, StoreError>),
+    Amended(Result<Result<(), Refusal>, StoreError>),
+}
+
+impl StoreAnswer {
+    /// The answer `op` gets when the store could not be used for it.
+    pub fn failed(op: &StoreOp, error: StoreError) -> StoreAnswer {
+        match op {
+            StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),
+            StoreOp::Complete { .. } | StoreOp::Release(_) => StoreAnswer::Settled(Err(error)),
+            StoreOp::Records(_) => StoreAnswer::Records(Err(error)),
+            StoreOp::Amend { .. } => StoreAnswer::Amended(Err(error)),
+        }
+    }
 }
 
 impl StoreOp {
@@ -311,6 +429,10 @@ impl StoreOp {
                 StoreAnswer::Settled(store.complete(claim, completion))
             }
             StoreOp::Release(claim) => StoreAnswer::Settled(store.release(claim)),
+            StoreOp::Records(query) => StoreAnswer::Records(store.records(query)),
+            StoreOp::Amend { view, change, now_ms } => {
+                StoreAnswer::Amended(store.amend(view, change, *now_ms))
+            }
         }
     }
 }

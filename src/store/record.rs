@@ -28,7 +28,8 @@
 //!   value is 0). Entries, buckets, slots and quota keys keep their v2 bytes in the v3 namespace:
 //!   v3 changed where records are placed, not how they are written.
 //! Record v2 (etcd store, one key per record): the slot layout, whose entry may also be a claim
-//!   (processing, flags saying no body stored, no snapshot); `decode_record` reads it.
+//!   (processing, flags saying no body stored, no snapshot); `decode_record` reads it. Its label
+//!   is a key of its own (`encode_label`: [4u8] | label), so the record keeps the v2 bytes.
 //! Slot v4:     [4u8] | entry | label | snapshot as in v2. Label: created_at_ms u64 | route len
 //!   u8 | route | key len u8 | key (UTF-8, at most 64 and 255 bytes). Whereas v2 slots hold only
 //!   outcomes, a v4 slot may also hold a claim's label: a processing entry without snapshot,
@@ -335,6 +336,29 @@ impl Label {
         let key = text(r.take(n)?, LABEL_KEY_MAX)?;
         Ok(Label::new(route, key).created_at(created_at_ms))
     }
+}
+
+/// An etcd record's label, under its own key (`n/<scope hex>`, `store::etcd`): [4u8] | label.
+/// Apart from the record so that the record's value keeps the v2 bytes every build reads: a
+/// fleet upgraded one Envoy at a time never has an older build meet a value it cannot read.
+pub fn encode_label(label: &Label) -> Vec<u8> {
+    let mut out = Vec::with_capacity(1 + label.encoded_len());
+    out.push(FORMAT_V4);
+    label.write(&mut out);
+    out
+}
+
+pub fn decode_label(bytes: &[u8]) -> Result<Label, DecodeError> {
+    let mut r = Reader::new(bytes);
+    let version = r.u8()?;
+    if version != FORMAT_V4 {
+        return Err(DecodeError::UnknownVersion(version));
+    }
+    let label = Label::read(&mut r)?;
+    if !r.rest().is_empty() {
+        return Err(DecodeError::TrailingBytes);
+    }
+    Ok(label)
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

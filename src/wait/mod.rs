@@ -277,7 +277,7 @@ pub fn recheck_failed<H>(
 fn recheck_outcome<H>(cfg: &Config, w: &Waiter<H>, answer: StoreAnswer, now_ms: u64) -> Recheck {
     let begun = match answer {
         StoreAnswer::Begun(begun) => begun,
-        StoreAnswer::Settled(_) => Err(StoreError::Unavailable("a settlement answered a begin".into())),
+        other => Err(StoreError::Unavailable(format!("a begin answered with {other:?}"))),
     };
     match decision_of(cfg, &w.pending, begun) {
         Decision::Forward { claim, counter } => Recheck::Forward { claim, counter },

@@ -11,7 +11,8 @@ use std::time::Duration;
 use crate::store::etcd::{EtcdSettings, EtcdStore};
 use crate::store::remote::{Answer, Next, Request};
 use crate::store::{
-    Begin, Claim, ClaimAttempt, Completion, RecordStore, Settled, StoreAnswer, StoreError, StoreOp,
+    Amendment, Begin, Claim, ClaimAttempt, Completion, RecordPage, RecordQuery, RecordStore, RecordView,
+    Refusal, Settled, StoreAnswer, StoreError, StoreOp,
 };
 
 /// An exchange makes a handful of calls; more means it is looping.
@@ -188,6 +189,24 @@ impl RecordStore for BlockingEtcd {
     /// sweep.
     fn sweep(&self, _now_ms: u64) -> Result<u32, StoreError> {
         Ok(0)
+    }
+    fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
+        match self.perform(StoreOp::Records(query.clone()), query.now_ms) {
+            StoreAnswer::Records(page) => page,
+            other => Err(StoreError::Unavailable(format!("answer of the wrong kind: {other:?}"))),
+        }
+    }
+    fn amend(
+        &self,
+        view: &RecordView,
+        change: &Amendment,
+        now_ms: u64,
+    ) -> Result<Result<(), Refusal>, StoreError> {
+        let op = StoreOp::Amend { view: Box::new(view.clone()), change: change.clone(), now_ms };
+        match self.perform(op, now_ms) {
+            StoreAnswer::Amended(done) => done,
+            other => Err(StoreError::Unavailable(format!("answer of the wrong kind: {other:?}"))),
+        }
     }
 }
 

@@ -98,6 +98,7 @@ pub mod cache;
 mod keys;
 mod leases;
 mod quota;
+mod records;
 pub mod remote;
 pub mod watch;
 mod wire;
@@ -108,8 +109,8 @@ use crate::config::etcd::ETCD_MAX_REQUEST_BYTES;
 use crate::store::record::{self, Entry, SlotValue, State};
 use crate::store::remote::{Answer, Next, Request};
 use crate::store::{
-    completed_answer, Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp,
-    UnknownOutcome,
+    completed_answer, Begin, Claim, ClaimAttempt, Completion, RecordPage, Refusal, Settled, StoreAnswer,
+    StoreError, StoreOp, UnknownOutcome,
 };
 use auth::TokenFetch;
 use cache::ReplayCache;
@@ -198,6 +199,8 @@ impl EtcdStore {
             refusal: None,
             probed: false,
             unanswered: None,
+            scan: None,
+            amending: None,
         }
     }
 
@@ -244,6 +247,9 @@ enum Stage {
     LeaseGrant,
     /// The guarded write.
     Write,
+    /// records: a page of records; then the labels of those that passed the state filter.
+    Scan,
+    Labels,
     Finished,
 }
 
@@ -347,6 +353,10 @@ pub struct Exchange {
     /// A begin that failed after sending its claim's transaction (or an undo of it): the claim
     /// etcd may hold, which nobody will forward (`unanswered_claim`).
     unanswered: Option<Claim>,
+    /// A look at records in progress (`records.rs`).
+    scan: Option<Box<records::Scan>>,
+    /// An operator's change, carried out as the release or completion now in `op`.
+    amending: Option<StoreOp>,
 }
 
 /// What the exchange does next, inside `step`.
@@ -354,12 +364,14 @@ enum Move {
     Call(wire::Call, Stage),
     Begun(Begin),
     Settled(Settled),
+    Records(RecordPage),
+    Amended(Result<(), Refusal>),
 }
 
 impl Exchange {
     /// The operation this exchange carries out (to start it again).
     pub fn into_op(self) -> StoreOp {
-        self.op
+        self.amending.unwrap_or(self.op)
     }
 
     fn claim_in_doubt(&self) -> Option<Claim> {
@@ -400,16 +412,21 @@ impl Exchange {
             self.unanswered = self.claim_in_doubt();
         }
         self.stage = Stage::Finished;
-        let error = match outcome {
-            Ok(Move::Begun(b)) => return Next::Done(StoreAnswer::Begun(Ok(b))),
-            Ok(Move::Settled(s)) => return Next::Done(StoreAnswer::Settled(Ok(s))),
-            Ok(Move::Call(..)) => unusable("a call where an answer was due"),
-            Err(e) => e,
+        let error = match (outcome, self.amending.is_some()) {
+            (Ok(Move::Begun(b)), _) => return Next::Done(StoreAnswer::Begun(Ok(b))),
+            // An operator's change, done as its owner's settlement: lost means another write
+            // came first (its owner's, a takeover, a release).
+            (Ok(Move::Settled(s)), true) => {
+                let done = if s == Settled::Done { Ok(()) } else { Err(Refusal::SettledMeanwhile) };
+                return Next::Done(StoreAnswer::Amended(Ok(done)));
+            }
+            (Ok(Move::Settled(s)), false) => return Next::Done(StoreAnswer::Settled(Ok(s))),
+            (Ok(Move::Records(page)), _) => return Next::Done(StoreAnswer::Records(Ok(page))),
+            (Ok(Move::Amended(done)), _) => return Next::Done(StoreAnswer::Amended(Ok(done))),
+            (Ok(Move::Call(..)), _) => unusable("a call where an answer was due"),
+            (Err(e), _) => e,
         };
-        Next::Done(match self.op {
-            StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),
-            StoreOp::Complete { .. } | StoreOp::Release(_) => StoreAnswer::Settled(Err(error)),
-        })
+        Next::Done(StoreAnswer::failed(self.amending.as_ref().unwrap_or(&self.op), error))
     }
 
     fn advance(
@@ -513,6 +530,14 @@ impl Exchange {
                             let txn = body.txn().map_err(EtcdRefusal::into_error)?;
                             self.written(store, &txn, now_ms)?
                         }
+                        Stage::Scan => {
+                            let txn = body.txn().map_err(EtcdRefusal::into_error)?;
+                            self.scanned(store, &txn)?
+                        }
+                        Stage::Labels => {
+                            let txn = body.txn().map_err(EtcdRefusal::into_error)?;
+                            self.labelled(store, &txn)?
+                        }
                         Stage::Start | Stage::Finished => return Err(unusable("no call was made")),
                     },
                 }
@@ -555,6 +580,14 @@ impl Exchange {
                 self.settle_or_read(store, *claim, now_ms)
             }
             StoreOp::Release(claim) => self.settle_or_read(store, *claim, now_ms),
+            StoreOp::Records(query) => {
+                let query = query.clone();
+                self.start_scan(store, query)
+            }
+            StoreOp::Amend { view, change, now_ms: at } => {
+                let (view, change, at) = (view.clone(), change.clone(), *at);
+                self.start_amend(store, &view, &change, at)
+            }
         }
     }
 
@@ -721,7 +754,7 @@ impl Exchange {
     ) -> Result<Move, StoreError> {
         let claim: Claim = match &self.op {
             StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => *claim,
-            StoreOp::Begin(_) => return Err(unusable("not a settlement")),
+            _ => return Err(unusable("not a settlement")),
         };
         // The claim's put is the record's last write while the claim holds it: any other
         // revision means it was taken over, completed, released or replaced.
@@ -768,6 +801,7 @@ impl Exchange {
         let scope = match &self.op {
             StoreOp::Begin(a) => a.scope,
             StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => claim.scope,
+            StoreOp::Records(_) | StoreOp::Amend { .. } => return Err(unusable("not a write")),
         };
         let key = store.record_key(&scope);
         let fresh_index = w.record.as_ref().map(|(entry, _)| store.index_keys(entry)).unwrap_or_default();
@@ -789,11 +823,20 @@ impl Exchange {
                 if w.claim_lease != 0 {
                     let value = entry.owner.to_be_bytes().to_vec();
                     ops.push(TxnOp::Put { key: store.lease_key(&scope), value, lease: w.claim_lease });
+                    // A claim's label, for operators: a key of its own (record::encode_label),
+                    // on the record's lease. A completion leaves it; a completion that moves the
+                    // record to a later window's lease may outlive it by that window, and then
+                    // shows without route and key for its last seconds.
+                    if let StoreOp::Begin(ClaimAttempt { label: Some(label), now_ms, .. }) = &self.op {
+                        let value = record::encode_label(&label.clone().created_at(*now_ms));
+                        ops.push(TxnOp::Put { key: store.label_key(&scope), value, lease: w.lease });
+                    }
                 }
             }
             None => {
                 ops.push(TxnOp::Delete { key: key.clone() });
                 ops.push(TxnOp::Delete { key: store.lease_key(&scope) });
+                ops.push(TxnOp::Delete { key: store.label_key(&scope) });
             }
         }
         // A completion whose guard fails reads the record in the same call: an earlier try's

@@ -5,38 +5,53 @@
 
 use super::commit::Restored;
 use super::{LocalStore, CAS_ATTEMPTS};
-use crate::store::record::{self, Entry, SlotValue, State, FLAG_BODY_NOT_STORED};
+use crate::store::record::{self, Entry, SlotValue, FLAG_BODY_NOT_STORED};
 use crate::store::shared_data::SharedData;
-use crate::store::{Claim, Completion, RecordStore, Settled, StoreError};
-use crate::store::{RecordId, RecordView, Refusal};
+use crate::store::{Amendment, Claim, RecordId, RecordPage, RecordQuery, RecordStore, RecordView, Refusal};
+use crate::store::{Settled, StoreError};
 
 impl<S: SharedData> LocalStore<S> {
-    /// Every record not expired at `now_ms`, bucket by bucket, each as it really stands (its
-    /// slot read when its bucket entry may lag), until `visit` returns false. `wanted` sees the
-    /// bucket entry first, so a filter that needs no slot (state) reads no slot for the others.
+    /// `RecordStore::records`: one record's id (every record a tag names), or a list in bucket
+    /// order, each record as it really stands (its slot read when its bucket entry may lag). The
+    /// cursor is the locator of the last record a page showed, so a list resumes after it.
     /// Reads every bucket: an operator's scan, never on a request's path.
-    pub fn visit_records(
-        &self,
-        now_ms: u64,
-        wanted: &dyn Fn(&Entry) -> bool,
-        visit: &mut dyn FnMut(RecordView) -> bool,
-    ) -> Result<(), StoreError> {
-        for bucket in 0..self.buckets {
-            let (entries, _) = self.read_bucket(bucket)?;
+    pub(super) fn query_records(&self, q: &RecordQuery) -> Result<RecordPage, StoreError> {
+        if let Some(id) = &q.id {
+            return Ok(RecordPage { views: self.find_records(id, q.now_ms)?, next: None });
+        }
+        let after: Option<u64> = match &q.cursor {
+            None => None,
+            Some(c) => Some(c.parse().map_err(|_| StoreError::Corrupt(format!("cursor {c:?}")))?),
+        };
+        let first_bucket = after.map_or(0, |l| split(l).0);
+        let mut page = RecordPage::default();
+        for bucket in first_bucket..self.buckets {
+            let (mut entries, _) = self.read_bucket(bucket)?;
+            entries.sort_by_key(|e| e.position);
             for e in entries {
-                if e.is_expired(now_ms) || (!wanted(&e) && e.is_completed()) {
+                let locator = (u64::from(bucket) << 8) | u64::from(e.position);
+                if after.is_some_and(|a| locator <= a)
+                    || e.is_expired(q.now_ms)
+                    || (!q.state.admits(&e) && e.is_completed())
+                {
                     continue;
                 }
                 let view = self.view(bucket, &e, false)?;
-                if view.entry.is_expired(now_ms) || !wanted(&view.entry) {
+                if view.entry.is_expired(q.now_ms)
+                    || !q.state.admits(&view.entry)
+                    || !q.admits_label(view.label.as_ref())
+                {
                     continue;
                 }
-                if !visit(view) {
-                    return Ok(());
+                if page.views.len() == q.limit {
+                    // One more matches: the page ends at the last one shown.
+                    page.next = page.views.last().map(|v| v.locator.to_string());
+                    return Ok(page);
                 }
+                page.views.push(view);
             }
         }
-        Ok(())
+        Ok(page)
     }
 
     /// The records `id` names (a full scope: at most one; a tag: every record whose scope
@@ -66,6 +81,22 @@ impl<S: SharedData> LocalStore<S> {
         Ok(found)
     }
 
+    /// `RecordStore::amend`.
+    pub(super) fn amend_record(
+        &self,
+        view: &RecordView,
+        change: &Amendment,
+        now_ms: u64,
+    ) -> Result<Result<(), Refusal>, StoreError> {
+        if let Some(refusal) = change.refusal(&view.entry, now_ms) {
+            return Ok(Err(refusal));
+        }
+        match change {
+            Amendment::Release { .. } => self.release_record(view, change, now_ms),
+            Amendment::Resolve(outcome) => self.resolve_record(view, outcome.clone(), now_ms),
+        }
+    }
+
     /// The record as it stands: its slot's outcome if it has one, and its label.
     fn view(&self, bucket: u32, e: &Entry, with_snapshot: bool) -> Result<RecordView, StoreError> {
         let (value, _) = self.read_slot_value(bucket, e.position)?;
@@ -87,15 +118,12 @@ impl<S: SharedData> LocalStore<S> {
     /// Deletes a record so that the next request with its key executes: one whose outcome is
     /// unknown, or a claim whose lease ended (its Envoy died, or nobody retried); a completed one
     /// only with `force`. A claim within its lease is refused: its request may be executing.
-    pub fn release_record(
+    fn release_record(
         &self,
         view: &RecordView,
-        force: bool,
+        change: &Amendment,
         now_ms: u64,
     ) -> Result<Result<(), Refusal>, StoreError> {
-        if let Some(refusal) = refusal_to_release(&view.entry, force, now_ms) {
-            return Ok(Err(refusal));
-        }
         let (bucket, position) = split(view.locator);
         for _ in 0..CAS_ATTEMPTS {
             // Slot first, then the bucket write, then the slot emptied by CAS against the first
@@ -109,7 +137,7 @@ impl<S: SharedData> LocalStore<S> {
                 Some(v) => Entry { position, ..v.entry },
                 None => entries[i],
             };
-            if let Some(refusal) = refusal_to_release(&standing, force, now_ms) {
+            if let Some(refusal) = change.refusal(&standing, now_ms) {
                 return Ok(Err(refusal));
             }
             let gone = entries.remove(i);
@@ -132,31 +160,22 @@ impl<S: SharedData> LocalStore<S> {
         Err(StoreError::Contention)
     }
 
-    /// Settles a record whose outcome is unknown, or a claim whose lease ended, with the
-    /// upstream's real answer: every retry replays it until the record's own expiry. A
-    /// completed record with a known outcome is refused, and so is a claim within its lease.
-    pub fn resolve_record(
+    /// Settles a record whose outcome is unknown, or a claim whose lease ended (`amend_record`
+    /// refused the others), with the upstream's real answer: every retry replays it until the
+    /// record's own expiry.
+    fn resolve_record(
         &self,
         view: &RecordView,
         outcome: record::Snapshot,
         now_ms: u64,
     ) -> Result<Result<(), Refusal>, StoreError> {
-        if let Some(refusal) = refusal_to_resolve(&view.entry, now_ms) {
-            return Ok(Err(refusal));
-        }
         let (bucket, position) = split(view.locator);
-        let state = if outcome.status < 400 { State::Succeeded } else { State::FailedFinal };
+        let done = Amendment::completion(outcome.clone(), &view.entry, now_ms);
+        let state = done.state;
         if !view.entry.is_completed() {
             // A lease-ended claim: completed as its owner would, through the same commit.
             let claim =
                 Claim { scope: view.scope, owner: view.entry.owner, locator: view.locator, written: None };
-            let done = Completion {
-                state,
-                status: outcome.status,
-                snapshot: Some(outcome),
-                now_ms,
-                ttl_ms: view.entry.expires_at_ms.saturating_sub(now_ms),
-            };
             return Ok(match self.complete(&claim, &done)? {
                 Settled::Done => Ok(()),
                 Settled::Lost => Err(Refusal::SettledMeanwhile),
@@ -210,18 +229,4 @@ fn split(locator: u64) -> (u32, u8) {
 
 fn same_record(e: &Entry, other: &Entry) -> bool {
     e.position == other.position && e.scope == other.scope && e.owner == other.owner
-}
-
-fn refusal_to_release(e: &Entry, force: bool, now_ms: u64) -> Option<Refusal> {
-    if !e.is_completed() && now_ms < e.lease_deadline_ms {
-        return Some(Refusal::Live { lease_ends_at_ms: e.lease_deadline_ms });
-    }
-    (e.is_completed() && !e.outcome_unknown() && !force).then_some(Refusal::Completed)
-}
-
-fn refusal_to_resolve(e: &Entry, now_ms: u64) -> Option<Refusal> {
-    if !e.is_completed() && now_ms < e.lease_deadline_ms {
-        return Some(Refusal::Live { lease_ends_at_ms: e.lease_deadline_ms });
-    }
-    (e.is_completed() && !e.outcome_unknown()).then_some(Refusal::Completed)
 }

@@ -295,6 +295,19 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
         Err(StoreError::Contention)
     }
 
+    fn records(&self, query: &crate::store::RecordQuery) -> Result<crate::store::RecordPage, StoreError> {
+        self.query_records(query)
+    }
+
+    fn amend(
+        &self,
+        view: &crate::store::RecordView,
+        change: &crate::store::Amendment,
+        now_ms: u64,
+    ) -> Result<Result<(), crate::store::Refusal>, StoreError> {
+        self.amend_record(view, change, now_ms)
+    }
+
     fn sweep(&self, now_ms: u64) -> Result<u32, StoreError> {
         self.sweep_shard(now_ms)
     }

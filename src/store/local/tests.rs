@@ -5,10 +5,9 @@
 use super::layout::{bucket_key_in, fill_key_in, quota_key_in, slot_key_in};
 use super::*;
 use crate::splitmix::SeededRng;
-use crate::store::conformance::{attempt, charged, claimed, done, scope, snapshot, Backend, LEASE, TTL};
+use crate::store::conformance::{attempt, charged, claimed, done, snapshot, Backend, LEASE, TTL};
 use crate::store::fake::{FakeSharedData, Interleave};
 use crate::store::record::{Layout, QuotaCounter, Snapshot};
-use crate::store::{RecordId, RecordView, Refusal};
 
 struct Local {
     data: FakeSharedData,
@@ -710,131 +709,4 @@ fn a_retired_namespace_is_emptied_while_a_live_one_is_left_alone() {
     let layouts = record::decode_layouts(data.get(LAYOUTS_KEY).unwrap().bytes()).unwrap();
     assert_eq!(layouts.iter().map(|l| l.buckets).collect::<Vec<_>>(), vec![b.layout_id()]);
     assert!(data.value_bytes() < 200, "{} bytes left", data.value_bytes());
-}
-
-// ---- the operator's side (admin.rs) ----
-
-fn listed(w: &LocalStore<&FakeSharedData>, now_ms: u64, wanted: &dyn Fn(&Entry) -> bool) -> Vec<RecordView> {
-    let mut out = Vec::new();
-    w.visit_records(now_ms, wanted, &mut |v| {
-        out.push(v);
-        true
-    })
-    .unwrap();
-    out
-}
-
-fn only(w: &LocalStore<&FakeSharedData>, n: u64, now_ms: u64) -> RecordView {
-    let mut found = w.find_records(&RecordId::Scope(scope(n)), now_ms).unwrap();
-    assert_eq!(found.len(), 1, "{found:?}");
-    found.remove(0)
-}
-
-fn refusing(n: u64, owner: u64, now_ms: u64) -> ClaimAttempt {
-    ClaimAttempt { unknown_outcome: UnknownOutcome::Refuse, ..attempt(n, 1, owner, now_ms) }
-}
-
-#[test]
-fn records_are_listed_with_their_route_key_and_claim_time_whatever_their_state() {
-    let data = FakeSharedData::new();
-    let w = open(&data, 64, 1);
-    let c = claimed(w.begin(&attempt(1, 1, 11, 5)).unwrap());
-    w.complete(&c, &done("one", 6)).unwrap();
-    claimed(w.begin(&attempt(2, 1, 12, 7)).unwrap());
-    // A claim whose lease ended, then a refuse retry: outcome unknown.
-    claimed(w.begin(&attempt(3, 1, 13, 8)).unwrap());
-    assert_eq!(w.begin(&refusing(3, 14, 8 + LEASE)).unwrap(), Begin::OutcomeUnknown);
-
-    let all = listed(&w, 8 + LEASE, &|_| true);
-    let mut seen: Vec<(String, String, u64, bool, u16)> = all
-        .iter()
-        .map(|v| {
-            let l = v.label.clone().unwrap();
-            (
-                l.route().to_string(),
-                l.key().to_string(),
-                l.created_at_ms,
-                v.entry.is_completed(),
-                v.entry.status,
-            )
-        })
-        .collect();
-    seen.sort();
-    assert_eq!(
-        seen,
-        vec![
-            ("orders".into(), "key-1".into(), 5, true, 201),
-            ("orders".into(), "key-2".into(), 7, false, 0),
-            // The refusing retry took it over before completing it: its claim time.
-            ("orders".into(), "key-3".into(), 8 + LEASE, true, 0),
-        ]
-    );
-    let unknown = listed(&w, 8 + LEASE, &|e| e.outcome_unknown());
-    assert_eq!(unknown.len(), 1);
-    assert_eq!(unknown[0].scope, scope(3));
-    // Found by tag as by scope, with the stored response.
-    let tag = RecordId::parse(&scope(1).log_tag()).unwrap();
-    let by_tag = w.find_records(&tag, 9).unwrap();
-    assert_eq!(by_tag.len(), 1);
-    assert_eq!(by_tag[0].snapshot, Some(snapshot("one")));
-    assert_eq!(only(&w, 1, 9).snapshot, Some(snapshot("one")));
-    // Expired records are not there.
-    assert!(listed(&w, 6 + TTL, &|_| true).iter().all(|v| v.scope != scope(1)));
-}
-
-#[test]
-fn release_frees_a_key_whose_outcome_is_unknown_or_whose_lease_ended_and_refuses_a_live_claim() {
-    let data = FakeSharedData::new();
-    let w = open(&data, 64, 1);
-    // A live claim: refused, its request may be executing.
-    let live = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
-    let v = only(&w, 1, 1);
-    assert_eq!(w.release_record(&v, true, 1).unwrap(), Err(Refusal::Live { lease_ends_at_ms: LEASE }));
-    // Its lease ended: released; the owner's late completion finds nothing, the next executes.
-    assert_eq!(w.release_record(&only(&w, 1, LEASE), false, LEASE).unwrap(), Ok(()));
-    assert_eq!(w.complete(&live, &done("late", LEASE + 1)).unwrap(), Settled::Lost);
-    assert!(matches!(w.begin(&attempt(1, 1, 12, LEASE + 2)).unwrap(), Begin::Claimed(_)));
-    // Outcome unknown: released without force.
-    claimed(w.begin(&attempt(2, 1, 21, 0)).unwrap());
-    assert_eq!(w.begin(&refusing(2, 22, LEASE)).unwrap(), Begin::OutcomeUnknown);
-    assert_eq!(w.release_record(&only(&w, 2, LEASE), false, LEASE).unwrap(), Ok(()));
-    assert!(matches!(w.begin(&refusing(2, 23, LEASE + 1)).unwrap(), Begin::Claimed(_)));
-    // A known outcome only with force.
-    let c = claimed(w.begin(&attempt(3, 1, 31, 0)).unwrap());
-    w.complete(&c, &done("three", 1)).unwrap();
-    assert_eq!(w.release_record(&only(&w, 3, 2), false, 2).unwrap(), Err(Refusal::Completed));
-    assert_eq!(w.begin(&attempt(3, 1, 32, 3)).unwrap(), Begin::Replay(snapshot("three")));
-    assert_eq!(w.release_record(&only(&w, 3, 4), true, 4).unwrap(), Ok(()));
-    assert!(matches!(w.begin(&attempt(3, 1, 33, 5)).unwrap(), Begin::Claimed(_)));
-    // A stale view of a record that is gone.
-    assert_eq!(w.release_record(&v, true, 2 * LEASE).unwrap(), Err(Refusal::Gone));
-}
-
-#[test]
-fn resolve_settles_an_unknown_outcome_or_a_lease_ended_claim_and_every_retry_replays_it() {
-    let data = FakeSharedData::new();
-    let w = open(&data, 64, 1);
-    let answer = snapshot("settled by hand");
-    // Outcome unknown.
-    claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
-    assert_eq!(w.begin(&refusing(1, 12, LEASE)).unwrap(), Begin::OutcomeUnknown);
-    assert_eq!(w.resolve_record(&only(&w, 1, LEASE), answer.clone(), LEASE).unwrap(), Ok(()));
-    for now in [LEASE + 1, LEASE + 2] {
-        assert_eq!(w.begin(&refusing(1, now, now)).unwrap(), Begin::Replay(answer.clone()));
-    }
-    let settled = only(&w, 1, LEASE + 3);
-    assert_eq!((settled.entry.state, settled.entry.status), (State::Succeeded, 201));
-    assert_eq!(settled.label.as_ref().unwrap().key(), "key-1");
-    // Not twice: it is a known outcome now.
-    assert_eq!(w.resolve_record(&settled, snapshot("again"), LEASE + 3).unwrap(), Err(Refusal::Completed));
-    // A lease-ended claim, whose owner then completes too late.
-    let late = claimed(w.begin(&attempt(2, 1, 21, 0)).unwrap());
-    let live = only(&w, 2, 1);
-    assert_eq!(
-        w.resolve_record(&live, answer.clone(), 1).unwrap(),
-        Err(Refusal::Live { lease_ends_at_ms: LEASE })
-    );
-    assert_eq!(w.resolve_record(&only(&w, 2, LEASE), answer.clone(), LEASE).unwrap(), Ok(()));
-    assert_eq!(w.complete(&late, &done("late", LEASE + 1)).unwrap(), Settled::Lost);
-    assert_eq!(w.begin(&attempt(2, 1, 22, LEASE + 2)).unwrap(), Begin::Replay(answer));
 }

@@ -1,9 +1,10 @@
 //! The admin API (C24): an operator inspects, releases and settles records. A filter instance
 //! configured with `admin` and no `routes` serves it on its own listener; each request is
-//! answered here, from the request's method, path, token and body, as a reply the glue sends.
-//! Pure: the store is the local one, read and written at once; nothing here imports proxy-wasm.
+//! answered here, from the request's method, path, token and body, and the store's answers to
+//! the operations it asks for (`Progress`), as a reply the glue sends. Pure: the glue carries
+//! the operations out on either store; nothing here imports proxy-wasm.
 //!
-//! - `GET  /idempotency/records?state=&route=&key=&limit=`   list
+//! - `GET  /idempotency/records?state=&route=&key=&limit=&cursor=`   list
 //! - `GET  /idempotency/records/{id}`                   one record, with its stored response
 //! - `POST /idempotency/records/{id}/release[?force=true]`
 //! - `POST /idempotency/records/{id}/resolve`           body: the upstream's real answer
@@ -14,13 +15,12 @@
 mod time;
 
 use crate::engine::Reply;
-use crate::identity::scope::{hex, unhex};
+use crate::identity::scope::{hex, unhex, ScopeId};
 use crate::json::{emit_string, JsonValue, MemberOrder};
 use crate::problem::{Kind, Problem};
-use crate::store::local::LocalStore;
-use crate::store::record::{Entry, Snapshot};
-use crate::store::shared_data::SharedData;
-use crate::store::{RecordId, RecordView, Refusal, StoreError};
+use crate::store::record::Snapshot;
+use crate::store::{Amendment, RecordId, RecordPage, RecordQuery, RecordView, Refusal, StateFilter};
+use crate::store::{StoreAnswer, StoreError, StoreOp};
 use sha2::{Digest, Sha256};
 
 /// `admin` in the configuration.
@@ -88,25 +88,34 @@ pub struct Answered {
     /// Who: the token's first 8 hex digits ("-" without a token).
     pub who: String,
     /// A record released or resolved: waiters held for it are woken.
-    pub changed: Option<crate::identity::scope::ScopeId>,
+    pub changed: Option<ScopeId>,
 }
 
-pub fn answer<S: SharedData>(cfg: &AdminConfig, store: &LocalStore<S>, req: &AdminRequest) -> Answered {
+/// Where an admin request is: answered, or waiting for the store to answer `StoreOp` (the local
+/// store at once; etcd through the root's callouts), which `AdminTask::answered` then takes on.
+pub enum Progress {
+    Done(Answered),
+    Ask(AdminTask, StoreOp),
+}
+
+/// An admin request waiting for the store.
+pub struct AdminTask {
+    who: String,
+    wants: Wants,
+}
+
+enum Wants {
+    /// The records a list asked for.
+    List,
+    /// The record an id names, then what to do with it.
+    One { id: String, then: Option<Amendment> },
+    /// The change to this record is done (or refused).
+    Amended { tag: String, scope: ScopeId, action: Action },
+}
+
+pub fn start(cfg: &AdminConfig, req: &AdminRequest) -> Progress {
     let who =
         req.authorization.and_then(bearer).map_or_else(|| "-".to_string(), |t| hex(&Sha256::digest(t)[..4]));
-    let done = |reply: Result<
-        (Reply, Action, Option<String>, Option<crate::identity::scope::ScopeId>),
-        Problem,
-    >| {
-        match reply {
-            Ok((reply, action, tag, changed)) => Answered { reply, action, tag, who: who.clone(), changed },
-            Err(p) => {
-                let action =
-                    if p.kind == Kind::AdminUnauthorized { Action::Unauthorized } else { Action::Refused };
-                Answered { reply: problem_reply(&p), action, tag: None, who: who.clone(), changed: None }
-            }
-        }
-    };
     if let Some(expected) = &cfg.token_sha256 {
         let presented = req.authorization.and_then(bearer).map(Sha256::digest);
         if !presented.is_some_and(|p| constant_time_eq(&p, expected)) {
@@ -116,45 +125,99 @@ pub fn answer<S: SharedData>(cfg: &AdminConfig, store: &LocalStore<S>, req: &Adm
                 "present the admin token as authorization: Bearer <token>",
             );
             p.headers.push(("www-authenticate", "Bearer".to_string()));
-            return done(Err(p));
+            return refusal(who, p);
         }
     }
-    done(route(store, req))
+    match route(req) {
+        Ok((wants, op)) => Progress::Ask(AdminTask { who, wants }, op),
+        Err(p) => refusal(who, p),
+    }
 }
 
-type Routed = (Reply, Action, Option<String>, Option<crate::identity::scope::ScopeId>);
+fn refusal(who: String, p: Problem) -> Progress {
+    let action = if p.kind == Kind::AdminUnauthorized { Action::Unauthorized } else { Action::Refused };
+    Progress::Done(Answered { reply: problem_reply(&p), action, tag: None, who, changed: None })
+}
 
-fn route<S: SharedData>(store: &LocalStore<S>, req: &AdminRequest) -> Result<Routed, Problem> {
+impl AdminTask {
+    /// Takes the store's answer on: the reply, or the change to make to the record it found.
+    pub fn answered(self, answer: StoreAnswer, now_ms: u64) -> Progress {
+        let AdminTask { who, wants } = self;
+        let done = |reply: Reply, action: Action, tag: Option<String>, changed: Option<ScopeId>| {
+            Progress::Done(Answered { reply, action, tag, who: who.clone(), changed })
+        };
+        let step = match (wants, answer) {
+            (Wants::List, StoreAnswer::Records(page)) => {
+                page.map(|page| done(list_reply(&page, now_ms), Action::Listed, None, None))
+            }
+            (Wants::One { id, then }, StoreAnswer::Records(page)) => match page.map(|p| only(&id, p.views)) {
+                Ok(Ok(view)) => Ok(match then {
+                    None => done(
+                        json_reply(200, &view_json(&view, true, now_ms)),
+                        Action::LookedUp,
+                        Some(view.scope.log_tag()),
+                        None,
+                    ),
+                    Some(change) => {
+                        let action = if matches!(change, Amendment::Release { .. }) {
+                            Action::Released
+                        } else {
+                            Action::Resolved
+                        };
+                        let wants = Wants::Amended { tag: view.scope.log_tag(), scope: view.scope, action };
+                        let op = StoreOp::Amend { view: Box::new(view), change, now_ms };
+                        return Progress::Ask(AdminTask { who, wants }, op);
+                    }
+                }),
+                Ok(Err(p)) => return refusal(who, p),
+                Err(e) => Err(e),
+            },
+            (Wants::Amended { tag, scope, action }, StoreAnswer::Amended(done_or_not)) => match done_or_not {
+                Ok(Ok(())) => {
+                    let verb = if action == Action::Released { "released" } else { "resolved" };
+                    let body = format!("{{\"{verb}\":\"{tag}\"}}");
+                    Ok(done(json_reply(200, body.as_bytes()), action, Some(tag), Some(scope)))
+                }
+                Ok(Err(r)) => return refusal(who, refused(r)),
+                Err(e) => Err(e),
+            },
+            (_, other) => Err(StoreError::Unavailable(format!("the store answered {other:?}"))),
+        };
+        step.unwrap_or_else(|e| refusal(who, unavailable(e)))
+    }
+}
+
+/// What the request asks for, as the first store operation.
+fn route(req: &AdminRequest) -> Result<(Wants, StoreOp), Problem> {
     let (path, query) = req.path.split_once('?').unwrap_or((req.path, ""));
     let rest = path
         .strip_prefix("/idempotency/records")
         .ok_or_else(|| not_found(format!("{path} is not an admin path: /idempotency/records...")))?;
     let parts: Vec<&str> = rest.split('/').filter(|p| !p.is_empty()).collect();
+    let one = |id: &str, then: Option<Amendment>| -> Result<(Wants, StoreOp), Problem> {
+        let rid = RecordId::parse(id).ok_or_else(|| {
+            bad(format!("{id:?} is not a record id: its tag (12 hex digits) or scope id (64)"))
+        })?;
+        let q = RecordQuery {
+            id: Some(rid),
+            state: StateFilter::All,
+            route: None,
+            key: None,
+            limit: MAX_LIMIT,
+            cursor: None,
+            detail: then.is_none(),
+            now_ms: req.now_ms,
+        };
+        Ok((Wants::One { id: id.to_string(), then }, StoreOp::Records(q)))
+    };
     match (req.method, parts.as_slice()) {
-        ("GET", []) => list(store, query, req.now_ms).map(|r| (r, Action::Listed, None, None)),
-        ("GET", [id]) => {
-            let v = one(store, id, req.now_ms)?;
-            Ok((
-                json_reply(200, &view_json(&v, true, req.now_ms)),
-                Action::LookedUp,
-                Some(v.scope.log_tag()),
-                None,
-            ))
-        }
+        ("GET", []) => Ok((Wants::List, StoreOp::Records(list_query(query, req.now_ms)?))),
+        ("GET", [id]) => one(id, None),
         ("POST", [id, "release"]) => {
             let force = query_param(query, "force").is_some_and(|v| v == "true");
-            let v = one(store, id, req.now_ms)?;
-            refused(store.release_record(&v, force, req.now_ms))?;
-            let body = format!("{{\"released\":\"{}\"}}", v.scope.log_tag());
-            Ok((json_reply(200, body.as_bytes()), Action::Released, Some(v.scope.log_tag()), Some(v.scope)))
+            one(id, Some(Amendment::Release { force }))
         }
-        ("POST", [id, "resolve"]) => {
-            let outcome = resolution(req.body)?;
-            let v = one(store, id, req.now_ms)?;
-            refused(store.resolve_record(&v, outcome, req.now_ms))?;
-            let body = format!("{{\"resolved\":\"{}\"}}", v.scope.log_tag());
-            Ok((json_reply(200, body.as_bytes()), Action::Resolved, Some(v.scope.log_tag()), Some(v.scope)))
-        }
+        ("POST", [id, "resolve"]) => one(id, Some(Amendment::Resolve(resolution(req.body)?))),
         (_, [] | [_] | [_, "release" | "resolve"]) => {
             let mut p =
                 Problem::new(Kind::AdminBadRequest, 405, format!("{} is not allowed on {path}", req.method));
@@ -165,13 +228,12 @@ fn route<S: SharedData>(store: &LocalStore<S>, req: &AdminRequest) -> Result<Rou
     }
 }
 
-fn list<S: SharedData>(store: &LocalStore<S>, query: &str, now_ms: u64) -> Result<Reply, Problem> {
-    let state = query_param(query, "state").unwrap_or_else(|| "all".to_string());
-    let wanted: fn(&Entry) -> bool = match state.as_str() {
-        "all" => |_| true,
-        "outcome_unknown" => Entry::outcome_unknown,
-        "processing" => |e| !e.is_completed(),
-        "completed" => |e| e.is_completed() && !e.outcome_unknown(),
+fn list_query(query: &str, now_ms: u64) -> Result<RecordQuery, Problem> {
+    let state = match query_param(query, "state").as_deref().unwrap_or("all") {
+        "all" => StateFilter::All,
+        "outcome_unknown" => StateFilter::OutcomeUnknown,
+        "processing" => StateFilter::Processing,
+        "completed" => StateFilter::Completed,
         other => {
             return Err(bad(format!("state={other}: expected outcome_unknown, processing, completed or all")))
         }
@@ -183,41 +245,44 @@ fn list<S: SharedData>(store: &LocalStore<S>, query: &str, now_ms: u64) -> Resul
             _ => return Err(bad(format!("limit={n}: expected 1 to {MAX_LIMIT}"))),
         },
     };
-    let route = query_param(query, "route");
-    let key = query_param(query, "key");
-    let mut out = b"{\"records\":[".to_vec();
-    let mut shown = 0usize;
-    let mut more = false;
-    store
-        .visit_records(now_ms, &wanted, &mut |v| {
-            let label = v.label.as_ref();
-            if route.as_deref().is_some_and(|r| label.map(|l| l.route()) != Some(r))
-                || key.as_deref().is_some_and(|k| label.map(|l| l.key()) != Some(k))
-            {
-                return true;
-            }
-            if shown == limit {
-                more = true;
-                return false;
-            }
-            if shown > 0 {
-                out.push(b',');
-            }
-            out.extend_from_slice(&view_json(&v, false, now_ms));
-            shown += 1;
-            true
-        })
-        .map_err(unavailable)?;
-    out.extend_from_slice(b"],\"truncated\":");
-    out.extend_from_slice(if more { b"true" } else { b"false" });
-    out.push(b'}');
-    Ok(json_reply(200, &out))
+    let cursor = query_param(query, "cursor").filter(|c| !c.is_empty());
+    if let Some(c) = &cursor {
+        if c.len() > 64 || !c.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            return Err(bad(format!("cursor={c}: not one a list gave (its \"next\")")));
+        }
+    }
+    Ok(RecordQuery {
+        id: None,
+        state,
+        route: query_param(query, "route"),
+        key: query_param(query, "key"),
+        limit,
+        cursor,
+        detail: false,
+        now_ms,
+    })
 }
 
-fn one<S: SharedData>(store: &LocalStore<S>, id: &str, now_ms: u64) -> Result<RecordView, Problem> {
-    let rid = RecordId::parse(id)
-        .ok_or_else(|| bad(format!("{id:?} is not a record id: its tag (12 hex digits) or scope id (64)")))?;
-    let mut found = store.find_records(&rid, now_ms).map_err(unavailable)?;
+fn list_reply(page: &RecordPage, now_ms: u64) -> Reply {
+    let mut out = b"{\"records\":[".to_vec();
+    for (i, v) in page.views.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(&view_json(v, false, now_ms));
+    }
+    out.extend_from_slice(b"],\"truncated\":");
+    out.extend_from_slice(if page.next.is_some() { b"true" } else { b"false" });
+    if let Some(next) = &page.next {
+        out.extend_from_slice(b",\"next\":");
+        emit_string(next, &mut out);
+    }
+    out.push(b'}');
+    json_reply(200, &out)
+}
+
+/// The one record an id names.
+fn only(id: &str, mut found: Vec<RecordView>) -> Result<RecordView, Problem> {
     match found.len() {
         0 => Err(not_found(format!("no live record {id}"))),
         1 => Ok(found.remove(0)),
@@ -232,26 +297,25 @@ fn one<S: SharedData>(store: &LocalStore<S>, id: &str, now_ms: u64) -> Result<Re
     }
 }
 
-fn refused(r: Result<Result<(), Refusal>, StoreError>) -> Result<(), Problem> {
-    match r.map_err(unavailable)? {
-        Ok(()) => Ok(()),
-        Err(Refusal::Live { lease_ends_at_ms }) => Err(Problem::new(
+fn refused(r: Refusal) -> Problem {
+    match r {
+        Refusal::Live { lease_ends_at_ms } => Problem::new(
             Kind::RecordConflict,
             409,
             format!(
                 "a claim within its lease (until {}): its request may be executing; ask again after it",
                 time::rfc3339(lease_ends_at_ms)
             ),
-        )),
-        Err(Refusal::Completed) => Err(Problem::new(
+        ),
+        Refusal::Completed => Problem::new(
             Kind::RecordConflict,
             409,
             "completed with a known outcome: every retry replays it (release it with ?force=true to let the key execute again)",
-        )),
-        Err(Refusal::SettledMeanwhile) => {
-            Err(Problem::new(Kind::RecordConflict, 409, "its request settled it meanwhile: look it up again"))
+        ),
+        Refusal::SettledMeanwhile => {
+            Problem::new(Kind::RecordConflict, 409, "it changed meanwhile (its request settled it, or another operator): look it up again")
         }
-        Err(Refusal::Gone) => Err(not_found("the record is gone (expired, released or replaced)".to_string())),
+        Refusal::Gone => not_found("the record is gone (expired, released or replaced)".to_string()),
     }
 }
 

@@ -5,7 +5,19 @@ use super::*;
 use crate::json::read;
 use crate::store::conformance::{attempt, claimed, done, scope, snapshot, LEASE};
 use crate::store::fake::FakeSharedData;
+use crate::store::local::LocalStore;
 use crate::store::{Begin, ClaimAttempt, RecordStore, UnknownOutcome};
+
+/// What the glue does on the local store: each operation the request asks for, performed at once.
+fn answer(cfg: &AdminConfig, s: &LocalStore<&FakeSharedData>, req: &AdminRequest) -> Answered {
+    let mut progress = start(cfg, req);
+    loop {
+        match progress {
+            Progress::Done(a) => return a,
+            Progress::Ask(task, op) => progress = task.answered(op.perform(s), req.now_ms),
+        }
+    }
+}
 
 const TOKEN: &str = "s3cret-admin-token";
 
@@ -165,7 +177,15 @@ fn a_list_stops_at_its_limit_and_says_it_was_truncated() {
         ask(&cfg(false), &s, "GET", "/idempotency/records?state=processing&limit=2", "", 1);
     assert_eq!(status, 200);
     assert_eq!(body.matches("\"tag\"").count(), 2, "{body}");
-    assert!(body.ends_with("\"truncated\":true}"), "{body}");
+    assert!(body.contains("\"truncated\":true,\"next\":\""), "{body}");
+    // The cursor it gave shows the rest.
+    let next = body.rsplit("\"next\":\"").next().unwrap().trim_end_matches("\"}").to_string();
+    let path = format!("/idempotency/records?state=processing&limit=10&cursor={next}");
+    let (_, rest, _) = ask(&cfg(false), &s, "GET", &path, "", 1);
+    assert_eq!(rest.matches("\"tag\"").count(), 3, "{rest}");
+    assert!(rest.ends_with("\"truncated\":false}"), "{rest}");
+    let (status, _, _) = ask(&cfg(false), &s, "GET", "/idempotency/records?cursor=../x", "", 1);
+    assert_eq!(status, 400);
     let (_, body, _) = ask(&cfg(false), &s, "GET", "/idempotency/records?route=other", "", 1);
     assert_eq!(body, "{\"records\":[],\"truncated\":false}");
     let (_, body, _) = ask(&cfg(false), &s, "GET", "/idempotency/records?key=key-4", "", 1);

@@ -161,12 +161,6 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
                 "an admin instance protects no routes: put the admin API in its own filter entry, on its own listener",
             ));
         }
-        if matches!(store, StoreConfig::Etcd(_)) {
-            return Err(err(
-                "admin",
-                "the admin API serves the local store for now; the etcd store's records are in etcd (docs/OPERATIONS.md)",
-            ));
-        }
     }
     let routes = match (&admin, get(top, "routes")) {
         (Some(_), _) => Vec::new(),

@@ -126,11 +126,6 @@ fn rejects_bad_configs_naming_the_field() {
         ("detached calls zero", top(r#""max_detached_calls":0"#), "max_detached_calls"),
         ("publish_outcome not a boolean", top(r#""publish_outcome":"yes""#), "publish_outcome"),
         ("admin beside routes", top(r#""admin":{}"#), "admin"),
-        (
-            "admin on the etcd store",
-            r#"{"admin":{},"store":{"type":"etcd","cluster":"etcd"}}"#.into(),
-            "admin",
-        ),
         ("admin token not a digest", r#"{"admin":{"token_sha256":"abc"}}"#.into(), "admin.token_sha256"),
         ("admin unknown field", r#"{"admin":{"token":"x"}}"#.into(), "admin.token"),
         (
@@ -1020,4 +1015,7 @@ fn an_admin_instance_protects_no_routes_and_keeps_the_tokens_digest() {
     let admin = c.admin.unwrap();
     assert_eq!(crate::identity::scope::hex(&admin.token_sha256.unwrap()), digest);
     assert_eq!(parse_str(r#"{"admin":{}}"#).unwrap().admin.unwrap().token_sha256, None);
+    // On etcd too: it reads and settles the fleet's records there.
+    let on_etcd = parse_str(r#"{"admin":{},"store":{"type":"etcd","cluster":"etcd"}}"#).unwrap();
+    assert!(on_etcd.admin.is_some() && on_etcd.rules.is_empty());
 }

@@ -1,11 +1,14 @@
 //! The admin API's glue: an admin instance's stream is one request the module answers itself
 //! (`crate::admin` decides the answer). Its head is read at the headers, its body collected,
-//! and the answer sent as a local reply; each request is counted and logged.
+//! the store operations it asks for carried out (the local store's at once, a remote store's by
+//! the root, as every callout), and the answer sent as a local reply; each request is counted
+//! and logged.
 
 use super::plugin::{PluginState, Store};
 use super::{Host, HostError, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
-use crate::admin::{self, AdminRequest, MAX_BODY};
+use crate::admin::{self, AdminRequest, AdminTask, Answered, Progress, MAX_BODY};
 use crate::flow::Verdict;
+use crate::store::StoreOp;
 
 /// `response.code_details` of the admin API's replies.
 pub const DETAILS_ADMIN: &str = "idempotency_admin";
@@ -31,6 +34,7 @@ pub fn head<H: Host>(plugin: &PluginState<H>) -> Option<AdminHead> {
 /// At the request's headers: answered now when it has no body, else held for it.
 pub fn on_headers<H: Host>(
     plugin: &PluginState<H>,
+    context_id: u32,
     head: Option<&AdminHead>,
     end_of_stream: bool,
 ) -> Verdict {
@@ -40,7 +44,7 @@ pub fn on_headers<H: Host>(
             Verdict::Pause
         }
         Some(head) if end_of_stream => {
-            serve(plugin, head, &[]);
+            serve(plugin, context_id, head, &[]);
             Verdict::Pause
         }
         Some(_) => Verdict::Pause,
@@ -50,6 +54,7 @@ pub fn on_headers<H: Host>(
 /// At each piece of the body: answered with the last one (Envoy buffers the rest).
 pub fn on_body<H: Host>(
     plugin: &PluginState<H>,
+    context_id: u32,
     head: Option<&AdminHead>,
     size: usize,
     end_of_stream: bool,
@@ -63,7 +68,7 @@ pub fn on_body<H: Host>(
         return Verdict::Pause;
     }
     match plugin.host.buffer(BUFFER_REQUEST_BODY, 0, size) {
-        Ok(body) => serve(plugin, head, &body),
+        Ok(body) => serve(plugin, context_id, head, &body),
         Err(HostError(s)) => {
             log::warn!("admin: cannot read the request body (host status {s})");
             send(plugin, 500, b"{\"detail\":\"cannot read the request body\"}");
@@ -72,8 +77,8 @@ pub fn on_body<H: Host>(
     Verdict::Pause
 }
 
-fn serve<H: Host>(plugin: &PluginState<H>, head: &AdminHead, body: &[u8]) {
-    let (Some(cfg), Store::Local(store)) = (&plugin.config.admin, &plugin.store) else {
+fn serve<H: Host>(plugin: &PluginState<H>, context_id: u32, head: &AdminHead, body: &[u8]) {
+    let Some(cfg) = &plugin.config.admin else {
         send(plugin, 500, b"{\"detail\":\"not an admin instance\"}");
         return;
     };
@@ -84,12 +89,56 @@ fn serve<H: Host>(plugin: &PluginState<H>, head: &AdminHead, body: &[u8]) {
         body,
         now_ms: plugin.host.now_ms(),
     };
-    let answered = admin::answer(cfg, store, &req);
+    let line = AdminLine {
+        method: head.method.clone(),
+        path: head.path.split('?').next().unwrap_or("").to_string(),
+    };
+    if let Some(asked) = advance(plugin, line, admin::start(cfg, &req)) {
+        plugin.admin_from_root(context_id, asked);
+    }
+}
+
+/// What the log line says of the request.
+pub struct AdminLine {
+    method: String,
+    path: String,
+}
+
+/// An admin request that waits for a remote store: the root carries out `op`, then gives its
+/// answer to `task` (`root::converse_admin`).
+pub struct AdminAsk {
+    pub task: AdminTask,
+    pub op: StoreOp,
+    pub line: AdminLine,
+}
+
+/// Takes an admin request on until it is answered (the effective context is its stream's), or
+/// until it asks a store that cannot answer at once: that is handed back, for the root.
+pub fn advance<H: Host>(
+    plugin: &PluginState<H>,
+    line: AdminLine,
+    mut progress: Progress,
+) -> Option<AdminAsk> {
+    loop {
+        match progress {
+            Progress::Done(answered) => {
+                reply(plugin, &line, &answered);
+                return None;
+            }
+            Progress::Ask(task, op) => match &plugin.store {
+                Store::Local(_) => progress = task.answered(plugin.perform(&op), plugin.host.now_ms()),
+                Store::Remote(_) => return Some(AdminAsk { task, op, line }),
+            },
+        }
+    }
+}
+
+fn reply<H: Host>(plugin: &PluginState<H>, line: &AdminLine, answered: &Answered) {
     plugin.count_admin(answered.action);
     log::info!(
         "admin {} {} {} -> {} ({}) by {}",
-        head.method,
-        head.path.split('?').next().unwrap_or(""),
+        line.method,
+        line.path,
         answered.tag.as_deref().unwrap_or("-"),
         answered.reply.status,
         answered.action.name(),

@@ -142,7 +142,7 @@ impl<H: Host> Http<H> {
     pub fn on_request_headers(&mut self, end_of_stream: bool) -> Verdict {
         if let Some(plugin) = self.plugin.clone().filter(|p| p.config.admin.is_some()) {
             self.admin = admin::head(&plugin);
-            return admin::on_headers(&plugin, self.admin.as_ref(), end_of_stream);
+            return admin::on_headers(&plugin, self.context_id, self.admin.as_ref(), end_of_stream);
         }
         self.callback(false, |flow, p, facts| flow.request_headers(&p.config, facts, end_of_stream))
     }
@@ -161,7 +161,7 @@ impl<H: Host> Http<H> {
 
     pub fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
         if let Some(plugin) = self.plugin.clone().filter(|p| p.config.admin.is_some()) {
-            return admin::on_body(&plugin, self.admin.as_ref(), size, end_of_stream);
+            return admin::on_body(&plugin, self.context_id, self.admin.as_ref(), size, end_of_stream);
         }
         self.callback(false, |flow, p, facts| flow.request_body(&p.config, facts, size, end_of_stream))
     }

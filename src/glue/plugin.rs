@@ -219,8 +219,18 @@ pub struct Lookup {
     pub timeout_ms: u32,
 }
 
+/// An admin request's store operation, carried out by the root (a remote store's answers come
+/// to the context that made the call); the reply goes to the stream, if still there.
+pub struct RootAdmin {
+    pub context_id: u32,
+    pub conversation: Box<dyn Conversation>,
+    pub ask: super::admin::AdminAsk,
+}
+
 /// One store operation the root carries out on behalf of a stream.
 pub enum RootCall {
+    /// Boxed: it carries the request's task.
+    Admin(Box<RootAdmin>),
     /// Boxed: a flow is much larger than a settlement.
     Begin(Box<RootBegin>),
     /// Boxed: it carries the outcome and the claim (with the record the claim wrote).
@@ -507,13 +517,10 @@ impl<H: Host> PluginState<H> {
     pub fn perform(&self, op: &StoreOp) -> StoreAnswer {
         match &self.store {
             Store::Local(store) => op.perform(store),
-            Store::Remote(_) => {
-                let error = StoreError::Unavailable("a remote store cannot answer at once".into());
-                match op {
-                    StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),
-                    _ => StoreAnswer::Settled(Err(error)),
-                }
-            }
+            Store::Remote(_) => StoreAnswer::failed(
+                op,
+                StoreError::Unavailable("a remote store cannot answer at once".into()),
+            ),
         }
     }
 
@@ -633,6 +640,13 @@ impl<H: Host> PluginState<H> {
             retry: None,
             then_reply: None,
         })));
+    }
+
+    /// Hands an admin request's store operation to this worker's root.
+    pub fn admin_from_root(&self, context_id: u32, ask: super::admin::AdminAsk) {
+        let Store::Remote(remote) = &self.store else { return };
+        let conversation = remote.start(ask.op.clone());
+        self.to_root(RootCall::Admin(Box::new(RootAdmin { context_id, conversation, ask })));
     }
 
     /// Hands a paused request's `begin` (and its flow) to this worker's root.

@@ -1,10 +1,11 @@
 //! Root context: configuration, the periodic sweep and heartbeat, and the waiters it wakes. One
 //! per plugin per thread (main and each worker).
 
+use super::admin;
 use super::http::Http;
 use super::plugin::{
-    DetachedCall, DetachedReply, FlowHandle, LeaseEndLookup, Lookup, PluginState, Retry, RootBegin, RootCall,
-    RootLookup, RootRecheck, RootSettlement, Store, WaitHandle,
+    DetachedCall, DetachedReply, FlowHandle, LeaseEndLookup, Lookup, PluginState, Retry, RootAdmin,
+    RootBegin, RootCall, RootLookup, RootRecheck, RootSettlement, Store, WaitHandle,
 };
 use super::remote::{self, Outcome};
 use super::{
@@ -276,6 +277,10 @@ impl<H: Host> Root<H> {
             (RootCall::Recheck(check), Err(error)) => {
                 recheck_failed(&plugin, store.as_ref(), check, error, Sent::Yes)
             }
+            (RootCall::Admin(call), Ok(answer)) => {
+                converse_admin(&plugin, store.as_ref(), call, Some(answer))
+            }
+            (RootCall::Admin(call), Err(error)) => admin_failed(&plugin, store.as_ref(), call, error),
             (RootCall::Detached(_) | RootCall::Lookup(_), _) => {}
         }
         if store.take_woken() {
@@ -540,6 +545,9 @@ fn start_settlements<H: Host>(plugin: &PluginState<H>) {
             (RootCall::Recheck(check), Store::Remote(store)) => {
                 converse_recheck(plugin, store.as_ref(), check, None)
             }
+            (RootCall::Admin(call), Store::Remote(store)) => {
+                converse_admin(plugin, store.as_ref(), call, None)
+            }
             // Only detached calls and lookups are handed over with the local store.
             (_, Store::Local(_)) => {}
         }
@@ -647,9 +655,7 @@ fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_
         (Some(op), Store::Local(_)) => {
             let settled = match plugin.perform(&op) {
                 StoreAnswer::Settled(settled) => settled,
-                StoreAnswer::Begun(_) => {
-                    Err(StoreError::Unavailable("a settlement answered with a claim".into()))
-                }
+                other => Err(StoreError::Unavailable(format!("a settlement answered with {other:?}"))),
             };
             for step in settlement.answered(settled) {
                 match step {
@@ -685,10 +691,63 @@ fn resume_parked<H: Host>(plugin: &PluginState<H>) {
             RootCall::Begin(begin) => converse_begin(plugin, store.as_ref(), begin, None),
             RootCall::Settle(settle) => converse(plugin, store.as_ref(), settle, None),
             RootCall::Recheck(check) => converse_recheck(plugin, store.as_ref(), check, None),
+            RootCall::Admin(call) => converse_admin(plugin, store.as_ref(), call, None),
             // A detached call or a lookup never waits for the store's token: it is made at once.
             RootCall::Detached(call) => dispatch_detached(plugin, call),
             RootCall::Lookup(call) => dispatch_lookup(plugin, call),
         }
+    }
+}
+
+/// Takes an admin request's store operation one step: its next callout, or the store's answer
+/// for the request's task, which replies (if its stream is still there) or asks again.
+fn converse_admin<H: Host>(
+    plugin: &PluginState<H>,
+    store: &dyn RemoteStore,
+    mut call: Box<RootAdmin>,
+    answer: Option<Answer>,
+) {
+    match call.conversation.step(answer, plugin.host.now_ms()) {
+        Next::Call(request) => match remote::dispatch(&plugin.host, store.settings(), &request) {
+            Ok(token) => {
+                plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Admin(call));
+            }
+            Err(HostError(s)) => {
+                let error = StoreError::Unavailable(format!("callout refused (host status {s})"));
+                admin_failed(plugin, store, call, error);
+            }
+        },
+        Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Admin(call)),
+        Next::Done(answer) => admin_answered(plugin, store, *call, answer),
+    }
+}
+
+fn admin_failed<H: Host>(
+    plugin: &PluginState<H>,
+    store: &dyn RemoteStore,
+    call: Box<RootAdmin>,
+    error: StoreError,
+) {
+    let answer = StoreAnswer::failed(&call.ask.op, error);
+    admin_answered(plugin, store, *call, answer);
+}
+
+fn admin_answered<H: Host>(
+    plugin: &PluginState<H>,
+    store: &dyn RemoteStore,
+    call: RootAdmin,
+    answer: StoreAnswer,
+) {
+    if plugin.host.set_effective_context(call.context_id).is_err() {
+        // The operator's client left: a change already made stands, and is logged by nobody.
+        log::info!("admin #{}: the client left before the store answered", call.context_id);
+        return;
+    }
+    let RootAdmin { context_id, ask, .. } = call;
+    let progress = ask.task.answered(answer, plugin.host.now_ms());
+    if let Some(again) = admin::advance(plugin, ask.line, progress) {
+        let conversation = store.start(again.op.clone());
+        converse_admin(plugin, store, Box::new(RootAdmin { context_id, conversation, ask: again }), None);
     }
 }
 
@@ -1023,8 +1082,8 @@ fn converse<H: Host>(
         },
         Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Settle(call)),
         Next::Done(StoreAnswer::Settled(settled)) => finish_settlement(plugin, call, settled),
-        Next::Done(StoreAnswer::Begun(_)) => {
-            let error = StoreError::Unavailable("the store answered a settlement with a claim".into());
+        Next::Done(other) => {
+            let error = StoreError::Unavailable(format!("the store answered a settlement with {other:?}"));
             finish_settlement(plugin, call, Err(error));
         }
     }
@@ -1065,7 +1124,7 @@ fn abandon<H: Host>(plugin: &PluginState<H>) {
                 plugin.count(Counter::SettlementAbandoned, Some(&call.rule));
             }
             // A lookup writes nothing: its record stays as it was, for the next retry's lookup.
-            RootCall::Begin(_) | RootCall::Recheck(_) | RootCall::Lookup(_) => {}
+            RootCall::Begin(_) | RootCall::Recheck(_) | RootCall::Lookup(_) | RootCall::Admin(_) => {}
         }
     }
     log::warn!(

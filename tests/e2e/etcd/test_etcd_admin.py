@@ -9,6 +9,7 @@ record is never kept there, so a settled record is seen at once.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -48,27 +49,37 @@ def admin(envoy, method: str, path: str, body=None):
     return request(envoy.listener_ports["idempotency_admin"], method, path, body, {})
 
 
-def unknown_outcome(envoy) -> str:
-    """A key whose first request on `envoy` outlived the route timeout: its outcome is unknown."""
+def unknown_outcome(envoy, operator) -> tuple[str, dict]:
+    """A key whose first request on `envoy` outlived the route timeout, and its record as the
+    admin API of `operator` lists it once its outcome is unknown. The worker writes that to etcd
+    after the client's 504 has left, so the operator looks until it is there (a retry meanwhile
+    gets 409, the record still in flight)."""
     key = new_key()
     first = envoy.post("/pay", BODY, key_headers(key, x_delay_ms="1500"))
     assert first.status == 504, first
+    deadline = time.monotonic() + 5
+    while not (records := listed(operator, key, "outcome_unknown")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [r["key"] for r in records] == [key], records
     assert_problem(envoy.post("/pay", BODY, key_headers(key)), 502, "outcome-unknown")
-    return key
+    return key, records[0]
 
 
-def find(envoy, key: str, state: str = "outcome_unknown") -> dict:
-    listed = admin(envoy, "GET", "/idempotency/records?state=%s&key=%s" % (state, key))
-    assert listed.status == 200, listed
-    records = json.loads(listed.body)["records"]
-    assert [r["key"] for r in records] == [key], listed.body
+def listed(envoy, key: str, state: str) -> list:
+    resp = admin(envoy, "GET", "/idempotency/records?state=%s&key=%s" % (state, key))
+    assert resp.status == 200, resp
+    return json.loads(resp.body)["records"]
+
+
+def find(envoy, key: str, state: str) -> dict:
+    records = listed(envoy, key, state)
+    assert [r["key"] for r in records] == [key], records
     return records[0]
 
 
 def test_an_operator_on_one_envoy_resolves_a_record_the_other_left_unknown(fleet, upstream):
     a, b = fleet
-    key = unknown_outcome(a)
-    record = find(b, key)
+    key, record = unknown_outcome(a, b)
     assert (record["route"], record["state"]) == ("pay", "outcome_unknown"), record
     answer = {"status": 201, "headers": [["content-type", "application/json"]], "body": '{"paid":true}'}
     settled = admin(b, "POST", "/idempotency/records/%s/resolve" % record["tag"], answer)
@@ -85,8 +96,7 @@ def test_an_operator_on_one_envoy_resolves_a_record_the_other_left_unknown(fleet
 
 def test_an_operator_releases_a_record_and_its_retry_executes_once(fleet, upstream):
     a, b = fleet
-    key = unknown_outcome(a)
-    record = find(b, key)
+    key, record = unknown_outcome(a, b)
     released = admin(b, "POST", "/idempotency/records/%s/release" % record["tag"])
     assert released.status == 200, released
     retry = a.post("/pay", BODY, key_headers(key))

@@ -181,7 +181,7 @@ impl AdminTask {
                 Ok(Err(r)) => return refusal(who, refused(r)),
                 Err(e) => Err(e),
             },
-            (_, other) => Err(StoreError::Unavailable(format!("the store answered {other:?}"))),
+            (_, other) => Err(other.unexpected()),
         };
         step.unwrap_or_else(|e| refusal(who, unavailable(e)))
     }

@@ -655,7 +655,7 @@ fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_
         (Some(op), Store::Local(_)) => {
             let settled = match plugin.perform(&op) {
                 StoreAnswer::Settled(settled) => settled,
-                other => Err(StoreError::Unavailable(format!("a settlement answered with {other:?}"))),
+                other => Err(other.unexpected()),
             };
             for step in settlement.answered(settled) {
                 match step {
@@ -1083,7 +1083,7 @@ fn converse<H: Host>(
         Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Settle(call)),
         Next::Done(StoreAnswer::Settled(settled)) => finish_settlement(plugin, call, settled),
         Next::Done(other) => {
-            let error = StoreError::Unavailable(format!("the store answered a settlement with {other:?}"));
+            let error = other.unexpected();
             finish_settlement(plugin, call, Err(error));
         }
     }

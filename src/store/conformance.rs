@@ -43,27 +43,23 @@ pub fn through_ops<B: Backend>(b: &B, n: u8) -> ThroughOps<'_> {
     ThroughOps(b.worker(n))
 }
 
-fn mismatched(answer: StoreAnswer) -> StoreError {
-    StoreError::Unavailable(format!("answer of the wrong kind: {answer:?}"))
-}
-
 impl RecordStore for ThroughOps<'_> {
     fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
         match StoreOp::Begin(attempt.clone()).perform(&*self.0) {
             StoreAnswer::Begun(begun) => begun,
-            other => Err(mismatched(other)),
+            other => Err(other.unexpected()),
         }
     }
     fn complete(&self, claim: &Claim, completion: &Completion) -> Result<Settled, StoreError> {
         match (StoreOp::Complete { claim: *claim, completion: completion.clone() }).perform(&*self.0) {
             StoreAnswer::Settled(settled) => settled,
-            other => Err(mismatched(other)),
+            other => Err(other.unexpected()),
         }
     }
     fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
         match StoreOp::Release(*claim).perform(&*self.0) {
             StoreAnswer::Settled(settled) => settled,
-            other => Err(mismatched(other)),
+            other => Err(other.unexpected()),
         }
     }
     fn sweep(&self, now_ms: u64) -> Result<u32, StoreError> {
@@ -72,7 +68,7 @@ impl RecordStore for ThroughOps<'_> {
     fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
         match StoreOp::Records(query.clone()).perform(&*self.0) {
             StoreAnswer::Records(page) => page,
-            other => Err(mismatched(other)),
+            other => Err(other.unexpected()),
         }
     }
     fn amend(
@@ -84,7 +80,7 @@ impl RecordStore for ThroughOps<'_> {
         let op = StoreOp::Amend { view: Box::new(view.clone()), change: change.clone(), now_ms };
         match op.perform(&*self.0) {
             StoreAnswer::Amended(done) => done,
-            other => Err(mismatched(other)),
+            other => Err(other.unexpected()),
         }
     }
 }

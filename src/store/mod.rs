@@ -418,6 +418,18 @@ impl StoreAnswer {
             StoreOp::Amend { .. } => StoreAnswer::Amended(Err(error)),
         }
     }
+
+    /// The error of a caller that got this answer to an operation of another kind. It names the
+    /// kind only: the answer may hold a stored response, which has no place in a log line.
+    pub fn unexpected(&self) -> StoreError {
+        let kind = match self {
+            StoreAnswer::Begun(_) => "a begin's",
+            StoreAnswer::Settled(_) => "a settlement's",
+            StoreAnswer::Records(_) => "a list's",
+            StoreAnswer::Amended(_) => "an amendment's",
+        };
+        StoreError::Unavailable(format!("the store gave {kind} answer to another operation"))
+    }
 }
 
 impl StoreOp {

@@ -277,7 +277,7 @@ pub fn recheck_failed<H>(
 fn recheck_outcome<H>(cfg: &Config, w: &Waiter<H>, answer: StoreAnswer, now_ms: u64) -> Recheck {
     let begun = match answer {
         StoreAnswer::Begun(begun) => begun,
-        other => Err(StoreError::Unavailable(format!("a begin answered with {other:?}"))),
+        other => Err(other.unexpected()),
     };
     match decision_of(cfg, &w.pending, begun) {
         Decision::Forward { claim, counter } => Recheck::Forward { claim, counter },

@@ -158,14 +158,14 @@ fn begun(answer: StoreAnswer) -> Result<Begin, StoreError> {
     match answer {
         StoreAnswer::Begun(b) => b,
         StoreAnswer::Settled(Err(e)) => Err(e),
-        other => Err(StoreError::Unavailable(format!("answer of the wrong kind: {other:?}"))),
+        other => Err(other.unexpected()),
     }
 }
 
 fn settled(answer: StoreAnswer) -> Result<Settled, StoreError> {
     match answer {
         StoreAnswer::Settled(s) => s,
-        other => Err(StoreError::Unavailable(format!("answer of the wrong kind: {other:?}"))),
+        other => Err(other.unexpected()),
     }
 }
 
@@ -193,7 +193,7 @@ impl RecordStore for BlockingEtcd {
     fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
         match self.perform(StoreOp::Records(query.clone()), query.now_ms) {
             StoreAnswer::Records(page) => page,
-            other => Err(StoreError::Unavailable(format!("answer of the wrong kind: {other:?}"))),
+            other => Err(other.unexpected()),
         }
     }
     fn amend(
@@ -205,7 +205,7 @@ impl RecordStore for BlockingEtcd {
         let op = StoreOp::Amend { view: Box::new(view.clone()), change: change.clone(), now_ms };
         match self.perform(op, now_ms) {
             StoreAnswer::Amended(done) => done,
-            other => Err(StoreError::Unavailable(format!("answer of the wrong kind: {other:?}"))),
+            other => Err(other.unexpected()),
         }
     }
 }

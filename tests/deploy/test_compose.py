@@ -152,7 +152,8 @@ def test_what_the_services_run_is_mounted(compose):
         assert config_path.parent == REPO_ROOT / "envoy", config_path
         cfg = load(config_path)
         modules = [d["filename"] for d in walk(cfg) if "filename" in d and str(d["filename"]).endswith(".wasm")]
-        assert modules == ["dist/idempotency_filter.wasm"], modules
+        # The data plane's filter and the admin listener's (C24) load the one module.
+        assert len(modules) == 2 and set(modules) == {"dist/idempotency_filter.wasm"}, modules
         mounted_at = str(PurePosixPath(svc["working_dir"]) / modules[0])
         assert targets.get(mounted_at) == REPO_ROOT / "dist" / "idempotency_filter.wasm", (mounted_at, targets)
 
@@ -174,8 +175,10 @@ def test_compose_envoy_config_is_the_etcd_config_with_other_addresses(compose):
     assert _without_addresses(compose_cfg) == _without_addresses(etcd_cfg)
     addresses = {(d["socket_address"]["address"], d["socket_address"]["port_value"])
                  for d in walk(compose_cfg) if "socket_address" in d}
-    # Service names of this compose file, and the container's own interfaces.
-    assert addresses == {("0.0.0.0", 9901), ("0.0.0.0", 10000), ("orders", 8080), ("etcd", 2379)}
+    # Service names of this compose file, and the container's own interfaces; the admin API's
+    # listener (C24) stays on the container's loopback, as in every shipped config.
+    assert addresses == {("0.0.0.0", 9901), ("0.0.0.0", 10000), ("127.0.0.1", 9902), ("orders", 8080),
+                         ("etcd", 2379)}
     assert set(compose["services"]) >= {"orders", "etcd"}
 
 

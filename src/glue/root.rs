@@ -653,10 +653,7 @@ fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_
             answer_detached(plugin, context_id, &handle, &out.reply, DETAILS_DETACHED);
         }
         (Some(op), Store::Local(_)) => {
-            let settled = match plugin.perform(&op) {
-                StoreAnswer::Settled(settled) => settled,
-                other => Err(other.unexpected()),
-            };
+            let settled = plugin.perform(&op).into_settled();
             for step in settlement.answered(settled) {
                 match step {
                     Step::Count(counter) => plugin.count(counter, Some(&rule)),
@@ -1081,11 +1078,7 @@ fn converse<H: Host>(
             }
         },
         Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Settle(call)),
-        Next::Done(StoreAnswer::Settled(settled)) => finish_settlement(plugin, call, settled),
-        Next::Done(other) => {
-            let error = other.unexpected();
-            finish_settlement(plugin, call, Err(error));
-        }
+        Next::Done(answer) => finish_settlement(plugin, call, answer.into_settled()),
     }
 }
 

@@ -10,7 +10,7 @@ use crate::identity::scope::ScopeId;
 use crate::store::record::{Label, Snapshot, State};
 use crate::store::{
     Amendment, Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordId, RecordPage, RecordQuery,
-    RecordStore, RecordView, Refusal, Settled, StateFilter, StoreAnswer, StoreError, StoreOp, UnknownOutcome,
+    RecordStore, RecordView, Refusal, Settled, StateFilter, StoreError, StoreOp, UnknownOutcome,
 };
 
 pub const LEASE: u64 = 1_000;
@@ -45,31 +45,19 @@ pub fn through_ops<B: Backend>(b: &B, n: u8) -> ThroughOps<'_> {
 
 impl RecordStore for ThroughOps<'_> {
     fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
-        match StoreOp::Begin(attempt.clone()).perform(&*self.0) {
-            StoreAnswer::Begun(begun) => begun,
-            other => Err(other.unexpected()),
-        }
+        StoreOp::Begin(attempt.clone()).perform(&*self.0).into_begun()
     }
     fn complete(&self, claim: &Claim, completion: &Completion) -> Result<Settled, StoreError> {
-        match (StoreOp::Complete { claim: *claim, completion: completion.clone() }).perform(&*self.0) {
-            StoreAnswer::Settled(settled) => settled,
-            other => Err(other.unexpected()),
-        }
+        (StoreOp::Complete { claim: *claim, completion: completion.clone() }).perform(&*self.0).into_settled()
     }
     fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
-        match StoreOp::Release(*claim).perform(&*self.0) {
-            StoreAnswer::Settled(settled) => settled,
-            other => Err(other.unexpected()),
-        }
+        StoreOp::Release(*claim).perform(&*self.0).into_settled()
     }
     fn sweep(&self, now_ms: u64) -> Result<u32, StoreError> {
         self.0.sweep(now_ms)
     }
     fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
-        match StoreOp::Records(query.clone()).perform(&*self.0) {
-            StoreAnswer::Records(page) => page,
-            other => Err(other.unexpected()),
-        }
+        StoreOp::Records(query.clone()).perform(&*self.0).into_records()
     }
     fn amend(
         &self,
@@ -78,10 +66,7 @@ impl RecordStore for ThroughOps<'_> {
         now_ms: u64,
     ) -> Result<Result<(), Refusal>, StoreError> {
         let op = StoreOp::Amend { view: Box::new(view.clone()), change: change.clone(), now_ms };
-        match op.perform(&*self.0) {
-            StoreAnswer::Amended(done) => done,
-            other => Err(other.unexpected()),
-        }
+        op.perform(&*self.0).into_amended()
     }
 }
 

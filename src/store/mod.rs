@@ -419,6 +419,38 @@ impl StoreAnswer {
         }
     }
 
+    /// A begin's answer; any other kind is an error (`unexpected`).
+    pub fn into_begun(self) -> Result<Begin, StoreError> {
+        match self {
+            StoreAnswer::Begun(begun) => begun,
+            other => Err(other.unexpected()),
+        }
+    }
+
+    /// A settlement's answer; any other kind is an error.
+    pub fn into_settled(self) -> Result<Settled, StoreError> {
+        match self {
+            StoreAnswer::Settled(settled) => settled,
+            other => Err(other.unexpected()),
+        }
+    }
+
+    /// A list's answer; any other kind is an error.
+    pub fn into_records(self) -> Result<RecordPage, StoreError> {
+        match self {
+            StoreAnswer::Records(page) => page,
+            other => Err(other.unexpected()),
+        }
+    }
+
+    /// An amendment's answer; any other kind is an error.
+    pub fn into_amended(self) -> Result<Result<(), Refusal>, StoreError> {
+        match self {
+            StoreAnswer::Amended(done) => done,
+            other => Err(other.unexpected()),
+        }
+    }
+
     /// The error of a caller that got this answer to an operation of another kind. It names the
     /// kind only: the answer may hold a stored response, which has no place in a log line.
     pub fn unexpected(&self) -> StoreError {

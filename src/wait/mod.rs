@@ -275,10 +275,7 @@ pub fn recheck_failed<H>(
 }
 
 fn recheck_outcome<H>(cfg: &Config, w: &Waiter<H>, answer: StoreAnswer, now_ms: u64) -> Recheck {
-    let begun = match answer {
-        StoreAnswer::Begun(begun) => begun,
-        other => Err(other.unexpected()),
-    };
+    let begun = answer.into_begun();
     match decision_of(cfg, &w.pending, begun) {
         Decision::Forward { claim, counter } => Recheck::Forward { claim, counter },
         Decision::Respond { reply, counter } => Recheck::Respond { reply, counter },

@@ -162,28 +162,17 @@ fn begun(answer: StoreAnswer) -> Result<Begin, StoreError> {
     }
 }
 
-fn settled(answer: StoreAnswer) -> Result<Settled, StoreError> {
-    match answer {
-        StoreAnswer::Settled(s) => s,
-        other => Err(other.unexpected()),
-    }
-}
-
 impl RecordStore for BlockingEtcd {
     fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
         begun(self.perform(StoreOp::Begin(attempt.clone()), attempt.now_ms))
     }
     fn complete(&self, claim: &Claim, completion: &Completion) -> Result<Settled, StoreError> {
-        settled(
-            self.perform(
-                StoreOp::Complete { claim: *claim, completion: completion.clone() },
-                completion.now_ms,
-            ),
-        )
+        let op = StoreOp::Complete { claim: *claim, completion: completion.clone() };
+        self.perform(op, completion.now_ms).into_settled()
     }
     fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
         // A release writes no lease, so its clock does not matter.
-        settled(self.perform(StoreOp::Release(*claim), 0))
+        self.perform(StoreOp::Release(*claim), 0).into_settled()
     }
     /// Leases collect expired records (and expired ones already read as absent): nothing to
     /// sweep.
@@ -191,10 +180,7 @@ impl RecordStore for BlockingEtcd {
         Ok(0)
     }
     fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
-        match self.perform(StoreOp::Records(query.clone()), query.now_ms) {
-            StoreAnswer::Records(page) => page,
-            other => Err(other.unexpected()),
-        }
+        self.perform(StoreOp::Records(query.clone()), query.now_ms).into_records()
     }
     fn amend(
         &self,
@@ -203,10 +189,7 @@ impl RecordStore for BlockingEtcd {
         now_ms: u64,
     ) -> Result<Result<(), Refusal>, StoreError> {
         let op = StoreOp::Amend { view: Box::new(view.clone()), change: change.clone(), now_ms };
-        match self.perform(op, now_ms) {
-            StoreAnswer::Amended(done) => done,
-            other => Err(other.unexpected()),
-        }
+        self.perform(op, now_ms).into_amended()
     }
 }
 

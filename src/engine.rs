@@ -50,8 +50,9 @@ pub struct Pending {
     /// even across a configuration update.
     pub rule: Rc<Rule>,
     pub scope: ScopeId,
-    /// The Idempotency-Key, kept with the record (with the rule's name) for operators.
-    key: String,
+    /// The rule's name and the Idempotency-Key, kept with the record for operators: built once
+    /// here, so that every attempt of this request shares it.
+    label: Label,
     /// Digest of the tenant's header values (None: no tenant header configured).
     tenant: Option<[u8; 32]>,
     principal: [u8; 32],
@@ -229,7 +230,7 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
     Admission::Collect(Pending {
         rule: Rc::clone(rule),
         scope,
-        key: key.as_str().to_string(),
+        label: Label::new(&rule.name, key.as_str()),
         tenant: tenant_values.as_deref().map(tenant_digest),
         principal,
         method: head.method.to_string(),
@@ -372,7 +373,7 @@ pub fn claim_attempt(
         ttl_ms: rule.ttl_ms,
         quota: quota_charge(cfg, pending),
         unknown_outcome: rule.unknown_outcome,
-        label: Some(Label::new(&rule.name, &pending.key)),
+        label: Some(pending.label.clone()),
     }
 }
 

@@ -258,10 +258,6 @@ pub struct Snapshot {
     pub body: Vec<u8>,
 }
 
-/// A completed record as kept in its snapshot slot: the slot is the record's commit point, so it
-/// carries the whole outcome (the entry, completed) besides the snapshot, tagged by the entry's
-/// scope and owner so that a reader can tell the current record's outcome from a stale one left
-/// by an earlier record at the same position.
 /// What a record is about, in an operator's words: the rule's route name and the client's
 /// Idempotency-Key, and when its current claim was made. The scope id is a one-way hash of them
 /// (and the caller), so a record that must be found by key, or shown to an operator, carries
@@ -271,9 +267,10 @@ pub struct Snapshot {
 pub struct Label {
     /// When the record's current claim was made (the store sets it as it writes the claim).
     pub created_at_ms: u64,
-    /// Route then key, in one shared allocation: every step that carries an attempt clones it,
-    /// and a replay never writes it, so a clone is a count, not a copy.
-    text: std::rc::Rc<str>,
+    /// Route then key (UTF-8, cut at character boundaries), in one shared allocation made once
+    /// per request: every step that carries an attempt clones it, and a replay never writes it,
+    /// so a clone is a count, not a copy.
+    text: std::rc::Rc<[u8]>,
     route_len: usize,
 }
 
@@ -290,18 +287,22 @@ impl Label {
             n
         };
         let (route, key) = (&route[..cut(route, LABEL_ROUTE_MAX)], &key[..cut(key, LABEL_KEY_MAX)]);
-        let mut text = String::with_capacity(route.len() + key.len());
-        text.push_str(route);
-        text.push_str(key);
-        Label { created_at_ms: 0, text: text.into(), route_len: route.len() }
+        // An exact-size iterator: the Rc and its bytes are one allocation.
+        let text = route.bytes().chain(key.bytes()).collect();
+        Label { created_at_ms: 0, text, route_len: route.len() }
     }
 
     pub fn route(&self) -> &str {
-        self.text.get(..self.route_len).unwrap_or("")
+        self.part(..self.route_len)
     }
 
     pub fn key(&self) -> &str {
-        self.text.get(self.route_len..).unwrap_or("")
+        self.part(self.route_len..)
+    }
+
+    /// Both parts were cut at character boundaries (`new`), so this never reads "".
+    fn part(&self, range: impl std::slice::SliceIndex<[u8], Output = [u8]>) -> &str {
+        self.text.get(range).and_then(|b| std::str::from_utf8(b).ok()).unwrap_or("")
     }
 
     pub fn created_at(self, now_ms: u64) -> Label {
@@ -315,10 +316,11 @@ impl Label {
     fn write(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.created_at_ms.to_be_bytes());
         // Both at most 255 bytes (`new`).
-        out.push(self.route().len() as u8);
-        out.extend_from_slice(self.route().as_bytes());
-        out.push(self.key().len() as u8);
-        out.extend_from_slice(self.key().as_bytes());
+        let (route, key) = self.text.split_at(self.route_len.min(self.text.len()));
+        out.push(route.len() as u8);
+        out.extend_from_slice(route);
+        out.push(key.len() as u8);
+        out.extend_from_slice(key);
     }
 
     fn read(r: &mut Reader) -> Result<Label, DecodeError> {
@@ -335,6 +337,19 @@ impl Label {
         let n = usize::from(r.u8()?);
         let key = text(r.take(n)?, LABEL_KEY_MAX)?;
         Ok(Label::new(route, key).created_at(created_at_ms))
+    }
+
+    /// Steps over a label without reading it: a replay's read never shows it.
+    fn skip(r: &mut Reader) -> Result<(), DecodeError> {
+        r.u64()?;
+        for max in [LABEL_ROUTE_MAX, LABEL_KEY_MAX] {
+            let n = usize::from(r.u8()?);
+            if n > max {
+                return Err(DecodeError::NonCanonical);
+            }
+            r.take(n)?;
+        }
+        Ok(())
     }
 }
 
@@ -361,6 +376,10 @@ pub fn decode_label(bytes: &[u8]) -> Result<Label, DecodeError> {
     Ok(label)
 }
 
+/// A completed record as kept in its snapshot slot: the slot is the record's commit point, so it
+/// carries the whole outcome (the entry, completed) besides the snapshot, tagged by the entry's
+/// scope and owner so that a reader can tell the current record's outcome from a stale one left
+/// by an earlier record at the same position.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotValue {
     pub entry: Entry,
@@ -426,26 +445,41 @@ pub fn encode_slot(v: &SlotValue) -> Vec<u8> {
 /// left there when it fenced the slot, a processing entry without snapshot, which is no outcome
 /// (`SlotValue::is_claim_label`).
 pub fn decode_slot(bytes: &[u8]) -> Result<SlotValue, DecodeError> {
-    decode_slot_layout(bytes, false)
+    decode_slot_layout(bytes, false, true)
+}
+
+/// `decode_slot` without the label (None whatever the version): a replay reads only the outcome,
+/// and steps over the label's bytes rather than copying them.
+pub fn decode_slot_outcome(bytes: &[u8]) -> Result<SlotValue, DecodeError> {
+    decode_slot_layout(bytes, false, false)
 }
 
 /// Decodes a whole record as the etcd store keeps it under one key: the slot layout, whose entry
 /// may also be processing (a claim, which has no snapshot: `encode_slot` of a processing entry
 /// without one). Written with `encode_slot`.
 pub fn decode_record(bytes: &[u8]) -> Result<SlotValue, DecodeError> {
-    decode_slot_layout(bytes, true)
+    decode_slot_layout(bytes, true, true)
 }
 
-fn decode_slot_layout(bytes: &[u8], claims_allowed: bool) -> Result<SlotValue, DecodeError> {
+fn decode_slot_layout(
+    bytes: &[u8],
+    claims_allowed: bool,
+    with_label: bool,
+) -> Result<SlotValue, DecodeError> {
     let mut r = Reader::new(bytes);
     let version = r.u8()?;
     if version != FORMAT_V2 && version != FORMAT_V4 {
         return Err(DecodeError::UnknownVersion(version));
     }
     let entry = read_entry(&mut r)?;
-    let label = if version == FORMAT_V4 { Some(Label::read(&mut r)?) } else { None };
+    let labelled = version == FORMAT_V4;
+    let label = match (labelled, with_label) {
+        (true, true) => Some(Label::read(&mut r)?),
+        (true, false) => Label::skip(&mut r).map(|()| None)?,
+        (false, _) => None,
+    };
     // A claim (an etcd record, or a claim's label in a v4 slot) never has a snapshot.
-    let claim_ok = (claims_allowed || label.is_some()) && !entry.body_stored();
+    let claim_ok = (claims_allowed || labelled) && !entry.body_stored();
     if !entry.is_completed() && !claim_ok {
         return Err(DecodeError::BadState(entry.state.code()));
     }
@@ -837,7 +871,10 @@ mod tests {
             assert_eq!((label.route(), label.key(), label.created_at_ms), ("orders", "order-42 ü", 7));
             for n in 0..bytes.len() {
                 assert!(decode_slot(&bytes[..n]).is_err(), "prefix {n}");
+                assert!(decode_slot_outcome(&bytes[..n]).is_err(), "prefix {n}");
             }
+            // A replay's read steps over the label: the same outcome, without it.
+            assert_eq!(decode_slot_outcome(&bytes), Ok(SlotValue { label: None, ..v }));
         }
     }
 

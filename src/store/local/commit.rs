@@ -48,14 +48,22 @@ impl<S: SharedData> LocalStore<S> {
         bucket: u32,
         position: u8,
     ) -> Result<(Option<SlotValue>, Read), StoreError> {
+        self.read_slot_as(bucket, position, record::decode_slot)
+    }
+
+    fn read_slot_as(
+        &self,
+        bucket: u32,
+        position: u8,
+        decode: fn(&[u8]) -> Result<SlotValue, record::DecodeError>,
+    ) -> Result<(Option<SlotValue>, Read), StoreError> {
         let data_key = self.slot_key(bucket, position);
         let read = self.data.get(&data_key).map_err(host)?;
         if !read.exists() {
             return Err(StoreError::Unavailable(format!("{data_key} was never created")));
         }
         let Some(bytes) = read.value.as_deref() else { return Ok((None, read)) };
-        let slot =
-            record::decode_slot(bytes).map_err(|e| StoreError::Corrupt(format!("{data_key}: {e:?}")))?;
+        let slot = decode(bytes).map_err(|e| StoreError::Corrupt(format!("{data_key}: {e:?}")))?;
         Ok((Some(slot), read))
     }
 
@@ -82,7 +90,9 @@ impl<S: SharedData> LocalStore<S> {
         bucket: u32,
         entry: &Entry,
     ) -> Result<Option<crate::store::record::Snapshot>, StoreError> {
-        let (slot, _) = self.read_slot(bucket, entry.position)?;
+        // Read for a replay, which never shows the label: its bytes are stepped over.
+        let (slot, _) = self.read_slot_as(bucket, entry.position, record::decode_slot_outcome)?;
+        let slot = slot.filter(|v| !v.is_claim_label());
         // A slot may still hold the outcome of an earlier record at this position, or already a
         // newer one: only the outcome tagged with this entry's scope and owner is its own.
         Ok(slot.filter(|v| v.belongs_to(entry)).and_then(|v| v.snapshot))

@@ -14,6 +14,7 @@
 
 mod time;
 
+use crate::config::AdminConfig;
 use crate::engine::Reply;
 use crate::identity::scope::{hex, unhex, ScopeId};
 use crate::json::{emit_string, JsonValue, MemberOrder};
@@ -22,14 +23,6 @@ use crate::store::record::Snapshot;
 use crate::store::{Amendment, RecordId, RecordPage, RecordQuery, RecordView, Refusal, StateFilter};
 use crate::store::{StoreAnswer, StoreError, StoreOp};
 use sha2::{Digest, Sha256};
-
-/// `admin` in the configuration.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AdminConfig {
-    /// SHA-256 of the bearer token every request must present; None: no token (the listener
-    /// alone guards the API: the shipped configs bind it to loopback).
-    pub token_sha256: Option<[u8; 32]>,
-}
 
 /// Records a list shows by default, and at most (`limit`).
 pub const DEFAULT_LIMIT: usize = 100;

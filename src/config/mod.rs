@@ -8,7 +8,6 @@
 //! (`Config::rule_for`), what the rest of the crate calls; the types are in `model.rs`, the
 //! typed JSON readers in `fields.rs`, the etcd store's section in `etcd.rs`.
 
-use crate::admin::AdminConfig;
 use std::rc::Rc;
 
 use crate::json::{self, JsonValue as Value, MemberOrder};
@@ -24,8 +23,9 @@ mod model;
 mod tests;
 
 pub use model::{
-    Concurrency, Config, ConfigError, Disposition, Execution, JwtPrincipal, PathMatch, ProblemStatuses,
-    Quota, Reconcile, Rule, StatusPattern, StatusPolicy, StoreConfig, UnknownOutcome, UpstreamRewrite,
+    AdminConfig, Concurrency, Config, ConfigError, Disposition, Execution, JwtPrincipal, PathMatch,
+    ProblemStatuses, Quota, Reconcile, Rule, StatusPattern, StatusPolicy, StoreConfig, UnknownOutcome,
+    UpstreamRewrite,
 };
 
 // ---- rule resolution: which rule, if any, protects a request ----

@@ -36,7 +36,15 @@ pub struct Config {
     /// access logs. Off by default: one host call per outcome counted.
     pub publish_outcome: bool,
     /// This instance serves the admin API (and protects no routes: `rules` is empty).
-    pub admin: Option<crate::admin::AdminConfig>,
+    pub admin: Option<AdminConfig>,
+}
+
+/// `admin` in the configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdminConfig {
+    /// SHA-256 of the bearer token every request must present; None: no token (the listener
+    /// alone guards the API: the shipped configs bind it to loopback).
+    pub token_sha256: Option<[u8; 32]>,
 }
 
 /// What a forwarded request whose outcome cannot be known (a timeout, an upstream reset after

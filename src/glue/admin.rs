@@ -1,13 +1,15 @@
 //! The admin API's glue: an admin instance's stream is one request the module answers itself
 //! (`crate::admin` decides the answer). Its head is read at the headers, its body collected,
-//! the store operations it asks for carried out (the local store's at once, a remote store's by
-//! the root, as every callout), and the answer sent as a local reply; each request is counted
+//! the store operations it asks for carried out (at once where the store answers at once, else
+//! by the root, as every callout), and the answer sent as a local reply; each request is counted
 //! and logged.
 
-use super::plugin::{PluginState, Store};
+use super::plugin::PluginState;
 use super::{Host, HostError, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
 use crate::admin::{self, AdminRequest, AdminTask, Answered, Progress, MAX_BODY};
 use crate::flow::Verdict;
+use crate::store::remote::Conversation;
+use crate::store::seam::Started;
 use crate::store::StoreOp;
 
 /// `response.code_details` of the admin API's replies.
@@ -93,8 +95,8 @@ fn serve<H: Host>(plugin: &PluginState<H>, context_id: u32, head: &AdminHead, bo
         method: head.method.clone(),
         path: head.path.split('?').next().unwrap_or("").to_string(),
     };
-    if let Some(asked) = advance(plugin, line, admin::start(cfg, &req)) {
-        plugin.admin_from_root(context_id, asked);
+    if let Some((asked, conversation)) = advance(plugin, line, admin::start(cfg, &req)) {
+        plugin.admin_from_root(context_id, conversation, asked);
     }
 }
 
@@ -104,8 +106,8 @@ pub struct AdminLine {
     path: String,
 }
 
-/// An admin request that waits for a remote store: the root carries out `op`, then gives its
-/// answer to `task` (`root::converse_admin`).
+/// An admin request whose store operation goes on as a conversation: the root carries out `op`,
+/// then gives its answer to `task` (`root::converse_admin`).
 pub struct AdminAsk {
     pub task: AdminTask,
     pub op: StoreOp,
@@ -113,21 +115,25 @@ pub struct AdminAsk {
 }
 
 /// Takes an admin request on until it is answered (the effective context is its stream's), or
-/// until it asks a store that cannot answer at once: that is handed back, for the root.
+/// until the store does not answer at once: that ask and its conversation are handed back, for
+/// the root.
 pub fn advance<H: Host>(
     plugin: &PluginState<H>,
     line: AdminLine,
     mut progress: Progress,
-) -> Option<AdminAsk> {
+) -> Option<(AdminAsk, Box<dyn Conversation>)> {
     loop {
         match progress {
             Progress::Done(answered) => {
                 reply(plugin, &line, &answered);
                 return None;
             }
-            Progress::Ask(task, op) => match &plugin.store {
-                Store::Local(_) => progress = task.answered(plugin.perform(&op), plugin.host.now_ms()),
-                Store::Remote(_) => return Some(AdminAsk { task, op, line }),
+            // Kept: a conversation that fails is answered as this op's failure.
+            Progress::Ask(task, op) => match plugin.start(op.clone()) {
+                Started::Answered(answer) => progress = task.answered(answer, plugin.host.now_ms()),
+                Started::Conversation(conversation) => {
+                    return Some((AdminAsk { task, op, line }, conversation))
+                }
             },
         }
     }

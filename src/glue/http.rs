@@ -4,12 +4,13 @@
 
 use super::admin;
 use super::pairs::HeaderMap;
-use super::plugin::{FlowHandle, PluginState, Store, WaitHandle};
+use super::plugin::{FlowHandle, PluginState, WaitHandle};
 use super::{
     Host, HostError, BUFFER_REQUEST_BODY, BUFFER_RESPONSE_BODY, MAP_REQUEST_HEADERS, MAP_RESPONSE_HEADERS,
 };
 use crate::engine::HeaderFix;
 use crate::flow::{Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict};
+use crate::store::seam::Started;
 use crate::store::StoreOp;
 use std::collections::VecDeque;
 use std::rc::Rc;
@@ -180,7 +181,7 @@ impl<H: Host> Http<H> {
         // frame once the record is written (the root resumes it): a client that has the whole
         // response has a record a retry replays. Envoy's buffer holds at most
         // max_response_bytes (the flow stops copying past it, and then the body goes on).
-        let remote = matches!(self.plugin.as_deref().map(|p| &p.store), Some(Store::Remote(_)));
+        let remote = self.plugin.as_deref().is_some_and(|p| p.store.remote().is_some());
         if remote && verdict == Verdict::Continue && !end_of_stream && self.flow.capturing() {
             self.response_held = size;
             return Verdict::Pause;
@@ -218,31 +219,32 @@ impl<H: Host> Http<H> {
                     }
                     None
                 }
-                Step::Store(op) => match &plugin.store {
-                    Store::Local(_) => Some(self.flow.store_answered(&plugin.config, plugin.perform(&op))),
-                    Store::Remote(store) => match op {
+                Step::Store(op) => {
+                    let begin = matches!(op, StoreOp::Begin(_));
+                    match plugin.start(op) {
+                        Started::Answered(answer) => Some(self.flow.store_answered(&plugin.config, answer)),
                         // Carried out by the root, which answers or resumes the request; the flow
                         // goes with it and comes back at the next callback.
-                        StoreOp::Begin(_) => {
+                        Started::Conversation(conversation) if begin => {
                             let flow = std::mem::replace(&mut self.flow, RequestFlow::new(self.context_id));
-                            let handle = plugin.begin_from_root(store.as_ref(), op, self.context_id, flow);
+                            let handle = plugin.begin_from_root(conversation, self.context_id, flow);
                             self.flow_handle = Some(handle);
                             None
                         }
                         // Settled by the root: the stream may end before the store answers. In a
                         // response callback the response waits for it (the root resumes it).
-                        op => {
+                        Started::Conversation(conversation) => {
                             if let Some(settlement) = self.flow.hand_off_settlement() {
                                 let hold = self.hold_response && verdict == Verdict::Continue;
-                                plugin.settle_from_root(store.as_ref(), op, settlement, hold);
+                                plugin.settle_from_root(conversation, settlement, hold);
                                 if hold {
                                     held = true;
                                 }
                             }
                             None
                         }
-                    },
-                },
+                    }
+                }
                 Step::Park(plan) => {
                     let (admitted, handle) = plugin.park(self.context_id, plan);
                     if admitted.is_ok() {

@@ -46,7 +46,7 @@ pub const LOG_ERROR: u32 = 4;
 
 /// The host calls the glue makes, each status as a `Result` (none may panic). Shared data comes
 /// with it: the store and the wake registry live there.
-pub trait Host: SharedData + Clone {
+pub trait Host: SharedData + Clone + 'static {
     /// The filter's one clock, in milliseconds. Never fails: what a failed clock read means is
     /// decided once, by the implementation.
     fn now_ms(&self) -> u64;

@@ -11,11 +11,11 @@ use crate::metrics::{Counter, ADMIN_METRIC_PREFIX, SWEPT_METRIC, UNMATCHED_METRI
 use crate::reconcile::{self, LookupGate};
 use crate::splitmix::splitmix64;
 use crate::store::etcd::remote::EtcdRemote;
-use crate::store::etcd::watch::RecordWatch;
 use crate::store::etcd::EtcdStore;
 use crate::store::local::LocalStore;
-use crate::store::remote::{Conversation, RemoteStore};
-use crate::store::{Claim, StoreAnswer, StoreError, StoreOp};
+use crate::store::remote::Conversation;
+use crate::store::seam::{Started, Store, Watch};
+use crate::store::{Claim, StoreAnswer, StoreOp};
 use crate::wait::wake::{self, Registry};
 use crate::wait::{self, RoomFull, WaitRoom, Waiter};
 use std::cell::{Cell, RefCell};
@@ -79,12 +79,6 @@ impl Metrics {
             },
         }
     }
-}
-
-/// Where the records live: this Envoy's shared data, or a store the whole fleet shares.
-pub enum Store<H: Host> {
-    Local(LocalStore<H>),
-    Remote(Box<dyn RemoteStore>),
 }
 
 /// A `complete`/`release` the root carries out for a stream that may already be gone.
@@ -329,7 +323,8 @@ impl LogEvery {
 pub struct PluginState<H: Host> {
     pub host: H,
     pub config: Config,
-    pub store: Store<H>,
+    /// Where the records live: this Envoy's shared data, or a store the whole fleet shares.
+    pub store: Box<dyn Store>,
     pub settlements: RefCell<Settlements>,
     bypass_log: LogEvery,
     body_never_received_log: LogEvery,
@@ -363,7 +358,7 @@ impl<H: Host> PluginState<H> {
     pub fn configure_with(
         host: H,
         context_id: u32,
-        remote: Option<Box<dyn RemoteStore>>,
+        remote: Option<Box<dyn Store>>,
     ) -> Result<PluginState<H>, String> {
         let bytes = host
             .buffer(BUFFER_PLUGIN_CONFIGURATION, 0, usize::MAX)
@@ -374,15 +369,12 @@ impl<H: Host> PluginState<H> {
             random_u64((i / 8) as u64).to_be_bytes().get(i % 8).copied().unwrap_or(0)
         });
         let now_ms = host.now_ms();
-        let remote_store = |remote: Box<dyn RemoteStore>| {
-            log::info!(
-                "configured {} route rule(s); remote store on cluster {}",
-                config.rules.len(),
-                remote.settings().cluster
-            );
-            Store::Remote(remote)
+        let remote_store = |remote: Box<dyn Store>| {
+            let cluster = remote.remote().map(|r| r.cluster.as_str()).unwrap_or_default();
+            log::info!("configured {} route rule(s); remote store on cluster {cluster}", config.rules.len());
+            remote
         };
-        let store = match (remote, &config.store) {
+        let store: Box<dyn Store> = match (remote, &config.store) {
             (Some(remote), _) => remote_store(remote),
             (None, StoreConfig::Etcd(settings)) => {
                 remote_store(Box::new(EtcdRemote::new(EtcdStore::new(settings.clone()))))
@@ -401,7 +393,7 @@ impl<H: Host> PluginState<H> {
                     store.buckets(),
                     store.keys_created()
                 );
-                Store::Local(store)
+                Box::new(store)
             }
         };
         for rule in &config.rules {
@@ -511,17 +503,9 @@ impl<H: Host> PluginState<H> {
         }
     }
 
-    /// The local store answers at once, on shared data. A remote store cannot answer within a
-    /// callback (its waiters' rechecks are the root's callouts instead), so asking it is an
-    /// error, not a blocking call.
-    pub fn perform(&self, op: &StoreOp) -> StoreAnswer {
-        match &self.store {
-            Store::Local(store) => op.perform(store),
-            Store::Remote(_) => StoreAnswer::failed(
-                op,
-                StoreError::Unavailable("a remote store cannot answer at once".into()),
-            ),
-        }
+    /// Starts a store operation (the clock is read only if the store needs it).
+    pub fn start(&self, op: StoreOp) -> Started {
+        self.store.start(op, &|| self.host.now_ms())
     }
 
     /// Holds a request in the wait room as its flow planned. A waiter on a remote store polls
@@ -530,8 +514,9 @@ impl<H: Host> PluginState<H> {
     pub fn park(&self, context_id: u32, plan: ParkPlan) -> (Result<(), RoomFull>, WaitHandle) {
         let handle: WaitHandle = Rc::new(Cell::new(None));
         let just_advertised = self.ensure_advertised(plan.now_ms);
-        let (recheck_at_ms, poll_ms) = match &self.store {
-            Store::Remote(_) if !just_advertised => (
+        let remote = self.store.remote().is_some();
+        let (recheck_at_ms, poll_ms) = match (remote, just_advertised) {
+            (true, false) => (
                 wait::poll_recheck(
                     plan.now_ms,
                     wait::POLL_FIRST_MS,
@@ -540,8 +525,8 @@ impl<H: Host> PluginState<H> {
                 ),
                 wait::POLL_FIRST_MS,
             ),
-            Store::Remote(_) => (plan.recheck_at_ms(true), wait::POLL_FIRST_MS),
-            Store::Local(_) => (plan.recheck_at_ms(just_advertised), 0),
+            (true, true) => (plan.recheck_at_ms(true), wait::POLL_FIRST_MS),
+            (false, _) => (plan.recheck_at_ms(just_advertised), 0),
         };
         let waiter = Waiter {
             context_id,
@@ -566,8 +551,7 @@ impl<H: Host> PluginState<H> {
     /// Asks the remote store to watch a record a waiter of this worker waits on (etcd over
     /// gRPC), opening the worker's watch stream first if there is none.
     pub fn watch_record(&self, scope: &ScopeId, now_ms: u64) {
-        let Store::Remote(store) = &self.store else { return };
-        let Some(watch) = store.watch() else { return };
+        let Some(watch) = self.store.watch() else { return };
         match watch.want(scope) {
             Some(create) => self.send_watch(watch, &[create], now_ms),
             None => self.open_watch(watch, now_ms),
@@ -576,7 +560,7 @@ impl<H: Host> PluginState<H> {
 
     /// Opens the watch stream when one is due (something to watch, none open, past the
     /// backoff of the last one), and sends the watches it is to carry.
-    pub fn open_watch(&self, watch: &RecordWatch, now_ms: u64) {
+    pub fn open_watch(&self, watch: &dyn Watch, now_ms: u64) {
         if !watch.should_open(now_ms) {
             return;
         }
@@ -598,7 +582,7 @@ impl<H: Host> PluginState<H> {
 
     /// Sends messages on the watch stream; a stream that refuses one is ended (its waiters
     /// poll until it is opened again).
-    pub fn send_watch(&self, watch: &RecordWatch, messages: &[Vec<u8>], now_ms: u64) {
+    pub fn send_watch(&self, watch: &dyn Watch, messages: &[Vec<u8>], now_ms: u64) {
         let Some(token) = watch.token() else { return };
         for m in messages {
             if let Err(HostError(s)) = self.host.send_grpc_message(token, m) {
@@ -627,12 +611,10 @@ impl<H: Host> PluginState<H> {
     /// streams end).
     pub fn settle_from_root(
         &self,
-        remote: &dyn RemoteStore,
-        op: StoreOp,
+        conversation: Box<dyn Conversation>,
         settlement: Settlement,
         holds_response: bool,
     ) {
-        let conversation = remote.start(op);
         self.to_root(RootCall::Settle(Box::new(RootSettlement {
             conversation,
             settlement,
@@ -643,22 +625,23 @@ impl<H: Host> PluginState<H> {
     }
 
     /// Hands an admin request's store operation to this worker's root.
-    pub fn admin_from_root(&self, context_id: u32, ask: super::admin::AdminAsk) {
-        let Store::Remote(remote) = &self.store else { return };
-        let conversation = remote.start(ask.op.clone());
+    pub fn admin_from_root(
+        &self,
+        context_id: u32,
+        conversation: Box<dyn Conversation>,
+        ask: super::admin::AdminAsk,
+    ) {
         self.to_root(RootCall::Admin(Box::new(RootAdmin { context_id, conversation, ask })));
     }
 
     /// Hands a paused request's `begin` (and its flow) to this worker's root.
     pub fn begin_from_root(
         &self,
-        remote: &dyn RemoteStore,
-        op: StoreOp,
+        conversation: Box<dyn Conversation>,
         context_id: u32,
         flow: RequestFlow,
     ) -> FlowHandle {
         let handle: FlowHandle = Rc::new(RefCell::new(None));
-        let conversation = remote.start(op);
         self.to_root(RootCall::Begin(Box::new(RootBegin {
             context_id,
             conversation,
@@ -854,20 +837,19 @@ impl<H: Host> PluginState<H> {
         self.detached_in_flight.set(self.detached_in_flight.get().saturating_sub(1));
     }
 
-    /// Gives back a claim nobody will use: at once on the local store, through the root on a
-    /// remote one; counted as released when done.
+    /// Gives back a claim nobody will use: at once where the store answers at once, else
+    /// through the root; counted as released when done.
     pub fn release_claim(&self, context_id: u32, claim: Claim, rule: &Rc<Rule>) {
-        let op = StoreOp::Release(claim);
-        match &self.store {
-            Store::Local(_) => {
-                if let StoreAnswer::Settled(Ok(_)) = self.perform(&op) {
+        match self.start(StoreOp::Release(claim)) {
+            Started::Answered(answer) => {
+                if let StoreAnswer::Settled(Ok(_)) = answer {
                     self.count(Counter::Released, Some(rule));
                 }
             }
-            Store::Remote(remote) => {
+            Started::Conversation(conversation) => {
                 let settlement =
                     Settlement { context_id, claim, rule: Rc::clone(rule), done: Counter::Released };
-                self.settle_from_root(remote.as_ref(), op, settlement, false);
+                self.settle_from_root(conversation, settlement, false);
             }
         }
     }
@@ -889,10 +871,7 @@ impl<H: Host> PluginState<H> {
     /// the store's timeout; twice that covers a try under way when the root was retired.
     pub fn retirement_bound_ms(&self) -> u64 {
         let lease_ms = self.config.rules.iter().map(|r| r.processing_timeout_ms).max().unwrap_or(0);
-        let timeout_ms = match &self.store {
-            Store::Remote(remote) => u64::from(remote.settings().timeout_ms),
-            Store::Local(_) => 0,
-        };
+        let timeout_ms = self.store.remote().map_or(0, |r| u64::from(r.timeout_ms));
         lease_ms.saturating_add(timeout_ms.saturating_mul(2 * RETIREMENT_CALLS_PER_TRY))
     }
 

@@ -13,18 +13,10 @@ use super::{
 };
 use crate::config::etcd::Protocol;
 use crate::store::remote::{Answer, GrpcStatus, RemoteSettings, Request};
+use crate::store::StoreError;
 
 /// Envoy answers a callout that outlived its timeout with this synthesized status.
 const TIMEOUT_STATUS: u16 = 504;
-
-/// What became of a callout, read in `on_http_call_response`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
-    Answered(Answer),
-    /// Envoy's synthesized 504: no answer within `timeout_ms`. Whether the store acted is
-    /// unknown.
-    TimedOut,
-}
 
 /// Envoy's own message when it gives up on a gRPC callout (its 504 in gRPC form).
 const TIMEOUT_MESSAGE: &str = "upstream request timeout";
@@ -72,17 +64,19 @@ fn percent_decode(text: &str) -> String {
 
 /// Reads the callout's answer. A missing `:status` (Envoy's report of a reset or an answer over
 /// its buffer limit) or an unreadable one is handed on as a failed callout, never guessed at.
-pub fn read_answer<H: Host>(host: &H, body_size: usize, protocol: Protocol) -> Outcome {
+/// Envoy's synthesized 504 (no answer within the call's timeout) is `TimedOut`: whether the
+/// store acted is unknown.
+pub fn read_answer<H: Host>(host: &H, body_size: usize, protocol: Protocol) -> Result<Answer, StoreError> {
     let status = header(host, MAP_HTTP_CALL_RESPONSE_HEADERS, ":status").and_then(|s| s.parse::<u16>().ok());
     if status == Some(TIMEOUT_STATUS) {
-        return Outcome::TimedOut;
+        return Err(StoreError::TimedOut);
     }
     let grpc = match protocol {
         Protocol::Json => None,
         Protocol::Grpc => grpc_status(host),
     };
     if grpc.as_ref().is_some_and(|g| g.code != 0 && g.message == TIMEOUT_MESSAGE) {
-        return Outcome::TimedOut;
+        return Err(StoreError::TimedOut);
     }
     let body = if body_size == 0 {
         Vec::new()
@@ -91,11 +85,11 @@ pub fn read_answer<H: Host>(host: &H, body_size: usize, protocol: Protocol) -> O
             Ok(body) => body,
             Err(HostError(s)) => {
                 log::warn!("cannot read the store's answer (host status {s})");
-                return Outcome::Answered(Answer::default());
+                return Ok(Answer::default());
             }
         }
     };
-    Outcome::Answered(Answer { status, body, grpc })
+    Ok(Answer { status, body, grpc })
 }
 
 /// Makes the call on the store's cluster; the token identifies its answer. Envoy refuses

@@ -5,9 +5,9 @@ use super::admin;
 use super::http::Http;
 use super::plugin::{
     DetachedCall, DetachedReply, FlowHandle, LeaseEndLookup, Lookup, PluginState, Retry, RootAdmin,
-    RootBegin, RootCall, RootLookup, RootRecheck, RootSettlement, Store, WaitHandle,
+    RootBegin, RootCall, RootLookup, RootRecheck, RootSettlement, WaitHandle,
 };
-use super::remote::{self, Outcome};
+use super::remote;
 use super::{
     log_filter, Host, HostError, BUFFER_GRPC_RECEIVE, BUFFER_HTTP_CALL_RESPONSE_BODY,
     MAP_HTTP_CALL_RESPONSE_HEADERS,
@@ -19,8 +19,9 @@ use crate::flow::{Output, RequestFlow, Resumed, Settlement, Step, Verdict, Waite
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::reconcile::{self, LookupAnswer};
-use crate::store::remote::{Answer, Next, RemoteStore};
-use crate::store::{Begin, RecordStore, Settled, StoreAnswer, StoreError, StoreOp};
+use crate::store::remote::{Answer, Next, Request};
+use crate::store::seam::{Started, Store};
+use crate::store::{Begin, Settled, StoreAnswer, StoreError, StoreOp};
 use crate::wait::{self, Waiter};
 use std::rc::Rc;
 
@@ -68,7 +69,7 @@ impl<H: Host> Root<H> {
     }
 
     /// `on_configure` with the remote store given (the native tests script one).
-    pub fn on_configure_with(&mut self, remote: Option<Box<dyn RemoteStore>>) -> bool {
+    pub fn on_configure_with(&mut self, remote: Option<Box<dyn Store>>) -> bool {
         log::set_max_level(log_filter(self.host.log_level()));
         match PluginState::configure_with(self.host.clone(), self.context_id, remote) {
             Ok(plugin) => {
@@ -142,11 +143,7 @@ impl<H: Host> Root<H> {
         if self.ticks.is_multiple_of(SLOW_EVERY_TICKS) {
             // Once a second: reclaim expired records (a remote store expires its own), and beat
             // in the wake registry.
-            let swept = match &plugin.store {
-                Store::Local(store) => store.sweep(now_ms),
-                Store::Remote(_) => Ok(0),
-            };
-            match swept {
+            match plugin.store.sweep(now_ms) {
                 Ok(0) => {}
                 Ok(n) => {
                     plugin.count_swept(n);
@@ -190,8 +187,7 @@ impl<H: Host> Root<H> {
     /// A message on the worker's watch stream: the records that changed wake their waiters.
     pub fn on_grpc_receive(&mut self, token: u32, size: usize) {
         let Some(plugin) = self.plugin.clone() else { return };
-        let Store::Remote(store) = &plugin.store else { return };
-        let Some(watch) = store.watch().filter(|w| w.token() == Some(token)) else { return };
+        let Some(watch) = plugin.store.watch().filter(|w| w.token() == Some(token)) else { return };
         let now_ms = self.host.now_ms();
         let message = match self.host.buffer(BUFFER_GRPC_RECEIVE, 0, size) {
             Ok(m) => m,
@@ -227,8 +223,7 @@ impl<H: Host> Root<H> {
     /// again.
     pub fn on_grpc_close(&mut self, token: u32, status: u32) {
         let Some(plugin) = self.plugin.clone() else { return };
-        let Store::Remote(store) = &plugin.store else { return };
-        let Some(watch) = store.watch().filter(|w| w.token() == Some(token)) else { return };
+        let Some(watch) = plugin.store.watch().filter(|w| w.token() == Some(token)) else { return };
         log::debug!("watch stream {token} closed (grpc-status {status}); waiters poll");
         let now_ms = self.host.now_ms();
         plugin.watch_ended(watch.closed(now_ms), now_ms);
@@ -257,33 +252,19 @@ impl<H: Host> Root<H> {
             }
             call => call,
         };
-        let Store::Remote(store) = &plugin.store else { return };
-        let answer = match remote::read_answer(&plugin.host, body_size, store.settings().protocol) {
-            Outcome::TimedOut => Err(StoreError::TimedOut),
-            Outcome::Answered(answer) => Ok(answer),
-        };
-        match (call, answer) {
-            (RootCall::Begin(begin), Ok(answer)) => {
-                converse_begin(&plugin, store.as_ref(), begin, Some(answer))
-            }
-            (RootCall::Begin(begin), Err(error)) => {
-                begin_failed(&plugin, store.as_ref(), begin, error, Sent::Yes)
-            }
-            (RootCall::Settle(settle), Ok(answer)) => converse(&plugin, store.as_ref(), settle, Some(answer)),
+        let Some(settings) = plugin.store.remote() else { return };
+        match (call, remote::read_answer(&plugin.host, body_size, settings.protocol)) {
+            (RootCall::Begin(begin), Ok(answer)) => converse_begin(&plugin, begin, Some(answer)),
+            (RootCall::Begin(begin), Err(error)) => begin_failed(&plugin, begin, error, Sent::Yes),
+            (RootCall::Settle(settle), Ok(answer)) => converse(&plugin, settle, Some(answer)),
             (RootCall::Settle(settle), Err(error)) => finish_settlement(&plugin, settle, Err(error)),
-            (RootCall::Recheck(check), Ok(answer)) => {
-                converse_recheck(&plugin, store.as_ref(), check, Some(answer))
-            }
-            (RootCall::Recheck(check), Err(error)) => {
-                recheck_failed(&plugin, store.as_ref(), check, error, Sent::Yes)
-            }
-            (RootCall::Admin(call), Ok(answer)) => {
-                converse_admin(&plugin, store.as_ref(), call, Some(answer))
-            }
-            (RootCall::Admin(call), Err(error)) => admin_failed(&plugin, store.as_ref(), call, error),
+            (RootCall::Recheck(check), Ok(answer)) => converse_recheck(&plugin, check, Some(answer)),
+            (RootCall::Recheck(check), Err(error)) => recheck_failed(&plugin, check, error, Sent::Yes),
+            (RootCall::Admin(call), Ok(answer)) => converse_admin(&plugin, call, Some(answer)),
+            (RootCall::Admin(call), Err(error)) => admin_failed(&plugin, call, error),
             (RootCall::Detached(_) | RootCall::Lookup(_), _) => {}
         }
-        if store.take_woken() {
+        if plugin.store.take_woken() {
             resume_parked(&plugin);
         }
         self.finish_retirement();
@@ -299,40 +280,35 @@ impl<H: Host> Root<H> {
     }
 }
 
-/// Looks at a waiter's record again and answers, forwards or re-parks it. The local store
-/// answers at once; a remote store's answer comes in callouts, the waiter held meanwhile.
+/// Looks at a waiter's record again and answers, forwards or re-parks it: at once when the
+/// store answers at once, else when its callouts are answered, the waiter held meanwhile.
 fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>) {
     let host = &plugin.host;
     let now_ms = host.now_ms();
     let owner = plugin.owner_token(w.context_id);
     let op = wait::recheck_op(&plugin.config, &w, now_ms, owner);
-    if let Store::Remote(store) = &plugin.store {
-        // Watched records wake their waiters: those poll only as a fallback.
-        let watched = store.watch().is_some_and(|watch| watch.is_live(&w.scope()));
-        let w = Waiter { watched, ..w };
-        let check = RootRecheck {
-            context_id: w.context_id,
-            rule: Rc::clone(&w.pending.rule),
-            conversation: store.start(op),
-        };
-        plugin.room.borrow_mut().start_check(w);
-        converse_recheck(plugin, store.as_ref(), check, None);
-        return;
+    // Watched records wake their waiters: those poll only as a fallback.
+    let watched = plugin.store.watch().is_some_and(|watch| watch.is_live(&w.scope()));
+    let w = Waiter { watched, ..w };
+    match plugin.start(op) {
+        Started::Answered(answer) => {
+            if host.set_effective_context(w.context_id).is_err() {
+                return; // its client went away; nothing is held for it
+            }
+            let plan = wait::recheck_answered(&plugin.config, &w, answer, now_ms);
+            resolve_waiter(plugin, w, plan);
+        }
+        Started::Conversation(conversation) => {
+            let check =
+                RootRecheck { context_id: w.context_id, rule: Rc::clone(&w.pending.rule), conversation };
+            plugin.room.borrow_mut().start_check(w);
+            converse_recheck(plugin, check, None);
+        }
     }
-    if host.set_effective_context(w.context_id).is_err() {
-        return; // its client went away; nothing is held for it
-    }
-    let plan = wait::recheck_answered(&plugin.config, &w, plugin.perform(&op), now_ms);
-    resolve_waiter(plugin, None, w, plan);
 }
 
 /// Carries out what a recheck decided for its waiter (the effective context is the waiter's).
-fn resolve_waiter<H: Host>(
-    plugin: &PluginState<H>,
-    remote: Option<&dyn RemoteStore>,
-    w: Waiter<WaitHandle>,
-    plan: WaiterPlan,
-) {
+fn resolve_waiter<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>, plan: WaiterPlan) {
     let host = &plugin.host;
     match plan {
         WaiterPlan::Repark { recheck_at_ms } => {
@@ -357,12 +333,7 @@ fn resolve_waiter<H: Host>(
                     "#{} could not resume a held request (host status {s}); releasing its claim",
                     w.context_id
                 );
-                match remote {
-                    Some(store) => release_unused(plugin, store, w.context_id, &w.pending.rule, release),
-                    None => {
-                        let _ = plugin.perform(&release);
-                    }
-                }
+                release_unused(plugin, w.context_id, &w.pending.rule, release);
             }
         }
         WaiterPlan::Answer { counter, resumed, reply, details } => {
@@ -411,70 +382,110 @@ enum Sent {
 /// Once a second: ends the watches no waiter of this worker needs any more, and opens the
 /// watch stream again when it is due.
 fn tend_watch<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
-    let Store::Remote(store) = &plugin.store else { return };
-    let Some(watch) = store.watch() else { return };
+    let Some(watch) = plugin.store.watch() else { return };
     let cancels = {
         let room = plugin.room.borrow();
-        watch.tidy(|scope| room.waits_on(scope))
+        watch.tidy(&|scope| room.waits_on(scope))
     };
     plugin.send_watch(watch, &cancels, now_ms);
     plugin.open_watch(watch, now_ms);
 }
 
-/// Gives back a claim nobody will use (its request is gone or could not be resumed), through
-/// the remote store, counted as released when answered.
+/// Gives back a claim nobody will use (its request is gone or could not be resumed), counted
+/// as released when answered.
 fn release_unused<H: Host>(
     plugin: &PluginState<H>,
-    store: &dyn RemoteStore,
     context_id: u32,
     rule: &Rc<crate::config::Rule>,
     release: StoreOp,
 ) {
     let StoreOp::Release(claim) = release else { return };
-    give_back(
-        plugin,
-        store,
-        Settlement { context_id, claim, rule: Rc::clone(rule), done: Counter::Released },
-    );
+    give_back(plugin, Settlement { context_id, claim, rule: Rc::clone(rule), done: Counter::Released });
 }
 
 /// Releases `settlement`'s claim from the root, tried again like any settlement.
-fn give_back<H: Host>(plugin: &PluginState<H>, store: &dyn RemoteStore, settlement: Settlement) {
-    let settle = Box::new(RootSettlement {
-        conversation: store.start(StoreOp::Release(settlement.claim)),
-        settlement,
-        holds_response: false,
-        retry: None,
-        then_reply: None,
-    });
-    converse(plugin, store, settle, None);
+fn give_back<H: Host>(plugin: &PluginState<H>, settlement: Settlement) {
+    settle(plugin, StoreOp::Release(settlement.claim), settlement, None);
+}
+
+/// Carries out a settlement from the root: finished at once where the store answers at once,
+/// else as a conversation tried again like any settlement; `then_reply` is sent once it is.
+fn settle<H: Host>(
+    plugin: &PluginState<H>,
+    op: StoreOp,
+    settlement: Settlement,
+    then_reply: Option<DetachedReply>,
+) {
+    match plugin.start(op) {
+        Started::Answered(answer) => {
+            let context_id = settlement.context_id;
+            settled_at_once(plugin, &settlement, answer.into_settled());
+            resume_after_settling(plugin, context_id, false, then_reply);
+        }
+        Started::Conversation(conversation) => {
+            let call = Box::new(RootSettlement {
+                conversation,
+                settlement,
+                holds_response: false,
+                retry: None,
+                then_reply,
+            });
+            converse(plugin, call, None);
+        }
+    }
+}
+
+/// A settlement the store answered at once: counted, and its record's waiters woken. Not tried
+/// again: a store that answers in place fails only where a second try fails too.
+fn settled_at_once<H: Host>(
+    plugin: &PluginState<H>,
+    settlement: &Settlement,
+    settled: Result<Settled, StoreError>,
+) {
+    for step in settlement.answered(settled) {
+        match step {
+            Step::Count(counter) => plugin.count(counter, Some(&settlement.rule)),
+            Step::Wake(scope) => plugin.broadcast(&scope),
+            // A settlement's answer only counts and wakes.
+            _ => {}
+        }
+    }
+}
+
+/// Makes a store conversation's call. Envoy's refusal (an unknown cluster, a full queue) is the
+/// store's failure, and nothing was sent.
+fn call_store<H: Host>(
+    plugin: &PluginState<H>,
+    context_id: u32,
+    request: &Request,
+) -> Result<u32, StoreError> {
+    let Some(settings) = plugin.store.remote() else {
+        return Err(StoreError::Unavailable("a store that answers in place asked for a call".into()));
+    };
+    remote::dispatch(&plugin.host, settings, request).map_err(|HostError(s)| {
+        log::warn!("#{context_id} callout to cluster {} refused (host status {s})", settings.cluster);
+        StoreError::Unavailable(format!("callout refused (host status {s})"))
+    })
+}
+
+/// What a failed store means for a request: the remote store's fail mode (an in-place store
+/// fails closed).
+fn on_store_error<H: Host>(plugin: &PluginState<H>) -> OnStoreError {
+    plugin.store.remote().map_or(OnStoreError::FailClosed, |r| r.on_error)
 }
 
 /// Takes a waiter's recheck one step: its next callout, or what the answer means for it.
-fn converse_recheck<H: Host>(
-    plugin: &PluginState<H>,
-    store: &dyn RemoteStore,
-    mut check: RootRecheck,
-    answer: Option<Answer>,
-) {
+fn converse_recheck<H: Host>(plugin: &PluginState<H>, mut check: RootRecheck, answer: Option<Answer>) {
     match check.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match remote::dispatch(&plugin.host, store.settings(), &request) {
+        Next::Call(request) => match call_store(plugin, check.context_id, &request) {
             Ok(token) => {
                 plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Recheck(check));
             }
-            Err(HostError(s)) => {
-                log::warn!(
-                    "#{} callout to cluster {} refused (host status {s})",
-                    check.context_id,
-                    store.settings().cluster
-                );
-                let error = StoreError::Unavailable(format!("callout refused (host status {s})"));
-                recheck_failed(plugin, store, check, error, Sent::No);
-            }
+            Err(error) => recheck_failed(plugin, check, error, Sent::No),
         },
         Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Recheck(check)),
         Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
-            recheck_failed(plugin, store, check, error, Sent::Yes)
+            recheck_failed(plugin, check, error, Sent::Yes)
         }
         Next::Done(answer) => {
             let w = plugin.room.borrow_mut().end_check(check.context_id);
@@ -484,26 +495,20 @@ fn converse_recheck<H: Host>(
                 // given back now instead of blocking everyone until its lease ends.
                 if let StoreAnswer::Begun(Ok(Begin::Claimed(claim) | Begin::TookOver(claim))) = &answer {
                     log::debug!("#{} waiter gone before its claim; releasing it", check.context_id);
-                    release_unused(plugin, store, check.context_id, &check.rule, StoreOp::Release(*claim));
+                    release_unused(plugin, check.context_id, &check.rule, StoreOp::Release(*claim));
                 }
                 return;
             };
             let now_ms = plugin.host.now_ms();
             let plan = wait::recheck_answered(&plugin.config, &w, answer, now_ms);
-            resolve_waiter(plugin, Some(store), w, plan);
+            resolve_waiter(plugin, w, plan);
         }
     }
 }
 
 /// The store could not be used for a waiter's recheck: its fail mode decides. A claim the
 /// store may hold although its answer was lost (`Sent::Yes`) is given back first.
-fn recheck_failed<H: Host>(
-    plugin: &PluginState<H>,
-    store: &dyn RemoteStore,
-    check: RootRecheck,
-    error: StoreError,
-    sent: Sent,
-) {
+fn recheck_failed<H: Host>(plugin: &PluginState<H>, check: RootRecheck, error: StoreError, sent: Sent) {
     if sent == Sent::Yes && gives_back(plugin) {
         if let Some(claim) = check.conversation.unanswered_claim() {
             log::debug!(
@@ -511,7 +516,7 @@ fn recheck_failed<H: Host>(
                 check.context_id,
                 claim.scope.log_tag()
             );
-            release_unused(plugin, store, check.context_id, &check.rule, StoreOp::Release(claim));
+            release_unused(plugin, check.context_id, &check.rule, StoreOp::Release(claim));
         }
     }
     let w = plugin.room.borrow_mut().end_check(check.context_id);
@@ -519,13 +524,13 @@ fn recheck_failed<H: Host>(
     if plugin.host.set_effective_context(check.context_id).is_err() {
         return;
     }
-    let mode = store.settings().on_error;
+    let mode = on_store_error(plugin);
     let now_ms = plugin.host.now_ms();
     if mode == OnStoreError::FailOpen && plugin.bypass_log_due(now_ms) {
         log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
     }
     let plan = wait::recheck_failed(&plugin.config, &w, error, mode, now_ms);
-    resolve_waiter(plugin, Some(store), w, plan);
+    resolve_waiter(plugin, w, plan);
 }
 
 /// Starts what streams handed over since the root last ran; from here on the root owns their
@@ -533,24 +538,7 @@ fn recheck_failed<H: Host>(
 fn start_settlements<H: Host>(plugin: &PluginState<H>) {
     let queued = std::mem::take(&mut plugin.settlements.borrow_mut().queued);
     for call in queued {
-        match (call, &plugin.store) {
-            (RootCall::Detached(call), _) => dispatch_detached(plugin, call),
-            (RootCall::Lookup(call), _) => dispatch_lookup(plugin, call),
-            (RootCall::Begin(begin), Store::Remote(store)) => {
-                converse_begin(plugin, store.as_ref(), begin, None)
-            }
-            (RootCall::Settle(settle), Store::Remote(store)) => {
-                converse(plugin, store.as_ref(), settle, None)
-            }
-            (RootCall::Recheck(check), Store::Remote(store)) => {
-                converse_recheck(plugin, store.as_ref(), check, None)
-            }
-            (RootCall::Admin(call), Store::Remote(store)) => {
-                converse_admin(plugin, store.as_ref(), call, None)
-            }
-            // Only detached calls and lookups are handed over with the local store.
-            (_, Store::Local(_)) => {}
-        }
+        take_on(plugin, call);
     }
 }
 
@@ -647,33 +635,12 @@ fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_
     }
     log::debug!("#{context_id} detached call answered: {} key {}", out.done.name(), claim.scope.log_tag());
     let settlement = Settlement { context_id, claim, rule: Rc::clone(&rule), done: out.done };
-    match (out.op, &plugin.store) {
-        (None, _) => {
+    match out.op {
+        None => {
             plugin.count(out.done, Some(&rule));
             answer_detached(plugin, context_id, &handle, &out.reply, DETAILS_DETACHED);
         }
-        (Some(op), Store::Local(_)) => {
-            let settled = plugin.perform(&op).into_settled();
-            for step in settlement.answered(settled) {
-                match step {
-                    Step::Count(counter) => plugin.count(counter, Some(&rule)),
-                    Step::Wake(scope) => plugin.broadcast(&scope),
-                    _ => {}
-                }
-            }
-            answer_detached(plugin, context_id, &handle, &out.reply, DETAILS_DETACHED);
-        }
-        (Some(op), Store::Remote(store)) => {
-            let then_reply = Some(DetachedReply { reply: out.reply, handle });
-            let settle = Box::new(RootSettlement {
-                conversation: store.start(op),
-                settlement,
-                holds_response: false,
-                retry: None,
-                then_reply,
-            });
-            converse(plugin, store.as_ref(), settle, None);
-        }
+        Some(op) => settle(plugin, op, settlement, Some(DetachedReply { reply: out.reply, handle })),
     }
 }
 
@@ -681,60 +648,46 @@ fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_
 /// on, or ends with the wait's failure through its ordinary path (a stream's fail mode, a
 /// settlement counted, a client that left: nothing held).
 fn resume_parked<H: Host>(plugin: &PluginState<H>) {
-    let Store::Remote(store) = &plugin.store else { return };
     let parked = std::mem::take(&mut plugin.settlements.borrow_mut().parked);
     for call in parked {
-        match call {
-            RootCall::Begin(begin) => converse_begin(plugin, store.as_ref(), begin, None),
-            RootCall::Settle(settle) => converse(plugin, store.as_ref(), settle, None),
-            RootCall::Recheck(check) => converse_recheck(plugin, store.as_ref(), check, None),
-            RootCall::Admin(call) => converse_admin(plugin, store.as_ref(), call, None),
-            // A detached call or a lookup never waits for the store's token: it is made at once.
-            RootCall::Detached(call) => dispatch_detached(plugin, call),
-            RootCall::Lookup(call) => dispatch_lookup(plugin, call),
-        }
+        take_on(plugin, call);
+    }
+}
+
+/// Takes a call handed over (or parked) one step: a store conversation's next step, or a
+/// detached call or a lookup made (neither waits for the store's token).
+fn take_on<H: Host>(plugin: &PluginState<H>, call: RootCall) {
+    match call {
+        RootCall::Begin(begin) => converse_begin(plugin, begin, None),
+        RootCall::Settle(settle) => converse(plugin, settle, None),
+        RootCall::Recheck(check) => converse_recheck(plugin, check, None),
+        RootCall::Admin(call) => converse_admin(plugin, call, None),
+        RootCall::Detached(call) => dispatch_detached(plugin, call),
+        RootCall::Lookup(call) => dispatch_lookup(plugin, call),
     }
 }
 
 /// Takes an admin request's store operation one step: its next callout, or the store's answer
 /// for the request's task, which replies (if its stream is still there) or asks again.
-fn converse_admin<H: Host>(
-    plugin: &PluginState<H>,
-    store: &dyn RemoteStore,
-    mut call: Box<RootAdmin>,
-    answer: Option<Answer>,
-) {
+fn converse_admin<H: Host>(plugin: &PluginState<H>, mut call: Box<RootAdmin>, answer: Option<Answer>) {
     match call.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match remote::dispatch(&plugin.host, store.settings(), &request) {
+        Next::Call(request) => match call_store(plugin, call.context_id, &request) {
             Ok(token) => {
                 plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Admin(call));
             }
-            Err(HostError(s)) => {
-                let error = StoreError::Unavailable(format!("callout refused (host status {s})"));
-                admin_failed(plugin, store, call, error);
-            }
+            Err(error) => admin_failed(plugin, call, error),
         },
         Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Admin(call)),
-        Next::Done(answer) => admin_answered(plugin, store, *call, answer),
+        Next::Done(answer) => admin_answered(plugin, *call, answer),
     }
 }
 
-fn admin_failed<H: Host>(
-    plugin: &PluginState<H>,
-    store: &dyn RemoteStore,
-    call: Box<RootAdmin>,
-    error: StoreError,
-) {
+fn admin_failed<H: Host>(plugin: &PluginState<H>, call: Box<RootAdmin>, error: StoreError) {
     let answer = StoreAnswer::failed(&call.ask.op, error);
-    admin_answered(plugin, store, *call, answer);
+    admin_answered(plugin, *call, answer);
 }
 
-fn admin_answered<H: Host>(
-    plugin: &PluginState<H>,
-    store: &dyn RemoteStore,
-    call: RootAdmin,
-    answer: StoreAnswer,
-) {
+fn admin_answered<H: Host>(plugin: &PluginState<H>, call: RootAdmin, answer: StoreAnswer) {
     if plugin.host.set_effective_context(call.context_id).is_err() {
         // The operator's client left: a change already made stands, and is logged by nobody.
         log::info!("admin #{}: the client left before the store answered", call.context_id);
@@ -742,37 +695,23 @@ fn admin_answered<H: Host>(
     }
     let RootAdmin { context_id, ask, .. } = call;
     let progress = ask.task.answered(answer, plugin.host.now_ms());
-    if let Some(again) = admin::advance(plugin, ask.line, progress) {
-        let conversation = store.start(again.op.clone());
-        converse_admin(plugin, store, Box::new(RootAdmin { context_id, conversation, ask: again }), None);
+    if let Some((ask, conversation)) = admin::advance(plugin, ask.line, progress) {
+        converse_admin(plugin, Box::new(RootAdmin { context_id, conversation, ask }), None);
     }
 }
 
 /// Takes a paused request's `begin` one step: its next callout, or the answer for its flow.
-fn converse_begin<H: Host>(
-    plugin: &PluginState<H>,
-    store: &dyn RemoteStore,
-    mut begin: Box<RootBegin>,
-    answer: Option<Answer>,
-) {
+fn converse_begin<H: Host>(plugin: &PluginState<H>, mut begin: Box<RootBegin>, answer: Option<Answer>) {
     match begin.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match remote::dispatch(&plugin.host, store.settings(), &request) {
+        Next::Call(request) => match call_store(plugin, begin.context_id, &request) {
             Ok(token) => {
                 plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Begin(begin));
             }
-            Err(HostError(s)) => {
-                log::warn!(
-                    "#{} callout to cluster {} refused (host status {s})",
-                    begin.context_id,
-                    store.settings().cluster
-                );
-                let error = StoreError::Unavailable(format!("callout refused (host status {s})"));
-                begin_failed(plugin, store, begin, error, Sent::No);
-            }
+            Err(error) => begin_failed(plugin, begin, error, Sent::No),
         },
         Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Begin(begin)),
         Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
-            begin_failed(plugin, store, begin, error, Sent::Yes)
+            begin_failed(plugin, begin, error, Sent::Yes)
         }
         Next::Done(answer) => {
             if !begin.flow.headless() && plugin.host.set_effective_context(begin.context_id).is_err() {
@@ -780,7 +719,7 @@ fn converse_begin<H: Host>(
                 // request, so a claim it got is given back now instead of blocking retries
                 // until its lease ends.
                 if let Some(settlement) = begin.flow.answered_without_stream(&answer) {
-                    give_back(plugin, store, settlement);
+                    give_back(plugin, settlement);
                 }
                 return;
             }
@@ -794,25 +733,19 @@ fn converse_begin<H: Host>(
 /// The store could not be used for a paused request's `begin`: the store's fail mode decides
 /// (a fail-open bypass is logged at most once a second per worker; it is counted every time).
 /// A claim the store may hold although its answer was lost (`Sent::Yes`) is given back first.
-fn begin_failed<H: Host>(
-    plugin: &PluginState<H>,
-    store: &dyn RemoteStore,
-    begin: Box<RootBegin>,
-    error: StoreError,
-    sent: Sent,
-) {
+fn begin_failed<H: Host>(plugin: &PluginState<H>, begin: Box<RootBegin>, error: StoreError, sent: Sent) {
     if sent == Sent::Yes && gives_back(plugin) {
         if let Some(settlement) =
             begin.conversation.unanswered_claim().and_then(|c| begin.flow.unanswered_claim(c))
         {
-            give_back(plugin, store, settlement);
+            give_back(plugin, settlement);
         }
     }
     if !begin.flow.headless() && plugin.host.set_effective_context(begin.context_id).is_err() {
         return; // its client went away, and no claim is known to exist
     }
     // A lease-end lookup acts on the record only through the store: nothing to forward.
-    let mode = if begin.flow.headless() { OnStoreError::FailClosed } else { store.settings().on_error };
+    let mode = if begin.flow.headless() { OnStoreError::FailClosed } else { on_store_error(plugin) };
     if mode == OnStoreError::FailOpen && plugin.bypass_log_due(plugin.host.now_ms()) {
         log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
     }
@@ -882,15 +815,14 @@ fn carry_out<H: Host>(
                 None
             }
             // After a lookup: the record is asked again (taken over).
-            Step::Store(op) => match &plugin.store {
-                Store::Local(_) => Some(flow.store_answered(&plugin.config, plugin.perform(&op))),
-                Store::Remote(store) => {
+            Step::Store(op) => match plugin.start(op) {
+                Started::Answered(answer) => Some(flow.store_answered(&plugin.config, answer)),
+                Started::Conversation(conversation) => {
                     if !steps.is_empty() {
                         log::warn!("#{context_id} {} step(s) after a store step dropped", steps.len());
                     }
-                    let conversation = store.start(op);
                     let begin = Box::new(RootBegin { context_id, conversation, flow, handle });
-                    converse_begin(plugin, store.as_ref(), begin, None);
+                    converse_begin(plugin, begin, None);
                     return;
                 }
             },
@@ -1061,21 +993,13 @@ fn step_name(step: &Step) -> &'static str {
 }
 
 /// Takes a settlement's conversation one step: its next callout, or its end.
-fn converse<H: Host>(
-    plugin: &PluginState<H>,
-    store: &dyn RemoteStore,
-    mut call: Box<RootSettlement>,
-    answer: Option<Answer>,
-) {
+fn converse<H: Host>(plugin: &PluginState<H>, mut call: Box<RootSettlement>, answer: Option<Answer>) {
     match call.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match remote::dispatch(&plugin.host, store.settings(), &request) {
+        Next::Call(request) => match call_store(plugin, call.settlement.context_id, &request) {
             Ok(token) => {
                 plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Settle(call));
             }
-            Err(HostError(s)) => {
-                let error = StoreError::Unavailable(format!("callout refused (host status {s})"));
-                finish_settlement(plugin, call, Err(error));
-            }
+            Err(error) => finish_settlement(plugin, call, Err(error)),
         },
         Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Settle(call)),
         Next::Done(answer) => finish_settlement(plugin, call, answer.into_settled()),
@@ -1084,17 +1008,20 @@ fn converse<H: Host>(
 
 /// Starts again the settlements whose store failed and that are due.
 fn retry_settlements<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
-    let Store::Remote(store) = &plugin.store else { return };
     let due = plugin.settlements.borrow_mut().due(now_ms);
     for call in due {
         let RootSettlement { conversation, settlement, holds_response, retry, then_reply } = call;
-        let conversation = store.start(conversation.into_op());
-        converse(
-            plugin,
-            store.as_ref(),
-            Box::new(RootSettlement { conversation, settlement, holds_response, retry, then_reply }),
-            None,
-        );
+        match plugin.start(conversation.into_op()) {
+            Started::Answered(answer) => {
+                let context_id = settlement.context_id;
+                settled_at_once(plugin, &settlement, answer.into_settled());
+                resume_after_settling(plugin, context_id, holds_response, then_reply);
+            }
+            Started::Conversation(conversation) => {
+                let call = RootSettlement { conversation, settlement, holds_response, retry, then_reply };
+                converse(plugin, Box::new(call), None);
+            }
+        }
     }
 }
 
@@ -1189,14 +1116,23 @@ fn finish_settlement<H: Host>(
 /// Whatever the store answered: the response is the upstream's and goes on, once. A stream
 /// that is gone refuses the effective context, and nothing is held for it.
 fn resume_held_response<H: Host>(plugin: &PluginState<H>, call: &mut RootSettlement) {
-    if let Some(DetachedReply { reply, handle }) = call.then_reply.take() {
-        answer_detached(plugin, call.settlement.context_id, &handle, &reply, DETAILS_DETACHED);
+    let (holds, then_reply) = (std::mem::take(&mut call.holds_response), call.then_reply.take());
+    resume_after_settling(plugin, call.settlement.context_id, holds, then_reply);
+}
+
+/// A settled stream's reply goes out (a detached call's), or its held response goes on.
+fn resume_after_settling<H: Host>(
+    plugin: &PluginState<H>,
+    context_id: u32,
+    holds_response: bool,
+    then_reply: Option<DetachedReply>,
+) {
+    if let Some(DetachedReply { reply, handle }) = then_reply {
+        answer_detached(plugin, context_id, &handle, &reply, DETAILS_DETACHED);
     }
-    if std::mem::take(&mut call.holds_response)
-        && plugin.host.set_effective_context(call.settlement.context_id).is_ok()
-    {
+    if holds_response && plugin.host.set_effective_context(context_id).is_ok() {
         if let Err(HostError(s)) = plugin.host.resume_response() {
-            log::warn!("#{} could not resume the response (host status {s})", call.settlement.context_id);
+            log::warn!("#{context_id} could not resume the response (host status {s})");
         }
     }
 }

@@ -29,6 +29,7 @@ pub mod fake;
 pub mod local;
 pub mod record;
 pub mod remote;
+pub mod seam;
 pub mod shared_data;
 
 use crate::identity::fingerprint::Fingerprint;

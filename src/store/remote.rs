@@ -1,11 +1,10 @@
 //! A store across the network, as the store layer speaks it: every operation is a
 //! conversation of HTTP calls that the store's own state machine drives, pure, from the answers
 //! it is handed. The glue (`glue/remote.rs`) makes the calls as Envoy callouts; the etcd store
-//! implements the two traits (`store::etcd::remote`); a blocking client drives the same
-//! conversations in the conformance tests.
+//! starts its conversations through the one storage interface (`store::seam`); a blocking
+//! client drives the same conversations in the conformance tests.
 
 use crate::config::etcd::{OnStoreError, Protocol};
-use crate::store::etcd::watch::RecordWatch;
 use crate::store::{Claim, StoreAnswer, StoreOp};
 
 /// Where and how to reach the store, and what its failure means.
@@ -69,20 +68,6 @@ pub trait Conversation {
     /// nobody will forward the request (its write went out and the answer was lost), for the
     /// caller to release.
     fn unanswered_claim(&self) -> Option<Claim> {
-        None
-    }
-}
-
-pub trait RemoteStore {
-    fn settings(&self) -> &RemoteSettings;
-    fn start(&self, op: StoreOp) -> Box<dyn Conversation>;
-    /// True once after whatever waiting conversations wait for has arrived or failed.
-    fn take_woken(&self) -> bool {
-        false
-    }
-    /// A watch on the records this worker's waiters wait on, when the store offers one (etcd
-    /// over gRPC): their changes wake the waiters, who otherwise poll.
-    fn watch(&self) -> Option<&RecordWatch> {
         None
     }
 }

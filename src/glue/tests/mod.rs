@@ -21,7 +21,8 @@ use super::http::Http;
 use super::root::Root;
 use crate::flow::Verdict;
 use crate::store::etcd::watch::RecordWatch;
-use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore, Request};
+use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, Request};
+use crate::store::seam::{Started, Store, Watch};
 use crate::store::{Begin, Claim, Settled, StoreAnswer, StoreError, StoreOp};
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -211,15 +212,15 @@ impl Conversation for OneCall {
     }
 }
 
-impl RemoteStore for Scripted {
-    fn settings(&self) -> &RemoteSettings {
-        &self.settings
+impl Store for Scripted {
+    fn remote(&self) -> Option<&RemoteSettings> {
+        Some(&self.settings)
     }
-    fn watch(&self) -> Option<&RecordWatch> {
-        self.watch.as_ref()
+    fn watch(&self) -> Option<&dyn Watch> {
+        self.watch.as_ref().map(|w| w as &dyn Watch)
     }
-    fn start(&self, op: StoreOp) -> Box<dyn Conversation> {
+    fn start(&self, op: StoreOp, now: &dyn Fn() -> u64) -> Started {
         self.ops.borrow_mut().push(op.clone());
-        Box::new(OneCall(op, Rc::clone(&self.begins), false))
+        Started::first_step(Box::new(OneCall(op, Rc::clone(&self.begins), false)), now())
     }
 }

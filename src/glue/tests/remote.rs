@@ -1,4 +1,4 @@
-//! The glue with a store across the network (a scripted `RemoteStore`, one callout per
+//! The glue with a store across the network (a scripted `store::seam::Store`, one callout per
 //! operation): a stream's `begin` and its settlements are the root's callouts while the stream
 //! stays paused, and every way a callout can fail: a missing cluster, an answer without status
 //! or a timeout fail closed (503) or, failing open, forward unprotected and are counted; a claim

@@ -6,8 +6,9 @@
 use super::pairs;
 use crate::config::etcd::{OnStoreError, Protocol};
 use crate::glue::fake_host::{Call, FakeHost};
-use crate::glue::remote::{dispatch, read_answer, Outcome};
+use crate::glue::remote::{dispatch, read_answer};
 use crate::store::remote::{Answer, GrpcStatus, RemoteSettings, Request};
+use crate::store::StoreError;
 
 fn settings(protocol: Protocol) -> RemoteSettings {
     RemoteSettings {
@@ -54,7 +55,11 @@ fn a_grpc_call_carries_grpc_headers_and_the_token_as_metadata() {
     assert_eq!((get(&json, "te"), get(&json, "token")), (None, None));
 }
 
-fn answer(headers: &[(&str, &str)], trailers: &[(&str, &str)], protocol: Protocol) -> Outcome {
+fn answer(
+    headers: &[(&str, &str)],
+    trailers: &[(&str, &str)],
+    protocol: Protocol,
+) -> Result<Answer, StoreError> {
     let h = FakeHost::default();
     *h.0.call_response_headers.borrow_mut() = pairs(headers);
     *h.0.call_response_trailers.borrow_mut() = pairs(trailers);
@@ -69,21 +74,20 @@ fn grpc(code: u32, message: &str) -> Option<GrpcStatus> {
 #[test]
 fn a_grpc_status_is_read_from_the_trailers_or_a_trailers_only_answer() {
     let ok = answer(&[(":status", "200")], &[("grpc-status", "0")], Protocol::Grpc);
-    assert_eq!(ok, Outcome::Answered(Answer { status: Some(200), body: vec![0; 5], grpc: grpc(0, "") }));
+    assert_eq!(ok, Ok(Answer { status: Some(200), body: vec![0; 5], grpc: grpc(0, "") }));
     // etcd's errors come trailers-only; grpc-message is percent-encoded.
     let refused = answer(
         &[(":status", "200"), ("grpc-status", "16"), ("grpc-message", "etcdserver: invalid auth token%21")],
         &[],
         Protocol::Grpc,
     );
-    let Outcome::Answered(refused) = refused else { unreachable!("an answer") };
+    let Ok(refused) = refused else { unreachable!("an answer") };
     assert_eq!(refused.grpc, grpc(16, "etcdserver: invalid auth token!"));
     // The stream ended without a status: nothing to read it from.
-    let Outcome::Answered(cut) = answer(&[(":status", "200")], &[], Protocol::Grpc) else { unreachable!() };
+    let Ok(cut) = answer(&[(":status", "200")], &[], Protocol::Grpc) else { unreachable!() };
     assert_eq!(cut.grpc, None);
     // JSON reads no gRPC status, whatever the answer carries.
-    let Outcome::Answered(json) = answer(&[(":status", "200")], &[("grpc-status", "0")], Protocol::Json)
-    else {
+    let Ok(json) = answer(&[(":status", "200")], &[("grpc-status", "0")], Protocol::Json) else {
         unreachable!()
     };
     assert_eq!(json.grpc, None);
@@ -97,13 +101,13 @@ fn envoys_timeout_is_a_timeout_in_either_form() {
         &[],
         Protocol::Grpc,
     );
-    assert_eq!(grpc_form, Outcome::TimedOut);
-    assert_eq!(answer(&[(":status", "504")], &[], Protocol::Grpc), Outcome::TimedOut);
+    assert_eq!(grpc_form, Err(StoreError::TimedOut));
+    assert_eq!(answer(&[(":status", "504")], &[], Protocol::Grpc), Err(StoreError::TimedOut));
     // Another UNAVAILABLE (no healthy member) is etcd unusable, not a timeout.
     let unavailable = answer(
         &[(":status", "200"), ("grpc-status", "14"), ("grpc-message", "no healthy upstream")],
         &[],
         Protocol::Grpc,
     );
-    assert!(matches!(unavailable, Outcome::Answered(Answer { grpc: Some(GrpcStatus { code: 14, .. }), .. })));
+    assert!(matches!(unavailable, Ok(Answer { grpc: Some(GrpcStatus { code: 14, .. }), .. })));
 }

@@ -1,11 +1,12 @@
-//! The etcd store as a `RemoteStore`: each store operation is an `Exchange`, which already speaks
-//! the remote-store vocabulary (`store::remote`); this only keeps the store the exchanges share
-//! and the settings the glue needs to make their calls.
+//! The etcd store behind the one storage interface (`store::seam`): each store operation is an
+//! `Exchange`, which already speaks the remote-store vocabulary (`store::remote`); this only
+//! keeps the store the exchanges share and the settings the glue needs to make their calls.
 
 use super::watch::RecordWatch;
 use super::{EtcdStore, Exchange};
 use crate::config::etcd::Protocol;
-use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, RemoteStore};
+use crate::store::remote::{Answer, Conversation, Next, RemoteSettings};
+use crate::store::seam::{Started, Store, Watch};
 use crate::store::{Claim, StoreOp};
 use std::rc::Rc;
 
@@ -40,18 +41,20 @@ impl EtcdRemote {
     }
 }
 
-impl RemoteStore for EtcdRemote {
-    fn settings(&self) -> &RemoteSettings {
-        &self.settings
+impl Store for EtcdRemote {
+    /// The first step is taken at once: a replay from the cache needs no call.
+    fn start(&self, op: StoreOp, now: &dyn Fn() -> u64) -> Started {
+        let conversation = EtcdConversation { store: Rc::clone(&self.store), exchange: self.store.start(op) };
+        Started::first_step(Box::new(conversation), now())
     }
-    fn start(&self, op: StoreOp) -> Box<dyn Conversation> {
-        Box::new(EtcdConversation { store: Rc::clone(&self.store), exchange: self.store.start(op) })
+    fn remote(&self) -> Option<&RemoteSettings> {
+        Some(&self.settings)
     }
     fn take_woken(&self) -> bool {
         self.store.take_fetch_ended()
     }
-    fn watch(&self) -> Option<&RecordWatch> {
-        self.watch.as_ref()
+    fn watch(&self) -> Option<&dyn Watch> {
+        self.watch.as_ref().map(|w| w as &dyn Watch)
     }
 }
 

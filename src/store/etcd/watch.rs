@@ -15,6 +15,7 @@ use std::rc::Rc;
 use super::wire::{self, WatchAnswer};
 use super::EtcdStore;
 use crate::identity::scope::ScopeId;
+use crate::store::seam::{Watch, WatchNews};
 
 /// After a stream ended, how long until it is opened again (doubling up to `REOPEN_MAX_MS`):
 /// meanwhile waiters poll as they did before watches.
@@ -51,20 +52,6 @@ struct Watched {
     scope: ScopeId,
     key: Vec<u8>,
     id: Option<i64>,
-}
-
-/// What the root does after handing a message of the stream over.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Received {
-    /// Records that changed: wake their waiters.
-    pub wake: Vec<ScopeId>,
-    /// etcd ended a watch on its own (a compaction, a refused token): look again, and the
-    /// watch is asked for again when a waiter parks.
-    pub dropped: Vec<ScopeId>,
-    /// etcd refused to create a watch (a token that went stale, a permission): the stream is
-    /// of no more use as it is; the caller ends it, and it is opened again (with the worker's
-    /// current token) after the usual backoff.
-    pub refused: bool,
 }
 
 impl Default for Watches {
@@ -144,9 +131,9 @@ impl Watches {
 
     /// One message of the stream. Bytes that are not a WatchResponse end the stream's use: the
     /// caller closes it.
-    pub fn received(&mut self, message: &[u8]) -> Result<Received, wire::EtcdRefusal> {
+    pub fn received(&mut self, message: &[u8]) -> Result<WatchNews, wire::EtcdRefusal> {
         let answer: WatchAnswer = wire::read_watch(message)?;
-        let mut out = Received::default();
+        let mut out = WatchNews::default();
         if answer.created {
             if self.creating.is_empty() {
                 return Err(wire::EtcdRefusal::Unusable(
@@ -254,15 +241,15 @@ impl RecordWatch {
         let service = wire::envoy_grpc_service(&store.settings().cluster, authority);
         RecordWatch { store, service, state: RefCell::new(Watches::default()) }
     }
+}
 
-    /// `proxy_grpc_stream`'s arguments: the serialized GrpcService, the service and method.
-    pub fn target(&self) -> (&[u8], &'static str, &'static str) {
+impl Watch for RecordWatch {
+    fn target(&self) -> (&[u8], &'static str, &'static str) {
         (&self.service, wire::WATCH_SERVICE, wire::WATCH_METHOD)
     }
 
-    /// The stream's initial metadata. None while auth is on and this worker has no token yet
-    /// (its next call fetches one; until then its waiters poll).
-    pub fn metadata(&self) -> Option<Vec<(String, Vec<u8>)>> {
+    /// None while auth is on and this worker has no token yet (its next call fetches one).
+    fn metadata(&self) -> Option<Vec<(String, Vec<u8>)>> {
         match (&self.store.settings().auth, self.store.token.borrow().as_ref()) {
             (None, _) => Some(Vec::new()),
             (Some(_), Some(token)) => Some(vec![("token".into(), token.clone().into_bytes())]),
@@ -270,41 +257,39 @@ impl RecordWatch {
         }
     }
 
-    pub fn want(&self, scope: &ScopeId) -> Option<Vec<u8>> {
+    fn want(&self, scope: &ScopeId) -> Option<Vec<u8>> {
         self.state.borrow_mut().want(*scope, || self.store.record_key(scope))
     }
 
-    pub fn should_open(&self, now_ms: u64) -> bool {
+    fn should_open(&self, now_ms: u64) -> bool {
         self.state.borrow().should_open(now_ms)
     }
 
-    pub fn opened(&self, token: u32) -> Vec<Vec<u8>> {
+    fn opened(&self, token: u32) -> Vec<Vec<u8>> {
         self.state.borrow_mut().opened(token)
     }
 
-    pub fn refused(&self, now_ms: u64) {
+    fn refused(&self, now_ms: u64) {
         self.state.borrow_mut().refused(now_ms)
     }
 
-    pub fn token(&self) -> Option<u32> {
+    fn token(&self) -> Option<u32> {
         self.state.borrow().token()
     }
 
-    pub fn is_live(&self, scope: &ScopeId) -> bool {
+    fn is_live(&self, scope: &ScopeId) -> bool {
         self.state.borrow().is_live(scope)
     }
 
-    /// A message of the stream; an unreadable one is reported as text (the caller closes the
-    /// stream and the waiters poll).
-    pub fn received(&self, message: &[u8]) -> Result<Received, String> {
+    fn received(&self, message: &[u8]) -> Result<WatchNews, String> {
         self.state.borrow_mut().received(message).map_err(|e| e.into_error().to_string())
     }
 
-    pub fn closed(&self, now_ms: u64) -> Vec<ScopeId> {
+    fn closed(&self, now_ms: u64) -> Vec<ScopeId> {
         self.state.borrow_mut().closed(now_ms)
     }
 
-    pub fn tidy(&self, waited_on: impl Fn(&ScopeId) -> bool) -> Vec<Vec<u8>> {
+    fn tidy(&self, waited_on: &dyn Fn(&ScopeId) -> bool) -> Vec<Vec<u8>> {
         self.state.borrow_mut().tidy(waited_on)
     }
 }

@@ -110,7 +110,7 @@ fn a_create_etcd_refuses_or_nobody_waits_for_any_more_ends_cleanly() {
     w.received(&response(4, true, false, 0)).unwrap();
     assert_eq!(w.tidy(|_| false), vec![wire::watch_cancel(4)]);
     // An event on a watch nobody knows wakes nothing.
-    assert_eq!(w.received(&response(9, false, false, 1)).unwrap(), Received::default());
+    assert_eq!(w.received(&response(9, false, false, 1)).unwrap(), WatchNews::default());
 }
 
 #[test]

@@ -176,6 +176,17 @@ impl<S: SharedData> LocalStore<S> {
     }
 }
 
+/// The local store on the one storage interface: shared data answers in place, so every
+/// operation is answered as it starts.
+impl<S: SharedData> crate::store::seam::Store for LocalStore<S> {
+    fn start(&self, op: crate::store::StoreOp, _now: &dyn Fn() -> u64) -> crate::store::seam::Started {
+        crate::store::seam::Started::Answered(op.perform(self))
+    }
+    fn sweep(&self, now_ms: u64) -> Result<u32, StoreError> {
+        RecordStore::sweep(self, now_ms)
+    }
+}
+
 impl<S: SharedData> RecordStore for LocalStore<S> {
     fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
         for _ in 0..CAS_ATTEMPTS {

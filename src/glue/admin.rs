@@ -4,13 +4,13 @@
 //! by the root, as every callout), and the answer sent as a local reply; each request is counted
 //! and logged.
 
+use super::calls::{AdminAsk, AdminLine};
 use super::plugin::PluginState;
 use super::{Host, HostError, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
-use crate::admin::{self, AdminRequest, AdminTask, Answered, Progress, MAX_BODY};
+use crate::admin::{self, AdminRequest, Answered, Progress, MAX_BODY};
 use crate::flow::Verdict;
 use crate::store::remote::Conversation;
 use crate::store::seam::Started;
-use crate::store::StoreOp;
 
 /// `response.code_details` of the admin API's replies.
 pub const DETAILS_ADMIN: &str = "idempotency_admin";
@@ -98,20 +98,6 @@ fn serve<H: Host>(plugin: &PluginState<H>, context_id: u32, head: &AdminHead, bo
     if let Some((asked, conversation)) = advance(plugin, line, admin::start(cfg, &req)) {
         plugin.admin_from_root(context_id, conversation, asked);
     }
-}
-
-/// What the log line says of the request.
-pub struct AdminLine {
-    method: String,
-    path: String,
-}
-
-/// An admin request whose store operation goes on as a conversation: the root carries out `op`,
-/// then gives its answer to `task` (`root::converse_admin`).
-pub struct AdminAsk {
-    pub task: AdminTask,
-    pub op: StoreOp,
-    pub line: AdminLine,
 }
 
 /// Takes an admin request on until it is answered (the effective context is its stream's), or

@@ -3,8 +3,9 @@
 //! how a failed host call is reported.
 
 use super::admin;
+use super::calls::{FlowHandle, WaitHandle};
 use super::pairs::HeaderMap;
-use super::plugin::{FlowHandle, PluginState, WaitHandle};
+use super::plugin::PluginState;
 use super::{
     Host, HostError, BUFFER_REQUEST_BODY, BUFFER_RESPONSE_BODY, MAP_REQUEST_HEADERS, MAP_RESPONSE_HEADERS,
 };

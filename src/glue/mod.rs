@@ -7,6 +7,7 @@
 //! context id), both wasm32 only and without decisions of their own.
 
 pub mod admin;
+pub mod calls;
 pub mod http;
 pub mod pairs;
 pub mod plugin;

@@ -2,11 +2,12 @@
 //! per plugin per thread (main and each worker).
 
 use super::admin;
-use super::http::Http;
-use super::plugin::{
-    DetachedCall, DetachedReply, FlowHandle, LeaseEndLookup, Lookup, PluginState, Retry, RootAdmin,
-    RootBegin, RootCall, RootLookup, RootRecheck, RootSettlement, WaitHandle,
+use super::calls::{
+    DetachedCall, DetachedReply, FlowHandle, LeaseEndLookup, Lookup, Retry, RootAdmin, RootBegin, RootCall,
+    RootLookup, RootRecheck, RootSettlement, WaitHandle,
 };
+use super::http::Http;
+use super::plugin::PluginState;
 use super::remote;
 use super::{
     log_filter, Host, HostError, BUFFER_GRPC_RECEIVE, BUFFER_HTTP_CALL_RESPONSE_BODY,
@@ -99,7 +100,7 @@ impl<H: Host> Root<H> {
         let Some(plugin) = &self.plugin else { return true };
         self.host.flush_metrics();
         plugin.withdraw();
-        let left = plugin.settlements.borrow().len();
+        let left = plugin.calls.borrow().len();
         if left == 0 {
             return true;
         }
@@ -115,7 +116,7 @@ impl<H: Host> Root<H> {
     /// Envoy it is done; what is left then is counted and logged as abandoned.
     fn finish_retirement(&mut self) {
         let (Some(until_ms), Some(plugin)) = (self.retiring_until_ms, self.plugin.clone()) else { return };
-        if !plugin.settlements.borrow().is_idle() {
+        if !plugin.calls.borrow().is_idle() {
             if self.host.now_ms() < until_ms {
                 return;
             }
@@ -135,7 +136,7 @@ impl<H: Host> Root<H> {
         let now_ms = self.host.now_ms();
         // Settlements handed over without a wake-up (no queue, or the enqueue failed), and
         // those due to be tried again.
-        start_settlements(&plugin);
+        take_on_handed_over(&plugin);
         retry_settlements(&plugin, now_ms);
         start_lease_end_lookups(&plugin, now_ms);
         // Conversations waiting for a token: on, or over once its fetch is past its deadline.
@@ -165,7 +166,7 @@ impl<H: Host> Root<H> {
     pub fn on_queue_ready(&mut self, queue_id: u32) {
         let Some(plugin) = self.plugin.clone() else { return };
         // A stream handed over a settlement and left `SETTLE_NOW` (skipped below: not a scope).
-        start_settlements(&plugin);
+        take_on_handed_over(&plugin);
         for _ in 0..MAX_MESSAGES_PER_READY {
             let message = match self.host.dequeue(queue_id) {
                 Ok(Some(m)) => m,
@@ -234,7 +235,7 @@ impl<H: Host> Root<H> {
     /// settlement.
     pub fn on_http_call_response(&mut self, token: u32, body_size: usize) {
         let Some(plugin) = self.plugin.clone() else { return };
-        let call = plugin.settlements.borrow_mut().in_flight.remove(&token);
+        let call = plugin.calls.borrow_mut().in_flight.remove(&token);
         let Some(call) = call else {
             log::debug!("root ignored the answer to callout {token}");
             return;
@@ -361,7 +362,7 @@ fn resolve_waiter<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>, plan:
 const GIVE_BACK_WHILE_RETRYING_AT_MOST: usize = 256;
 
 fn gives_back<H: Host>(plugin: &PluginState<H>) -> bool {
-    let retrying = plugin.settlements.borrow().retrying.len();
+    let retrying = plugin.calls.borrow().retrying.len();
     if retrying >= GIVE_BACK_WHILE_RETRYING_AT_MOST {
         log::debug!(
             "{retrying} settlements being tried again: a claim whose answer was lost is left to its lease"
@@ -479,11 +480,11 @@ fn converse_recheck<H: Host>(plugin: &PluginState<H>, mut check: RootRecheck, an
     match check.conversation.step(answer, plugin.host.now_ms()) {
         Next::Call(request) => match call_store(plugin, check.context_id, &request) {
             Ok(token) => {
-                plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Recheck(check));
+                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Recheck(check));
             }
             Err(error) => recheck_failed(plugin, check, error, Sent::No),
         },
-        Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Recheck(check)),
+        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Recheck(check)),
         Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
             recheck_failed(plugin, check, error, Sent::Yes)
         }
@@ -535,8 +536,8 @@ fn recheck_failed<H: Host>(plugin: &PluginState<H>, check: RootRecheck, error: S
 
 /// Starts what streams handed over since the root last ran; from here on the root owns their
 /// callouts, so their answers come whether or not the stream is still there.
-fn start_settlements<H: Host>(plugin: &PluginState<H>) {
-    let queued = std::mem::take(&mut plugin.settlements.borrow_mut().queued);
+fn take_on_handed_over<H: Host>(plugin: &PluginState<H>) {
+    let queued = std::mem::take(&mut plugin.calls.borrow_mut().queued);
     for call in queued {
         take_on(plugin, call);
     }
@@ -550,7 +551,7 @@ fn dispatch_detached<H: Host>(plugin: &PluginState<H>, mut call: Box<DetachedCal
         Ok(token) => {
             // Envoy has its copy; the worker holds the answer next.
             call.body = Vec::new();
-            plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Detached(call));
+            plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Detached(call));
         }
         Err(HostError(s)) => {
             log::warn!(
@@ -648,7 +649,7 @@ fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_
 /// on, or ends with the wait's failure through its ordinary path (a stream's fail mode, a
 /// settlement counted, a client that left: nothing held).
 fn resume_parked<H: Host>(plugin: &PluginState<H>) {
-    let parked = std::mem::take(&mut plugin.settlements.borrow_mut().parked);
+    let parked = std::mem::take(&mut plugin.calls.borrow_mut().parked);
     for call in parked {
         take_on(plugin, call);
     }
@@ -673,11 +674,11 @@ fn converse_admin<H: Host>(plugin: &PluginState<H>, mut call: Box<RootAdmin>, an
     match call.conversation.step(answer, plugin.host.now_ms()) {
         Next::Call(request) => match call_store(plugin, call.context_id, &request) {
             Ok(token) => {
-                plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Admin(call));
+                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Admin(call));
             }
             Err(error) => admin_failed(plugin, call, error),
         },
-        Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Admin(call)),
+        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Admin(call)),
         Next::Done(answer) => admin_answered(plugin, *call, answer),
     }
 }
@@ -705,11 +706,11 @@ fn converse_begin<H: Host>(plugin: &PluginState<H>, mut begin: Box<RootBegin>, a
     match begin.conversation.step(answer, plugin.host.now_ms()) {
         Next::Call(request) => match call_store(plugin, begin.context_id, &request) {
             Ok(token) => {
-                plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Begin(begin));
+                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Begin(begin));
             }
             Err(error) => begin_failed(plugin, begin, error, Sent::No),
         },
-        Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Begin(begin)),
+        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Begin(begin)),
         Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
             begin_failed(plugin, begin, error, Sent::Yes)
         }
@@ -878,7 +879,7 @@ fn dispatch_lookup<H: Host>(plugin: &PluginState<H>, call: Box<RootLookup>) {
     let headers: Vec<(&str, &[u8])> = l.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
     match plugin.host.dispatch_http_call(&l.cluster, &headers, &[], l.timeout_ms) {
         Ok(token) => {
-            plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Lookup(call));
+            plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Lookup(call));
         }
         Err(HostError(s)) => {
             log::warn!("#{} lookup to cluster {} refused (host status {s})", call.context_id, l.cluster);
@@ -997,18 +998,18 @@ fn converse<H: Host>(plugin: &PluginState<H>, mut call: Box<RootSettlement>, ans
     match call.conversation.step(answer, plugin.host.now_ms()) {
         Next::Call(request) => match call_store(plugin, call.settlement.context_id, &request) {
             Ok(token) => {
-                plugin.settlements.borrow_mut().in_flight.insert(token, RootCall::Settle(call));
+                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Settle(call));
             }
             Err(error) => finish_settlement(plugin, call, Err(error)),
         },
-        Next::Wait => plugin.settlements.borrow_mut().parked.push(RootCall::Settle(call)),
+        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Settle(call)),
         Next::Done(answer) => finish_settlement(plugin, call, answer.into_settled()),
     }
 }
 
 /// Starts again the settlements whose store failed and that are due.
 fn retry_settlements<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
-    let due = plugin.settlements.borrow_mut().due(now_ms);
+    let due = plugin.calls.borrow_mut().due(now_ms);
     for call in due {
         let RootSettlement { conversation, settlement, holds_response, retry, then_reply } = call;
         match plugin.start(conversation.into_op()) {
@@ -1028,7 +1029,7 @@ fn retry_settlements<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
 /// Counts and logs what a retired root leaves unfinished past its bound (Envoy cancels the
 /// callouts when it deletes the root).
 fn abandon<H: Host>(plugin: &PluginState<H>) {
-    let left = plugin.settlements.borrow_mut().drain_all();
+    let left = plugin.calls.borrow_mut().drain_all();
     let mut settlements = 0;
     for call in &left {
         match call {
@@ -1080,7 +1081,7 @@ fn finish_settlement<H: Host>(
                     retry.due_ms.saturating_sub(now_ms)
                 );
                 call.retry = Some(retry);
-                plugin.settlements.borrow_mut().retrying.push(*call);
+                plugin.calls.borrow_mut().retrying.push(*call);
             }
             None => {
                 log::warn!(

@@ -1,0 +1,238 @@
+//! What a worker's root carries for its streams: the store conversations, detached calls and
+//! lookups handed to it (`RootCall`), and the queue they wait in (`RootCalls`). Apart from the
+//! plugin's state so that the stream's glue, the root and the admin glue all name them without
+//! importing one another.
+
+use crate::admin::AdminTask;
+use crate::config::Rule;
+use crate::flow::{RequestFlow, Resumed, Settlement};
+use crate::identity::scope::ScopeId;
+use crate::store::remote::Conversation;
+use crate::store::{Claim, StoreOp};
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+
+/// Where the root leaves word for a held request it resolved; read once by its HTTP context.
+pub type WaitHandle = Rc<Cell<Option<Resumed>>>;
+
+/// A `complete`/`release` the root carries out for a stream that may already be gone.
+pub struct RootSettlement {
+    pub conversation: Box<dyn Conversation>,
+    pub settlement: Settlement,
+    /// The stream's response is held until the store has answered (then resumed, if the
+    /// stream is still there), so that a client has the whole response only once its record
+    /// is written: a retry sent after it is replayed, as with the local store.
+    pub holds_response: bool,
+    /// Set when the store could not be used for it: it is started again, with backoff.
+    pub retry: Option<Retry>,
+    /// A detached call's outcome: the reply its client gets (if still there) once the record
+    /// is written, or at the store's first failure.
+    pub then_reply: Option<DetachedReply>,
+}
+
+/// The answer a detached call's client gets, and where its stream is told before.
+pub struct DetachedReply {
+    pub reply: crate::engine::Reply,
+    pub handle: WaitHandle,
+}
+
+/// A claimed request the worker's root carries upstream itself (`execution: "detached"`): the
+/// callout, made from the root so that it does not end with the client's stream.
+pub struct DetachedCall {
+    pub context_id: u32,
+    pub claim: Claim,
+    pub rule: Rc<Rule>,
+    pub cluster: String,
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// Let go once Envoy has it (the call copies it).
+    pub body: Vec<u8>,
+    pub timeout_ms: u32,
+    /// Where the root tells the stream how it was resolved, before answering it.
+    pub handle: WaitHandle,
+    /// `reconcile`: the record's lookup at its lease's end, should the call end without an
+    /// outcome.
+    pub lease_end: Option<Box<LeaseEndLookup>>,
+}
+
+/// First wait before a settlement is started again, doubled after each failure up to
+/// `RETRY_MAX_BACKOFF_MS`.
+pub const RETRY_FIRST_BACKOFF_MS: u64 = 100;
+pub const RETRY_MAX_BACKOFF_MS: u64 = 2_000;
+
+/// When a failed settlement is started again, and when the root stops trying. Starting one
+/// again is safe: both of its writes are guarded by the claim's revision, so a try that finds
+/// the claim taken over changes nothing (`Lost`), and one that finds its own earlier write
+/// landed is done (`store::etcd`). The root tries for the rule's `processing_timeout` from
+/// the first failure: as long as the record could still be this claim's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retry {
+    pub due_ms: u64,
+    pub backoff_ms: u64,
+    pub give_up_at_ms: u64,
+}
+
+impl Retry {
+    /// After the first failure at `now_ms`.
+    pub fn first(now_ms: u64, lease_ms: u64) -> Retry {
+        Retry {
+            due_ms: now_ms.saturating_add(RETRY_FIRST_BACKOFF_MS),
+            backoff_ms: RETRY_FIRST_BACKOFF_MS,
+            give_up_at_ms: now_ms.saturating_add(lease_ms),
+        }
+    }
+
+    /// After another failure at `now_ms`; None: give up.
+    pub fn next(self, now_ms: u64) -> Option<Retry> {
+        let backoff_ms = self.backoff_ms.saturating_mul(2).min(RETRY_MAX_BACKOFF_MS);
+        let due_ms = now_ms.saturating_add(backoff_ms);
+        (due_ms < self.give_up_at_ms).then_some(Retry { due_ms, backoff_ms, ..self })
+    }
+}
+
+/// Where the root gives a request's flow back once its `begin` is answered; the stream takes
+/// it at its next callback.
+/// If the answer parked the request (wait mode), the wait handle comes back with it.
+pub type FlowHandle = Rc<RefCell<Option<(RequestFlow, Option<WaitHandle>)>>>;
+
+/// A `begin` the root carries out for a paused request: the request's flow travels with it,
+/// and the root answers or resumes the request (or, if its stream is gone by then, gives back
+/// the claim it got).
+pub struct RootBegin {
+    pub context_id: u32,
+    pub conversation: Box<dyn Conversation>,
+    pub flow: RequestFlow,
+    pub handle: FlowHandle,
+}
+
+/// A held request's look at its record in a remote store (a `begin`); the waiter stays in the
+/// wait room meanwhile, marked as being checked.
+pub struct RootRecheck {
+    pub context_id: u32,
+    /// Its waiter's rule, to release a claim it got after its client left.
+    pub rule: Rc<Rule>,
+    pub conversation: Box<dyn Conversation>,
+}
+
+/// A paused request's lookup (`routes[].reconcile`), made by the root: its flow travels with it
+/// and goes back through `handle` once the root has carried out what the answer means.
+pub struct RootLookup {
+    pub context_id: u32,
+    pub flow: RequestFlow,
+    pub handle: FlowHandle,
+    pub lookup: Lookup,
+}
+
+/// How long after a lease ends the root looks its record up itself.
+pub const LEASE_END_MARGIN_MS: u64 = 2_000;
+
+/// Lease-end lookups one worker keeps at most (each holds a request head and its rule).
+pub const MAX_LEASE_END_LOOKUPS: usize = 1_024;
+
+/// A record whose lease ends after an unknown outcome this worker saw: the root looks it up
+/// itself at `due_ms` (and again, backing off, while the lookup settles nothing).
+pub struct LeaseEndLookup {
+    pub due_ms: u64,
+    /// Headless (`RequestFlow::lease_end`): it carries its call.
+    pub flow: RequestFlow,
+}
+
+/// A lookup: the record, and the call (`started_ms`: when the gate let it start).
+pub struct Lookup {
+    pub scope: ScopeId,
+    /// When its gate entry was taken (`LookupGate::finished`).
+    pub started_ms: u64,
+    pub rule: Rc<Rule>,
+    pub cluster: String,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub timeout_ms: u32,
+}
+
+/// An admin request's store operation, carried out by the root (a remote store's answers come
+/// to the context that made the call); the reply goes to the stream, if still there.
+pub struct RootAdmin {
+    pub context_id: u32,
+    pub conversation: Box<dyn Conversation>,
+    pub ask: AdminAsk,
+}
+
+/// One store operation the root carries out on behalf of a stream.
+pub enum RootCall {
+    /// Boxed: it carries the request's task.
+    Admin(Box<RootAdmin>),
+    /// Boxed: a flow is much larger than a settlement.
+    Begin(Box<RootBegin>),
+    /// Boxed: it carries the outcome and the claim (with the record the claim wrote).
+    Settle(Box<RootSettlement>),
+    Recheck(RootRecheck),
+    /// Boxed: it carries the request.
+    Detached(Box<DetachedCall>),
+    /// Boxed: it carries the flow.
+    Lookup(Box<RootLookup>),
+}
+
+/// What a worker's root is doing with the remote store on behalf of its streams. The root
+/// dispatches every callout: the SDK delivers an answer to the context that dispatched it and
+/// drops it once that context is gone, and a stream's context may go at any time.
+#[derive(Default)]
+pub struct RootCalls {
+    /// Handed over, not yet started (the root starts them in its next callback).
+    pub queued: Vec<RootCall>,
+    /// Waiting for the answer to the callout with this token.
+    pub in_flight: HashMap<u32, RootCall>,
+    /// Settlements the store failed, each started again at its `retry.due_ms`.
+    pub retrying: Vec<RootSettlement>,
+    /// Waiting for what another conversation fetches (`remote::Next::Wait`: the etcd token).
+    pub parked: Vec<RootCall>,
+}
+
+impl RootCalls {
+    /// Nothing handed over, under way, waiting for a token or to be tried again.
+    pub fn is_idle(&self) -> bool {
+        self.queued.is_empty()
+            && self.in_flight.is_empty()
+            && self.retrying.is_empty()
+            && self.parked.is_empty()
+    }
+
+    /// How many are handed over, under way, waiting for a token or to be tried again.
+    pub fn len(&self) -> usize {
+        self.queued.len() + self.in_flight.len() + self.retrying.len() + self.parked.len()
+    }
+
+    /// Takes the settlements due to be tried again at `now_ms`.
+    pub fn due(&mut self, now_ms: u64) -> Vec<RootSettlement> {
+        let (due, later) = std::mem::take(&mut self.retrying)
+            .into_iter()
+            .partition(|s| s.retry.is_some_and(|r| r.due_ms <= now_ms));
+        self.retrying = later;
+        due
+    }
+
+    /// Everything left, for a root that stops waiting for it.
+    pub fn drain_all(&mut self) -> Vec<RootCall> {
+        let mut all = std::mem::take(&mut self.queued);
+        all.extend(std::mem::take(&mut self.in_flight).into_values());
+        all.extend(std::mem::take(&mut self.retrying).into_iter().map(|s| RootCall::Settle(Box::new(s))));
+        all.extend(std::mem::take(&mut self.parked));
+        all
+    }
+}
+
+/// The message a stream leaves on its own worker's wake queue so that the root runs at once
+/// (a wake-up is a 32-byte scope id, so the two never mix).
+pub const SETTLE_NOW: &[u8] = b"settle";
+
+/// What the log line says of the request.
+pub struct AdminLine {
+    pub method: String,
+    pub path: String,
+}
+
+/// An admin request whose store operation goes on as a conversation: the root carries out `op`,
+/// then gives its answer to `task` (`root::converse_admin`).
+pub struct AdminAsk {
+    pub task: AdminTask,
+    pub op: StoreOp,
+    pub line: AdminLine,
+}

@@ -17,13 +17,13 @@
 //! `x-envoy-expected-rq-timeout-ms` to the call.
 
 use crate::config::{PathMatch, Rule, UnknownOutcome, UpstreamRewrite};
+use crate::ending::{
+    plan_response, ResponsePlan, StreamReport, NEVER_SENT_RESETS, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
+};
 use crate::engine::{self, ReplayShape, Reply};
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
 use crate::router_control::is_router_control;
-use crate::settlement::{
-    plan_response, ResponsePlan, StreamReport, NEVER_SENT_RESETS, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
-};
 use crate::store::record::Snapshot;
 use crate::store::{Claim, Completion, StoreOp};
 
@@ -95,7 +95,7 @@ fn rewritten_path(matched: &PathMatch, to: &str, path: Vec<u8>) -> Vec<u8> {
 
 /// What came back from a detached call.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Answer {
+pub enum CallAnswer {
     /// The upstream answered.
     Answered { status: u16, headers: Vec<(String, Vec<u8>)>, body: Vec<u8> },
     /// Envoy answered for an upstream it never sent the request to (no connection, no healthy
@@ -106,7 +106,7 @@ pub enum Answer {
     Unknown { timed_out: bool },
 }
 
-// `UPSTREAM_SERVICE_TIME` (settlement.rs) is on every response the async client's router
+// `UPSTREAM_SERVICE_TIME` (ending.rs) is on every response the async client's router
 // received from an upstream; a reply Envoy made itself (its timeout, a reset, no connection)
 // has none. Measured on Envoy 1.40: a reset after the upstream read the request came back as
 // a 503 `upstream connect error or disconnect/reset before headers. reset reason: connection
@@ -117,7 +117,7 @@ pub enum Answer {
 /// or dropping overload: `Filter::decodeHeaders`), or a reset whose reason (Envoy 1.40's
 /// `Filter::onUpstreamReset` writes `reset reason: <reason>`, after `retried and the latest `
 /// on a retry, then `, transport failure reason: ...` when there is one) is one of
-/// `NEVER_SENT_RESETS`, the list `settlement.rs` reads inline from `response.code_details`.
+/// `NEVER_SENT_RESETS`, the list `ending.rs` reads inline from `response.code_details`.
 fn never_sent(body: &str) -> bool {
     if ["no healthy upstream", "maintenance mode", "drop overload"].contains(&body) {
         return true;
@@ -128,16 +128,16 @@ fn never_sent(body: &str) -> bool {
 }
 
 /// Reads a callout's answer: `status` None is Envoy's report of a failed call (no headers).
-pub fn answer_of(status: Option<u16>, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Answer {
-    let Some(status) = status else { return Answer::Unknown { timed_out: false } };
+pub fn answer_of(status: Option<u16>, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> CallAnswer {
+    let Some(status) = status else { return CallAnswer::Unknown { timed_out: false } };
     if headers.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME) {
-        return Answer::Answered { status, headers, body };
+        return CallAnswer::Answered { status, headers, body };
     }
     if never_sent(&String::from_utf8_lossy(&body)) {
-        Answer::NeverSent { status, headers, body }
+        CallAnswer::NeverSent { status, headers, body }
     } else {
         // Envoy's timeout (504 `upstream request timeout`) or a reset after sending.
-        Answer::Unknown { timed_out: status == 504 }
+        CallAnswer::Unknown { timed_out: status == 504 }
     }
 }
 
@@ -145,20 +145,20 @@ pub fn answer_of(status: Option<u16>, headers: Vec<(String, Vec<u8>)>, body: Vec
 /// stays as it is, in flight until its lease ends), what to count when it is done, and the
 /// reply for a client that is still there.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Outcome {
+pub struct AfterCall {
     pub op: Option<StoreOp>,
     pub done: Counter,
     pub reply: Reply,
 }
 
-pub fn outcome(rule: &Rule, claim: Claim, answer: Answer, now_ms: u64) -> Outcome {
+pub fn outcome(rule: &Rule, claim: Claim, answer: CallAnswer, now_ms: u64) -> AfterCall {
     let (status, headers, body) = match answer {
-        Answer::Answered { status, headers, body } => (status, headers, body),
-        Answer::NeverSent { status, headers, body } => {
+        CallAnswer::Answered { status, headers, body } => (status, headers, body),
+        CallAnswer::NeverSent { status, headers, body } => {
             let reply = first_reply(status, &headers, body);
-            return Outcome { op: Some(StoreOp::Release(claim)), done: Counter::Released, reply };
+            return AfterCall { op: Some(StoreOp::Release(claim)), done: Counter::Released, reply };
         }
-        Answer::Unknown { timed_out } => return unknown_outcome(rule, claim, timed_out, now_ms),
+        CallAnswer::Unknown { timed_out } => return unknown_outcome(rule, claim, timed_out, now_ms),
     };
     let report = StreamReport { details: Some(VIA_UPSTREAM), flags: 0, upstream_selected: true };
     let reply = first_reply(status, &headers, body.clone());
@@ -172,10 +172,10 @@ pub fn outcome(rule: &Rule, claim: Claim, answer: Answer, now_ms: u64) -> Outcom
             });
             let done = if fits { Counter::Stored } else { Counter::ResponseNotStored };
             let completion = Completion { state, status, snapshot, now_ms, ttl_ms: rule.ttl_ms };
-            Outcome { op: Some(StoreOp::Complete { claim, completion }), done, reply }
+            AfterCall { op: Some(StoreOp::Complete { claim, completion }), done, reply }
         }
         ResponsePlan::Release => {
-            Outcome { op: Some(StoreOp::Release(claim)), done: Counter::Released, reply }
+            AfterCall { op: Some(StoreOp::Release(claim)), done: Counter::Released, reply }
         }
         // Not reached for an answer with a status; kept for completeness.
         ResponsePlan::Keep | ResponsePlan::CompleteUnknown => unknown_outcome(rule, claim, false, now_ms),
@@ -185,15 +185,15 @@ pub fn outcome(rule: &Rule, claim: Claim, answer: Answer, now_ms: u64) -> Outcom
 /// No answer after the call may have been sent: by the rule's `unknown_outcome`, the claim stays
 /// until its lease ends (`takeover`), or the record is completed at once as "outcome unknown"
 /// (`refuse`).
-fn unknown_outcome(rule: &Rule, claim: Claim, timed_out: bool, now_ms: u64) -> Outcome {
+fn unknown_outcome(rule: &Rule, claim: Claim, timed_out: bool, now_ms: u64) -> AfterCall {
     let reply = unknown_reply(rule, timed_out);
     match rule.unknown_outcome {
-        UnknownOutcome::Takeover => Outcome { op: None, done: Counter::KeptUnknown, reply },
+        UnknownOutcome::Takeover => AfterCall { op: None, done: Counter::KeptUnknown, reply },
         // Kept for the lookup at the lease's end, and counted as what it is until then.
-        UnknownOutcome::Reconcile => Outcome { op: None, done: Counter::OutcomeUnknown, reply },
+        UnknownOutcome::Reconcile => AfterCall { op: None, done: Counter::OutcomeUnknown, reply },
         UnknownOutcome::Refuse => {
             let completion = Completion::outcome_unknown(now_ms, rule.ttl_ms);
-            Outcome {
+            AfterCall {
                 op: Some(StoreOp::Complete { claim, completion }),
                 done: Counter::OutcomeUnknown,
                 reply,
@@ -346,22 +346,22 @@ mod tests {
         // The upstream's own 504 and 503 are answers.
         for status in [504, 503, 201] {
             let got = answer_of(Some(status), upstream(&status.to_string()), b"x".to_vec());
-            assert!(matches!(got, Answer::Answered { status: s, .. } if s == status), "{got:?}");
+            assert!(matches!(got, CallAnswer::Answered { status: s, .. } if s == status), "{got:?}");
         }
         // Envoy's timeout, and its reply to a reset after the request was sent: unknown.
         assert_eq!(
             answer_of(Some(504), pairs(&[(":status", "504")]), b"upstream request timeout".to_vec()),
-            Answer::Unknown { timed_out: true }
+            CallAnswer::Unknown { timed_out: true }
         );
         let reset = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
         assert_eq!(
             answer_of(Some(503), envoys.clone(), reset.to_vec()),
-            Answer::Unknown { timed_out: false }
+            CallAnswer::Unknown { timed_out: false }
         );
         // Its reply when no connection carried the request: never sent, released.
         let refused = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure";
         let never = answer_of(Some(503), envoys.clone(), refused.to_vec());
-        assert!(matches!(never, Answer::NeverSent { status: 503, .. }));
+        assert!(matches!(never, CallAnswer::NeverSent { status: 503, .. }));
         let out = outcome(&rule(""), CLAIM, never, 0);
         assert_eq!(
             (out.op, out.done, out.reply.body),
@@ -369,10 +369,10 @@ mod tests {
         );
         assert!(matches!(
             answer_of(Some(503), envoys, b"no healthy upstream".to_vec()),
-            Answer::NeverSent { .. }
+            CallAnswer::NeverSent { .. }
         ));
         // A failed call (no :status).
-        assert_eq!(answer_of(None, vec![], vec![]), Answer::Unknown { timed_out: false });
+        assert_eq!(answer_of(None, vec![], vec![]), CallAnswer::Unknown { timed_out: false });
     }
 
     #[test]
@@ -386,22 +386,25 @@ mod tests {
                 format!("{head}retried and the latest reset reason: {reason}"),
                 format!("{head}reset reason: {reason}, transport failure reason: TLS_error:|268435581:SSL routines"),
             ] {
-                assert!(matches!(answer(body.clone()), Answer::NeverSent { status: 503, .. }), "{body}");
+                assert!(matches!(answer(body.clone()), CallAnswer::NeverSent { status: 503, .. }), "{body}");
             }
         }
         // The pool's connect timeout (a host whose SYNs are dropped) by name: issue 30.
         let timeout = format!("{head}reset reason: connection timeout");
-        assert!(matches!(answer(timeout), Answer::NeverSent { .. }));
+        assert!(matches!(answer(timeout), CallAnswer::NeverSent { .. }));
         for refusal in ["no healthy upstream", "maintenance mode", "drop overload"] {
-            assert!(matches!(answer(refusal.into()), Answer::NeverSent { .. }), "{refusal}");
+            assert!(matches!(answer(refusal.into()), CallAnswer::NeverSent { .. }), "{refusal}");
         }
         for reason in ["connection termination", "remote reset", "local reset", "protocol error", "overflows"]
         {
             let body = format!("{head}reset reason: {reason}");
-            assert_eq!(answer(body.clone()), Answer::Unknown { timed_out: false }, "{body}");
+            assert_eq!(answer(body.clone()), CallAnswer::Unknown { timed_out: false }, "{body}");
         }
         // The reason must be Envoy's, not a word inside an upstream's body Envoy never saw.
-        assert_eq!(answer("reset reason: overflow and more".into()), Answer::Unknown { timed_out: false });
+        assert_eq!(
+            answer("reset reason: overflow and more".into()),
+            CallAnswer::Unknown { timed_out: false }
+        );
     }
 
     #[test]
@@ -413,7 +416,7 @@ mod tests {
             ("x-a", "1"),
             ("transfer-encoding", "chunked"),
         ]);
-        let out = outcome(&r, CLAIM, Answer::Answered { status: 201, headers, body: b"{}".to_vec() }, 50);
+        let out = outcome(&r, CLAIM, CallAnswer::Answered { status: 201, headers, body: b"{}".to_vec() }, 50);
         let Some(StoreOp::Complete { claim, completion }) = &out.op else { panic!("{out:?}") };
         assert_eq!(*claim, CLAIM);
         assert_eq!((completion.state, completion.status, completion.now_ms), (State::Succeeded, 201, 50));
@@ -430,7 +433,8 @@ mod tests {
     #[test]
     fn a_body_over_max_response_bytes_reaches_the_client_but_is_not_stored() {
         let r = rule(r#","max_response_bytes":4"#);
-        let out = outcome(&r, CLAIM, Answer::Answered { status: 200, headers: vec![], body: vec![7; 5] }, 0);
+        let out =
+            outcome(&r, CLAIM, CallAnswer::Answered { status: 200, headers: vec![], body: vec![7; 5] }, 0);
         let Some(StoreOp::Complete { completion, .. }) = &out.op else { panic!("{out:?}") };
         assert_eq!(completion.snapshot, None);
         assert_eq!(out.done, Counter::ResponseNotStored);
@@ -440,13 +444,13 @@ mod tests {
     #[test]
     fn a_released_status_releases_and_on_a_takeover_rule_an_unknown_outcome_keeps_the_claim() {
         let r = rule(r#","unknown_outcome":"takeover""#);
-        let out = outcome(&r, CLAIM, Answer::Answered { status: 503, headers: vec![], body: vec![] }, 0);
+        let out = outcome(&r, CLAIM, CallAnswer::Answered { status: 503, headers: vec![], body: vec![] }, 0);
         assert_eq!(
             (out.op, out.done, out.reply.status),
             (Some(StoreOp::Release(CLAIM)), Counter::Released, 503)
         );
         for (timed_out, status) in [(true, 504), (false, 502)] {
-            let out = outcome(&r, CLAIM, Answer::Unknown { timed_out }, 0);
+            let out = outcome(&r, CLAIM, CallAnswer::Unknown { timed_out }, 0);
             assert_eq!((out.op, out.done, out.reply.status), (None, Counter::KeptUnknown, status));
             assert!(String::from_utf8_lossy(&out.reply.body).contains("outcome-unknown"));
         }
@@ -456,7 +460,7 @@ mod tests {
     fn by_default_an_unknown_outcome_is_completed_at_once() {
         let r = rule("");
         for (timed_out, status) in [(true, 504), (false, 502)] {
-            let out = outcome(&r, CLAIM, Answer::Unknown { timed_out }, 40);
+            let out = outcome(&r, CLAIM, CallAnswer::Unknown { timed_out }, 40);
             let completion = Completion::outcome_unknown(40, r.ttl_ms);
             assert_eq!(
                 (out.op, out.done, out.reply.status),
@@ -466,7 +470,7 @@ mod tests {
             assert!(body.contains("outcome-unknown") && body.contains("new Idempotency-Key"), "{body}");
         }
         // A real answer is recorded as with takeover.
-        let out = outcome(&r, CLAIM, Answer::Answered { status: 201, headers: vec![], body: vec![] }, 0);
+        let out = outcome(&r, CLAIM, CallAnswer::Answered { status: 201, headers: vec![], body: vec![] }, 0);
         assert_eq!(out.done, Counter::Stored);
     }
 }

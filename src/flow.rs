@@ -16,6 +16,9 @@
 
 use crate::config::etcd::OnStoreError;
 use crate::config::{Concurrency, Config, Execution, Rule};
+use crate::ending::{
+    plan_response, plan_unfinished, ResponsePlan, StreamReport, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
+};
 use crate::engine::{self, Admission, Decision, HeaderFix, Pending, ReplayShape, Reply, RequestHead};
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
@@ -23,9 +26,6 @@ use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
 use crate::reconcile::LookupAnswer;
 use crate::router_control;
-use crate::settlement::{
-    plan_response, plan_unfinished, ResponsePlan, StreamReport, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
-};
 use crate::store::record::{Snapshot, State};
 use crate::store::{Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp};
 use crate::wait::{self, RoomFull};

@@ -5,6 +5,7 @@ pub mod admin;
 pub mod build_info;
 pub mod config;
 pub mod detached;
+pub mod ending;
 pub mod engine;
 pub mod flow;
 #[cfg(feature = "testing")]
@@ -15,7 +16,6 @@ pub mod metrics;
 pub mod problem;
 pub mod reconcile;
 pub mod router_control;
-pub mod settlement;
 mod sort;
 pub mod splitmix;
 pub mod store;

@@ -10,7 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Call {
+pub enum HostCall {
     SendResponse {
         context: u32,
         status: u16,
@@ -89,7 +89,7 @@ pub struct Inner {
     pub failing: RefCell<HashMap<&'static str, u32>>,
     /// Streams that have ended: Envoy refuses them as the effective context (BadArgument).
     pub gone: RefCell<Vec<u32>>,
-    pub calls: RefCell<Vec<Call>>,
+    pub calls: RefCell<Vec<HostCall>>,
     queues: RefCell<Vec<(String, VecDeque<Vec<u8>>)>>,
     metrics: RefCell<Vec<(String, i64)>>,
     /// Gauges by name, as last set.
@@ -194,7 +194,7 @@ impl FakeHost {
             .borrow()
             .iter()
             .filter_map(|c| match c {
-                Call::SendResponse { context, status, details, .. } => {
+                HostCall::SendResponse { context, status, details, .. } => {
                     Some((*context, *status, details.clone()))
                 }
                 _ => None,
@@ -213,8 +213,8 @@ impl FakeHost {
     }
 
     /// The callouts made so far.
-    pub fn dispatches(&self) -> Vec<Call> {
-        self.0.calls.borrow().iter().filter(|c| matches!(c, Call::Dispatch { .. })).cloned().collect()
+    pub fn dispatches(&self) -> Vec<HostCall> {
+        self.0.calls.borrow().iter().filter(|c| matches!(c, HostCall::Dispatch { .. })).cloned().collect()
     }
 }
 
@@ -242,7 +242,7 @@ impl Host for FakeHost {
         super::LOG_INFO
     }
     fn log_critical(&self, message: &str) {
-        self.0.calls.borrow_mut().push(Call::Critical(message.to_string()));
+        self.0.calls.borrow_mut().push(HostCall::Critical(message.to_string()));
     }
     fn set_tick_period_ms(&self, _ms: u32) -> Result<(), HostError> {
         self.fails("set_tick_period_ms")
@@ -276,14 +276,14 @@ impl Host for FakeHost {
         let mut map = self.map(map_type).borrow_mut();
         map.retain(|(n, _)| n != name);
         map.push((name.to_string(), value.to_vec()));
-        self.0.calls.borrow_mut().push(Call::SetHeader { name: name.to_string(), value: value.to_vec() });
+        self.0.calls.borrow_mut().push(HostCall::SetHeader { name: name.to_string(), value: value.to_vec() });
         Ok(())
     }
     fn remove_header(&self, map_type: u32, name: &str) -> Result<(), HostError> {
         self.fails("remove_header")?;
         self.note("remove_header", name.len());
         self.map(map_type).borrow_mut().retain(|(n, _)| n != name);
-        self.0.calls.borrow_mut().push(Call::RemoveHeader { name: name.to_string() });
+        self.0.calls.borrow_mut().push(HostCall::RemoveHeader { name: name.to_string() });
         Ok(())
     }
     fn property(&self, path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
@@ -295,7 +295,7 @@ impl Host for FakeHost {
         self.fails("set_property")?;
         self.note("set_property", name.len() + value.len());
         let context = self.0.effective.get();
-        self.0.calls.borrow_mut().push(Call::SetProperty {
+        self.0.calls.borrow_mut().push(HostCall::SetProperty {
             context,
             name: name.to_string(),
             value: String::from_utf8_lossy(value).into_owned(),
@@ -314,7 +314,7 @@ impl Host for FakeHost {
             "send_response",
             body.len() + headers.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>(),
         );
-        self.0.calls.borrow_mut().push(Call::SendResponse {
+        self.0.calls.borrow_mut().push(HostCall::SendResponse {
             context: self.0.effective.get(),
             status,
             details: details.to_string(),
@@ -326,12 +326,12 @@ impl Host for FakeHost {
     fn resume_request(&self) -> Result<(), HostError> {
         self.fails("resume_request")?;
         self.note("resume_request", 0);
-        self.0.calls.borrow_mut().push(Call::Resume { context: self.0.effective.get() });
+        self.0.calls.borrow_mut().push(HostCall::Resume { context: self.0.effective.get() });
         Ok(())
     }
     fn resume_response(&self) -> Result<(), HostError> {
         self.fails("resume_response")?;
-        self.0.calls.borrow_mut().push(Call::ResumeResponse { context: self.0.effective.get() });
+        self.0.calls.borrow_mut().push(HostCall::ResumeResponse { context: self.0.effective.get() });
         Ok(())
     }
     fn set_effective_context(&self, context_id: u32) -> Result<(), HostError> {
@@ -395,7 +395,7 @@ impl Host for FakeHost {
         }
         let token = self.0.tokens.get() + 1;
         self.0.tokens.set(token);
-        self.0.calls.borrow_mut().push(Call::Dispatch {
+        self.0.calls.borrow_mut().push(HostCall::Dispatch {
             context: self.0.effective.get(),
             token,
             cluster: cluster.to_string(),
@@ -418,7 +418,7 @@ impl Host for FakeHost {
         self.fails("grpc_stream")?;
         let token = self.0.tokens.get() + 1;
         self.0.tokens.set(token);
-        self.0.calls.borrow_mut().push(Call::GrpcStream {
+        self.0.calls.borrow_mut().push(HostCall::GrpcStream {
             token,
             service: service.to_vec(),
             method: format!("{service_name}/{method}"),
@@ -428,17 +428,17 @@ impl Host for FakeHost {
     }
     fn send_grpc_message(&self, token: u32, message: &[u8]) -> Result<(), HostError> {
         self.fails("grpc_send")?;
-        self.0.calls.borrow_mut().push(Call::GrpcSend { token, message: message.to_vec() });
+        self.0.calls.borrow_mut().push(HostCall::GrpcSend { token, message: message.to_vec() });
         Ok(())
     }
     fn cancel_grpc_stream(&self, token: u32) -> Result<(), HostError> {
         self.fails("grpc_cancel")?;
-        self.0.calls.borrow_mut().push(Call::GrpcCancel { token });
+        self.0.calls.borrow_mut().push(HostCall::GrpcCancel { token });
         Ok(())
     }
     fn done(&self) -> Result<(), HostError> {
         self.fails("done")?;
-        self.0.calls.borrow_mut().push(Call::Done);
+        self.0.calls.borrow_mut().push(HostCall::Done);
         Ok(())
     }
     fn increment(&self, metric: u32, by: i64) {

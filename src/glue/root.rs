@@ -626,7 +626,7 @@ fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_
     let answer = match callout_answer(host, body_size) {
         Some((status, headers, body)) => detached::answer_of(status, headers, body),
         // An answer that cannot be read: what it said is unknown.
-        None => detached::Answer::Unknown { timed_out: false },
+        None => detached::CallAnswer::Unknown { timed_out: false },
     };
     let DetachedCall { context_id, claim, rule, handle, lease_end, .. } = call;
     let out = detached::outcome(&rule, claim, answer, now_ms);

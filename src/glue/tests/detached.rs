@@ -3,7 +3,7 @@
 
 use super::{pairs, root, sent_to};
 use crate::flow::Verdict;
-use crate::glue::fake_host::{Call, FakeHost};
+use crate::glue::fake_host::{FakeHost, HostCall};
 use crate::glue::http::Http;
 use crate::glue::root::Root;
 
@@ -21,7 +21,7 @@ fn host() -> FakeHost {
 }
 
 /// A protected POST of `key`, held; the root then makes its call (returned: the callout).
-fn posted(h: &FakeHost, root: &mut Root<FakeHost>, id: u32, key: &str) -> (Http<FakeHost>, Option<Call>) {
+fn posted(h: &FakeHost, root: &mut Root<FakeHost>, id: u32, key: &str) -> (Http<FakeHost>, Option<HostCall>) {
     let mut http = root.http_context(id);
     // Envoy runs a stream's callbacks with its own context the effective one.
     h.0.effective.set(id);
@@ -60,9 +60,9 @@ fn times_out(h: &FakeHost) {
     *h.0.call_response_body.borrow_mut() = b"upstream request timeout".to_vec();
 }
 
-fn token(call: &Option<Call>) -> u32 {
+fn token(call: &Option<HostCall>) -> u32 {
     match call {
-        Some(Call::Dispatch { token, .. }) => *token,
+        Some(HostCall::Dispatch { token, .. }) => *token,
         other => panic!("no callout: {other:?}"),
     }
 }
@@ -72,7 +72,7 @@ fn the_root_makes_the_call_records_the_answer_and_sends_it_as_the_first_response
     let h = host();
     let mut root = root(&h);
     let (mut http, call) = posted(&h, &mut root, 2, "k1");
-    let Some(Call::Dispatch { context: 1, cluster, headers, body, timeout_ms: 4_000, .. }) = &call else {
+    let Some(HostCall::Dispatch { context: 1, cluster, headers, body, timeout_ms: 4_000, .. }) = &call else {
         panic!("{call:?}")
     };
     assert_eq!(cluster, "orders");

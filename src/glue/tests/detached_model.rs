@@ -5,7 +5,7 @@
 //! so the lease's end is ordered after the answer.
 
 use super::pairs;
-use crate::glue::fake_host::{Call, FakeHost};
+use crate::glue::fake_host::{FakeHost, HostCall};
 use crate::glue::http::Http;
 use crate::glue::root::Root;
 use crate::store::fake::permutations;
@@ -47,7 +47,7 @@ fn replies_to(h: &FakeHost, id: u32) -> Vec<(u16, bool)> {
         .borrow()
         .iter()
         .filter_map(|c| match c {
-            Call::SendResponse { context, status, headers, .. } if *context == id => {
+            HostCall::SendResponse { context, status, headers, .. } if *context == id => {
                 Some((*status, headers.iter().any(|(n, _)| n == crate::engine::REPLAYED_HEADER)))
             }
             _ => None,
@@ -86,7 +86,7 @@ fn no_order_of_events_executes_a_key_twice() {
                     }
                     Event::Answer => {
                         let token = h.dispatches().iter().find_map(|c| match c {
-                            Call::Dispatch { token, .. } => Some(*token),
+                            HostCall::Dispatch { token, .. } => Some(*token),
                             _ => None,
                         });
                         if status == "timeout" {

@@ -4,7 +4,7 @@
 
 use super::pairs;
 use crate::flow::Verdict;
-use crate::glue::fake_host::{Call, FakeHost};
+use crate::glue::fake_host::{FakeHost, HostCall};
 use crate::glue::http::Http;
 use crate::glue::root::Root;
 
@@ -46,7 +46,7 @@ fn callouts(h: &FakeHost) -> Vec<(u32, String)> {
     h.dispatches()
         .into_iter()
         .filter_map(|c| match c {
-            Call::Dispatch { token, headers, .. } => {
+            HostCall::Dispatch { token, headers, .. } => {
                 headers.into_iter().find(|(n, _)| n == ":path").map(|(_, p)| (token, p))
             }
             _ => None,
@@ -69,7 +69,7 @@ fn timeouts(h: &FakeHost) -> Vec<u32> {
     h.dispatches()
         .into_iter()
         .filter_map(|c| match c {
-            Call::Dispatch { timeout_ms, .. } => Some(timeout_ms),
+            HostCall::Dispatch { timeout_ms, .. } => Some(timeout_ms),
             _ => None,
         })
         .collect()
@@ -80,7 +80,7 @@ fn replies_503(h: &FakeHost) -> Vec<u32> {
         .borrow()
         .iter()
         .filter_map(|c| match c {
-            Call::SendResponse { context, status: 503, .. } => Some(*context),
+            HostCall::SendResponse { context, status: 503, .. } => Some(*context),
             _ => None,
         })
         .collect()
@@ -103,7 +103,7 @@ fn streams_without_a_token_share_one_fetch() {
     assert_eq!(reads.len(), 4, "{reads:?}");
     assert!(reads.iter().all(|(_, p)| p == "/v3/kv/txn"), "{reads:?}");
     assert_eq!(timeouts(&h)[1..], [250, 250, 250, 250]);
-    assert!(h.dispatches()[1..].iter().all(|c| matches!(c, Call::Dispatch { headers, .. }
+    assert!(h.dispatches()[1..].iter().all(|c| matches!(c, HostCall::Dispatch { headers, .. }
         if headers.iter().any(|(n, v)| n == "authorization" && v == "tok.1"))));
     assert_eq!(fetches(&h), 1);
 }

@@ -7,7 +7,7 @@
 
 use super::{capture_logs, executed, host, logged, pairs, post, root, upstream_answers};
 use crate::flow::Verdict;
-use crate::glue::fake_host::{Call, FakeHost};
+use crate::glue::fake_host::{FakeHost, HostCall};
 use crate::glue::root::Root;
 
 #[test]
@@ -15,7 +15,7 @@ fn a_refused_configuration_is_logged_in_one_line() {
     let h = FakeHost::default();
     *h.0.config.borrow_mut() = br#"{"routes":[]}"#.to_vec();
     assert!(!Root::new(1, h.clone()).on_configure());
-    assert!(matches!(h.0.calls.borrow().as_slice(), [Call::Critical(m)] if m.contains("routes")));
+    assert!(matches!(h.0.calls.borrow().as_slice(), [HostCall::Critical(m)] if m.contains("routes")));
 }
 
 #[test]
@@ -48,7 +48,7 @@ fn a_replay_gets_its_stored_content_type_back() {
         .0
         .calls
         .borrow()
-        .contains(&Call::SetHeader { name: "content-type".into(), value: b"application/json".to_vec() }));
+        .contains(&HostCall::SetHeader { name: "content-type".into(), value: b"application/json".to_vec() }));
 
     // With a body Envoy keeps the type it was given: the replay's headers are not even read.
     executed(&h, &root, 4, "j", b"{\"id\":1}");
@@ -212,7 +212,9 @@ fn outcomes_are_published_as_filter_state_only_when_configured() {
             .borrow()
             .iter()
             .filter_map(|c| match c {
-                Call::SetProperty { name, value, .. } if name == "idempotency.outcome" => Some(value.clone()),
+                HostCall::SetProperty { name, value, .. } if name == "idempotency.outcome" => {
+                    Some(value.clone())
+                }
                 _ => None,
             })
             .collect()

@@ -16,7 +16,7 @@ mod remote_grpc;
 mod remote_wait;
 mod wait;
 
-use super::fake_host::{Call, FakeHost};
+use super::fake_host::{FakeHost, HostCall};
 use super::http::Http;
 use super::root::Root;
 use crate::flow::Verdict;
@@ -140,7 +140,7 @@ pub(super) fn sent_to(h: &FakeHost, context: u32) -> Vec<Sent> {
         .borrow()
         .iter()
         .filter_map(|c| match c {
-            Call::SendResponse { context: c, status, headers, body, .. } if *c == context => {
+            HostCall::SendResponse { context: c, status, headers, body, .. } if *c == context => {
                 Some((*status, headers.clone(), body.clone()))
             }
             _ => None,
@@ -150,7 +150,7 @@ pub(super) fn sent_to(h: &FakeHost, context: u32) -> Vec<Sent> {
 
 fn last_token(h: &FakeHost) -> u32 {
     match h.dispatches().last() {
-        Some(Call::Dispatch { token, .. }) => *token,
+        Some(HostCall::Dispatch { token, .. }) => *token,
         _ => panic!("no callout"),
     }
 }

@@ -6,7 +6,7 @@
 
 use super::{pairs, root, sent_to, Scripted, Sent};
 use crate::flow::Verdict;
-use crate::glue::fake_host::{Call, FakeHost};
+use crate::glue::fake_host::{FakeHost, HostCall};
 use crate::glue::http::Http;
 use crate::glue::root::Root;
 use crate::store::remote::RemoteSettings;
@@ -57,7 +57,12 @@ fn unknown_outcome(h: &FakeHost, root: &Root<FakeHost>, key: &str) {
 }
 
 /// A retry past the lease on `id`: held while the root makes the lookup (returned).
-fn retry_looked_up(h: &FakeHost, root: &mut Root<FakeHost>, id: u32, key: &str) -> (Http<FakeHost>, Call) {
+fn retry_looked_up(
+    h: &FakeHost,
+    root: &mut Root<FakeHost>,
+    id: u32,
+    key: &str,
+) -> (Http<FakeHost>, HostCall) {
     let before = h.dispatches().len();
     let (http, verdict) = post(h, root, id, key);
     assert_eq!(verdict, Verdict::Pause);
@@ -68,8 +73,8 @@ fn retry_looked_up(h: &FakeHost, root: &mut Root<FakeHost>, id: u32, key: &str) 
     (http, dispatches[before].clone())
 }
 
-fn lookup_answers(h: &FakeHost, root: &mut Root<FakeHost>, call: &Call, status: &str, body: &[u8]) {
-    let Call::Dispatch { token, .. } = call else { panic!("{call:?}") };
+fn lookup_answers(h: &FakeHost, root: &mut Root<FakeHost>, call: &HostCall, status: &str, body: &[u8]) {
+    let HostCall::Dispatch { token, .. } = call else { panic!("{call:?}") };
     *h.0.call_response_headers.borrow_mut() =
         pairs(&[(":status", status), ("content-type", "application/json"), ("set-cookie", "s=1")]);
     *h.0.call_response_body.borrow_mut() = body.to_vec();
@@ -91,7 +96,7 @@ fn the_lookup_is_the_callers_own_and_its_2xx_becomes_the_replayed_outcome() {
     assert_eq!((verdict, sent_to(&h, 3)[0].0, h.dispatches().len()), (Verdict::Pause, 409, 0));
     h.0.now_ms.set(11_000);
     let (_, call) = retry_looked_up(&h, &mut root, 4, "k/1");
-    let Call::Dispatch { context: 1, cluster, headers, body, timeout_ms: 2_000, .. } = &call else {
+    let HostCall::Dispatch { context: 1, cluster, headers, body, timeout_ms: 2_000, .. } = &call else {
         panic!("{call:?}")
     };
     assert_eq!((cluster.as_str(), body.as_slice()), ("orders", &b""[..]));
@@ -127,7 +132,7 @@ fn a_404_lets_the_retry_execute_as_a_takeover() {
     h.0.now_ms.set(11_000);
     let (mut retry, call) = retry_looked_up(&h, &mut root, 4, "k");
     lookup_answers(&h, &mut root, &call, "404", b"{}");
-    assert!(h.0.calls.borrow().iter().any(|c| matches!(c, Call::Resume { context: 4 })));
+    assert!(h.0.calls.borrow().iter().any(|c| matches!(c, HostCall::Resume { context: 4 })));
     assert_eq!((h.counter("reconciled_not_found"), h.counter("taken_over")), (1, 1));
     // The stream takes its flow back and captures the upstream's answer as any owner does.
     h.0.effective.set(4);
@@ -200,17 +205,17 @@ fn on_a_remote_store_the_root_carries_the_begin_the_lookup_and_the_takeover() {
     root.on_queue_ready(0);
     // The begin's callout, answered Unsettled: the root makes the lookup next.
     let begin = h.dispatches()[0].clone();
-    let Call::Dispatch { token, .. } = begin else { panic!() };
+    let HostCall::Dispatch { token, .. } = begin else { panic!() };
     *h.0.call_response_headers.borrow_mut() = pairs(&[(":status", "200")]);
     *h.0.call_response_body.borrow_mut() = Vec::new();
     root.on_http_call_response(token, 0);
     let lookup = h.dispatches()[1].clone();
-    let Call::Dispatch { cluster, .. } = &lookup else { panic!() };
+    let HostCall::Dispatch { cluster, .. } = &lookup else { panic!() };
     assert_eq!(cluster, "orders");
     lookup_answers(&h, &mut root, &lookup, "201", b"{\"id\":3}");
     // Then the takeover (a claim, scripted) and the completion with the lookup's answer.
     for n in [2, 3] {
-        let Call::Dispatch { token, .. } = h.dispatches()[n].clone() else { panic!() };
+        let HostCall::Dispatch { token, .. } = h.dispatches()[n].clone() else { panic!() };
         *h.0.call_response_headers.borrow_mut() = pairs(&[(":status", "200")]);
         *h.0.call_response_body.borrow_mut() = Vec::new();
         root.on_http_call_response(token, 0);
@@ -236,7 +241,7 @@ fn looked_up_at_lease_end(h: &FakeHost, root: &mut Root<FakeHost>, status: &str,
     root.on_tick();
     let dispatches = h.dispatches();
     assert_eq!(dispatches.len(), before + 1, "one lookup at the lease's end");
-    let Call::Dispatch { headers, .. } = &dispatches[before] else { panic!() };
+    let HostCall::Dispatch { headers, .. } = &dispatches[before] else { panic!() };
     assert!(headers.iter().any(|(n, v)| n == ":path" && v == "/lookup/k"), "{headers:?}");
     lookup_answers(h, root, &dispatches[before], status, body);
 }
@@ -249,7 +254,7 @@ fn with_no_retry_the_root_looks_up_at_the_leases_end_and_settles_the_record() {
     looked_up_at_lease_end(&h, &mut root, "201", b"{\"id\":4}");
     assert_eq!(h.counter("reconciled_found"), 1);
     // Nobody to answer: no reply was sent on any stream.
-    assert!(!h.0.calls.borrow().iter().any(|c| matches!(c, Call::SendResponse { .. })));
+    assert!(!h.0.calls.borrow().iter().any(|c| matches!(c, HostCall::SendResponse { .. })));
     // The client's retry, whenever it comes, is the replay: no lookup of its own.
     h.0.now_ms.set(60_000);
     let (_, verdict) = post(&h, &root, 5, "k");

@@ -9,7 +9,7 @@
 use super::{last_token, pairs, Begins, Scripted, Sent};
 use crate::config::etcd::OnStoreError;
 use crate::flow::Verdict;
-use crate::glue::fake_host::{Call, FakeHost};
+use crate::glue::fake_host::{FakeHost, HostCall};
 use crate::glue::http::Http;
 use crate::glue::root::Root;
 use crate::store::remote::RemoteSettings;
@@ -67,7 +67,7 @@ fn store_answers(h: &FakeHost, status: Option<&str>, body: &[u8]) {
 }
 
 fn resumed(h: &FakeHost) -> usize {
-    h.0.calls.borrow().iter().filter(|c| matches!(c, Call::Resume { .. })).count()
+    h.0.calls.borrow().iter().filter(|c| matches!(c, HostCall::Resume { .. })).count()
 }
 
 fn problem_reply(h: &FakeHost) -> Sent {
@@ -76,7 +76,7 @@ fn problem_reply(h: &FakeHost) -> Sent {
         .iter()
         .rev()
         .find_map(|c| match c {
-            Call::SendResponse { status, headers, body, .. } => {
+            HostCall::SendResponse { status, headers, body, .. } => {
                 Some((*status, headers.clone(), body.clone()))
             }
             _ => None,
@@ -113,7 +113,8 @@ fn begin_is_the_roots_callout_while_the_request_stays_paused_and_its_answer_resu
     h.0.effective.set(1);
     root.on_queue_ready(0);
     let dispatches = h.dispatches();
-    let [Call::Dispatch { context: 1, token, cluster, headers, timeout_ms: 250, .. }] = dispatches.as_slice()
+    let [HostCall::Dispatch { context: 1, token, cluster, headers, timeout_ms: 250, .. }] =
+        dispatches.as_slice()
     else {
         panic!("{dispatches:?}")
     };
@@ -125,7 +126,7 @@ fn begin_is_the_roots_callout_while_the_request_stays_paused_and_its_answer_resu
     assert!(headers.iter().any(|(n, v)| n == ":authority" && v == "store"), "{headers:?}");
     store_answers(&h, Some("200"), b"{}");
     root.on_http_call_response(*token, 2);
-    assert_eq!(h.0.calls.borrow().last(), Some(&Call::Resume { context: 2 }));
+    assert_eq!(h.0.calls.borrow().last(), Some(&HostCall::Resume { context: 2 }));
     assert_eq!(h.counter("claimed"), 1);
     // The stream has its flow back: the response is captured and completed.
     *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201")]);
@@ -263,7 +264,7 @@ fn a_lost_claim_is_left_to_its_lease_while_the_store_fails_many_settlements() {
     let retried: Vec<u32> = h.dispatches()[sent..]
         .iter()
         .filter_map(|c| match c {
-            Call::Dispatch { token, .. } => Some(*token),
+            HostCall::Dispatch { token, .. } => Some(*token),
             _ => None,
         })
         .collect();
@@ -309,7 +310,7 @@ fn fail_open_forwards_unprotected_and_counts_every_bypass() {
     let token = begin(&h, &mut root, &mut timed_out).expect("a callout");
     store_answers(&h, Some("504"), b"");
     root.on_http_call_response(token, 0);
-    assert_eq!(h.0.calls.borrow().last(), Some(&Call::Resume { context: 4 }));
+    assert_eq!(h.0.calls.borrow().last(), Some(&HostCall::Resume { context: 4 }));
     assert_eq!((h.counter("store_bypassed"), h.counter("store_error")), (1, 0));
     assert!(h.replies().is_empty());
 }
@@ -328,7 +329,12 @@ fn a_claim_answered_after_the_client_left_is_released_at_once() {
     assert!(matches!(ops.borrow().last(), Some(StoreOp::Release(_))), "{:?}", ops.borrow());
     root.on_http_call_response(last_token(&h), 2);
     assert_eq!((h.counter("claimed"), h.counter("released")), (0, 1));
-    assert!(!h.0.calls.borrow().iter().any(|c| matches!(c, Call::Resume { .. } | Call::SendResponse { .. })));
+    assert!(!h
+        .0
+        .calls
+        .borrow()
+        .iter()
+        .any(|c| matches!(c, HostCall::Resume { .. } | HostCall::SendResponse { .. })));
 }
 
 /// A stream whose `begin` was answered with a claim, its response headers in.
@@ -371,7 +377,7 @@ fn the_body_is_held_while_copied_and_each_frame_read_once() {
     h.0.effective.set(1);
     root.on_queue_ready(0);
     root.on_http_call_response(last_token(&h), 2);
-    assert_eq!(h.0.calls.borrow().last(), Some(&Call::ResumeResponse { context: 2 }));
+    assert_eq!(h.0.calls.borrow().last(), Some(&HostCall::ResumeResponse { context: 2 }));
     let ops = ops.borrow();
     let Some(StoreOp::Complete { completion, .. }) = ops.last() else { panic!("{ops:?}") };
     let snapshot = completion.snapshot.as_ref().expect("kept with its body");
@@ -392,11 +398,11 @@ fn the_completion_is_dispatched_by_the_root_and_survives_the_end_of_its_stream()
     h.0.effective.set(1);
     root.on_queue_ready(0);
     assert_eq!(h.dispatches().len(), dispatched + 1);
-    assert!(matches!(h.dispatches().last(), Some(Call::Dispatch { context: 1, .. })));
+    assert!(matches!(h.dispatches().last(), Some(HostCall::Dispatch { context: 1, .. })));
     assert_eq!(h.counter("stored"), 0);
     root.on_http_call_response(last_token(&h), 2);
     assert_eq!(h.counter("stored"), 1);
-    assert_eq!(h.0.calls.borrow().last(), Some(&Call::ResumeResponse { context: 2 }));
+    assert_eq!(h.0.calls.borrow().last(), Some(&HostCall::ResumeResponse { context: 2 }));
 
     // The stream is gone before the store answers (its client left): the root still
     // counts the outcome, and resumes nothing.
@@ -432,7 +438,7 @@ fn without_a_queue_the_tick_starts_what_streams_hand_over() {
     root.on_tick();
     store_answers(&h, None, b"");
     root.on_http_call_response(last_token(&h), 0);
-    assert!(matches!(h.0.calls.borrow().last(), Some(Call::ResumeResponse { .. })));
+    assert!(matches!(h.0.calls.borrow().last(), Some(HostCall::ResumeResponse { .. })));
     let dispatched = h.dispatches().len();
     h.0.now_ms.set(h.0.now_ms.get() + 100);
     root.on_tick();
@@ -467,7 +473,7 @@ fn a_completion_the_store_failed_is_tried_again_with_backoff_until_it_lands() {
     // Envoy timed the callout out: the client gets its response now, nothing is counted.
     store_answers(&h, Some("504"), b"upstream request timeout");
     root.on_http_call_response(token, 24);
-    assert_eq!(h.0.calls.borrow().last(), Some(&Call::ResumeResponse { context: 2 }));
+    assert_eq!(h.0.calls.borrow().last(), Some(&HostCall::ResumeResponse { context: 2 }));
     assert_eq!((h.counter("stored"), h.counter("store_error")), (0, 0));
     // Tried again after 100 ms, then 200 ms, as a new conversation of the same completion.
     let dispatched = h.dispatches().len();
@@ -491,7 +497,7 @@ fn a_completion_the_store_failed_is_tried_again_with_backoff_until_it_lands() {
     // Nothing left to try.
     at(&h, &mut root, 10_000);
     assert_eq!(h.dispatches().len(), dispatched + 2);
-    assert_eq!(h.0.calls.borrow().iter().filter(|c| matches!(c, Call::ResumeResponse { .. })).count(), 1);
+    assert_eq!(h.0.calls.borrow().iter().filter(|c| matches!(c, HostCall::ResumeResponse { .. })).count(), 1);
 }
 
 #[test]
@@ -530,18 +536,18 @@ fn a_retired_root_finishes_its_completions_before_it_tells_envoy_it_is_done() {
     h.fail("set_effective_context", 2);
     // The configuration is replaced: Envoy must wait for the completion in flight.
     assert!(!root.on_done());
-    assert!(!h.0.calls.borrow().contains(&Call::Done));
+    assert!(!h.0.calls.borrow().contains(&HostCall::Done));
     at(&h, &mut root, 1_500);
-    assert!(!h.0.calls.borrow().contains(&Call::Done));
+    assert!(!h.0.calls.borrow().contains(&HostCall::Done));
     store_answers(&h, Some("200"), b"{}");
     root.on_http_call_response(token, 2);
     assert_eq!(h.counter("stored"), 1);
-    assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == Call::Done).count(), 1);
+    assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == HostCall::Done).count(), 1);
     // A root with nothing under way goes at once.
     let h = host();
     let mut idle = root_with_ops(&h, "etcd", OnStoreError::FailClosed).0;
     assert!(idle.on_done());
-    assert!(!h.0.calls.borrow().contains(&Call::Done));
+    assert!(!h.0.calls.borrow().contains(&HostCall::Done));
 }
 
 #[test]
@@ -553,13 +559,13 @@ fn a_retired_root_counts_what_it_abandons_at_its_bound() {
     assert!(!root.on_done());
     // The bound: the longest processing_timeout (30 s) and two tries of 4 calls of 250 ms.
     at(&h, &mut root, 1_000 + 31_999);
-    assert!(!h.0.calls.borrow().contains(&Call::Done));
+    assert!(!h.0.calls.borrow().contains(&HostCall::Done));
     assert_eq!(h.counter("settlement_abandoned"), 0);
     at(&h, &mut root, 1_000 + 32_000);
-    assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == Call::Done).count(), 1);
+    assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == HostCall::Done).count(), 1);
     assert_eq!(h.counter("settlement_abandoned"), 1);
     assert_eq!(h.route_counter("orders", "settlement_abandoned"), 1);
     // Said once.
     at(&h, &mut root, 40_000);
-    assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == Call::Done).count(), 1);
+    assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == HostCall::Done).count(), 1);
 }

@@ -5,7 +5,7 @@
 
 use super::pairs;
 use crate::config::etcd::{OnStoreError, Protocol};
-use crate::glue::fake_host::{Call, FakeHost};
+use crate::glue::fake_host::{FakeHost, HostCall};
 use crate::glue::remote::{dispatch, read_answer};
 use crate::store::remote::{Answer, GrpcStatus, RemoteSettings, Request};
 use crate::store::StoreError;
@@ -31,7 +31,7 @@ fn sent_headers(protocol: Protocol) -> Vec<(String, String)> {
     };
     dispatch(&h, &settings(protocol), &request).expect("dispatched");
     match h.dispatches().pop() {
-        Some(Call::Dispatch { headers, timeout_ms, .. }) => {
+        Some(HostCall::Dispatch { headers, timeout_ms, .. }) => {
             assert_eq!(timeout_ms, 250);
             headers
         }

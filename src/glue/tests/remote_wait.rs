@@ -4,7 +4,7 @@
 use super::{last_token, pairs, Begins, Scripted};
 use crate::config::etcd::{EtcdSettings, OnStoreError, Protocol};
 use crate::flow::Verdict;
-use crate::glue::fake_host::{Call, FakeHost};
+use crate::glue::fake_host::{FakeHost, HostCall};
 use crate::glue::http::Http;
 use crate::glue::root::Root;
 use crate::metrics::WATCH_ENDED_METRIC;
@@ -109,7 +109,7 @@ fn tick_at(r: &mut Rig, at_ms: u64) -> bool {
 }
 
 fn resumes(h: &FakeHost, context: u32) -> usize {
-    h.0.calls.borrow().iter().filter(|c| **c == Call::Resume { context }).count()
+    h.0.calls.borrow().iter().filter(|c| **c == HostCall::Resume { context }).count()
 }
 
 fn replay() -> Begin {
@@ -297,11 +297,13 @@ fn watch_says(r: &mut Rig, token: u32, message: Vec<u8>) -> bool {
     begins_started(r) > before
 }
 
-fn grpc_calls(h: &FakeHost) -> Vec<Call> {
+fn grpc_calls(h: &FakeHost) -> Vec<HostCall> {
     h.0.calls
         .borrow()
         .iter()
-        .filter(|c| matches!(c, Call::GrpcStream { .. } | Call::GrpcSend { .. } | Call::GrpcCancel { .. }))
+        .filter(|c| {
+            matches!(c, HostCall::GrpcStream { .. } | HostCall::GrpcSend { .. } | HostCall::GrpcCancel { .. })
+        })
         .cloned()
         .collect()
 }
@@ -320,7 +322,7 @@ fn a_watched_record_wakes_its_waiters_at_once_and_they_poll_only_as_a_fallback()
     let (_original, _waiter) = original_and_waiter(&mut r);
     // Parking opened the worker's watch stream (from the root) and asked for the record.
     let calls = grpc_calls(&r.h);
-    let [Call::GrpcStream { token, service, method, metadata }, Call::GrpcSend { token: sent_on, message }] =
+    let [HostCall::GrpcStream { token, service, method, metadata }, HostCall::GrpcSend { token: sent_on, message }] =
         calls.as_slice()
     else {
         panic!("{calls:?}")
@@ -350,7 +352,7 @@ fn a_watched_record_wakes_its_waiters_at_once_and_they_poll_only_as_a_fallback()
     let before = grpc_calls(&r.h).len();
     second_at(&mut r, 6_000);
     let calls = grpc_calls(&r.h);
-    assert!(matches!(&calls[before..], [Call::GrpcSend { .. }]), "{calls:?}");
+    assert!(matches!(&calls[before..], [HostCall::GrpcSend { .. }]), "{calls:?}");
     // An event on an ended watch wakes nobody.
     assert!(!watch_says(&mut r, token, watch_response(0, false, 1)));
 }
@@ -359,7 +361,7 @@ fn a_watched_record_wakes_its_waiters_at_once_and_they_poll_only_as_a_fallback()
 fn a_closed_watch_stream_makes_waiters_poll_until_it_reopens() {
     let mut r = watching_rig();
     let (_original, _waiter) = original_and_waiter(&mut r);
-    let Some(Call::GrpcStream { token, .. }) = grpc_calls(&r.h).first().cloned() else { panic!() };
+    let Some(HostCall::GrpcStream { token, .. }) = grpc_calls(&r.h).first().cloned() else { panic!() };
     watch_says(&mut r, token, watch_response(0, true, 0));
     r.begins.borrow_mut().push_back(IN_FLIGHT);
     answer(&mut r, Some("200"));
@@ -378,7 +380,10 @@ fn a_closed_watch_stream_makes_waiters_poll_until_it_reopens() {
     let before = grpc_calls(&r.h).len();
     second_at(&mut r, 2_200);
     let calls = grpc_calls(&r.h);
-    assert!(matches!(&calls[before..], [Call::GrpcStream { .. }, Call::GrpcSend { .. }]), "{calls:?}");
+    assert!(
+        matches!(&calls[before..], [HostCall::GrpcStream { .. }, HostCall::GrpcSend { .. }]),
+        "{calls:?}"
+    );
 }
 
 #[test]
@@ -394,8 +399,8 @@ fn a_watch_stream_envoy_refuses_or_garbles_leaves_waiters_polling() {
     // Opened later; a message that is not a WatchResponse ends the stream.
     r.h.0.failing.borrow_mut().clear();
     second_at(&mut r, 2_100);
-    let Some(Call::GrpcStream { token, .. }) = grpc_calls(&r.h).first().cloned() else { panic!() };
+    let Some(HostCall::GrpcStream { token, .. }) = grpc_calls(&r.h).first().cloned() else { panic!() };
     assert!(!watch_says(&mut r, token, vec![0xff, 0xff]));
-    assert!(grpc_calls(&r.h).contains(&Call::GrpcCancel { token }));
+    assert!(grpc_calls(&r.h).contains(&HostCall::GrpcCancel { token }));
     assert_eq!(r.h.plain_counter(WATCH_ENDED_METRIC), Some(2), "and one that garbled");
 }

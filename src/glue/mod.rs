@@ -8,11 +8,13 @@
 
 pub mod admin;
 pub mod calls;
+mod carry;
 pub mod http;
 pub mod pairs;
 pub mod plugin;
 pub mod remote;
 pub mod root;
+mod settle;
 
 #[cfg(target_arch = "wasm32")]
 mod abi;

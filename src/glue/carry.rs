@@ -1,0 +1,637 @@
+//! What the root carries out for its streams, above its settlements (`settle.rs`): a paused
+//! request's flow (its `begin` conversation, the steps its answer leads to, its lookups and the
+//! lease-end lookups), a waiter's recheck and the plan it leads to, detached calls, and admin
+//! asks. The root's callbacks (`root.rs`) call in here; nothing here calls them.
+
+use super::admin;
+use super::calls::{
+    DetachedCall, DetachedReply, FlowHandle, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall,
+    RootLookup, RootRecheck, WaitHandle,
+};
+use super::plugin::PluginState;
+use super::settle::{
+    answer_detached, call_store, converse, give_back, gives_back, on_store_error, release_unused, settle,
+    Sent,
+};
+use super::{Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS};
+use crate::config::etcd::OnStoreError;
+use crate::config::Execution;
+use crate::detached::{self, DETAILS_DETACHED};
+use crate::flow::{Output, RequestFlow, Resumed, Settlement, Step, Verdict, WaiterPlan};
+use crate::identity::scope::ScopeId;
+use crate::metrics::Counter;
+use crate::reconcile::{self, LookupAnswer};
+use crate::store::remote::{Answer, Next};
+use crate::store::seam::Started;
+use crate::store::{Begin, StoreAnswer, StoreError, StoreOp};
+use crate::wait::{self, Waiter};
+use std::rc::Rc;
+
+/// Looks at a waiter's record again and answers, forwards or re-parks it: at once when the
+/// store answers at once, else when its callouts are answered, the waiter held meanwhile.
+pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>) {
+    let host = &plugin.host;
+    let now_ms = host.now_ms();
+    let owner = plugin.owner_token(w.context_id);
+    let op = wait::recheck_op(&plugin.config, &w, now_ms, owner);
+    // Watched records wake their waiters: those poll only as a fallback.
+    let watched = plugin.store.watch().is_some_and(|watch| watch.is_live(&w.scope()));
+    let w = Waiter { watched, ..w };
+    match plugin.start(op) {
+        Started::Answered(answer) => {
+            if host.set_effective_context(w.context_id).is_err() {
+                return; // its client went away; nothing is held for it
+            }
+            let plan = wait::recheck_answered(&plugin.config, &w, answer, now_ms);
+            resolve_waiter(plugin, w, plan);
+        }
+        Started::Conversation(conversation) => {
+            let check =
+                RootRecheck { context_id: w.context_id, rule: Rc::clone(&w.pending.rule), conversation };
+            plugin.room.borrow_mut().start_check(w);
+            converse_recheck(plugin, check, None);
+        }
+    }
+}
+
+/// Carries out what a recheck decided for its waiter (the effective context is the waiter's).
+fn resolve_waiter<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>, plan: WaiterPlan) {
+    let host = &plugin.host;
+    match plan {
+        WaiterPlan::Repark { recheck_at_ms } => {
+            let poll_ms = if w.poll_ms > 0 { wait::next_poll(w.poll_ms, w.watched) } else { 0 };
+            plugin.room.borrow_mut().repark(Waiter { recheck_at_ms, poll_ms, woken: false, ..w })
+        }
+        WaiterPlan::Resume { counter, resumed: Resumed::Forwarded { claim, rule }, .. }
+            if matches!(rule.execution, Execution::Detached { .. }) =>
+        {
+            // The waiter owns the record now, on a detached route: the root carries it
+            // upstream (the waiter stays held and is answered with the outcome).
+            plugin.count_for_stream(counter, Some(&rule), Some(&w.pending.scope));
+            if let Err(why) = plugin.detach(w.context_id, claim, &rule, Rc::clone(&w.handle), None) {
+                refuse_detached(plugin, w.context_id, &w.handle, &rule, &why);
+            }
+        }
+        WaiterPlan::Resume { counter, resumed, release } => {
+            plugin.count_for_stream(counter, Some(&w.pending.rule), Some(&w.pending.scope));
+            w.handle.set(Some(resumed));
+            if let Err(HostError(s)) = host.resume_request() {
+                log::warn!(
+                    "#{} could not resume a held request (host status {s}); releasing its claim",
+                    w.context_id
+                );
+                release_unused(plugin, w.context_id, &w.pending.rule, release);
+            }
+        }
+        WaiterPlan::Answer { counter, resumed, reply, details } => {
+            plugin.count_for_stream(counter, Some(&w.pending.rule), Some(&w.pending.scope));
+            w.handle.set(Some(resumed));
+            if let Err(HostError(s)) = host.send_response(reply.status, details, &reply.headers, &reply.body)
+            {
+                log::warn!("#{} could not answer a held request (host status {s})", w.context_id);
+            }
+        }
+        WaiterPlan::Bypass { counter, resumed } => {
+            plugin.count_for_stream(counter, Some(&w.pending.rule), Some(&w.pending.scope));
+            w.handle.set(Some(resumed));
+            if let Err(HostError(s)) = host.resume_request() {
+                log::warn!("#{} could not resume a held request (host status {s})", w.context_id);
+            }
+        }
+    }
+}
+
+/// Once a second: ends the watches no waiter of this worker needs any more, and opens the
+/// watch stream again when it is due.
+pub(super) fn tend_watch<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
+    let Some(watch) = plugin.store.watch() else { return };
+    let cancels = {
+        let room = plugin.room.borrow();
+        watch.tidy(&|scope| room.waits_on(scope))
+    };
+    plugin.send_watch(watch, &cancels, now_ms);
+    plugin.open_watch(watch, now_ms);
+}
+
+/// Takes a waiter's recheck one step: its next callout, or what the answer means for it.
+pub(super) fn converse_recheck<H: Host>(
+    plugin: &PluginState<H>,
+    mut check: RootRecheck,
+    answer: Option<Answer>,
+) {
+    match check.conversation.step(answer, plugin.host.now_ms()) {
+        Next::Call(request) => match call_store(plugin, check.context_id, &request) {
+            Ok(token) => {
+                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Recheck(check));
+            }
+            Err(error) => recheck_failed(plugin, check, error, Sent::No),
+        },
+        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Recheck(check)),
+        Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
+            recheck_failed(plugin, check, error, Sent::Yes)
+        }
+        Next::Done(answer) => {
+            let w = plugin.room.borrow_mut().end_check(check.context_id);
+            let present = plugin.host.set_effective_context(check.context_id).is_ok();
+            let Some(w) = w.filter(|_| present) else {
+                // The client went away while the store answered: a claim the recheck got is
+                // given back now instead of blocking everyone until its lease ends.
+                if let StoreAnswer::Begun(Ok(Begin::Claimed(claim) | Begin::TookOver(claim))) = &answer {
+                    log::debug!("#{} waiter gone before its claim; releasing it", check.context_id);
+                    release_unused(plugin, check.context_id, &check.rule, StoreOp::Release(*claim));
+                }
+                return;
+            };
+            let now_ms = plugin.host.now_ms();
+            let plan = wait::recheck_answered(&plugin.config, &w, answer, now_ms);
+            resolve_waiter(plugin, w, plan);
+        }
+    }
+}
+
+/// The store could not be used for a waiter's recheck: its fail mode decides. A claim the
+/// store may hold although its answer was lost (`Sent::Yes`) is given back first.
+pub(super) fn recheck_failed<H: Host>(
+    plugin: &PluginState<H>,
+    check: RootRecheck,
+    error: StoreError,
+    sent: Sent,
+) {
+    if sent == Sent::Yes && gives_back(plugin) {
+        if let Some(claim) = check.conversation.unanswered_claim() {
+            log::debug!(
+                "#{} recheck's claim of key {} unanswered; giving it back",
+                check.context_id,
+                claim.scope.log_tag()
+            );
+            release_unused(plugin, check.context_id, &check.rule, StoreOp::Release(claim));
+        }
+    }
+    let w = plugin.room.borrow_mut().end_check(check.context_id);
+    let Some(w) = w else { return }; // its client went away, and no claim is known to exist
+    if plugin.host.set_effective_context(check.context_id).is_err() {
+        return;
+    }
+    let mode = on_store_error(plugin);
+    let now_ms = plugin.host.now_ms();
+    if mode == OnStoreError::FailOpen && plugin.bypass_log_due(now_ms) {
+        log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
+    }
+    let plan = wait::recheck_failed(&plugin.config, &w, error, mode, now_ms);
+    resolve_waiter(plugin, w, plan);
+}
+
+/// Starts what streams handed over since the root last ran; from here on the root owns their
+/// callouts, so their answers come whether or not the stream is still there.
+pub(super) fn take_on_handed_over<H: Host>(plugin: &PluginState<H>) {
+    let queued = std::mem::take(&mut plugin.calls.borrow_mut().queued);
+    for call in queued {
+        take_on(plugin, call);
+    }
+}
+
+/// Makes a detached call from the root, so that it outlives the client's stream.
+fn dispatch_detached<H: Host>(plugin: &PluginState<H>, mut call: Box<DetachedCall>) {
+    let host = &plugin.host;
+    let headers: Vec<(&str, &[u8])> = call.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
+    match host.dispatch_http_call(&call.cluster, &headers, &call.body, call.timeout_ms) {
+        Ok(token) => {
+            // Envoy has its copy; the worker holds the answer next.
+            call.body = Vec::new();
+            plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Detached(call));
+        }
+        Err(HostError(s)) => {
+            log::warn!(
+                "#{} detached call to cluster {} refused (host status {s})",
+                call.context_id,
+                call.cluster
+            );
+            plugin.detached_done();
+            plugin.release_claim(call.context_id, call.claim, &call.rule);
+            let why = format!("Envoy refused the call to cluster {} (host status {s})", call.cluster);
+            refuse_detached(plugin, call.context_id, &call.handle, &call.rule, &why);
+        }
+    }
+}
+
+/// Answers a held request no detached call could be made for (its claim was given back).
+fn refuse_detached<H: Host>(
+    plugin: &PluginState<H>,
+    context_id: u32,
+    handle: &WaitHandle,
+    rule: &crate::config::Rule,
+    why: &str,
+) {
+    plugin.count(crate::metrics::Counter::DetachedRefused, Some(rule));
+    let reply = detached::refused_reply(why);
+    answer_detached(plugin, context_id, handle, &reply, crate::flow::DETAILS_PROBLEM);
+}
+
+/// The answer to a callout of the root's that is not the store's (a detached call, a lookup):
+/// its status (None: Envoy's failure report, no `:status`), headers and body. None when it
+/// cannot be read.
+type CalloutAnswer = (Option<u16>, Vec<(String, Vec<u8>)>, Vec<u8>);
+
+fn callout_answer<H: Host>(host: &H, body_size: usize) -> Option<CalloutAnswer> {
+    let status = match host.header_value(MAP_HTTP_CALL_RESPONSE_HEADERS, ":status") {
+        Ok(Some(v)) => std::str::from_utf8(&v).ok().and_then(|s| s.parse::<u16>().ok()),
+        Ok(None) | Err(_) => None,
+    };
+    let headers = host.header_pairs(MAP_HTTP_CALL_RESPONSE_HEADERS).ok()?;
+    let body = if body_size == 0 {
+        Vec::new()
+    } else {
+        host.buffer(BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size).ok()?
+    };
+    Some((status, headers, body))
+}
+
+/// A detached call's answer: recorded exactly as an inline upstream answer would be, then sent
+/// to its client if it is still there (with a remote store, once the record is written).
+pub(super) fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_size: usize) {
+    let host = &plugin.host;
+    plugin.detached_done();
+    let now_ms = host.now_ms();
+    let answer = match callout_answer(host, body_size) {
+        Some((status, headers, body)) => detached::answer_of(status, headers, body),
+        // An answer that cannot be read: what it said is unknown.
+        None => detached::CallAnswer::Unknown { timed_out: false },
+    };
+    let DetachedCall { context_id, claim, rule, handle, lease_end, .. } = call;
+    let out = detached::outcome(&rule, claim, answer, now_ms);
+    // Kept for the lookup at the lease's end (`reconcile`): the root makes it if no retry does.
+    if let (None, Counter::OutcomeUnknown, Some(lease_end)) = (&out.op, out.done, lease_end) {
+        plugin.look_up_at_lease_end(*lease_end);
+    }
+    log::debug!("#{context_id} detached call answered: {} key {}", out.done.name(), claim.scope.log_tag());
+    let settlement = Settlement { context_id, claim, rule: Rc::clone(&rule), done: out.done };
+    match out.op {
+        None => {
+            plugin.count(out.done, Some(&rule));
+            answer_detached(plugin, context_id, &handle, &out.reply, DETAILS_DETACHED);
+        }
+        Some(op) => settle(plugin, op, settlement, Some(DetachedReply { reply: out.reply, handle })),
+    }
+}
+
+/// Steps again every conversation that was waiting (for the etcd token): each goes on, waits
+/// on, or ends with the wait's failure through its ordinary path (a stream's fail mode, a
+/// settlement counted, a client that left: nothing held).
+pub(super) fn resume_parked<H: Host>(plugin: &PluginState<H>) {
+    let parked = std::mem::take(&mut plugin.calls.borrow_mut().parked);
+    for call in parked {
+        take_on(plugin, call);
+    }
+}
+
+/// Takes a call handed over (or parked) one step: a store conversation's next step, or a
+/// detached call or a lookup made (neither waits for the store's token).
+fn take_on<H: Host>(plugin: &PluginState<H>, call: RootCall) {
+    match call {
+        RootCall::Begin(begin) => converse_begin(plugin, begin, None),
+        RootCall::Settle(settle) => converse(plugin, settle, None),
+        RootCall::Recheck(check) => converse_recheck(plugin, check, None),
+        RootCall::Admin(call) => converse_admin(plugin, call, None),
+        RootCall::Detached(call) => dispatch_detached(plugin, call),
+        RootCall::Lookup(call) => dispatch_lookup(plugin, call),
+    }
+}
+
+/// Takes an admin request's store operation one step: its next callout, or the store's answer
+/// for the request's task, which replies (if its stream is still there) or asks again.
+pub(super) fn converse_admin<H: Host>(
+    plugin: &PluginState<H>,
+    mut call: Box<RootAdmin>,
+    answer: Option<Answer>,
+) {
+    match call.conversation.step(answer, plugin.host.now_ms()) {
+        Next::Call(request) => match call_store(plugin, call.context_id, &request) {
+            Ok(token) => {
+                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Admin(call));
+            }
+            Err(error) => admin_failed(plugin, call, error),
+        },
+        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Admin(call)),
+        Next::Done(answer) => admin_answered(plugin, *call, answer),
+    }
+}
+
+pub(super) fn admin_failed<H: Host>(plugin: &PluginState<H>, call: Box<RootAdmin>, error: StoreError) {
+    let answer = StoreAnswer::failed(&call.ask.op, error);
+    admin_answered(plugin, *call, answer);
+}
+
+fn admin_answered<H: Host>(plugin: &PluginState<H>, call: RootAdmin, answer: StoreAnswer) {
+    if plugin.host.set_effective_context(call.context_id).is_err() {
+        // The operator's client left: a change already made stands, and is logged by nobody.
+        log::info!("admin #{}: the client left before the store answered", call.context_id);
+        return;
+    }
+    let RootAdmin { context_id, ask, .. } = call;
+    let progress = ask.task.answered(answer, plugin.host.now_ms());
+    if let Some((ask, conversation)) = admin::advance(plugin, ask.line, progress) {
+        converse_admin(plugin, Box::new(RootAdmin { context_id, conversation, ask }), None);
+    }
+}
+
+/// Takes a paused request's `begin` one step: its next callout, or the answer for its flow.
+pub(super) fn converse_begin<H: Host>(
+    plugin: &PluginState<H>,
+    mut begin: Box<RootBegin>,
+    answer: Option<Answer>,
+) {
+    match begin.conversation.step(answer, plugin.host.now_ms()) {
+        Next::Call(request) => match call_store(plugin, begin.context_id, &request) {
+            Ok(token) => {
+                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Begin(begin));
+            }
+            Err(error) => begin_failed(plugin, begin, error, Sent::No),
+        },
+        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Begin(begin)),
+        Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
+            begin_failed(plugin, begin, error, Sent::Yes)
+        }
+        Next::Done(answer) => {
+            if !begin.flow.headless() && plugin.host.set_effective_context(begin.context_id).is_err() {
+                // The client went away while the store answered: nobody will forward the
+                // request, so a claim it got is given back now instead of blocking retries
+                // until its lease ends.
+                if let Some(settlement) = begin.flow.answered_without_stream(&answer) {
+                    give_back(plugin, settlement);
+                }
+                return;
+            }
+            let RootBegin { context_id, mut flow, handle, .. } = *begin;
+            let out = flow.store_answered(&plugin.config, answer);
+            carry_out(plugin, context_id, flow, handle, out);
+        }
+    }
+}
+
+/// The store could not be used for a paused request's `begin`: the store's fail mode decides
+/// (a fail-open bypass is logged at most once a second per worker; it is counted every time).
+/// A claim the store may hold although its answer was lost (`Sent::Yes`) is given back first.
+pub(super) fn begin_failed<H: Host>(
+    plugin: &PluginState<H>,
+    begin: Box<RootBegin>,
+    error: StoreError,
+    sent: Sent,
+) {
+    if sent == Sent::Yes && gives_back(plugin) {
+        if let Some(settlement) =
+            begin.conversation.unanswered_claim().and_then(|c| begin.flow.unanswered_claim(c))
+        {
+            give_back(plugin, settlement);
+        }
+    }
+    if !begin.flow.headless() && plugin.host.set_effective_context(begin.context_id).is_err() {
+        return; // its client went away, and no claim is known to exist
+    }
+    // A lease-end lookup acts on the record only through the store: nothing to forward.
+    let mode = if begin.flow.headless() { OnStoreError::FailClosed } else { on_store_error(plugin) };
+    if mode == OnStoreError::FailOpen && plugin.bypass_log_due(plugin.host.now_ms()) {
+        log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
+    }
+    let RootBegin { context_id, mut flow, handle, .. } = *begin;
+    let out = flow.store_failed(&plugin.config, error, mode);
+    carry_out(plugin, context_id, flow, handle, out);
+}
+
+/// Carries out what the flow decided for its paused request (the effective context is the
+/// request's), then gives the flow back to its stream; or, when the flow asks the store or the
+/// upstream's lookup again, hands it on with that conversation (the local store answers at once).
+fn carry_out<H: Host>(
+    plugin: &PluginState<H>,
+    context_id: u32,
+    mut flow: RequestFlow,
+    handle: FlowHandle,
+    out: Output,
+) {
+    let host = &plugin.host;
+    let mut verdict = out.verdict;
+    let mut wait_handle = None;
+    let mut steps: std::collections::VecDeque<Step> = out.steps.into();
+    while let Some(step) = steps.pop_front() {
+        let more = match step {
+            // A lease-end lookup's flow has no stream to publish to or answer.
+            Step::Count(counter) if flow.headless() => {
+                plugin.count(counter, flow.rule());
+                None
+            }
+            Step::Reply { .. } if flow.headless() => None,
+            Step::Count(counter) => {
+                plugin.count_for_stream(counter, flow.rule(), flow.scope());
+                None
+            }
+            Step::Reply { reply, details } => {
+                if let Err(HostError(s)) =
+                    host.send_response(reply.status, details, &reply.headers, &reply.body)
+                {
+                    log::warn!("#{context_id} could not send the local reply (host status {s})");
+                }
+                None
+            }
+            // Wait mode: the request stays paused in this worker's wait room; its handle goes
+            // back to the stream with its flow.
+            Step::Park(plan) => {
+                let (admitted, handle) = plugin.park(context_id, plan);
+                if admitted.is_ok() {
+                    wait_handle = Some(handle);
+                }
+                Some(flow.parked(&plugin.config, admitted))
+            }
+            // Detached execution: the call is handed to this root (its queue), the request
+            // stays paused, and the handle that will say how it was answered goes back with
+            // its flow.
+            Step::Detach { claim, rule, later } => {
+                let handle: WaitHandle = Rc::new(std::cell::Cell::new(None));
+                match plugin.detach(context_id, claim, &rule, Rc::clone(&handle), later) {
+                    Ok(()) => {
+                        wait_handle = Some(handle);
+                        None
+                    }
+                    Err(why) => Some(flow.detach_refused(&why)),
+                }
+            }
+            Step::Wake(scope) => {
+                plugin.broadcast(&scope);
+                None
+            }
+            // After a lookup: the record is asked again (taken over).
+            Step::Store(op) => match plugin.start(op) {
+                Started::Answered(answer) => Some(flow.store_answered(&plugin.config, answer)),
+                Started::Conversation(conversation) => {
+                    if !steps.is_empty() {
+                        log::warn!("#{context_id} {} step(s) after a store step dropped", steps.len());
+                    }
+                    let begin = Box::new(RootBegin { context_id, conversation, flow, handle });
+                    converse_begin(plugin, begin, None);
+                    return;
+                }
+            },
+            // A lease-end lookup found its record unsettled: ask the upstream (unless a request
+            // on this Envoy is asking already: it settles it, or its client retries).
+            Step::Lookup { .. } if flow.headless() => {
+                if let Some(lookup) = start_lease_end_lookup(plugin, &flow) {
+                    dispatch_lookup(plugin, Box::new(RootLookup { context_id, flow, handle, lookup }));
+                }
+                return;
+            }
+            // A remote begin found the record's lease ended unsettled: ask the upstream.
+            Step::Lookup { rule, request } => {
+                match plugin.start_lookup(context_id, flow.scope().copied(), &rule, &request) {
+                    // Already in the root: made at once.
+                    Ok(lookup) => {
+                        dispatch_lookup(plugin, Box::new(RootLookup { context_id, flow, handle, lookup }));
+                        return;
+                    }
+                    Err(retry_after_ms) => Some(flow.lookup_refused(retry_after_ms)),
+                }
+            }
+            // What an answer to `begin` leads to is counted, replied, parked, detached, asked
+            // again or looked up.
+            other => {
+                log::warn!("#{context_id} unexpected step after a remote begin: {}", step_name(&other));
+                None
+            }
+        };
+        if let Some(more) = more {
+            verdict = more.verdict;
+            steps.extend(more.steps);
+        }
+    }
+    if flow.headless() {
+        if flow.awaiting_lookup() {
+            look_up_again_later(plugin, flow);
+        }
+        return;
+    }
+    *handle.borrow_mut() = Some((flow, wait_handle));
+    if verdict == Verdict::Continue {
+        if let Err(HostError(s)) = host.resume_request() {
+            log::warn!("#{context_id} could not resume the request (host status {s})");
+        }
+    }
+}
+
+/// Makes a paused request's lookup from the root, so that its answer comes whether or not the
+/// stream is still there (a stream's callouts end with it).
+fn dispatch_lookup<H: Host>(plugin: &PluginState<H>, call: Box<RootLookup>) {
+    let l = &call.lookup;
+    let headers: Vec<(&str, &[u8])> = l.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
+    match plugin.host.dispatch_http_call(&l.cluster, &headers, &[], l.timeout_ms) {
+        Ok(token) => {
+            plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Lookup(call));
+        }
+        Err(HostError(s)) => {
+            log::warn!("#{} lookup to cluster {} refused (host status {s})", call.context_id, l.cluster);
+            plugin.lookups.finished(&call.lookup.scope, call.lookup.started_ms, plugin.host.now_ms());
+            let why = format!("Envoy refused the call (host status {s})");
+            answer_lookup(plugin, *call, LookupAnswer::Failed(why));
+        }
+    }
+}
+
+/// The lookup's answer, read from the callout's.
+pub(super) fn lookup_answered<H: Host>(plugin: &PluginState<H>, call: RootLookup, body_size: usize) {
+    let host = &plugin.host;
+    plugin.lookups.finished(&call.lookup.scope, call.lookup.started_ms, host.now_ms());
+    let answer = match callout_answer(host, body_size) {
+        Some((status, headers, body)) => reconcile::answer_of(&call.lookup.rule, status, headers, body),
+        None => LookupAnswer::Failed("the lookup's answer could not be read".into()),
+    };
+    answer_lookup(plugin, call, answer);
+}
+
+/// Lease-end lookups tried this often settle nothing, then the record waits for a retry's.
+const LEASE_END_TRIES: u32 = 8;
+
+/// The longest pause between two tries of a lease-end lookup (from 2 s, doubling).
+const LEASE_END_BACKOFF_MAX_MS: u64 = 60_000;
+
+/// What the lookup's answer means, carried out for the request that asked (if it is still
+/// there: a lookup writes nothing, so a client that left leaves the record as it was, for its
+/// retry's lookup), or for a lease-end lookup.
+fn answer_lookup<H: Host>(plugin: &PluginState<H>, call: RootLookup, answer: LookupAnswer) {
+    let host = &plugin.host;
+    let RootLookup { context_id, mut flow, handle, lookup } = call;
+    if !flow.headless() && host.set_effective_context(context_id).is_err() {
+        log::debug!("#{context_id} lookup of key {} answered after its client left", lookup.scope.log_tag());
+        return;
+    }
+    let out = flow.lookup_answered(answer, host.now_ms());
+    carry_out(plugin, context_id, flow, handle, out);
+}
+
+/// A lease-end lookup that settled nothing yet (the lookup failed, or the store still holds
+/// the claim's lease by its own clock): asked again later, backing off, `LEASE_END_TRIES` times.
+fn look_up_again_later<H: Host>(plugin: &PluginState<H>, mut flow: RequestFlow) {
+    let tries = flow.lease_end_tried();
+    let tag = flow.scope().map(ScopeId::log_tag).unwrap_or_default();
+    if tries >= LEASE_END_TRIES {
+        log::warn!("lookup of key {tag} settled nothing {tries} times; its record waits for a retry");
+        return;
+    }
+    let backoff_ms = (1_000u64 << tries.min(16)).min(LEASE_END_BACKOFF_MAX_MS);
+    let due_ms = plugin.host.now_ms().saturating_add(backoff_ms);
+    log::debug!("lookup of key {tag} asked again in {backoff_ms} ms");
+    plugin.look_up_at_lease_end(LeaseEndLookup { due_ms, flow });
+}
+
+/// Starts the lease-end lookups that are due: each asks the store first, and looks its record
+/// up only if it is still unsettled.
+pub(super) fn start_lease_end_lookups<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
+    let due: Vec<LeaseEndLookup> = {
+        let mut queue = plugin.lease_end_lookups.borrow_mut();
+        if !queue.iter().any(|l| l.due_ms <= now_ms) {
+            return;
+        }
+        let (due, later) = std::mem::take(&mut *queue).into_iter().partition(|l| l.due_ms <= now_ms);
+        *queue = later;
+        due
+    };
+    for LeaseEndLookup { mut flow, .. } in due {
+        let out = flow.lease_end_due(now_ms);
+        let handle: FlowHandle = Rc::new(std::cell::RefCell::new(None));
+        carry_out(plugin, 0, flow, handle, out);
+    }
+}
+
+/// The lookup of a lease-end flow's record, through this Envoy's gate. None when a lookup of the
+/// record is under way or was just made here: then a request is here for it.
+fn start_lease_end_lookup<H: Host>(plugin: &PluginState<H>, flow: &RequestFlow) -> Option<Lookup> {
+    let (call, rule) = flow.lease_end_call()?;
+    let scope = flow.scope().copied()?;
+    let now_ms = plugin.host.now_ms();
+    if plugin.lookups.start(&scope, now_ms, u64::from(call.timeout_ms)).is_err() {
+        log::debug!("lease-end lookup of key {} left to the request already asking", scope.log_tag());
+        return None;
+    }
+    Some(Lookup {
+        scope,
+        started_ms: now_ms,
+        rule: Rc::clone(rule),
+        cluster: call.cluster.clone(),
+        headers: call.headers.clone(),
+        timeout_ms: call.timeout_ms,
+    })
+}
+
+fn step_name(step: &Step) -> &'static str {
+    match step {
+        Step::Count(_) => "count",
+        Step::Reply { .. } => "reply",
+        Step::Store(_) => "store",
+        Step::Park(_) => "park",
+        Step::Wake(_) => "wake",
+        Step::FixHeaders(_) => "fix headers",
+        Step::RemoveRequestHeaders(_) => "remove request headers",
+        Step::LeaveWaitRoom => "leave wait room",
+        Step::WarnRetried { .. } => "warn retried",
+        Step::WarnBodyNeverReceived { .. } => "warn body never received",
+        Step::ErrorStopIterationMissing { .. } => "error stop iteration missing",
+        Step::Detach { .. } => "detach",
+        Step::Lookup { .. } => "lookup",
+        Step::LookUpAtLeaseEnd(_) => "look up at lease end",
+    }
+}

@@ -1,0 +1,293 @@
+//! The root's settlements, the bottom layer of its work: a claim's completion or release carried
+//! out for a stream that may be gone (answered at once, or a store conversation tried again
+//! with backoff), the store calls every conversation makes, and the reply or held response that
+//! goes out once a settlement is written. Calls nothing above it (`carry.rs`, `root.rs`).
+
+use super::calls::{DetachedReply, Retry, RootCall, RootSettlement, WaitHandle};
+use super::plugin::PluginState;
+use super::remote;
+use super::{Host, HostError};
+use crate::config::etcd::OnStoreError;
+use crate::detached::DETAILS_DETACHED;
+use crate::flow::{Resumed, Settlement, Step};
+use crate::metrics::Counter;
+use crate::store::remote::{Answer, Next, Request};
+use crate::store::seam::Started;
+use crate::store::{Settled, StoreError, StoreOp};
+use std::rc::Rc;
+
+/// Settlements being tried again past which a claim whose answer was lost is no longer given
+/// back: so many failing means the store is struggling (slow, or failing every call), and
+/// give-backs tried again with backoff would add to its load. The claim then waits for its
+/// lease, as any abandoned claim.
+const GIVE_BACK_WHILE_RETRYING_AT_MOST: usize = 256;
+
+pub(super) fn gives_back<H: Host>(plugin: &PluginState<H>) -> bool {
+    let retrying = plugin.calls.borrow().retrying.len();
+    if retrying >= GIVE_BACK_WHILE_RETRYING_AT_MOST {
+        log::debug!(
+            "{retrying} settlements being tried again: a claim whose answer was lost is left to its lease"
+        );
+        return false;
+    }
+    true
+}
+
+/// Whether a failed store operation's last call reached Envoy (so etcd may have applied it), or
+/// Envoy refused to make it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Sent {
+    Yes,
+    No,
+}
+
+/// Gives back a claim nobody will use (its request is gone or could not be resumed), counted
+/// as released when answered.
+pub(super) fn release_unused<H: Host>(
+    plugin: &PluginState<H>,
+    context_id: u32,
+    rule: &Rc<crate::config::Rule>,
+    release: StoreOp,
+) {
+    let StoreOp::Release(claim) = release else { return };
+    give_back(plugin, Settlement { context_id, claim, rule: Rc::clone(rule), done: Counter::Released });
+}
+
+/// Releases `settlement`'s claim from the root, tried again like any settlement.
+pub(super) fn give_back<H: Host>(plugin: &PluginState<H>, settlement: Settlement) {
+    settle(plugin, StoreOp::Release(settlement.claim), settlement, None);
+}
+
+/// Carries out a settlement from the root: finished at once where the store answers at once,
+/// else as a conversation tried again like any settlement; `then_reply` is sent once it is.
+pub(super) fn settle<H: Host>(
+    plugin: &PluginState<H>,
+    op: StoreOp,
+    settlement: Settlement,
+    then_reply: Option<DetachedReply>,
+) {
+    match plugin.start(op) {
+        Started::Answered(answer) => {
+            let context_id = settlement.context_id;
+            settled_at_once(plugin, &settlement, answer.into_settled());
+            resume_after_settling(plugin, context_id, false, then_reply);
+        }
+        Started::Conversation(conversation) => {
+            let call = Box::new(RootSettlement {
+                conversation,
+                settlement,
+                holds_response: false,
+                retry: None,
+                then_reply,
+            });
+            converse(plugin, call, None);
+        }
+    }
+}
+
+/// A settlement the store answered at once: counted, and its record's waiters woken. Not tried
+/// again: a store that answers in place fails only where a second try fails too.
+fn settled_at_once<H: Host>(
+    plugin: &PluginState<H>,
+    settlement: &Settlement,
+    settled: Result<Settled, StoreError>,
+) {
+    for step in settlement.answered(settled) {
+        match step {
+            Step::Count(counter) => plugin.count(counter, Some(&settlement.rule)),
+            Step::Wake(scope) => plugin.broadcast(&scope),
+            // A settlement's answer only counts and wakes.
+            _ => {}
+        }
+    }
+}
+
+/// Makes a store conversation's call. Envoy's refusal (an unknown cluster, a full queue) is the
+/// store's failure, and nothing was sent.
+pub(super) fn call_store<H: Host>(
+    plugin: &PluginState<H>,
+    context_id: u32,
+    request: &Request,
+) -> Result<u32, StoreError> {
+    let Some(settings) = plugin.store.remote() else {
+        return Err(StoreError::Unavailable("a store that answers in place asked for a call".into()));
+    };
+    remote::dispatch(&plugin.host, settings, request).map_err(|HostError(s)| {
+        log::warn!("#{context_id} callout to cluster {} refused (host status {s})", settings.cluster);
+        StoreError::Unavailable(format!("callout refused (host status {s})"))
+    })
+}
+
+/// What a failed store means for a request: the remote store's fail mode (an in-place store
+/// fails closed).
+pub(super) fn on_store_error<H: Host>(plugin: &PluginState<H>) -> OnStoreError {
+    plugin.store.remote().map_or(OnStoreError::FailClosed, |r| r.on_error)
+}
+
+/// Sends a held request its reply, if its client is still there; its stream learns first that
+/// the reply is ours (so that it is not taken for an upstream answer).
+pub(super) fn answer_detached<H: Host>(
+    plugin: &PluginState<H>,
+    context_id: u32,
+    handle: &WaitHandle,
+    reply: &crate::engine::Reply,
+    details: &str,
+) {
+    let host = &plugin.host;
+    if host.set_effective_context(context_id).is_err() {
+        return; // its client went away: the outcome is recorded, nobody to tell
+    }
+    handle.set(Some(Resumed::Answered { replay_shape: reply.replay_shape.clone() }));
+    if let Err(HostError(s)) = host.send_response(reply.status, details, &reply.headers, &reply.body) {
+        log::warn!("#{context_id} could not send the detached call's answer (host status {s})");
+    }
+}
+
+/// Takes a settlement's conversation one step: its next callout, or its end.
+pub(super) fn converse<H: Host>(
+    plugin: &PluginState<H>,
+    mut call: Box<RootSettlement>,
+    answer: Option<Answer>,
+) {
+    match call.conversation.step(answer, plugin.host.now_ms()) {
+        Next::Call(request) => match call_store(plugin, call.settlement.context_id, &request) {
+            Ok(token) => {
+                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Settle(call));
+            }
+            Err(error) => finish_settlement(plugin, call, Err(error)),
+        },
+        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Settle(call)),
+        Next::Done(answer) => finish_settlement(plugin, call, answer.into_settled()),
+    }
+}
+
+/// Starts again the settlements whose store failed and that are due.
+pub(super) fn retry_settlements<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
+    let due = plugin.calls.borrow_mut().due(now_ms);
+    for call in due {
+        let RootSettlement { conversation, settlement, holds_response, retry, then_reply } = call;
+        match plugin.start(conversation.into_op()) {
+            Started::Answered(answer) => {
+                let context_id = settlement.context_id;
+                settled_at_once(plugin, &settlement, answer.into_settled());
+                resume_after_settling(plugin, context_id, holds_response, then_reply);
+            }
+            Started::Conversation(conversation) => {
+                let call = RootSettlement { conversation, settlement, holds_response, retry, then_reply };
+                converse(plugin, Box::new(call), None);
+            }
+        }
+    }
+}
+
+/// Counts and logs what a retired root leaves unfinished past its bound (Envoy cancels the
+/// callouts when it deletes the root).
+pub(super) fn abandon<H: Host>(plugin: &PluginState<H>) {
+    let left = plugin.calls.borrow_mut().drain_all();
+    let mut settlements = 0;
+    for call in &left {
+        match call {
+            RootCall::Settle(settle) => {
+                settlements += 1;
+                plugin.count(Counter::SettlementAbandoned, Some(&settle.settlement.rule));
+            }
+            // Envoy cancels the call with the root: its outcome is unknown, and its record
+            // stays in flight until its lease ends.
+            RootCall::Detached(call) => {
+                settlements += 1;
+                plugin.detached_done();
+                plugin.count(Counter::SettlementAbandoned, Some(&call.rule));
+            }
+            // A lookup writes nothing: its record stays as it was, for the next retry's lookup.
+            RootCall::Begin(_) | RootCall::Recheck(_) | RootCall::Lookup(_) | RootCall::Admin(_) => {}
+        }
+    }
+    log::warn!(
+        "retired root gave up on {} store operation(s) after {} ms, {settlements} of them completions or \
+         releases (settlement_abandoned): their records stay in flight until their leases end",
+        left.len(),
+        plugin.retirement_bound_ms()
+    );
+}
+
+/// Counts what became of a settlement and wakes its record's waiters, as its stream would have.
+/// A store that could not be used (unreachable, too slow) is tried again with backoff
+/// (`Retry`), and the held response goes on meanwhile: the client is not kept waiting for the
+/// store to recover (a retry of its own finds the record in flight, never executes).
+pub(super) fn finish_settlement<H: Host>(
+    plugin: &PluginState<H>,
+    mut call: Box<RootSettlement>,
+    settled: Result<Settled, StoreError>,
+) {
+    if let Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)) = &settled {
+        let now_ms = plugin.host.now_ms();
+        let retry = match call.retry {
+            None => Some(Retry::first(now_ms, call.settlement.rule.processing_timeout_ms)),
+            Some(retry) => retry.next(now_ms),
+        };
+        resume_held_response(plugin, &mut call);
+        let (context_id, scope) = (call.settlement.context_id, call.settlement.claim.scope);
+        match retry {
+            Some(retry) => {
+                log::debug!(
+                    "#{context_id} settling key {} failed ({error}); trying again in {} ms",
+                    scope.log_tag(),
+                    retry.due_ms.saturating_sub(now_ms)
+                );
+                call.retry = Some(retry);
+                plugin.calls.borrow_mut().retrying.push(*call);
+            }
+            None => {
+                log::warn!(
+                    "#{context_id} gave up settling key {} ({error}) after {} ms of tries (settlement_abandoned): \
+                     its record stays in flight until its lease ends",
+                    scope.log_tag(),
+                    call.settlement.rule.processing_timeout_ms
+                );
+                plugin.count(Counter::SettlementAbandoned, Some(&call.settlement.rule));
+            }
+        }
+        return;
+    }
+    for step in call.settlement.answered(settled) {
+        match step {
+            Step::Count(counter) => {
+                plugin.count(counter, Some(&call.settlement.rule));
+                // A held response's stream is still there: its access log can say how it ended.
+                if call.holds_response
+                    && plugin.host.set_effective_context(call.settlement.context_id).is_ok()
+                {
+                    plugin.publish(counter, Some(&call.settlement.claim.scope));
+                }
+            }
+            Step::Wake(scope) => plugin.broadcast(&scope),
+            // A settlement's answer only counts and wakes.
+            _ => {}
+        }
+    }
+    resume_held_response(plugin, &mut call);
+}
+
+/// Whatever the store answered: the response is the upstream's and goes on, once. A stream
+/// that is gone refuses the effective context, and nothing is held for it.
+fn resume_held_response<H: Host>(plugin: &PluginState<H>, call: &mut RootSettlement) {
+    let (holds, then_reply) = (std::mem::take(&mut call.holds_response), call.then_reply.take());
+    resume_after_settling(plugin, call.settlement.context_id, holds, then_reply);
+}
+
+/// A settled stream's reply goes out (a detached call's), or its held response goes on.
+fn resume_after_settling<H: Host>(
+    plugin: &PluginState<H>,
+    context_id: u32,
+    holds_response: bool,
+    then_reply: Option<DetachedReply>,
+) {
+    if let Some(DetachedReply { reply, handle }) = then_reply {
+        answer_detached(plugin, context_id, &handle, &reply, DETAILS_DETACHED);
+    }
+    if holds_response && plugin.host.set_effective_context(context_id).is_ok() {
+        if let Err(HostError(s)) = plugin.host.resume_response() {
+            log::warn!("#{context_id} could not resume the response (host status {s})");
+        }
+    }
+}

@@ -15,25 +15,26 @@
 //! glue never reads (pays a host call for) what no decision looks at.
 
 use crate::config::etcd::OnStoreError;
-use crate::config::{Concurrency, Config, Execution, Rule};
-use crate::ending::{
-    plan_response, plan_unfinished, ResponsePlan, StreamReport, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
-};
+use crate::config::{Config, Execution, Rule};
 use crate::engine::{self, Admission, Decision, HeaderFix, Pending, ReplayShape, Reply, RequestHead};
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
-use crate::reconcile::LookupAnswer;
 use crate::router_control;
-use crate::store::record::{Snapshot, State};
-use crate::store::{Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp};
+use crate::store::record::State;
+use crate::store::{Begin, Claim, ClaimAttempt, Completion, StoreAnswer, StoreError, StoreOp};
 use crate::wait::{self, RoomFull};
-use facts::{body_bytes_received, property_string, property_u64, stream_report, verified_claims};
+use facts::verified_claims;
 use std::rc::Rc;
 
 mod facts;
+mod lookup;
+mod response;
 pub use facts::{StreamFacts, Unreadable};
+use lookup::Found;
+pub use lookup::{LaterLookup, LeaseEnd};
+pub use response::Settlement;
 
 pub use crate::engine::{DETAILS_PROBLEM, DETAILS_REPLAY};
 pub use crate::wait::{Resumed, WaiterPlan};
@@ -86,17 +87,6 @@ pub enum Step {
     /// so that a key nobody retries settles too. The glue builds the lookup now, from the
     /// request's head.
     LookUpAtLeaseEnd(Box<LaterLookup>),
-}
-
-/// What the root needs to look a record up when its lease ends, with no request waiting.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LaterLookup {
-    pub pending: Pending,
-    pub fingerprint: Fingerprint,
-    /// The request's head as the lookup needs it (`reconcile::lookup_request`).
-    pub request: Vec<(String, Vec<u8>)>,
-    /// When the claim's lease ends.
-    pub due_ms: u64,
 }
 
 /// The answer to the callback: let the stream go on, or hold it.
@@ -188,50 +178,6 @@ enum Phase {
     SettlingFound { pending: Pending, claim: Claim, found: Found },
 }
 
-/// What the upstream's lookup answered for an executed request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Found {
-    status: u16,
-    snapshot: Option<Snapshot>,
-}
-
-/// A `complete` or `release` the flow handed over to be settled by someone who outlives the
-/// stream (the root, for a store across the network); `answered` says what its answer
-/// means.
-#[derive(Debug, Clone)]
-pub struct Settlement {
-    pub context_id: u32,
-    pub claim: Claim,
-    pub rule: Rc<Rule>,
-    pub done: Counter,
-}
-
-impl Settlement {
-    /// What the store's answer to this settlement means, whoever carried it out (the flow
-    /// itself, or the root for a stream that may be gone): the counter (`done`, or lost, or a
-    /// store error) and the wake-up of waiters when the record now has an outcome.
-    pub fn answered(&self, settled: Result<Settled, StoreError>) -> Vec<Step> {
-        let mut steps = Vec::new();
-        let counter = match settled {
-            Ok(Settled::Done) => {
-                // Waiters elsewhere may be able to proceed now that this record has an outcome.
-                if matches!(self.rule.concurrency, Concurrency::Wait { .. }) {
-                    steps.push(Step::Wake(self.claim.scope));
-                }
-                self.done
-            }
-            Ok(Settled::Lost) => Counter::CompletionLost,
-            Err(e) => {
-                log::warn!("#{} settling the claim failed: {e}", self.context_id);
-                Counter::StoreError
-            }
-        };
-        log::debug!("#{} {} key {}", self.context_id, counter.name(), self.claim.scope.log_tag());
-        steps.push(Step::Count(counter));
-        steps
-    }
-}
-
 /// One request's state. `context_id` only names it in logs.
 #[derive(Debug)]
 pub struct RequestFlow {
@@ -256,17 +202,6 @@ pub struct RequestFlow {
     lease_end: Option<Box<LeaseEnd>>,
 }
 
-/// A lease-end lookup's call (built while its stream was there) and what acting on its answer
-/// asks the store; `tries`: lookups made that settled nothing.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaseEnd {
-    pub cluster: String,
-    pub headers: Vec<(String, Vec<u8>)>,
-    pub timeout_ms: u32,
-    pub attempt: ClaimAttempt,
-    pub tries: u32,
-}
-
 impl RequestFlow {
     pub fn new(context_id: u32) -> RequestFlow {
         RequestFlow {
@@ -282,66 +217,9 @@ impl RequestFlow {
         }
     }
 
-    /// The root's own lookup of a record whose lease ended after an unknown outcome it saw
-    /// (`Step::LookUpAtLeaseEnd`); `attempt` is what acting on the answer asks the store.
-    pub fn lease_end(context_id: u32, later: LaterLookup, lease_end: LeaseEnd) -> RequestFlow {
-        let attempt = lease_end.attempt.clone();
-        let LaterLookup { pending, fingerprint, request, .. } = later;
-        RequestFlow {
-            context_id,
-            forwarded_rule: None,
-            rule: Some(Rc::clone(&pending.rule)),
-            body_seen: true,
-            scope: Some(pending.scope),
-            later: None,
-            lookup_request: request,
-            lease_end: Some(Box::new(lease_end)),
-            phase: Phase::Reconciling { pending, fingerprint, attempt },
-        }
-    }
-
     /// A lease-end lookup's flow (`lease_end`): no stream to answer or resume.
     pub fn headless(&self) -> bool {
         self.lease_end.is_some()
-    }
-
-    /// A lease-end lookup's call, and its rule.
-    pub fn lease_end_call(&self) -> Option<(&LeaseEnd, &Rc<Rule>)> {
-        Some((self.lease_end.as_deref()?, self.rule.as_ref()?))
-    }
-
-    /// A lease-end lookup is due: it asks the store first (at `now_ms`), and looks the record up
-    /// only while it is unsettled (`Begin::Unsettled`); in flight (etcd keeps a claim's lease by
-    /// its own clock, a few seconds late) it is asked again later; settled, it is done.
-    pub fn lease_end_due(&mut self, now_ms: u64) -> Output {
-        let Phase::Reconciling { pending, fingerprint, attempt } =
-            std::mem::replace(&mut self.phase, Phase::Idle)
-        else {
-            return Output::go(Vec::new());
-        };
-        if !self.headless() {
-            self.phase = Phase::Reconciling { pending, fingerprint, attempt };
-            return Output::go(Vec::new());
-        }
-        let attempt = ClaimAttempt { now_ms, ..attempt };
-        self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt: attempt.clone() };
-        Output::go(vec![Step::Store(StoreOp::Begin(attempt))])
-    }
-
-    /// A lease-end lookup settled nothing once more: how often now.
-    pub fn lease_end_tried(&mut self) -> u32 {
-        match &mut self.lease_end {
-            Some(l) => {
-                l.tries = l.tries.saturating_add(1);
-                l.tries
-            }
-            None => 0,
-        }
-    }
-
-    /// True while the upstream's lookup is to be asked (or asked again).
-    pub fn awaiting_lookup(&self) -> bool {
-        matches!(self.phase, Phase::Reconciling { .. })
     }
 
     /// The record this request is about (None before its body made one, or when unprotected).
@@ -805,296 +683,6 @@ impl RequestFlow {
             Resumed::Bypassed => self.phase = Phase::Idle,
         }
     }
-
-    /// The upstream's lookup answered (`Step::Lookup`).
-    pub fn lookup_answered(&mut self, answer: LookupAnswer, now_ms: u64) -> Output {
-        let Phase::Reconciling { pending, fingerprint, attempt } =
-            std::mem::replace(&mut self.phase, Phase::Idle)
-        else {
-            return Output::go(Vec::new());
-        };
-        let tag = pending.scope.log_tag();
-        // Acting on a final answer takes the record over; a lookup that settled nothing leaves
-        // the attempt as it was (a lease-end lookup asks again with it: it must never take over).
-        let (attempt, unsettled) = (attempt.clone().after_lookup(now_ms), attempt);
-        match answer {
-            LookupAnswer::Found { status, snapshot } => {
-                log::debug!(
-                    "#{} the upstream executed key {tag} ({status}): adopting its answer",
-                    self.context_id
-                );
-                self.phase =
-                    Phase::Adopting { pending, fingerprint, now_ms, found: Found { status, snapshot } };
-                Output::hold(vec![Step::Store(StoreOp::Begin(attempt))])
-            }
-            LookupAnswer::NotFound => {
-                // Never executed: this request executes now, as a takeover, so that no other
-                // retry runs beside it.
-                log::debug!("#{} the upstream never executed key {tag}: executing it", self.context_id);
-                self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt: attempt.clone() };
-                Output::hold(vec![
-                    Step::Count(Counter::ReconciledNotFound),
-                    Step::Store(StoreOp::Begin(attempt)),
-                ])
-            }
-            LookupAnswer::Failed(why) => {
-                log::debug!("#{} lookup of key {tag} settled nothing: {why}", self.context_id);
-                if self.headless() {
-                    // Asked again later by the root.
-                    self.phase = Phase::Reconciling { pending, fingerprint, attempt: unsettled };
-                    return Output::go(vec![Step::Count(Counter::ReconcileFailed)]);
-                }
-                let reply = Reply::problem(&engine::unsettled(engine::LOOKUP_SPACING_MS));
-                self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::ReconcileFailed)])
-            }
-        }
-    }
-
-    /// No lookup settled the record now (it failed, or one is under way or was made less than
-    /// `retry_after_ms` ago): 503 `outcome-unknown` with `retry-after`; the next retry asks again.
-    pub fn lookup_refused(&mut self, retry_after_ms: u64) -> Output {
-        let Phase::Reconciling { pending, fingerprint, attempt } =
-            std::mem::replace(&mut self.phase, Phase::Idle)
-        else {
-            return Output::go(Vec::new());
-        };
-        if matches!(pending.rule.concurrency, Concurrency::Wait { .. }) {
-            // Another lookup of the record is under way: wait for it as for any original.
-            let decision = Decision::Wait { lease_remaining_ms: retry_after_ms };
-            return self.decided(pending, fingerprint, attempt.now_ms, decision);
-        }
-        let reply = Reply::problem(&engine::unsettled(retry_after_ms));
-        self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::ReconcileFailed)])
-    }
-
-    /// The lookup's answer was written as the record's outcome (or not).
-    fn found_settled(
-        &mut self,
-        cfg: &Config,
-        pending: Pending,
-        claim: Claim,
-        found: Found,
-        settled: Result<Settled, StoreError>,
-    ) -> Output {
-        match settled {
-            Ok(Settled::Done) => {
-                let details = if found.snapshot.is_some() { DETAILS_REPLAY } else { DETAILS_PROBLEM };
-                let begun = match found.snapshot {
-                    Some(snapshot) => Begin::Replay(snapshot),
-                    None => Begin::NotStored { status: found.status },
-                };
-                let mut steps = vec![Step::Count(Counter::ReconciledFound)];
-                if matches!(pending.rule.concurrency, Concurrency::Wait { .. }) {
-                    steps.push(Step::Wake(claim.scope));
-                }
-                if self.headless() {
-                    return Output::go(steps);
-                }
-                match engine::decision_of(cfg, &pending, Ok(begun)) {
-                    Decision::Respond { reply, .. } => self.answer(reply, details, steps),
-                    // A replay or "not stored" is always an answer.
-                    _ => Output::go(steps),
-                }
-            }
-            // Taken from this request in between (its fresh lease makes that all but
-            // impossible), or not written: nothing is settled; the next retry asks again.
-            Ok(Settled::Lost) | Err(_) => {
-                if let Err(e) = &settled {
-                    log::warn!("#{} writing the lookup's answer failed: {e}", self.context_id);
-                }
-                if self.headless() {
-                    return Output::go(vec![Step::Count(Counter::ReconcileFailed)]);
-                }
-                let reply = Reply::problem(&engine::unsettled(engine::LOOKUP_SPACING_MS));
-                self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::ReconcileFailed)])
-            }
-        }
-    }
-
-    /// Response headers.
-    pub fn response_headers(&mut self, facts: &mut dyn StreamFacts, end_of_stream: bool) -> Output {
-        if let Phase::Answered { replay_shape: Some(shape) } = &self.phase {
-            // One read of the map, not one per header (each read is a round trip into the module).
-            let sent = facts.response_headers();
-            let sent_value = |name: &str| sent.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
-            let (content_type, content_length) = (sent_value("content-type"), sent_value("content-length"));
-            let fixes =
-                engine::replay_header_fixes(shape, content_type.as_deref(), content_length.as_deref());
-            let steps = if fixes.is_empty() { Vec::new() } else { vec![Step::FixHeaders(fixes)] };
-            return Output::go(steps);
-        }
-        let Phase::Forwarded { claim, rule } = &self.phase else { return Output::go(Vec::new()) };
-        let (claim, rule) = (*claim, Rc::clone(rule));
-        let sent = facts.response_headers();
-        let status = sent
-            .iter()
-            .find(|(n, _)| n == ":status")
-            .and_then(|(_, s)| std::str::from_utf8(s).ok()?.parse::<u16>().ok());
-        let details = if sent.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME) {
-            Some(VIA_UPSTREAM.to_string())
-        } else {
-            // Envoy's headers suppressed, or a local reply: Envoy says which.
-            property_string(facts, &["response", "code_details"])
-        };
-        // A real upstream answer needs no flags; only local replies are classified by them.
-        let (flags, upstream_selected) =
-            if details.as_deref() == Some(VIA_UPSTREAM) { (0, true) } else { stream_report(facts) };
-        let report = StreamReport { details: details.as_deref(), flags, upstream_selected };
-        match plan_response(&rule, status, report) {
-            ResponsePlan::Capture { state, status } => {
-                let headers = engine::snapshot_headers(sent, &rule.replay_exclude_headers);
-                self.phase = Phase::Capturing(Capture {
-                    claim,
-                    rule,
-                    state,
-                    status,
-                    headers,
-                    body: Vec::new(),
-                    overflowed: false,
-                });
-                let steps = if end_of_stream { self.finish_capture(facts) } else { Vec::new() };
-                Output::go(steps)
-            }
-            plan => Output::go(self.settle(plan, claim, rule, facts)),
-        }
-    }
-
-    /// A response body frame of `size` bytes: copied as it streams by, never held.
-    pub fn response_body(&mut self, facts: &mut dyn StreamFacts, size: usize, end_of_stream: bool) -> Output {
-        let Phase::Capturing(c) = &mut self.phase else { return Output::go(Vec::new()) };
-        if !c.overflowed && size > 0 {
-            match facts.response_body(size) {
-                Ok(chunk) if (c.body.len() + chunk.len()) as u64 <= c.rule.max_response_bytes => {
-                    c.body.extend_from_slice(&chunk)
-                }
-                Ok(_) | Err(Unreadable) => {
-                    c.overflowed = true;
-                    c.body = Vec::new();
-                }
-            }
-        }
-        let steps = if end_of_stream { self.finish_capture(facts) } else { Vec::new() };
-        Output::go(steps)
-    }
-
-    /// Response trailers: with them the last body frame never says end of stream.
-    pub fn response_trailers(&mut self, facts: &mut dyn StreamFacts) -> Output {
-        Output::go(self.finish_capture(facts))
-    }
-
-    /// The stream is over (Envoy's `on_log`), however it ended.
-    pub fn stream_ended(&mut self, facts: &mut dyn StreamFacts) -> Output {
-        let mut steps = Vec::new();
-        if let Some(rule) = self.forwarded_rule.take() {
-            let attempts = property_u64(facts, &["upstream", "request_attempt_count"]).unwrap_or(0);
-            if attempts > 1 {
-                steps.push(Step::Count(Counter::UpstreamRetried));
-                steps.push(Step::WarnRetried { rule: rule.name.clone(), attempts });
-            }
-        }
-        match std::mem::replace(&mut self.phase, Phase::Idle) {
-            Phase::Forwarded { claim, rule } => {
-                let details = property_string(facts, &["response", "code_details"]);
-                let (flags, upstream_selected) = stream_report(facts);
-                let plan = plan_unfinished(
-                    &rule,
-                    StreamReport { details: details.as_deref(), flags, upstream_selected },
-                );
-                log::debug!("#{} stream ended unfinished ({details:?}, flags {flags:#x})", self.context_id);
-                steps.extend(self.settle(plan, claim, rule, facts));
-            }
-            Phase::Capturing(c) => {
-                // The upstream answered with a status worth keeping, so it executed; only its
-                // body never arrived whole (upstream reset mid-body, client gone). Keep the
-                // outcome without the body: a retry gets 410, never a second execution.
-                log::debug!("#{} upstream answer cut mid-body: kept without its body", self.context_id);
-                self.phase = Phase::Capturing(Capture { overflowed: true, body: Vec::new(), ..c });
-                steps.extend(self.finish_capture(facts));
-            }
-            Phase::Waiting => {
-                // The client left while held: nothing was claimed, just stop holding it.
-                log::debug!("#{} held request's client went away", self.context_id);
-                steps.push(Step::LeaveWaitRoom);
-            }
-            Phase::Collecting(pending) if !self.body_seen => {
-                // Nothing was claimed. Either the client left before sending a byte of its body,
-                // or Envoy never hands bodies to the filter (its pause at the headers without
-                // allow_on_headers_stop_iteration stops the whole stream until it times out).
-                // Envoy's own count of the bytes it received tells the two apart: a body that
-                // reached Envoy and never the filter was kept from it.
-                let details = property_string(facts, &["response", "code_details"]);
-                let body_bytes = body_bytes_received(facts);
-                log::debug!(
-                    "#{} ended before any of its body arrived ({details:?}, {body_bytes:?} body bytes at Envoy)",
-                    self.context_id
-                );
-                steps.push(Step::Count(Counter::BodyNeverReceived));
-                let rule = pending.rule.name.clone();
-                steps.push(match body_bytes {
-                    Some(body_bytes) if body_bytes > 0 => {
-                        Step::ErrorStopIterationMissing { rule, details, body_bytes }
-                    }
-                    _ => Step::WarnBodyNeverReceived { rule, details },
-                });
-            }
-            phase => self.phase = phase,
-        }
-        Output::go(steps)
-    }
-
-    fn settle(
-        &mut self,
-        plan: ResponsePlan,
-        claim: Claim,
-        rule: Rc<Rule>,
-        facts: &mut dyn StreamFacts,
-    ) -> Vec<Step> {
-        log::debug!("#{} settled {:?} key {}", self.context_id, plan, claim.scope.log_tag());
-        match plan {
-            ResponsePlan::CompleteUnknown => {
-                // Written like any completion (the local store at once, a remote one by the
-                // root), and counted when the store has taken it.
-                let completion = Completion::outcome_unknown(facts.now_ms(), rule.ttl_ms);
-                self.phase = Phase::Settling { claim, rule, done: Counter::OutcomeUnknown };
-                vec![Step::Store(StoreOp::Complete { claim, completion })]
-            }
-            ResponsePlan::Release => {
-                self.phase = Phase::Settling { claim, rule, done: Counter::Released };
-                vec![Step::Store(StoreOp::Release(claim))]
-            }
-            ResponsePlan::Keep => {
-                self.phase = Phase::Idle;
-                // With `reconcile` the record waits for the lookup, and until then this is what
-                // it is: an unknown outcome.
-                if rule.reconcile.is_none() {
-                    return vec![Step::Count(Counter::KeptUnknown)];
-                }
-                let mut steps = vec![Step::Count(Counter::OutcomeUnknown)];
-                steps.extend(self.later.take().map(Step::LookUpAtLeaseEnd));
-                steps
-            }
-            ResponsePlan::Capture { .. } => {
-                self.phase = Phase::Idle;
-                Vec::new()
-            }
-        }
-    }
-
-    fn finish_capture(&mut self, facts: &mut dyn StreamFacts) -> Vec<Step> {
-        let Phase::Capturing(c) = std::mem::replace(&mut self.phase, Phase::Idle) else { return Vec::new() };
-        let snapshot =
-            (!c.overflowed).then_some(Snapshot { status: c.status, headers: c.headers, body: c.body });
-        let completion = Completion {
-            state: c.state,
-            status: c.status,
-            snapshot,
-            now_ms: facts.now_ms(),
-            ttl_ms: c.rule.ttl_ms,
-        };
-        let done = if c.overflowed { Counter::ResponseNotStored } else { Counter::Stored };
-        self.phase = Phase::Settling { claim: c.claim, rule: c.rule, done };
-        vec![Step::Store(StoreOp::Complete { claim: c.claim, completion })]
-    }
 }
 
 #[cfg(test)]
@@ -1104,6 +692,7 @@ mod tests {
     use crate::store::fake::FakeSharedData;
     use crate::store::local::LocalStore;
     use crate::store::RecordStore;
+    use crate::store::Settled;
     use std::collections::HashMap;
 
     const CONFIG: &str = r#"{"routes":[

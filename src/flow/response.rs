@@ -1,0 +1,239 @@
+//! The response side of a request's flow: what its head, body and end mean for the record (as
+//! `ending.rs` plans it), the capture of the body, and the settlement (`complete` or `release`)
+//! that writes it, carried out by the flow itself or handed to whoever outlives the stream.
+
+use super::facts::{body_bytes_received, property_string, property_u64, stream_report};
+use super::{Capture, Output, Phase, RequestFlow, Step, StreamFacts, Unreadable};
+use crate::config::{Concurrency, Rule};
+use crate::ending::{
+    plan_response, plan_unfinished, ResponsePlan, StreamReport, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
+};
+use crate::engine::{self};
+use crate::metrics::Counter;
+use crate::store::record::Snapshot;
+use crate::store::{Claim, Completion, Settled, StoreError, StoreOp};
+use std::rc::Rc;
+
+/// A `complete` or `release` the flow handed over to be settled by someone who outlives the
+/// stream (the root, for a store across the network); `answered` says what its answer
+/// means.
+#[derive(Debug, Clone)]
+pub struct Settlement {
+    pub context_id: u32,
+    pub claim: Claim,
+    pub rule: Rc<Rule>,
+    pub done: Counter,
+}
+
+impl Settlement {
+    /// What the store's answer to this settlement means, whoever carried it out (the flow
+    /// itself, or the root for a stream that may be gone): the counter (`done`, or lost, or a
+    /// store error) and the wake-up of waiters when the record now has an outcome.
+    pub fn answered(&self, settled: Result<Settled, StoreError>) -> Vec<Step> {
+        let mut steps = Vec::new();
+        let counter = match settled {
+            Ok(Settled::Done) => {
+                // Waiters elsewhere may be able to proceed now that this record has an outcome.
+                if matches!(self.rule.concurrency, Concurrency::Wait { .. }) {
+                    steps.push(Step::Wake(self.claim.scope));
+                }
+                self.done
+            }
+            Ok(Settled::Lost) => Counter::CompletionLost,
+            Err(e) => {
+                log::warn!("#{} settling the claim failed: {e}", self.context_id);
+                Counter::StoreError
+            }
+        };
+        log::debug!("#{} {} key {}", self.context_id, counter.name(), self.claim.scope.log_tag());
+        steps.push(Step::Count(counter));
+        steps
+    }
+}
+
+impl RequestFlow {
+    /// Response headers.
+    pub fn response_headers(&mut self, facts: &mut dyn StreamFacts, end_of_stream: bool) -> Output {
+        if let Phase::Answered { replay_shape: Some(shape) } = &self.phase {
+            // One read of the map, not one per header (each read is a round trip into the module).
+            let sent = facts.response_headers();
+            let sent_value = |name: &str| sent.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+            let (content_type, content_length) = (sent_value("content-type"), sent_value("content-length"));
+            let fixes =
+                engine::replay_header_fixes(shape, content_type.as_deref(), content_length.as_deref());
+            let steps = if fixes.is_empty() { Vec::new() } else { vec![Step::FixHeaders(fixes)] };
+            return Output::go(steps);
+        }
+        let Phase::Forwarded { claim, rule } = &self.phase else { return Output::go(Vec::new()) };
+        let (claim, rule) = (*claim, Rc::clone(rule));
+        let sent = facts.response_headers();
+        let status = sent
+            .iter()
+            .find(|(n, _)| n == ":status")
+            .and_then(|(_, s)| std::str::from_utf8(s).ok()?.parse::<u16>().ok());
+        let details = if sent.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME) {
+            Some(VIA_UPSTREAM.to_string())
+        } else {
+            // Envoy's headers suppressed, or a local reply: Envoy says which.
+            property_string(facts, &["response", "code_details"])
+        };
+        // A real upstream answer needs no flags; only local replies are classified by them.
+        let (flags, upstream_selected) =
+            if details.as_deref() == Some(VIA_UPSTREAM) { (0, true) } else { stream_report(facts) };
+        let report = StreamReport { details: details.as_deref(), flags, upstream_selected };
+        match plan_response(&rule, status, report) {
+            ResponsePlan::Capture { state, status } => {
+                let headers = engine::snapshot_headers(sent, &rule.replay_exclude_headers);
+                self.phase = Phase::Capturing(Capture {
+                    claim,
+                    rule,
+                    state,
+                    status,
+                    headers,
+                    body: Vec::new(),
+                    overflowed: false,
+                });
+                let steps = if end_of_stream { self.finish_capture(facts) } else { Vec::new() };
+                Output::go(steps)
+            }
+            plan => Output::go(self.settle(plan, claim, rule, facts)),
+        }
+    }
+
+    /// A response body frame of `size` bytes: copied as it streams by, never held.
+    pub fn response_body(&mut self, facts: &mut dyn StreamFacts, size: usize, end_of_stream: bool) -> Output {
+        let Phase::Capturing(c) = &mut self.phase else { return Output::go(Vec::new()) };
+        if !c.overflowed && size > 0 {
+            match facts.response_body(size) {
+                Ok(chunk) if (c.body.len() + chunk.len()) as u64 <= c.rule.max_response_bytes => {
+                    c.body.extend_from_slice(&chunk)
+                }
+                Ok(_) | Err(Unreadable) => {
+                    c.overflowed = true;
+                    c.body = Vec::new();
+                }
+            }
+        }
+        let steps = if end_of_stream { self.finish_capture(facts) } else { Vec::new() };
+        Output::go(steps)
+    }
+
+    /// Response trailers: with them the last body frame never says end of stream.
+    pub fn response_trailers(&mut self, facts: &mut dyn StreamFacts) -> Output {
+        Output::go(self.finish_capture(facts))
+    }
+
+    /// The stream is over (Envoy's `on_log`), however it ended.
+    pub fn stream_ended(&mut self, facts: &mut dyn StreamFacts) -> Output {
+        let mut steps = Vec::new();
+        if let Some(rule) = self.forwarded_rule.take() {
+            let attempts = property_u64(facts, &["upstream", "request_attempt_count"]).unwrap_or(0);
+            if attempts > 1 {
+                steps.push(Step::Count(Counter::UpstreamRetried));
+                steps.push(Step::WarnRetried { rule: rule.name.clone(), attempts });
+            }
+        }
+        match std::mem::replace(&mut self.phase, Phase::Idle) {
+            Phase::Forwarded { claim, rule } => {
+                let details = property_string(facts, &["response", "code_details"]);
+                let (flags, upstream_selected) = stream_report(facts);
+                let plan = plan_unfinished(
+                    &rule,
+                    StreamReport { details: details.as_deref(), flags, upstream_selected },
+                );
+                log::debug!("#{} stream ended unfinished ({details:?}, flags {flags:#x})", self.context_id);
+                steps.extend(self.settle(plan, claim, rule, facts));
+            }
+            Phase::Capturing(c) => {
+                // The upstream answered with a status worth keeping, so it executed; only its
+                // body never arrived whole (upstream reset mid-body, client gone). Keep the
+                // outcome without the body: a retry gets 410, never a second execution.
+                log::debug!("#{} upstream answer cut mid-body: kept without its body", self.context_id);
+                self.phase = Phase::Capturing(Capture { overflowed: true, body: Vec::new(), ..c });
+                steps.extend(self.finish_capture(facts));
+            }
+            Phase::Waiting => {
+                // The client left while held: nothing was claimed, just stop holding it.
+                log::debug!("#{} held request's client went away", self.context_id);
+                steps.push(Step::LeaveWaitRoom);
+            }
+            Phase::Collecting(pending) if !self.body_seen => {
+                // Nothing was claimed. Either the client left before sending a byte of its body,
+                // or Envoy never hands bodies to the filter (its pause at the headers without
+                // allow_on_headers_stop_iteration stops the whole stream until it times out).
+                // Envoy's own count of the bytes it received tells the two apart: a body that
+                // reached Envoy and never the filter was kept from it.
+                let details = property_string(facts, &["response", "code_details"]);
+                let body_bytes = body_bytes_received(facts);
+                log::debug!(
+                    "#{} ended before any of its body arrived ({details:?}, {body_bytes:?} body bytes at Envoy)",
+                    self.context_id
+                );
+                steps.push(Step::Count(Counter::BodyNeverReceived));
+                let rule = pending.rule.name.clone();
+                steps.push(match body_bytes {
+                    Some(body_bytes) if body_bytes > 0 => {
+                        Step::ErrorStopIterationMissing { rule, details, body_bytes }
+                    }
+                    _ => Step::WarnBodyNeverReceived { rule, details },
+                });
+            }
+            phase => self.phase = phase,
+        }
+        Output::go(steps)
+    }
+
+    pub(super) fn settle(
+        &mut self,
+        plan: ResponsePlan,
+        claim: Claim,
+        rule: Rc<Rule>,
+        facts: &mut dyn StreamFacts,
+    ) -> Vec<Step> {
+        log::debug!("#{} settled {:?} key {}", self.context_id, plan, claim.scope.log_tag());
+        match plan {
+            ResponsePlan::CompleteUnknown => {
+                // Written like any completion (the local store at once, a remote one by the
+                // root), and counted when the store has taken it.
+                let completion = Completion::outcome_unknown(facts.now_ms(), rule.ttl_ms);
+                self.phase = Phase::Settling { claim, rule, done: Counter::OutcomeUnknown };
+                vec![Step::Store(StoreOp::Complete { claim, completion })]
+            }
+            ResponsePlan::Release => {
+                self.phase = Phase::Settling { claim, rule, done: Counter::Released };
+                vec![Step::Store(StoreOp::Release(claim))]
+            }
+            ResponsePlan::Keep => {
+                self.phase = Phase::Idle;
+                // With `reconcile` the record waits for the lookup, and until then this is what
+                // it is: an unknown outcome.
+                if rule.reconcile.is_none() {
+                    return vec![Step::Count(Counter::KeptUnknown)];
+                }
+                let mut steps = vec![Step::Count(Counter::OutcomeUnknown)];
+                steps.extend(self.later.take().map(Step::LookUpAtLeaseEnd));
+                steps
+            }
+            ResponsePlan::Capture { .. } => {
+                self.phase = Phase::Idle;
+                Vec::new()
+            }
+        }
+    }
+
+    pub(super) fn finish_capture(&mut self, facts: &mut dyn StreamFacts) -> Vec<Step> {
+        let Phase::Capturing(c) = std::mem::replace(&mut self.phase, Phase::Idle) else { return Vec::new() };
+        let snapshot =
+            (!c.overflowed).then_some(Snapshot { status: c.status, headers: c.headers, body: c.body });
+        let completion = Completion {
+            state: c.state,
+            status: c.status,
+            snapshot,
+            now_ms: facts.now_ms(),
+            ttl_ms: c.rule.ttl_ms,
+        };
+        let done = if c.overflowed { Counter::ResponseNotStored } else { Counter::Stored };
+        self.phase = Phase::Settling { claim: c.claim, rule: c.rule, done };
+        vec![Step::Store(StoreOp::Complete { claim: c.claim, completion })]
+    }
+}

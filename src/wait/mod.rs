@@ -156,17 +156,6 @@ impl<H> WaitRoom<H> {
     }
 }
 
-/// What a waiter gets when it looks at its record again.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Recheck {
-    /// It became the owner (the original was released, or its lease ended): forward it.
-    Forward { claim: Claim, counter: Counter },
-    /// Answer it (replay, or a problem such as 409 after `wait_timeout`).
-    Respond { reply: Reply, counter: Counter },
-    /// Still processing: wait on, until `recheck_at_ms` at the latest.
-    KeepWaiting { recheck_at_ms: u64 },
-}
-
 /// How a held request was resolved by its root (read once by its stream).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Resumed {
@@ -181,7 +170,9 @@ pub enum Resumed {
     Bypassed,
 }
 
-/// What the root does for a waiter it looked at again.
+/// A waiter's fate, decided when it looks at its record again (`recheck_answered`,
+/// `recheck_failed`): the one place it is decided, from the request's `Decision`; the root only
+/// carries it out, and leaves the stream word of it (`Resumed`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WaiterPlan {
     /// Still processing: put it back, to look again at this time.
@@ -194,24 +185,6 @@ pub enum WaiterPlan {
     /// The store failed during its recheck, fail_open: count, leave word, resume it without a
     /// claim.
     Bypass { counter: Counter, resumed: Resumed },
-}
-
-/// What a recheck's outcome means for the root.
-fn waiter_plan(recheck: Recheck, rule: &Rc<Rule>) -> WaiterPlan {
-    match recheck {
-        Recheck::KeepWaiting { recheck_at_ms } => WaiterPlan::Repark { recheck_at_ms },
-        Recheck::Forward { claim, counter } => WaiterPlan::Resume {
-            counter,
-            resumed: Resumed::Forwarded { claim, rule: Rc::clone(rule) },
-            release: StoreOp::Release(claim),
-        },
-        Recheck::Respond { reply, counter } => WaiterPlan::Answer {
-            counter,
-            resumed: Resumed::Answered { replay_shape: reply.replay_shape.clone() },
-            details: reply_details(counter),
-            reply,
-        },
-    }
 }
 
 /// The first wait: when to look again if no wake-up comes.
@@ -240,10 +213,10 @@ pub fn give_up_at(pending: &Pending, now_ms: u64) -> u64 {
     now_ms.saturating_add(wait_timeout_ms(pending).unwrap_or(0))
 }
 
-/// A recheck's outcome against a store that answers at once (what `recheck_answered` plans from).
+/// A recheck against a store that answers at once.
 #[cfg(test)]
-fn recheck<H>(cfg: &Config, w: &Waiter<H>, store: &dyn RecordStore, now_ms: u64, owner: u64) -> Recheck {
-    recheck_outcome(cfg, w, recheck_op(cfg, w, now_ms, owner).perform(store), now_ms)
+fn recheck<H>(cfg: &Config, w: &Waiter<H>, store: &dyn RecordStore, now_ms: u64, owner: u64) -> WaiterPlan {
+    recheck_answered(cfg, w, recheck_op(cfg, w, now_ms, owner).perform(store), now_ms)
 }
 
 /// What a waiter asks the store when it looks at its record again: a fresh `begin`.
@@ -254,7 +227,33 @@ pub fn recheck_op<H>(cfg: &Config, w: &Waiter<H>, now_ms: u64, owner: u64) -> St
 /// What the root does for a woken waiter, from the store's answer to its `recheck_op`: the
 /// one place a waiter's fate is decided (the root only carries the plan out).
 pub fn recheck_answered<H>(cfg: &Config, w: &Waiter<H>, answer: StoreAnswer, now_ms: u64) -> WaiterPlan {
-    waiter_plan(recheck_outcome(cfg, w, answer, now_ms), &w.pending.rule)
+    let begun = answer.into_begun();
+    let respond = |reply: Reply, counter: Counter| WaiterPlan::Answer {
+        counter,
+        resumed: Resumed::Answered { replay_shape: reply.replay_shape.clone() },
+        details: reply_details(counter),
+        reply,
+    };
+    let repark = |recheck_at_ms| WaiterPlan::Repark { recheck_at_ms };
+    match decision_of(cfg, &w.pending, begun) {
+        // It became the owner (the original was released, or its lease ended): forward it.
+        Decision::Forward { claim, counter } => WaiterPlan::Resume {
+            counter,
+            resumed: Resumed::Forwarded { claim, rule: Rc::clone(&w.pending.rule) },
+            release: StoreOp::Release(claim),
+        },
+        Decision::Respond { reply, counter } => respond(reply, counter),
+        Decision::Wait { lease_remaining_ms } if now_ms >= w.give_up_at_ms => {
+            respond(in_flight_reply(cfg, lease_remaining_ms), Counter::WaitTimedOut)
+        }
+        Decision::Wait { .. } if w.woken => repark(now_ms),
+        Decision::Wait { lease_remaining_ms } if w.poll_ms > 0 => {
+            repark(poll_recheck(now_ms, next_poll(w.poll_ms, w.watched), lease_remaining_ms, w.give_up_at_ms))
+        }
+        Decision::Wait { lease_remaining_ms } => {
+            repark(first_recheck(now_ms, lease_remaining_ms, w.give_up_at_ms))
+        }
+    }
 }
 
 /// What a waiter gets when the store failed during its recheck: the fail mode decides, as for a
@@ -271,30 +270,6 @@ pub fn recheck_failed<H>(
             WaiterPlan::Bypass { counter: Counter::StoreBypassed, resumed: Resumed::Bypassed }
         }
         OnStoreError::FailClosed => recheck_answered(cfg, w, StoreAnswer::Begun(Err(error)), now_ms),
-    }
-}
-
-fn recheck_outcome<H>(cfg: &Config, w: &Waiter<H>, answer: StoreAnswer, now_ms: u64) -> Recheck {
-    let begun = answer.into_begun();
-    match decision_of(cfg, &w.pending, begun) {
-        Decision::Forward { claim, counter } => Recheck::Forward { claim, counter },
-        Decision::Respond { reply, counter } => Recheck::Respond { reply, counter },
-        Decision::Wait { lease_remaining_ms } if now_ms >= w.give_up_at_ms => Recheck::Respond {
-            reply: in_flight_reply(cfg, lease_remaining_ms),
-            counter: Counter::WaitTimedOut,
-        },
-        Decision::Wait { .. } if w.woken => Recheck::KeepWaiting { recheck_at_ms: now_ms },
-        Decision::Wait { lease_remaining_ms } if w.poll_ms > 0 => Recheck::KeepWaiting {
-            recheck_at_ms: poll_recheck(
-                now_ms,
-                next_poll(w.poll_ms, w.watched),
-                lease_remaining_ms,
-                w.give_up_at_ms,
-            ),
-        },
-        Decision::Wait { lease_remaining_ms } => {
-            Recheck::KeepWaiting { recheck_at_ms: first_recheck(now_ms, lease_remaining_ms, w.give_up_at_ms) }
-        }
     }
 }
 
@@ -389,12 +364,12 @@ mod tests {
             other => panic!("{other:?}"),
         };
         let w = waiter(&c, 7, "a", 10);
-        assert_eq!(recheck(&c, &w, &store, 100, 2), Recheck::KeepWaiting { recheck_at_ms: 1_100 });
+        assert_eq!(recheck(&c, &w, &store, 100, 2), WaiterPlan::Repark { recheck_at_ms: 1_100 });
         // At the give-up time (before the lease ends): 409 with retry-after, counted as a
         // timed-out wait. After the lease it would have been a takeover instead.
         let impatient = Waiter { give_up_at_ms: 1_500, ..waiter(&c, 7, "a", 10) };
         match recheck(&c, &impatient, &store, 1_500, 3) {
-            Recheck::Respond { reply, counter } => {
+            WaiterPlan::Answer { reply, counter, .. } => {
                 assert_eq!((reply.status, counter), (409, Counter::WaitTimedOut));
             }
             other => panic!("{other:?}"),
@@ -410,8 +385,9 @@ mod tests {
         };
         store.complete(&claim, &completion).unwrap();
         match recheck(&c, &w, &store, 201, 4) {
-            Recheck::Respond { reply, counter } => {
-                assert_eq!((reply.body.as_slice(), counter), (&b"done"[..], Counter::Replayed))
+            WaiterPlan::Answer { reply, counter, details, .. } => {
+                assert_eq!((reply.body.as_slice(), counter), (&b"done"[..], Counter::Replayed));
+                assert_eq!(details, crate::engine::DETAILS_REPLAY);
             }
             other => panic!("{other:?}"),
         }
@@ -423,11 +399,14 @@ mod tests {
         };
         store.release(&claim_b).unwrap();
         let (w1, w2) = (waiter(&c, 8, "b", 300), waiter(&c, 9, "b", 300));
-        assert!(matches!(
-            recheck(&c, &w1, &store, 301, 6),
-            Recheck::Forward { counter: Counter::Claimed, .. }
-        ));
-        assert!(matches!(recheck(&c, &w2, &store, 302, 7), Recheck::KeepWaiting { .. }));
+        // It owns the record now; should it not be resumed, its own claim is what is released.
+        match recheck(&c, &w1, &store, 301, 6) {
+            WaiterPlan::Resume { counter, resumed: Resumed::Forwarded { claim, .. }, release } => {
+                assert_eq!((counter, release), (Counter::Claimed, StoreOp::Release(claim)))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(recheck(&c, &w2, &store, 302, 7), WaiterPlan::Repark { .. }));
     }
 
     #[test]
@@ -448,10 +427,10 @@ mod tests {
         let p = pending(&c, "a");
         assert!(matches!(decide(&c, &p, b"x", &store, 0, 1), Decision::Forward { .. }));
         let w = Waiter { poll_ms: 200, ..waiter(&c, 7, "a", 10) };
-        assert_eq!(recheck(&c, &w, &store, 100, 2), Recheck::KeepWaiting { recheck_at_ms: 500 });
+        assert_eq!(recheck(&c, &w, &store, 100, 2), WaiterPlan::Repark { recheck_at_ms: 500 });
         // Woken while its recheck was in flight: look again at once.
         let w = Waiter { woken: true, ..w };
-        assert_eq!(recheck(&c, &w, &store, 100, 3), Recheck::KeepWaiting { recheck_at_ms: 100 });
+        assert_eq!(recheck(&c, &w, &store, 100, 3), WaiterPlan::Repark { recheck_at_ms: 100 });
     }
 
     #[test]
@@ -477,22 +456,5 @@ mod tests {
         assert_eq!(first_recheck(0, 300, 5_000), 300);
         assert_eq!(first_recheck(0, 30_000, 5_000), RECHECK_EVERY_MS);
         assert_eq!(first_recheck(0, 30_000, 200), 200);
-    }
-
-    #[test]
-    fn a_waiter_plan_releases_the_claim_if_it_cannot_resume() {
-        let rule = cfg().rules[0].clone();
-        let claim = Claim { scope: ScopeId([1; 32]), owner: 7, locator: 0, written: None };
-        match waiter_plan(Recheck::Forward { claim, counter: Counter::Claimed }, &rule) {
-            WaiterPlan::Resume { counter, release, .. } => {
-                assert_eq!((counter, release), (Counter::Claimed, StoreOp::Release(claim)))
-            }
-            other => panic!("{other:?}"),
-        }
-        let reply = Reply { status: 200, headers: vec![], body: vec![], replay_shape: None };
-        match waiter_plan(Recheck::Respond { reply, counter: Counter::Replayed }, &rule) {
-            WaiterPlan::Answer { details, .. } => assert_eq!(details, crate::engine::DETAILS_REPLAY),
-            other => panic!("{other:?}"),
-        }
     }
 }

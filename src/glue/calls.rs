@@ -13,8 +13,9 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
-/// Where the root leaves word for a held request it resolved; read once by its HTTP context.
-pub type WaitHandle = Rc<Cell<Option<Resumed>>>;
+/// Where the root leaves word for a request it holds and resolved (a waiter, or a detached
+/// call's client); read once by its HTTP context.
+pub type HeldHandle = Rc<Cell<Option<Resumed>>>;
 
 /// A `complete`/`release` the root carries out for a stream that may already be gone.
 pub struct RootSettlement {
@@ -34,7 +35,7 @@ pub struct RootSettlement {
 /// The answer a detached call's client gets, and where its stream is told before.
 pub struct DetachedReply {
     pub reply: crate::engine::Reply,
-    pub handle: WaitHandle,
+    pub handle: HeldHandle,
 }
 
 /// A claimed request the worker's root carries upstream itself (`execution: "detached"`): the
@@ -49,7 +50,7 @@ pub struct DetachedCall {
     pub body: Vec<u8>,
     pub timeout_ms: u32,
     /// Where the root tells the stream how it was resolved, before answering it.
-    pub handle: WaitHandle,
+    pub handle: HeldHandle,
     /// `reconcile`: the record's lookup at its lease's end, should the call end without an
     /// outcome.
     pub lease_end: Option<Box<LeaseEndLookup>>,
@@ -93,7 +94,7 @@ impl Retry {
 /// Where the root gives a request's flow back once its `begin` is answered; the stream takes
 /// it at its next callback.
 /// If the answer parked the request (wait mode), the wait handle comes back with it.
-pub type FlowHandle = Rc<RefCell<Option<(RequestFlow, Option<WaitHandle>)>>>;
+pub type FlowHandle = Rc<RefCell<Option<(RequestFlow, Option<HeldHandle>)>>>;
 
 /// A `begin` the root carries out for a paused request: the request's flow travels with it,
 /// and the root answers or resumes the request (or, if its stream is gone by then, gives back

@@ -5,8 +5,8 @@
 
 use super::admin;
 use super::calls::{
-    DetachedCall, DetachedReply, FlowHandle, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall,
-    RootLookup, RootRecheck, WaitHandle,
+    DetachedCall, DetachedReply, FlowHandle, HeldHandle, LeaseEndLookup, Lookup, RootAdmin, RootBegin,
+    RootCall, RootLookup, RootRecheck,
 };
 use super::plugin::PluginState;
 use super::settle::{
@@ -29,7 +29,7 @@ use std::rc::Rc;
 
 /// Looks at a waiter's record again and answers, forwards or re-parks it: at once when the
 /// store answers at once, else when its callouts are answered, the waiter held meanwhile.
-pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>) {
+pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<HeldHandle>) {
     let host = &plugin.host;
     let now_ms = host.now_ms();
     let owner = plugin.owner_token(w.context_id);
@@ -55,7 +55,7 @@ pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>) {
 }
 
 /// Carries out what a recheck decided for its waiter (the effective context is the waiter's).
-fn resolve_waiter<H: Host>(plugin: &PluginState<H>, w: Waiter<WaitHandle>, plan: WaiterPlan) {
+fn resolve_waiter<H: Host>(plugin: &PluginState<H>, w: Waiter<HeldHandle>, plan: WaiterPlan) {
     let host = &plugin.host;
     match plan {
         WaiterPlan::Repark { recheck_at_ms } => {
@@ -218,7 +218,7 @@ fn dispatch_detached<H: Host>(plugin: &PluginState<H>, mut call: Box<DetachedCal
 fn refuse_detached<H: Host>(
     plugin: &PluginState<H>,
     context_id: u32,
-    handle: &WaitHandle,
+    handle: &HeldHandle,
     rule: &crate::config::Rule,
     why: &str,
 ) {
@@ -409,7 +409,7 @@ fn carry_out<H: Host>(
 ) {
     let host = &plugin.host;
     let mut verdict = out.verdict;
-    let mut wait_handle = None;
+    let mut held_handle = None;
     let mut steps: std::collections::VecDeque<Step> = out.steps.into();
     while let Some(step) = steps.pop_front() {
         let more = match step {
@@ -436,7 +436,7 @@ fn carry_out<H: Host>(
             Step::Park(plan) => {
                 let (admitted, handle) = plugin.park(context_id, plan);
                 if admitted.is_ok() {
-                    wait_handle = Some(handle);
+                    held_handle = Some(handle);
                 }
                 Some(flow.parked(&plugin.config, admitted))
             }
@@ -444,10 +444,10 @@ fn carry_out<H: Host>(
             // stays paused, and the handle that will say how it was answered goes back with
             // its flow.
             Step::Detach { claim, rule, later } => {
-                let handle: WaitHandle = Rc::new(std::cell::Cell::new(None));
+                let handle: HeldHandle = Rc::new(std::cell::Cell::new(None));
                 match plugin.detach(context_id, claim, &rule, Rc::clone(&handle), later) {
                     Ok(()) => {
-                        wait_handle = Some(handle);
+                        held_handle = Some(handle);
                         None
                     }
                     Err(why) => Some(flow.detach_refused(&why)),
@@ -506,7 +506,7 @@ fn carry_out<H: Host>(
         }
         return;
     }
-    *handle.borrow_mut() = Some((flow, wait_handle));
+    *handle.borrow_mut() = Some((flow, held_handle));
     if verdict == Verdict::Continue {
         if let Err(HostError(s)) = host.resume_request() {
             log::warn!("#{context_id} could not resume the request (host status {s})");

@@ -3,7 +3,7 @@
 //! how a failed host call is reported.
 
 use super::admin;
-use super::calls::{FlowHandle, WaitHandle};
+use super::calls::{FlowHandle, HeldHandle};
 use super::pairs::HeaderMap;
 use super::plugin::PluginState;
 use super::{
@@ -82,7 +82,7 @@ pub struct Http<H: Host> {
     plugin: Option<Rc<PluginState<H>>>,
     flow: RequestFlow,
     /// Set while the request is held in the wait room: where the root leaves word.
-    wait_handle: Option<WaitHandle>,
+    held_handle: Option<HeldHandle>,
     /// Set while the root carries out this request's `begin` on the remote store (the request
     /// is paused and its flow is with the root): where the root gives the flow back.
     flow_handle: Option<FlowHandle>,
@@ -100,7 +100,7 @@ impl<H: Host> Http<H> {
             context_id,
             plugin,
             flow: RequestFlow::new(context_id),
-            wait_handle: None,
+            held_handle: None,
             flow_handle: None,
             hold_response: false,
             response_held: 0,
@@ -117,15 +117,15 @@ impl<H: Host> Http<H> {
     ) -> Verdict {
         let Some(plugin) = self.plugin.clone() else { return Verdict::Continue };
         // The flow first: a remote `begin` may have parked it, and its wait handle comes with it.
-        if let Some((flow, wait_handle)) = self.flow_handle.as_ref().and_then(|h| h.borrow_mut().take()) {
+        if let Some((flow, held_handle)) = self.flow_handle.as_ref().and_then(|h| h.borrow_mut().take()) {
             self.flow_handle = None;
             self.flow = flow;
-            if wait_handle.is_some() {
-                self.wait_handle = wait_handle;
+            if held_handle.is_some() {
+                self.held_handle = held_handle;
             }
         }
-        if let Some(resumed) = self.wait_handle.as_ref().and_then(|h| h.take()) {
-            self.wait_handle = None;
+        if let Some(resumed) = self.held_handle.as_ref().and_then(|h| h.take()) {
+            self.held_handle = None;
             self.flow.resumed(resumed);
         }
         let mut facts = Facts {
@@ -156,7 +156,7 @@ impl<H: Host> Http<H> {
     pub fn inert(&self) -> bool {
         self.flow.inert()
             && self.flow_handle.is_none()
-            && self.wait_handle.is_none()
+            && self.held_handle.is_none()
             && self.response_held == 0
             && self.admin.is_none()
     }
@@ -249,7 +249,7 @@ impl<H: Host> Http<H> {
                 Step::Park(plan) => {
                     let (admitted, handle) = plugin.park(self.context_id, plan);
                     if admitted.is_ok() {
-                        self.wait_handle = Some(handle);
+                        self.held_handle = Some(handle);
                     }
                     Some(self.flow.parked(&plugin.config, admitted))
                 }
@@ -260,10 +260,10 @@ impl<H: Host> Http<H> {
                 // Detached execution: the root makes the call and answers this stream (the
                 // handle says how, before its reply comes through the encode callbacks).
                 Step::Detach { claim, rule, later } => {
-                    let handle: WaitHandle = Rc::new(std::cell::Cell::new(None));
+                    let handle: HeldHandle = Rc::new(std::cell::Cell::new(None));
                     match plugin.detach(self.context_id, claim, &rule, Rc::clone(&handle), later) {
                         Ok(()) => {
-                            self.wait_handle = Some(handle);
+                            self.held_handle = Some(handle);
                             None
                         }
                         Err(why) => Some(self.flow.detach_refused(&why)),
@@ -317,7 +317,7 @@ impl<H: Host> Http<H> {
                 }
                 Step::LeaveWaitRoom => {
                     plugin.room.borrow_mut().leave(self.context_id);
-                    self.wait_handle = None;
+                    self.held_handle = None;
                     None
                 }
                 Step::WarnRetried { rule, attempts } => {

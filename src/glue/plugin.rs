@@ -3,8 +3,8 @@
 //! statics, because after a config update the old and new root contexts share one VM.
 
 use super::calls::{
-    DetachedCall, FlowHandle, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootCalls, RootLookup,
-    RootSettlement, WaitHandle, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS, SETTLE_NOW,
+    DetachedCall, FlowHandle, HeldHandle, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootCalls,
+    RootLookup, RootSettlement, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS, SETTLE_NOW,
 };
 use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
 use crate::config::{self, Config, Execution, Rule, StoreConfig, UnknownOutcome};
@@ -128,7 +128,7 @@ pub struct PluginState<H: Host> {
     metrics: Metrics,
     tokens: Cell<u64>,
     seed: u64,
-    pub room: RefCell<WaitRoom<WaitHandle>>,
+    pub room: RefCell<WaitRoom<HeldHandle>>,
     registry: Registry<H>,
     queue_name: String,
     pub queue_id: Option<u32>,
@@ -305,8 +305,8 @@ impl<H: Host> PluginState<H> {
     /// Holds a request in the wait room as its flow planned. A waiter on a remote store polls
     /// it (its original may run on another Envoy, whose wake-ups never come here): first after
     /// `POLL_FIRST_MS`, doubling; on the local store it relies on wake-ups and the 1 s fallback.
-    pub fn park(&self, context_id: u32, plan: ParkPlan) -> (Result<(), RoomFull>, WaitHandle) {
-        let handle: WaitHandle = Rc::new(Cell::new(None));
+    pub fn park(&self, context_id: u32, plan: ParkPlan) -> (Result<(), RoomFull>, HeldHandle) {
+        let handle: HeldHandle = Rc::new(Cell::new(None));
         let just_advertised = self.ensure_advertised(plan.now_ms);
         let remote = self.store.remote().is_some();
         let (recheck_at_ms, poll_ms) = match (remote, just_advertised) {
@@ -455,7 +455,7 @@ impl<H: Host> PluginState<H> {
         context_id: u32,
         claim: Claim,
         rule: &Rc<Rule>,
-        handle: WaitHandle,
+        handle: HeldHandle,
         later: Option<Box<LaterLookup>>,
     ) -> Result<(), String> {
         let call = self.detached_call(context_id, claim, rule, handle).map(|mut call| {
@@ -482,7 +482,7 @@ impl<H: Host> PluginState<H> {
         context_id: u32,
         claim: Claim,
         rule: &Rc<Rule>,
-        handle: WaitHandle,
+        handle: HeldHandle,
     ) -> Result<DetachedCall, String> {
         let Execution::Detached { cluster, upstream_timeout_ms, rewrite } = &rule.execution else {
             return Err("not a detached rule".into());

@@ -3,7 +3,7 @@
 //! with backoff), the store calls every conversation makes, and the reply or held response that
 //! goes out once a settlement is written. Calls nothing above it (`carry.rs`, `root.rs`).
 
-use super::calls::{DetachedReply, Retry, RootCall, RootSettlement, WaitHandle};
+use super::calls::{DetachedReply, HeldHandle, Retry, RootCall, RootSettlement};
 use super::plugin::PluginState;
 use super::remote;
 use super::{Host, HostError};
@@ -129,7 +129,7 @@ pub(super) fn on_store_error<H: Host>(plugin: &PluginState<H>) -> OnStoreError {
 pub(super) fn answer_detached<H: Host>(
     plugin: &PluginState<H>,
     context_id: u32,
-    handle: &WaitHandle,
+    handle: &HeldHandle,
     reply: &crate::engine::Reply,
     details: &str,
 ) {

@@ -5,7 +5,8 @@
 //! exchange's steps because it is its own bookkeeping: which lease a write names, and when one
 //! must be granted first (`Exchange::lease_or_write`).
 
-use super::{unusable, wire, EtcdStore, Exchange, Move, Stage, StoreError};
+use super::exchange::{Move, Stage};
+use super::{unusable, wire, EtcdStore, Exchange, StoreError};
 
 /// Records whose expiry falls in the same window share one etcd lease, which ends after the
 /// window: a worker grants one lease per window in use, never one per request.

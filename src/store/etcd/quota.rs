@@ -4,9 +4,10 @@
 //! of a new claim found over its bound. The module docs of `store::etcd` say why a new claim
 //! counts after its puts and where racing claims can overshoot.
 
+use super::exchange::{Move, Stage};
 use super::keys::{counts_until, tag_of};
 use super::wire::{self, Guard, TxnOp};
-use super::{unusable, EtcdStore, Exchange, Move, Stage};
+use super::{unusable, EtcdStore, Exchange};
 use crate::store::record::{Entry, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED};
 use crate::store::{Begin, ClaimAttempt, StoreError, StoreOp};
 

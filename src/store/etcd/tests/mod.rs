@@ -8,13 +8,16 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use super::cache::ReplayCacheSettings;
+use super::exchange::TXN_ATTEMPTS;
 use super::keys::hex;
-use super::leases::CACHED_LEASES;
+use super::leases::{window_end, CACHED_LEASES, LIVE_CLAIM_RETRY_MS};
 use super::*;
+use crate::config::etcd::ETCD_MAX_REQUEST_BYTES;
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
-use crate::store::record::{Snapshot, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED};
-use crate::store::{QuotaCharge, StoreAnswer, UnknownOutcome};
+use crate::store::record::{Snapshot, State, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED};
+use crate::store::remote::Answer;
+use crate::store::{Claim, Completion, QuotaCharge, Settled, StoreAnswer, UnknownOutcome};
 
 mod auth;
 mod bad_answers;

@@ -1,7 +1,7 @@
 //! The etcd leases a worker grants and reuses: records share one lease per expiry window
 //! (`LEASE_WINDOW_MS`), claims' lease keys one claim lease per processing lease length and
-//! reuse window, so grants follow the number of windows in use, never the request rate (the
-//! module docs of `store::etcd` say why each lease is as long as it is). Apart from the
+//! reuse window, so grants follow the number of windows in use, never the request rate
+//! (docs/ETCD.md#data-model says why each lease is as long as it is). Apart from the
 //! exchange's steps because it is its own bookkeeping: which lease a write names, and when one
 //! must be granted first (`Exchange::lease_or_write`).
 

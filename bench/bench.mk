@@ -56,7 +56,7 @@ bench-bins:
 	@if [ -n "$(WASM_OPT)" ]; then "$(WASM_OPT)" $(WASM_OPT_FLAGS) $(BENCH_NAIVE_OUT) -o $(BENCH_NAIVE_WASM); \
 	else cp $(BENCH_NAIVE_OUT) $(BENCH_NAIVE_WASM); fi
 
-bench: build tools bench-bins bench-before-wasm
+bench: build tools etcd bench-bins bench-before-wasm
 	$(BENCH_RUN) --memory $(if $(filter 0 no off false,$(BENCH_MEMORY)),off,on) \
 	  $(if $(BENCH_BEFORE),--before-wasm $(BENCH_BEFORE_WASM) --before-label $(BENCH_BEFORE)) \
 	  --command "make bench$(if $(BENCH_BEFORE), BENCH_BEFORE=$(BENCH_BEFORE))" $(BENCH_ARGS)

@@ -1,8 +1,8 @@
 //! The etcd key layout under the configured prefix: `r/<scope hex>` (the record),
 //! `l/<scope hex>` (a claim's lease key, its value the owner token) and
 //! `q/<t|p>/<tag hex16>/<until hex16>/<scope hex>` (quota index keys, sorted by when the record
-//! stops counting). Every key the backend reads or writes is named here, so the layout the
-//! module docs of `store::etcd` and docs/ETCD.md describe is in one place.
+//! stops counting). Every key the backend reads or writes is named here, so the layout that
+//! docs/ETCD.md (*Data model*) describes is in one place.
 
 use super::wire::TxnOp;
 use super::EtcdStore;

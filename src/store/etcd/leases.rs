@@ -1,11 +1,12 @@
 //! The etcd leases a worker grants and reuses: records share one lease per expiry window
 //! (`LEASE_WINDOW_MS`), claims' lease keys one claim lease per processing lease length and
-//! reuse window, so grants follow the number of windows in use, never the request rate (the
-//! module docs of `store::etcd` say why each lease is as long as it is). Apart from the
+//! reuse window, so grants follow the number of windows in use, never the request rate
+//! (docs/ETCD.md#data-model says why each lease is as long as it is). Apart from the
 //! exchange's steps because it is its own bookkeeping: which lease a write names, and when one
 //! must be granted first (`Exchange::lease_or_write`).
 
-use super::{unusable, wire, EtcdStore, Exchange, Move, Stage, StoreError};
+use super::exchange::{Move, Stage};
+use super::{unusable, wire, EtcdStore, Exchange, StoreError};
 
 /// Records whose expiry falls in the same window share one etcd lease, which ends after the
 /// window: a worker grants one lease per window in use, never one per request.

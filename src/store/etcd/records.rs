@@ -6,8 +6,9 @@
 //! by the revision the operator's look saw: whatever wrote it since wins, and the change is
 //! refused as settled meanwhile.
 
+use super::exchange::{Move, Stage};
 use super::wire::{self, Guard, TxnOp};
-use super::{decode, keys::hex, EtcdStore, Exchange, Move, Stage};
+use super::{decode, keys::hex, EtcdStore, Exchange};
 use crate::identity::scope::{unhex, ScopeId};
 use crate::store::record;
 use crate::store::{Amendment, Claim, RecordId, RecordPage, RecordQuery, RecordView, StoreError, StoreOp};

@@ -1,4 +1,4 @@
-//! The store conformance suite against a real etcd, through the same exchanges the filter
+//! The store conformance suite against a real etcd, through the same conversations the filter
 //! performs as callouts (`BlockingEtcd` drives them over std::net).
 //!
 //! Needs the `etcd` binary (Debian's etcd-server; `make etcd`, or `ETCD_BIN`): without it these
@@ -227,7 +227,7 @@ mod with_replay_cache {
     idempotency_filter::conformance_suite!(EtcdWith<Cached>);
 }
 
-/// The same suite over etcd's gRPC API (`store.protocol: "grpc"`): every exchange's calls encoded
+/// The same suite over etcd's gRPC API (`store.protocol: "grpc"`): every conversation's calls encoded
 /// as protobuf, carried over HTTP/2, and etcd's answers and errors read from gRPC.
 mod over_grpc {
     use super::*;
@@ -385,7 +385,7 @@ fn auth_with_a_real_etcd_and_an_expiring_token() {
     let c = claimed(worker.begin(&attempt(1, 1, 11, 0)).unwrap());
     assert_eq!(worker.calls().first(), Some(&("/v3/auth/authenticate", false)));
     assert!(worker.calls()[1..].iter().all(|(_, token)| *token), "{:?}", worker.calls());
-    // The token expires; the next exchange is refused once, authenticates again and goes on.
+    // The token expires; the next conversation is refused once, authenticates again and goes on.
     std::thread::sleep(Duration::from_millis(2_500));
     let before = worker.calls().len();
     assert_eq!(worker.release(&c).unwrap(), Settled::Done);

@@ -59,7 +59,7 @@ pub struct EtcdSettings {
     pub on_error: OnStoreError,
     pub auth: Option<EtcdAuth>,
     /// `store.auth.timeout`: the token fetch's callout (authenticate is a bcrypt check and a Raft
-    /// write on etcd: slow when etcd is loaded, and every exchange waiting for it waits this long
+    /// write on etcd: slow when etcd is loaded, and every conversation waiting for it waits this long
     /// at most).
     pub auth_timeout_ms: u64,
     /// `store.replay_cache`: None (the default) answers every begin from etcd.
@@ -166,7 +166,7 @@ pub(super) fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
     let auth = optional(o, path, "auth", |v, f| {
         let a = object(v, f, &["username", "password", "timeout"])?;
         // The token fetch is its own callout: authenticate costs etcd a bcrypt check and a Raft
-        // write, slow under load, and every exchange needing a token waits for the one fetch.
+        // write, slow under load, and every conversation needing a token waits for the one fetch.
         if let Some(ms) = optional(a, f, "timeout", |v, f| {
             let ms = duration_ms(v, f)?;
             if ms > MAX_ETCD_TIMEOUT_MS {

@@ -1,7 +1,7 @@
 //! The record store interface the engine decides against. Every backend implements it and passes
 //! the same conformance suite (`store/conformance.rs`): `local` (Envoy's shared data: one Envoy,
 //! all its workers) and `etcd` (one etcd cluster: a fleet of Envoys). The etcd store is reached
-//! by callouts, so the filter drives it as `etcd::Exchange`s; it implements `RecordStore` only
+//! by callouts, so the filter drives it as `etcd::EtcdConversation`s; it implements `RecordStore` only
 //! through a driver (`etcd::blocking`, tests), never with blocking I/O inside the filter.
 //!
 //! Contract, per scope (tenant, principal, method, path, key):

@@ -44,7 +44,7 @@ pub struct Waiter<H> {
     /// Polling backoff with a remote store (the wait before the next look); 0: no polling, the
     /// local store's wake-ups and `RECHECK_EVERY_MS` fallback.
     pub poll_ms: u64,
-    /// Its recheck is in flight (a remote store's exchange): not due, not woken, but still
+    /// Its recheck is in flight (a remote store's conversation): not due, not woken, but still
     /// held, so it still counts against the room's bounds.
     pub checking: bool,
     /// A wake-up came while its recheck was in flight: look again at once if that recheck

@@ -1,24 +1,24 @@
-//! etcd authentication: the worker's token, fetched by one exchange at a time
+//! etcd authentication: the worker's token, fetched by one conversation at a time
 //! (`/v3/auth/authenticate` is a bcrypt check and a Raft write on etcd) while the others that
-//! need it wait (`Next::Wait`), and fetched again, once per exchange, when etcd
-//! refuses it. Apart from the exchange's store steps because none of them depends on it: every
+//! need it wait (`Next::Wait`), and fetched again, once per conversation, when etcd
+//! refuses it. Apart from the conversation's store steps because none of them depends on it: every
 //! call goes out through `send`, which adds the token.
 
 use super::wire::{self, EtcdRefusal};
-use super::{etcd_call, unusable, EtcdStore, Exchange};
+use super::{etcd_call, unusable, EtcdConversation, EtcdStore};
 use crate::store::remote::{Answer, Next};
 use crate::store::StoreError;
 
-/// The worker's token fetch: at most one at a time, whatever the number of exchanges that need
+/// The worker's token fetch: at most one at a time, whatever the number of conversations that need
 /// a token (each authenticate is a bcrypt check and a Raft write on etcd).
 #[derive(Debug, Clone, Default)]
 pub(super) struct TokenFetch {
     /// Fetches started so far: the number of the current or last one.
     started: u64,
-    /// Fetch `started` is in flight until this deadline (its callout's timeout): an exchange
+    /// Fetch `started` is in flight until this deadline (its callout's timeout): a conversation
     /// waiting for it gives up then, and the next one that needs a token fetches anew.
     in_flight_until_ms: Option<u64>,
-    /// The last fetch that failed (or outlived its deadline), and why: exchanges that waited for
+    /// The last fetch that failed (or outlived its deadline), and why: conversations that waited for
     /// it fail with the same error.
     failed: Option<(u64, StoreError)>,
     /// A fetch ended since the driver last asked (`take_fetch_ended`).
@@ -36,7 +36,7 @@ impl TokenFetch {
 
 impl EtcdStore {
     /// True once after a token fetch ended (a token, or a failure): the driver steps the
-    /// exchanges that answered `Next::Wait` again.
+    /// conversations that answered `Next::Wait` again.
     pub fn take_fetch_ended(&self) -> bool {
         std::mem::take(&mut self.fetch.borrow_mut().ended)
     }
@@ -46,9 +46,9 @@ impl EtcdStore {
     }
 }
 
-impl Exchange {
+impl EtcdConversation {
     /// The pending call with the worker's token; without one, after the worker's token fetch:
-    /// this exchange makes it, or waits for the one in flight.
+    /// this conversation makes it, or waits for the one in flight.
     pub(super) fn send(&mut self, store: &EtcdStore, now_ms: u64) -> Result<Next, StoreError> {
         if store.settings.auth.is_none() || store.token.borrow().is_some() {
             return self.resend(store);
@@ -58,7 +58,7 @@ impl Exchange {
             match fetch.in_flight_until_ms {
                 Some(deadline_ms) if now_ms < deadline_ms => Some(fetch.started),
                 // One whose answer never came in time (its callout failed or timed out, and
-                // its exchange ended without it): over, and a new fetch.
+                // its conversation ended without it): over, and a new fetch.
                 Some(_) => {
                     fetch.fail(StoreError::TimedOut);
                     None
@@ -90,13 +90,13 @@ impl Exchange {
             }
         }
         match fetch.in_flight_until_ms {
-            // Its own, or a later one (its token was refused before this exchange took it).
+            // Its own, or a later one (its token was refused before this conversation took it).
             Some(deadline_ms) if now_ms < deadline_ms => {
                 self.awaiting = Some(fetch.started);
                 Ok(Next::Wait)
             }
             // Its answer never came in time (the callout failed or timed out and was not handed
-            // to its exchange): over, for everyone waiting.
+            // to its conversation): over, for everyone waiting.
             Some(_) => {
                 fetch.fail(StoreError::TimedOut);
                 Err(StoreError::TimedOut)
@@ -131,8 +131,8 @@ impl Exchange {
         etcd_call(wire::authenticate(store.protocol(), username, password), None, timeout_ms)
     }
 
-    /// The answer to the fetch this exchange made: the worker's token (and this exchange's
-    /// call sent with it), or the failure every exchange waiting for it gets too.
+    /// The answer to the fetch this conversation made: the worker's token (and this conversation's
+    /// call sent with it), or the failure every conversation waiting for it gets too.
     pub(super) fn authenticated(
         &mut self,
         store: &EtcdStore,

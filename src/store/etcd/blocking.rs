@@ -1,5 +1,5 @@
-//! (`testing`) A `RecordStore` over etcd that drives `Exchange`s with a blocking client: the
-//! conformance suite runs against a real etcd through exactly the exchanges the filter performs
+//! (`testing`) A `RecordStore` over etcd that drives `EtcdConversation`s with a blocking client: the
+//! conformance suite runs against a real etcd through exactly the conversations the filter performs
 //! as callouts. Its own std::net HTTP/1.1 client carries JSON (the gateway); a test hands it a
 //! `Transport` for gRPC (tests/etcd_conformance.rs has an HTTP/2 one). Never in the shipped filter
 //! (no sockets in Wasm).
@@ -15,7 +15,7 @@ use crate::store::{
     Refusal, Settled, StoreAnswer, StoreError, StoreOp,
 };
 
-/// An exchange makes a handful of calls; more means it is looping.
+/// A conversation makes a handful of calls; more means it is looping.
 const MAX_CALLS: usize = 16;
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -43,7 +43,7 @@ impl BlockingEtcd {
         }
     }
 
-    /// The exchanges' calls go through `transport` (as gRPC needs; `post` stays HTTP/1.1).
+    /// The conversations' calls go through `transport` (as gRPC needs; `post` stays HTTP/1.1).
     pub fn with_transport(
         addr: SocketAddr,
         settings: EtcdSettings,
@@ -68,22 +68,23 @@ impl BlockingEtcd {
     }
 
     /// `perform`, except that the answer to call number `lose` (from 0), made for real, never
-    /// reaches the exchange (a failed callout, as Envoy reports a timeout or a reset); also the
-    /// claim the exchange then says may be in etcd (`Exchange::unanswered_claim`).
+    /// reaches the conversation (a failed callout, as Envoy reports a timeout or a reset); also the
+    /// claim the conversation then says may be in etcd (`EtcdConversation::unanswered_claim`).
     pub fn perform_losing(
         &self,
         op: StoreOp,
         now_ms: u64,
         lose: Option<usize>,
     ) -> (StoreAnswer, Option<Claim>) {
-        let mut exchange = self.store.start(op);
+        let mut conversation = self.store.start(op);
         let mut answer = None;
         for call in 0..MAX_CALLS {
-            match exchange.step(&self.store, answer.take(), now_ms) {
-                Next::Done(done) => return (done, exchange.unanswered_claim()),
-                // One exchange at a time: the token fetch is always this exchange's own.
+            match conversation.step(&self.store, answer.take(), now_ms) {
+                Next::Done(done) => return (done, conversation.unanswered_claim()),
+                // One conversation at a time: the token fetch is always this conversation's own.
                 Next::Wait => {
-                    let waiting = StoreError::Unavailable("waiting for a token no exchange fetches".into());
+                    let waiting =
+                        StoreError::Unavailable("waiting for a token no conversation fetches".into());
                     return (StoreAnswer::Settled(Err(waiting)), None);
                 }
                 Next::Call(Request { path, body, token, .. }) => {
@@ -96,7 +97,7 @@ impl BlockingEtcd {
                 }
             }
         }
-        (StoreAnswer::Settled(Err(StoreError::Unavailable("the exchange did not finish".into()))), None)
+        (StoreAnswer::Settled(Err(StoreError::Unavailable("the conversation did not finish".into()))), None)
     }
 
     /// One HTTP/1.1 POST on a fresh connection. Any I/O failure is a failed callout (no status),

@@ -6,7 +6,7 @@
 //! the only next state of a completed record is "expired", decided by its own `expires_at_ms`
 //! against the caller's clock, exactly as for a record read from etcd. A cached record is
 //! therefore answered only while it has not expired, and with the same decision as
-//! `Exchange::begin_read` makes: a different fingerprint is a mismatch, a record without its
+//! `EtcdConversation::begin_read` makes: a different fingerprint is a mismatch, a record without its
 //! body answers "not stored". Claims never come from here: a miss, an expired entry or a
 //! processing record always goes to etcd. Nor do outcome-unknown records, which an operator
 //! may settle (C24): each begin of one reads etcd. What the cache cannot see is etcd losing a

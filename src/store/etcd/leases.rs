@@ -2,11 +2,11 @@
 //! (`LEASE_WINDOW_MS`), claims' lease keys one claim lease per processing lease length and
 //! reuse window, so grants follow the number of windows in use, never the request rate
 //! (docs/ETCD.md#data-model says why each lease is as long as it is). Apart from the
-//! exchange's steps because it is its own bookkeeping: which lease a write names, and when one
-//! must be granted first (`Exchange::lease_or_write`).
+//! conversation's steps because it is its own bookkeeping: which lease a write names, and when one
+//! must be granted first (`EtcdConversation::lease_or_write`).
 
-use super::exchange::{Move, Stage};
-use super::{unusable, wire, EtcdStore, Exchange, StoreError};
+use super::conversation::{Move, Stage};
+use super::{unusable, wire, EtcdConversation, EtcdStore, StoreError};
 
 /// Records whose expiry falls in the same window share one etcd lease, which ends after the
 /// window: a worker grants one lease per window in use, never one per request.
@@ -104,7 +104,7 @@ impl EtcdStore {
     }
 }
 
-impl Exchange {
+impl EtcdConversation {
     /// Finds the leases the write needs (its record's, for its expiry window; a claim's lease
     /// key's, for its processing lease), granting one this worker does not have yet, then
     /// makes the write.

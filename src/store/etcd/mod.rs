@@ -1,6 +1,6 @@
 //! The etcd backend: one store shared by a fleet of Envoys, reached through etcd's v3 API (its
 //! JSON gateway or its gRPC API, `store.protocol`: `wire/`) by HTTP callouts. This module is pure (no host calls, no sockets): `EtcdStore::start`
-//! turns a `StoreOp` into an `Exchange`, a state machine that asks for HTTP calls
+//! turns a `StoreOp` into an `EtcdConversation`, a state machine that asks for HTTP calls
 //! (`Next::Call`, in the `store::remote` vocabulary) and is fed their answers until it is `Done`. The glue performs the
 //! calls as Envoy callouts; `blocking` (tests only) performs them over std::net. It answers
 //! exactly as the local store does (the conformance suite runs against a real etcd), except
@@ -14,7 +14,7 @@ pub mod base64;
 #[cfg(feature = "testing")]
 pub mod blocking;
 pub mod cache;
-mod exchange;
+mod conversation;
 mod keys;
 mod leases;
 mod quota;
@@ -32,7 +32,7 @@ use auth::TokenFetch;
 use cache::ReplayCache;
 use leases::{CachedLease, ClaimLease};
 
-pub use exchange::Exchange;
+pub use conversation::EtcdConversation;
 pub use leases::LEASE_WINDOW_MS;
 
 /// The store's settings are the configuration's `store` section, defined (with their defaults
@@ -90,9 +90,9 @@ impl EtcdStore {
         self.settings.protocol
     }
 
-    /// Starts one store operation; drive it with `Exchange::step`.
-    pub fn start(&self, op: StoreOp) -> Exchange {
-        Exchange::new(op)
+    /// Starts one store operation; drive it with `EtcdConversation::step`.
+    pub fn start(&self, op: StoreOp) -> EtcdConversation {
+        EtcdConversation::new(op)
     }
 
     /// (records, bytes) in this worker's replay cache; None when it is off.

@@ -1,13 +1,13 @@
 //! Quotas on etcd: which identities a claim is charged to, the live index ranges that count
 //! their records, and the refusal (with its retry-after hint) when one is over its bound;
-//! with the exchange's two quota-only steps, the read before a takeover or reuse and the undo
+//! with the conversation's two quota-only steps, the read before a takeover or reuse and the undo
 //! of a new claim found over its bound. docs/ETCD.md says why a new claim counts after its
 //! puts (*Data model*) and where racing claims can overshoot (*Limits worth knowing*).
 
-use super::exchange::{Move, Stage};
+use super::conversation::{Move, Stage};
 use super::keys::{counts_until, tag_of};
 use super::wire::{self, Guard, TxnOp};
-use super::{unusable, EtcdStore, Exchange};
+use super::{unusable, EtcdConversation, EtcdStore};
 use crate::store::record::{Entry, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED};
 use crate::store::{Begin, ClaimAttempt, StoreError, StoreOp};
 
@@ -99,7 +99,7 @@ fn refusal(live: &wire::RangeAnswer, bound: u32, now_ms: u64, tenant: bool) -> O
     Some(Begin::QuotaExceeded { retry_after_ms, tenant })
 }
 
-impl Exchange {
+impl EtcdConversation {
     pub(super) fn quota_read(
         &mut self,
         store: &EtcdStore,

@@ -6,9 +6,9 @@
 //! by the revision the operator's look saw: whatever wrote it since wins, and the change is
 //! refused as settled meanwhile.
 
-use super::exchange::{Move, Stage};
+use super::conversation::{Move, Stage};
 use super::wire::{self, Guard, TxnOp};
-use super::{decode, keys::hex, EtcdStore, Exchange};
+use super::{decode, keys::hex, EtcdConversation, EtcdStore};
 use crate::identity::scope::{unhex, ScopeId};
 use crate::store::record;
 use crate::store::{Amendment, Claim, RecordId, RecordPage, RecordQuery, RecordView, StoreError, StoreOp};
@@ -69,7 +69,7 @@ fn range(key: Vec<u8>, end: Vec<u8>, limit: i64) -> TxnOp {
     TxnOp::Range { key, range_end: Some(end), limit, keys_only: false }
 }
 
-impl Exchange {
+impl EtcdConversation {
     /// The first call of a look at records.
     pub(super) fn start_scan(&mut self, store: &EtcdStore, query: RecordQuery) -> Result<Move, StoreError> {
         let prefix = store.records_prefix();
@@ -194,7 +194,7 @@ impl Exchange {
     }
 
     /// An operator's change: refused as the look saw the record, or else the settlement its
-    /// owner would make, guarded by that look's revision. The exchange then carries it out as
+    /// owner would make, guarded by that look's revision. The conversation then carries it out as
     /// that release or completion (`amending` keeps what was asked).
     pub(super) fn start_amend(
         &mut self,

@@ -1,9 +1,9 @@
 //! The etcd store behind the one storage interface (`store::seam`): each store operation is an
-//! `Exchange`, which already speaks the remote-store vocabulary (`store::remote`); this only
-//! keeps the store the exchanges share and the settings the glue needs to make their calls.
+//! `EtcdConversation`, which already speaks the remote-store vocabulary (`store::remote`); this only
+//! keeps the store the conversations share and the settings the glue needs to make their calls.
 
 use super::watch::RecordWatch;
-use super::{EtcdStore, Exchange};
+use super::{EtcdConversation, EtcdStore};
 use crate::config::etcd::Protocol;
 use crate::store::remote::{Answer, Conversation, Next, RemoteSettings};
 use crate::store::seam::{Started, Store, Watch};
@@ -44,8 +44,8 @@ impl EtcdRemote {
 impl Store for EtcdRemote {
     /// The first step is taken at once: a replay from the cache needs no call.
     fn start(&self, op: StoreOp, now: &dyn Fn() -> u64) -> Started {
-        let conversation = EtcdConversation { store: Rc::clone(&self.store), exchange: self.store.start(op) };
-        Started::first_step(Box::new(conversation), now())
+        let bound = Bound { store: Rc::clone(&self.store), conversation: self.store.start(op) };
+        Started::first_step(Box::new(bound), now())
     }
     fn remote(&self) -> Option<&RemoteSettings> {
         Some(&self.settings)
@@ -58,19 +58,20 @@ impl Store for EtcdRemote {
     }
 }
 
-struct EtcdConversation {
+/// An etcd conversation with the store it talks to, as the seam's `Conversation`.
+struct Bound {
     store: Rc<EtcdStore>,
-    exchange: Exchange,
+    conversation: EtcdConversation,
 }
 
-impl Conversation for EtcdConversation {
+impl Conversation for Bound {
     fn step(&mut self, answer: Option<Answer>, now_ms: u64) -> Next {
-        self.exchange.step(&self.store, answer, now_ms)
+        self.conversation.step(&self.store, answer, now_ms)
     }
     fn into_op(self: Box<Self>) -> StoreOp {
-        self.exchange.into_op()
+        self.conversation.into_op()
     }
     fn unanswered_claim(&self) -> Option<Claim> {
-        self.exchange.unanswered_claim()
+        self.conversation.unanswered_claim()
     }
 }

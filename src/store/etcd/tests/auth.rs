@@ -1,5 +1,5 @@
 //! Auth: the token is fetched first and cached; a refused one (invalid, or older than an auth
-//! change) is replaced once and the call sent again. One fetch per worker: the exchanges that
+//! change) is replaced once and the call sent again. One fetch per worker: the conversations that
 //! need a token meanwhile wait for it, and its failure or timeout ends them all. Neither the
 //! password nor the token is ever formatted.
 
@@ -40,7 +40,7 @@ fn auth_authenticates_first_and_caches_the_token() {
     assert_eq!(made[0].body, r#"{"name":"idem","password":"p\"w"}"#);
     assert_eq!(made[0].token, None);
     assert!(made[1..].iter().all(|m| m.token.as_deref() == Some(TOKEN)));
-    // The next exchange goes straight to etcd with the cached token.
+    // The next conversation goes straight to etcd with the cached token.
     let (_, made) =
         run(&store, StoreOp::Begin(ClaimAttempt { scope: scope(2), ..attempt(1) }), 1, vec![ok(written(3))]);
     assert_eq!(made[0].token.as_deref(), Some(TOKEN));
@@ -118,7 +118,7 @@ fn a_token_older_than_an_auth_change_is_replaced_once_and_the_call_sent_again() 
         assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/auth/authenticate", "/v3/kv/txn"], "{name}");
         assert_eq!(made[0].body, made[2].body, "{name}: the same call, sent again");
         assert_eq!(made[2].token.as_deref(), Some("after.2"), "{name}");
-        // Once per exchange: refused again with the fresh token, unavailable, no loop.
+        // Once per conversation: refused again with the fresh token, unavailable, no loop.
         let fresh = with_auth();
         warm(&fresh, 0);
         let (answer, made) = run(
@@ -154,7 +154,11 @@ fn the_password_and_the_token_are_never_formatted() {
 }
 
 /// Starts a begin of scope `n` per entry and takes each one step.
-fn started(store: &EtcdStore, scopes: std::ops::RangeInclusive<u8>, now_ms: u64) -> Vec<(Exchange, Next)> {
+fn started(
+    store: &EtcdStore,
+    scopes: std::ops::RangeInclusive<u8>,
+    now_ms: u64,
+) -> Vec<(EtcdConversation, Next)> {
     warm(store, now_ms);
     scopes
         .map(|n| {
@@ -179,15 +183,15 @@ fn is_fetch(step: &Next) -> bool {
 #[test]
 fn exchanges_started_before_any_token_share_one_fetch() {
     let store = with_auth();
-    let mut exchanges = started(&store, 1..=4, 0);
-    let fetches = exchanges.iter().filter(|(_, s)| is_fetch(s)).count();
-    assert_eq!(fetches, 1, "{:?}", exchanges.iter().map(|(_, s)| s).collect::<Vec<_>>());
-    assert!(exchanges[1..].iter().all(|(_, s)| *s == Next::Wait));
+    let mut conversations = started(&store, 1..=4, 0);
+    let fetches = conversations.iter().filter(|(_, s)| is_fetch(s)).count();
+    assert_eq!(fetches, 1, "{:?}", conversations.iter().map(|(_, s)| s).collect::<Vec<_>>());
+    assert!(conversations[1..].iter().all(|(_, s)| *s == Next::Wait));
     // Stepped again before the token: still waiting.
-    assert_eq!(exchanges[1].0.step(&store, None, 100), Next::Wait);
+    assert_eq!(conversations[1].0.step(&store, None, 100), Next::Wait);
     assert!(!store.take_fetch_ended());
-    // The token arrives: the fetching exchange goes on with it, with the store's timeout...
-    let (first, _) = &mut exchanges[0];
+    // The token arrives: the fetching conversation goes on with it, with the store's timeout...
+    let (first, _) = &mut conversations[0];
     let step = first.step(&store, answer(authenticated(TOKEN)), 100);
     assert!(
         matches!(&step, Next::Call(Request { path: "/v3/kv/txn", token: Some(t), timeout_ms: Some(250), .. }) if t == TOKEN),
@@ -196,7 +200,7 @@ fn exchanges_started_before_any_token_share_one_fetch() {
     // ...and the driver learns, once, that the waiting ones can go on: each with the token.
     assert!(store.take_fetch_ended());
     assert!(!store.take_fetch_ended());
-    for (e, _) in &mut exchanges[1..] {
+    for (e, _) in &mut conversations[1..] {
         let step = e.step(&store, None, 100);
         assert!(
             matches!(&step, Next::Call(Request { path: "/v3/kv/txn", token: Some(t), .. }) if t == TOKEN),
@@ -210,20 +214,21 @@ fn exchanges_started_before_any_token_share_one_fetch() {
 #[test]
 fn a_failed_fetch_ends_every_exchange_waiting_for_it_with_its_error() {
     let store = with_auth();
-    let mut exchanges = started(&store, 1..=3, 0);
+    let mut conversations = started(&store, 1..=3, 0);
     let wrong = (
         Some(400),
         error_body("etcdserver: authentication failed, invalid user ID or password", 3).into_bytes(),
     );
-    let Next::Done(StoreAnswer::Begun(Err(error))) = exchanges[0].0.step(&store, answer(wrong), 50) else {
-        panic!("the fetching exchange fails")
+    let Next::Done(StoreAnswer::Begun(Err(error))) = conversations[0].0.step(&store, answer(wrong), 50)
+    else {
+        panic!("the fetching conversation fails")
     };
     assert!(matches!(&error, StoreError::Unavailable(m) if m.starts_with("authenticate:")), "{error:?}");
     assert!(store.take_fetch_ended());
-    for (e, _) in &mut exchanges[1..] {
+    for (e, _) in &mut conversations[1..] {
         assert_eq!(e.step(&store, None, 50), Next::Done(StoreAnswer::Begun(Err(error.clone()))));
     }
-    // The next exchange tries again: a failure is not kept as an answer.
+    // The next conversation tries again: a failure is not kept as an answer.
     let (_, step) = started(&store, 4..=4, 60).pop().unwrap();
     assert!(is_fetch(&step), "{step:?}");
 }
@@ -232,19 +237,19 @@ fn a_failed_fetch_ends_every_exchange_waiting_for_it_with_its_error() {
 fn a_fetch_whose_answer_never_comes_times_out_every_exchange_waiting_at_its_deadline() {
     let store = with_auth();
     // The driver gives up on the fetch's callout (Envoy's 504 after 2 s) and never steps its
-    // exchange again: the others end at the fetch's deadline, when the driver steps them.
-    let mut exchanges = started(&store, 1..=3, 1_000);
-    assert_eq!(exchanges[1].0.step(&store, None, 2_999), Next::Wait);
+    // conversation again: the others end at the fetch's deadline, when the driver steps them.
+    let mut conversations = started(&store, 1..=3, 1_000);
+    assert_eq!(conversations[1].0.step(&store, None, 2_999), Next::Wait);
     assert_eq!(
-        exchanges[1].0.step(&store, None, 3_000),
+        conversations[1].0.step(&store, None, 3_000),
         Next::Done(StoreAnswer::Begun(Err(StoreError::TimedOut)))
     );
     assert!(store.take_fetch_ended());
     assert_eq!(
-        exchanges[2].0.step(&store, None, 3_050),
+        conversations[2].0.step(&store, None, 3_050),
         Next::Done(StoreAnswer::Begun(Err(StoreError::TimedOut)))
     );
-    // A new exchange fetches anew; one that arrives while a stale fetch is still marked in
+    // A new conversation fetches anew; one that arrives while a stale fetch is still marked in
     // flight (nobody stepped a waiter since its deadline) fetches anew as well.
     let (_, step) = started(&store, 4..=4, 3_100).pop().unwrap();
     assert!(is_fetch(&step), "{step:?}");
@@ -256,19 +261,19 @@ fn a_fetch_whose_answer_never_comes_times_out_every_exchange_waiting_at_its_dead
 fn one_token_refused_to_several_exchanges_is_fetched_again_once() {
     let store = with_auth();
     *store.token.borrow_mut() = Some("stale.1".into());
-    let mut exchanges = started(&store, 1..=3, 0);
-    assert!(exchanges
+    let mut conversations = started(&store, 1..=3, 0);
+    assert!(conversations
         .iter()
         .all(|(_, s)| matches!(s, Next::Call(Request { token: Some(t), .. }) if t == "stale.1")));
     // All three are refused; the first to hear it fetches, the others wait for that fetch.
     let steps: Vec<Next> =
-        exchanges.iter_mut().map(|(e, _)| e.step(&store, answer(old_revision()), 5)).collect();
+        conversations.iter_mut().map(|(e, _)| e.step(&store, answer(old_revision()), 5)).collect();
     assert_eq!(steps.iter().filter(|s| is_fetch(s)).count(), 1, "{steps:?}");
     assert!(steps[1..].iter().all(|s| *s == Next::Wait), "{steps:?}");
-    let step = exchanges[0].0.step(&store, answer(authenticated("fresh.2")), 10);
+    let step = conversations[0].0.step(&store, answer(authenticated("fresh.2")), 10);
     assert!(matches!(&step, Next::Call(Request { token: Some(t), .. }) if t == "fresh.2"), "{step:?}");
     assert!(store.take_fetch_ended());
-    for (e, _) in &mut exchanges[1..] {
+    for (e, _) in &mut conversations[1..] {
         let step = e.step(&store, None, 10);
         assert!(
             matches!(&step, Next::Call(Request { path: "/v3/kv/txn", token: Some(t), .. }) if t == "fresh.2"),

@@ -81,14 +81,14 @@ fn a_value_that_is_not_a_v2_record_is_corrupt_and_never_overwritten() {
 fn a_driver_out_of_step_gets_an_error_not_a_panic() {
     let store = store();
     // An answer before any call.
-    let mut exchange = store.start(StoreOp::Begin(attempt(0)));
+    let mut conversation = store.start(StoreOp::Begin(attempt(0)));
     let early =
-        exchange.step(&store, Some(Answer { status: Some(200), body: b"{}".to_vec(), grpc: None }), 0);
+        conversation.step(&store, Some(Answer { status: Some(200), body: b"{}".to_vec(), grpc: None }), 0);
     assert!(matches!(early, Next::Done(StoreAnswer::Begun(Err(StoreError::Unavailable(_))))));
     // No answer to a call that was made.
     let claim = Claim { scope: scope(1), owner: 11, locator: 4, written: None };
-    let mut exchange = store.start(StoreOp::Release(claim));
-    assert!(matches!(exchange.step(&store, None, 0), Next::Call(Request { .. })));
-    let missing = exchange.step(&store, None, 0);
+    let mut conversation = store.start(StoreOp::Release(claim));
+    assert!(matches!(conversation.step(&store, None, 0), Next::Call(Request { .. })));
+    let missing = conversation.step(&store, None, 0);
     assert!(matches!(missing, Next::Done(StoreAnswer::Settled(Err(StoreError::Unavailable(_))))));
 }

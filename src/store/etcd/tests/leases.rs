@@ -1,5 +1,5 @@
 //! Leases: shared per expiry window and never ending before their records; a lease etcd lost is
-//! granted again, once per exchange.
+//! granted again, once per conversation.
 
 use super::*;
 
@@ -25,7 +25,7 @@ fn a_lost_lease_is_granted_again_once() {
     // etcd does not say which lease it lacks: both are granted again.
     let grant = "/v3/lease/grant";
     assert_eq!(paths(&made), vec!["/v3/kv/txn", grant, grant, "/v3/kv/txn", grant, grant, "/v3/kv/txn"]);
-    // Lost twice in one exchange: etcd is not keeping leases; the store is unusable.
+    // Lost twice in one conversation: etcd is not keeping leases; the store is unusable.
     let (answer, _) = run(
         &EtcdStore::new(settings(None)),
         StoreOp::Begin(attempt(0)),

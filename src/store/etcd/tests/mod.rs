@@ -1,14 +1,14 @@
-//! The exchanges against canned etcd answers, in the exact JSON etcd 3.4.23's gateway emits
+//! The conversations against canned etcd answers, in the exact JSON etcd 3.4.23's gateway emits
 //! (captured from a real etcd): call sequences, decisions, and every kind of bad answer. One
 //! file per subject, as the store's code is split; here, what they share: etcd's answers, a
 //! store's settings (also the watch tests' and the glue's remote wait tests'), a claim attempt
-//! and the records it writes, and `run`, which drives one exchange through canned answers.
+//! and the records it writes, and `run`, which drives one conversation through canned answers.
 
 // Test code: a failed expectation is the test's failure.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use super::cache::ReplayCacheSettings;
-use super::exchange::TXN_ATTEMPTS;
+use super::conversation::TXN_ATTEMPTS;
 use super::keys::hex;
 use super::leases::{window_end, CACHED_LEASES, LIVE_CLAIM_RETRY_MS};
 use super::*;
@@ -158,7 +158,7 @@ fn claimed_answer(rev: i64, quota: &[String]) -> String {
     format!(r#"{{{},"succeeded":true,"responses":[{}]}}"#, header(rev), responses.join(","))
 }
 
-/// A call the exchange made.
+/// A call the conversation made.
 #[derive(Debug)]
 struct Made {
     path: &'static str,
@@ -168,19 +168,19 @@ struct Made {
 
 /// Runs `op` feeding `answers` in order; every answer must be asked for, and nothing more.
 fn run(store: &EtcdStore, op: StoreOp, now_ms: u64, answers: Vec<Canned>) -> (StoreAnswer, Vec<Made>) {
-    let mut exchange = store.start(op);
+    let mut conversation = store.start(op);
     let mut made = Vec::new();
     let mut answers = answers.into_iter();
     let mut answer = None;
     loop {
-        match exchange.step(store, answer.take(), now_ms) {
+        match conversation.step(store, answer.take(), now_ms) {
             Next::Done(done) => {
                 assert!(answers.next().is_none(), "answers left over after {made:?}");
-                // A finished exchange stays finished.
-                assert!(matches!(exchange.step(store, None, now_ms), Next::Done(_)));
+                // A finished conversation stays finished.
+                assert!(matches!(conversation.step(store, None, now_ms), Next::Done(_)));
                 return (done, made);
             }
-            Next::Wait => panic!("no other exchange fetches a token: {made:?}"),
+            Next::Wait => panic!("no other conversation fetches a token: {made:?}"),
             Next::Call(Request { path, body, token, .. }) => {
                 made.push(Made { path, body: String::from_utf8(body).unwrap(), token });
                 let (status, body) = answers.next().unwrap_or_else(|| panic!("no answer left for {made:?}"));

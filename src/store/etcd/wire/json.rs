@@ -1,5 +1,5 @@
 //! etcd v3 JSON gateway messages (`store.protocol: "json"`; etcd 3.4 and later, grpc-gateway over
-//! the client port): the requests the exchanges send and the reading of etcd's answers.
+//! the client port): the requests the conversations send and the reading of etcd's answers.
 //!
 //! Gateway facts these rely on (checked against etcd 3.4.23): keys and values are base64; int64
 //! fields (revisions, counts, lease ids and TTLs) are JSON strings; proto3 omits defaults, so

@@ -1,7 +1,7 @@
-//! etcd's v3 API as the exchanges speak it: the calls they make (a transaction, a range, a lease
+//! etcd's v3 API as the conversations speak it: the calls they make (a transaction, a range, a lease
 //! grant, an authenticate) and what they read from etcd's answers, in either of the two encodings
 //! etcd serves on its client port (`store.protocol`): JSON through its gateway (`json.rs`) or
-//! protobuf through gRPC (`grpc.rs`). The exchanges never see which: they build calls here and
+//! protobuf through gRPC (`grpc.rs`). The conversations never see which: they build calls here and
 //! read answers as the types below.
 
 mod grpc;
@@ -52,7 +52,7 @@ pub enum EtcdRefusal {
     /// restarted, simple tokens time out), issued before an auth change ("revision of auth store
     /// is old": a user, role or permission changed since; JWT tokens carry the revision they were
     /// issued at), or not seen ("user name is empty"). etcd's own client authenticates again on
-    /// all three; so does the exchange. Carries etcd's message.
+    /// all three; so does the conversation. Carries etcd's message.
     InvalidToken(String),
     /// A put named a lease etcd no longer knows (expired, revoked, etcd's data lost): grant a new
     /// one.

@@ -1,4 +1,4 @@
-//! One `StoreOp` carried out against etcd: the `Exchange`, a state machine that asks for HTTP
+//! One `StoreOp` carried out against etcd: the `EtcdConversation`, a state machine that asks for HTTP
 //! calls (`Next::Call`) and is fed their answers until it is `Done` (`EtcdStore::start` makes
 //! one). Its steps for a begin, a completion and a release are here; the token fetch, the
 //! leases, the quota and the records scan add theirs from `auth.rs`, `leases.rs`, `quota.rs`
@@ -24,7 +24,7 @@ const TXN_FRAMING_BYTES: u64 = 4 * 1024;
 /// Transactions lost to other writers before `begin` gives up (`Contention`).
 pub(super) const TXN_ATTEMPTS: u8 = 3;
 
-/// Where an exchange is: which answer it waits for.
+/// Where a conversation is: which answer it waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Stage {
     Start,
@@ -122,17 +122,17 @@ fn outcome_record(current: Entry, c: &Completion) -> (Entry, Vec<u8>) {
 /// One `StoreOp` carried out as a sequence of HTTP calls to etcd (JSON or gRPC). Pure state
 /// machine: the caller performs each `Call` and feeds its answer back.
 #[derive(Debug)]
-pub struct Exchange {
+pub struct EtcdConversation {
     pub(super) op: StoreOp,
     stage: Stage,
     /// The last call made for the operation itself, sent again after a re-authentication.
     pub(super) pending: Option<wire::Call>,
-    /// The number of the worker's token fetch this exchange is making (its answer is due).
+    /// The number of the worker's token fetch this conversation is making (its answer is due).
     pub(super) fetching: Option<u64>,
-    /// The number of the token fetch this exchange waits for (another exchange makes it).
+    /// The number of the token fetch this conversation waits for (another conversation makes it).
     pub(super) awaiting: Option<u64>,
     /// The token the pending call was sent with: a refusal replaces the worker's token only
-    /// when it is still this one (several exchanges refused at once fetch one token).
+    /// when it is still this one (several conversations refused at once fetch one token).
     pub(super) sent_token: Option<String>,
     reauthenticated: bool,
     lease_regranted: bool,
@@ -153,7 +153,7 @@ pub struct Exchange {
     pub(super) amending: Option<StoreOp>,
 }
 
-/// What the exchange does next, inside `step`.
+/// What the conversation does next, inside `step`.
 pub(super) enum Move {
     Call(wire::Call, Stage),
     Begun(Begin),
@@ -162,10 +162,10 @@ pub(super) enum Move {
     Amended(Result<(), Refusal>),
 }
 
-impl Exchange {
-    /// A new exchange for `op`, not yet stepped (`EtcdStore::start`).
-    pub(super) fn new(op: StoreOp) -> Exchange {
-        Exchange {
+impl EtcdConversation {
+    /// A new conversation for `op`, not yet stepped (`EtcdStore::start`).
+    pub(super) fn new(op: StoreOp) -> EtcdConversation {
+        EtcdConversation {
             op,
             stage: Stage::Start,
             pending: None,
@@ -185,7 +185,7 @@ impl Exchange {
         }
     }
 
-    /// The operation this exchange carries out (to start it again).
+    /// The operation this conversation carries out (to start it again).
     pub fn into_op(self) -> StoreOp {
         self.amending.unwrap_or(self.op)
     }
@@ -211,7 +211,7 @@ impl Exchange {
     }
 
     /// For a begin that failed, or that the caller gives up on while a call is out (Envoy's
-    /// timeout is never handed to the exchange): the claim that may be in etcd without anyone
+    /// timeout is never handed to the conversation): the claim that may be in etcd without anyone
     /// knowing it, because its transaction (or the undo of one over its quota) was sent and no
     /// usable answer came. Nobody forwards the request, so the caller gives it back
     /// (`StoreOp::Release`, locator `UNANSWERED`) instead of letting it block the key until its
@@ -260,7 +260,7 @@ impl Exchange {
         let next = match (self.stage, answer) {
             (Stage::Start, None) => self.first(store, now_ms)?,
             (Stage::Start, Some(_)) => return Err(unusable("an answer before any call")),
-            (Stage::Finished, _) => return Err(unusable("the exchange had already finished")),
+            (Stage::Finished, _) => return Err(unusable("the conversation had already finished")),
             (_, None) => return Err(unusable("no answer to the last call")),
             (stage, Some(answer)) => {
                 if let Some(number) = self.fetching {
@@ -272,7 +272,7 @@ impl Exchange {
                     {
                         // Tokens expire, die with an etcd restart and go stale with any auth
                         // change (wire::EtcdRefusal::InvalidToken): one fresh token, once. Only the
-                        // first exchange refused with this token drops it; the others take the
+                        // first conversation refused with this token drops it; the others take the
                         // new one or wait for its fetch.
                         self.reauthenticated = true;
                         {

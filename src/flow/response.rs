@@ -9,6 +9,7 @@ use crate::ending::{
     plan_response, plan_unfinished, ResponsePlan, StreamReport, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
 };
 use crate::engine::{self};
+use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::store::record::Snapshot;
 use crate::store::{Claim, Completion, Settled, StoreError, StoreOp};
@@ -28,26 +29,28 @@ pub struct Settlement {
 impl Settlement {
     /// What the store's answer to this settlement means, whoever carried it out (the flow
     /// itself, or the root for a stream that may be gone): the counter (`done`, or lost, or a
-    /// store error) and the wake-up of waiters when the record now has an outcome.
-    pub fn answered(&self, settled: Result<Settled, StoreError>) -> Vec<Step> {
-        let mut steps = Vec::new();
-        let counter = match settled {
-            Ok(Settled::Done) => {
-                // Waiters elsewhere may be able to proceed now that this record has an outcome.
-                if matches!(self.rule.concurrency, Concurrency::Wait { .. }) {
-                    steps.push(Step::Wake(self.claim.scope));
-                }
-                self.done
-            }
-            Ok(Settled::Lost) => Counter::CompletionLost,
+    /// store error), and the record whose waiters to wake when it now has an outcome.
+    pub fn result(&self, settled: Result<Settled, StoreError>) -> (Counter, Option<ScopeId>) {
+        let (counter, wake) = match settled {
+            // Waiters elsewhere may be able to proceed now that this record has an outcome.
+            Ok(Settled::Done) => (
+                self.done,
+                matches!(self.rule.concurrency, Concurrency::Wait { .. }).then_some(self.claim.scope),
+            ),
+            Ok(Settled::Lost) => (Counter::CompletionLost, None),
             Err(e) => {
                 log::warn!("#{} settling the claim failed: {e}", self.context_id);
-                Counter::StoreError
+                (Counter::StoreError, None)
             }
         };
         log::debug!("#{} {} key {}", self.context_id, counter.name(), self.claim.scope.log_tag());
-        steps.push(Step::Count(counter));
-        steps
+        (counter, wake)
+    }
+
+    /// `result` as the flow's steps: the wake-up first, then the count.
+    pub fn answered(&self, settled: Result<Settled, StoreError>) -> Vec<Step> {
+        let (counter, wake) = self.result(settled);
+        wake.map(Step::Wake).into_iter().chain([Step::Count(counter)]).collect()
     }
 }
 

@@ -9,7 +9,7 @@ use super::remote;
 use super::{Host, HostError};
 use crate::config::etcd::OnStoreError;
 use crate::detached::DETAILS_DETACHED;
-use crate::flow::{Resumed, Settlement, Step};
+use crate::flow::{Resumed, Settlement};
 use crate::metrics::Counter;
 use crate::store::remote::{Answer, Next, Request};
 use crate::store::seam::Started;
@@ -92,14 +92,11 @@ fn settled_at_once<H: Host>(
     settlement: &Settlement,
     settled: Result<Settled, StoreError>,
 ) {
-    for step in settlement.answered(settled) {
-        match step {
-            Step::Count(counter) => plugin.count(counter, Some(&settlement.rule)),
-            Step::Wake(scope) => plugin.broadcast(&scope),
-            // A settlement's answer only counts and wakes.
-            _ => {}
-        }
+    let (counter, wake) = settlement.result(settled);
+    if let Some(scope) = wake {
+        plugin.broadcast(&scope);
     }
+    plugin.count(counter, Some(&settlement.rule));
 }
 
 /// Makes a store conversation's call. Envoy's refusal (an unknown cluster, a full queue) is the
@@ -249,21 +246,14 @@ pub(super) fn finish_settlement<H: Host>(
         }
         return;
     }
-    for step in call.settlement.answered(settled) {
-        match step {
-            Step::Count(counter) => {
-                plugin.count(counter, Some(&call.settlement.rule));
-                // A held response's stream is still there: its access log can say how it ended.
-                if call.holds_response
-                    && plugin.host.set_effective_context(call.settlement.context_id).is_ok()
-                {
-                    plugin.publish(counter, Some(&call.settlement.claim.scope));
-                }
-            }
-            Step::Wake(scope) => plugin.broadcast(&scope),
-            // A settlement's answer only counts and wakes.
-            _ => {}
-        }
+    let (counter, wake) = call.settlement.result(settled);
+    if let Some(scope) = wake {
+        plugin.broadcast(&scope);
+    }
+    plugin.count(counter, Some(&call.settlement.rule));
+    // A held response's stream is still there: its access log can say how it ended.
+    if call.holds_response && plugin.host.set_effective_context(call.settlement.context_id).is_ok() {
+        plugin.publish(counter, Some(&call.settlement.claim.scope));
     }
     resume_held_response(plugin, &mut call);
 }

@@ -13,10 +13,14 @@ use super::settle::{
     answer_detached, call_store, converse, give_back, gives_back, on_store_error, release_unused, settle,
     Sent,
 };
-use super::{Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS};
+use super::{
+    Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS, MAP_REQUEST_HEADERS,
+    MAP_RESPONSE_HEADERS,
+};
 use crate::config::etcd::OnStoreError;
 use crate::config::Execution;
 use crate::detached::{self, DETAILS_DETACHED};
+use crate::engine::HeaderFix;
 use crate::flow::{Output, RequestFlow, Resumed, Settlement, Step, Verdict, WaiterPlan};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
@@ -25,6 +29,7 @@ use crate::store::remote::{Answer, Next};
 use crate::store::seam::Started;
 use crate::store::{Begin, StoreAnswer, StoreError, StoreOp};
 use crate::wait::{self, Waiter};
+use std::collections::VecDeque;
 use std::rc::Rc;
 
 /// Looks at a waiter's record again and answers, forwards or re-parks it: at once when the
@@ -363,7 +368,7 @@ pub(super) fn converse_begin<H: Host>(
             }
             let RootBegin { context_id, mut flow, handle, .. } = *begin;
             let out = flow.store_answered(&plugin.config, answer);
-            carry_out(plugin, context_id, flow, handle, out);
+            carry_out_in_root(plugin, context_id, flow, handle, out);
         }
     }
 }
@@ -394,23 +399,53 @@ pub(super) fn begin_failed<H: Host>(
     }
     let RootBegin { context_id, mut flow, handle, .. } = *begin;
     let out = flow.store_failed(&plugin.config, error, mode);
-    carry_out(plugin, context_id, flow, handle, out);
+    carry_out_in_root(plugin, context_id, flow, handle, out);
 }
 
-/// Carries out what the flow decided for its paused request (the effective context is the
-/// request's), then gives the flow back to its stream; or, when the flow asks the store or the
-/// upstream's lookup again, hands it on with that conversation (the local store answers at once).
-fn carry_out<H: Host>(
+/// Where a flow's steps are carried out.
+pub(super) enum At<'h> {
+    /// In its stream's own callback. `hold_response`: a response callback, whose response waits
+    /// for a settlement handed to the root.
+    Stream { hold_response: bool },
+    /// By the root, for a paused request whose flow goes back to its stream through this handle,
+    /// or for a headless lease-end flow.
+    Root(&'h FlowHandle),
+}
+
+/// What carrying out a flow's steps leaves for whoever holds the flow.
+pub(super) struct Carried {
+    pub(super) verdict: Verdict,
+    /// The request is held under this handle now (parked, or its detached call made).
+    pub(super) held: Option<HeldHandle>,
+    /// The request left the wait room: a handle it was held under is void.
+    pub(super) left_room: bool,
+    /// The flow went on without its holder (its `begin` or lookup is the root's now): a stream
+    /// reads it back through this handle at its next callback. `flow` is a blank one meanwhile.
+    pub(super) flow_went: Option<FlowHandle>,
+}
+
+/// Carries out a flow's steps in order, whoever holds the flow: the one place steps become host
+/// calls and store operations. What the store answers at once goes straight back to the flow,
+/// and the verdict is the flow's last word; a `begin` or a lookup that goes on as callouts takes
+/// the flow with it to the root (later steps, which no flow emits, are dropped and logged).
+pub(super) fn carry_out<H: Host>(
     plugin: &PluginState<H>,
     context_id: u32,
-    mut flow: RequestFlow,
-    handle: FlowHandle,
+    flow: &mut RequestFlow,
     out: Output,
-) {
+    at: At,
+) -> Carried {
     let host = &plugin.host;
-    let mut verdict = out.verdict;
-    let mut held_handle = None;
-    let mut steps: std::collections::VecDeque<Step> = out.steps.into();
+    let mut carried = Carried { verdict: out.verdict, held: None, left_room: false, flow_went: None };
+    let mut response_held = false;
+    let mut steps: VecDeque<Step> = out.steps.into();
+    // The flow leaves with its `begin` or lookup; the root's flow goes back through its handle.
+    let travel = |flow: &mut RequestFlow, steps: &VecDeque<Step>| {
+        if !steps.is_empty() {
+            log::warn!("#{context_id} {} step(s) after the flow left dropped", steps.len());
+        }
+        std::mem::replace(flow, RequestFlow::new(context_id))
+    };
     while let Some(step) = steps.pop_front() {
         let more = match step {
             // A lease-end lookup's flow has no stream to publish to or answer.
@@ -418,11 +453,11 @@ fn carry_out<H: Host>(
                 plugin.count(counter, flow.rule());
                 None
             }
-            Step::Reply { .. } if flow.headless() => None,
             Step::Count(counter) => {
                 plugin.count_for_stream(counter, flow.rule(), flow.scope());
                 None
             }
+            Step::Reply { .. } if flow.headless() => None,
             Step::Reply { reply, details } => {
                 if let Err(HostError(s)) =
                     host.send_response(reply.status, details, &reply.headers, &reply.body)
@@ -431,74 +466,195 @@ fn carry_out<H: Host>(
                 }
                 None
             }
-            // Wait mode: the request stays paused in this worker's wait room; its handle goes
-            // back to the stream with its flow.
+            Step::Store(op) => {
+                let begin = matches!(op, StoreOp::Begin(_));
+                match (plugin.start(op), &at) {
+                    (Started::Answered(answer), _) => Some(flow.store_answered(&plugin.config, answer)),
+                    // A settlement from a stream: the root settles it, since the stream may end
+                    // before the store answers. In a response callback the response waits for
+                    // it (the root resumes it).
+                    (Started::Conversation(conversation), At::Stream { hold_response }) if !begin => {
+                        if let Some(settlement) = flow.hand_off_settlement() {
+                            let hold = *hold_response && carried.verdict == Verdict::Continue;
+                            plugin.settle_from_root(conversation, settlement, hold);
+                            response_held |= hold;
+                        }
+                        None
+                    }
+                    // The root carries it out, and answers or resumes the request; the flow
+                    // goes with it and comes back at the stream's next callback.
+                    (Started::Conversation(conversation), At::Stream { .. }) => {
+                        let flow = travel(flow, &steps);
+                        carried.flow_went = Some(plugin.begin_from_root(conversation, context_id, flow));
+                        break;
+                    }
+                    (Started::Conversation(conversation), At::Root(handle)) => {
+                        let flow = travel(flow, &steps);
+                        let handle = Rc::clone(handle);
+                        carried.flow_went = Some(Rc::clone(&handle));
+                        converse_begin(
+                            plugin,
+                            Box::new(RootBegin { context_id, conversation, flow, handle }),
+                            None,
+                        );
+                        break;
+                    }
+                }
+            }
+            // Wait mode: the request stays paused in this worker's wait room.
             Step::Park(plan) => {
                 let (admitted, handle) = plugin.park(context_id, plan);
                 if admitted.is_ok() {
-                    held_handle = Some(handle);
+                    carried.held = Some(handle);
                 }
                 Some(flow.parked(&plugin.config, admitted))
-            }
-            // Detached execution: the call is handed to this root (its queue), the request
-            // stays paused, and the handle that will say how it was answered goes back with
-            // its flow.
-            Step::Detach { claim, rule, later } => {
-                let handle: HeldHandle = Rc::new(std::cell::Cell::new(None));
-                match plugin.detach(context_id, claim, &rule, Rc::clone(&handle), later) {
-                    Ok(()) => {
-                        held_handle = Some(handle);
-                        None
-                    }
-                    Err(why) => Some(flow.detach_refused(&why)),
-                }
             }
             Step::Wake(scope) => {
                 plugin.broadcast(&scope);
                 None
             }
-            // After a lookup: the record is asked again (taken over).
-            Step::Store(op) => match plugin.start(op) {
-                Started::Answered(answer) => Some(flow.store_answered(&plugin.config, answer)),
-                Started::Conversation(conversation) => {
-                    if !steps.is_empty() {
-                        log::warn!("#{context_id} {} step(s) after a store step dropped", steps.len());
+            // Detached execution: the root makes the call and answers the request (the handle
+            // says how, before its reply comes through the encode callbacks).
+            Step::Detach { claim, rule, later } => {
+                let handle: HeldHandle = Rc::new(std::cell::Cell::new(None));
+                match plugin.detach(context_id, claim, &rule, Rc::clone(&handle), later) {
+                    Ok(()) => {
+                        carried.held = Some(handle);
+                        None
                     }
-                    let begin = Box::new(RootBegin { context_id, conversation, flow, handle });
-                    converse_begin(plugin, begin, None);
-                    return;
+                    Err(why) => Some(flow.detach_refused(&why)),
                 }
-            },
+            }
             // A lease-end lookup found its record unsettled: ask the upstream (unless a request
             // on this Envoy is asking already: it settles it, or its client retries).
             Step::Lookup { .. } if flow.headless() => {
-                if let Some(lookup) = start_lease_end_lookup(plugin, &flow) {
+                let lookup = start_lease_end_lookup(plugin, flow);
+                let flow = travel(flow, &steps);
+                let handle: FlowHandle = match &at {
+                    At::Root(handle) => Rc::clone(handle),
+                    At::Stream { .. } => Rc::new(std::cell::RefCell::new(None)),
+                };
+                carried.flow_went = Some(Rc::clone(&handle));
+                if let Some(lookup) = lookup {
                     dispatch_lookup(plugin, Box::new(RootLookup { context_id, flow, handle, lookup }));
                 }
-                return;
+                break;
             }
-            // A remote begin found the record's lease ended unsettled: ask the upstream.
+            // Reconciliation: the root makes the lookup and carries out what its answer means;
+            // the flow goes with it and comes back at the stream's next callback.
             Step::Lookup { rule, request } => {
                 match plugin.start_lookup(context_id, flow.scope().copied(), &rule, &request) {
-                    // Already in the root: made at once.
                     Ok(lookup) => {
-                        dispatch_lookup(plugin, Box::new(RootLookup { context_id, flow, handle, lookup }));
-                        return;
+                        let flow = travel(flow, &steps);
+                        match &at {
+                            At::Stream { .. } => {
+                                let handle: FlowHandle = Rc::new(std::cell::RefCell::new(None));
+                                plugin.lookup_from_root(context_id, flow, &handle, lookup);
+                                carried.flow_went = Some(handle);
+                            }
+                            // Already in the root: made at once.
+                            At::Root(handle) => {
+                                let handle = Rc::clone(handle);
+                                carried.flow_went = Some(Rc::clone(&handle));
+                                dispatch_lookup(
+                                    plugin,
+                                    Box::new(RootLookup { context_id, flow, handle, lookup }),
+                                );
+                            }
+                        }
+                        break;
                     }
                     Err(retry_after_ms) => Some(flow.lookup_refused(retry_after_ms)),
                 }
             }
-            // What an answer to `begin` leads to is counted, replied, parked, detached, asked
-            // again or looked up.
-            other => {
-                log::warn!("#{context_id} unexpected step after a remote begin: {}", step_name(&other));
+            Step::LookUpAtLeaseEnd(later) => {
+                if let Some(lookup) = plugin.lease_end_lookup(context_id, *later) {
+                    plugin.look_up_at_lease_end(lookup);
+                }
+                None
+            }
+            Step::FixHeaders(fixes) => {
+                for fix in fixes {
+                    let result = match &fix {
+                        HeaderFix::Set(name, value) => host.set_header(MAP_RESPONSE_HEADERS, name, value),
+                        HeaderFix::Remove(name) => host.remove_header(MAP_RESPONSE_HEADERS, name),
+                    };
+                    if let Err(HostError(s)) = result {
+                        log::warn!(
+                            "#{context_id} could not restore a replayed header {fix:?} (host status {s})"
+                        );
+                    }
+                }
+                None
+            }
+            Step::RemoveRequestHeaders(names) => {
+                for name in names {
+                    if let Err(HostError(s)) = host.remove_header(MAP_REQUEST_HEADERS, name) {
+                        log::warn!(
+                            "#{context_id} could not remove {name} from the request (host status {s})"
+                        );
+                    }
+                }
+                None
+            }
+            Step::LeaveWaitRoom => {
+                plugin.room.borrow_mut().leave(context_id);
+                (carried.held, carried.left_room) = (None, true);
+                None
+            }
+            Step::WarnRetried { rule, attempts } => {
+                if plugin.first_retry_warning(&rule) {
+                    log::warn!(
+                        "route rule {rule}: Envoy sent a protected request upstream {attempts} times under one \
+                         claim (route retry_policy, hedging or internal redirect); each attempt may execute: \
+                         disable Envoy retries on routes this filter protects"
+                    );
+                }
+                None
+            }
+            Step::ErrorStopIterationMissing { rule, details, body_bytes } => {
+                if plugin.first_stop_iteration_error() {
+                    log::error!("{}", stop_iteration_missing_line(&rule, details.as_deref(), body_bytes));
+                }
+                None
+            }
+            Step::WarnBodyNeverReceived { rule, details } => {
+                if plugin.body_never_received_log_due(host.now_ms()) {
+                    log::warn!(
+                        "route rule {rule}: a request held for its body ended before any of it arrived \
+                         ({}); nothing was claimed or forwarded. If every protected request with a body \
+                         does this (counter body_never_received), the Wasm filter's config lacks \
+                         allow_on_headers_stop_iteration: true",
+                        details.as_deref().unwrap_or("no response details")
+                    );
+                }
                 None
             }
         };
         if let Some(more) = more {
-            verdict = more.verdict;
+            carried.verdict = more.verdict;
             steps.extend(more.steps);
         }
+    }
+    if response_held {
+        carried.verdict = Verdict::Pause;
+    }
+    carried
+}
+
+/// Carries out what the flow decided for its paused request (the effective context is the
+/// request's), then gives the flow back to its stream and resumes it; unless the flow went on
+/// with a conversation or a lookup of the root's.
+fn carry_out_in_root<H: Host>(
+    plugin: &PluginState<H>,
+    context_id: u32,
+    mut flow: RequestFlow,
+    handle: FlowHandle,
+    out: Output,
+) {
+    let carried = carry_out(plugin, context_id, &mut flow, out, At::Root(&handle));
+    if carried.flow_went.is_some() {
+        return;
     }
     if flow.headless() {
         if flow.awaiting_lookup() {
@@ -506,12 +662,26 @@ fn carry_out<H: Host>(
         }
         return;
     }
-    *handle.borrow_mut() = Some((flow, held_handle));
-    if verdict == Verdict::Continue {
-        if let Err(HostError(s)) = host.resume_request() {
+    *handle.borrow_mut() = Some((flow, carried.held));
+    if carried.verdict == Verdict::Continue {
+        if let Err(HostError(s)) = plugin.host.resume_request() {
             log::warn!("#{context_id} could not resume the request (host status {s})");
         }
     }
+}
+
+/// The error line for a worker whose Envoy keeps request bodies from the filter: what happened,
+/// what it does to traffic, the setting that is missing and where it can be set.
+pub fn stop_iteration_missing_line(rule: &str, details: Option<&str>, body_bytes: u64) -> String {
+    format!(
+        "route rule {rule}: {body_bytes} bytes of a protected request's body reached Envoy but never this \
+         filter ({}): the Wasm filter's config lacks allow_on_headers_stop_iteration: true (or the \
+         control plane dropped it), so every protected request with a body hangs until Envoy's timeout \
+         (504) and none is forwarded (counter body_never_received). Set it in the Wasm filter's config; \
+         on Istio the EnvoyFilter form needs Istio >= 1.28 (1.27 drops the field without an error, 1.26 \
+         and older ship an Envoy without it), and a WasmPlugin cannot set it. Logged once per worker.",
+        details.unwrap_or("no response details")
+    )
 }
 
 /// Makes a paused request's lookup from the root, so that its answer comes whether or not the
@@ -560,7 +730,7 @@ fn answer_lookup<H: Host>(plugin: &PluginState<H>, call: RootLookup, answer: Loo
         return;
     }
     let out = flow.lookup_answered(answer, host.now_ms());
-    carry_out(plugin, context_id, flow, handle, out);
+    carry_out_in_root(plugin, context_id, flow, handle, out);
 }
 
 /// A lease-end lookup that settled nothing yet (the lookup failed, or the store still holds
@@ -593,7 +763,7 @@ pub(super) fn start_lease_end_lookups<H: Host>(plugin: &PluginState<H>, now_ms: 
     for LeaseEndLookup { mut flow, .. } in due {
         let out = flow.lease_end_due(now_ms);
         let handle: FlowHandle = Rc::new(std::cell::RefCell::new(None));
-        carry_out(plugin, 0, flow, handle, out);
+        carry_out_in_root(plugin, 0, flow, handle, out);
     }
 }
 
@@ -615,23 +785,4 @@ fn start_lease_end_lookup<H: Host>(plugin: &PluginState<H>, flow: &RequestFlow) 
         headers: call.headers.clone(),
         timeout_ms: call.timeout_ms,
     })
-}
-
-fn step_name(step: &Step) -> &'static str {
-    match step {
-        Step::Count(_) => "count",
-        Step::Reply { .. } => "reply",
-        Step::Store(_) => "store",
-        Step::Park(_) => "park",
-        Step::Wake(_) => "wake",
-        Step::FixHeaders(_) => "fix headers",
-        Step::RemoveRequestHeaders(_) => "remove request headers",
-        Step::LeaveWaitRoom => "leave wait room",
-        Step::WarnRetried { .. } => "warn retried",
-        Step::WarnBodyNeverReceived { .. } => "warn body never received",
-        Step::ErrorStopIterationMissing { .. } => "error stop iteration missing",
-        Step::Detach { .. } => "detach",
-        Step::Lookup { .. } => "lookup",
-        Step::LookUpAtLeaseEnd(_) => "look up at lease end",
-    }
 }

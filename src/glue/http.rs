@@ -4,16 +4,13 @@
 
 use super::admin;
 use super::calls::{FlowHandle, HeldHandle};
+use super::carry::{self, At};
 use super::pairs::HeaderMap;
 use super::plugin::PluginState;
 use super::{
     Host, HostError, BUFFER_REQUEST_BODY, BUFFER_RESPONSE_BODY, MAP_REQUEST_HEADERS, MAP_RESPONSE_HEADERS,
 };
-use crate::engine::HeaderFix;
-use crate::flow::{Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict};
-use crate::store::seam::Started;
-use crate::store::StoreOp;
-use std::collections::VecDeque;
+use crate::flow::{Output, RequestFlow, StreamFacts, Unreadable, Verdict};
 use std::rc::Rc;
 
 /// The flow's reads, as host calls.
@@ -199,179 +196,20 @@ impl<H: Host> Http<H> {
         self.callback(false, |flow, _, facts| flow.stream_ended(facts));
     }
 
-    /// Carries out the steps in order. The local store answers at once, so a store step's answer
-    /// goes straight back to the flow, and the verdict is the flow's last word.
+    /// Carries out the flow's steps (`carry::carry_out`, the one place steps are carried out),
+    /// and keeps what they leave: the handle the request is held under, and where its flow went.
     fn perform(&mut self, plugin: &PluginState<H>, out: Output) -> Verdict {
-        let host = &plugin.host;
-        let mut verdict = out.verdict;
-        let mut held = false;
-        let mut steps: VecDeque<Step> = out.steps.into();
-        while let Some(step) = steps.pop_front() {
-            let more = match step {
-                Step::Count(counter) => {
-                    plugin.count_for_stream(counter, self.flow.rule(), self.flow.scope());
-                    None
-                }
-                Step::Reply { reply, details } => {
-                    if let Err(HostError(s)) =
-                        host.send_response(reply.status, details, &reply.headers, &reply.body)
-                    {
-                        log::warn!("#{} could not send the local reply (host status {s})", self.context_id);
-                    }
-                    None
-                }
-                Step::Store(op) => {
-                    let begin = matches!(op, StoreOp::Begin(_));
-                    match plugin.start(op) {
-                        Started::Answered(answer) => Some(self.flow.store_answered(&plugin.config, answer)),
-                        // Carried out by the root, which answers or resumes the request; the flow
-                        // goes with it and comes back at the next callback.
-                        Started::Conversation(conversation) if begin => {
-                            let flow = std::mem::replace(&mut self.flow, RequestFlow::new(self.context_id));
-                            let handle = plugin.begin_from_root(conversation, self.context_id, flow);
-                            self.flow_handle = Some(handle);
-                            None
-                        }
-                        // Settled by the root: the stream may end before the store answers. In a
-                        // response callback the response waits for it (the root resumes it).
-                        Started::Conversation(conversation) => {
-                            if let Some(settlement) = self.flow.hand_off_settlement() {
-                                let hold = self.hold_response && verdict == Verdict::Continue;
-                                plugin.settle_from_root(conversation, settlement, hold);
-                                if hold {
-                                    held = true;
-                                }
-                            }
-                            None
-                        }
-                    }
-                }
-                Step::Park(plan) => {
-                    let (admitted, handle) = plugin.park(self.context_id, plan);
-                    if admitted.is_ok() {
-                        self.held_handle = Some(handle);
-                    }
-                    Some(self.flow.parked(&plugin.config, admitted))
-                }
-                Step::Wake(scope) => {
-                    plugin.broadcast(&scope);
-                    None
-                }
-                // Detached execution: the root makes the call and answers this stream (the
-                // handle says how, before its reply comes through the encode callbacks).
-                Step::Detach { claim, rule, later } => {
-                    let handle: HeldHandle = Rc::new(std::cell::Cell::new(None));
-                    match plugin.detach(self.context_id, claim, &rule, Rc::clone(&handle), later) {
-                        Ok(()) => {
-                            self.held_handle = Some(handle);
-                            None
-                        }
-                        Err(why) => Some(self.flow.detach_refused(&why)),
-                    }
-                }
-                // Reconciliation: the root makes the lookup and carries out what its answer
-                // means; the flow goes with it and comes back at the next callback.
-                Step::Lookup { rule, request } => {
-                    match plugin.start_lookup(self.context_id, self.flow.scope().copied(), &rule, &request) {
-                        Ok(lookup) => {
-                            let flow = std::mem::replace(&mut self.flow, RequestFlow::new(self.context_id));
-                            let handle: FlowHandle = Rc::new(std::cell::RefCell::new(None));
-                            plugin.lookup_from_root(self.context_id, flow, &handle, lookup);
-                            self.flow_handle = Some(handle);
-                            None
-                        }
-                        Err(retry_after_ms) => Some(self.flow.lookup_refused(retry_after_ms)),
-                    }
-                }
-                Step::LookUpAtLeaseEnd(later) => {
-                    if let Some(lookup) = plugin.lease_end_lookup(self.context_id, *later) {
-                        plugin.look_up_at_lease_end(lookup);
-                    }
-                    None
-                }
-                Step::FixHeaders(fixes) => {
-                    for fix in fixes {
-                        let result = match &fix {
-                            HeaderFix::Set(name, value) => host.set_header(MAP_RESPONSE_HEADERS, name, value),
-                            HeaderFix::Remove(name) => host.remove_header(MAP_RESPONSE_HEADERS, name),
-                        };
-                        if let Err(HostError(s)) = result {
-                            log::warn!(
-                                "#{} could not restore a replayed header {fix:?} (host status {s})",
-                                self.context_id
-                            );
-                        }
-                    }
-                    None
-                }
-                Step::RemoveRequestHeaders(names) => {
-                    for name in names {
-                        if let Err(HostError(s)) = host.remove_header(MAP_REQUEST_HEADERS, name) {
-                            log::warn!(
-                                "#{} could not remove {name} from the request (host status {s})",
-                                self.context_id
-                            );
-                        }
-                    }
-                    None
-                }
-                Step::LeaveWaitRoom => {
-                    plugin.room.borrow_mut().leave(self.context_id);
-                    self.held_handle = None;
-                    None
-                }
-                Step::WarnRetried { rule, attempts } => {
-                    if plugin.first_retry_warning(&rule) {
-                        log::warn!(
-                            "route rule {rule}: Envoy sent a protected request upstream {attempts} times under one \
-                             claim (route retry_policy, hedging or internal redirect); each attempt may execute: \
-                             disable Envoy retries on routes this filter protects"
-                        );
-                    }
-                    None
-                }
-                Step::ErrorStopIterationMissing { rule, details, body_bytes } => {
-                    if plugin.first_stop_iteration_error() {
-                        log::error!("{}", stop_iteration_missing_line(&rule, details.as_deref(), body_bytes));
-                    }
-                    None
-                }
-                Step::WarnBodyNeverReceived { rule, details } => {
-                    if plugin.body_never_received_log_due(host.now_ms()) {
-                        log::warn!(
-                            "route rule {rule}: a request held for its body ended before any of it arrived \
-                             ({}); nothing was claimed or forwarded. If every protected request with a body \
-                             does this (counter body_never_received), the Wasm filter's config lacks \
-                             allow_on_headers_stop_iteration: true",
-                            details.as_deref().unwrap_or("no response details")
-                        );
-                    }
-                    None
-                }
-            };
-            if let Some(more) = more {
-                verdict = more.verdict;
-                steps.extend(more.steps);
-            }
+        let at = At::Stream { hold_response: self.hold_response };
+        let carried = carry::carry_out(plugin, self.context_id, &mut self.flow, out, at);
+        if carried.left_room {
+            self.held_handle = None;
         }
-        if held {
-            Verdict::Pause
-        } else {
-            verdict
+        if carried.held.is_some() {
+            self.held_handle = carried.held;
         }
+        if carried.flow_went.is_some() {
+            self.flow_handle = carried.flow_went;
+        }
+        carried.verdict
     }
-}
-
-/// The error line for a worker whose Envoy keeps request bodies from the filter: what happened,
-/// what it does to traffic, the setting that is missing and where it can be set.
-pub fn stop_iteration_missing_line(rule: &str, details: Option<&str>, body_bytes: u64) -> String {
-    format!(
-        "route rule {rule}: {body_bytes} bytes of a protected request's body reached Envoy but never this \
-         filter ({}): the Wasm filter's config lacks allow_on_headers_stop_iteration: true (or the \
-         control plane dropped it), so every protected request with a body hangs until Envoy's timeout \
-         (504) and none is forwarded (counter body_never_received). Set it in the Wasm filter's config; \
-         on Istio the EnvoyFilter form needs Istio >= 1.28 (1.27 drops the field without an error, 1.26 \
-         and older ship an Envoy without it), and a WasmPlugin cannot set it. Logged once per worker.",
-        details.unwrap_or("no response details")
-    )
 }

@@ -8,13 +8,14 @@ use crate::config::etcd::ETCD_MAX_REQUEST_BYTES;
 use crate::store::record::{self, Entry, SlotValue, State};
 use crate::store::remote::{Answer, Next};
 use crate::store::{
-    completed_answer, Begin, Claim, ClaimAttempt, Completion, RecordPage, Refusal, Settled, StoreAnswer,
-    StoreError, StoreOp, UnknownOutcome,
+    completed_answer, Begin, Claim, ClaimAttempt, Completion, Refusal, Settled, StoreAnswer, StoreError,
+    StoreOp, UnknownOutcome,
 };
 
 use super::keys::owner_of;
 use super::leases::{window_end, LIVE_CLAIM_RETRY_MS};
 use super::quota::{charged_entry, quota_reads, quota_refusal};
+use super::stage::{Move, Stage};
 use super::wire::{self, EtcdRefusal, Guard, TxnOp};
 use super::{decode, records, unusable, EtcdStore, UNANSWERED};
 
@@ -23,29 +24,6 @@ const TXN_FRAMING_BYTES: u64 = 4 * 1024;
 
 /// Transactions lost to other writers before `begin` gives up (`Contention`).
 pub(super) const TXN_ATTEMPTS: u8 = 3;
-
-/// Where a conversation is: which answer it waits for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Stage {
-    Start,
-    /// begin: a new claim over its quota, being deleted (guarded by the claim's revision).
-    Undo,
-    /// begin without the leases a claim needs: the record and its lease key if it exists
-    /// (nothing if it is absent), read before granting them.
-    Probe,
-    /// begin of an existing record that will be claimed (takeover, reuse) with a quota: the
-    /// quota indexes, read while the record is unchanged.
-    QuotaRead,
-    /// complete/release: the record, to check ownership and find its index keys.
-    SettleRead,
-    LeaseGrant,
-    /// The guarded write.
-    Write,
-    /// records: a page of records; then the labels of those that passed the state filter.
-    Scan,
-    Labels,
-    Finished,
-}
 
 /// A guarded write waiting for its lease (or sent).
 #[derive(Debug, Clone)]
@@ -151,15 +129,6 @@ pub struct EtcdConversation {
     pub(super) scan: Option<Box<records::Scan>>,
     /// An operator's change, carried out as the release or completion now in `op`.
     pub(super) amending: Option<StoreOp>,
-}
-
-/// What the conversation does next, inside `step`.
-pub(super) enum Move {
-    Call(wire::Call, Stage),
-    Begun(Begin),
-    Settled(Settled),
-    Records(RecordPage),
-    Amended(Result<(), Refusal>),
 }
 
 impl EtcdConversation {

@@ -5,7 +5,7 @@
 //! conversation's steps because it is its own bookkeeping: which lease a write names, and when one
 //! must be granted first (`EtcdConversation::lease_or_write`).
 
-use super::conversation::{Move, Stage};
+use super::stage::{Move, Stage};
 use super::{unusable, wire, EtcdConversation, EtcdStore, StoreError};
 
 /// Records whose expiry falls in the same window share one etcd lease, which ends after the

@@ -20,6 +20,7 @@ mod leases;
 mod quota;
 mod records;
 pub mod remote;
+mod stage;
 pub mod watch;
 mod wire;
 

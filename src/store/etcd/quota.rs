@@ -4,8 +4,8 @@
 //! of a new claim found over its bound. docs/ETCD.md says why a new claim counts after its
 //! puts (*Data model*) and where racing claims can overshoot (*Limits worth knowing*).
 
-use super::conversation::{Move, Stage};
 use super::keys::{counts_until, tag_of};
+use super::stage::{Move, Stage};
 use super::wire::{self, Guard, TxnOp};
 use super::{unusable, EtcdConversation, EtcdStore};
 use crate::store::record::{Entry, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED};

@@ -6,7 +6,7 @@
 //! by the revision the operator's look saw: whatever wrote it since wins, and the change is
 //! refused as settled meanwhile.
 
-use super::conversation::{Move, Stage};
+use super::stage::{Move, Stage};
 use super::wire::{self, Guard, TxnOp};
 use super::{decode, keys::hex, EtcdConversation, EtcdStore};
 use crate::identity::scope::{unhex, ScopeId};

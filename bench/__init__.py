@@ -3,6 +3,7 @@ modules from the repository root: `python -m bench.run --help`.
 
     bench/run.py           command line: runs the phases, writes the raw results and the report
     bench/phases.py        the Envoys of the benchmark and its phases (rounds, memory), etcd for 7 and 8
+    bench/scenarios.py     what the phases and the report both know of the scenarios (no bench imports)
     bench/fill.py          the refusal-vs-fill curve (its 45138ec baseline: bench/baseline/)
     bench/load.py          the load generator (bench/loadgen, Rust) and the statistics
     bench/wake_latency.py  wait mode's wake-up latency (run by run.py too)
@@ -13,6 +14,7 @@ modules from the repository root: `python -m bench.run --help`.
     bench/sections.py      the one section writer: a tool's section of a file lies between its
                            <!-- bench:NAME:begin/end --> markers, and nothing else is touched
                            (tested by bench/test_sections.py, `make bench-unit`)
+    bench/test_imports.py  no import circle among these modules (`make bench-unit`)
 
 Rust: bench/loadgen (load generator), bench/noop-filter and bench/naive-filter (Wasm baselines).
 

@@ -43,7 +43,7 @@ from typing import Any, Callable
 from bench import OUT_DIR, HarnessError, loadavg, log, rel
 from bench.load import Loadgen, spread
 from bench.report_memory import ENTRY_BYTES, QUOTA_BYTES, SLOT_OVERHEAD
-from bench.report_more import EQUAL_LOAD_PAIRS
+from bench.scenarios import EQUAL_LOAD_PAIRS
 from idemkit import bootstrap
 from idemkit.bootstrap import MiB
 from idemkit.client import request

@@ -259,3 +259,27 @@ def test_every_bypass_of_a_detached_call_names_a_test_that_exists():
     for must in ("retries", "timeout", "rewrite", "request_headers_to_add", "filter", "trailers", "32 MiB", "cut"):
         assert must in bypassed, f"the bypass table has no row on {must!r}"
 
+
+def main() -> int:
+    """Every test here without pytest, for `make check` (`make contract-check`): the fast loop
+    installs nothing (tests/deploy/test_platforms.py), and these checks need only the standard
+    library. `make deploy-test` runs them under pytest as well."""
+    import inspect
+    import tempfile
+    import traceback
+
+    tests = [(name, fn) for name, fn in globals().items() if name.startswith("test_") and callable(fn)]
+    failed = []
+    for name, fn in tests:
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                fn(*[Path(tmp) for p in inspect.signature(fn).parameters if p == "tmp_path"])
+        except Exception:  # noqa: BLE001 (an assertion or any other error fails the test)
+            failed.append(name)
+            print(f"FAILED {name}\n{traceback.format_exc()}")
+    print(f"{Path(__file__).relative_to(REPO_ROOT)}: {len(tests) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,7 +1,8 @@
 # idempotency-filter: build the Wasm module, test it, run the demo.
 #
 #   make build      target/…/idempotency_filter.wasm -> dist/idempotency_filter.wasm
-#   make check      the fast loop: fmt, clippy (native and wasm32), cargo test (no system package needed)
+#   make check      the fast loop: fmt, clippy (native and wasm32), cargo test, the contract's citations
+#                   (make contract-check; no system package needed)
 #   make test       the whole suite: check, the etcd conformance (real etcd), fuzz and bench smoke,
 #                   end-to-end tests (real Envoy), the compatibility matrix, the SDK tests
 #   make sdk-test   Stripe's own SDKs (stripe-python, stripe-node) retrying through Envoy and the filter
@@ -51,7 +52,7 @@ ENVOY_BIN ?= $(shell $(VENV_PY) -c '$(ENVOY_LOOKUP)' 2>/dev/null)
 ENVOY_CONFIGS := $(wildcard envoy/*.yaml)
 PYTEST_ARGS ?=
 
-.PHONY: help tools build validate run unit lint check e2e test versions clean distclean fuzz fuzz-smoke \
+.PHONY: help tools build validate run unit lint contract-check check e2e test versions clean distclean fuzz fuzz-smoke \
 	wasm-target nightly etcd etcd-conformance run-etcd skopeo oci deploy-test node sdk-test compat promtool alerts-test
 
 help:
@@ -337,7 +338,14 @@ sdk-test: build tools $(SDK_NODE_STAMP)
 	ENVOY_BIN="$(ENVOY_BIN)" FILTER_WASM=$(DIST_WASM) \
 	  $(VENV_PY) -m pytest tests/sdk -q $(PYTEST_ARGS)
 
-check: lint unit
+# Every promise of the contract (docs/CONTRACT.md) is cited by a test docstring and no test cites
+# one that does not exist (tests/deploy/test_contract.py; make deploy-test runs it under pytest
+# too). It reads docs and docstrings only: in the fast loop with plain $(PYTHON), no .tools venv,
+# so `make check` stays without pip and off-Linux (tests/deploy/test_platforms.py).
+contract-check:
+	PYTHONPATH=. $(PYTHON) tests/deploy/test_contract.py
+
+check: lint unit contract-check
 
 test:
 	$(MAKE) --no-print-directory check

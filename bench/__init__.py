@@ -2,7 +2,11 @@
 modules from the repository root: `python -m bench.run --help`.
 
     bench/run.py           command line: runs the phases, writes the raw results and the report
-    bench/phases.py        the Envoys of the benchmark and its phases (rounds, memory), etcd for 7 and 8
+    bench/harness.py       Bench: one run's state, and the helpers every phase uses
+    bench/envoys.py        the Envoys every bench tool starts: upstream, proxies, the filter's configuration
+    bench/scenarios.py     the numbered scenarios, as the phases and the report both need them
+    bench/rounds.py        the main phase: the scenarios in interleaved rounds, equal load, verification
+    bench/memory.py        the memory phase (1,000,000 distinct keys, RSS sampled)
     bench/fill.py          the refusal-vs-fill curve (its 45138ec baseline: bench/baseline/)
     bench/load.py          the load generator (bench/loadgen, Rust) and the statistics
     bench/wake_latency.py  wait mode's wake-up latency (run by run.py too)
@@ -13,6 +17,7 @@ modules from the repository root: `python -m bench.run --help`.
     bench/sections.py      the one section writer: a tool's section of a file lies between its
                            <!-- bench:NAME:begin/end --> markers, and nothing else is touched
                            (tested by bench/test_sections.py, `make bench-unit`)
+    bench/test_imports.py  no import circle among these modules (`make bench-unit`)
 
 Rust: bench/loadgen (load generator), bench/noop-filter and bench/naive-filter (Wasm baselines).
 

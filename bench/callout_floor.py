@@ -21,10 +21,11 @@ import statistics
 import time
 
 from bench import HarnessError, log, rel
+from bench.envoys import (ETCD_CLUSTER, ETCD_PREFIX, ORDERS, bench_envoy, checked, etcd_store, filter_config,
+                          idle_cpu_per_s, proxy_config, upstream_config, wasm_filter)
 from bench.load import Loadgen, spread
-from bench.phases import (ETCD_CLUSTER, ETCD_PREFIX, ORDERS, REPLAY_KEYS, bench_envoy, checked, etcd_store,
-                          filter_config, idle_cpu_per_s, proxy_config, upstream_config, wasm_filter)
 from bench.report import CALLOUT_FLOOR_HEADING, CALLOUT_FLOOR_SECTION, update_section
+from bench.scenarios import REPLAY_KEYS
 from idemkit import bootstrap
 from idemkit.etcd import Etcd
 

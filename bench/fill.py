@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench import REPO, log, rel
-from bench.phases import (FILTER_CONFIG, ORDERS, bench_envoy, checked, proxy_config, upstream_config,
+from bench.envoys import (FILTER_CONFIG, ORDERS, bench_envoy, checked, proxy_config, upstream_config,
                           wasm_filter)
 
 if TYPE_CHECKING:
-    from bench.phases import Bench
+    from bench.harness import Bench
 
 FILL_HEADING = "## Refusals as the store fills"
 BASELINE = REPO / "bench" / "baseline" / "refusal-curve-45138ec.json"

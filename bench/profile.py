@@ -33,9 +33,9 @@ import sys
 import time
 
 from bench import OUT_DIR, HarnessError, log, rel
-from bench.load import Loadgen, spread
-from bench.phases import (ETCD_CLUSTER, ORDERS, OTHER, bench_envoy, checked, etcd_store, filter_config,
+from bench.envoys import (ETCD_CLUSTER, ORDERS, OTHER, bench_envoy, checked, etcd_store, filter_config,
                           proxy_config, upstream_config, wasm_filter)
+from bench.load import Loadgen, spread
 from bench.report import PROFILE_HEADING, PROFILE_SECTION, update_section
 from idemkit import REPO_ROOT as REPO
 from idemkit import bootstrap

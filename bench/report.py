@@ -25,11 +25,12 @@ from bench import OUT_DIR, REPO, loadavg, log, rel
 from bench import fill, report_more, report_memory, report_svg, sections
 from bench.report_memory import MEMORY_HEADING, memory_markdown, write_samples
 from bench.load import BODY_BYTES, merge_hist, merge_status, parse_duration_s, quantile, spread
-from bench.phases import ORDERS, OTHER, REPLAY_KEYS
+from bench.envoys import ORDERS, OTHER
+from bench.scenarios import REPLAY_KEYS
 from idemkit.process import CLK_TCK
 
 if TYPE_CHECKING:
-    from bench.phases import Bench
+    from bench.harness import Bench
 
 KiB = 1024
 MiB = 1024 * 1024

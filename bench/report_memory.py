@@ -1,4 +1,4 @@
-"""The memory section of BENCHMARKS.md: the 1,000,000-key phase (bench/phases.py, memory_phase),
+"""The memory section of BENCHMARKS.md: the 1,000,000-key phase (bench/memory.py),
 its bound, the bucket-fill estimate and the memory per live record."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from bench.phases import Bench
+    from bench.harness import Bench
 
 
 class ReportData(Protocol):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bench.load import spread
+from bench.scenarios import EQUAL_LOAD_PAIRS
 
 if TYPE_CHECKING:
     from bench.report_model import ReportData
@@ -69,8 +70,6 @@ def cpu_ratios(rep: ReportData) -> dict[str, dict]:
 # load, and what each pair measures (13/5: the same bound for the replay with the replay cache,
 # the zero-round-trip path the issue names).
 EQUAL_LOAD_BOUNDS = {"7/4": (2.2, "new key"), "8/5": (1.5, "replay"), "13/5": (1.5, "replay, replay cache on")}
-# The pairs of the equal-load phase: (etcd scenario, local scenario).
-EQUAL_LOAD_PAIRS = ((7, 4), (8, 5), (13, 5))
 
 
 def equal_load_cpu(rep: ReportData, net: bool = True) -> dict[str, tuple[float, float, float]]:

@@ -5,14 +5,15 @@ Started by `make bench` / `make bench-smoke` / `make bench-memory` (bench/bench.
 `python -m bench.run` from the repository root; Python 3.11 standard library and the kit
 (idemkit/). Everything binds 127.0.0.1; nothing is fetched.
 
-The phases (bench/phases.py): eight scenarios (Envoy alone, no-op filter, the filter on the
-local store three ways, a naive idempotency filter, the filter on a real etcd two ways), each its
-own proxy Envoy in front of one fast upstream Envoy, run in interleaved closed-loop rounds and
-then open loop at one fixed rate; the refusal-vs-fill curve (bench/fill.py); the memory phase
-(1,000,000 distinct keys, RSS sampled); wait mode's wake-up latency (bench/wake_latency.py). The load generator is bench/loadgen (Rust, std only): the same request
-(POST, ~1 KiB JSON body, an idempotency-key header), the same connection count, in every
-scenario. Throughput ratios are computed per round and summarised as the median with IQR and
-min/max; percentiles come from the histograms merged over all rounds.
+The phases: the scenarios (bench/scenarios.py: Envoy alone, a no-op filter, the filter on the
+local store several ways, a naive idempotency filter, the filter on a real etcd several ways),
+each its own proxy Envoy in front of one fast upstream Envoy, run in interleaved closed-loop rounds,
+then open loop at one fixed rate and the equal-load pairs (bench/rounds.py); the refusal-vs-fill
+curve (bench/fill.py); the memory phase (bench/memory.py: 1,000,000 distinct keys, RSS sampled);
+wait mode's wake-up latency (bench/wake_latency.py). The load generator is bench/loadgen (Rust,
+std only): the same request (POST, ~1 KiB JSON body, an idempotency-key header), the same
+connection count, in every scenario. Throughput ratios are computed per round and summarised as
+the median with IQR and min/max; percentiles come from the histograms merged over all rounds.
 
 This program alone writes BENCHMARKS.md and bench/results.svg (bench/report.py).
 
@@ -35,8 +36,8 @@ import time
 from pathlib import Path
 
 from bench import OUT_DIR, REPO, HarnessError, log, rel
-from bench import fill, report, wake_latency
-from bench.phases import Bench
+from bench import fill, memory, report, rounds, wake_latency
+from bench.harness import Bench
 
 KiB = 1024
 
@@ -127,8 +128,8 @@ def main(argv: list[str]) -> int:
         + ("; SMOKE (numbers mean nothing)" if a.smoke else ""))
     try:
         if a.memory != "only" and a.fill != "only":
-            b.setup()
-            b.rounds()
+            rounds.setup(b)
+            rounds.run(b)
             for s in b.scenarios:
                 if s.envoy:
                     s.envoy.stop()
@@ -138,7 +139,7 @@ def main(argv: list[str]) -> int:
             if a.fill_save:
                 fill.save(b.fill, a.fill_save, git_commit())
         if a.memory != "off":
-            b.memory_phase()
+            b.memory = memory.run(b)
         b.stop_all()
         if a.wake == "on" and a.memory != "only":
             wake(b)

@@ -1,7 +1,9 @@
 """The contract's promises and the tests that prove them. docs/CONTRACT.md numbers the promises
 (C1, C2, ...) in its table "The promises", one row per row of the README's contract table, which
 carries the same IDs in its first column. A test that proves a promise cites its ID in a
-docstring (Python: module, class or function; Rust: `///` or `//!` in a test file).
+docstring (Python: module, class or function; Rust: `///` or `//!` in a test file, tests/*.rs,
+src/**/tests/*.rs or src/**/tests.rs, or inside a `#[cfg(test)] mod tests { ... }` block of any
+other source file, whose production docs around it never count).
 
 Checked here: both tables hold the same IDs in the same order, each once; every ID is cited by at
 least one test; no test cites an ID that is not in the tables."""
@@ -45,8 +47,76 @@ def _python_docstrings(path: Path) -> list[str]:
     return [d for n in nodes if (d := ast.get_docstring(n, clean=False))]
 
 
+def _rust_doc_lines(text: str) -> list[str]:
+    return [m.group(1) for m in re.finditer(r"^\s*//[/!](.*)$", text, re.M)]
+
+
 def _rust_docs(path: Path) -> list[str]:
-    return [m.group(1) for m in re.finditer(r"^\s*//[/!](.*)$", path.read_text(), re.M)]
+    return _rust_doc_lines(path.read_text())
+
+
+# What may stand between `#[cfg(test)]` and the `mod` it gates: more attributes (each on one
+# line, as rustfmt leaves them, with a comment after it or not), plain comments, a visibility.
+_TEST_MOD = re.compile(r"#\[cfg\(test\)\](?:\s|#\[[^\n]*\]|//[^\n]*)*(?:pub(?:\([^)]*\))?\s+)?mod\s+\w+\s*\{")
+
+
+def _block_end(text: str, start: int) -> int:
+    """The index just past the `}` that closes the `{` at `start`, skipping the braces of Rust's
+    comments (line and nested block), strings (raw and byte ones too) and char literals."""
+    depth, i, n = 0, start, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            i = text.find("\n", i)
+            i = n if i < 0 else i
+            continue
+        if text.startswith("/*", i):
+            nest, i = 1, i + 2
+            while i < n and nest:
+                if text.startswith("/*", i):
+                    nest, i = nest + 1, i + 2
+                elif text.startswith("*/", i):
+                    nest, i = nest - 1, i + 2
+                else:
+                    i += 1
+            continue
+        raw = re.compile(r"b?r(#*)\"").match(text, i)
+        if raw and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
+            close = '"' + raw.group(1)
+            i = text.find(close, raw.end())
+            i = n if i < 0 else i + len(close)
+            continue
+        if c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+            i += 1
+            continue
+        if c == "'":
+            char = re.compile(r"'(?:\\(?:u\{[0-9a-fA-F]+\}|x[0-9a-fA-F]{2}|.)|[^\\'\n])'").match(text, i)
+            i = char.end() if char else i + 1  # else a lifetime or a label: 'a
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    raise ValueError(f"no closing brace for the block at {start}")
+
+
+def _inline_test_docs(path: Path) -> list[str]:
+    """The doc lines inside `path`'s inline test modules (`#[cfg(test)] mod tests { ... }`),
+    none of the file's other docs."""
+    text = path.read_text()
+    docs: list[str] = []
+    i = 0
+    while m := _TEST_MOD.search(text, i):
+        end = _block_end(text, m.end() - 1)
+        docs += _rust_doc_lines(text[m.end():end - 1])
+        i = end
+    return docs
 
 
 def _test_files() -> list[Path]:
@@ -56,13 +126,21 @@ def _test_files() -> list[Path]:
     return sorted(python + rust)
 
 
+def _docs_by_file() -> dict[Path, list[str]]:
+    """Every test docstring, by the file it is in: the test files' docs whole, and the docs of
+    the inline test modules of every other Rust source file."""
+    whole = [p for p in _test_files() if p != Path(__file__).resolve()]
+    docs = {p: _python_docstrings(p) if p.suffix == ".py" else _rust_docs(p) for p in whole}
+    for path in sorted((REPO_ROOT / "src").rglob("*.rs")):
+        if path not in docs and (inline := _inline_test_docs(path)):
+            docs[path] = inline
+    return docs
+
+
 def citations() -> dict[str, set[str]]:
     """ID -> the test files (relative to the repository) whose docstrings cite it."""
     cited: dict[str, set[str]] = {}
-    for path in _test_files():
-        if path == Path(__file__).resolve():
-            continue
-        docs = _python_docstrings(path) if path.suffix == ".py" else _rust_docs(path)
+    for path, docs in _docs_by_file().items():
         for ident in {i for doc in docs for i in _ID.findall(doc)}:
             cited.setdefault(ident, set()).add(path.relative_to(REPO_ROOT).as_posix())
     return cited
@@ -103,6 +181,56 @@ def test_the_checker_reads_docstrings_only(tmp_path):
     assert [i for d in _rust_docs(rust) for i in _ID.findall(d)] == ["C1", "C21"]
 
 
+def test_the_checker_reads_the_docs_of_inline_test_modules_only(tmp_path):
+    """Issue 32: a source file's own `#[cfg(test)] mod tests { ... }` is a test module as much as
+    a test file is; the production docs around it (and a `{` or `}` in its strings, chars and
+    comments) are not."""
+    src = tmp_path / "lib.rs"
+    src.write_text(
+        "//! C1: the module's own doc\n"
+        "/// C2: a production function\n"
+        "fn f() -> &'static str { \"}}\" }\n"
+        "#[cfg(test)]\n"
+        "#[allow(clippy::unwrap_used)] // a failing unwrap is a failing test\n"
+        "pub(crate) mod tests {\n"
+        "    //! C3: the test module's doc\n"
+        "    const J: &str = r#\"{\"a\":\"}\"}\"#;\n"
+        "    const C: char = '}';\n"
+        "    const E: char = '\\'';\n"
+        "    fn g<'a>(x: &'a str) -> &'a str { /* } /* { */ } */ x } // }\n"
+        "    /// C4: a test\n"
+        "    #[test]\n"
+        "    fn t() { let _ = (J, C, E, b\"}\", br\"}\", \"\\\"}\"); }\n"
+        "}\n"
+        "/// C5: production again\n"
+        "fn h() {}\n"
+        "#[cfg(test)]\n"
+        "mod more {\n"
+        "    /// C6: a second test module\n"
+        "    #[test]\n"
+        "    fn u() {}\n"
+        "}\n"
+        "#[cfg(test)]\n"
+        "mod tests_in_a_file;\n"
+        "/// C7: after a test module in a file of its own\n"
+        "fn k() {}\n")
+    assert [i for d in _inline_test_docs(src) for i in _ID.findall(d)] == ["C3", "C4", "C6"]
+
+
+def test_the_checker_reads_every_inline_test_module_of_the_sources():
+    """Every `#[cfg(test)] mod ... {` of src/ is found and its block closed: the count of
+    modules read is the count of their openings, each block ends where rustfmt's closing brace
+    of the module stands (a `}` alone in the first column)."""
+    modules = 0
+    for path in sorted((REPO_ROOT / "src").rglob("*.rs")):
+        text = path.read_text()
+        for m in _TEST_MOD.finditer(text):
+            end = _block_end(text, m.end() - 1)
+            assert text[:end].endswith("\n}"), f"{path}: the block at {m.start()} ends at {end}"
+            modules += 1
+    assert modules >= 20, modules
+
+
 _TEST_REF = re.compile(r"`(test_[a-z0-9_]+\.py)::(test_[a-z0-9_]+)`")
 
 
@@ -130,3 +258,28 @@ def test_every_bypass_of_a_detached_call_names_a_test_that_exists():
     bypassed = " ".join(b for b, _ in rows)
     for must in ("retries", "timeout", "rewrite", "request_headers_to_add", "filter", "trailers", "32 MiB", "cut"):
         assert must in bypassed, f"the bypass table has no row on {must!r}"
+
+
+def main() -> int:
+    """Every test here without pytest, for `make check` (`make contract-check`): the fast loop
+    installs nothing (tests/deploy/test_platforms.py), and these checks need only the standard
+    library. `make deploy-test` runs them under pytest as well."""
+    import inspect
+    import tempfile
+    import traceback
+
+    tests = [(name, fn) for name, fn in globals().items() if name.startswith("test_") and callable(fn)]
+    failed = []
+    for name, fn in tests:
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                fn(*[Path(tmp) for p in inspect.signature(fn).parameters if p == "tmp_path"])
+        except Exception:  # noqa: BLE001 (an assertion or any other error fails the test)
+            failed.append(name)
+            print(f"FAILED {name}\n{traceback.format_exc()}")
+    print(f"{Path(__file__).relative_to(REPO_ROOT)}: {len(tests) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,6 +23,9 @@ const PASS_THROUGH_HOST_CALLS: u64 = 1;
 /// Traffic no rule protects crosses the filter everywhere a mesh-wide policy applies it: it
 /// costs the `:path` read its rule match needs, and nothing else, not even its counter
 /// (counted in Wasm, handed to Envoy with the others at the root's next tick).
+///
+/// C1: requests no rule matches, by method (GET /orders) or by path, pass through: every
+/// callback goes on, at the cost of one host call at most (their `:path`).
 #[test]
 fn an_unprotected_request_costs_one_host_call() {
     let h = host();

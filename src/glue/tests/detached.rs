@@ -67,6 +67,8 @@ fn token(call: &Option<HostCall>) -> u32 {
     }
 }
 
+/// C8, C9 in detached execution: a new key is claimed and called, and its client gets the
+/// upstream's answer; a retry gets that answer again, marked replayed, without a second call.
 #[test]
 fn the_root_makes_the_call_records_the_answer_and_sends_it_as_the_first_response() {
     let h = host();
@@ -107,6 +109,7 @@ fn the_root_makes_the_call_records_the_answer_and_sends_it_as_the_first_response
         if body == b"{\"id\":1}" && headers.iter().any(|(n, _)| n == crate::engine::REPLAYED_HEADER)));
 }
 
+/// C9: the answer is stored though its client left, and a retry gets it without a second call.
 #[test]
 fn a_client_gone_before_the_answer_still_has_its_answer_recorded() {
     let h = host();
@@ -125,6 +128,9 @@ fn a_client_gone_before_the_answer_still_has_its_answer_recorded() {
     assert!(matches!(sent_to(&h, 3).as_slice(), [(201, _, _)]));
 }
 
+/// C20: no answer within `upstream_timeout` is 504 `outcome-unknown`, and the record follows
+/// `unknown_outcome`; C16: on `refuse`, the default, a retry gets 502 `outcome-unknown` and is
+/// never executed again.
 #[test]
 fn upstream_timeout_is_an_unknown_outcome_a_5xx_and_never_executed_again() {
     let h = host();

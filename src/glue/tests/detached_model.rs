@@ -55,6 +55,8 @@ fn replies_to(h: &FakeHost, id: u32) -> Vec<(u16, bool)> {
         .collect()
 }
 
+/// C9, C16: in every order of the events the key executes once, and every retry after the
+/// answer gets it replayed, or on a `refuse` rule whose call got no answer, 502.
 #[test]
 fn no_order_of_events_executes_a_key_twice() {
     let orders =

@@ -108,6 +108,8 @@ fn streams_without_a_token_share_one_fetch() {
     assert_eq!(fetches(&h), 1);
 }
 
+/// C19: without the etcd token the store cannot be used: every stream waiting for it fails
+/// closed (503), and no store request goes out.
 #[test]
 fn a_fetch_that_times_out_fails_every_waiting_stream_by_its_fail_mode() {
     let (h, mut root) = rig(CONFIG);
@@ -130,6 +132,7 @@ fn a_fetch_that_times_out_fails_every_waiting_stream_by_its_fail_mode() {
 
 const REFUSED: &str = r#"{"error":"etcdserver: authentication failed, invalid user ID or password","message":"etcdserver: authentication failed, invalid user ID or password","code":3}"#;
 
+/// C19: a refused token fetch fails the waiting streams closed (503).
 #[test]
 fn a_refused_fetch_fails_the_waiting_streams_at_once_and_nothing_stays_parked() {
     let (h, mut root) = rig(CONFIG);

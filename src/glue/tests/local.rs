@@ -31,6 +31,8 @@ fn without_a_configuration_every_stream_goes_on_untouched() {
     assert!(h.0.calls.borrow().is_empty());
 }
 
+/// C9: a replay is the stored answer, headers too: its content-type comes back even where
+/// Envoy's local-reply path dropped it.
 #[test]
 fn a_replay_gets_its_stored_content_type_back() {
     let h = host();
@@ -70,6 +72,8 @@ fn an_unreadable_request_body_is_a_503() {
     assert_eq!(h.counter("store_error"), 1);
 }
 
+/// C8: a released record counts as no record, so the retry executes. C15: an answer cut
+/// mid-body is not kept, and the next retry gets 410, not a second execution.
 #[test]
 fn no_upstream_host_releases_the_claim_and_a_cut_body_keeps_the_outcome_without_it() {
     let h = host();
@@ -253,6 +257,8 @@ fn outcomes_are_published_as_filter_state_only_when_configured() {
 /// could ask Envoy's router for a retry (a second execution under one claim) or outlive the
 /// lease. The filter takes them off a protected request before the router sees it, counts it,
 /// and leaves unprotected traffic alone.
+///
+/// C22, inline execution; C1: the traffic no rule protects passes through untouched.
 #[test]
 fn a_protected_request_loses_its_router_control_headers_and_other_traffic_keeps_them() {
     let h = host();

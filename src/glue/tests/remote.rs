@@ -134,6 +134,8 @@ fn begin_is_the_roots_callout_while_the_request_stays_paused_and_its_answer_resu
     assert_eq!(http.on_response_headers(true), Verdict::Pause);
 }
 
+/// C19: a store Envoy cannot call (no such cluster) fails closed: 503 `store-unavailable` with
+/// `retry-after`, nothing forwarded.
 #[test]
 fn a_missing_cluster_refuses_the_callout_and_fails_closed_with_503() {
     let h = host();
@@ -144,6 +146,7 @@ fn a_missing_cluster_refuses_the_callout_and_fails_closed_with_503() {
     assert_eq!(h.replies()[0].0, 2, "the reply goes to the request, not the root");
 }
 
+/// C19: a store callout that fails (no status) fails closed: 503 `store-unavailable`.
 #[test]
 fn an_answer_without_status_fails_closed() {
     let h = host();
@@ -155,6 +158,7 @@ fn an_answer_without_status_fails_closed() {
     assert_store_unavailable(&h);
 }
 
+/// C19: a store that does not answer in time fails closed: 503 `store-unavailable`.
 #[test]
 fn a_timeout_fails_closed_and_a_late_answer_is_ignored() {
     let h = host();
@@ -178,6 +182,8 @@ fn releases(ops: &Rc<RefCell<Vec<StoreOp>>>, from: usize) -> usize {
     ops.borrow()[from..].iter().filter(|op| matches!(op, StoreOp::Release(_))).count()
 }
 
+/// C19: the client of a claim whose answer was lost gets 503 `store-unavailable`, nothing
+/// forwarded.
 #[test]
 fn a_claim_whose_answer_was_lost_is_given_back_while_the_client_gets_503() {
     // Envoy's timeout, or a failed callout: the claim's write went out and may have landed,
@@ -292,6 +298,8 @@ fn a_callout_envoy_refused_claimed_nothing_and_gives_nothing_back() {
     assert_eq!(releases(&ops, 0), 0, "{:?}", ops.borrow());
 }
 
+/// C19: with `on_error: fail_open` a store that cannot be used lets the request go on
+/// unprotected, counted, instead of a 503.
 #[test]
 fn fail_open_forwards_unprotected_and_counts_every_bypass() {
     let h = host();

@@ -116,6 +116,7 @@ fn replay() -> Begin {
     Begin::Replay(Snapshot { status: 201, headers: vec![], body: b"done".to_vec() })
 }
 
+/// C11 on a remote store: a held retry gets the original's replay once it has completed.
 #[test]
 fn a_remote_waiter_polls_with_backoff_and_gets_the_replay() {
     let mut r = rig(OnStoreError::FailClosed);
@@ -148,6 +149,8 @@ fn a_remote_waiter_polls_with_backoff_and_gets_the_replay() {
     assert_eq!(settlements, 0);
 }
 
+/// C11 on a remote store: a held retry that finds the original released is forwarded, with a
+/// claim of its own.
 #[test]
 fn a_remote_waiter_that_finds_the_record_released_becomes_the_owner() {
     let mut r = rig(OnStoreError::FailClosed);
@@ -167,6 +170,7 @@ fn a_remote_waiter_that_finds_the_record_released_becomes_the_owner() {
     assert!(matches!(r.ops.borrow().last(), Some(StoreOp::Complete { .. })));
 }
 
+/// C11 on a remote store: a held retry gets 409 at its `wait_timeout`.
 #[test]
 fn a_remote_waiter_gets_409_at_its_wait_timeout() {
     let mut r = rig(OnStoreError::FailClosed);
@@ -198,6 +202,7 @@ fn a_remote_waiter_whose_client_left_releases_the_claim_its_recheck_got() {
     assert!(!tick_at(&mut r, 5_000));
 }
 
+/// C19: a store failure while a retry is held fails closed: 503, nothing forwarded.
 #[test]
 fn a_store_failure_during_a_recheck_fails_closed_with_503() {
     let mut r = rig(OnStoreError::FailClosed);
@@ -218,6 +223,7 @@ fn a_store_failure_during_a_recheck_fails_closed_with_503() {
     assert_eq!(r.h.counter("store_error"), 2);
 }
 
+/// C19: with `on_error: fail_open` the held retry is forwarded unprotected instead, counted.
 #[test]
 fn a_store_failure_during_a_recheck_fails_open_unprotected_and_counted() {
     let mut r = rig(OnStoreError::FailOpen);

@@ -6,6 +6,7 @@
 use super::{host, original_and_waiter, post, root, upstream_answers};
 use crate::flow::Verdict;
 
+/// C11: a retry held in wait mode gets the original's replay once it completes.
 #[test]
 fn a_woken_waiter_is_answered_with_the_replay() {
     let h = host();
@@ -54,6 +55,7 @@ fn a_waiter_that_cannot_be_resumed_releases_its_claim() {
     assert_eq!(h.counter("claimed"), 3);
 }
 
+/// C11: a held retry gets 409 once its `wait_timeout` has passed.
 #[test]
 fn the_tick_sweeps_and_gives_up_on_waiters_after_their_timeout() {
     let h = host();

@@ -2,7 +2,8 @@
 #
 #   make build      target/…/idempotency_filter.wasm -> dist/idempotency_filter.wasm
 #   make check      the fast loop: fmt, clippy (native and wasm32), cargo test, the contract's citations
-#                   (make contract-check; no system package needed)
+#                   and no import circle among the Rust modules (make contract-check; no system
+#                   package needed)
 #   make test       the whole suite: check, the etcd conformance (real etcd), fuzz and bench smoke,
 #                   end-to-end tests (real Envoy), the compatibility matrix, the SDK tests
 #   make sdk-test   Stripe's own SDKs (stripe-python, stripe-node) retrying through Envoy and the filter
@@ -342,8 +343,11 @@ sdk-test: build tools $(SDK_NODE_STAMP)
 # one that does not exist (tests/deploy/test_contract.py; make deploy-test runs it under pytest
 # too). It reads docs and docstrings only: in the fast loop with plain $(PYTHON), no .tools venv,
 # so `make check` stays without pip and off-Linux (tests/deploy/test_platforms.py).
+# And no two Rust modules import each other round a circle (tests/deploy/test_rust_imports.py,
+# ARCHITECTURE.md's "Imports run one way"): standard library only, like the citations.
 contract-check:
 	PYTHONPATH=. $(PYTHON) tests/deploy/test_contract.py
+	$(PYTHON) tests/deploy/test_rust_imports.py
 
 check: lint unit contract-check
 

@@ -1,7 +1,8 @@
 """Where the microseconds of a new key go: Envoy's CPU per request split by what it ran, from
 `perf record` call chains (issue 11's "profile before changing anything").
 
-    make bench-profile    (BENCH_BEFORE=<commit> also profiles the module built at that commit)
+    make bench-profile    (BENCH_BEFORE=<commit> also profiles the module built at that commit: a new
+                          key and a replay)
 
 Each scenario is one proxy Envoy (--concurrency 1) in front of the bench's upstream, loaded closed
 loop by bench/loadgen while `perf record -e cpu-clock -g -p <pid>` samples it; rounds interleave
@@ -326,6 +327,8 @@ def main(argv: list[str]) -> int:
     if a.before_wasm:
         scen.insert(3, Profiled("before", f"the filter at {a.before_label or 'before'}, new key",
                                 a.before_wasm, cfg, "unique"))
+        scen.append(Profiled("before-replay", f"the filter at {a.before_label or 'before'}, replay",
+                             a.before_wasm, cfg_replay, "replay"))
     lg = Loadgen(a.loadgen, a.connections)
     up = bench_envoy("profile-upstream", upstream_config(), a.envoy)
     started: list = [up]

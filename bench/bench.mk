@@ -98,7 +98,9 @@ bench-etcd-protocol: etcd $(BENCH_GRPC_VENV)/.installed
 # per scenario, written into BENCHMARKS.md's section of that name. Needs perf (Debian's
 # linux-perf; installed here when missing). BENCH_BEFORE=<commit> also builds the filter as it was
 # at that commit (in target/before/, from `git archive`) and profiles it in the same run; with
-# `make bench`, it runs that filter's etcd new key (scenario 11) in the same rounds.
+# `make bench`, it runs that filter's etcd new key (scenario 11) in the same rounds. The tree is
+# extracted with `tar -m`: git archive stamps every file with the commit's time, older than the
+# last build in target/before/, so cargo took that build (of another commit) for fresh.
 BENCH_BEFORE ?=
 BENCH_BEFORE_DIR := $(BENCH_TARGET_DIR)/before
 BENCH_BEFORE_WASM := $(BENCH_BEFORE_DIR)/idempotency_filter.wasm
@@ -111,12 +113,13 @@ perf:
 bench-before-wasm:
 	@if [ -n "$(BENCH_BEFORE)" ]; then \
 	  rm -rf $(BENCH_BEFORE_DIR)/src && mkdir -p $(BENCH_BEFORE_DIR)/src && \
-	  git archive $(BENCH_BEFORE) | tar -x -C $(BENCH_BEFORE_DIR)/src && \
+	  git archive $(BENCH_BEFORE) | tar -x -m -C $(BENCH_BEFORE_DIR)/src && \
 	  CARGO_TARGET_DIR=$(abspath $(BENCH_BEFORE_DIR))/target $(CARGO) build --release --quiet \
 	    --target wasm32-wasip1 --manifest-path $(BENCH_BEFORE_DIR)/src/Cargo.toml && \
 	  if [ -n "$(WASM_OPT)" ]; then "$(WASM_OPT)" $(WASM_OPT_FLAGS) \
 	    $(BENCH_BEFORE_DIR)/target/wasm32-wasip1/release/idempotency_filter.wasm -o $(BENCH_BEFORE_WASM); \
-	  else cp $(BENCH_BEFORE_DIR)/target/wasm32-wasip1/release/idempotency_filter.wasm $(BENCH_BEFORE_WASM); fi; \
+	  else cp $(BENCH_BEFORE_DIR)/target/wasm32-wasip1/release/idempotency_filter.wasm $(BENCH_BEFORE_WASM); fi && \
+	  echo "$(BENCH_BEFORE_WASM): $$(wc -c < $(BENCH_BEFORE_WASM)) bytes, built at $(BENCH_BEFORE)"; \
 	fi
 
 bench-profile: build tools bench-bins perf bench-before-wasm
@@ -141,7 +144,7 @@ bench-etcd-replay: tools etcd
 	$(CARGO) build --release --quiet --example etcd_replay_cost
 	@if [ -n "$(BENCH_BEFORE)" ]; then \
 	  rm -rf $(BENCH_BEFORE_DIR)/src && mkdir -p $(BENCH_BEFORE_DIR)/src && \
-	  git archive $(BENCH_BEFORE) | tar -x -C $(BENCH_BEFORE_DIR)/src && \
+	  git archive $(BENCH_BEFORE) | tar -x -m -C $(BENCH_BEFORE_DIR)/src && \
 	  cp examples/etcd_replay_cost.rs $(BENCH_BEFORE_DIR)/src/examples/ && \
 	  CARGO_TARGET_DIR=$(abspath $(BENCH_BEFORE_DIR))/target $(CARGO) build --release --quiet \
 	    --example etcd_replay_cost --manifest-path $(BENCH_BEFORE_DIR)/src/Cargo.toml; \

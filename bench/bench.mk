@@ -127,6 +127,16 @@ bench-profile: build tools bench-bins perf bench-before-wasm
 	  --naive-wasm $(BENCH_NAIVE_WASM) --loadgen $(BENCH_LOADGEN) \
 	  $(if $(BENCH_BEFORE),--before-wasm $(BENCH_BEFORE_WASM) --before-label $(BENCH_BEFORE)) $(BENCH_PROFILE_ARGS)
 
+# One path's CPU per request, this build against BENCH_BEFORE (required), over several pairs of
+# fresh proxy Envoys so that one process's own bias cannot pass for a change (bench/ab.py).
+# BENCH_AB_ARGS: --path replay|new|pass (repeatable), --pairs, --rounds, --seconds.
+BENCH_AB_ARGS ?=
+.PHONY: bench-ab
+bench-ab: build tools bench-bins bench-before-wasm
+	@test -n "$(BENCH_BEFORE)" || { echo "bench-ab: set BENCH_BEFORE=<commit>"; exit 2; }
+	$(VENV_PY) -m bench.ab --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM) --loadgen $(BENCH_LOADGEN) \
+	  --before-wasm $(BENCH_BEFORE_WASM) --before-label $(BENCH_BEFORE) $(BENCH_AB_ARGS)
+
 # Where the bytes of the module go (bench/module_size.py): the filter built with its function
 # names into target/size/, its code split by Rust module; written into BENCHMARKS.md.
 .PHONY: bench-size

@@ -181,7 +181,7 @@ fn is_fetch(step: &Next) -> bool {
 }
 
 #[test]
-fn exchanges_started_before_any_token_share_one_fetch() {
+fn conversations_started_before_any_token_share_one_fetch() {
     let store = with_auth();
     let mut conversations = started(&store, 1..=4, 0);
     let fetches = conversations.iter().filter(|(_, s)| is_fetch(s)).count();
@@ -212,7 +212,7 @@ fn exchanges_started_before_any_token_share_one_fetch() {
 }
 
 #[test]
-fn a_failed_fetch_ends_every_exchange_waiting_for_it_with_its_error() {
+fn a_failed_fetch_ends_every_conversation_waiting_for_it_with_its_error() {
     let store = with_auth();
     let mut conversations = started(&store, 1..=3, 0);
     let wrong = (
@@ -234,7 +234,7 @@ fn a_failed_fetch_ends_every_exchange_waiting_for_it_with_its_error() {
 }
 
 #[test]
-fn a_fetch_whose_answer_never_comes_times_out_every_exchange_waiting_at_its_deadline() {
+fn a_fetch_whose_answer_never_comes_times_out_every_conversation_waiting_at_its_deadline() {
     let store = with_auth();
     // The driver gives up on the fetch's callout (Envoy's 504 after 2 s) and never steps its
     // conversation again: the others end at the fetch's deadline, when the driver steps them.
@@ -258,7 +258,7 @@ fn a_fetch_whose_answer_never_comes_times_out_every_exchange_waiting_at_its_dead
 }
 
 #[test]
-fn one_token_refused_to_several_exchanges_is_fetched_again_once() {
+fn one_token_refused_to_several_conversations_is_fetched_again_once() {
     let store = with_auth();
     *store.token.borrow_mut() = Some("stale.1".into());
     let mut conversations = started(&store, 1..=3, 0);

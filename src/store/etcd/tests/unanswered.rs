@@ -5,7 +5,7 @@
 use super::*;
 
 /// Steps `op` through `answers` (the last may fail it) and returns the conversation, finished.
-fn exchange_after(
+fn conversation_after(
     store: &EtcdStore,
     op: StoreOp,
     now_ms: u64,
@@ -35,7 +35,7 @@ fn a_claim_whose_answer_never_came_is_given_back_by_its_owner() {
     // Envoy's timeout after the claim's transaction went out: etcd may hold the claim, and
     // nobody will forward the request.
     let store = warm_store(0);
-    let (conversation, done) = exchange_after(&store, StoreOp::Begin(attempt(0)), 0, vec![timed_out()]);
+    let (conversation, done) = conversation_after(&store, StoreOp::Begin(attempt(0)), 0, vec![timed_out()]);
     assert!(matches!(begun(done), Err(StoreError::Unavailable(_))));
     let claim = conversation.unanswered_claim().expect("the claim went out unanswered");
     assert_eq!(
@@ -70,7 +70,7 @@ fn a_claim_whose_answer_never_came_is_given_back_by_its_owner() {
 fn a_charged_unanswered_claim_gives_back_its_index_keys_too() {
     let store = warm_store(0);
     let a = charged_attempt(0, true);
-    let (conversation, _) = exchange_after(&store, StoreOp::Begin(a), 0, vec![(None, Vec::new())]);
+    let (conversation, _) = conversation_after(&store, StoreOp::Begin(a), 0, vec![(None, Vec::new())]);
     let claim = conversation.unanswered_claim().expect("the claim went out unanswered");
     let index = store.index_keys(&claim.written.expect("the record the claim wrote"));
     assert!(!index.is_empty());
@@ -85,10 +85,10 @@ fn a_charged_unanswered_claim_gives_back_its_index_keys_too() {
 fn only_a_sent_claim_without_an_answer_is_in_doubt() {
     let key = record_key();
     // A read that failed claimed nothing (a worker without leases reads first).
-    let (conversation, _) = exchange_after(&store(), StoreOp::Begin(attempt(0)), 0, vec![timed_out()]);
+    let (conversation, _) = conversation_after(&store(), StoreOp::Begin(attempt(0)), 0, vec![timed_out()]);
     assert_eq!(conversation.unanswered_claim(), None);
     // A lease grant that failed: the claim was never sent.
-    let (conversation, _) = exchange_after(
+    let (conversation, _) = conversation_after(
         &store(),
         StoreOp::Begin(attempt(0)),
         0,
@@ -97,12 +97,12 @@ fn only_a_sent_claim_without_an_answer_is_in_doubt() {
     assert_eq!(conversation.unanswered_claim(), None);
     // An answered claim is the caller's to settle.
     let (conversation, done) =
-        exchange_after(&warm_store(0), StoreOp::Begin(attempt(0)), 0, vec![ok(written(2))]);
+        conversation_after(&warm_store(0), StoreOp::Begin(attempt(0)), 0, vec![ok(written(2))]);
     assert!(matches!(begun(done), Ok(Begin::Claimed(_))));
     assert_eq!(conversation.unanswered_claim(), None);
     // A takeover's transaction that timed out is in doubt like a new claim's.
     let abandoned = value(processing(9, 0), None);
-    let (conversation, _) = exchange_after(
+    let (conversation, _) = conversation_after(
         &warm_store(1_000),
         StoreOp::Begin(attempt(1_000)),
         1_000,
@@ -112,7 +112,7 @@ fn only_a_sent_claim_without_an_answer_is_in_doubt() {
     assert_eq!((claim.owner, claim.locator), (11, UNANSWERED));
     // Marking a lease-ended record as outcome unknown claims nothing: a retry marks it again.
     let refusing = ClaimAttempt { unknown_outcome: UnknownOutcome::Refuse, ..attempt(1_000) };
-    let (conversation, _) = exchange_after(
+    let (conversation, _) = conversation_after(
         &warm_store(1_000),
         StoreOp::Begin(refusing),
         1_000,
@@ -121,7 +121,7 @@ fn only_a_sent_claim_without_an_answer_is_in_doubt() {
     assert_eq!(conversation.unanswered_claim(), None);
     // Settlements are their claim's owner's, who retries them.
     let claim = Claim { scope: scope(1), owner: 11, locator: 4, written: Some(processing(11, 0)) };
-    let (conversation, _) = exchange_after(&store(), StoreOp::Release(claim), 0, vec![timed_out()]);
+    let (conversation, _) = conversation_after(&store(), StoreOp::Release(claim), 0, vec![timed_out()]);
     assert_eq!(conversation.unanswered_claim(), None);
 }
 

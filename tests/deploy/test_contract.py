@@ -119,11 +119,23 @@ def _inline_test_docs(path: Path) -> list[str]:
     return docs
 
 
+_PATH_TEST_MOD = re.compile(r'#\[cfg\(test\)\]\s*#\[path\s*=\s*"([^"]+)"\]\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+\w+\s*;')
+
+
+def _path_test_modules(src: Path) -> list[Path]:
+    """The files that `#[cfg(test)] #[path = "..."] mod tests;` declarations in the Rust sources
+    under `src` name (relative to the declaring file, as rustc reads a non-mod.rs path): test
+    modules whatever their file is called."""
+    return sorted({(path.parent / m.group(1)).resolve()
+                   for path in src.rglob("*.rs") for m in _PATH_TEST_MOD.finditer(path.read_text())})
+
+
 def _test_files() -> list[Path]:
     tests = REPO_ROOT / "tests"
+    src = REPO_ROOT / "src"
     python = [p for p in tests.rglob("*.py") if "node_modules" not in p.parts and ".logs" not in p.parts]
-    rust = [*tests.glob("*.rs"), *(REPO_ROOT / "src").rglob("tests/*.rs"), *(REPO_ROOT / "src").rglob("tests.rs")]
-    return sorted(python + rust)
+    rust = {*tests.glob("*.rs"), *src.rglob("tests/*.rs"), *src.rglob("tests.rs"), *_path_test_modules(src)}
+    return sorted(python + list(rust))
 
 
 def _docs_by_file() -> dict[Path, list[str]]:
@@ -215,6 +227,17 @@ def test_the_checker_reads_the_docs_of_inline_test_modules_only(tmp_path):
         "/// C7: after a test module in a file of its own\n"
         "fn k() {}\n")
     assert [i for d in _inline_test_docs(src) for i in _ID.findall(d)] == ["C3", "C4", "C6"]
+
+
+def test_the_checker_reads_test_modules_named_by_a_path_attribute(tmp_path):
+    """Issue 32: a test module in a file `#[path]` names (`watch_tests.rs`) is read like any
+    test file; a `#[path]` module outside `#[cfg(test)]` is production code."""
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "watch.rs").write_text(
+        '#[cfg(test)]\n#[path = "watch_tests.rs"]\nmod tests;\n#[path = "wire.rs"]\nmod wire;\n')
+    assert _path_test_modules(tmp_path) == [(tmp_path / "store" / "watch_tests.rs").resolve()]
+    found = {p.name for p in _test_files()}
+    assert {"watch_tests.rs", "grpc_tests.rs"} <= found, sorted(found)
 
 
 def test_the_checker_reads_every_inline_test_module_of_the_sources():

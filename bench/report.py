@@ -421,6 +421,8 @@ class Report:
         L.append("- `make bench-smoke`: a few seconds of everything; fails only if the harness fails")
         L.append("- `make bench-baseline`: the refusal curve alone, into `bench/baseline/refusal-curve-<commit>.json`")
         L.append("- `make bench-profile`: where a new key's µs go (perf call chains); `BENCH_BEFORE=<commit>` adds a build of then")
+        L.append("- `make bench-ab BENCH_BEFORE=<commit>`: replay, new key and pass-through CPU per request against "
+                 "then, over several fresh pairs of Envoys (one pair's own bias is about 1%)")
         L.append("- `make bench-size`: where the module's bytes go (a build with function names)")
         L.append("- `make bench-callout-floor`: one bare etcd callout per request next to the replays, at equal load")
         L.append("")

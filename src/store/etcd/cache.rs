@@ -34,6 +34,7 @@ pub use crate::config::etcd::ReplayCacheSettings;
 /// counted against `max_bytes` so that many small records cannot exceed it unseen.
 const ENTRY_OVERHEAD_BYTES: u64 = 256;
 
+#[cfg_attr(feature = "testing", derive(Clone))]
 #[derive(Debug)]
 struct Cached {
     entry: Entry,
@@ -43,6 +44,7 @@ struct Cached {
     serial: u64,
 }
 
+#[cfg_attr(feature = "testing", derive(Clone))]
 #[derive(Debug)]
 pub struct ReplayCache {
     settings: ReplayCacheSettings,

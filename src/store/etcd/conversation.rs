@@ -99,6 +99,9 @@ fn outcome_record(current: Entry, c: &Completion) -> (Entry, Vec<u8>) {
 
 /// One `StoreOp` carried out as a sequence of HTTP calls to etcd (JSON or gRPC). Pure state
 /// machine: the caller performs each `Call` and feeds its answer back.
+// Cloned only by a model checker (tests/etcd_model), which copies a worker's store and its
+// conversations into each state it explores; never in the module.
+#[cfg_attr(feature = "testing", derive(Clone))]
 #[derive(Debug)]
 pub struct EtcdConversation {
     pub(super) op: StoreOp,

@@ -49,6 +49,9 @@ pub(super) fn etcd_call(call: wire::Call, token: Option<String>, timeout_ms: u64
 
 /// Per worker (one per root context): the leases granted per expiry window and the auth token.
 /// Workers never share them (each has its own), so the cells are only touched by one thread.
+// Cloned only by a model checker (tests/etcd_model), which copies a worker's store and its
+// conversations into each state it explores; never in the module.
+#[cfg_attr(feature = "testing", derive(Clone))]
 pub struct EtcdStore {
     settings: EtcdSettings,
     leases: RefCell<Vec<CachedLease>>,
@@ -102,6 +105,21 @@ impl EtcdStore {
             let c = c.borrow();
             (c.len(), c.bytes())
         })
+    }
+
+    /// What this worker keeps between conversations (its leases in full; the token and the
+    /// replay cache summed up): a model checker tells two states apart by it (tests/etcd_model).
+    /// Never in the module.
+    #[cfg(feature = "testing")]
+    pub fn cached_state(&self) -> String {
+        format!(
+            "{:?} {:?} token:{} replay cache:{:?}",
+            self.leases.borrow(),
+            self.claim_leases.borrow(),
+            self.token.borrow().is_some(),
+            // Its size only: its map's order is not stable (the model runs without it).
+            self.replay_cache_usage(),
+        )
     }
 
     fn cached_answer(&self, a: &ClaimAttempt) -> Option<Begin> {

@@ -25,6 +25,7 @@ pub const MAX_SCAN: usize = 4_096;
 const RESOLVED_OWNER: u64 = 0;
 
 /// A list (or lookup) in progress.
+#[cfg_attr(feature = "testing", derive(Clone))]
 #[derive(Debug)]
 pub struct Scan {
     query: RecordQuery,

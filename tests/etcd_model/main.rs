@@ -1,0 +1,128 @@
+//! A model checker over the etcd store's own code (issue 33, part 1): Envoys drive the
+//! product's `EtcdConversation`s against a model etcd (`etcd.rs`: revisions, leases,
+//! transactions, answering in etcd 3.4's JSON), and every interleaving of
+//! their callouts, delayed, reordered, lost after etcd applied them, or timed out, with lease
+//! expiry, skewed clocks, an Envoy crash, completion retries, takeovers, refusals and
+//! reconciliation lookups (`fleet.rs`), each state once (`explore.rs`, which says why it is its
+//! own explorer and not `stateright`'s). In every state:
+//! - at most one execution per key, except a takeover the rule allows (its owner crashed, or
+//!   its completion failed for its whole retry window, on a `takeover` rule);
+//! - a stored outcome is never replaced;
+//! - every replay is the stored outcome;
+//! - no request of another scope reads a record;
+//! - no record stays in flight past its lease plus the bound (the claim lease's reuse window,
+//!   its 1 s slack and the largest skew);
+//! - an outcome a live owner's client was answered with is kept (its completion is never lost
+//!   to a takeover or a refusal).
+//!
+//! `cargo test` (and so `make check`) checks the sizes below in seconds; `make model-deep`
+//! (`ETCD_MODEL=deep`) checks larger ones (docs/ETCD.md, "Model checking", has their state
+//! counts). A broken invariant fails the test with its shortest counterexample, narrated;
+//! `make model-holes` re-introduces two past holes and expects exactly that.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod etcd;
+mod explore;
+mod fleet;
+
+use fleet::{Action, Fleet, FleetState, REACHED};
+use idempotency_filter::store::UnknownOutcome;
+use std::time::Instant;
+
+/// The sizes `cargo test` checks, or with `ETCD_MODEL=deep` the larger ones.
+fn deep() -> bool {
+    match std::env::var("ETCD_MODEL").as_deref() {
+        Ok("deep") => true,
+        Ok("") | Err(_) => false,
+        Ok(other) => panic!("ETCD_MODEL={other}: only \"deep\" (or nothing) is known"),
+    }
+}
+
+/// Two Envoys, B's clock 1.5 s ahead of A's (more than the lease), one key each sends once,
+/// with `faults` timed-out callouts and `crashes` crashes; deep: both, and longer.
+fn pair(rule: UnknownOutcome, faults: u8, crashes: u8) -> Fleet {
+    let (faults, crashes) = if deep() { (faults.max(1), crashes.max(1)) } else { (faults, crashes) };
+    Fleet {
+        skews_ms: vec![0, 1_500],
+        requests: vec![vec![(0, 1)], vec![(0, 1)]],
+        rule,
+        faults,
+        crashes,
+        tick_ms: 1_000,
+        horizon_ms: if deep() { 4_000 } else { 3_000 },
+        lease_ms: 1_000,
+        ttl_ms: 10_000,
+    }
+}
+
+/// Checks `fleet` exhaustively; panics with the narrated counterexample of a broken invariant,
+/// and when a behaviour the model should reach was never reached (it would check nothing there).
+fn check(label: &str, fleet: Fleet, must_reach: &[usize]) {
+    let started = Instant::now();
+    let explored = explore::explore(&fleet);
+    let seconds = started.elapsed().as_secs_f64();
+    println!(
+        "{label}: {} states, {} transitions, depth {}, {seconds:.1} s; reached: {:?}",
+        explored.states,
+        explored.transitions,
+        explored.depth,
+        fleet::reached(explored.seen)
+    );
+    if let Some((path, last)) = explored.counterexample {
+        panic!("{label}: counterexample\n{}", narrate(&fleet, &path, &last));
+    }
+    for i in must_reach {
+        assert!(explored.seen & (1 << i) != 0, "{label}: never {}", REACHED[*i]);
+    }
+}
+
+/// A path as the steps it took, one a line, and the invariant it broke.
+fn narrate(fleet: &Fleet, path: &[(FleetState, Action)], last: &FleetState) -> String {
+    let mut out = String::new();
+    for (n, (state, action)) in path.iter().enumerate() {
+        out.push_str(&format!("  {:>2}. {}\n", n + 1, fleet.apply(state, action).1));
+    }
+    for (property, what) in &last.violations {
+        out.push_str(&format!("  broken: {property}: {what}\n"));
+    }
+    out
+}
+
+#[test]
+fn takeover_after_a_crash() {
+    check("takeover, a crash", pair(UnknownOutcome::Takeover, 0, 1), &[0, 1]);
+}
+
+#[test]
+fn takeover_with_a_lost_callout() {
+    check("takeover, a lost callout", pair(UnknownOutcome::Takeover, 1, 0), &[0, 2, 5, 6]);
+}
+
+#[test]
+fn refuse_rule() {
+    check("refuse", pair(UnknownOutcome::Refuse, 1, 1), &[0, 2, 4, 6]);
+}
+
+#[test]
+fn reconcile_rule() {
+    check("reconcile", pair(UnknownOutcome::Reconcile, 0, 1), &[0, 3]);
+}
+
+#[test]
+fn another_scope() {
+    // The same key under another tenant on B, then A's key: neither reads the other's record.
+    let mut fleet = pair(UnknownOutcome::Takeover, 0, 0);
+    fleet.requests = vec![vec![(0, 1)], vec![(1, 1), (0, 1)]];
+    fleet.horizon_ms = if deep() { 3_000 } else { 1_000 };
+    check("another scope", fleet, &[0]);
+}
+
+#[test]
+fn three_envoys() {
+    let mut fleet = pair(UnknownOutcome::Takeover, 0, 0);
+    fleet.skews_ms = vec![0, 1_500, 700];
+    fleet.requests = vec![vec![(0, 1)], vec![(0, 1)], vec![(0, 1)]];
+    fleet.horizon_ms = if deep() { 3_000 } else { 1_000 };
+    check("three envoys", fleet, &[0]);
+}

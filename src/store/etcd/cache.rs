@@ -34,7 +34,6 @@ pub use crate::config::etcd::ReplayCacheSettings;
 /// counted against `max_bytes` so that many small records cannot exceed it unseen.
 const ENTRY_OVERHEAD_BYTES: u64 = 256;
 
-#[cfg_attr(feature = "testing", derive(Clone))]
 #[derive(Debug)]
 struct Cached {
     entry: Entry,
@@ -44,7 +43,6 @@ struct Cached {
     serial: u64,
 }
 
-#[cfg_attr(feature = "testing", derive(Clone))]
 #[derive(Debug)]
 pub struct ReplayCache {
     settings: ReplayCacheSettings,
@@ -281,5 +279,28 @@ mod tests {
         }
         let total: u64 = c.records.values().map(|r| r.bytes).sum();
         assert_eq!(total, c.bytes());
+    }
+}
+
+// Cloned only by the model checker (tests/etcd_model), which copies a worker's store and its
+// conversations into each state it explores. Written out at the end of the file, so that no
+// line of the code above moves: the module's panic locations, and so its bytes, stay the same.
+#[cfg(feature = "testing")]
+impl Clone for Cached {
+    fn clone(&self) -> Self {
+        Cached { entry: self.entry, snapshot: self.snapshot.clone(), bytes: self.bytes, serial: self.serial }
+    }
+}
+
+#[cfg(feature = "testing")]
+impl Clone for ReplayCache {
+    fn clone(&self) -> Self {
+        ReplayCache {
+            settings: self.settings,
+            records: self.records.clone(),
+            order: self.order.clone(),
+            bytes: self.bytes,
+            serial: self.serial,
+        }
     }
 }

@@ -99,9 +99,6 @@ fn outcome_record(current: Entry, c: &Completion) -> (Entry, Vec<u8>) {
 
 /// One `StoreOp` carried out as a sequence of HTTP calls to etcd (JSON or gRPC). Pure state
 /// machine: the caller performs each `Call` and feeds its answer back.
-// Cloned only by a model checker (tests/etcd_model), which copies a worker's store and its
-// conversations into each state it explores; never in the module.
-#[cfg_attr(feature = "testing", derive(Clone))]
 #[derive(Debug)]
 pub struct EtcdConversation {
     pub(super) op: StoreOp,
@@ -732,4 +729,31 @@ fn holds_own_outcome(op: &StoreOp, value: &[u8]) -> bool {
         && e.scope == claim.scope
         && e.state == completion.state
         && e.status == completion.status
+}
+
+// Cloned only by the model checker (tests/etcd_model), which copies a worker's store and its
+// conversations into each state it explores. Written out at the end of the file, so that no
+// line of the code above moves: the module's panic locations, and so its bytes, stay the same.
+#[cfg(feature = "testing")]
+impl Clone for EtcdConversation {
+    fn clone(&self) -> Self {
+        EtcdConversation {
+            op: self.op.clone(),
+            stage: self.stage,
+            pending: self.pending.clone(),
+            fetching: self.fetching,
+            awaiting: self.awaiting,
+            sent_token: self.sent_token.clone(),
+            reauthenticated: self.reauthenticated,
+            lease_regranted: self.lease_regranted,
+            attempts: self.attempts,
+            write: self.write.clone(),
+            pending_claim: self.pending_claim,
+            refusal: self.refusal.clone(),
+            probed: self.probed,
+            unanswered: self.unanswered,
+            scan: self.scan.clone(),
+            amending: self.amending.clone(),
+        }
+    }
 }

@@ -49,9 +49,6 @@ pub(super) fn etcd_call(call: wire::Call, token: Option<String>, timeout_ms: u64
 
 /// Per worker (one per root context): the leases granted per expiry window and the auth token.
 /// Workers never share them (each has its own), so the cells are only touched by one thread.
-// Cloned only by a model checker (tests/etcd_model), which copies a worker's store and its
-// conversations into each state it explores; never in the module.
-#[cfg_attr(feature = "testing", derive(Clone))]
 pub struct EtcdStore {
     settings: EtcdSettings,
     leases: RefCell<Vec<CachedLease>>,
@@ -107,21 +104,6 @@ impl EtcdStore {
         })
     }
 
-    /// What this worker keeps between conversations (its leases in full; the token and the
-    /// replay cache summed up): a model checker tells two states apart by it (tests/etcd_model).
-    /// Never in the module.
-    #[cfg(feature = "testing")]
-    pub fn cached_state(&self) -> String {
-        format!(
-            "{:?} {:?} token:{} replay cache:{:?}",
-            self.leases.borrow(),
-            self.claim_leases.borrow(),
-            self.token.borrow().is_some(),
-            // Its size only: its map's order is not stable (the model runs without it).
-            self.replay_cache_usage(),
-        )
-    }
-
     fn cached_answer(&self, a: &ClaimAttempt) -> Option<Begin> {
         self.replay.as_ref()?.borrow_mut().answer(&a.scope, &a.fingerprint, a.now_ms)
     }
@@ -152,3 +134,36 @@ fn decode(bytes: &[u8]) -> Result<SlotValue, StoreError> {
 
 #[cfg(test)]
 pub(crate) mod tests;
+
+// Cloned only by the model checker (tests/etcd_model), which copies a worker's store and its
+// conversations into each state it explores. Written out at the end of the file, so that no
+// line of the code above moves: the module's panic locations, and so its bytes, stay the same.
+#[cfg(feature = "testing")]
+impl Clone for EtcdStore {
+    fn clone(&self) -> Self {
+        EtcdStore {
+            settings: self.settings.clone(),
+            leases: self.leases.clone(),
+            claim_leases: self.claim_leases.clone(),
+            token: self.token.clone(),
+            fetch: self.fetch.clone(),
+            replay: self.replay.clone(),
+        }
+    }
+}
+
+#[cfg(feature = "testing")]
+impl EtcdStore {
+    /// What this worker keeps between conversations (its leases in full; the token and the
+    /// replay cache summed up): the model checker tells two states apart by it.
+    pub fn cached_state(&self) -> String {
+        format!(
+            "{:?} {:?} token:{} replay cache:{:?}",
+            self.leases.borrow(),
+            self.claim_leases.borrow(),
+            self.token.borrow().is_some(),
+            // Its size only: its map's order is not stable (the model runs without it).
+            self.replay_cache_usage(),
+        )
+    }
+}

@@ -142,6 +142,29 @@ impl ReplayCache {
     }
 }
 
+// Cloned only by the model checker (tests/etcd_model), which copies a worker's store and its
+// conversations into each state it explores. Written out at the end of the file, so that no
+// line of the code above moves: the module's panic locations, and so its bytes, stay the same.
+#[cfg(feature = "testing")]
+impl Clone for Cached {
+    fn clone(&self) -> Self {
+        Cached { entry: self.entry, snapshot: self.snapshot.clone(), bytes: self.bytes, serial: self.serial }
+    }
+}
+
+#[cfg(feature = "testing")]
+impl Clone for ReplayCache {
+    fn clone(&self) -> Self {
+        ReplayCache {
+            settings: self.settings,
+            records: self.records.clone(),
+            order: self.order.clone(),
+            bytes: self.bytes,
+            serial: self.serial,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -279,28 +302,5 @@ mod tests {
         }
         let total: u64 = c.records.values().map(|r| r.bytes).sum();
         assert_eq!(total, c.bytes());
-    }
-}
-
-// Cloned only by the model checker (tests/etcd_model), which copies a worker's store and its
-// conversations into each state it explores. Written out at the end of the file, so that no
-// line of the code above moves: the module's panic locations, and so its bytes, stay the same.
-#[cfg(feature = "testing")]
-impl Clone for Cached {
-    fn clone(&self) -> Self {
-        Cached { entry: self.entry, snapshot: self.snapshot.clone(), bytes: self.bytes, serial: self.serial }
-    }
-}
-
-#[cfg(feature = "testing")]
-impl Clone for ReplayCache {
-    fn clone(&self) -> Self {
-        ReplayCache {
-            settings: self.settings,
-            records: self.records.clone(),
-            order: self.order.clone(),
-            bytes: self.bytes,
-            serial: self.serial,
-        }
     }
 }

@@ -380,6 +380,7 @@ test:
 	$(MAKE) --no-print-directory check
 	$(MAKE) --no-print-directory alerts-test
 	$(MAKE) --no-print-directory etcd-conformance
+	$(MAKE) --no-print-directory model-holes
 	$(MAKE) --no-print-directory fuzz-smoke
 	$(MAKE) --no-print-directory bench-smoke
 	$(MAKE) --no-print-directory e2e

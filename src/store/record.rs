@@ -401,24 +401,56 @@ impl SlotValue {
 }
 
 pub fn encode_slot(v: &SlotValue) -> Vec<u8> {
-    let snapshot_len = v.snapshot.as_ref().map_or(0, |s| {
+    let label = v.label.as_ref().map(LabelBytes::Decoded);
+    encode_slot_parts(&v.entry, v.snapshot.as_ref(), label)
+}
+
+/// A label to write into a slot: decoded, or as its claim left it in the slot (`slot_label`).
+#[derive(Clone, Copy)]
+pub enum LabelBytes<'a> {
+    Decoded(&'a Label),
+    Encoded(&'a [u8]),
+}
+
+/// The encoded label of a v4 slot value, the bytes `Label::write` wrote (None for v2): a
+/// completion moves its claim's label into the outcome as it is, without reading it.
+pub fn slot_label(bytes: &[u8]) -> Result<Option<&[u8]>, DecodeError> {
+    let mut r = Reader::new(bytes);
+    if r.u8()? != FORMAT_V4 {
+        return Ok(None);
+    }
+    r.take(ENTRY_LEN)?;
+    let before = r.rest().len();
+    Label::skip(&mut r)?;
+    let start = 1 + ENTRY_LEN;
+    Ok(bytes.get(start..start + (before - r.rest().len())))
+}
+
+/// `encode_slot` from its parts, borrowed: a completion writes its snapshot without a copy.
+pub fn encode_slot_parts(entry: &Entry, snapshot: Option<&Snapshot>, label: Option<LabelBytes>) -> Vec<u8> {
+    let snapshot_len = snapshot.map_or(0, |s| {
         8 + s.headers.iter().map(|(n, val)| 6 + n.len() + val.len()).sum::<usize>() + s.body.len()
     });
-    let label_len = v.label.as_ref().map_or(0, Label::encoded_len);
+    let label_len = label.map_or(0, |l| match l {
+        LabelBytes::Decoded(l) => l.encoded_len(),
+        LabelBytes::Encoded(b) => b.len(),
+    });
     let mut out = Vec::with_capacity(1 + ENTRY_LEN + label_len + snapshot_len);
-    out.push(if v.label.is_some() { FORMAT_V4 } else { FORMAT_V2 });
-    let mut entry = v.entry;
+    out.push(if label.is_some() { FORMAT_V4 } else { FORMAT_V2 });
+    let mut entry = *entry;
     // The flag and the snapshot's presence must agree, or the bytes would have two meanings.
-    if v.snapshot.is_some() {
+    if snapshot.is_some() {
         entry.flags &= !FLAG_BODY_NOT_STORED;
     } else {
         entry.flags |= FLAG_BODY_NOT_STORED;
     }
     write_entry(&mut out, &entry);
-    if let Some(label) = &v.label {
-        label.write(&mut out);
+    match label {
+        Some(LabelBytes::Decoded(l)) => l.write(&mut out),
+        Some(LabelBytes::Encoded(b)) => out.extend_from_slice(b),
+        None => {}
     }
-    let Some(s) = &v.snapshot else { return out };
+    let Some(s) = snapshot else { return out };
     out.extend_from_slice(&s.status.to_be_bytes());
     // Header counts and sizes are bounded by Envoy's header limits (far below these widths);
     // anything beyond is dropped rather than wrapped, so a decoder never mis-frames.
@@ -887,6 +919,23 @@ mod tests {
         assert_eq!(read, v);
         // An outcome is none.
         assert!(!labelled(Entry { flags: FLAG_BODY_NOT_STORED, ..entry(2, 5) }, None).is_claim_label());
+    }
+
+    #[test]
+    fn a_claims_label_moves_into_its_outcome_as_bytes_exactly_as_if_decoded() {
+        let claim = Entry { state: State::Processing, flags: FLAG_BODY_NOT_STORED, status: 0, ..entry(2, 5) };
+        let claimed = encode_slot(&labelled(claim, None));
+        let moved = slot_label(&claimed).unwrap().unwrap();
+        let snapshot =
+            Snapshot { status: 201, headers: vec![("a".into(), b"b".to_vec())], body: b"{}".to_vec() };
+        let outcome = labelled(entry(2, 5), Some(snapshot));
+        assert_eq!(
+            encode_slot_parts(&outcome.entry, outcome.snapshot.as_ref(), Some(LabelBytes::Encoded(moved))),
+            encode_slot(&outcome)
+        );
+        // A v2 value has none; a truncated label is an error, not a shorter label.
+        assert_eq!(slot_label(&encode_slot(&SlotValue { label: None, ..outcome })), Ok(None));
+        assert!(slot_label(&claimed[..claimed.len() - 1]).is_err());
     }
 
     #[test]

@@ -51,7 +51,7 @@ impl<S: SharedData> LocalStore<S> {
         self.read_slot_as(bucket, position, record::decode_slot)
     }
 
-    fn read_slot_as(
+    pub(super) fn read_slot_as(
         &self,
         bucket: u32,
         position: u8,

@@ -47,7 +47,7 @@
 //! goes and the fill shards; `commit` the slots (fence, restore, promote); `quota` the counters;
 //! `sweep` the sweep and namespace retirement. The unit tests are in `tests`.
 
-use crate::store::record::{self, Entry, SlotValue, State, FLAG_BODY_NOT_STORED, LAYOUT_V3};
+use crate::store::record::{self, Entry, State, FLAG_BODY_NOT_STORED, LAYOUT_V3};
 use crate::store::shared_data::{SharedData, SharedDataError};
 use crate::store::{
     Begin, Claim, ClaimAttempt, Completion, RecordStore, Settled, StoreError, UnknownOutcome,
@@ -230,7 +230,9 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
             // the position fenced the slot after its bucket write) instead of overwriting the
             // new owner's outcome. The bucket is only read here, so its contention cannot
             // starve the completion.
-            let (value, slot) = self.read_slot_value(bucket, position)?;
+            // Read as a replay reads it (the label stepped over, not decoded): the label moves
+            // into the outcome as its bytes.
+            let (value, slot) = self.read_slot_as(bucket, position, record::decode_slot_outcome)?;
             let (entries, bucket_read) = self.read_bucket(bucket)?;
             let Some(i) = self.owned(&entries, claim, position) else {
                 refund(&recharged);
@@ -240,7 +242,8 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
             let (label, committed) = match value {
                 Some(v) if v.is_claim_label() => {
                     let own = v.belongs_to(&entries[i]);
-                    (v.label.filter(|_| own), None)
+                    let label = record::slot_label(slot.bytes()).ok().flatten().filter(|_| own);
+                    (label, None)
                 }
                 other => (None, other),
             };
@@ -263,7 +266,8 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
                     e.flags | FLAG_BODY_NOT_STORED
                 };
                 e.expires_at_ms = c.now_ms.saturating_add(c.ttl_ms);
-                let bytes = record::encode_slot(&SlotValue { entry: e, snapshot: c.snapshot.clone(), label });
+                let label = label.map(record::LabelBytes::Encoded);
+                let bytes = record::encode_slot_parts(&e, c.snapshot.as_ref(), label);
                 (e, bytes)
             });
             if self.cas(&data_key, bytes, &slot)? {

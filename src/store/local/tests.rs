@@ -7,7 +7,7 @@ use super::*;
 use crate::splitmix::SeededRng;
 use crate::store::conformance::{attempt, charged, claimed, done, snapshot, Backend, LEASE, TTL};
 use crate::store::fake::{FakeSharedData, Interleave};
-use crate::store::record::{Layout, QuotaCounter, Snapshot};
+use crate::store::record::{Layout, QuotaCounter, SlotValue, Snapshot};
 
 struct Local {
     data: FakeSharedData,

@@ -212,7 +212,8 @@ class EtcdCluster:
 
 class DelayProxy:
     """A TCP proxy on 127.0.0.1 to `target_port` that holds every chunk of the answer back
-    `delay` seconds (0: pass-through). A thread per connection; `close` stops everything."""
+    `delay` seconds (0: pass-through). `cut` makes etcd unreachable through it (nothing sent
+    reaches etcd) until `mend`. A thread per connection; `close` stops everything."""
 
     def __init__(self, target_port: int, delay: float = 0.0) -> None:
         self.target_port = target_port
@@ -225,6 +226,7 @@ class DelayProxy:
         self._closed = threading.Event()
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._cut = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _track(self, s: socket.socket) -> None:
@@ -237,6 +239,9 @@ class DelayProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self._cut.is_set():
+                client.close()
+                continue
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
             except OSError:
@@ -266,6 +271,15 @@ class DelayProxy:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def cut(self) -> None:
+        """A network cut between the Envoy and etcd: every connection dropped, new ones closed
+        at once, so no request reaches etcd (unlike a delay, which holds back only answers)."""
+        self._cut.set()
+        self.drop_connections()
+
+    def mend(self) -> None:
+        self._cut.clear()
 
     def drop_connections(self) -> None:
         """Cuts every connection made so far (as a crashed etcd or a network cut does); new

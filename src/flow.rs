@@ -34,7 +34,7 @@ mod response;
 pub use facts::{StreamFacts, Unreadable};
 use lookup::Found;
 pub use lookup::{LaterLookup, LeaseEnd};
-pub use response::Settlement;
+pub use response::{retry_window_end, Retry, Settlement, RETRY_FIRST_BACKOFF_MS, RETRY_MAX_BACKOFF_MS};
 
 pub use crate::engine::{DETAILS_PROBLEM, DETAILS_REPLAY};
 pub use crate::wait::{Resumed, WaiterPlan};

@@ -73,9 +73,9 @@ pub enum Counter {
     /// `allow_on_headers_stop_iteration: true`. Nothing was claimed or forwarded.
     BodyNeverReceived,
     /// A completion or release the store could not take (unreachable or too slow) after being
-    /// tried again until the rule's `processing_timeout`, or still unwritten when a
-    /// configuration update retired its root past the drain bound: the record stays in flight
-    /// until its lease ends.
+    /// tried again until its claim's lease had ended one `processing_timeout` ago, or still
+    /// unwritten when a configuration update retired its root past the drain bound: the record
+    /// stays in flight until its lease key ends.
     SettlementAbandoned,
     /// A verified JWT payload lacks one of `principal.claims`: refused (403), never executed,
     /// since such callers cannot be told apart.

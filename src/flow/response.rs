@@ -15,6 +15,55 @@ use crate::store::record::Snapshot;
 use crate::store::{Claim, Completion, Settled, StoreError, StoreOp};
 use std::rc::Rc;
 
+/// First wait before a settlement is started again, doubled after each failure up to
+/// `RETRY_MAX_BACKOFF_MS`.
+pub const RETRY_FIRST_BACKOFF_MS: u64 = 100;
+pub const RETRY_MAX_BACKOFF_MS: u64 = 2_000;
+
+/// When a settlement the store could not take (unreachable, too slow) is started again, and
+/// when its carrier stops trying. Starting one again is safe: both of its writes are guarded
+/// by the claim's revision, so a try that finds the claim taken over changes nothing (`Lost`),
+/// and one that finds its own earlier write landed is done (`store::etcd`).
+///
+/// It is tried until its claim's lease ended one `processing_timeout` ago (`retry_window_end`),
+/// and never longer: a claim's lease key outlives exactly that, by etcd's clock
+/// (`store::etcd::leases`), so no other Envoy takes over the record of a request that was
+/// answered within its lease while its completion is still being tried: a client answered 201
+/// is never executed a second time because the store was briefly out of reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Retry {
+    pub due_ms: u64,
+    pub backoff_ms: u64,
+    pub give_up_at_ms: u64,
+}
+
+/// The end of a settlement's tries: its claim's lease end (as the claim wrote it, by the
+/// owner's clock) plus `processing_timeout`. A claim whose written record is not known (a
+/// store that settles at once, which never retries) counts from the first failure instead.
+pub fn retry_window_end(claim: &Claim, now_ms: u64, processing_timeout_ms: u64) -> u64 {
+    claim.written.map_or(now_ms, |e| e.lease_deadline_ms).saturating_add(processing_timeout_ms)
+}
+
+impl Retry {
+    /// After the first failure at `now_ms`; None: its window already closed.
+    pub fn first(now_ms: u64, claim: &Claim, processing_timeout_ms: u64) -> Option<Retry> {
+        let due_ms = now_ms.saturating_add(RETRY_FIRST_BACKOFF_MS);
+        let give_up_at_ms = retry_window_end(claim, now_ms, processing_timeout_ms);
+        (due_ms < give_up_at_ms).then_some(Retry {
+            due_ms,
+            backoff_ms: RETRY_FIRST_BACKOFF_MS,
+            give_up_at_ms,
+        })
+    }
+
+    /// After another failure at `now_ms`; None: give up.
+    pub fn next(self, now_ms: u64) -> Option<Retry> {
+        let backoff_ms = self.backoff_ms.saturating_mul(2).min(RETRY_MAX_BACKOFF_MS);
+        let due_ms = now_ms.saturating_add(backoff_ms);
+        (due_ms < self.give_up_at_ms).then_some(Retry { due_ms, backoff_ms, ..self })
+    }
+}
+
 /// A `complete` or `release` the flow handed over to be settled by someone who outlives the
 /// stream (the root, for a store across the network); `answered` says what its answer
 /// means.

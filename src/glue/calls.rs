@@ -5,6 +5,7 @@
 
 use crate::admin::AdminTask;
 use crate::config::Rule;
+use crate::flow::Retry;
 use crate::flow::{RequestFlow, Resumed, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::store::remote::Conversation;
@@ -54,41 +55,6 @@ pub struct DetachedCall {
     /// `reconcile`: the record's lookup at its lease's end, should the call end without an
     /// outcome.
     pub lease_end: Option<Box<LeaseEndLookup>>,
-}
-
-/// First wait before a settlement is started again, doubled after each failure up to
-/// `RETRY_MAX_BACKOFF_MS`.
-pub const RETRY_FIRST_BACKOFF_MS: u64 = 100;
-pub const RETRY_MAX_BACKOFF_MS: u64 = 2_000;
-
-/// When a failed settlement is started again, and when the root stops trying. Starting one
-/// again is safe: both of its writes are guarded by the claim's revision, so a try that finds
-/// the claim taken over changes nothing (`Lost`), and one that finds its own earlier write
-/// landed is done (`store::etcd`). The root tries for the rule's `processing_timeout` from
-/// the first failure: as long as the record could still be this claim's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Retry {
-    pub due_ms: u64,
-    pub backoff_ms: u64,
-    pub give_up_at_ms: u64,
-}
-
-impl Retry {
-    /// After the first failure at `now_ms`.
-    pub fn first(now_ms: u64, lease_ms: u64) -> Retry {
-        Retry {
-            due_ms: now_ms.saturating_add(RETRY_FIRST_BACKOFF_MS),
-            backoff_ms: RETRY_FIRST_BACKOFF_MS,
-            give_up_at_ms: now_ms.saturating_add(lease_ms),
-        }
-    }
-
-    /// After another failure at `now_ms`; None: give up.
-    pub fn next(self, now_ms: u64) -> Option<Retry> {
-        let backoff_ms = self.backoff_ms.saturating_mul(2).min(RETRY_MAX_BACKOFF_MS);
-        let due_ms = now_ms.saturating_add(backoff_ms);
-        (due_ms < self.give_up_at_ms).then_some(Retry { due_ms, backoff_ms, ..self })
-    }
 }
 
 /// Where the root gives a request's flow back once its `begin` is answered; the stream takes

@@ -3,12 +3,13 @@
 //! with backoff), the store calls every conversation makes, and the reply or held response that
 //! goes out once a settlement is written. Calls nothing above it (`carry.rs`, `root.rs`).
 
-use super::calls::{DetachedReply, HeldHandle, Retry, RootCall, RootSettlement};
+use super::calls::{DetachedReply, HeldHandle, RootCall, RootSettlement};
 use super::plugin::PluginState;
 use super::remote;
 use super::{Host, HostError};
 use crate::config::etcd::OnStoreError;
 use crate::detached::DETAILS_DETACHED;
+use crate::flow::Retry;
 use crate::flow::{Resumed, Settlement};
 use crate::metrics::Counter;
 use crate::store::remote::{Answer, Next, Request};
@@ -219,7 +220,7 @@ pub(super) fn finish_settlement<H: Host>(
     if let Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)) = &settled {
         let now_ms = plugin.host.now_ms();
         let retry = match call.retry {
-            None => Some(Retry::first(now_ms, call.settlement.rule.processing_timeout_ms)),
+            None => Retry::first(now_ms, &call.settlement.claim, call.settlement.rule.processing_timeout_ms),
             Some(retry) => retry.next(now_ms),
         };
         resume_held_response(plugin, &mut call);

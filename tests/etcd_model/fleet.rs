@@ -6,10 +6,12 @@
 //! Real: everything the store decides (the calls, their guards, what each answer means, the
 //! lease caches of each worker, the give-back of an unanswered claim). Modelled, after the glue
 //! (which builds for wasm32 and the crate's own unit tests only): what an Envoy does with a
-//! store answer (forward on a claim, retry a failed completion with the root's backoff, give
+//! store answer (forward on a claim, retry a failed completion as the root does (`flow::Retry`,
+//! the product's own), give
 //! back a claim whose answer was lost, look up an unsettled record), and the upstream.
 
 use crate::etcd::Etcd;
+use idempotency_filter::flow::Retry;
 use idempotency_filter::identity::fingerprint::Fingerprint;
 use idempotency_filter::identity::scope::ScopeId;
 use idempotency_filter::store::etcd::{EtcdConversation, EtcdSettings, EtcdStore, OnStoreError, Protocol};
@@ -20,11 +22,6 @@ use idempotency_filter::store::{
 };
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
-
-/// The glue's settlement retry (glue/calls.rs `Retry`): 100 ms after the first failure,
-/// doubling up to 2 s, for the rule's processing_timeout from the first failure.
-const RETRY_FIRST_BACKOFF_MS: u64 = 100;
-const RETRY_MAX_BACKOFF_MS: u64 = 2_000;
 
 pub const EXECUTIONS: &str = "at most one execution per key, but a takeover the rule allows";
 pub const REPLACED: &str = "a stored outcome is never replaced";
@@ -148,13 +145,6 @@ pub struct ClientRequest {
     scope: u8,
     begins_left: u8,
     phase: Phase,
-}
-
-#[derive(Clone, Copy, Debug, Hash)]
-pub struct Retry {
-    due_ms: u64,
-    backoff_ms: u64,
-    give_up_at_ms: u64,
 }
 
 /// A completion or a release the root carries (tried again when the store failed it).
@@ -383,17 +373,13 @@ impl Fleet {
         let now = self.clock(state, envoy);
         match answer.into_settled() {
             Err(StoreError::Unavailable(_) | StoreError::TimedOut) => {
-                let retry = match s.retry {
-                    None => Some(Retry {
-                        due_ms: now + RETRY_FIRST_BACKOFF_MS,
-                        backoff_ms: RETRY_FIRST_BACKOFF_MS,
-                        give_up_at_ms: now + self.lease_ms,
-                    }),
-                    Some(r) => {
-                        let backoff_ms = (r.backoff_ms * 2).min(RETRY_MAX_BACKOFF_MS);
-                        let due_ms = now + backoff_ms;
-                        (due_ms < r.give_up_at_ms).then_some(Retry { due_ms, backoff_ms, ..r })
+                // The glue's own retry (`flow::Retry`), as the root carries it.
+                let retry = match (s.retry, &s.op.0) {
+                    (None, StoreOp::Complete { claim, .. } | StoreOp::Release(claim)) => {
+                        Retry::first(now, claim, self.lease_ms)
                     }
+                    (None, _) => None,
+                    (Some(r), _) => r.next(now),
                 };
                 match retry {
                     Some(r) => {
@@ -417,8 +403,8 @@ impl Fleet {
                 log.push_str(": lost");
                 if let Some(x) = s.execution {
                     let exec = &state.executions[x];
-                    // Lost after being tried again: the overrun the takeover rule allows.
-                    if !exec.landed && (s.retry.is_none() || self.rule != UnknownOutcome::Takeover) {
+                    // Even after being tried again: its lease key outlives its retries.
+                    if !exec.landed {
                         let what = format!(
                             "{}'s execution {x} was answered to its client, and its completion found the record \
                              no longer its claim",
@@ -608,11 +594,12 @@ impl Fleet {
         }
     }
 
-    /// A record in flight must not outlive its lease, the claim lease's reuse window, the
-    /// lease's slack and the largest skew, by etcd's clock: by then no begin reads it in flight.
+    /// A record in flight must not outlive its lease, its completion's retry window (one lease
+    /// more), the claim lease's reuse window, the lease's slack and the largest skew, by etcd's
+    /// clock: by then no begin reads it in flight.
     fn check_in_flight(&self, state: &mut FleetState) {
         let max_skew = self.skews_ms.iter().max().copied().unwrap_or(0);
-        let bound = self.lease_ms + (self.lease_ms / 10).max(1_000) + 1_000 + max_skew;
+        let bound = 2 * self.lease_ms + (self.lease_ms / 10).max(1_000) + 1_000 + max_skew;
         for scope in 0..2u8 {
             let Some(kv) = state.etcd.kvs.get(&record_key(scope)) else { continue };
             let Ok(d) = record::decode_record(&kv.value) else { continue };
@@ -787,24 +774,17 @@ impl Fleet {
                     name(e)
                 );
                 // A takeover rule lets a claim be taken over once its lease ended without an
-                // outcome: its owner crashed, its completion was given up after being tried
-                // again for its retry window, or is still being tried again (a completion that
-                // first failed near the lease's end outlives the lease: see docs/ETCD.md, "Model
-                // checking"). Never one whose completion was given up untried (ad30838).
-                let retrying = |p: &Execution, x: usize| {
-                    state.envoys[p.envoy]
-                        .settlements
-                        .iter()
-                        .any(|s| s.execution == Some(x) && s.retry.is_some())
-                };
-                let allowed = |p: &Execution, x: usize| {
-                    self.rule == UnknownOutcome::Takeover && (p.crashed || p.given_up || retrying(p, x))
-                };
+                // outcome: its owner crashed, or its completion was given up after being tried
+                // again for its retry window (its lease key outlives the window: never while it
+                // is still being tried). Never one whose completion was given up untried
+                // (ad30838).
+                let allowed =
+                    |p: &Execution| self.rule == UnknownOutcome::Takeover && (p.crashed || p.given_up);
                 let earlier: Vec<String> = state
                     .executions
                     .iter()
                     .enumerate()
-                    .filter(|(x, p)| p.scope == scope && !allowed(p, *x))
+                    .filter(|(_, p)| p.scope == scope && !allowed(p))
                     .map(|(i, p)| format!("execution {i} by {} (owner {})", name(p.envoy), p.owner))
                     .collect();
                 if state.executions.iter().any(|p| p.scope == scope) {

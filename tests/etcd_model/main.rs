@@ -53,7 +53,7 @@ fn pair(rule: UnknownOutcome, faults: u8, crashes: u8) -> Fleet {
         faults,
         crashes,
         tick_ms: 1_000,
-        horizon_ms: if deep() { 4_000 } else { 3_000 },
+        horizon_ms: if deep() { 5_000 } else { 4_000 },
         lease_ms: 1_000,
         ttl_ms: 10_000,
     }

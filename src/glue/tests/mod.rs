@@ -202,7 +202,9 @@ impl Conversation for OneCall {
                     scope: a.scope,
                     owner: a.owner,
                     locator: 7,
-                    written: None,
+                    // As etcd's claim carries the record it wrote: its lease's end bounds the
+                    // completion's retries (`flow::Retry`).
+                    written: Some(a.processing_entry(0, 0, 0, 0)),
                 }))))
             }
             StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),

@@ -509,21 +509,20 @@ fn a_completion_the_store_failed_is_tried_again_with_backoff_until_it_lands() {
 }
 
 #[test]
-fn a_completion_is_abandoned_and_counted_once_the_lease_has_passed() {
+fn a_completion_is_tried_until_its_lease_ended_a_processing_timeout_ago_then_abandoned() {
     let h = host();
     let mut root = root(&h, "etcd", OnStoreError::FailClosed);
+    // Claimed at 1 s with the default processing_timeout, 30 s: its lease ends at 31 s.
     let (_http, token) = completing(&h, &mut root, 2);
     store_answers(&h, None, b"");
     root.on_http_call_response(token, 0);
-    let mut now = 1_000;
-    let mut tries = 1;
-    // The rule's processing_timeout is the default 30 s.
-    while now < 40_000 {
+    let (mut now, mut tries, mut last) = (1_000, 1, 0);
+    while now < 70_000 {
         now += 100;
         let before = h.dispatches().len();
         at(&h, &mut root, now);
         if h.dispatches().len() > before {
-            tries += 1;
+            (tries, last) = (tries + 1, now);
             store_answers(&h, None, b"");
             root.on_http_call_response(last_token(&h), 0);
         }
@@ -531,8 +530,11 @@ fn a_completion_is_abandoned_and_counted_once_the_lease_has_passed() {
     assert_eq!(h.counter("settlement_abandoned"), 1);
     assert_eq!(h.route_counter("orders", "settlement_abandoned"), 1);
     assert_eq!((h.counter("stored"), h.counter("store_error")), (0, 0));
-    // 100, 200, 400, 800, 1600, then every 2 s until 30 s after the first failure.
-    assert!((15..=20).contains(&tries), "{tries} tries");
+    // Tried until 61 s, one processing_timeout past its lease's end (its lease key, by etcd's
+    // clock, outlives that: nobody can take it over meanwhile), not only 30 s after the first
+    // failure: 100, 200, 400, 800, 1600 ms, then every 2 s.
+    assert!((59_000..61_000).contains(&last), "last try at {last} ms");
+    assert!((30..=35).contains(&tries), "{tries} tries");
 }
 
 #[test]

@@ -40,9 +40,15 @@ fn claim_lease_reuse_ms(lease_ms: u64) -> u64 {
 }
 
 /// The TTL of a claim lease: every claim put on it within the reuse window keeps its lease key
-/// for at least its processing lease, by etcd's clock.
+/// for at least its processing lease and then its completion's retry window, one processing
+/// lease more (`flow::retry_window_end`), by etcd's clock. A request answered within its lease
+/// whose completion could not be written at once is still being tried, and nobody may take its
+/// record over meanwhile: the takeover would execute it again although its client has its
+/// answer. The price: an abandoned claim (its Envoy died) is taken over, refused or looked up
+/// one processing lease later.
 fn claim_lease_ttl_s(lease_ms: u64) -> u64 {
     lease_ms
+        .saturating_mul(2)
         .saturating_add(claim_lease_reuse_ms(lease_ms))
         .div_ceil(1_000)
         .saturating_add(CLAIM_LEASE_SLACK_S)

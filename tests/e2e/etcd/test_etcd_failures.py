@@ -228,3 +228,59 @@ def test_a_completion_etcd_answers_too_late_is_written_again_and_replayed_after_
     finally:
         slow.stop()
         delay.close()
+
+
+def test_a_completion_tried_again_past_its_lease_is_never_taken_over_by_another_envoy(
+        envoy_bin, filter_wasm, upstream, etcd):
+    """C9, C13: the upstream answered within the lease and the client got 201, but its Envoy
+    could not reach etcd to write the outcome (a network cut: nothing reaches etcd). It tries
+    the completion again until its lease ended one processing_timeout ago, and the claim's
+    lease key outlives that: another Envoy's retry after the lease gets 409, never a takeover
+    that executes the payment again (the model checker's counterexample, docs/ETCD.md), and
+    once the completion lands it replays. Before the fix the lease key ended a processing_timeout
+    after the claim, while the owner was still trying."""
+    lease_s = 8
+    config = {
+        "store": harness.etcd_store(prefix="/e2e-retried-completion/", timeout="250ms"),
+        "routes": [{"name": "orders", "match": {"prefix": "/orders"}, "require_key": True,
+                    "processing_timeout": "%ds" % lease_s, "unknown_outcome": "takeover"}],
+    }
+    cut = harness.DelayProxy(etcd.client_port)
+    owner = harness.Envoy(envoy_bin, upstream.port, config, wasm_path=filter_wasm, name="retried-owner", route_timeout="15s",
+                          extra_clusters=[harness.etcd_cluster([cut.port])]).start()
+    other = harness.Envoy(envoy_bin, upstream.port, config, wasm_path=filter_wasm, name="retried-other", route_timeout="15s",
+                          extra_clusters=[harness.etcd_cluster([etcd.client_port])]).start()
+    try:
+        key, result = new_key(), {}
+        started = time.monotonic()
+
+        def call():
+            # Answered 0.2 s before the lease ends.
+            result["first"] = owner.post("/orders", BODY, key_headers(key, **{"x-delay-ms": "7800"}))
+
+        client = threading.Thread(target=call)
+        client.start()
+        harness.wait_until(lambda: upstream.executions(key) == 1, 5, what="the execution")
+        cut.cut()
+        client.join(15)
+        first = result["first"]
+        assert first.status == 201 and not first.replayed, first
+        # Past the end of a lease key that lived one processing_timeout (plus the 1 s reuse
+        # window and 1 s of slack): about 10 s after the claim, while the owner still tries.
+        time.sleep(max(0.0, started + 11.5 - time.monotonic()))
+        assert owner.idem("stored") == 0 and owner.idem("settlement_abandoned") == 0
+        retry = other.post("/orders", BODY, key_headers(key))
+        assert_problem(retry, 409, "request-in-flight")
+        assert upstream.executions(key) == 1
+        # The owner's next try (every 2 s by now) reaches etcd and lands.
+        cut.mend()
+        harness.wait_until(lambda: owner.idem("stored", settle=False) == 1, 5, what="the completion")
+        replay = other.post("/orders", BODY, key_headers(key))
+        assert replay.status == 201 and replay.replayed, replay
+        assert replay.body == first.body
+        assert upstream.executions(key) == 1
+        assert owner.idem("settlement_abandoned") == 0
+    finally:
+        owner.stop()
+        other.stop()
+        cut.close()

@@ -29,8 +29,10 @@ fn a_new_record_is_one_guarded_transaction_once_its_leases_are_granted() {
     assert_eq!(made[0].body, format!(r#"{{"compare":[{absent}],"success":[],"failure":{read_existing}}}"#));
     // The record expires at 10 s: its lease covers the window ending at 20 s, plus slack.
     assert_eq!(made[1].body, r#"{"TTL":"22","ID":"0"}"#);
-    // The lease key's: the 1 s processing lease, the 1 s reuse window and 1 s of slack.
-    assert_eq!(made[2].body, r#"{"TTL":"3","ID":"0"}"#);
+    // The lease key's: the 1 s processing lease, then its completion's 1 s retry window (no
+    // takeover while the owner may still write its outcome), the 1 s reuse window and 1 s of
+    // slack.
+    assert_eq!(made[2].body, r#"{"TTL":"4","ID":"0"}"#);
     let put = format!(
         r#"{{"request_put":{{"key":"{key}","value":"{}","lease":"{LEASE_ID}"}}}}"#,
         base64::encode(&value(processing(11, 0), None))
@@ -66,7 +68,7 @@ fn a_new_record_is_one_guarded_transaction_once_its_leases_are_granted() {
         vec![ok(read_answer(3, None, &[])), ok(granted()), ok(written(4))],
     );
     assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/lease/grant", "/v3/kv/txn"]);
-    assert_eq!(made[1].body, r#"{"TTL":"3","ID":"0"}"#);
+    assert_eq!(made[1].body, r#"{"TTL":"4","ID":"0"}"#);
 }
 
 #[test]

@@ -67,6 +67,9 @@ pub struct Fleet {
     /// Callouts that time out (their request lost or delayed, or their answer lost after etcd
     /// applied them) and reconciliation lookups that fail, in all.
     pub faults: u8,
+    /// Whether faults may also strike begins and lookups (false: completions and releases only,
+    /// so that a run can afford several of them).
+    pub begin_faults: bool,
     pub crashes: u8,
     pub tick_ms: u64,
     pub horizon_ms: u64,
@@ -1016,21 +1019,25 @@ impl Fleet {
                     Phase::Idle if request.begins_left > 0 => actions.push(Action::StartBegin(e)),
                     Phase::Idle => {}
                     Phase::Beginning { .. } => {
-                        if state.faults_left > 0 {
+                        if state.faults_left > 0 && self.begin_faults {
                             actions.push(Action::Timeout(e, None));
                         }
                         // Answered or timed out within its tick.
                         time_may_pass = false;
                     }
-                    Phase::Claimed { .. } => {
+                    Phase::Claimed { claim } => {
                         actions.push(Action::Forward(e));
-                        time_may_pass = false;
+                        // The upstream answers at once, or at a later tick still within the
+                        // claim's lease (a lease longer than a tick): a completion that starts
+                        // late in its lease.
+                        let deadline = claim.0.written.map_or(0, |w| w.lease_deadline_ms);
+                        time_may_pass &= now + self.tick_ms < deadline;
                     }
                     Phase::Looking { .. } => {
                         let executed = state.executions.iter().any(|x| x.scope == request.scope);
                         actions
                             .push(Action::Lookup(e, if executed { Lookup::Found } else { Lookup::NotFound }));
-                        if state.faults_left > 0 {
+                        if state.faults_left > 0 && self.begin_faults {
                             actions.push(Action::Lookup(e, Lookup::Failed));
                         }
                         time_may_pass = false;

@@ -51,6 +51,7 @@ fn pair(rule: UnknownOutcome, faults: u8, crashes: u8) -> Fleet {
         requests: vec![vec![(0, 1)], vec![(0, 1)]],
         rule,
         faults,
+        begin_faults: true,
         crashes,
         tick_ms: 1_000,
         horizon_ms: if deep() { 5_000 } else { 4_000 },
@@ -100,6 +101,19 @@ fn takeover_after_a_crash() {
 #[test]
 fn takeover_with_a_lost_callout() {
     check("takeover, a lost callout", pair(UnknownOutcome::Takeover, 1, 0), &[0, 2, 5, 6]);
+}
+
+/// A 3 s lease (longer than the claim lease's reuse window and slack): the upstream may answer
+/// late in it, and the completion fail up to three times, so it is still being tried well past
+/// the lease's end. Its lease key must outlive the tries (before 8a92efc it did not: B took
+/// over and executed again while A was still writing the outcome its client had).
+#[test]
+fn a_late_answer_whose_completion_is_tried_again() {
+    let mut fleet = pair(UnknownOutcome::Takeover, 3, 0);
+    fleet.lease_ms = 3_000;
+    fleet.begin_faults = false;
+    fleet.horizon_ms = if deep() { 9_000 } else { 5_000 };
+    check("a late answer, tried again", fleet, &[0, 2]);
 }
 
 #[test]

@@ -201,10 +201,11 @@ impl<F: Flavor> Backend for EtcdWith<F> {
     }
 }
 
-/// A claim's lease key lives on an etcd lease, by etcd's clock: the suite's LEASE (1 s), the
-/// reuse window (1 s) and 1 s of slack, then etcd's lease checker (every 500 ms).
+/// A claim's lease key lives on an etcd lease, by etcd's clock: the suite's LEASE (1 s), then
+/// its completion's retry window (one LEASE more), the reuse window (1 s) and 1 s of slack, then
+/// etcd's lease checker (every 500 ms).
 fn wait_for_claim_leases() {
-    std::thread::sleep(Duration::from_millis(3_000 + 700));
+    std::thread::sleep(Duration::from_millis(4_000 + 700));
 }
 
 idempotency_filter::conformance_suite!(Etcd);

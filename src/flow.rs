@@ -668,6 +668,23 @@ impl RequestFlow {
         self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::DetachedRefused)])
     }
 
+    /// The root could not resume this paused request (its stream is going away): a claim it
+    /// was to be forwarded with is given back, since nothing was sent upstream (the release to
+    /// perform, and what to count when it is answered).
+    pub fn not_resumed(&mut self) -> Option<Settlement> {
+        match std::mem::replace(&mut self.phase, Phase::Idle) {
+            Phase::Forwarded { claim, rule } => {
+                log::debug!("#{} not resumed; releasing key {}", self.context_id, claim.scope.log_tag());
+                self.forwarded_rule = None;
+                Some(Settlement { context_id: self.context_id, claim, rule, done: Counter::Released })
+            }
+            phase => {
+                self.phase = phase;
+                None
+            }
+        }
+    }
+
     /// The root resolved this held request (resumed it or answered it): a waiter, or a
     /// detached call's request answered with the call's outcome.
     pub fn resumed(&mut self, resumed: Resumed) {

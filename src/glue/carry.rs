@@ -20,7 +20,7 @@ use super::{
 use crate::config::etcd::OnStoreError;
 use crate::config::Execution;
 use crate::detached::{self, DETAILS_DETACHED};
-use crate::engine::HeaderFix;
+use crate::engine::{HeaderFix, Reply};
 use crate::flow::{Output, RequestFlow, Resumed, Settlement, Step, Verdict, WaiterPlan};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
@@ -422,6 +422,9 @@ pub(super) struct Carried {
     /// The flow went on without its holder (its `begin` or lookup is the root's now): a stream
     /// reads it back through this handle at its next callback. `flow` is a blank one meanwhile.
     pub(super) flow_went: Option<FlowHandle>,
+    /// The root's local reply to a paused request, sent once its flow is back in its handle
+    /// (`carry_out_in_root`), so that its stream knows the reply as ours when it passes.
+    pub(super) reply: Option<(Reply, &'static str)>,
 }
 
 /// Carries out a flow's steps in order, whoever holds the flow: the one place steps become host
@@ -436,7 +439,8 @@ pub(super) fn carry_out<H: Host>(
     at: At,
 ) -> Carried {
     let host = &plugin.host;
-    let mut carried = Carried { verdict: out.verdict, held: None, left_room: false, flow_went: None };
+    let mut carried =
+        Carried { verdict: out.verdict, held: None, left_room: false, flow_went: None, reply: None };
     let mut response_held = false;
     let mut steps: VecDeque<Step> = out.steps.into();
     // The flow leaves with its `begin` or lookup; the root's flow goes back through its handle.
@@ -458,6 +462,10 @@ pub(super) fn carry_out<H: Host>(
                 None
             }
             Step::Reply { .. } if flow.headless() => None,
+            Step::Reply { reply, details } if matches!(at, At::Root(_)) => {
+                carried.reply = Some((reply, details));
+                None
+            }
             Step::Reply { reply, details } => {
                 if let Err(HostError(s)) =
                     host.send_response(reply.status, details, &reply.headers, &reply.body)
@@ -643,8 +651,8 @@ pub(super) fn carry_out<H: Host>(
 }
 
 /// Carries out what the flow decided for its paused request (the effective context is the
-/// request's), then gives the flow back to its stream and resumes it; unless the flow went on
-/// with a conversation or a lookup of the root's.
+/// request's), then gives the flow back to its stream and answers or resumes it; unless the
+/// flow went on with a conversation or a lookup of the root's.
 fn carry_out_in_root<H: Host>(
     plugin: &PluginState<H>,
     context_id: u32,
@@ -653,19 +661,33 @@ fn carry_out_in_root<H: Host>(
     out: Output,
 ) {
     let carried = carry_out(plugin, context_id, &mut flow, out, At::Root(&handle));
-    if carried.flow_went.is_some() {
-        return;
-    }
-    if flow.headless() {
-        if flow.awaiting_lookup() {
-            look_up_again_later(plugin, flow);
+    if carried.flow_went.is_none() {
+        if flow.headless() {
+            if flow.awaiting_lookup() {
+                look_up_again_later(plugin, flow);
+            }
+            return;
         }
-        return;
+        *handle.borrow_mut() = Some((flow, carried.held));
     }
-    *handle.borrow_mut() = Some((flow, carried.held));
-    if carried.verdict == Verdict::Continue {
+    // After the flow is back: the reply passes its stream's encode callbacks as ours.
+    if let Some((reply, details)) = carried.reply {
+        if let Err(HostError(s)) =
+            plugin.host.send_response(reply.status, details, &reply.headers, &reply.body)
+        {
+            log::warn!("#{context_id} could not send the local reply (host status {s})");
+        }
+    }
+    if carried.flow_went.is_none() && carried.verdict == Verdict::Continue {
         if let Err(HostError(s)) = plugin.host.resume_request() {
-            log::warn!("#{context_id} could not resume the request (host status {s})");
+            log::warn!(
+                "#{context_id} could not resume the request (host status {s}); a claim it holds is given back"
+            );
+            // Nobody will forward it: nothing was sent upstream.
+            let unused = handle.borrow_mut().as_mut().and_then(|(flow, _)| flow.not_resumed());
+            if let Some(settlement) = unused {
+                give_back(plugin, settlement);
+            }
         }
     }
 }

@@ -172,13 +172,16 @@ pub fn replay_header_fixes(
     fixes
 }
 
+/// What the store's answer to a `begin` means for the request: its first, or a waiter's look at
+/// its record again (`flow::RequestFlow::recheck`). The one enum of a waiter's fate too.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     /// Forward upstream; the claim must later be completed or released.
     Forward { claim: Claim, counter: Counter },
     /// Answer locally (replay or problem) without calling the upstream.
     Respond { reply: Reply, counter: Counter },
-    /// Wait mode: the original is processing; hold this request (wait.rs).
+    /// Wait mode: the original is processing; hold this request (wait.rs), or hold a waiter
+    /// again until its give-up time.
     Wait { lease_remaining_ms: u64 },
 }
 

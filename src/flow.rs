@@ -8,8 +8,15 @@
 //! Idle ─head─► Collecting ─body─► AwaitingBegin ─answer─► Forwarded ─response head─► Capturing
 //!   │              │                   │                     │                        │ end
 //!   └ pass         └ refuse            ├ reply ► Answered     └ release/keep ►        ▼
-//!                                      └ wait ► Parking ─► Waiting ─root resumes─►  Settling ─answer─► Idle
+//!                                      │                                              Settling ─answer─► Idle
+//!                                      └ wait ► Parking ─► Waiting ─root rechecks─► Rechecking
+//!                                                    ▲                                │ answer: forward or
+//!                                                    └──────── still processing ──────┘ reply, as above
 //! ```
+//!
+//! A waiter's flow is held in the wait room (the root's); its look at the record is a `begin`
+//! like its first, and the answer is read the same way (`Decision`), except that "wait" puts it
+//! back in the room. Its steps are carried out by the same executor as every flow's.
 //!
 //! The flow reads what a decision needs through `StreamFacts`, one read at a time, so that the
 //! glue never reads (pays a host call for) what no decision looks at.
@@ -24,7 +31,7 @@ use crate::problem::{Kind, Problem};
 use crate::router_control;
 use crate::store::record::State;
 use crate::store::{Begin, Claim, ClaimAttempt, Completion, StoreAnswer, StoreError, StoreOp};
-use crate::wait::{self, RoomFull};
+use crate::wait::{self, NotHeld};
 use facts::verified_claims;
 use std::rc::Rc;
 
@@ -37,7 +44,6 @@ pub use lookup::{LaterLookup, LeaseEnd};
 pub use response::{retry_window_end, Retry, Settlement, RETRY_FIRST_BACKOFF_MS, RETRY_MAX_BACKOFF_MS};
 
 pub use crate::engine::{DETAILS_PROBLEM, DETAILS_REPLAY};
-pub use crate::wait::{Resumed, WaiterPlan};
 
 /// What the glue does, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,8 +56,12 @@ pub enum Step {
     /// Perform this store operation, then hand its answer to `store_answered` (or, if none
     /// comes in time, call `store_timed_out`).
     Store(StoreOp),
-    /// Hold the request in the wait room, then tell `parked` whether it was admitted.
+    /// Hold the request (its flow) in the wait room, then tell `parked` whether it was admitted.
     Park(ParkPlan),
+    /// A waiter's look at its record found the original still processing: hold it in the wait
+    /// room again (it was admitted), then tell `parked` whether it still waits (its give-up
+    /// time may have come).
+    Repark { lease_remaining_ms: u64 },
     /// This record may have an outcome now: wake its waiters on every worker.
     Wake(ScopeId),
     /// Change the response headers (a replay's framing headers, back as stored).
@@ -60,7 +70,8 @@ pub enum Step {
     /// router control headers (`router_control.rs`), which would let the caller lift the
     /// rule's bounds or ask for a second execution.
     RemoveRequestHeaders(Vec<&'static str>),
-    /// The held request's client went away: take it out of the wait room.
+    /// Take the request out of the wait room: its client went away, or its look at the record
+    /// settled its fate.
     LeaveWaitRoom,
     /// Envoy sent this claimed request upstream several times: warn, once per rule per Envoy.
     WarnRetried { rule: String, attempts: u64 },
@@ -114,8 +125,7 @@ impl Output {
 /// How to hold a waiter: its record, until when, and when to look again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParkPlan {
-    pub pending: Pending,
-    pub fingerprint: Fingerprint,
+    pub scope: ScopeId,
     pub give_up_at_ms: u64,
     pub lease_remaining_ms: u64,
     pub now_ms: u64,
@@ -153,15 +163,18 @@ enum Phase {
     Collecting(Pending),
     /// `begin` asked; the request stays held until the store answers.
     AwaitingBegin { pending: Pending, fingerprint: Fingerprint, now_ms: u64, attempt: ClaimAttempt },
-    /// Wait mode: asked to be parked in the wait room.
-    Parking { pending: Pending, lease_remaining_ms: u64 },
-    /// Held in the wait room; the root resolves it (`resumed`).
-    Waiting,
+    /// Wait mode: asked to be parked in the wait room (`again`: back, after a recheck).
+    Parking { pending: Pending, fingerprint: Fingerprint, lease_remaining_ms: u64, again: bool },
+    /// Held in the wait room, with its fingerprint (its body stays in Envoy's buffer, never read
+    /// again); the root looks at its record again (`recheck`).
+    Waiting { pending: Pending, fingerprint: Fingerprint },
+    /// A waiter's `begin` asked again; its answer is the waiter's fate.
+    Rechecking { pending: Pending, fingerprint: Fingerprint },
     /// We answered locally; our own reply comes back through the encode callbacks and must be
     /// left alone (never snapshotted), except that a replay's framing headers are put back.
     Answered { replay_shape: Option<ReplayShape> },
     /// Detached execution: the root carries the request and owns its record; it answers the
-    /// stream (`resumed`) if the client is still there. Nothing here settles anything.
+    /// stream (`answered_by_root`) if the client is still there. Nothing here settles anything.
     Detached,
     /// Forwarded with a claim; waiting for the response.
     Forwarded { claim: Claim, rule: Rc<Rule> },
@@ -258,7 +271,12 @@ impl RequestFlow {
 
     /// True while the request is held in the wait room.
     pub fn waiting(&self) -> bool {
-        matches!(self.phase, Phase::Waiting)
+        matches!(self.phase, Phase::Waiting { .. })
+    }
+
+    /// True while a waiter's look at its record is under way (`recheck`).
+    pub fn rechecking(&self) -> bool {
+        matches!(self.phase, Phase::Rechecking { .. })
     }
 
     fn answer(&mut self, reply: Reply, details: &'static str, mut steps: Vec<Step>) -> Output {
@@ -431,6 +449,10 @@ impl RequestFlow {
                 let decision = engine::decision_of(cfg, &pending, begun);
                 self.decided(pending, fingerprint, now_ms, decision)
             }
+            (Phase::Rechecking { pending, fingerprint }, StoreAnswer::Begun(begun)) => {
+                let decision = engine::decision_of(cfg, &pending, begun);
+                self.rechecked(pending, fingerprint, decision)
+            }
             (Phase::Adopting { pending, fingerprint, now_ms, found }, StoreAnswer::Begun(begun)) => {
                 match begun {
                     // The record is this request's now: the lookup's answer becomes its outcome.
@@ -472,7 +494,7 @@ impl RequestFlow {
     /// waits for its claim).
     pub fn store_timed_out(&mut self, cfg: &Config) -> Output {
         let answer = match &self.phase {
-            Phase::AwaitingBegin { .. } | Phase::Adopting { .. } => {
+            Phase::AwaitingBegin { .. } | Phase::Rechecking { .. } | Phase::Adopting { .. } => {
                 StoreAnswer::Begun(Err(StoreError::Unavailable("no answer in time".into())))
             }
             Phase::Settling { .. } | Phase::SettlingFound { .. } => {
@@ -497,7 +519,16 @@ impl RequestFlow {
                 self.phase = Phase::Idle;
                 Output::go(vec![Step::Count(Counter::StoreBypassed)])
             }
-            (Phase::AwaitingBegin { .. }, OnStoreError::FailClosed) => {
+            (Phase::Rechecking { pending, .. }, OnStoreError::FailOpen) => {
+                log::debug!(
+                    "#{} store unavailable ({error}); forwarding waiter on key {} unprotected",
+                    self.context_id,
+                    pending.scope.log_tag()
+                );
+                self.phase = Phase::Idle;
+                Output::go(vec![Step::LeaveWaitRoom, Step::Count(Counter::StoreBypassed)])
+            }
+            (Phase::AwaitingBegin { .. } | Phase::Rechecking { .. }, OnStoreError::FailClosed) => {
                 self.store_answered(cfg, StoreAnswer::Begun(Err(error)))
             }
             (Phase::Settling { .. } | Phase::SettlingFound { .. }, _) => {
@@ -513,7 +544,9 @@ impl RequestFlow {
     /// so a claim it got is given back at once (the release to perform, and what to count when
     /// it is answered) rather than left to block retries until its lease ends.
     pub fn answered_without_stream(&mut self, answer: &StoreAnswer) -> Option<Settlement> {
-        let Phase::AwaitingBegin { pending, .. } = std::mem::replace(&mut self.phase, Phase::Idle) else {
+        let (Phase::AwaitingBegin { pending, .. } | Phase::Rechecking { pending, .. }) =
+            std::mem::replace(&mut self.phase, Phase::Idle)
+        else {
             return None;
         };
         match answer {
@@ -539,7 +572,9 @@ impl RequestFlow {
     /// may have landed: nobody will forward the request, so the claim is given back (what to
     /// count when the release is answered), and the flow goes on to its fail mode.
     pub fn unanswered_claim(&self, claim: Claim) -> Option<Settlement> {
-        let Phase::AwaitingBegin { pending, .. } = &self.phase else { return None };
+        let (Phase::AwaitingBegin { pending, .. } | Phase::Rechecking { pending, .. }) = &self.phase else {
+            return None;
+        };
         log::debug!("#{} claim of key {} unanswered; giving it back", self.context_id, claim.scope.log_tag());
         Some(Settlement {
             context_id: self.context_id,
@@ -603,58 +638,107 @@ impl RequestFlow {
                     let later = LaterLookup { pending: pending.clone(), fingerprint, request, due_ms };
                     self.later = Some(Box::new(later));
                 }
-                log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
-                if matches!(pending.rule.execution, Execution::Detached { .. }) {
-                    self.phase = Phase::Detached;
-                    return Output::hold(vec![
-                        Step::Count(counter),
-                        Step::Detach { claim, rule: pending.rule, later: self.later.take() },
-                    ]);
-                }
-                self.forwarded_rule = Some(Rc::clone(&pending.rule));
-                self.phase = Phase::Forwarded { claim, rule: pending.rule };
-                Output::go(vec![Step::Count(counter)])
+                self.forward(pending, claim, counter)
             }
-            Decision::Respond { reply, counter } => {
-                log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
-                self.answer(reply, engine::reply_details(counter), vec![Step::Count(counter)])
-            }
+            Decision::Respond { reply, counter } => self.respond(&pending, reply, counter),
             Decision::Wait { lease_remaining_ms } => {
                 let plan = ParkPlan {
                     give_up_at_ms: wait::give_up_at(&pending, now_ms),
-                    pending: pending.clone(),
-                    fingerprint,
+                    scope: pending.scope,
                     lease_remaining_ms,
                     now_ms,
                 };
-                self.phase = Phase::Parking { pending, lease_remaining_ms };
+                self.phase = Phase::Parking { pending, fingerprint, lease_remaining_ms, again: false };
                 Output::hold(vec![Step::Park(plan)])
             }
         }
     }
 
-    /// Whether the wait room took the request.
-    pub fn parked(&mut self, cfg: &Config, admitted: Result<(), RoomFull>) -> Output {
-        let Phase::Parking { pending, lease_remaining_ms } = std::mem::replace(&mut self.phase, Phase::Idle)
+    /// The request owns the record: forwarded upstream through Envoy, or carried by the root on
+    /// a detached rule.
+    fn forward(&mut self, pending: Pending, claim: Claim, counter: Counter) -> Output {
+        log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
+        if matches!(pending.rule.execution, Execution::Detached { .. }) {
+            self.phase = Phase::Detached;
+            return Output::hold(vec![
+                Step::Count(counter),
+                Step::Detach { claim, rule: pending.rule, later: self.later.take() },
+            ]);
+        }
+        self.forwarded_rule = Some(Rc::clone(&pending.rule));
+        self.phase = Phase::Forwarded { claim, rule: pending.rule };
+        Output::go(vec![Step::Count(counter)])
+    }
+
+    /// Answered locally: a replay or a problem.
+    fn respond(&mut self, pending: &Pending, reply: Reply, counter: Counter) -> Output {
+        log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
+        self.answer(reply, engine::reply_details(counter), vec![Step::Count(counter)])
+    }
+
+    /// Whether the wait room holds the request: admitted (or, after a recheck, held again), or
+    /// not: refused by its bounds, or its wait is over (409 either way, counted apart).
+    pub fn parked(&mut self, cfg: &Config, held: Result<(), NotHeld>) -> Output {
+        let Phase::Parking { pending, fingerprint, lease_remaining_ms, again } =
+            std::mem::replace(&mut self.phase, Phase::Idle)
         else {
             return Output::go(Vec::new());
         };
-        match admitted {
+        match held {
             Ok(()) => {
                 log::debug!("#{} waiting for key {}", self.context_id, pending.scope.log_tag());
-                self.phase = Phase::Waiting;
-                Output::hold(vec![Step::Count(Counter::Waiting)])
+                self.phase = Phase::Waiting { pending, fingerprint };
+                let steps = if again { Vec::new() } else { vec![Step::Count(Counter::Waiting)] };
+                Output::hold(steps)
             }
-            Err(refused) => {
+            Err(not_held) => {
                 log::debug!(
-                    "#{} not held ({refused:?} bound) for key {}",
+                    "#{} not held ({not_held:?}) for key {}",
                     self.context_id,
                     pending.scope.log_tag()
                 );
+                let counter = match not_held {
+                    NotHeld::GaveUp => Counter::WaitTimedOut,
+                    NotHeld::PerKey | NotHeld::Total => Counter::WaitRefused,
+                };
                 let reply = engine::in_flight_reply(cfg, lease_remaining_ms);
-                self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::WaitRefused)])
+                self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(counter)])
             }
         }
+    }
+
+    /// The root looks at a waiter's record again (it was woken, or its time came): the `begin`
+    /// to ask, as fresh as its first (None: not waiting). Its answer (`store_answered`) is the
+    /// waiter's fate.
+    pub fn recheck(&mut self, cfg: &Config, now_ms: u64, owner: u64) -> Option<StoreOp> {
+        match std::mem::replace(&mut self.phase, Phase::Idle) {
+            Phase::Waiting { pending, fingerprint } => {
+                let attempt = engine::claim_attempt(cfg, &pending, fingerprint, now_ms, owner);
+                self.phase = Phase::Rechecking { pending, fingerprint };
+                Some(StoreOp::Begin(attempt))
+            }
+            phase => {
+                self.phase = phase;
+                None
+            }
+        }
+    }
+
+    /// A waiter's fate, from what its look at the record found: the `Decision` any request's
+    /// `begin` leads to, carried out the same way (it leaves the wait room to be forwarded or
+    /// answered), except that "wait" holds it in the room again.
+    fn rechecked(&mut self, pending: Pending, fingerprint: Fingerprint, decision: Decision) -> Output {
+        let out = match decision {
+            Decision::Wait { lease_remaining_ms } => {
+                self.phase = Phase::Parking { pending, fingerprint, lease_remaining_ms, again: true };
+                return Output::hold(vec![Step::Repark { lease_remaining_ms }]);
+            }
+            Decision::Forward { claim, counter } => self.forward(pending, claim, counter),
+            Decision::Respond { reply, counter } => self.respond(&pending, reply, counter),
+        };
+        let mut steps = vec![Step::LeaveWaitRoom];
+        steps.extend(out.steps);
+        Output { steps, ..out }
     }
 
     /// No detached call could be made for this claimed request (its claim is given back by the
@@ -668,19 +752,29 @@ impl RequestFlow {
         self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::DetachedRefused)])
     }
 
-    /// The root resolved this held request (resumed it or answered it): a waiter, or a
-    /// detached call's request answered with the call's outcome.
-    pub fn resumed(&mut self, resumed: Resumed) {
-        if !matches!(self.phase, Phase::Waiting | Phase::Detached) {
-            return;
+    /// The root answered this detached request with the call's outcome (`replay_shape`: the
+    /// reply's, for a replay's framing headers): the reply that comes through the encode
+    /// callbacks is ours.
+    pub fn answered_by_root(&mut self, replay_shape: Option<ReplayShape>) {
+        if matches!(self.phase, Phase::Detached) {
+            self.phase = Phase::Answered { replay_shape };
         }
-        match resumed {
-            Resumed::Forwarded { claim, rule } => {
-                self.forwarded_rule = Some(Rc::clone(&rule));
-                self.phase = Phase::Forwarded { claim, rule };
+    }
+
+    /// The root could not resume this paused request (its stream is going away): a claim it
+    /// was to be forwarded with is given back, since nothing was sent upstream (the release to
+    /// perform, and what to count when it is answered).
+    pub fn not_resumed(&mut self) -> Option<Settlement> {
+        match std::mem::replace(&mut self.phase, Phase::Idle) {
+            Phase::Forwarded { claim, rule } => {
+                log::debug!("#{} not resumed; releasing key {}", self.context_id, claim.scope.log_tag());
+                self.forwarded_rule = None;
+                Some(Settlement { context_id: self.context_id, claim, rule, done: Counter::Released })
             }
-            Resumed::Answered { replay_shape } => self.phase = Phase::Answered { replay_shape },
-            Resumed::Bypassed => self.phase = Phase::Idle,
+            phase => {
+                self.phase = phase;
+                None
+            }
         }
     }
 }
@@ -1280,23 +1374,114 @@ mod tests {
         assert_eq!(verdict, Verdict::Pause);
         assert_eq!(plan.recheck_at_ms(true), plan.now_ms);
         assert!(plan.recheck_at_ms(false) > plan.now_ms);
-        let out = dup.parked(&cfg(), Err(RoomFull::PerKey));
+        let out = dup.parked(&cfg(), Err(NotHeld::PerKey));
         assert_eq!(counters(&out.steps), vec![Counter::WaitRefused]);
         assert_eq!(reply_of(&out.steps).0.status, 409);
         // Admitted: held; its client leaving takes it out of the room.
         let mut held = RequestFlow::new(3);
         begun(&mut held, &mut Facts::post("/wait", "k", b"x"), &w.store());
         assert_eq!(held.parked(&cfg(), Ok(())), Output::hold(vec![Step::Count(Counter::Waiting)]));
+        assert!(held.waiting());
         assert_eq!(held.stream_ended(&mut Facts::default()).steps, vec![Step::LeaveWaitRoom]);
         // The original completes: its waiters are woken.
         first.response_headers(&mut facts, false);
         let out = first.response_body(&mut facts, 2, true);
         let (steps, _) = run(&mut first, out, &w.store());
         assert!(matches!(steps.as_slice(), [Step::Wake(_), Step::Count(Counter::Stored)]), "{steps:?}");
-        // A waiter resumed by its root continues as a forwarded request.
-        let mut resumed = RequestFlow::new(4);
-        begun(&mut resumed, &mut Facts::post("/wait", "other", b"x"), &w.store());
-        resumed.resumed(Resumed::Answered { replay_shape: None });
-        assert!(!resumed.waiting(), "only a waiting flow takes word from its root");
+        // Only a detached request takes word from its root: a forwarded one goes on as such.
+        let mut forwarded = RequestFlow::new(4);
+        let mut facts = Facts::post("/wait", "other", b"x").upstream_answer(201, b"ok");
+        begun(&mut forwarded, &mut facts, &w.store());
+        forwarded.answered_by_root(None);
+        forwarded.response_headers(&mut facts, false);
+        assert!(forwarded.capturing(), "only a detached flow takes word from its root");
+    }
+
+    /// A duplicate on a wait rule, held in the wait room (as the glue does on `Park`).
+    fn held_waiter(w: &World, context_id: u32, key: &str, now_ms: u64) -> RequestFlow {
+        let mut flow = RequestFlow::new(context_id);
+        let mut facts = Facts { now_ms, ..Facts::post("/wait", key, b"x") };
+        let (steps, _) = begun(&mut flow, &mut facts, &w.store());
+        assert!(matches!(steps.as_slice(), [Step::Park(_)]), "{steps:?}");
+        assert_eq!(flow.parked(&cfg(), Ok(())).steps, vec![Step::Count(Counter::Waiting)]);
+        flow
+    }
+
+    /// A waiter looks at its record again: its `begin`, answered by `w`'s store.
+    fn rechecked(flow: &mut RequestFlow, w: &World, now_ms: u64, owner: u64) -> Output {
+        let op = flow.recheck(&cfg(), now_ms, owner).expect("waiting");
+        assert!(flow.rechecking() && !flow.waiting());
+        flow.store_answered(&cfg(), op.perform(&w.store()))
+    }
+
+    #[test]
+    fn a_rechecked_waiter_is_replayed_forwarded_held_again_or_gives_up() {
+        let w = World::new();
+        let mut facts = Facts::post("/wait", "a", b"x").upstream_answer(201, b"done");
+        let mut original = RequestFlow::new(1);
+        begun(&mut original, &mut facts, &w.store());
+        // Still processing: held again (the room says until when, or that its wait is over).
+        let mut waiter = held_waiter(&w, 7, "a", 10);
+        let out = rechecked(&mut waiter, &w, 100, 2);
+        let [Step::Repark { lease_remaining_ms }] = out.steps.as_slice() else { panic!("{out:?}") };
+        assert!(*lease_remaining_ms > 0);
+        assert_eq!(out.verdict, Verdict::Pause);
+        assert_eq!(waiter.parked(&cfg(), Ok(())), Output::hold(Vec::new()), "counted once, when it came");
+        assert!(waiter.waiting());
+        // At its give-up time: 409 with retry-after, counted as a timed-out wait.
+        let mut impatient = held_waiter(&w, 8, "a", 10);
+        rechecked(&mut impatient, &w, 1_500, 3);
+        let out = impatient.parked(&cfg(), Err(NotHeld::GaveUp));
+        assert_eq!(counters(&out.steps), vec![Counter::WaitTimedOut]);
+        let (reply, details) = reply_of(&out.steps);
+        assert_eq!((reply.status, details), (409, DETAILS_PROBLEM));
+        assert!(header(reply, "retry-after").is_some());
+        // The original completes: the waiter leaves the room with the replay.
+        original.response_headers(&mut facts, false);
+        let out = original.response_body(&mut facts, 4, true);
+        run(&mut original, out, &w.store());
+        let out = rechecked(&mut waiter, &w, 201, 4);
+        assert_eq!(out.verdict, Verdict::Pause);
+        assert_eq!(out.steps.first(), Some(&Step::LeaveWaitRoom));
+        assert_eq!(counters(&out.steps), vec![Counter::Replayed]);
+        let (reply, details) = reply_of(&out.steps);
+        assert_eq!((reply.body.as_slice(), details), (&b"done"[..], DETAILS_REPLAY));
+        // A released record: the first waiter to look becomes the owner, the next one waits.
+        let mut facts =
+            Facts { now_ms: 300, ..Facts::post("/wait", "b", b"x") }.local_reply("direct_response", 0, "");
+        let mut original = RequestFlow::new(2);
+        begun(&mut original, &mut facts, &w.store());
+        let (mut w1, mut w2) = (held_waiter(&w, 8, "b", 300), held_waiter(&w, 9, "b", 300));
+        let out = original.response_headers(&mut facts, true);
+        assert!(counters(&run(&mut original, out, &w.store()).0).contains(&Counter::Released));
+        let out = rechecked(&mut w1, &w, 301, 6);
+        assert_eq!(out, Output::go(vec![Step::LeaveWaitRoom, Step::Count(Counter::Claimed)]));
+        // Should it not be resumed, its own claim is what is released.
+        let settlement = w1.not_resumed().expect("forwarded with a claim");
+        assert_eq!(settlement.done, Counter::Released);
+        assert!(w1.not_resumed().is_none());
+        assert!(matches!(rechecked(&mut w2, &w, 302, 7).steps.as_slice(), [Step::Repark { .. }]));
+        // Only a waiting flow looks again.
+        assert!(w1.recheck(&cfg(), 303, 8).is_none());
+    }
+
+    #[test]
+    fn a_store_failure_during_a_recheck_fails_closed_or_forwards_unprotected() {
+        let w = World::new();
+        let mut original = RequestFlow::new(1);
+        begun(&mut original, &mut Facts::post("/wait", "a", b"x"), &w.store());
+        let mut waiter = held_waiter(&w, 2, "a", 10);
+        waiter.recheck(&cfg(), 100, 2).expect("waiting");
+        let out = waiter.store_failed(&cfg(), StoreError::TimedOut, OnStoreError::FailClosed);
+        assert_eq!(out.steps.first(), Some(&Step::LeaveWaitRoom));
+        assert_eq!((counters(&out.steps), reply_of(&out.steps).0.status), (vec![Counter::StoreError], 503));
+        let mut waiter = held_waiter(&w, 3, "a", 10);
+        waiter.recheck(&cfg(), 100, 3).expect("waiting");
+        let out = waiter.store_failed(&cfg(), StoreError::TimedOut, OnStoreError::FailOpen);
+        assert_eq!(out, Output::go(vec![Step::LeaveWaitRoom, Step::Count(Counter::StoreBypassed)]));
+        // Its client gone when the answer comes: nothing to answer, a claim it got is given back.
+        let mut waiter = held_waiter(&w, 4, "a", 10);
+        let op = waiter.recheck(&cfg(), 100, 4).expect("waiting");
+        assert!(waiter.answered_without_stream(&op.perform(&w.store())).is_none(), "still in flight");
     }
 }

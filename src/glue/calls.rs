@@ -5,8 +5,8 @@
 
 use crate::admin::AdminTask;
 use crate::config::Rule;
-use crate::flow::Retry;
-use crate::flow::{RequestFlow, Resumed, Settlement};
+use crate::engine::ReplayShape;
+use crate::flow::{RequestFlow, Retry, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::store::remote::Conversation;
 use crate::store::{Claim, StoreOp};
@@ -14,9 +14,10 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
-/// Where the root leaves word for a request it holds and resolved (a waiter, or a detached
-/// call's client); read once by its HTTP context.
-pub type HeldHandle = Rc<Cell<Option<Resumed>>>;
+/// Where the root leaves word for a detached call's client before it answers it: the reply's
+/// replay shape (`Reply::replay_shape`); read once by its HTTP context
+/// (`RequestFlow::answered_by_root`).
+pub type HeldHandle = Rc<Cell<Option<Option<ReplayShape>>>>;
 
 /// A `complete`/`release` the root carries out for a stream that may already be gone.
 pub struct RootSettlement {
@@ -57,28 +58,25 @@ pub struct DetachedCall {
     pub lease_end: Option<Box<LeaseEndLookup>>,
 }
 
-/// Where the root gives a request's flow back once its `begin` is answered; the stream takes
-/// it at its next callback.
-/// If the answer parked the request (wait mode), the wait handle comes back with it.
+/// Where the root gives a request's flow back once it is done with it (its `begin` answered, or
+/// its wait over); the stream takes it at its next callback.
+/// If the root detached the request, the detached call's handle comes back with it.
 pub type FlowHandle = Rc<RefCell<Option<(RequestFlow, Option<HeldHandle>)>>>;
 
-/// A `begin` the root carries out for a paused request: the request's flow travels with it,
-/// and the root answers or resumes the request (or, if its stream is gone by then, gives back
-/// the claim it got).
+/// A waiter's held request, in the wait room: its flow, and where it goes back to its stream.
+pub struct Parked {
+    pub flow: RequestFlow,
+    pub handle: FlowHandle,
+}
+
+/// A `begin` the root carries out for a paused request (its first, or a waiter's recheck): the
+/// request's flow travels with it, and the root answers, resumes or parks the request (or, if
+/// its stream is gone by then, gives back the claim it got).
 pub struct RootBegin {
     pub context_id: u32,
     pub conversation: Box<dyn Conversation>,
     pub flow: RequestFlow,
     pub handle: FlowHandle,
-}
-
-/// A held request's look at its record in a remote store (a `begin`); the waiter stays in the
-/// wait room meanwhile, marked as being checked.
-pub struct RootRecheck {
-    pub context_id: u32,
-    /// Its waiter's rule, to release a claim it got after its client left.
-    pub rule: Rc<Rule>,
-    pub conversation: Box<dyn Conversation>,
 }
 
 /// A paused request's lookup (`routes[].reconcile`), made by the root: its flow travels with it
@@ -131,7 +129,6 @@ pub enum RootCall {
     Begin(Box<RootBegin>),
     /// Boxed: it carries the outcome and the claim (with the record the claim wrote).
     Settle(Box<RootSettlement>),
-    Recheck(RootRecheck),
     /// Boxed: it carries the request.
     Detached(Box<DetachedCall>),
     /// Boxed: it carries the flow.

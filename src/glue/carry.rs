@@ -1,107 +1,59 @@
 //! What the root carries out for its streams, above its settlements (`settle.rs`): a paused
 //! request's flow (its `begin` conversation, the steps its answer leads to, its lookups and the
-//! lease-end lookups), a waiter's recheck and the plan it leads to, detached calls, and admin
-//! asks. The root's callbacks (`root.rs`) call in here; nothing here calls them.
+//! lease-end lookups), a waiter's recheck (its flow's `begin` again, carried out the same way),
+//! detached calls, and admin asks. The root's callbacks (`root.rs`) call in here; nothing here
+//! calls them.
 
 use super::admin;
 use super::calls::{
-    DetachedCall, DetachedReply, FlowHandle, HeldHandle, LeaseEndLookup, Lookup, RootAdmin, RootBegin,
-    RootCall, RootLookup, RootRecheck,
+    DetachedCall, DetachedReply, FlowHandle, HeldHandle, LeaseEndLookup, Lookup, Parked, RootAdmin,
+    RootBegin, RootCall, RootLookup,
 };
 use super::plugin::PluginState;
 use super::settle::{
-    answer_detached, call_store, converse, give_back, gives_back, on_store_error, release_unused, settle,
-    Sent,
+    answer_detached, call_store, converse, give_back, gives_back, on_store_error, settle, Sent,
 };
 use super::{
     Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS, MAP_REQUEST_HEADERS,
     MAP_RESPONSE_HEADERS,
 };
 use crate::config::etcd::OnStoreError;
-use crate::config::Execution;
 use crate::detached::{self, DETAILS_DETACHED};
-use crate::engine::HeaderFix;
-use crate::flow::{Output, RequestFlow, Resumed, Settlement, Step, Verdict, WaiterPlan};
+use crate::engine::{HeaderFix, Reply};
+use crate::flow::{Output, RequestFlow, Settlement, Step, Verdict};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::reconcile::{self, LookupAnswer};
 use crate::store::remote::{Answer, Next};
 use crate::store::seam::Started;
-use crate::store::{Begin, StoreAnswer, StoreError, StoreOp};
-use crate::wait::{self, Waiter};
+use crate::store::{StoreAnswer, StoreError, StoreOp};
+use crate::wait::{NotHeld, Waiter};
 use std::collections::VecDeque;
 use std::rc::Rc;
 
-/// Looks at a waiter's record again and answers, forwards or re-parks it: at once when the
-/// store answers at once, else when its callouts are answered, the waiter held meanwhile.
-pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<HeldHandle>) {
-    let host = &plugin.host;
-    let now_ms = host.now_ms();
-    let owner = plugin.owner_token(w.context_id);
-    let op = wait::recheck_op(&plugin.config, &w, now_ms, owner);
+/// Looks at a waiter's record again: its flow asks a fresh `begin`, and the store's answer is
+/// carried out as any paused request's (`begin_answered`): at once when the store answers at
+/// once, else when its callouts are answered, the waiter held in the room meanwhile (its
+/// flow travels with the conversation).
+pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<Parked>) {
+    let context_id = w.context_id;
+    let now_ms = plugin.host.now_ms();
+    let owner = plugin.owner_token(context_id);
     // Watched records wake their waiters: those poll only as a fallback.
-    let watched = plugin.store.watch().is_some_and(|watch| watch.is_live(&w.scope()));
-    let w = Waiter { watched, ..w };
+    let watched = plugin.store.watch().is_some_and(|watch| watch.is_live(&w.scope));
+    let Some(Parked { mut flow, handle }) = plugin.room.borrow_mut().start_check(Waiter { watched, ..w })
+    else {
+        return;
+    };
+    let Some(op) = flow.recheck(&plugin.config, now_ms, owner) else {
+        log::warn!("#{context_id} a held request's flow was not waiting; let go");
+        plugin.room.borrow_mut().leave(context_id);
+        return;
+    };
     match plugin.start(op) {
-        Started::Answered(answer) => {
-            if host.set_effective_context(w.context_id).is_err() {
-                return; // its client went away; nothing is held for it
-            }
-            let plan = wait::recheck_answered(&plugin.config, &w, answer, now_ms);
-            resolve_waiter(plugin, w, plan);
-        }
+        Started::Answered(answer) => begin_answered(plugin, context_id, flow, handle, answer),
         Started::Conversation(conversation) => {
-            let check =
-                RootRecheck { context_id: w.context_id, rule: Rc::clone(&w.pending.rule), conversation };
-            plugin.room.borrow_mut().start_check(w);
-            converse_recheck(plugin, check, None);
-        }
-    }
-}
-
-/// Carries out what a recheck decided for its waiter (the effective context is the waiter's).
-fn resolve_waiter<H: Host>(plugin: &PluginState<H>, w: Waiter<HeldHandle>, plan: WaiterPlan) {
-    let host = &plugin.host;
-    match plan {
-        WaiterPlan::Repark { recheck_at_ms } => {
-            let poll_ms = if w.poll_ms > 0 { wait::next_poll(w.poll_ms, w.watched) } else { 0 };
-            plugin.room.borrow_mut().repark(Waiter { recheck_at_ms, poll_ms, woken: false, ..w })
-        }
-        WaiterPlan::Resume { counter, resumed: Resumed::Forwarded { claim, rule }, .. }
-            if matches!(rule.execution, Execution::Detached { .. }) =>
-        {
-            // The waiter owns the record now, on a detached route: the root carries it
-            // upstream (the waiter stays held and is answered with the outcome).
-            plugin.count_for_stream(counter, Some(&rule), Some(&w.pending.scope));
-            if let Err(why) = plugin.detach(w.context_id, claim, &rule, Rc::clone(&w.handle), None) {
-                refuse_detached(plugin, w.context_id, &w.handle, &rule, &why);
-            }
-        }
-        WaiterPlan::Resume { counter, resumed, release } => {
-            plugin.count_for_stream(counter, Some(&w.pending.rule), Some(&w.pending.scope));
-            w.handle.set(Some(resumed));
-            if let Err(HostError(s)) = host.resume_request() {
-                log::warn!(
-                    "#{} could not resume a held request (host status {s}); releasing its claim",
-                    w.context_id
-                );
-                release_unused(plugin, w.context_id, &w.pending.rule, release);
-            }
-        }
-        WaiterPlan::Answer { counter, resumed, reply, details } => {
-            plugin.count_for_stream(counter, Some(&w.pending.rule), Some(&w.pending.scope));
-            w.handle.set(Some(resumed));
-            if let Err(HostError(s)) = host.send_response(reply.status, details, &reply.headers, &reply.body)
-            {
-                log::warn!("#{} could not answer a held request (host status {s})", w.context_id);
-            }
-        }
-        WaiterPlan::Bypass { counter, resumed } => {
-            plugin.count_for_stream(counter, Some(&w.pending.rule), Some(&w.pending.scope));
-            w.handle.set(Some(resumed));
-            if let Err(HostError(s)) = host.resume_request() {
-                log::warn!("#{} could not resume a held request (host status {s})", w.context_id);
-            }
+            converse_begin(plugin, Box::new(RootBegin { context_id, conversation, flow, handle }), None)
         }
     }
 }
@@ -116,74 +68,6 @@ pub(super) fn tend_watch<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
     };
     plugin.send_watch(watch, &cancels, now_ms);
     plugin.open_watch(watch, now_ms);
-}
-
-/// Takes a waiter's recheck one step: its next callout, or what the answer means for it.
-pub(super) fn converse_recheck<H: Host>(
-    plugin: &PluginState<H>,
-    mut check: RootRecheck,
-    answer: Option<Answer>,
-) {
-    match check.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match call_store(plugin, check.context_id, &request) {
-            Ok(token) => {
-                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Recheck(check));
-            }
-            Err(error) => recheck_failed(plugin, check, error, Sent::No),
-        },
-        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Recheck(check)),
-        Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
-            recheck_failed(plugin, check, error, Sent::Yes)
-        }
-        Next::Done(answer) => {
-            let w = plugin.room.borrow_mut().end_check(check.context_id);
-            let present = plugin.host.set_effective_context(check.context_id).is_ok();
-            let Some(w) = w.filter(|_| present) else {
-                // The client went away while the store answered: a claim the recheck got is
-                // given back now instead of blocking everyone until its lease ends.
-                if let StoreAnswer::Begun(Ok(Begin::Claimed(claim) | Begin::TookOver(claim))) = &answer {
-                    log::debug!("#{} waiter gone before its claim; releasing it", check.context_id);
-                    release_unused(plugin, check.context_id, &check.rule, StoreOp::Release(*claim));
-                }
-                return;
-            };
-            let now_ms = plugin.host.now_ms();
-            let plan = wait::recheck_answered(&plugin.config, &w, answer, now_ms);
-            resolve_waiter(plugin, w, plan);
-        }
-    }
-}
-
-/// The store could not be used for a waiter's recheck: its fail mode decides. A claim the
-/// store may hold although its answer was lost (`Sent::Yes`) is given back first.
-pub(super) fn recheck_failed<H: Host>(
-    plugin: &PluginState<H>,
-    check: RootRecheck,
-    error: StoreError,
-    sent: Sent,
-) {
-    if sent == Sent::Yes && gives_back(plugin) {
-        if let Some(claim) = check.conversation.unanswered_claim() {
-            log::debug!(
-                "#{} recheck's claim of key {} unanswered; giving it back",
-                check.context_id,
-                claim.scope.log_tag()
-            );
-            release_unused(plugin, check.context_id, &check.rule, StoreOp::Release(claim));
-        }
-    }
-    let w = plugin.room.borrow_mut().end_check(check.context_id);
-    let Some(w) = w else { return }; // its client went away, and no claim is known to exist
-    if plugin.host.set_effective_context(check.context_id).is_err() {
-        return;
-    }
-    let mode = on_store_error(plugin);
-    let now_ms = plugin.host.now_ms();
-    if mode == OnStoreError::FailOpen && plugin.bypass_log_due(now_ms) {
-        log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
-    }
-    let plan = wait::recheck_failed(&plugin.config, &w, error, mode, now_ms);
-    resolve_waiter(plugin, w, plan);
 }
 
 /// Starts what streams handed over since the root last ran; from here on the root owns their
@@ -295,7 +179,6 @@ fn take_on<H: Host>(plugin: &PluginState<H>, call: RootCall) {
     match call {
         RootCall::Begin(begin) => converse_begin(plugin, begin, None),
         RootCall::Settle(settle) => converse(plugin, settle, None),
-        RootCall::Recheck(check) => converse_recheck(plugin, check, None),
         RootCall::Admin(call) => converse_admin(plugin, call, None),
         RootCall::Detached(call) => dispatch_detached(plugin, call),
         RootCall::Lookup(call) => dispatch_lookup(plugin, call),
@@ -357,20 +240,46 @@ pub(super) fn converse_begin<H: Host>(
             begin_failed(plugin, begin, error, Sent::Yes)
         }
         Next::Done(answer) => {
-            if !begin.flow.headless() && plugin.host.set_effective_context(begin.context_id).is_err() {
-                // The client went away while the store answered: nobody will forward the
-                // request, so a claim it got is given back now instead of blocking retries
-                // until its lease ends.
-                if let Some(settlement) = begin.flow.answered_without_stream(&answer) {
-                    give_back(plugin, settlement);
-                }
-                return;
-            }
-            let RootBegin { context_id, mut flow, handle, .. } = *begin;
-            let out = flow.store_answered(&plugin.config, answer);
-            carry_out_in_root(plugin, context_id, flow, handle, out);
+            let RootBegin { context_id, flow, handle, .. } = *begin;
+            begin_answered(plugin, context_id, flow, handle, answer);
         }
     }
+}
+
+/// The store answered a paused request's `begin` (or a waiter's recheck): what it means is
+/// carried out for the request, if its stream is still there.
+fn begin_answered<H: Host>(
+    plugin: &PluginState<H>,
+    context_id: u32,
+    mut flow: RequestFlow,
+    handle: FlowHandle,
+    answer: StoreAnswer,
+) {
+    if !flow.headless() && !stream_there(plugin, context_id, &flow) {
+        // The client went away while the store answered: nobody will forward the request, so a
+        // claim it got is given back now instead of blocking retries until its lease ends.
+        if let Some(settlement) = flow.answered_without_stream(&answer) {
+            give_back(plugin, settlement);
+        }
+        return;
+    }
+    let out = flow.store_answered(&plugin.config, answer);
+    carry_out_in_root(plugin, context_id, flow, handle, out);
+}
+
+/// Whether the stream of a paused request's flow is still there (and now the effective
+/// context). A waiter's client that went away during its recheck also left the wait room;
+/// a waiter whose stream is gone leaves it now.
+fn stream_there<H: Host>(plugin: &PluginState<H>, context_id: u32, flow: &RequestFlow) -> bool {
+    let present = plugin.host.set_effective_context(context_id).is_ok();
+    if !flow.rechecking() {
+        return present;
+    }
+    let held = plugin.room.borrow().checking(context_id);
+    if held && !present {
+        plugin.room.borrow_mut().leave(context_id);
+    }
+    held && present
 }
 
 /// The store could not be used for a paused request's `begin`: the store's fail mode decides
@@ -389,7 +298,7 @@ pub(super) fn begin_failed<H: Host>(
             give_back(plugin, settlement);
         }
     }
-    if !begin.flow.headless() && plugin.host.set_effective_context(begin.context_id).is_err() {
+    if !begin.flow.headless() && !stream_there(plugin, begin.context_id, &begin.flow) {
         return; // its client went away, and no claim is known to exist
     }
     // A lease-end lookup acts on the record only through the store: nothing to forward.
@@ -415,19 +324,22 @@ pub(super) enum At<'h> {
 /// What carrying out a flow's steps leaves for whoever holds the flow.
 pub(super) struct Carried {
     pub(super) verdict: Verdict,
-    /// The request is held under this handle now (parked, or its detached call made).
+    /// The request is held under this handle now (its detached call made).
     pub(super) held: Option<HeldHandle>,
-    /// The request left the wait room: a handle it was held under is void.
-    pub(super) left_room: bool,
-    /// The flow went on without its holder (its `begin` or lookup is the root's now): a stream
-    /// reads it back through this handle at its next callback. `flow` is a blank one meanwhile.
+    /// The flow went on without its holder (its `begin` or lookup is the root's now, or it is
+    /// parked in the wait room): a stream reads it back through this handle at its next
+    /// callback. `flow` is a blank one meanwhile.
     pub(super) flow_went: Option<FlowHandle>,
+    /// The root's local reply to a paused request, sent once its flow is back in its handle
+    /// (`carry_out_in_root`), so that its stream knows the reply as ours when it passes.
+    pub(super) reply: Option<(Reply, &'static str)>,
 }
 
 /// Carries out a flow's steps in order, whoever holds the flow: the one place steps become host
 /// calls and store operations. What the store answers at once goes straight back to the flow,
 /// and the verdict is the flow's last word; a `begin` or a lookup that goes on as callouts takes
-/// the flow with it to the root (later steps, which no flow emits, are dropped and logged).
+/// the flow with it to the root (later steps, which no flow emits, are dropped and logged), and
+/// a request held in the wait room takes it there once its steps are carried out.
 pub(super) fn carry_out<H: Host>(
     plugin: &PluginState<H>,
     context_id: u32,
@@ -436,8 +348,10 @@ pub(super) fn carry_out<H: Host>(
     at: At,
 ) -> Carried {
     let host = &plugin.host;
-    let mut carried = Carried { verdict: out.verdict, held: None, left_room: false, flow_went: None };
+    let mut carried = Carried { verdict: out.verdict, held: None, flow_went: None, reply: None };
     let mut response_held = false;
+    // The waiter to hold in the wait room, with the flow, once the steps are carried out.
+    let mut parking: Option<Waiter<Parked>> = None;
     let mut steps: VecDeque<Step> = out.steps.into();
     // The flow leaves with its `begin` or lookup; the root's flow goes back through its handle.
     let travel = |flow: &mut RequestFlow, steps: &VecDeque<Step>| {
@@ -458,6 +372,10 @@ pub(super) fn carry_out<H: Host>(
                 None
             }
             Step::Reply { .. } if flow.headless() => None,
+            Step::Reply { reply, details } if matches!(at, At::Root(_)) => {
+                carried.reply = Some((reply, details));
+                None
+            }
             Step::Reply { reply, details } => {
                 if let Err(HostError(s)) =
                     host.send_response(reply.status, details, &reply.headers, &reply.body)
@@ -503,11 +421,19 @@ pub(super) fn carry_out<H: Host>(
             }
             // Wait mode: the request stays paused in this worker's wait room.
             Step::Park(plan) => {
-                let (admitted, handle) = plugin.park(context_id, plan);
-                if admitted.is_ok() {
-                    carried.held = Some(handle);
-                }
-                Some(flow.parked(&plugin.config, admitted))
+                let admitted = plugin.admit(context_id, &plan);
+                let held = admitted.as_ref().map(|_| ()).map_err(|not_held| *not_held);
+                parking = admitted.ok();
+                Some(flow.parked(&plugin.config, held))
+            }
+            // A waiter's recheck found the original still processing: held again, until its
+            // give-up time.
+            Step::Repark { lease_remaining_ms } => {
+                let now_ms = host.now_ms();
+                let again = plugin.room.borrow_mut().end_check(context_id);
+                parking = again.and_then(|w| w.again(now_ms, lease_remaining_ms));
+                let held = if parking.is_some() { Ok(()) } else { Err(NotHeld::GaveUp) };
+                Some(flow.parked(&plugin.config, held))
             }
             Step::Wake(scope) => {
                 plugin.broadcast(&scope);
@@ -599,7 +525,6 @@ pub(super) fn carry_out<H: Host>(
             }
             Step::LeaveWaitRoom => {
                 plugin.room.borrow_mut().leave(context_id);
-                (carried.held, carried.left_room) = (None, true);
                 None
             }
             Step::WarnRetried { rule, attempts } => {
@@ -639,12 +564,23 @@ pub(super) fn carry_out<H: Host>(
     if response_held {
         carried.verdict = Verdict::Pause;
     }
+    // Held: the flow waits in the room, and goes back to its stream through its handle.
+    if let Some(w) = parking {
+        let flow = travel(flow, &steps);
+        let handle: FlowHandle = match &at {
+            At::Root(handle) => Rc::clone(handle),
+            At::Stream { .. } => Rc::new(std::cell::RefCell::new(None)),
+        };
+        let held = Parked { flow, handle: Rc::clone(&handle) };
+        plugin.room.borrow_mut().hold(Waiter { held: Some(held), ..w });
+        carried.flow_went = Some(handle);
+    }
     carried
 }
 
 /// Carries out what the flow decided for its paused request (the effective context is the
-/// request's), then gives the flow back to its stream and resumes it; unless the flow went on
-/// with a conversation or a lookup of the root's.
+/// request's), then gives the flow back to its stream and answers or resumes it; unless the
+/// flow went on with a conversation or a lookup of the root's, or back to the wait room.
 fn carry_out_in_root<H: Host>(
     plugin: &PluginState<H>,
     context_id: u32,
@@ -653,19 +589,33 @@ fn carry_out_in_root<H: Host>(
     out: Output,
 ) {
     let carried = carry_out(plugin, context_id, &mut flow, out, At::Root(&handle));
-    if carried.flow_went.is_some() {
-        return;
-    }
-    if flow.headless() {
-        if flow.awaiting_lookup() {
-            look_up_again_later(plugin, flow);
+    if carried.flow_went.is_none() {
+        if flow.headless() {
+            if flow.awaiting_lookup() {
+                look_up_again_later(plugin, flow);
+            }
+            return;
         }
-        return;
+        *handle.borrow_mut() = Some((flow, carried.held));
     }
-    *handle.borrow_mut() = Some((flow, carried.held));
-    if carried.verdict == Verdict::Continue {
+    // After the flow is back: the reply passes its stream's encode callbacks as ours.
+    if let Some((reply, details)) = carried.reply {
+        if let Err(HostError(s)) =
+            plugin.host.send_response(reply.status, details, &reply.headers, &reply.body)
+        {
+            log::warn!("#{context_id} could not send the local reply (host status {s})");
+        }
+    }
+    if carried.flow_went.is_none() && carried.verdict == Verdict::Continue {
         if let Err(HostError(s)) = plugin.host.resume_request() {
-            log::warn!("#{context_id} could not resume the request (host status {s})");
+            log::warn!(
+                "#{context_id} could not resume the request (host status {s}); a claim it holds is given back"
+            );
+            // Nobody will forward it: nothing was sent upstream.
+            let unused = handle.borrow_mut().as_mut().and_then(|(flow, _)| flow.not_resumed());
+            if let Some(settlement) = unused {
+                give_back(plugin, settlement);
+            }
         }
     }
 }

@@ -78,10 +78,11 @@ pub struct Http<H: Host> {
     context_id: u32,
     plugin: Option<Rc<PluginState<H>>>,
     flow: RequestFlow,
-    /// Set while the request is held in the wait room: where the root leaves word.
+    /// Set while the root carries the request upstream (detached): where it leaves word before
+    /// it answers it.
     held_handle: Option<HeldHandle>,
-    /// Set while the root carries out this request's `begin` on the remote store (the request
-    /// is paused and its flow is with the root): where the root gives the flow back.
+    /// Set while the request is paused and its flow is the root's (its `begin` on the remote
+    /// store, a lookup, or held in the wait room): where the root gives the flow back.
     flow_handle: Option<FlowHandle>,
     /// Set during a response callback: a settlement handed to the root holds the response.
     hold_response: bool,
@@ -113,7 +114,7 @@ impl<H: Host> Http<H> {
         event: impl FnOnce(&mut RequestFlow, &PluginState<H>, &mut Facts<H>) -> Output,
     ) -> Verdict {
         let Some(plugin) = self.plugin.clone() else { return Verdict::Continue };
-        // The flow first: a remote `begin` may have parked it, and its wait handle comes with it.
+        // The flow first: the root may have detached the request, and that handle comes with it.
         if let Some((flow, held_handle)) = self.flow_handle.as_ref().and_then(|h| h.borrow_mut().take()) {
             self.flow_handle = None;
             self.flow = flow;
@@ -121,9 +122,9 @@ impl<H: Host> Http<H> {
                 self.held_handle = held_handle;
             }
         }
-        if let Some(resumed) = self.held_handle.as_ref().and_then(|h| h.take()) {
+        if let Some(replay_shape) = self.held_handle.as_ref().and_then(|h| h.take()) {
             self.held_handle = None;
-            self.flow.resumed(resumed);
+            self.flow.answered_by_root(replay_shape);
         }
         let mut facts = Facts {
             plugin: &plugin,
@@ -194,6 +195,13 @@ impl<H: Host> Http<H> {
 
     pub fn on_log(&mut self) {
         self.callback(false, |flow, _, facts| flow.stream_ended(facts));
+        // Its flow is still the root's: a request held in the wait room stops being held (its
+        // recheck, if under way, then finds its client gone).
+        if let (Some(plugin), Some(_)) = (&self.plugin, &self.flow_handle) {
+            if plugin.room.borrow_mut().leave(self.context_id).is_some() {
+                log::debug!("#{} held request's client went away", self.context_id);
+            }
+        }
     }
 
     /// Carries out the flow's steps (`carry::carry_out`, the one place steps are carried out),
@@ -201,9 +209,6 @@ impl<H: Host> Http<H> {
     fn perform(&mut self, plugin: &PluginState<H>, out: Output) -> Verdict {
         let at = At::Stream { hold_response: self.hold_response };
         let carried = carry::carry_out(plugin, self.context_id, &mut self.flow, out, at);
-        if carried.left_room {
-            self.held_handle = None;
-        }
         if carried.held.is_some() {
             self.held_handle = carried.held;
         }

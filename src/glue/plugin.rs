@@ -3,8 +3,8 @@
 //! statics, because after a config update the old and new root contexts share one VM.
 
 use super::calls::{
-    DetachedCall, FlowHandle, HeldHandle, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootCalls,
-    RootLookup, RootSettlement, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS, SETTLE_NOW,
+    DetachedCall, FlowHandle, HeldHandle, LeaseEndLookup, Lookup, Parked, RootAdmin, RootBegin, RootCall,
+    RootCalls, RootLookup, RootSettlement, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS, SETTLE_NOW,
 };
 use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
 use crate::config::{self, Config, Execution, Rule, StoreConfig, UnknownOutcome};
@@ -21,7 +21,7 @@ use crate::store::remote::Conversation;
 use crate::store::seam::{Started, Store, Watch};
 use crate::store::{Claim, StoreAnswer, StoreOp};
 use crate::wait::wake::{self, Registry};
-use crate::wait::{self, RoomFull, WaitRoom, Waiter};
+use crate::wait::{self, NotHeld, WaitRoom, Waiter};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -128,7 +128,7 @@ pub struct PluginState<H: Host> {
     metrics: Metrics,
     tokens: Cell<u64>,
     seed: u64,
-    pub room: RefCell<WaitRoom<HeldHandle>>,
+    pub room: RefCell<WaitRoom<Parked>>,
     registry: Registry<H>,
     queue_name: String,
     pub queue_id: Option<u32>,
@@ -302,11 +302,12 @@ impl<H: Host> PluginState<H> {
         self.store.start(op, &|| self.host.now_ms())
     }
 
-    /// Holds a request in the wait room as its flow planned. A waiter on a remote store polls
-    /// it (its original may run on another Envoy, whose wake-ups never come here): first after
-    /// `POLL_FIRST_MS`, doubling; on the local store it relies on wake-ups and the 1 s fallback.
-    pub fn park(&self, context_id: u32, plan: ParkPlan) -> (Result<(), RoomFull>, HeldHandle) {
-        let handle: HeldHandle = Rc::new(Cell::new(None));
+    /// Admits a request to the wait room as its flow planned (within the room's bounds), and
+    /// asks a remote store to watch its record: the waiter to hold, once its flow has carried
+    /// out its steps. A waiter on a remote store polls it (its original may run on another
+    /// Envoy, whose wake-ups never come here): first after `POLL_FIRST_MS`, doubling; on the
+    /// local store it relies on wake-ups and the 1 s fallback.
+    pub fn admit(&self, context_id: u32, plan: &ParkPlan) -> Result<Waiter<Parked>, NotHeld> {
         let just_advertised = self.ensure_advertised(plan.now_ms);
         let remote = self.store.remote().is_some();
         let (recheck_at_ms, poll_ms) = match (remote, just_advertised) {
@@ -322,24 +323,18 @@ impl<H: Host> PluginState<H> {
             (true, true) => (plan.recheck_at_ms(true), wait::POLL_FIRST_MS),
             (false, _) => (plan.recheck_at_ms(just_advertised), 0),
         };
-        let waiter = Waiter {
+        self.room.borrow().admits(&plan.scope)?;
+        self.watch_record(&plan.scope, plan.now_ms);
+        Ok(Waiter {
             context_id,
-            pending: plan.pending,
-            fingerprint: plan.fingerprint,
+            scope: plan.scope,
             give_up_at_ms: plan.give_up_at_ms,
             recheck_at_ms,
-            handle: Rc::clone(&handle),
+            held: None,
             poll_ms,
-            checking: false,
             woken: false,
             watched: false,
-        };
-        let scope = waiter.scope();
-        let admitted = self.room.borrow_mut().park(waiter);
-        if admitted.is_ok() {
-            self.watch_record(&scope, plan.now_ms);
-        }
-        (admitted, handle)
+        })
     }
 
     /// Asks the remote store to watch a record a waiter of this worker waits on (etcd over

@@ -3,9 +3,8 @@
 
 use super::calls::RootCall;
 use super::carry::{
-    admin_failed, begin_failed, converse_admin, converse_begin, converse_recheck, detached_answered,
-    lookup_answered, recheck, recheck_failed, resume_parked, start_lease_end_lookups, take_on_handed_over,
-    tend_watch,
+    admin_failed, begin_failed, converse_admin, converse_begin, detached_answered, lookup_answered, recheck,
+    resume_parked, start_lease_end_lookups, take_on_handed_over, tend_watch,
 };
 use super::http::Http;
 use super::plugin::PluginState;
@@ -249,8 +248,6 @@ impl<H: Host> Root<H> {
             (RootCall::Begin(begin), Err(error)) => begin_failed(&plugin, begin, error, Sent::Yes),
             (RootCall::Settle(settle), Ok(answer)) => converse(&plugin, settle, Some(answer)),
             (RootCall::Settle(settle), Err(error)) => finish_settlement(&plugin, settle, Err(error)),
-            (RootCall::Recheck(check), Ok(answer)) => converse_recheck(&plugin, check, Some(answer)),
-            (RootCall::Recheck(check), Err(error)) => recheck_failed(&plugin, check, error, Sent::Yes),
             (RootCall::Admin(call), Ok(answer)) => converse_admin(&plugin, call, Some(answer)),
             (RootCall::Admin(call), Err(error)) => admin_failed(&plugin, call, error),
             (RootCall::Detached(_) | RootCall::Lookup(_), _) => {}

@@ -9,13 +9,11 @@ use super::remote;
 use super::{Host, HostError};
 use crate::config::etcd::OnStoreError;
 use crate::detached::DETAILS_DETACHED;
-use crate::flow::Retry;
-use crate::flow::{Resumed, Settlement};
+use crate::flow::{Retry, Settlement};
 use crate::metrics::Counter;
 use crate::store::remote::{Answer, Next, Request};
 use crate::store::seam::Started;
 use crate::store::{Settled, StoreError, StoreOp};
-use std::rc::Rc;
 
 /// Settlements being tried again past which a claim whose answer was lost is no longer given
 /// back: so many failing means the store is struggling (slow, or failing every call), and
@@ -40,18 +38,6 @@ pub(super) fn gives_back<H: Host>(plugin: &PluginState<H>) -> bool {
 pub(super) enum Sent {
     Yes,
     No,
-}
-
-/// Gives back a claim nobody will use (its request is gone or could not be resumed), counted
-/// as released when answered.
-pub(super) fn release_unused<H: Host>(
-    plugin: &PluginState<H>,
-    context_id: u32,
-    rule: &Rc<crate::config::Rule>,
-    release: StoreOp,
-) {
-    let StoreOp::Release(claim) = release else { return };
-    give_back(plugin, Settlement { context_id, claim, rule: Rc::clone(rule), done: Counter::Released });
 }
 
 /// Releases `settlement`'s claim from the root, tried again like any settlement.
@@ -135,7 +121,7 @@ pub(super) fn answer_detached<H: Host>(
     if host.set_effective_context(context_id).is_err() {
         return; // its client went away: the outcome is recorded, nobody to tell
     }
-    handle.set(Some(Resumed::Answered { replay_shape: reply.replay_shape.clone() }));
+    handle.set(Some(reply.replay_shape.clone()));
     if let Err(HostError(s)) = host.send_response(reply.status, details, &reply.headers, &reply.body) {
         log::warn!("#{context_id} could not send the detached call's answer (host status {s})");
     }
@@ -197,7 +183,7 @@ pub(super) fn abandon<H: Host>(plugin: &PluginState<H>) {
                 plugin.count(Counter::SettlementAbandoned, Some(&call.rule));
             }
             // A lookup writes nothing: its record stays as it was, for the next retry's lookup.
-            RootCall::Begin(_) | RootCall::Recheck(_) | RootCall::Lookup(_) | RootCall::Admin(_) => {}
+            RootCall::Begin(_) | RootCall::Lookup(_) | RootCall::Admin(_) => {}
         }
     }
     log::warn!(

@@ -2,9 +2,10 @@
 //! operation): a stream's `begin` and its settlements are the root's callouts while the stream
 //! stays paused, and every way a callout can fail: a missing cluster, an answer without status
 //! or a timeout fail closed (503) or, failing open, forward unprotected and are counted; a claim
-//! answered after its client left is released; a completion the store failed is tried again
-//! with backoff until it lands or its lease has passed; a retired root finishes (or, at its
-//! bound, abandons and counts) its completions before it tells Envoy it is done.
+//! answered after its client left, or for a request that cannot be resumed, is released; a
+//! completion the store failed is tried again with backoff until it lands or its lease has
+//! passed; a retired root finishes (or, at its bound, abandons and counts) its completions
+//! before it tells Envoy it is done.
 
 use super::{last_token, pairs, Begins, Scripted, Sent};
 use crate::config::etcd::OnStoreError;
@@ -132,6 +133,30 @@ fn begin_is_the_roots_callout_while_the_request_stays_paused_and_its_answer_resu
     *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201")]);
     h.0.properties.borrow_mut().insert("response.code_details".into(), b"via_upstream".to_vec());
     assert_eq!(http.on_response_headers(true), Verdict::Pause);
+}
+
+/// A claimed request the root cannot resume (its stream is going away) sent nothing upstream:
+/// its claim is given back at once, not left to block the key until its lease ends.
+#[test]
+fn a_claimed_request_the_root_cannot_resume_gives_its_claim_back() {
+    let h = host();
+    let (mut root, ops) = root_with_ops(&h, "etcd", OnStoreError::FailClosed);
+    let mut http = root.http_context(2);
+    let token = begin(&h, &mut root, &mut http).expect("a callout");
+    h.fail("resume_request", 1);
+    store_answers(&h, Some("200"), b"{}");
+    root.on_http_call_response(token, 2);
+    assert_eq!(h.counter("claimed"), 1);
+    assert_eq!(releases(&ops, 0), 1);
+    store_answers(&h, Some("200"), b"{}");
+    root.on_http_call_response(last_token(&h), 2);
+    assert_eq!(h.counter("released"), 1);
+    // The stream's end finds nothing more to settle.
+    http.on_log();
+    h.0.effective.set(1);
+    root.on_queue_ready(0);
+    assert_eq!(releases(&ops, 0), 1);
+    assert_eq!(ops.borrow().len(), 2, "{:?}", ops.borrow());
 }
 
 /// C19: a store Envoy cannot call (no such cluster) fails closed: 503 `store-unavailable` with

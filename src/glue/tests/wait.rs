@@ -1,7 +1,7 @@
 //! Wait mode with the local store: a duplicate held while its original runs is woken through
-//! the root's queue and answered with the replay; one whose client left gets nothing; one that
-//! cannot be resumed releases the claim it took over; and the tick gives up on a waiter (409)
-//! once its wait timeout has passed.
+//! the root's queue and answered with the replay; one whose client left gets nothing and gives
+//! back a claim its recheck got; one that cannot be resumed releases the claim it took over; and
+//! the tick gives up on a waiter (409) once its wait timeout has passed.
 
 use super::{host, original_and_waiter, post, root, upstream_answers};
 use crate::flow::Verdict;
@@ -35,6 +35,25 @@ fn a_waiter_whose_client_left_gets_nothing() {
     root.on_queue_ready(0);
     assert!(h.replies().is_empty());
     assert_eq!(h.counter("replayed"), 0);
+}
+
+/// Its recheck claimed the record (the original was released) after its client left: nobody will
+/// forward it, so the claim is given back at once rather than blocking the key until its lease
+/// ends.
+#[test]
+fn a_waiter_whose_client_left_gives_back_the_claim_its_recheck_got() {
+    let h = host();
+    let mut root = root(&h);
+    let (mut original, _waiter) = original_and_waiter(&h, &root);
+    upstream_answers(&h, "503", b"");
+    original.on_response_headers(true);
+    h.fail("set_effective_context", 1);
+    root.on_queue_ready(0);
+    assert!(h.replies().is_empty());
+    assert_eq!((h.counter("claimed"), h.counter("released")), (1, 2));
+    let mut next = root.http_context(4);
+    assert_eq!(post(&h, &mut next, "/wait", "w"), Verdict::Continue);
+    assert_eq!(h.counter("claimed"), 2);
 }
 
 #[test]

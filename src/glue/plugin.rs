@@ -592,8 +592,11 @@ impl<H: Host> PluginState<H> {
             owner,
         );
         // A margin past the lease: etcd ends a claim's lease key by its own clock, in whole
-        // seconds, and a retry at the lease's end is given the first word.
-        let due_ms = later.due_ms.saturating_add(LEASE_END_MARGIN_MS);
+        // seconds, and a retry at the lease's end is given the first word. A store that keeps
+        // the claim past its lease (etcd: its completion's retry window) keeps it from the lookup
+        // too: asked before, its begin would only find the claim in flight.
+        let held_ms = self.store.held_past_lease_ms(rule.processing_timeout_ms);
+        let due_ms = later.due_ms.saturating_add(held_ms).saturating_add(LEASE_END_MARGIN_MS);
         let Lookup { cluster, headers, timeout_ms, .. } = lookup;
         let lease_end = LeaseEnd { cluster, headers, timeout_ms, attempt, tries: 0 };
         Some(LeaseEndLookup { due_ms, flow: RequestFlow::lease_end(context_id, later, lease_end) })

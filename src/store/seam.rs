@@ -67,6 +67,13 @@ pub trait Store {
     fn remote(&self) -> Option<&RemoteSettings> {
         None
     }
+    /// How long past a claim's lease its record stays its owner's: nobody else settles it
+    /// (takes it over, refuses it, looks it up) before then. Nothing for a store whose
+    /// settlements answer at once; a store whose settlements are tried again keeps the claim
+    /// through their retry window (`flow::Retry`).
+    fn held_past_lease_ms(&self, _lease_ms: u64) -> u64 {
+        0
+    }
     /// Reclaims expired records in the next part of the store (about once a second per live
     /// root); returns how many were removed. A store that expires its own (etcd's leases) has
     /// nothing to do.

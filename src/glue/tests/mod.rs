@@ -218,6 +218,10 @@ impl Store for Scripted {
     fn remote(&self) -> Option<&RemoteSettings> {
         Some(&self.settings)
     }
+    /// As etcd's: a claim is held through its completion's retry window, one lease more.
+    fn held_past_lease_ms(&self, lease_ms: u64) -> u64 {
+        lease_ms
+    }
     fn watch(&self) -> Option<&dyn Watch> {
         self.watch.as_ref().map(|w| w as &dyn Watch)
     }

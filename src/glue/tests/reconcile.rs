@@ -308,3 +308,49 @@ fn with_no_retry_a_failed_lookup_at_the_leases_end_is_tried_again_later() {
     lookup_answers(&h, &mut root, &dispatches[1], "200", b"{}");
     assert_eq!(h.counter("reconciled_found"), 1);
 }
+
+#[test]
+fn on_a_store_that_holds_a_claim_past_its_lease_the_roots_own_lookup_waits_for_it() {
+    let h = host();
+    let ops = Rc::new(RefCell::new(Vec::new()));
+    let remote = Scripted {
+        settings: RemoteSettings {
+            cluster: "etcd".into(),
+            authority: "store".into(),
+            timeout_ms: 250,
+            on_error: crate::config::etcd::OnStoreError::FailClosed,
+            protocol: Default::default(),
+        },
+        ops: Rc::clone(&ops),
+        begins: Rc::new(RefCell::new(std::collections::VecDeque::new())),
+        watch: None,
+    };
+    let mut root = Root::new(1, h.clone());
+    assert!(root.on_configure_with(Some(Box::new(remote))));
+    // Claimed at 1 s through the store's callout, forwarded, and the client left while the
+    // upstream worked: an unknown outcome, kept for the lookup.
+    let (mut first, verdict) = post(&h, &root, 2, "k");
+    assert_eq!(verdict, Verdict::Pause);
+    h.0.effective.set(1);
+    root.on_queue_ready(0);
+    let HostCall::Dispatch { token, .. } = h.dispatches()[0].clone() else { panic!() };
+    *h.0.call_response_headers.borrow_mut() = pairs(&[(":status", "200")]);
+    *h.0.call_response_body.borrow_mut() = Vec::new();
+    root.on_http_call_response(token, 0);
+    h.0.properties.borrow_mut().insert("upstream.address".into(), b"10.0.0.1:80".to_vec());
+    first.on_log();
+    assert_eq!(h.counter("outcome_unknown"), 1);
+    // Its lease ends at 11 s, but the store keeps the claim its owner's for one lease more (its
+    // completion's retry window): the root asks at 23 s, not at 13 s, when its begin could only
+    // have found the claim in flight.
+    let before = h.dispatches().len();
+    for now in [13_000, 22_999] {
+        h.0.now_ms.set(now);
+        root.on_tick();
+        assert_eq!(h.dispatches().len(), before, "nothing at {now} ms");
+    }
+    h.0.now_ms.set(23_000);
+    root.on_tick();
+    assert_eq!(h.dispatches().len(), before + 1, "the lookup's begin at 23 s");
+    assert!(matches!(ops.borrow().last(), Some(StoreOp::Begin(_))));
+}

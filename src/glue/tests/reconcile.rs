@@ -180,11 +180,10 @@ fn a_client_gone_before_the_answer_leaves_the_record_for_the_next_lookup() {
     assert_eq!((sent_to(&h, 5)[0].0, h.counter("reconciled_found")), (201, 1));
 }
 
-#[test]
-fn on_a_remote_store_the_root_carries_the_begin_the_lookup_and_the_takeover() {
-    let h = host();
+/// A remote store (the glue's stand-in for etcd) whose begins answer `begins` first, then a
+/// claim; and the operations it was asked.
+fn scripted(begins: &[Begin]) -> (Scripted, Rc<RefCell<Vec<StoreOp>>>) {
     let ops = Rc::new(RefCell::new(Vec::new()));
-    let begins = Rc::new(RefCell::new(std::collections::VecDeque::from([Begin::Unsettled])));
     let remote = Scripted {
         settings: RemoteSettings {
             cluster: "etcd".into(),
@@ -194,9 +193,16 @@ fn on_a_remote_store_the_root_carries_the_begin_the_lookup_and_the_takeover() {
             protocol: Default::default(),
         },
         ops: Rc::clone(&ops),
-        begins: Rc::clone(&begins),
+        begins: Rc::new(RefCell::new(begins.iter().cloned().collect())),
         watch: None,
     };
+    (remote, ops)
+}
+
+#[test]
+fn on_a_remote_store_the_root_carries_the_begin_the_lookup_and_the_takeover() {
+    let h = host();
+    let (remote, ops) = scripted(&[Begin::Unsettled]);
     let mut root = Root::new(1, h.clone());
     assert!(root.on_configure_with(Some(Box::new(remote))));
     let (_, verdict) = post(&h, &root, 4, "k");
@@ -312,19 +318,7 @@ fn with_no_retry_a_failed_lookup_at_the_leases_end_is_tried_again_later() {
 #[test]
 fn on_a_store_that_holds_a_claim_past_its_lease_the_roots_own_lookup_waits_for_it() {
     let h = host();
-    let ops = Rc::new(RefCell::new(Vec::new()));
-    let remote = Scripted {
-        settings: RemoteSettings {
-            cluster: "etcd".into(),
-            authority: "store".into(),
-            timeout_ms: 250,
-            on_error: crate::config::etcd::OnStoreError::FailClosed,
-            protocol: Default::default(),
-        },
-        ops: Rc::clone(&ops),
-        begins: Rc::new(RefCell::new(std::collections::VecDeque::new())),
-        watch: None,
-    };
+    let (remote, ops) = scripted(&[]);
     let mut root = Root::new(1, h.clone());
     assert!(root.on_configure_with(Some(Box::new(remote))));
     // Claimed at 1 s through the store's callout, forwarded, and the client left while the

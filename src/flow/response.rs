@@ -26,7 +26,7 @@ pub const RETRY_MAX_BACKOFF_MS: u64 = 2_000;
 /// and one that finds its own earlier write landed is done (`store::etcd`).
 ///
 /// It is tried until its claim's lease ended one `processing_timeout` ago (`retry_window_end`),
-/// and never longer: a claim's lease key outlives exactly that, by etcd's clock
+/// and never longer: a claim's lease key outlives at least that, by etcd's clock
 /// (`store::etcd::leases`), so no other Envoy takes over the record of a request that was
 /// answered within its lease while its completion is still being tried: a client answered 201
 /// is never executed a second time because the store was briefly out of reach.

@@ -151,14 +151,16 @@ pub struct AfterCall {
     pub reply: Reply,
 }
 
-pub fn outcome(rule: &Rule, claim: Claim, answer: CallAnswer, now_ms: u64) -> AfterCall {
+/// `held_ms`: how long past its lease the store keeps the claim its owner's
+/// (`Store::held_past_lease_ms`), which a retry's 409s last too.
+pub fn outcome(rule: &Rule, claim: Claim, answer: CallAnswer, now_ms: u64, held_ms: u64) -> AfterCall {
     let (status, headers, body) = match answer {
         CallAnswer::Answered { status, headers, body } => (status, headers, body),
         CallAnswer::NeverSent { status, headers, body } => {
             let reply = first_reply(status, &headers, body);
             return AfterCall { op: Some(StoreOp::Release(claim)), done: Counter::Released, reply };
         }
-        CallAnswer::Unknown { timed_out } => return unknown_outcome(rule, claim, timed_out, now_ms),
+        CallAnswer::Unknown { timed_out } => return unknown_outcome(rule, claim, timed_out, now_ms, held_ms),
     };
     let report = StreamReport { details: Some(VIA_UPSTREAM), flags: 0, upstream_selected: true };
     let reply = first_reply(status, &headers, body.clone());
@@ -178,15 +180,17 @@ pub fn outcome(rule: &Rule, claim: Claim, answer: CallAnswer, now_ms: u64) -> Af
             AfterCall { op: Some(StoreOp::Release(claim)), done: Counter::Released, reply }
         }
         // Not reached for an answer with a status; kept for completeness.
-        ResponsePlan::Keep | ResponsePlan::CompleteUnknown => unknown_outcome(rule, claim, false, now_ms),
+        ResponsePlan::Keep | ResponsePlan::CompleteUnknown => {
+            unknown_outcome(rule, claim, false, now_ms, held_ms)
+        }
     }
 }
 
 /// No answer after the call may have been sent: by the rule's `unknown_outcome`, the claim stays
 /// until its lease ends (`takeover`), or the record is completed at once as "outcome unknown"
 /// (`refuse`).
-fn unknown_outcome(rule: &Rule, claim: Claim, timed_out: bool, now_ms: u64) -> AfterCall {
-    let reply = unknown_reply(rule, timed_out);
+fn unknown_outcome(rule: &Rule, claim: Claim, timed_out: bool, now_ms: u64, held_ms: u64) -> AfterCall {
+    let reply = unknown_reply(rule, timed_out, held_ms);
     match rule.unknown_outcome {
         UnknownOutcome::Takeover => AfterCall { op: None, done: Counter::KeptUnknown, reply },
         // Kept for the lookup at the lease's end, and counted as what it is until then.
@@ -215,7 +219,9 @@ fn first_reply(status: u16, headers: &[(String, Vec<u8>)], body: Vec<u8>) -> Rep
 
 /// A 5xx for the client whose call's outcome is unknown: 504 when `upstream_timeout` passed,
 /// 502 when the call failed after it may have been sent.
-fn unknown_reply(rule: &Rule, timed_out: bool) -> Reply {
+fn unknown_reply(rule: &Rule, timed_out: bool, held_ms: u64) -> Reply {
+    // The claim is in flight for its lease, then for as long as the store still holds it.
+    let in_flight_s = rule.processing_timeout_ms.saturating_add(held_ms).div_ceil(1000);
     let (status, what) = if timed_out {
         (504, "the upstream did not answer within upstream_timeout")
     } else {
@@ -224,8 +230,8 @@ fn unknown_reply(rule: &Rule, timed_out: bool) -> Reply {
     let detail = match rule.unknown_outcome {
         UnknownOutcome::Takeover => format!(
             "{what}: whether the request executed is unknown. Retries with this Idempotency-Key get 409 \
-             until processing_timeout ({} s) ends; reconcile with the upstream before retrying",
-            rule.processing_timeout_ms.div_ceil(1000)
+             until its claim ends, {in_flight_s} s after the request came; reconcile with the upstream before \
+             retrying"
         ),
         UnknownOutcome::Refuse => format!(
             "{what}: whether the request executed is unknown, and it will not be executed again with this \
@@ -234,9 +240,8 @@ fn unknown_reply(rule: &Rule, timed_out: bool) -> Reply {
         ),
         UnknownOutcome::Reconcile => format!(
             "{what}: whether the request executed is unknown. Retries with this Idempotency-Key get 409 \
-             until processing_timeout ({} s) ends; then the upstream is asked what happened, and a retry gets \
-             its answer (or executes, if it never did)",
-            rule.processing_timeout_ms.div_ceil(1000)
+             until its claim ends, {in_flight_s} s after the request came; then the upstream is asked what \
+             happened, and a retry gets its answer (or executes, if it never did)"
         ),
     };
     Reply::problem(&Problem::new(Kind::OutcomeUnknown, status, detail))
@@ -362,7 +367,7 @@ mod tests {
         let refused = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure";
         let never = answer_of(Some(503), envoys.clone(), refused.to_vec());
         assert!(matches!(never, CallAnswer::NeverSent { status: 503, .. }));
-        let out = outcome(&rule(""), CLAIM, never, 0);
+        let out = outcome(&rule(""), CLAIM, never, 0, 0);
         assert_eq!(
             (out.op, out.done, out.reply.body),
             (Some(StoreOp::Release(CLAIM)), Counter::Released, refused.to_vec())
@@ -416,7 +421,8 @@ mod tests {
             ("x-a", "1"),
             ("transfer-encoding", "chunked"),
         ]);
-        let out = outcome(&r, CLAIM, CallAnswer::Answered { status: 201, headers, body: b"{}".to_vec() }, 50);
+        let out =
+            outcome(&r, CLAIM, CallAnswer::Answered { status: 201, headers, body: b"{}".to_vec() }, 50, 0);
         let Some(StoreOp::Complete { claim, completion }) = &out.op else { panic!("{out:?}") };
         assert_eq!(*claim, CLAIM);
         assert_eq!((completion.state, completion.status, completion.now_ms), (State::Succeeded, 201, 50));
@@ -434,7 +440,7 @@ mod tests {
     fn a_body_over_max_response_bytes_reaches_the_client_but_is_not_stored() {
         let r = rule(r#","max_response_bytes":4"#);
         let out =
-            outcome(&r, CLAIM, CallAnswer::Answered { status: 200, headers: vec![], body: vec![7; 5] }, 0);
+            outcome(&r, CLAIM, CallAnswer::Answered { status: 200, headers: vec![], body: vec![7; 5] }, 0, 0);
         let Some(StoreOp::Complete { completion, .. }) = &out.op else { panic!("{out:?}") };
         assert_eq!(completion.snapshot, None);
         assert_eq!(out.done, Counter::ResponseNotStored);
@@ -444,15 +450,36 @@ mod tests {
     #[test]
     fn a_released_status_releases_and_on_a_takeover_rule_an_unknown_outcome_keeps_the_claim() {
         let r = rule(r#","unknown_outcome":"takeover""#);
-        let out = outcome(&r, CLAIM, CallAnswer::Answered { status: 503, headers: vec![], body: vec![] }, 0);
+        let out =
+            outcome(&r, CLAIM, CallAnswer::Answered { status: 503, headers: vec![], body: vec![] }, 0, 0);
         assert_eq!(
             (out.op, out.done, out.reply.status),
             (Some(StoreOp::Release(CLAIM)), Counter::Released, 503)
         );
         for (timed_out, status) in [(true, 504), (false, 502)] {
-            let out = outcome(&r, CLAIM, CallAnswer::Unknown { timed_out }, 0);
+            let out = outcome(&r, CLAIM, CallAnswer::Unknown { timed_out }, 0, 0);
             assert_eq!((out.op, out.done, out.reply.status), (None, Counter::KeptUnknown, status));
             assert!(String::from_utf8_lossy(&out.reply.body).contains("outcome-unknown"));
+        }
+    }
+
+    #[test]
+    fn a_kept_unknown_outcome_tells_its_client_how_long_retries_get_409_on_the_store_it_runs_on() {
+        for (extra, what) in [
+            (r#","unknown_outcome":"takeover""#, "reconcile with"),
+            (r#","reconcile":{"path":"/k/{key}"}"#, "then the upstream"),
+        ] {
+            let r = rule(extra);
+            // The default 30 s lease; etcd holds the claim one lease more.
+            for (held_ms, seconds) in [(0, 30), (30_000, 60)] {
+                let out = outcome(&r, CLAIM, CallAnswer::Unknown { timed_out: true }, 0, held_ms);
+                let body = String::from_utf8_lossy(&out.reply.body);
+                assert!(
+                    body.contains(&format!("until its claim ends, {seconds} s after the request came")),
+                    "{body}"
+                );
+                assert!(body.contains(what), "{body}");
+            }
         }
     }
 
@@ -460,7 +487,7 @@ mod tests {
     fn by_default_an_unknown_outcome_is_completed_at_once() {
         let r = rule("");
         for (timed_out, status) in [(true, 504), (false, 502)] {
-            let out = outcome(&r, CLAIM, CallAnswer::Unknown { timed_out }, 40);
+            let out = outcome(&r, CLAIM, CallAnswer::Unknown { timed_out }, 40, 0);
             let completion = Completion::outcome_unknown(40, r.ttl_ms);
             assert_eq!(
                 (out.op, out.done, out.reply.status),
@@ -470,7 +497,8 @@ mod tests {
             assert!(body.contains("outcome-unknown") && body.contains("new Idempotency-Key"), "{body}");
         }
         // A real answer is recorded as with takeover.
-        let out = outcome(&r, CLAIM, CallAnswer::Answered { status: 201, headers: vec![], body: vec![] }, 0);
+        let out =
+            outcome(&r, CLAIM, CallAnswer::Answered { status: 201, headers: vec![], body: vec![] }, 0, 0);
         assert_eq!(out.done, Counter::Stored);
     }
 }

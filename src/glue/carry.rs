@@ -147,7 +147,8 @@ pub(super) fn detached_answered<H: Host>(plugin: &PluginState<H>, call: Detached
         None => detached::CallAnswer::Unknown { timed_out: false },
     };
     let DetachedCall { context_id, claim, rule, handle, lease_end, .. } = call;
-    let out = detached::outcome(&rule, claim, answer, now_ms);
+    let held_ms = plugin.store.held_past_lease_ms(rule.processing_timeout_ms);
+    let out = detached::outcome(&rule, claim, answer, now_ms, held_ms);
     // Kept for the lookup at the lease's end (`reconcile`): the root makes it if no retry does.
     if let (None, Counter::OutcomeUnknown, Some(lease_end)) = (&out.op, out.done, lease_end) {
         plugin.look_up_at_lease_end(*lease_end);

@@ -171,6 +171,10 @@ def test_a_detached_call_past_its_upstream_timeout_is_reconciled(envoy, upstream
     first = envoy.post("/dpay", BODY, key_headers(key, x_delay_ms=SLOW_MS))
     doc = assert_problem(first, 504, "outcome-unknown")
     assert "asked what happened" in doc["detail"], doc
+    # How long its retries get 409: the lease, and on etcd the lease again (the claim's
+    # completion's retry window, which its lease key outlives).
+    in_flight_s = LEASE_S * (2 if envoy.name.endswith("-etcd") else 1)
+    assert "until its claim ends, %d s after the request came" % in_flight_s in doc["detail"], doc
     _in_flight_during_the_lease(envoy, "/dpay", key)
     retry = _after_the_lease(envoy, since, "/dpay", key)
     _assert_reconciled_replay(retry, upstream, key)

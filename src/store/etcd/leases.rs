@@ -39,6 +39,13 @@ fn claim_lease_reuse_ms(lease_ms: u64) -> u64 {
     (lease_ms / 10).max(1_000)
 }
 
+/// How long past its lease a claim stays its owner's: its completion's retry window, one
+/// processing lease (`flow::retry_window_end`). The lease key covers it (`claim_lease_ttl_s`),
+/// and the glue waits it out before its own lookup (`Store::held_past_lease_ms`).
+pub(super) fn held_past_lease_ms(lease_ms: u64) -> u64 {
+    lease_ms
+}
+
 /// The TTL of a claim lease: every claim put on it within the reuse window keeps its lease key
 /// for at least its processing lease and then its completion's retry window, one processing
 /// lease more (`flow::retry_window_end`), by etcd's clock. A request answered within its lease
@@ -48,7 +55,7 @@ fn claim_lease_reuse_ms(lease_ms: u64) -> u64 {
 /// one processing lease later.
 fn claim_lease_ttl_s(lease_ms: u64) -> u64 {
     lease_ms
-        .saturating_mul(2)
+        .saturating_add(held_past_lease_ms(lease_ms))
         .saturating_add(claim_lease_reuse_ms(lease_ms))
         .div_ceil(1_000)
         .saturating_add(CLAIM_LEASE_SLACK_S)

@@ -50,9 +50,8 @@ impl Store for EtcdRemote {
     fn remote(&self) -> Option<&RemoteSettings> {
         Some(&self.settings)
     }
-    /// A claim's lease key outlives its completion's retry window (`leases::claim_lease_ttl_s`).
     fn held_past_lease_ms(&self, lease_ms: u64) -> u64 {
-        lease_ms
+        super::leases::held_past_lease_ms(lease_ms)
     }
     fn take_woken(&self) -> bool {
         self.store.take_fetch_ended()

@@ -1,6 +1,7 @@
 //! Detached execution (`routes[].execution: "detached"`), pure: what the worker's root sends
-//! upstream for a claimed request, and what the answer means for the record and for the
-//! client. The glue reads the request and the answer and performs what this decides.
+//! upstream for a claimed request, how its answer is read, and the client's replies; what the
+//! answer means for the record is the flow's (`flow/detached.rs`). The glue reads the request
+//! and the answer and carries out the flow's steps.
 //!
 //! Why it exists: inline, the request's upstream call lives on the client's stream, and Envoy
 //! resets it when the client leaves or Envoy times the stream out, so the outcome is lost and a
@@ -17,15 +18,10 @@
 //! `x-envoy-expected-rq-timeout-ms` to the call.
 
 use crate::config::{PathMatch, Rule, UnknownOutcome, UpstreamRewrite};
-use crate::ending::{
-    plan_response, ResponsePlan, StreamReport, NEVER_SENT_RESETS, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
-};
-use crate::engine::{self, ReplayShape, Reply};
-use crate::metrics::Counter;
+use crate::ending::{NEVER_SENT_RESETS, UPSTREAM_SERVICE_TIME};
+use crate::engine::{ReplayShape, Reply};
 use crate::problem::{Kind, Problem};
 use crate::router_control::is_router_control;
-use crate::store::record::Snapshot;
-use crate::store::{Claim, Completion, StoreOp};
 
 /// `response.code_details` of the reply a detached call's answer is sent to its client with.
 pub const DETAILS_DETACHED: &str = "idempotency_detached";
@@ -141,75 +137,10 @@ pub fn answer_of(status: Option<u16>, headers: Vec<(String, Vec<u8>)>, body: Vec
     }
 }
 
-/// What the root does with a detached call's answer: the store operation (None: the record
-/// stays as it is, in flight until its lease ends), what to count when it is done, and the
-/// reply for a client that is still there.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AfterCall {
-    pub op: Option<StoreOp>,
-    pub done: Counter,
-    pub reply: Reply,
-}
-
-/// `held_ms`: how long past its lease the store keeps the claim its owner's
-/// (`Store::held_past_lease_ms`), which a retry's 409s last too.
-pub fn outcome(rule: &Rule, claim: Claim, answer: CallAnswer, now_ms: u64, held_ms: u64) -> AfterCall {
-    let (status, headers, body) = match answer {
-        CallAnswer::Answered { status, headers, body } => (status, headers, body),
-        CallAnswer::NeverSent { status, headers, body } => {
-            let reply = first_reply(status, &headers, body);
-            return AfterCall { op: Some(StoreOp::Release(claim)), done: Counter::Released, reply };
-        }
-        CallAnswer::Unknown { timed_out } => return unknown_outcome(rule, claim, timed_out, now_ms, held_ms),
-    };
-    let report = StreamReport { details: Some(VIA_UPSTREAM), flags: 0, upstream_selected: true };
-    let reply = first_reply(status, &headers, body.clone());
-    match plan_response(rule, Some(status), report) {
-        ResponsePlan::Capture { state, status } => {
-            let fits = body.len() as u64 <= rule.max_response_bytes;
-            let snapshot = fits.then(|| Snapshot {
-                status,
-                headers: engine::snapshot_headers(headers, &rule.replay_exclude_headers),
-                body,
-            });
-            let done = if fits { Counter::Stored } else { Counter::ResponseNotStored };
-            let completion = Completion { state, status, snapshot, now_ms, ttl_ms: rule.ttl_ms };
-            AfterCall { op: Some(StoreOp::Complete { claim, completion }), done, reply }
-        }
-        ResponsePlan::Release => {
-            AfterCall { op: Some(StoreOp::Release(claim)), done: Counter::Released, reply }
-        }
-        // Not reached for an answer with a status; kept for completeness.
-        ResponsePlan::Keep | ResponsePlan::CompleteUnknown => {
-            unknown_outcome(rule, claim, false, now_ms, held_ms)
-        }
-    }
-}
-
-/// No answer after the call may have been sent: by the rule's `unknown_outcome`, the claim stays
-/// until its lease ends (`takeover`), or the record is completed at once as "outcome unknown"
-/// (`refuse`).
-fn unknown_outcome(rule: &Rule, claim: Claim, timed_out: bool, now_ms: u64, held_ms: u64) -> AfterCall {
-    let reply = unknown_reply(rule, timed_out, held_ms);
-    match rule.unknown_outcome {
-        UnknownOutcome::Takeover => AfterCall { op: None, done: Counter::KeptUnknown, reply },
-        // Kept for the lookup at the lease's end, and counted as what it is until then.
-        UnknownOutcome::Reconcile => AfterCall { op: None, done: Counter::OutcomeUnknown, reply },
-        UnknownOutcome::Refuse => {
-            let completion = Completion::outcome_unknown(now_ms, rule.ttl_ms);
-            AfterCall {
-                op: Some(StoreOp::Complete { claim, completion }),
-                done: Counter::OutcomeUnknown,
-                reply,
-            }
-        }
-    }
-}
-
 /// The upstream's answer as its client's first response: status, headers and body as they
 /// came, without the replay marker. Like a replay, its `content-type` and `content-length` are
 /// put back if Envoy's local-reply path changes them.
-fn first_reply(status: u16, headers: &[(String, Vec<u8>)], body: Vec<u8>) -> Reply {
+pub fn first_reply(status: u16, headers: &[(String, Vec<u8>)], body: Vec<u8>) -> Reply {
     let find = |name: &str| headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
     let replay_shape =
         ReplayShape { content_type: find("content-type"), content_length: find("content-length") };
@@ -219,7 +150,7 @@ fn first_reply(status: u16, headers: &[(String, Vec<u8>)], body: Vec<u8>) -> Rep
 
 /// A 5xx for the client whose call's outcome is unknown: 504 when `upstream_timeout` passed,
 /// 502 when the call failed after it may have been sent.
-fn unknown_reply(rule: &Rule, timed_out: bool, held_ms: u64) -> Reply {
+pub fn unknown_reply(rule: &Rule, timed_out: bool, held_ms: u64) -> Reply {
     // The claim is in flight for its lease, then for as long as the store still holds it.
     let in_flight_s = rule.processing_timeout_ms.saturating_add(held_ms).div_ceil(1000);
     let (status, what) = if timed_out {
@@ -260,8 +191,40 @@ pub fn refused_reply(why: &str) -> Reply {
 mod tests {
     use super::*;
     use crate::config::parse;
+    use crate::engine;
+    use crate::flow::{RequestFlow, Step};
     use crate::identity::scope::ScopeId;
+    use crate::metrics::Counter;
     use crate::store::record::State;
+    use crate::store::{Claim, Completion, Settled, StoreAnswer, StoreOp};
+
+    /// What a detached call's answer leads its flow to (`RequestFlow::detached_answered`): the
+    /// store operation (None: the record stays as it is), what is counted once the store
+    /// answered, and the client's reply, which goes out last.
+    #[derive(Debug)]
+    struct After {
+        op: Option<StoreOp>,
+        done: Counter,
+        reply: Reply,
+    }
+
+    fn outcome(rule: &Rule, claim: Claim, answer: CallAnswer, now_ms: u64, held_ms: u64) -> After {
+        let mut flow = RequestFlow::detached_for_test(2, claim, std::rc::Rc::new(rule.clone()));
+        let mut steps = flow.detached_answered(answer, now_ms, held_ms).steps;
+        let op = match steps.as_slice() {
+            [Step::Store(op)] => Some(op.clone()),
+            _ => None,
+        };
+        if op.is_some() {
+            let cfg = parse(br#"{"routes":[{"name":"r","match":{"prefix":"/"}}]}"#).unwrap();
+            steps = flow.store_answered(&cfg, StoreAnswer::Settled(Ok(Settled::Done))).steps;
+        }
+        let done = steps.iter().find_map(|s| if let Step::Count(c) = s { Some(*c) } else { None });
+        let Some(Step::Reply { reply, details: DETAILS_DETACHED }) = steps.last() else {
+            panic!("{steps:?}")
+        };
+        After { op, done: done.unwrap(), reply: reply.clone() }
+    }
 
     fn rule(extra: &str) -> Rule {
         let json = format!(

@@ -35,6 +35,7 @@ use crate::wait::{self, NotHeld};
 use facts::verified_claims;
 use std::rc::Rc;
 
+mod detached;
 mod facts;
 mod lookup;
 mod response;
@@ -87,8 +88,9 @@ pub enum Step {
     ErrorStopIterationMissing { rule: String, details: Option<String>, body_bytes: u64 },
     /// Detached execution: the worker's root carries the claimed request upstream (read its
     /// head and body, make the call, record the answer, reply if the client is still there).
-    /// The request stays held; if no call can be made, `detach_refused`.
-    Detach { claim: Claim, rule: Rc<Rule>, later: Option<Box<LaterLookup>> },
+    /// The request stays held, and its flow goes with the call; if no call can be made,
+    /// `detach_refused`. The call's answer is `detached_answered`.
+    Detach { claim: Claim, rule: Rc<Rule> },
     /// `reconcile`: ask the upstream's lookup about this request's record (the glue builds the
     /// call from the rule and the held request), then hand its answer to `lookup_answered`;
     /// if no lookup can be made now, `lookup_refused`.
@@ -173,9 +175,14 @@ enum Phase {
     /// We answered locally; our own reply comes back through the encode callbacks and must be
     /// left alone (never snapshotted), except that a replay's framing headers are put back.
     Answered { replay_shape: Option<ReplayShape> },
-    /// Detached execution: the root carries the request and owns its record; it answers the
-    /// stream (`answered_by_root`) if the client is still there. Nothing here settles anything.
-    Detached,
+    /// Detached execution: the root carries the request, with its flow, and owns its record
+    /// until the call's answer (`detached_answered`).
+    Detached { claim: Claim, rule: Rc<Rule> },
+    /// The detached call's outcome is being written; its client gets `reply` once it is.
+    SettlingDetached { settlement: Settlement, reply: Reply },
+    /// That write was handed to the root's carrier, which sends `reply` once it is over
+    /// (`written`).
+    AwaitingWrite { reply: Reply },
     /// Forwarded with a claim; waiting for the response.
     Forwarded { claim: Claim, rule: Rc<Rule> },
     /// A real upstream answer worth keeping; its body is copied as it streams by.
@@ -213,6 +220,8 @@ pub struct RequestFlow {
     /// A lookup the root makes when a lease ends, for no stream (`lease_end`): it replies to
     /// nobody, and an upstream that never executed gets the record released, not executed.
     lease_end: Option<Box<LeaseEnd>>,
+    /// Its stream went away while the root carried the flow (`stream_gone`).
+    stream_gone: bool,
 }
 
 impl RequestFlow {
@@ -227,12 +236,20 @@ impl RequestFlow {
             later: None,
             lookup_request: Vec::new(),
             lease_end: None,
+            stream_gone: false,
         }
     }
 
     /// A lease-end lookup's flow (`lease_end`): no stream to answer or resume.
     pub fn headless(&self) -> bool {
         self.lease_end.is_some()
+    }
+
+    /// True when no stream hears what this flow says: a lease-end lookup's, or one whose stream
+    /// went away while the root carried it. What it counts is counted, and published to no
+    /// stream; its replies go to nobody.
+    pub fn streamless(&self) -> bool {
+        self.headless() || self.stream_gone
     }
 
     /// The record this request is about (None before its body made one, or when unprotected).
@@ -251,6 +268,7 @@ impl RequestFlow {
             self.phase,
             Phase::AwaitingBegin { .. }
                 | Phase::Settling { .. }
+                | Phase::SettlingDetached { .. }
                 | Phase::Adopting { .. }
                 | Phase::SettlingFound { .. }
         )
@@ -481,6 +499,10 @@ impl RequestFlow {
                 let settlement = Settlement { context_id: self.context_id, claim, rule, done };
                 Output::go(settlement.answered(settled))
             }
+            (Phase::SettlingDetached { settlement, reply }, StoreAnswer::Settled(settled)) => {
+                let steps = settlement.answered(settled);
+                self.answer(reply, crate::detached::DETAILS_DETACHED, steps)
+            }
             (phase, _) => {
                 // An answer nobody here asked for (a late one after a timeout): nothing to do.
                 log::debug!("#{} ignored a store answer nobody was waiting for", self.context_id);
@@ -497,7 +519,7 @@ impl RequestFlow {
             Phase::AwaitingBegin { .. } | Phase::Rechecking { .. } | Phase::Adopting { .. } => {
                 StoreAnswer::Begun(Err(StoreError::Unavailable("no answer in time".into())))
             }
-            Phase::Settling { .. } | Phase::SettlingFound { .. } => {
+            Phase::Settling { .. } | Phase::SettlingFound { .. } | Phase::SettlingDetached { .. } => {
                 StoreAnswer::Settled(Err(StoreError::Unavailable("no answer in time".into())))
             }
             _ => return Output::go(Vec::new()),
@@ -531,7 +553,7 @@ impl RequestFlow {
             (Phase::AwaitingBegin { .. } | Phase::Rechecking { .. }, OnStoreError::FailClosed) => {
                 self.store_answered(cfg, StoreAnswer::Begun(Err(error)))
             }
-            (Phase::Settling { .. } | Phase::SettlingFound { .. }, _) => {
+            (Phase::Settling { .. } | Phase::SettlingFound { .. } | Phase::SettlingDetached { .. }, _) => {
                 self.store_answered(cfg, StoreAnswer::Settled(Err(error)))
             }
             // The lookup said the request executed: it is never forwarded unprotected.
@@ -591,6 +613,10 @@ impl RequestFlow {
             Phase::Settling { claim, rule, done } => {
                 Some(Settlement { context_id: self.context_id, claim, rule, done })
             }
+            Phase::SettlingDetached { settlement, reply } => {
+                self.phase = Phase::AwaitingWrite { reply };
+                Some(settlement)
+            }
             phase => {
                 self.phase = phase;
                 None
@@ -635,7 +661,13 @@ impl RequestFlow {
                 if pending.rule.reconcile.is_some() {
                     let due_ms = now_ms.saturating_add(pending.rule.processing_timeout_ms);
                     let request = std::mem::take(&mut self.lookup_request);
-                    let later = LaterLookup { pending: pending.clone(), fingerprint, request, due_ms };
+                    let later = LaterLookup {
+                        pending: pending.clone(),
+                        fingerprint,
+                        request,
+                        due_ms,
+                        route_cluster: None,
+                    };
                     self.later = Some(Box::new(later));
                 }
                 self.forward(pending, claim, counter)
@@ -659,11 +691,8 @@ impl RequestFlow {
     fn forward(&mut self, pending: Pending, claim: Claim, counter: Counter) -> Output {
         log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
         if matches!(pending.rule.execution, Execution::Detached { .. }) {
-            self.phase = Phase::Detached;
-            return Output::hold(vec![
-                Step::Count(counter),
-                Step::Detach { claim, rule: pending.rule, later: self.later.take() },
-            ]);
+            self.phase = Phase::Detached { claim, rule: Rc::clone(&pending.rule) };
+            return Output::hold(vec![Step::Count(counter), Step::Detach { claim, rule: pending.rule }]);
         }
         self.forwarded_rule = Some(Rc::clone(&pending.rule));
         self.phase = Phase::Forwarded { claim, rule: pending.rule };
@@ -739,26 +768,6 @@ impl RequestFlow {
         let mut steps = vec![Step::LeaveWaitRoom];
         steps.extend(out.steps);
         Output { steps, ..out }
-    }
-
-    /// No detached call could be made for this claimed request (its claim is given back by the
-    /// glue, nothing was sent upstream): 503 with retry-after.
-    pub fn detach_refused(&mut self, why: &str) -> Output {
-        if !matches!(self.phase, Phase::Detached) {
-            return Output::go(Vec::new());
-        }
-        log::debug!("#{} no detached call: {why}", self.context_id);
-        let reply = crate::detached::refused_reply(why);
-        self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::DetachedRefused)])
-    }
-
-    /// The root answered this detached request with the call's outcome (`replay_shape`: the
-    /// reply's, for a replay's framing headers): the reply that comes through the encode
-    /// callbacks is ours.
-    pub fn answered_by_root(&mut self, replay_shape: Option<ReplayShape>) {
-        if matches!(self.phase, Phase::Detached) {
-            self.phase = Phase::Answered { replay_shape };
-        }
     }
 
     /// The root could not resume this paused request (its stream is going away): a claim it
@@ -1388,11 +1397,13 @@ mod tests {
         let out = first.response_body(&mut facts, 2, true);
         let (steps, _) = run(&mut first, out, &w.store());
         assert!(matches!(steps.as_slice(), [Step::Wake(_), Step::Count(Counter::Stored)]), "{steps:?}");
-        // Only a detached request takes word from its root: a forwarded one goes on as such.
+        // Only a detached request takes a detached call's answer: a forwarded one goes on as such.
         let mut forwarded = RequestFlow::new(4);
         let mut facts = Facts::post("/wait", "other", b"x").upstream_answer(201, b"ok");
         begun(&mut forwarded, &mut facts, &w.store());
-        forwarded.answered_by_root(None);
+        let unknown = crate::detached::CallAnswer::Unknown { timed_out: true };
+        assert_eq!(forwarded.detached_answered(unknown, 0, 0), Output::go(Vec::new()));
+        assert_eq!(forwarded.written(), None);
         forwarded.response_headers(&mut facts, false);
         assert!(forwarded.capturing(), "only a detached flow takes word from its root");
     }

@@ -277,8 +277,13 @@ fn run(upstream: Upstream, order: &[Event]) {
     let attempt = claim_attempt(&cfg, &pending, fingerprint, 1, 1);
     let Ok(Begin::Claimed(claim)) = w.store.begin(&attempt) else { panic!("not claimed") };
     w.original = Some(claim);
-    w.later =
-        Some(LaterLookup { pending, fingerprint, request: headers.clone(), due_ms: 1 + LEASE_MS + 2_000 });
+    w.later = Some(LaterLookup {
+        pending,
+        fingerprint,
+        request: headers.clone(),
+        due_ms: 1 + LEASE_MS + 2_000,
+        route_cluster: None,
+    });
     if matches!(upstream, Upstream::Found | Upstream::FailedThen(true)) {
         w.executions += 1;
         w.committed = Some(b"orig".to_vec());

@@ -21,6 +21,9 @@ pub struct LaterLookup {
     pub request: Vec<(String, Vec<u8>)>,
     /// When the claim's lease ends.
     pub due_ms: u64,
+    /// The route's cluster, kept for a lookup built when it can no longer be read (a detached
+    /// request's client gone: `RequestFlow::keep_route_cluster`).
+    pub route_cluster: Option<String>,
 }
 
 /// What the upstream's lookup answered for an executed request.
@@ -56,6 +59,7 @@ impl RequestFlow {
             later: None,
             lookup_request: request,
             lease_end: Some(Box::new(lease_end)),
+            stream_gone: false,
             phase: Phase::Reconciling { pending, fingerprint, attempt },
         }
     }

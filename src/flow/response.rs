@@ -67,7 +67,7 @@ impl Retry {
 /// A `complete` or `release` the flow handed over to be settled by someone who outlives the
 /// stream (the root, for a store across the network); `answered` says what its answer
 /// means.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settlement {
     pub context_id: u32,
     pub claim: Claim,

@@ -5,19 +5,13 @@
 
 use crate::admin::AdminTask;
 use crate::config::Rule;
-use crate::engine::ReplayShape;
 use crate::flow::{RequestFlow, Retry, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::store::remote::Conversation;
 use crate::store::{Claim, StoreOp};
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
-
-/// Where the root leaves word for a detached call's client before it answers it: the reply's
-/// replay shape (`Reply::replay_shape`); read once by its HTTP context
-/// (`RequestFlow::answered_by_root`).
-pub type HeldHandle = Rc<Cell<Option<Option<ReplayShape>>>>;
 
 /// A `complete`/`release` the root carries out for a stream that may already be gone.
 pub struct RootSettlement {
@@ -29,15 +23,9 @@ pub struct RootSettlement {
     pub holds_response: bool,
     /// Set when the store could not be used for it: it is started again, with backoff.
     pub retry: Option<Retry>,
-    /// A detached call's outcome: the reply its client gets (if still there) once the record
-    /// is written, or at the store's first failure.
-    pub then_reply: Option<DetachedReply>,
-}
-
-/// The answer a detached call's client gets, and where its stream is told before.
-pub struct DetachedReply {
-    pub reply: crate::engine::Reply,
-    pub handle: HeldHandle,
+    /// A detached request's flow: its client's reply (`RequestFlow::written`) goes out once the
+    /// record is written, or at the store's first failure.
+    pub then_answer: Option<Box<HeldFlow>>,
 }
 
 /// A claimed request the worker's root carries upstream itself (`execution: "detached"`): the
@@ -51,20 +39,20 @@ pub struct DetachedCall {
     /// Let go once Envoy has it (the call copies it).
     pub body: Vec<u8>,
     pub timeout_ms: u32,
-    /// Where the root tells the stream how it was resolved, before answering it.
-    pub handle: HeldHandle,
-    /// `reconcile`: the record's lookup at its lease's end, should the call end without an
-    /// outcome.
-    pub lease_end: Option<Box<LeaseEndLookup>>,
+    /// The request's flow travels with the call (`RequestFlow::detached_answered`), and goes
+    /// back to its stream through `handle` (blank until the call is handed to the root).
+    pub flow: RequestFlow,
+    pub handle: FlowHandle,
 }
 
-/// Where the root gives a request's flow back once it is done with it (its `begin` answered, or
-/// its wait over); the stream takes it at its next callback.
-/// If the root detached the request, the detached call's handle comes back with it.
-pub type FlowHandle = Rc<RefCell<Option<(RequestFlow, Option<HeldHandle>)>>>;
+/// Where the root gives a request's flow back once it is done with it (its `begin` or lookup
+/// answered, its wait over, its detached call answered); the stream takes it at its next
+/// callback.
+pub type FlowHandle = Rc<RefCell<Option<RequestFlow>>>;
 
-/// A waiter's held request, in the wait room: its flow, and where it goes back to its stream.
-pub struct Parked {
+/// A request's flow the root holds, and where it goes back to its stream: a waiter's, in the
+/// wait room, or a detached request's while its outcome is written.
+pub struct HeldFlow {
     pub flow: RequestFlow,
     pub handle: FlowHandle,
 }

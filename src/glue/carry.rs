@@ -6,23 +6,21 @@
 
 use super::admin;
 use super::calls::{
-    DetachedCall, DetachedReply, FlowHandle, HeldHandle, LeaseEndLookup, Lookup, Parked, RootAdmin,
-    RootBegin, RootCall, RootLookup,
+    DetachedCall, FlowHandle, HeldFlow, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootLookup,
 };
 use super::plugin::PluginState;
 use super::settle::{
-    answer_detached, call_store, converse, give_back, gives_back, on_store_error, settle, Sent,
+    call_store, converse, give_back, gives_back, on_store_error, send_reply, settle_then_answer, Sent,
 };
 use super::{
     Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS, MAP_REQUEST_HEADERS,
     MAP_RESPONSE_HEADERS,
 };
 use crate::config::etcd::OnStoreError;
-use crate::detached::{self, DETAILS_DETACHED};
+use crate::detached;
 use crate::engine::{HeaderFix, Reply};
-use crate::flow::{Output, RequestFlow, Settlement, Step, Verdict};
+use crate::flow::{Output, RequestFlow, Step, Verdict};
 use crate::identity::scope::ScopeId;
-use crate::metrics::Counter;
 use crate::reconcile::{self, LookupAnswer};
 use crate::store::remote::{Answer, Next};
 use crate::store::seam::Started;
@@ -35,13 +33,13 @@ use std::rc::Rc;
 /// carried out as any paused request's (`begin_answered`): at once when the store answers at
 /// once, else when its callouts are answered, the waiter held in the room meanwhile (its
 /// flow travels with the conversation).
-pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<Parked>) {
+pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<HeldFlow>) {
     let context_id = w.context_id;
     let now_ms = plugin.host.now_ms();
     let owner = plugin.owner_token(context_id);
     // Watched records wake their waiters: those poll only as a fallback.
     let watched = plugin.store.watch().is_some_and(|watch| watch.is_live(&w.scope));
-    let Some(Parked { mut flow, handle }) = plugin.room.borrow_mut().start_check(Waiter { watched, ..w })
+    let Some(HeldFlow { mut flow, handle }) = plugin.room.borrow_mut().start_check(Waiter { watched, ..w })
     else {
         return;
     };
@@ -98,22 +96,14 @@ fn dispatch_detached<H: Host>(plugin: &PluginState<H>, mut call: Box<DetachedCal
             plugin.detached_done();
             plugin.release_claim(call.context_id, call.claim, &call.rule);
             let why = format!("Envoy refused the call to cluster {} (host status {s})", call.cluster);
-            refuse_detached(plugin, call.context_id, &call.handle, &call.rule, &why);
+            let DetachedCall { context_id, mut flow, handle, .. } = *call;
+            if plugin.host.set_effective_context(context_id).is_err() {
+                flow.stream_gone();
+            }
+            let out = flow.detach_refused(&why);
+            carry_out_in_root(plugin, context_id, flow, handle, out);
         }
     }
-}
-
-/// Answers a held request no detached call could be made for (its claim was given back).
-fn refuse_detached<H: Host>(
-    plugin: &PluginState<H>,
-    context_id: u32,
-    handle: &HeldHandle,
-    rule: &crate::config::Rule,
-    why: &str,
-) {
-    plugin.count(crate::metrics::Counter::DetachedRefused, Some(rule));
-    let reply = detached::refused_reply(why);
-    answer_detached(plugin, context_id, handle, &reply, crate::flow::DETAILS_PROBLEM);
 }
 
 /// The answer to a callout of the root's that is not the store's (a detached call, a lookup):
@@ -135,8 +125,10 @@ fn callout_answer<H: Host>(host: &H, body_size: usize) -> Option<CalloutAnswer> 
     Some((status, headers, body))
 }
 
-/// A detached call's answer: recorded exactly as an inline upstream answer would be, then sent
-/// to its client if it is still there (with a remote store, once the record is written).
+/// A detached call's answer goes to the request's flow, which says what it means for the record
+/// (as an inline upstream answer would) and for its client, if still there: its steps are
+/// carried out as any flow's the root holds (with a remote store, the reply once the record is
+/// written).
 pub(super) fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_size: usize) {
     let host = &plugin.host;
     plugin.detached_done();
@@ -146,22 +138,14 @@ pub(super) fn detached_answered<H: Host>(plugin: &PluginState<H>, call: Detached
         // An answer that cannot be read: what it said is unknown.
         None => detached::CallAnswer::Unknown { timed_out: false },
     };
-    let DetachedCall { context_id, claim, rule, handle, lease_end, .. } = call;
+    let DetachedCall { context_id, claim, rule, mut flow, handle, .. } = call;
+    log::debug!("#{context_id} detached call answered: key {}", claim.scope.log_tag());
+    if host.set_effective_context(context_id).is_err() {
+        flow.stream_gone();
+    }
     let held_ms = plugin.store.held_past_lease_ms(rule.processing_timeout_ms);
-    let out = detached::outcome(&rule, claim, answer, now_ms, held_ms);
-    // Kept for the lookup at the lease's end (`reconcile`): the root makes it if no retry does.
-    if let (None, Counter::OutcomeUnknown, Some(lease_end)) = (&out.op, out.done, lease_end) {
-        plugin.look_up_at_lease_end(*lease_end);
-    }
-    log::debug!("#{context_id} detached call answered: {} key {}", out.done.name(), claim.scope.log_tag());
-    let settlement = Settlement { context_id, claim, rule: Rc::clone(&rule), done: out.done };
-    match out.op {
-        None => {
-            plugin.count(out.done, Some(&rule));
-            answer_detached(plugin, context_id, &handle, &out.reply, DETAILS_DETACHED);
-        }
-        Some(op) => settle(plugin, op, settlement, Some(DetachedReply { reply: out.reply, handle })),
-    }
+    let out = flow.detached_answered(answer, now_ms, held_ms);
+    carry_out_in_root(plugin, context_id, flow, handle, out);
 }
 
 /// Steps again every conversation that was waiting (for the etcd token): each goes on, waits
@@ -325,8 +309,6 @@ pub(super) enum At<'h> {
 /// What carrying out a flow's steps leaves for whoever holds the flow.
 pub(super) struct Carried {
     pub(super) verdict: Verdict,
-    /// The request is held under this handle now (its detached call made).
-    pub(super) held: Option<HeldHandle>,
     /// The flow went on without its holder (its `begin` or lookup is the root's now, or it is
     /// parked in the wait room): a stream reads it back through this handle at its next
     /// callback. `flow` is a blank one meanwhile.
@@ -349,10 +331,10 @@ pub(super) fn carry_out<H: Host>(
     at: At,
 ) -> Carried {
     let host = &plugin.host;
-    let mut carried = Carried { verdict: out.verdict, held: None, flow_went: None, reply: None };
+    let mut carried = Carried { verdict: out.verdict, flow_went: None, reply: None };
     let mut response_held = false;
     // The waiter to hold in the wait room, with the flow, once the steps are carried out.
-    let mut parking: Option<Waiter<Parked>> = None;
+    let mut parking: Option<Waiter<HeldFlow>> = None;
     let mut steps: VecDeque<Step> = out.steps.into();
     // The flow leaves with its `begin` or lookup; the root's flow goes back through its handle.
     let travel = |flow: &mut RequestFlow, steps: &VecDeque<Step>| {
@@ -363,8 +345,9 @@ pub(super) fn carry_out<H: Host>(
     };
     while let Some(step) = steps.pop_front() {
         let more = match step {
-            // A lease-end lookup's flow has no stream to publish to or answer.
-            Step::Count(counter) if flow.headless() => {
+            // A lease-end lookup's flow, or one whose stream went away: nothing to publish to or
+            // answer.
+            Step::Count(counter) if flow.streamless() => {
                 plugin.count(counter, flow.rule());
                 None
             }
@@ -372,17 +355,13 @@ pub(super) fn carry_out<H: Host>(
                 plugin.count_for_stream(counter, flow.rule(), flow.scope());
                 None
             }
-            Step::Reply { .. } if flow.headless() => None,
+            Step::Reply { .. } if flow.streamless() => None,
             Step::Reply { reply, details } if matches!(at, At::Root(_)) => {
                 carried.reply = Some((reply, details));
                 None
             }
             Step::Reply { reply, details } => {
-                if let Err(HostError(s)) =
-                    host.send_response(reply.status, details, &reply.headers, &reply.body)
-                {
-                    log::warn!("#{context_id} could not send the local reply (host status {s})");
-                }
+                send_reply(plugin, context_id, &reply, details);
                 None
             }
             Step::Store(op) => {
@@ -405,6 +384,18 @@ pub(super) fn carry_out<H: Host>(
                     (Started::Conversation(conversation), At::Stream { .. }) => {
                         let flow = travel(flow, &steps);
                         carried.flow_went = Some(plugin.begin_from_root(conversation, context_id, flow));
+                        break;
+                    }
+                    // A detached request's outcome: the root's carrier writes it (tried again like
+                    // any settlement), and the client's reply goes out once it is over.
+                    (Started::Conversation(conversation), At::Root(handle)) if flow.settling_detached() => {
+                        if let Some(settlement) = flow.hand_off_settlement() {
+                            let flow = travel(flow, &steps);
+                            let handle = Rc::clone(handle);
+                            carried.flow_went = Some(Rc::clone(&handle));
+                            let held = Box::new(HeldFlow { flow, handle });
+                            settle_then_answer(plugin, conversation, settlement, Some(held));
+                        }
                         break;
                     }
                     (Started::Conversation(conversation), At::Root(handle)) => {
@@ -440,14 +431,26 @@ pub(super) fn carry_out<H: Host>(
                 plugin.broadcast(&scope);
                 None
             }
-            // Detached execution: the root makes the call and answers the request (the handle
-            // says how, before its reply comes through the encode callbacks).
-            Step::Detach { claim, rule, later } => {
-                let handle: HeldHandle = Rc::new(std::cell::Cell::new(None));
-                match plugin.detach(context_id, claim, &rule, Rc::clone(&handle), later) {
-                    Ok(()) => {
-                        carried.held = Some(handle);
-                        None
+            // Detached execution: the root makes the call, and the flow goes with it; its answer
+            // is the flow's (`detached_answered`), which goes back to its stream before its reply.
+            Step::Detach { claim, rule } => {
+                // Its lease-end lookup may be built once its client left: the route's cluster now.
+                if flow.wants_route_cluster() {
+                    if let Some(cluster) = plugin.route_cluster() {
+                        flow.keep_route_cluster(cluster);
+                    }
+                }
+                match plugin.detach(context_id, claim, &rule) {
+                    Ok(mut call) => {
+                        let handle: FlowHandle = match &at {
+                            At::Root(handle) => Rc::clone(handle),
+                            At::Stream { .. } => Rc::new(std::cell::RefCell::new(None)),
+                        };
+                        call.flow = travel(flow, &steps);
+                        call.handle = Rc::clone(&handle);
+                        carried.flow_went = Some(handle);
+                        plugin.hand_over_detached(call);
+                        break;
                     }
                     Err(why) => Some(flow.detach_refused(&why)),
                 }
@@ -572,7 +575,7 @@ pub(super) fn carry_out<H: Host>(
             At::Root(handle) => Rc::clone(handle),
             At::Stream { .. } => Rc::new(std::cell::RefCell::new(None)),
         };
-        let held = Parked { flow, handle: Rc::clone(&handle) };
+        let held = HeldFlow { flow, handle: Rc::clone(&handle) };
         plugin.room.borrow_mut().hold(Waiter { held: Some(held), ..w });
         carried.flow_went = Some(handle);
     }
@@ -597,15 +600,11 @@ fn carry_out_in_root<H: Host>(
             }
             return;
         }
-        *handle.borrow_mut() = Some((flow, carried.held));
+        *handle.borrow_mut() = Some(flow);
     }
     // After the flow is back: the reply passes its stream's encode callbacks as ours.
     if let Some((reply, details)) = carried.reply {
-        if let Err(HostError(s)) =
-            plugin.host.send_response(reply.status, details, &reply.headers, &reply.body)
-        {
-            log::warn!("#{context_id} could not send the local reply (host status {s})");
-        }
+        send_reply(plugin, context_id, &reply, details);
     }
     if carried.flow_went.is_none() && carried.verdict == Verdict::Continue {
         if let Err(HostError(s)) = plugin.host.resume_request() {
@@ -613,7 +612,7 @@ fn carry_out_in_root<H: Host>(
                 "#{context_id} could not resume the request (host status {s}); a claim it holds is given back"
             );
             // Nobody will forward it: nothing was sent upstream.
-            let unused = handle.borrow_mut().as_mut().and_then(|(flow, _)| flow.not_resumed());
+            let unused = handle.borrow_mut().as_mut().and_then(RequestFlow::not_resumed);
             if let Some(settlement) = unused {
                 give_back(plugin, settlement);
             }

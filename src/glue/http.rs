@@ -3,7 +3,7 @@
 //! how a failed host call is reported.
 
 use super::admin;
-use super::calls::{FlowHandle, HeldHandle};
+use super::calls::FlowHandle;
 use super::carry::{self, At};
 use super::pairs::HeaderMap;
 use super::plugin::PluginState;
@@ -78,11 +78,9 @@ pub struct Http<H: Host> {
     context_id: u32,
     plugin: Option<Rc<PluginState<H>>>,
     flow: RequestFlow,
-    /// Set while the root carries the request upstream (detached): where it leaves word before
-    /// it answers it.
-    held_handle: Option<HeldHandle>,
     /// Set while the request is paused and its flow is the root's (its `begin` on the remote
-    /// store, a lookup, or held in the wait room): where the root gives the flow back.
+    /// store, a lookup, its detached call, or held in the wait room): where the root gives the
+    /// flow back.
     flow_handle: Option<FlowHandle>,
     /// Set during a response callback: a settlement handed to the root holds the response.
     hold_response: bool,
@@ -98,7 +96,6 @@ impl<H: Host> Http<H> {
             context_id,
             plugin,
             flow: RequestFlow::new(context_id),
-            held_handle: None,
             flow_handle: None,
             hold_response: false,
             response_held: 0,
@@ -114,17 +111,10 @@ impl<H: Host> Http<H> {
         event: impl FnOnce(&mut RequestFlow, &PluginState<H>, &mut Facts<H>) -> Output,
     ) -> Verdict {
         let Some(plugin) = self.plugin.clone() else { return Verdict::Continue };
-        // The flow first: the root may have detached the request, and that handle comes with it.
-        if let Some((flow, held_handle)) = self.flow_handle.as_ref().and_then(|h| h.borrow_mut().take()) {
+        // The flow first, if the root gave it back.
+        if let Some(flow) = self.flow_handle.as_ref().and_then(|h| h.borrow_mut().take()) {
             self.flow_handle = None;
             self.flow = flow;
-            if held_handle.is_some() {
-                self.held_handle = held_handle;
-            }
-        }
-        if let Some(replay_shape) = self.held_handle.as_ref().and_then(|h| h.take()) {
-            self.held_handle = None;
-            self.flow.answered_by_root(replay_shape);
         }
         let mut facts = Facts {
             plugin: &plugin,
@@ -152,11 +142,7 @@ impl<H: Host> Http<H> {
     /// stream (glue/abi.rs), so unprotected traffic, which a mesh-wide policy sends through the
     /// filter everywhere, costs its later callbacks nothing but Envoy's call into the module.
     pub fn inert(&self) -> bool {
-        self.flow.inert()
-            && self.flow_handle.is_none()
-            && self.held_handle.is_none()
-            && self.response_held == 0
-            && self.admin.is_none()
+        self.flow.inert() && self.flow_handle.is_none() && self.response_held == 0 && self.admin.is_none()
     }
 
     pub fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
@@ -209,9 +195,6 @@ impl<H: Host> Http<H> {
     fn perform(&mut self, plugin: &PluginState<H>, out: Output) -> Verdict {
         let at = At::Stream { hold_response: self.hold_response };
         let carried = carry::carry_out(plugin, self.context_id, &mut self.flow, out, at);
-        if carried.held.is_some() {
-            self.held_handle = carried.held;
-        }
         if carried.flow_went.is_some() {
             self.flow_handle = carried.flow_went;
         }

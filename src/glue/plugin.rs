@@ -3,8 +3,8 @@
 //! statics, because after a config update the old and new root contexts share one VM.
 
 use super::calls::{
-    DetachedCall, FlowHandle, HeldHandle, LeaseEndLookup, Lookup, Parked, RootAdmin, RootBegin, RootCall,
-    RootCalls, RootLookup, RootSettlement, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS, SETTLE_NOW,
+    DetachedCall, FlowHandle, HeldFlow, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootCalls,
+    RootLookup, RootSettlement, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS, SETTLE_NOW,
 };
 use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
 use crate::config::{self, Config, Execution, Rule, StoreConfig, UnknownOutcome};
@@ -128,7 +128,7 @@ pub struct PluginState<H: Host> {
     metrics: Metrics,
     tokens: Cell<u64>,
     seed: u64,
-    pub room: RefCell<WaitRoom<Parked>>,
+    pub room: RefCell<WaitRoom<HeldFlow>>,
     registry: Registry<H>,
     queue_name: String,
     pub queue_id: Option<u32>,
@@ -307,7 +307,7 @@ impl<H: Host> PluginState<H> {
     /// out its steps. A waiter on a remote store polls it (its original may run on another
     /// Envoy, whose wake-ups never come here): first after `POLL_FIRST_MS`, doubling; on the
     /// local store it relies on wake-ups and the 1 s fallback.
-    pub fn admit(&self, context_id: u32, plan: &ParkPlan) -> Result<Waiter<Parked>, NotHeld> {
+    pub fn admit(&self, context_id: u32, plan: &ParkPlan) -> Result<Waiter<HeldFlow>, NotHeld> {
         let just_advertised = self.ensure_advertised(plan.now_ms);
         let remote = self.store.remote().is_some();
         let (recheck_at_ms, poll_ms) = match (remote, just_advertised) {
@@ -409,7 +409,7 @@ impl<H: Host> PluginState<H> {
             settlement,
             holds_response,
             retry: None,
-            then_reply: None,
+            then_answer: None,
         })));
     }
 
@@ -440,45 +440,35 @@ impl<H: Host> PluginState<H> {
         handle
     }
 
-    /// Hands a claimed request on a detached rule to this worker's root, which makes the call
-    /// (the effective context is the request's: its head and body are read here). `handle`
-    /// is where the root tells the stream before it answers it. Refused, with the reason,
-    /// when the worker carries `max_detached_calls` already or the request cannot be sent:
-    /// the claim is then given back here (nothing was sent upstream).
-    pub fn detach(
-        &self,
-        context_id: u32,
-        claim: Claim,
-        rule: &Rc<Rule>,
-        handle: HeldHandle,
-        later: Option<Box<LaterLookup>>,
-    ) -> Result<(), String> {
-        let call = self.detached_call(context_id, claim, rule, handle).map(|mut call| {
-            // Built while the request's head is at hand: the call may end without an outcome.
-            call.lease_end = later.and_then(|later| self.lease_end_lookup(context_id, *later)).map(Box::new);
-            call
-        });
-        match call {
-            Ok(call) => {
-                self.detached_in_flight.set(self.detached_in_flight.get() + 1);
-                self.to_root(RootCall::Detached(Box::new(call)));
-                Ok(())
-            }
-            Err(why) => {
-                self.release_claim(context_id, claim, rule);
-                Err(why)
-            }
+    /// The call a claimed request on a detached rule becomes (the effective context is the
+    /// request's: its head and body are read here), for `hand_over_detached` once its flow and
+    /// handle are in it. Refused, with the reason, when the worker carries `max_detached_calls`
+    /// already or the request cannot be sent: the claim is then given back here (nothing was
+    /// sent upstream).
+    pub fn detach(&self, context_id: u32, claim: Claim, rule: &Rc<Rule>) -> Result<DetachedCall, String> {
+        let call = self.detached_call(context_id, claim, rule);
+        if call.is_err() {
+            self.release_claim(context_id, claim, rule);
+        }
+        call
+    }
+
+    /// Hands a detached call to this worker's root, which makes it.
+    pub fn hand_over_detached(&self, call: DetachedCall) {
+        self.detached_in_flight.set(self.detached_in_flight.get() + 1);
+        self.to_root(RootCall::Detached(Box::new(call)));
+    }
+
+    /// The cluster Envoy's route picked for the effective context's request.
+    pub fn route_cluster(&self) -> Option<String> {
+        match self.host.property(&["xds", "cluster_name"]) {
+            Ok(Some(name)) if !name.is_empty() => Some(String::from_utf8_lossy(&name).into_owned()),
+            _ => None,
         }
     }
 
-    /// The call `detach` hands to the root, from the request as Envoy holds it.
-    fn detached_call(
-        &self,
-        context_id: u32,
-        claim: Claim,
-        rule: &Rc<Rule>,
-        handle: HeldHandle,
-    ) -> Result<DetachedCall, String> {
+    /// The call `detach` makes, from the request as Envoy holds it.
+    fn detached_call(&self, context_id: u32, claim: Claim, rule: &Rc<Rule>) -> Result<DetachedCall, String> {
         let Execution::Detached { cluster, upstream_timeout_ms, rewrite } = &rule.execution else {
             return Err("not a detached rule".into());
         };
@@ -490,10 +480,7 @@ impl<H: Host> PluginState<H> {
         }
         let cluster = match cluster {
             Some(c) => c.clone(),
-            None => match self.host.property(&["xds", "cluster_name"]) {
-                Ok(Some(name)) if !name.is_empty() => String::from_utf8_lossy(&name).into_owned(),
-                _ => return Err("the route picked no cluster and the rule names none".into()),
-            },
+            None => self.route_cluster().ok_or("the route picked no cluster and the rule names none")?,
         };
         let headers = self
             .host
@@ -513,8 +500,8 @@ impl<H: Host> PluginState<H> {
             headers,
             body,
             timeout_ms: u32::try_from(*upstream_timeout_ms).unwrap_or(u32::MAX),
-            handle,
-            lease_end: None,
+            flow: RequestFlow::new(context_id),
+            handle: Rc::new(RefCell::new(None)),
         })
     }
 
@@ -532,7 +519,7 @@ impl<H: Host> PluginState<H> {
         let timeout_ms = rule.reconcile.as_ref().map_or(0, |r| r.timeout_ms);
         let started_ms = self.host.now_ms();
         self.lookups.start(&scope, started_ms, timeout_ms)?;
-        match self.lookup_of(context_id, scope, rule, request) {
+        match self.lookup_of(context_id, scope, rule, request, None) {
             Some(lookup) => Ok(Lookup { started_ms, ..lookup }),
             None => {
                 self.lookups.finished(&scope, started_ms, started_ms);
@@ -549,15 +536,13 @@ impl<H: Host> PluginState<H> {
         scope: ScopeId,
         rule: &Rc<Rule>,
         request: &[(String, Vec<u8>)],
+        route_cluster: Option<&str>,
     ) -> Option<Lookup> {
         let reconcile = rule.reconcile.as_ref()?;
         let call = reconcile::lookup_call(&self.config, reconcile, request);
         let cluster = match call.as_ref().map(|c| c.cluster.clone()) {
             Some(Some(c)) => Some(c),
-            Some(None) => match self.host.property(&["xds", "cluster_name"]) {
-                Ok(Some(name)) if !name.is_empty() => Some(String::from_utf8_lossy(&name).into_owned()),
-                _ => None,
-            },
+            Some(None) => route_cluster.map(str::to_string).or_else(|| self.route_cluster()),
             None => None,
         };
         let (Some(call), Some(cluster)) = (call, cluster) else {
@@ -582,7 +567,13 @@ impl<H: Host> PluginState<H> {
     /// stream's).
     pub fn lease_end_lookup(&self, context_id: u32, later: LaterLookup) -> Option<LeaseEndLookup> {
         let rule = Rc::clone(&later.pending.rule);
-        let lookup = self.lookup_of(context_id, later.pending.scope, &rule, &later.request)?;
+        let lookup = self.lookup_of(
+            context_id,
+            later.pending.scope,
+            &rule,
+            &later.request,
+            later.route_cluster.as_deref(),
+        )?;
         let owner = self.owner_token(context_id);
         let attempt = crate::engine::claim_attempt(
             &self.config,

@@ -3,15 +3,15 @@
 //! with backoff), the store calls every conversation makes, and the reply or held response that
 //! goes out once a settlement is written. Calls nothing above it (`carry.rs`, `root.rs`).
 
-use super::calls::{DetachedReply, HeldHandle, RootCall, RootSettlement};
+use super::calls::{HeldFlow, RootCall, RootSettlement};
 use super::plugin::PluginState;
 use super::remote;
 use super::{Host, HostError};
 use crate::config::etcd::OnStoreError;
-use crate::detached::DETAILS_DETACHED;
+use crate::engine::Reply;
 use crate::flow::{Retry, Settlement};
 use crate::metrics::Counter;
-use crate::store::remote::{Answer, Next, Request};
+use crate::store::remote::{Answer, Conversation, Next, Request};
 use crate::store::seam::Started;
 use crate::store::{Settled, StoreError, StoreOp};
 
@@ -40,36 +40,25 @@ pub(super) enum Sent {
     No,
 }
 
-/// Releases `settlement`'s claim from the root, tried again like any settlement.
+/// Releases `settlement`'s claim from the root: finished at once where the store answers at
+/// once, else as a conversation tried again like any settlement.
 pub(super) fn give_back<H: Host>(plugin: &PluginState<H>, settlement: Settlement) {
-    settle(plugin, StoreOp::Release(settlement.claim), settlement, None);
+    match plugin.start(StoreOp::Release(settlement.claim)) {
+        Started::Answered(answer) => settled_at_once(plugin, &settlement, answer.into_settled()),
+        Started::Conversation(conversation) => settle_then_answer(plugin, conversation, settlement, None),
+    }
 }
 
-/// Carries out a settlement from the root: finished at once where the store answers at once,
-/// else as a conversation tried again like any settlement; `then_reply` is sent once it is.
-pub(super) fn settle<H: Host>(
+/// Carries out a settlement's conversation from the root, tried again like any settlement;
+/// `then_answer`'s reply goes out once it is over.
+pub(super) fn settle_then_answer<H: Host>(
     plugin: &PluginState<H>,
-    op: StoreOp,
+    conversation: Box<dyn Conversation>,
     settlement: Settlement,
-    then_reply: Option<DetachedReply>,
+    then_answer: Option<Box<HeldFlow>>,
 ) {
-    match plugin.start(op) {
-        Started::Answered(answer) => {
-            let context_id = settlement.context_id;
-            settled_at_once(plugin, &settlement, answer.into_settled());
-            resume_after_settling(plugin, context_id, false, then_reply);
-        }
-        Started::Conversation(conversation) => {
-            let call = Box::new(RootSettlement {
-                conversation,
-                settlement,
-                holds_response: false,
-                retry: None,
-                then_reply,
-            });
-            converse(plugin, call, None);
-        }
-    }
+    let call = RootSettlement { conversation, settlement, holds_response: false, retry: None, then_answer };
+    converse(plugin, Box::new(call), None);
 }
 
 /// A settlement the store answered at once: counted, and its record's waiters woken. Not tried
@@ -108,22 +97,25 @@ pub(super) fn on_store_error<H: Host>(plugin: &PluginState<H>) -> OnStoreError {
     plugin.store.remote().map_or(OnStoreError::FailClosed, |r| r.on_error)
 }
 
-/// Sends a held request its reply, if its client is still there; its stream learns first that
-/// the reply is ours (so that it is not taken for an upstream answer).
-pub(super) fn answer_detached<H: Host>(
-    plugin: &PluginState<H>,
-    context_id: u32,
-    handle: &HeldHandle,
-    reply: &crate::engine::Reply,
-    details: &str,
-) {
-    let host = &plugin.host;
-    if host.set_effective_context(context_id).is_err() {
-        return; // its client went away: the outcome is recorded, nobody to tell
+/// Sends the effective context's stream a local reply.
+pub(super) fn send_reply<H: Host>(plugin: &PluginState<H>, context_id: u32, reply: &Reply, details: &str) {
+    if let Err(HostError(s)) = plugin.host.send_response(reply.status, details, &reply.headers, &reply.body) {
+        log::warn!("#{context_id} could not send the local reply (host status {s})");
     }
-    handle.set(Some(reply.replay_shape.clone()));
-    if let Err(HostError(s)) = host.send_response(reply.status, details, &reply.headers, &reply.body) {
-        log::warn!("#{context_id} could not send the detached call's answer (host status {s})");
+}
+
+/// A detached request's flow, once its record is written: given back to its stream, then its
+/// reply sent if its client is still there (its stream then knows the reply as ours, and does
+/// not take it for an upstream answer).
+fn answer_written<H: Host>(plugin: &PluginState<H>, context_id: u32, held: HeldFlow) {
+    let HeldFlow { mut flow, handle } = held;
+    let reply = flow.written();
+    let present = plugin.host.set_effective_context(context_id).is_ok();
+    *handle.borrow_mut() = Some(flow);
+    match reply {
+        Some((reply, details)) if present => send_reply(plugin, context_id, &reply, details),
+        // Its client went away: the outcome is recorded, nobody to tell.
+        _ => {}
     }
 }
 
@@ -149,15 +141,15 @@ pub(super) fn converse<H: Host>(
 pub(super) fn retry_settlements<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
     let due = plugin.calls.borrow_mut().due(now_ms);
     for call in due {
-        let RootSettlement { conversation, settlement, holds_response, retry, then_reply } = call;
+        let RootSettlement { conversation, settlement, holds_response, retry, then_answer } = call;
         match plugin.start(conversation.into_op()) {
             Started::Answered(answer) => {
                 let context_id = settlement.context_id;
                 settled_at_once(plugin, &settlement, answer.into_settled());
-                resume_after_settling(plugin, context_id, holds_response, then_reply);
+                resume_after_settling(plugin, context_id, holds_response, then_answer);
             }
             Started::Conversation(conversation) => {
-                let call = RootSettlement { conversation, settlement, holds_response, retry, then_reply };
+                let call = RootSettlement { conversation, settlement, holds_response, retry, then_answer };
                 converse(plugin, Box::new(call), None);
             }
         }
@@ -248,8 +240,8 @@ pub(super) fn finish_settlement<H: Host>(
 /// Whatever the store answered: the response is the upstream's and goes on, once. A stream
 /// that is gone refuses the effective context, and nothing is held for it.
 fn resume_held_response<H: Host>(plugin: &PluginState<H>, call: &mut RootSettlement) {
-    let (holds, then_reply) = (std::mem::take(&mut call.holds_response), call.then_reply.take());
-    resume_after_settling(plugin, call.settlement.context_id, holds, then_reply);
+    let (holds, then_answer) = (std::mem::take(&mut call.holds_response), call.then_answer.take());
+    resume_after_settling(plugin, call.settlement.context_id, holds, then_answer);
 }
 
 /// A settled stream's reply goes out (a detached call's), or its held response goes on.
@@ -257,10 +249,10 @@ fn resume_after_settling<H: Host>(
     plugin: &PluginState<H>,
     context_id: u32,
     holds_response: bool,
-    then_reply: Option<DetachedReply>,
+    then_answer: Option<Box<HeldFlow>>,
 ) {
-    if let Some(DetachedReply { reply, handle }) = then_reply {
-        answer_detached(plugin, context_id, &handle, &reply, DETAILS_DETACHED);
+    if let Some(held) = then_answer {
+        answer_written(plugin, context_id, *held);
     }
     if holds_response && plugin.host.set_effective_context(context_id).is_ok() {
         if let Err(HostError(s)) = plugin.host.resume_response() {

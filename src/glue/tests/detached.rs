@@ -128,6 +128,74 @@ fn a_client_gone_before_the_answer_still_has_its_answer_recorded() {
     assert!(matches!(sent_to(&h, 3).as_slice(), [(201, _, _)]));
 }
 
+/// What a detached request's access log says: its outcome is published on its own stream as an
+/// inline request's is (`publish_outcome`), the last one standing (`claimed`, then `stored`);
+/// for a client gone before the answer, on no stream at all (the root's context is no stream).
+#[test]
+fn a_detached_outcome_is_published_on_its_stream_and_never_on_another() {
+    let published = |h: &FakeHost| -> Vec<(u32, String)> {
+        h.0.calls
+            .borrow()
+            .iter()
+            .filter_map(|c| match c {
+                HostCall::SetProperty { context, name, value } if name == "idempotency.outcome" => {
+                    Some((*context, value.split(' ').next().unwrap_or_default().to_string()))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    let h = host();
+    *h.0.config.borrow_mut() = CONFIG.replacen('{', r#"{"publish_outcome":true,"#, 1).into_bytes();
+    let mut root = root(&h);
+    let (_http, call) = posted(&h, &mut root, 2, "p1");
+    answers(&h, "201", b"{}");
+    root.on_http_call_response(token(&call), 2);
+    assert_eq!(published(&h), vec![(2, "claimed".to_string()), (2, "stored".to_string())]);
+    // Its client gone: the outcome is counted, and published nowhere.
+    let (mut http, call) = posted(&h, &mut root, 3, "p2");
+    http.on_log();
+    h.fail("set_effective_context", 3);
+    answers(&h, "201", b"{}");
+    root.on_http_call_response(token(&call), 2);
+    assert_eq!(h.counter("stored"), 2);
+    assert_eq!(published(&h).last(), Some(&(3, "claimed".to_string())), "{:?}", published(&h));
+}
+
+/// `reconcile` on a detached rule whose lookup goes to the route's cluster: a call that ends
+/// without an outcome after its client left still gets the root's lookup at the lease's end,
+/// to the cluster the route picked while the client was there (none can be read later).
+#[test]
+fn a_detached_unknown_outcome_is_looked_up_at_its_lease_end_after_its_client_left() {
+    let h = host();
+    *h.0.config.borrow_mut() = CONFIG
+        .replace(
+            r#""upstream_timeout":"4s""#,
+            r#""upstream_timeout":"4s","reconcile":{"path":"/orders/{key}"}"#,
+        )
+        .into_bytes();
+    let mut root = root(&h);
+    let (mut http, call) = posted(&h, &mut root, 2, "r1");
+    http.on_log();
+    drop(http);
+    // Its stream is gone: neither it nor its route can be read any more.
+    h.fail("set_effective_context", 2);
+    h.fail("property", 2);
+    h.0.now_ms.set(5_000);
+    times_out(&h);
+    root.on_http_call_response(token(&call), 24);
+    assert_eq!(h.counter("outcome_unknown"), 1);
+    h.0.failing.borrow_mut().remove("set_effective_context");
+    // Its lease ends 10 s after the claim; the root looks the record up itself.
+    let before = h.dispatches().len();
+    h.0.now_ms.set(20_000);
+    root.on_tick();
+    let lookups: Vec<_> = h.dispatches()[before..].to_vec();
+    let [HostCall::Dispatch { cluster, headers, .. }] = lookups.as_slice() else { panic!("{lookups:?}") };
+    assert_eq!(cluster, "orders");
+    assert!(headers.iter().any(|(n, v)| n == ":path" && v == "/orders/r1"), "{headers:?}");
+}
+
 /// C20: no answer within `upstream_timeout` is 504 `outcome-unknown`, and the record follows
 /// `unknown_outcome`; C16: on `refuse`, the default, a retry gets 502 `outcome-unknown` and is
 /// never executed again.

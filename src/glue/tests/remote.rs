@@ -604,3 +604,60 @@ fn a_retired_root_counts_what_it_abandons_at_its_bound() {
     at(&h, &mut root, 40_000);
     assert_eq!(h.0.calls.borrow().iter().filter(|c| **c == HostCall::Done).count(), 1);
 }
+
+/// Detached execution on a store across the network: the call's answer is written by the
+/// root's carrier, and its client gets it only once the write is over (written, or failed
+/// once and being tried again: the client is not kept waiting for the store to recover);
+/// the write is tried again until it lands, and the reply passes its stream as ours.
+#[test]
+fn a_detached_answer_goes_out_once_its_write_is_over_and_the_write_is_tried_until_it_lands() {
+    let h = host();
+    *h.0.config.borrow_mut() = br#"{"routes":[{"name":"pay","match":{"prefix":"/orders"},"require_key":true,
+        "execution":"detached","upstream_timeout":"4s"}]}"#
+        .to_vec();
+    h.0.clusters.borrow_mut().push("orders".into());
+    h.0.properties.borrow_mut().insert("xds.cluster_name".into(), b"orders".to_vec());
+    let (mut root, ops) = root_with_ops(&h, "etcd", OnStoreError::FailClosed);
+    let mut http = root.http_context(2);
+    h.0.effective.set(2);
+    let claim = begin(&h, &mut root, &mut http).expect("the claim's callout");
+    // The call is made from the request's head as Envoy holds it (with its authority).
+    *h.0.request_headers.borrow_mut() =
+        pairs(&[(":method", "POST"), (":path", "/orders"), (":authority", "shop"), ("idempotency-key", "k")]);
+    store_answers(&h, Some("200"), b"{}");
+    root.on_http_call_response(claim, 2);
+    // Claimed: the root makes the detached call at its next run.
+    let before = h.dispatches().len();
+    root.on_queue_ready(0);
+    assert_eq!(h.dispatches().len(), before + 1, "the detached call");
+    let replies = |h: &FakeHost| {
+        h.0.calls.borrow().iter().filter(|c| matches!(c, HostCall::SendResponse { context: 2, .. })).count()
+    };
+    *h.0.call_response_headers.borrow_mut() =
+        pairs(&[(":status", "201"), ("content-type", "text/plain"), ("x-envoy-upstream-service-time", "3")]);
+    *h.0.call_response_body.borrow_mut() = b"paid".to_vec();
+    root.on_http_call_response(last_token(&h), 4);
+    assert!(matches!(ops.borrow().last(), Some(StoreOp::Complete { .. })), "{:?}", ops.borrow());
+    assert_eq!(replies(&h), 0, "not before its record is written");
+    // The store timed out: the client gets its answer now; the write is tried again.
+    store_answers(&h, Some("504"), b"upstream request timeout");
+    root.on_http_call_response(last_token(&h), 24);
+    assert_eq!(replies(&h), 1);
+    assert_eq!((h.counter("stored"), h.counter("store_error")), (0, 0));
+    // The reply passes its stream as ours: nothing captured, nothing settled from the stream.
+    *h.0.response_headers.borrow_mut() = pairs(&[(":status", "201"), ("content-type", "text/plain")]);
+    h.0.effective.set(2);
+    assert_eq!(http.on_response_headers(false), Verdict::Continue);
+    assert_eq!(http.on_response_body(4, true), Verdict::Continue);
+    http.on_log();
+    let dispatched = h.dispatches().len();
+    h.0.effective.set(1);
+    at(&h, &mut root, 1_100);
+    assert_eq!(h.dispatches().len(), dispatched + 1, "tried again");
+    store_answers(&h, Some("200"), b"{}");
+    root.on_http_call_response(last_token(&h), 2);
+    assert_eq!((h.counter("stored"), h.counter("settlement_abandoned")), (1, 0));
+    assert_eq!(replies(&h), 1, "answered once");
+    let completions = ops.borrow().iter().filter(|op| matches!(op, StoreOp::Complete { .. })).count();
+    assert_eq!(completions, 2);
+}

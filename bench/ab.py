@@ -34,6 +34,8 @@ PATHS = {
     "replay": (ORDERS, lambda: filter_config(), "replay"),
     "new": (ORDERS, lambda: filter_config(ttl="2s", processing_timeout="2s"), "unique"),
     "pass": (OTHER, lambda: filter_config(), "unique"),
+    # A new key per request carried by the root's callout (`execution: "detached"`).
+    "detached": (ORDERS, lambda: filter_config(ttl="2s", processing_timeout="2s", execution="detached"), "unique"),
 }
 
 
@@ -127,7 +129,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--before-wasm", required=True)
     ap.add_argument("--before-label", default="before")
     ap.add_argument("--loadgen", required=True)
-    ap.add_argument("--path", action="append", choices=sorted(PATHS), help="replay, new, pass (default: all three)")
+    ap.add_argument("--path", action="append", choices=sorted(PATHS), help="replay, new, pass, detached (default: the first three)")
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=2.0)

@@ -16,6 +16,7 @@
 #   make bench-smoke    a few seconds of everything; fails only if the harness fails, never on numbers
 #                       (first `make bench-unit`: the bench tools' own unit tests, bench/test_*.py)
 #   make bench-etcd-replay  a replay on etcd at 1 and 20,000 live records of its caller (BENCH_BEFORE=<commit>)
+#   make bench-etcd-sizing  the bytes a record costs etcd, live and until compacted (docs/ETCD.md)
 #   (make bench and bench-smoke also measure wait mode's wake-up latency: bench/wake_latency.py)
 #   make bench-wake-fleet  wait mode across two Envoys on etcd: polling (JSON) against the watch (gRPC)
 #   make bench-callout-floor  one bare etcd callout per request (bench/callout-floor) next to the
@@ -161,6 +162,13 @@ bench-etcd-replay: tools etcd
 	fi
 	$(VENV_PY) -m bench.etcd_replay_cost --build "this build=$(BENCH_REPLAY_BIN)" \
 	  $(if $(BENCH_BEFORE),--build "$(BENCH_BEFORE)=$(BENCH_REPLAY_BEFORE_BIN)")
+
+# What a record costs etcd in bytes (docs/ETCD.md, Sizing): bench/etcd_sizing.py over
+# examples/etcd_sizing.rs, a fresh etcd per row. SIZING_ARGS passes its options.
+.PHONY: bench-etcd-sizing
+bench-etcd-sizing: tools etcd
+	$(CARGO) build --release --quiet --example etcd_sizing
+	$(VENV_PY) -m bench.etcd_sizing --binary $(BENCH_TARGET_DIR)/release/examples/etcd_sizing $(SIZING_ARGS)
 
 # Wait mode across two Envoys on one etcd, polling (JSON gateway) against the watch (gRPC):
 # wake latency and etcd requests per waiter (bench/wake_fleet.py).

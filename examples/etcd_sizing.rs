@@ -59,8 +59,13 @@ fn main() {
             ],
             body: vec![b'x'; body],
         };
-        let completion =
-            Completion { state: State::Succeeded, status: 201, snapshot: Some(snapshot), now_ms: now, ttl_ms: TTL_MS };
+        let completion = Completion {
+            state: State::Succeeded,
+            status: 201,
+            snapshot: Some(snapshot),
+            now_ms: now,
+            ttl_ms: TTL_MS,
+        };
         worker.complete(&claim, &completion).unwrap();
     }
     println!("records={records} body={body} quota={quota} seconds={:.1}", started.elapsed().as_secs_f64());

@@ -30,6 +30,16 @@ pub const SWEPT_METRIC: &str = "idempotency.records_swept_total";
 pub const ADMIN_METRIC_PREFIX: &str = "idempotency.admin.";
 pub const WATCH_ENDED_METRIC: &str = "idempotency.store_watch_ended_total";
 
+/// A remote store's calls that failed, per cluster of the store (each shard of `store.shards`):
+/// no answer within the timeout, a reset, Envoy's refusal to send, or an error status. A stats
+/// tag takes out everything after `.shard.` as the `shard` label (envoy/envoy.yaml), dots and
+/// all, so Prometheus sees `idempotency_store_calls_failed_total{shard="<cluster>"}`: one shard's
+/// outage shows as its own series while the others stay at 0. Their latency is Envoy's own per
+/// cluster (`envoy_cluster_upstream_rq_time`).
+pub fn store_calls_failed_metric(cluster: &str) -> String {
+    format!("idempotency.store_calls_failed_total.shard.{cluster}")
+}
+
 /// What happened to a request, one counter per route rule each
 /// (`idempotency.route.<rule>.requests_total.<name>`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -168,6 +168,7 @@ type Etcd = EtcdWith<Gateway>;
 fn settings(prefix: &str) -> EtcdSettings {
     EtcdSettings {
         cluster: "etcd".into(),
+        authority: "etcd".into(),
         prefix: prefix.into(),
         timeout_ms: 250,
         on_error: OnStoreError::FailClosed,
@@ -175,6 +176,7 @@ fn settings(prefix: &str) -> EtcdSettings {
         auth_timeout_ms: 2_000,
         replay_cache: None,
         protocol: Default::default(),
+        shards: Vec::new(),
     }
 }
 

@@ -240,7 +240,8 @@ fn list_query(query: &str, now_ms: u64) -> Result<RecordQuery, Problem> {
     };
     let cursor = query_param(query, "cursor").filter(|c| !c.is_empty());
     if let Some(c) = &cursor {
-        if c.len() > 64 || !c.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        // 64 hex digits, after a shard's number and an `s` on a store in shards.
+        if c.len() > 72 || !c.bytes().all(|b| b.is_ascii_alphanumeric()) {
             return Err(bad(format!("cursor={c}: not one a list gave (its \"next\")")));
         }
     }

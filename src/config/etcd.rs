@@ -5,7 +5,7 @@
 //! its limits changed) without the backend.
 
 use super::fields::{
-    duration_ms, err, key, object, optional, reject_unknown, required, string, uint, Obj, Res,
+    array, duration_ms, err, index, key, object, optional, reject_unknown, required, string, uint, Obj, Res,
 };
 use super::Rule;
 use crate::json::JsonValue as Value;
@@ -50,8 +50,10 @@ impl std::fmt::Debug for EtcdAuth {
 /// The etcd store's configuration (`store.type: "etcd"`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EtcdSettings {
-    /// Envoy cluster name pointing at etcd's client URLs.
+    /// Envoy cluster name pointing at etcd's client URLs (with `shards`: the first shard's).
     pub cluster: String,
+    /// The callouts' `:authority` (with `shards`: the first shard's).
+    pub authority: String,
     /// Key prefix every key of this store lives under.
     pub prefix: String,
     /// Per callout.
@@ -65,7 +67,48 @@ pub struct EtcdSettings {
     /// `store.replay_cache`: None (the default) answers every begin from etcd.
     pub replay_cache: Option<ReplayCacheSettings>,
     pub protocol: Protocol,
+    /// `store.shards`: every shard, each its own etcd cluster, in the configured order; empty
+    /// when `store.cluster` names the one cluster. `shard_settings` gives each its settings.
+    pub shards: Vec<EtcdShard>,
 }
+
+/// One etcd cluster of `store.shards`: what differs from shard to shard. A record's shard is
+/// chosen by its scope (`store::etcd::shards`), so every Envoy of a fleet must list the same
+/// clusters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdShard {
+    pub cluster: String,
+    pub authority: String,
+    pub auth: Option<EtcdAuth>,
+}
+
+impl EtcdSettings {
+    /// The settings of each shard's store: these, with the shard's cluster, authority and
+    /// credentials; just these without `shards`.
+    pub fn shard_settings(&self) -> Vec<EtcdSettings> {
+        if self.shards.is_empty() {
+            return vec![self.clone()];
+        }
+        self.shards
+            .iter()
+            .map(|shard| EtcdSettings {
+                cluster: shard.cluster.clone(),
+                authority: shard.authority.clone(),
+                auth: shard.auth.clone(),
+                shards: Vec::new(),
+                ..self.clone()
+            })
+            .collect()
+    }
+}
+
+/// What the calls to etcd name as `:authority` unless a shard names its own: etcd reads no host
+/// (gateway or gRPC), but Go's HTTP server refuses an invalid one (an Istio cluster name such as
+/// `outbound|2379||etcd...` is).
+pub const DEFAULT_AUTHORITY: &str = "etcd";
+/// Most shards one store may have: each is a cluster every worker keeps leases, a token and a
+/// replay cache for.
+pub const MAX_SHARDS: usize = 32;
 
 pub const DEFAULT_PREFIX: &str = "/idempotency/";
 pub const DEFAULT_TIMEOUT_MS: u64 = 250;
@@ -120,15 +163,20 @@ pub(super) fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
     reject_unknown(
         o,
         path,
-        &["type", "cluster", "prefix", "timeout", "on_error", "auth", "replay_cache", "protocol"],
+        &["type", "cluster", "shards", "prefix", "timeout", "on_error", "auth", "replay_cache", "protocol"],
     )?;
-    let cluster = required(o, path, "cluster", |v, f| {
-        let s = string(v, f)?;
-        if s.is_empty() || s.chars().any(char::is_control) {
-            return Err(err(f, "expected the name of an Envoy cluster"));
+    let shards = optional(o, path, "shards", shards)?.unwrap_or_default();
+    let cluster = match (shards.first(), o.iter().any(|(k, _)| k == "cluster")) {
+        (Some(_), true) => {
+            return Err(err(
+                &key(path, "shards"),
+                "store.cluster and store.shards together: give one of them",
+            ))
         }
-        Ok(s.to_owned())
-    })?;
+        (Some(first), false) => first.cluster.clone(),
+        (None, _) => optional(o, path, "cluster", cluster_name)?
+            .ok_or_else(|| err(&key(path, "cluster"), "required (or store.shards: a list of clusters)"))?,
+    };
     let prefix = optional(o, path, "prefix", |v, f| {
         let s = string(v, f)?;
         // Keys are `<prefix>r/...` and `<prefix>q/...`: a prefix ending in '/' keeps them apart
@@ -148,14 +196,7 @@ pub(super) fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
         Ok(s.to_owned())
     })?
     .unwrap_or_else(|| DEFAULT_PREFIX.into());
-    let timeout_ms = optional(o, path, "timeout", |v, f| {
-        let ms = duration_ms(v, f)?;
-        if ms > MAX_ETCD_TIMEOUT_MS {
-            return Err(err(f, format!("{ms} ms exceeds the longest callout, {MAX_ETCD_TIMEOUT_MS} ms")));
-        }
-        Ok(ms)
-    })?
-    .unwrap_or(DEFAULT_TIMEOUT_MS);
+    let timeout_ms = optional(o, path, "timeout", callout_timeout)?.unwrap_or(DEFAULT_TIMEOUT_MS);
     let on_error = optional(o, path, "on_error", |v, f| match string(v, f)? {
         "fail_closed" => Ok(OnStoreError::FailClosed),
         "fail_open" => Ok(OnStoreError::FailOpen),
@@ -167,27 +208,20 @@ pub(super) fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
         let a = object(v, f, &["username", "password", "timeout"])?;
         // The token fetch is its own callout: authenticate costs etcd a bcrypt check and a Raft
         // write, slow under load, and every conversation needing a token waits for the one fetch.
-        if let Some(ms) = optional(a, f, "timeout", |v, f| {
-            let ms = duration_ms(v, f)?;
-            if ms > MAX_ETCD_TIMEOUT_MS {
-                return Err(err(f, format!("{ms} ms exceeds the longest callout, {MAX_ETCD_TIMEOUT_MS} ms")));
-            }
-            Ok(ms)
-        })? {
+        if let Some(ms) = optional(a, f, "timeout", callout_timeout)? {
             auth_timeout_ms = ms;
         }
-        let part = |v: &Value, f: &str| -> Res<String> {
-            let s = string(v, f)?;
-            if s.is_empty() {
-                return Err(err(f, "must not be empty"));
-            }
-            Ok(s.to_owned())
-        };
-        Ok(EtcdAuth {
-            username: required(a, f, "username", part)?,
-            password: required(a, f, "password", part)?,
-        })
+        credentials(a, f)
     })?;
+    // A shard without credentials of its own uses the store's.
+    let shards = shards
+        .into_iter()
+        .map(|s| EtcdShard { auth: s.auth.or_else(|| auth.clone()), ..s })
+        .collect::<Vec<_>>();
+    let (authority, auth) = match shards.first() {
+        Some(first) => (first.authority.clone(), first.auth.clone()),
+        None => (DEFAULT_AUTHORITY.to_string(), auth),
+    };
     // Off unless asked for: it is memory in every worker's Wasm VM (which never gives memory
     // back), sized by the operator for the replays worth keeping; see docs/ETCD.md.
     let replay_cache = optional(o, path, "replay_cache", |v, f| {
@@ -207,5 +241,76 @@ pub(super) fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
         other => Err(err(f, format!("{other:?}: expected \"json\" or \"grpc\""))),
     })?
     .unwrap_or_default();
-    Ok(EtcdSettings { cluster, prefix, timeout_ms, on_error, auth, auth_timeout_ms, replay_cache, protocol })
+    Ok(EtcdSettings {
+        cluster,
+        authority,
+        prefix,
+        timeout_ms,
+        on_error,
+        auth,
+        auth_timeout_ms,
+        replay_cache,
+        protocol,
+        shards,
+    })
+}
+
+fn cluster_name(v: &Value, f: &str) -> Res<String> {
+    let s = string(v, f)?;
+    if s.is_empty() || s.chars().any(char::is_control) {
+        return Err(err(f, "expected the name of an Envoy cluster"));
+    }
+    Ok(s.to_owned())
+}
+
+fn callout_timeout(v: &Value, f: &str) -> Res<u64> {
+    let ms = duration_ms(v, f)?;
+    if ms > MAX_ETCD_TIMEOUT_MS {
+        return Err(err(f, format!("{ms} ms exceeds the longest callout, {MAX_ETCD_TIMEOUT_MS} ms")));
+    }
+    Ok(ms)
+}
+
+fn credentials(a: &Obj, f: &str) -> Res<EtcdAuth> {
+    let part = |v: &Value, f: &str| -> Res<String> {
+        let s = string(v, f)?;
+        if s.is_empty() {
+            return Err(err(f, "must not be empty"));
+        }
+        Ok(s.to_owned())
+    };
+    Ok(EtcdAuth { username: required(a, f, "username", part)?, password: required(a, f, "password", part)? })
+}
+
+/// `store.shards`: 1 to `MAX_SHARDS` distinct clusters. A record's shard is chosen by hashing
+/// with the cluster's name, so a cluster listed twice would be one etcd holding two shards'
+/// records under one name: refused.
+fn shards(v: &Value, path: &str) -> Res<Vec<EtcdShard>> {
+    let items = array(v, path)?;
+    if items.is_empty() || items.len() > MAX_SHARDS {
+        return Err(err(path, format!("expected 1 to {MAX_SHARDS} shards, got {}", items.len())));
+    }
+    let mut out: Vec<EtcdShard> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let p = index(path, i);
+        let o = object(item, &p, &["cluster", "authority", "auth"])?;
+        let cluster = required(o, &p, "cluster", cluster_name)?;
+        if let Some(first) = out.iter().position(|s| s.cluster == cluster) {
+            return Err(err(&key(&p, "cluster"), format!("{cluster:?} is shard {first}'s cluster already")));
+        }
+        let authority = optional(o, &p, "authority", |v, f| {
+            let s = string(v, f)?;
+            if s.is_empty()
+                || s.len() > 255
+                || !s.bytes().all(|b| b.is_ascii_graphic() && b != b'|' && b != b'/')
+            {
+                return Err(err(f, "expected a host name (etcd's HTTP server refuses an invalid one)"));
+            }
+            Ok(s.to_owned())
+        })?
+        .unwrap_or_else(|| DEFAULT_AUTHORITY.to_string());
+        let auth = optional(o, &p, "auth", |v, f| credentials(object(v, f, &["username", "password"])?, f))?;
+        out.push(EtcdShard { cluster, authority, auth });
+    }
+    Ok(out)
 }

@@ -927,6 +927,102 @@ fn rejects_bad_etcd_configs_naming_the_field() {
     }
 }
 
+fn sharded(store_fields: &str) -> String {
+    format!(
+        r#"{{"store":{{"type":"etcd"{store_fields}}},"routes":[{{"name":"a","match":{{"prefix":"/"}}}}]}}"#
+    )
+}
+
+#[test]
+fn rejects_bad_shard_lists_naming_the_field() {
+    let shard = |c: &str| format!(r#"{{"cluster":"{c}"}}"#);
+    let many = (0..=etcd::MAX_SHARDS).map(|i| shard(&format!("etcd-{i}"))).collect::<Vec<_>>().join(",");
+    let cases: Vec<(&str, String, &str, &str)> = vec![
+        ("neither cluster nor shards", sharded(""), "store.cluster", "store.shards"),
+        ("an empty list", sharded(r#","shards":[]"#), "store.shards", "1 to 32 shards, got 0"),
+        ("over the bound", sharded(&format!(r#","shards":[{many}]"#)), "store.shards", "got 33"),
+        ("not a list", sharded(r#","shards":"etcd-a""#), "store.shards", "array"),
+        (
+            "a duplicate cluster",
+            sharded(r#","shards":[{"cluster":"etcd-a"},{"cluster":"etcd-b"},{"cluster":"etcd-a"}]"#),
+            "store.shards[2].cluster",
+            "shard 0's cluster",
+        ),
+        (
+            "cluster and shards together",
+            sharded(r#","cluster":"etcd","shards":[{"cluster":"etcd-a"}]"#),
+            "store.shards",
+            "together",
+        ),
+        (
+            "a shard without its cluster",
+            sharded(r#","shards":[{"authority":"etcd"}]"#),
+            "store.shards[0].cluster",
+            "required",
+        ),
+        ("an empty cluster", sharded(r#","shards":[{"cluster":""}]"#), "store.shards[0].cluster", "cluster"),
+        (
+            "an unknown shard field",
+            sharded(r#","shards":[{"cluster":"a","prefix":"/x/"}]"#),
+            "store.shards[0].prefix",
+            "unknown",
+        ),
+        (
+            "an Istio cluster name as authority",
+            sharded(r#","shards":[{"cluster":"a","authority":"outbound|2379||etcd"}]"#),
+            "store.shards[0].authority",
+            "host name",
+        ),
+        (
+            "a shard's auth with a timeout (the store's alone)",
+            sharded(r#","shards":[{"cluster":"a","auth":{"username":"u","password":"p","timeout":"1s"}}]"#),
+            "store.shards[0].auth.timeout",
+            "unknown",
+        ),
+        (
+            "a shard's auth without its password",
+            sharded(r#","shards":[{"cluster":"a","auth":{"username":"u"}}]"#),
+            "store.shards[0].auth.password",
+            "required",
+        ),
+    ];
+    for (name, json, field, reason) in cases {
+        match parse_str(&json) {
+            Err(e) => {
+                assert_eq!(e.field, field, "{name}: {json}: {e}");
+                assert!(e.reason.contains(reason), "{name}: {e}");
+            }
+            Ok(c) => unreachable!("{name}: {json} parsed: {c:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_shard_list_parses_each_shard_with_the_stores_credentials_unless_its_own() {
+    let json = sharded(
+        r#","auth":{"username":"idem","password":"pw"},"prefix":"/p/","shards":[{"cluster":"etcd-a"},{"cluster":"etcd-b","authority":"etcd-b.db","auth":{"username":"b","password":"bpw"}}]"#,
+    );
+    let settings = match parse_str(&json) {
+        Ok(Config { store: StoreConfig::Etcd(settings), .. }) => settings,
+        other => unreachable!("{other:?}"),
+    };
+    let store_auth = Some(EtcdAuth { username: "idem".into(), password: "pw".into() });
+    let each = settings.shard_settings();
+    assert_eq!(each.len(), 2);
+    assert_eq!((each[0].cluster.as_str(), each[0].authority.as_str()), ("etcd-a", "etcd"));
+    assert_eq!(each[0].auth, store_auth);
+    assert_eq!((each[1].cluster.as_str(), each[1].authority.as_str()), ("etcd-b", "etcd-b.db"));
+    assert_eq!(each[1].auth, Some(EtcdAuth { username: "b".into(), password: "bpw".into() }));
+    assert!(each.iter().all(|s| s.prefix == "/p/" && s.shards.is_empty()));
+    // The store's own fields are its first shard's.
+    assert_eq!((settings.cluster.as_str(), &settings.auth), ("etcd-a", &store_auth));
+    // One cluster: one shard, the store itself.
+    match parse_str(&etcd("", "")) {
+        Ok(Config { store: StoreConfig::Etcd(one), .. }) => assert_eq!(one.shard_settings(), vec![one]),
+        other => unreachable!("{other:?}"),
+    }
+}
+
 #[test]
 fn wait_mode_is_accepted_with_the_etcd_store() {
     let c = match parse_str(&etcd("", r#""concurrent":"wait","wait_timeout":"3s""#)) {
@@ -948,6 +1044,7 @@ fn etcd_store_parses_with_defaults_and_in_full() {
         settings(&etcd("", "")),
         Some(EtcdSettings {
             cluster: "etcd".into(),
+            authority: "etcd".into(),
             prefix: "/idempotency/".into(),
             timeout_ms: 250,
             on_error: OnStoreError::FailClosed,
@@ -955,6 +1052,7 @@ fn etcd_store_parses_with_defaults_and_in_full() {
             auth_timeout_ms: 2_000,
             replay_cache: None,
             protocol: Protocol::Json,
+            shards: Vec::new(),
         })
     );
     let full = etcd(
@@ -965,6 +1063,7 @@ fn etcd_store_parses_with_defaults_and_in_full() {
         settings(&full),
         Some(EtcdSettings {
             cluster: "etcd".into(),
+            authority: "etcd".into(),
             prefix: "/shop/idem/".into(),
             timeout_ms: 1_000,
             on_error: OnStoreError::FailOpen,
@@ -972,6 +1071,7 @@ fn etcd_store_parses_with_defaults_and_in_full() {
             auth_timeout_ms: 5_000,
             replay_cache: None,
             protocol: Protocol::Grpc,
+            shards: Vec::new(),
         })
     );
     // The local store keeps no etcd settings, and wait mode and large bodies stay its own.

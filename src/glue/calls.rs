@@ -132,6 +132,9 @@ pub struct RootCalls {
     pub queued: Vec<RootCall>,
     /// Waiting for the answer to the callout with this token.
     pub in_flight: HashMap<u32, RootCall>,
+    /// The shard each store call in flight went to when not shard 0 (`Request::shard`), to
+    /// count its failure: (token, shard).
+    pub shard_of: Vec<(u32, u8)>,
     /// Settlements the store failed, each started again at its `retry.due_ms`.
     pub retrying: Vec<RootSettlement>,
     /// Waiting for what another conversation fetches (`remote::Next::Wait`: the etcd token).

@@ -38,7 +38,7 @@ pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<HeldFlow>) {
     let now_ms = plugin.host.now_ms();
     let owner = plugin.owner_token(context_id);
     // Watched records wake their waiters: those poll only as a fallback.
-    let watched = plugin.store.watch().is_some_and(|watch| watch.is_live(&w.scope));
+    let watched = plugin.store.watch(&w.scope).is_some_and(|watch| watch.is_live(&w.scope));
     let Some(HeldFlow { mut flow, handle }) = plugin.room.borrow_mut().start_check(Waiter { watched, ..w })
     else {
         return;
@@ -59,13 +59,14 @@ pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<HeldFlow>) {
 /// Once a second: ends the watches no waiter of this worker needs any more, and opens the
 /// watch stream again when it is due.
 pub(super) fn tend_watch<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
-    let Some(watch) = plugin.store.watch() else { return };
-    let cancels = {
-        let room = plugin.room.borrow();
-        watch.tidy(&|scope| room.waits_on(scope))
-    };
-    plugin.send_watch(watch, &cancels, now_ms);
-    plugin.open_watch(watch, now_ms);
+    for watch in plugin.store.watches() {
+        let cancels = {
+            let room = plugin.room.borrow();
+            watch.tidy(&|scope| room.waits_on(scope))
+        };
+        plugin.send_watch(watch, &cancels, now_ms);
+        plugin.open_watch(watch, now_ms);
+    }
 }
 
 /// Starts what streams handed over since the root last ran; from here on the root owns their

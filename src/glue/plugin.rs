@@ -11,10 +11,14 @@ use crate::config::{self, Config, Execution, Rule, StoreConfig, UnknownOutcome};
 use crate::detached;
 use crate::flow::{LaterLookup, LeaseEnd, ParkPlan, RequestFlow, Settlement};
 use crate::identity::scope::ScopeId;
-use crate::metrics::{Counter, ADMIN_METRIC_PREFIX, SWEPT_METRIC, UNMATCHED_METRIC, WATCH_ENDED_METRIC};
+use crate::metrics::{
+    store_calls_failed_metric, Counter, ADMIN_METRIC_PREFIX, SWEPT_METRIC, UNMATCHED_METRIC,
+    WATCH_ENDED_METRIC,
+};
 use crate::reconcile::{self, LookupGate};
 use crate::splitmix::splitmix64;
 use crate::store::etcd::remote::EtcdRemote;
+use crate::store::etcd::shards::EtcdShards;
 use crate::store::etcd::EtcdStore;
 use crate::store::local::LocalStore;
 use crate::store::remote::Conversation;
@@ -44,12 +48,14 @@ pub struct Metrics {
     unmatched: Option<u32>,
     swept: Option<u32>,
     watch_ended: Option<u32>,
+    /// A remote store's failed calls, by shard (`Request::shard`).
+    calls_failed: Vec<Option<u32>>,
     /// An admin instance's requests, by `admin::Action` (none elsewhere).
     admin: Vec<Option<u32>>,
 }
 
 impl Metrics {
-    fn define<H: Host>(host: &H, rules: &[Rc<Rule>], admin: bool) -> Metrics {
+    fn define<H: Host>(host: &H, rules: &[Rc<Rule>], admin: bool, store: &dyn Store) -> Metrics {
         let define = |name: String| match host.define_counter(&name) {
             Ok(id) => Some(id),
             Err(e) => {
@@ -70,6 +76,10 @@ impl Metrics {
             // Defined whatever the store, as the sweep's is: a family that is always there (at 0
             // where nothing watches) lets one dashboard and one alert serve every fleet.
             watch_ended: define(WATCH_ENDED_METRIC.to_string()),
+            calls_failed: (0..=u8::MAX)
+                .map_while(|shard| store.remote_for(shard))
+                .map(|remote| define(store_calls_failed_metric(&remote.cluster)))
+                .collect(),
             admin: if admin {
                 crate::admin::Action::ALL
                     .iter()
@@ -164,14 +174,26 @@ impl<H: Host> PluginState<H> {
         });
         let now_ms = host.now_ms();
         let remote_store = |remote: Box<dyn Store>| {
-            let cluster = remote.remote().map(|r| r.cluster.as_str()).unwrap_or_default();
-            log::info!("configured {} route rule(s); remote store on cluster {cluster}", config.rules.len());
+            let clusters: Vec<&str> = (0..=u8::MAX)
+                .map_while(|shard| remote.remote_for(shard))
+                .map(|r| r.cluster.as_str())
+                .collect();
+            log::info!(
+                "configured {} route rule(s); remote store on cluster{} {}",
+                config.rules.len(),
+                if clusters.len() == 1 { "" } else { "s" },
+                clusters.join(", ")
+            );
             remote
         };
         let store: Box<dyn Store> = match (remote, &config.store) {
             (Some(remote), _) => remote_store(remote),
+            (None, StoreConfig::Etcd(settings)) if settings.shards.len() > 1 => {
+                remote_store(Box::new(EtcdShards::new(settings)))
+            }
             (None, StoreConfig::Etcd(settings)) => {
-                remote_store(Box::new(EtcdRemote::new(EtcdStore::new(settings.clone()))))
+                let one = settings.shard_settings().into_iter().next().unwrap_or_else(|| settings.clone());
+                remote_store(Box::new(EtcdRemote::new(EtcdStore::new(one))))
             }
             (None, StoreConfig::Local { capacity }) => {
                 // An abandoned claim evicted for room would let its retry execute with no
@@ -216,7 +238,7 @@ impl<H: Host> PluginState<H> {
         };
         let room = RefCell::new(WaitRoom::new(config.max_waiters_per_key, config.max_waiters));
         Ok(PluginState {
-            metrics: Metrics::define(&host, &config.rules, config.admin.is_some()),
+            metrics: Metrics::define(&host, &config.rules, config.admin.is_some(), store.as_ref()),
             host,
             config,
             store,
@@ -278,6 +300,13 @@ impl<H: Host> PluginState<H> {
 
     /// Counted at once, not batched to the tick: it is rare, and the moment it happens is what
     /// an operator looks for.
+    /// A call to the store's `shard` failed (no answer, a refusal, an error status).
+    pub fn count_call_failed(&self, shard: u8) {
+        if let Some(id) = self.metrics.calls_failed.get(usize::from(shard)).copied().flatten() {
+            self.host.increment(id, 1);
+        }
+    }
+
     fn count_watch_ended(&self) {
         if let Some(id) = self.metrics.watch_ended {
             self.host.increment(id, 1);
@@ -340,7 +369,7 @@ impl<H: Host> PluginState<H> {
     /// Asks the remote store to watch a record a waiter of this worker waits on (etcd over
     /// gRPC), opening the worker's watch stream first if there is none.
     pub fn watch_record(&self, scope: &ScopeId, now_ms: u64) {
-        let Some(watch) = self.store.watch() else { return };
+        let Some(watch) = self.store.watch(scope) else { return };
         match watch.want(scope) {
             Some(create) => self.send_watch(watch, &[create], now_ms),
             None => self.open_watch(watch, now_ms),

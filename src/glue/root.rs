@@ -177,7 +177,9 @@ impl<H: Host> Root<H> {
     /// A message on the worker's watch stream: the records that changed wake their waiters.
     pub fn on_grpc_receive(&mut self, token: u32, size: usize) {
         let Some(plugin) = self.plugin.clone() else { return };
-        let Some(watch) = plugin.store.watch().filter(|w| w.token() == Some(token)) else { return };
+        let Some(watch) = plugin.store.watches().into_iter().find(|w| w.token() == Some(token)) else {
+            return;
+        };
         let now_ms = self.host.now_ms();
         let message = match self.host.buffer(BUFFER_GRPC_RECEIVE, 0, size) {
             Ok(m) => m,
@@ -213,7 +215,9 @@ impl<H: Host> Root<H> {
     /// again.
     pub fn on_grpc_close(&mut self, token: u32, status: u32) {
         let Some(plugin) = self.plugin.clone() else { return };
-        let Some(watch) = plugin.store.watch().filter(|w| w.token() == Some(token)) else { return };
+        let Some(watch) = plugin.store.watches().into_iter().find(|w| w.token() == Some(token)) else {
+            return;
+        };
         log::debug!("watch stream {token} closed (grpc-status {status}); waiters poll");
         let now_ms = self.host.now_ms();
         plugin.watch_ended(watch.closed(now_ms), now_ms);
@@ -243,7 +247,16 @@ impl<H: Host> Root<H> {
             call => call,
         };
         let Some(settings) = plugin.store.remote() else { return };
-        match (call, remote::read_answer(&plugin.host, body_size, settings.protocol)) {
+        let answer = remote::read_answer(&plugin.host, body_size, settings.protocol);
+        let shard = {
+            let mut calls = plugin.calls.borrow_mut();
+            let at = calls.shard_of.iter().position(|(t, _)| *t == token);
+            at.map_or(0, |at| calls.shard_of.swap_remove(at).1)
+        };
+        if !answer.as_ref().is_ok_and(|a| a.succeeded()) {
+            plugin.count_call_failed(shard);
+        }
+        match (call, answer) {
             (RootCall::Begin(begin), Ok(answer)) => converse_begin(&plugin, begin, Some(answer)),
             (RootCall::Begin(begin), Err(error)) => begin_failed(&plugin, begin, error, Sent::Yes),
             (RootCall::Settle(settle), Ok(answer)) => converse(&plugin, settle, Some(answer)),

@@ -82,13 +82,25 @@ pub(super) fn call_store<H: Host>(
     context_id: u32,
     request: &Request,
 ) -> Result<u32, StoreError> {
-    let Some(settings) = plugin.store.remote() else {
-        return Err(StoreError::Unavailable("a store that answers in place asked for a call".into()));
+    let Some(settings) = plugin.store.remote_for(request.shard) else {
+        return Err(StoreError::Unavailable(format!(
+            "a call to shard {}, which the store lacks",
+            request.shard
+        )));
     };
-    remote::dispatch(&plugin.host, settings, request).map_err(|HostError(s)| {
-        log::warn!("#{context_id} callout to cluster {} refused (host status {s})", settings.cluster);
-        StoreError::Unavailable(format!("callout refused (host status {s})"))
-    })
+    match remote::dispatch(&plugin.host, settings, request) {
+        Ok(token) => {
+            if request.shard != 0 {
+                plugin.calls.borrow_mut().shard_of.push((token, request.shard));
+            }
+            Ok(token)
+        }
+        Err(HostError(s)) => {
+            log::warn!("#{context_id} callout to cluster {} refused (host status {s})", settings.cluster);
+            plugin.count_call_failed(request.shard);
+            Err(StoreError::Unavailable(format!("callout refused (host status {s})")))
+        }
+    }
 }
 
 /// What a failed store means for a request: the remote store's fail mode (an in-place store

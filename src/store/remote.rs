@@ -31,6 +31,14 @@ pub struct Answer {
     pub grpc: Option<GrpcStatus>,
 }
 
+impl Answer {
+    /// Whether the store answered the call as it answers one it carried out: an HTTP 200, and
+    /// over gRPC a `grpc-status` of 0 (a compare that failed is such an answer).
+    pub fn succeeded(&self) -> bool {
+        self.status == Some(200) && self.grpc.as_ref().is_none_or(|g| g.code == 0)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GrpcStatus {
     pub code: u32,
@@ -46,6 +54,8 @@ pub struct Request {
     pub token: Option<String>,
     /// This call's timeout, when not the store's `timeout_ms` (the etcd token fetch has its own).
     pub timeout_ms: Option<u32>,
+    /// The shard it goes to (`Store::remote_for`): 0 for a store of one.
+    pub shard: u8,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

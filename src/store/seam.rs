@@ -65,6 +65,12 @@ pub trait Store {
     /// How to reach a store across the network; None: it answers in place, and never starts a
     /// conversation.
     fn remote(&self) -> Option<&RemoteSettings> {
+        self.remote_for(0)
+    }
+    /// How to reach one shard of a store kept in several (`Request::shard`); shard 0 of a store
+    /// of one is the store. What the shards share (protocol, timeout, fail mode) is the same in
+    /// each.
+    fn remote_for(&self, _shard: u8) -> Option<&RemoteSettings> {
         None
     }
     /// How long past a claim's lease its record stays its owner's: nobody else settles it
@@ -84,10 +90,14 @@ pub trait Store {
     fn take_woken(&self) -> bool {
         false
     }
-    /// A watch on the records this worker's waiters wait on, when the store offers one: their
-    /// changes wake the waiters, who otherwise poll.
-    fn watch(&self) -> Option<&dyn Watch> {
+    /// The watch on `scope`'s record, when the store offers one: a change of it wakes its
+    /// waiters, who otherwise poll.
+    fn watch(&self, _scope: &ScopeId) -> Option<&dyn Watch> {
         None
+    }
+    /// Every watch stream of the store (one per shard at most), for the root to keep open.
+    fn watches(&self) -> Vec<&dyn Watch> {
+        Vec::new()
     }
 }
 

@@ -244,6 +244,7 @@ fn scope_id(scope: u8) -> ScopeId {
 fn settings() -> EtcdSettings {
     EtcdSettings {
         cluster: "etcd".into(),
+        authority: "etcd".into(),
         prefix: "/idem/".into(),
         timeout_ms: 250,
         on_error: OnStoreError::FailClosed,
@@ -251,6 +252,7 @@ fn settings() -> EtcdSettings {
         auth_timeout_ms: 2_000,
         replay_cache: None,
         protocol: Protocol::Json,
+        shards: Vec::new(),
     }
 }
 

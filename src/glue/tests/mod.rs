@@ -14,12 +14,14 @@ mod reconcile;
 mod remote;
 mod remote_grpc;
 mod remote_wait;
+mod shards;
 mod wait;
 
 use super::fake_host::{FakeHost, HostCall};
 use super::http::Http;
 use super::root::Root;
 use crate::flow::Verdict;
+use crate::identity::scope::ScopeId;
 use crate::store::etcd::watch::RecordWatch;
 use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, Request};
 use crate::store::seam::{Started, Store, Watch};
@@ -191,6 +193,7 @@ impl Conversation for OneCall {
                 body: b"{}".to_vec(),
                 token: None,
                 timeout_ms: None,
+                shard: 0,
             });
         };
         let error = StoreError::Unavailable(format!("answer {:?}", answer.status));
@@ -215,15 +218,18 @@ impl Conversation for OneCall {
 }
 
 impl Store for Scripted {
-    fn remote(&self) -> Option<&RemoteSettings> {
-        Some(&self.settings)
+    fn remote_for(&self, shard: u8) -> Option<&RemoteSettings> {
+        (shard == 0).then_some(&self.settings)
     }
     /// As etcd's: a claim is held through its completion's retry window, one lease more.
     fn held_past_lease_ms(&self, lease_ms: u64) -> u64 {
         lease_ms
     }
-    fn watch(&self) -> Option<&dyn Watch> {
+    fn watch(&self, _scope: &ScopeId) -> Option<&dyn Watch> {
         self.watch.as_ref().map(|w| w as &dyn Watch)
+    }
+    fn watches(&self) -> Vec<&dyn Watch> {
+        self.watch.iter().map(|w| w as &dyn Watch).collect()
     }
     fn start(&self, op: StoreOp, now: &dyn Fn() -> u64) -> Started {
         self.ops.borrow_mut().push(op.clone());

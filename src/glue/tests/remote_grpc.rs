@@ -28,6 +28,7 @@ fn sent_headers(protocol: Protocol) -> Vec<(String, String)> {
         body: vec![0; 5],
         token: Some("tok".into()),
         timeout_ms: None,
+        shard: 0,
     };
     dispatch(&h, &settings(protocol), &request).expect("dispatched");
     match h.dispatches().pop() {

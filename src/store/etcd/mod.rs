@@ -20,6 +20,7 @@ mod leases;
 mod quota;
 mod records;
 pub mod remote;
+pub mod shards;
 mod stage;
 pub mod watch;
 mod wire;
@@ -44,7 +45,7 @@ pub use crate::config::etcd::{EtcdAuth, EtcdSettings, OnStoreError, Protocol};
 /// after `timeout_ms` (Envoy reads 0 as no timeout: at least 1 ms).
 pub(super) fn etcd_call(call: wire::Call, token: Option<String>, timeout_ms: u64) -> Next {
     let timeout_ms = Some(u32::try_from(timeout_ms).unwrap_or(u32::MAX).max(1));
-    Next::Call(Request { path: call.path, body: call.body, token, timeout_ms })
+    Next::Call(Request { path: call.path, body: call.body, token, timeout_ms, shard: 0 })
 }
 
 /// Per worker (one per root context): the leases granted per expiry window and the auth token.

@@ -5,14 +5,11 @@
 use super::watch::RecordWatch;
 use super::{EtcdConversation, EtcdStore};
 use crate::config::etcd::Protocol;
+use crate::identity::scope::ScopeId;
 use crate::store::remote::{Answer, Conversation, Next, RemoteSettings};
 use crate::store::seam::{Started, Store, Watch};
 use crate::store::{Claim, StoreOp};
 use std::rc::Rc;
-
-/// What the calls to etcd name as `:authority`: etcd reads no host (gateway or gRPC), but Go's
-/// HTTP server refuses an invalid one (an Istio cluster name such as `outbound|2379||etcd...` is).
-pub const ETCD_AUTHORITY: &str = "etcd";
 
 pub struct EtcdRemote {
     store: Rc<EtcdStore>,
@@ -26,7 +23,7 @@ impl EtcdRemote {
         let s = store.settings();
         let settings = RemoteSettings {
             cluster: s.cluster.clone(),
-            authority: ETCD_AUTHORITY.to_string(),
+            authority: s.authority.clone(),
             // Envoy reads 0 as "no timeout": a call is always bounded.
             timeout_ms: u32::try_from(s.timeout_ms).unwrap_or(u32::MAX).max(1),
             on_error: s.on_error,
@@ -34,7 +31,7 @@ impl EtcdRemote {
         };
         let store = Rc::new(store);
         let watch = match settings.protocol {
-            Protocol::Grpc => Some(RecordWatch::new(Rc::clone(&store), ETCD_AUTHORITY)),
+            Protocol::Grpc => Some(RecordWatch::new(Rc::clone(&store), &settings.authority)),
             Protocol::Json => None,
         };
         EtcdRemote { store, settings, watch }
@@ -47,8 +44,8 @@ impl Store for EtcdRemote {
         let bound = Bound { store: Rc::clone(&self.store), conversation: self.store.start(op) };
         Started::first_step(Box::new(bound), now())
     }
-    fn remote(&self) -> Option<&RemoteSettings> {
-        Some(&self.settings)
+    fn remote_for(&self, shard: u8) -> Option<&RemoteSettings> {
+        (shard == 0).then_some(&self.settings)
     }
     fn held_past_lease_ms(&self, lease_ms: u64) -> u64 {
         super::leases::held_past_lease_ms(lease_ms)
@@ -56,8 +53,11 @@ impl Store for EtcdRemote {
     fn take_woken(&self) -> bool {
         self.store.take_fetch_ended()
     }
-    fn watch(&self) -> Option<&dyn Watch> {
+    fn watch(&self, _scope: &ScopeId) -> Option<&dyn Watch> {
         self.watch.as_ref().map(|w| w as &dyn Watch)
+    }
+    fn watches(&self) -> Vec<&dyn Watch> {
+        self.watch.iter().map(|w| w as &dyn Watch).collect()
     }
 }
 

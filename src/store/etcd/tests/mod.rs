@@ -119,6 +119,7 @@ fn ok(body: String) -> Canned {
 pub(crate) fn settings(auth: Option<EtcdAuth>) -> EtcdSettings {
     EtcdSettings {
         cluster: "etcd".into(),
+        authority: "etcd".into(),
         prefix: "/idem/".into(),
         timeout_ms: 250,
         on_error: OnStoreError::FailClosed,
@@ -126,6 +127,7 @@ pub(crate) fn settings(auth: Option<EtcdAuth>) -> EtcdSettings {
         auth_timeout_ms: 2_000,
         replay_cache: None,
         protocol: Default::default(),
+        shards: Vec::new(),
     }
 }
 

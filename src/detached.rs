@@ -243,7 +243,8 @@ mod tests {
         call_headers(&rule.path, rewrite, request)
     }
 
-    const CLAIM: Claim = Claim { scope: ScopeId([1; 32]), owner: 7, locator: 3, written: None };
+    const CLAIM: Claim =
+        Claim { scope: ScopeId([1; 32]), owner: 7, locator: 3, written: None, shard: 0, old_home: None };
 
     #[test]
     fn the_call_carries_the_clients_head_without_connection_headers() {

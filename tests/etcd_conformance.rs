@@ -177,6 +177,7 @@ fn settings(prefix: &str) -> EtcdSettings {
         replay_cache: None,
         protocol: Default::default(),
         shards: Vec::new(),
+        previous_shards: Vec::new(),
     }
 }
 

@@ -70,6 +70,9 @@ pub struct EtcdSettings {
     /// `store.shards`: every shard, each its own etcd cluster, in the configured order; empty
     /// when `store.cluster` names the one cluster. `shard_settings` gives each its settings.
     pub shards: Vec<EtcdShard>,
+    /// `store.previous_shards`: while the shard list changes, the list before the change
+    /// (docs/ETCD.md, Shards); empty otherwise.
+    pub previous_shards: Vec<EtcdShard>,
 }
 
 /// One etcd cluster of `store.shards`: what differs from shard to shard. A record's shard is
@@ -96,9 +99,20 @@ impl EtcdSettings {
                 authority: shard.authority.clone(),
                 auth: shard.auth.clone(),
                 shards: Vec::new(),
+                previous_shards: Vec::new(),
                 ..self.clone()
             })
             .collect()
+    }
+
+    /// The settings of each shard of the previous list, as `shard_settings`; none when no
+    /// change is under way.
+    pub fn previous_shard_settings(&self) -> Vec<EtcdSettings> {
+        if self.previous_shards.is_empty() {
+            return Vec::new();
+        }
+        EtcdSettings { shards: self.previous_shards.clone(), previous_shards: Vec::new(), ..self.clone() }
+            .shard_settings()
     }
 }
 
@@ -163,9 +177,20 @@ pub(super) fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
     reject_unknown(
         o,
         path,
-        &["type", "cluster", "shards", "prefix", "timeout", "on_error", "auth", "replay_cache", "protocol"],
+        &[
+            "type",
+            "cluster",
+            "shards",
+            "previous_shards",
+            "prefix",
+            "timeout",
+            "on_error",
+            "auth",
+            "replay_cache",
+            "protocol",
+        ],
     )?;
-    let shards = optional(o, path, "shards", shards)?.unwrap_or_default();
+    let shards = optional(o, path, "shards", shard_list)?.unwrap_or_default();
     let cluster = match (shards.first(), o.iter().any(|(k, _)| k == "cluster")) {
         (Some(_), true) => {
             return Err(err(
@@ -213,11 +238,24 @@ pub(super) fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
         }
         credentials(a, f)
     })?;
+    let previous_shards = optional(o, path, "previous_shards", shard_list)?.unwrap_or_default();
+    if !previous_shards.is_empty() && o.iter().all(|(k, _)| k != "shards") {
+        return Err(err(&key(path, "previous_shards"), "only with store.shards (the list it changes to)"));
+    }
     // A shard without credentials of its own uses the store's.
-    let shards = shards
-        .into_iter()
-        .map(|s| EtcdShard { auth: s.auth.or_else(|| auth.clone()), ..s })
-        .collect::<Vec<_>>();
+    let own = |list: Vec<EtcdShard>| -> Vec<EtcdShard> {
+        list.into_iter().map(|s| EtcdShard { auth: s.auth.or_else(|| auth.clone()), ..s }).collect()
+    };
+    let (shards, previous_shards) = (own(shards), own(previous_shards));
+    // A cluster on both lists is one etcd: reached one way.
+    for (i, before) in previous_shards.iter().enumerate() {
+        if shards.iter().any(|now| now.cluster == before.cluster && now != before) {
+            return Err(err(
+                &index(&key(path, "previous_shards"), i),
+                format!("{:?} is on store.shards with another authority or auth: one cluster, one way to reach it", before.cluster),
+            ));
+        }
+    }
     let (authority, auth) = match shards.first() {
         Some(first) => (first.authority.clone(), first.auth.clone()),
         None => (DEFAULT_AUTHORITY.to_string(), auth),
@@ -252,6 +290,7 @@ pub(super) fn etcd_settings(o: &Obj, path: &str) -> Res<EtcdSettings> {
         replay_cache,
         protocol,
         shards,
+        previous_shards,
     })
 }
 
@@ -285,7 +324,7 @@ fn credentials(a: &Obj, f: &str) -> Res<EtcdAuth> {
 /// `store.shards`: 1 to `MAX_SHARDS` distinct clusters. A record's shard is chosen by hashing
 /// with the cluster's name, so a cluster listed twice would be one etcd holding two shards'
 /// records under one name: refused.
-fn shards(v: &Value, path: &str) -> Res<Vec<EtcdShard>> {
+fn shard_list(v: &Value, path: &str) -> Res<Vec<EtcdShard>> {
     let items = array(v, path)?;
     if items.is_empty() || items.len() > MAX_SHARDS {
         return Err(err(path, format!("expected 1 to {MAX_SHARDS} shards, got {}", items.len())));

@@ -147,6 +147,8 @@ pub enum Concurrency {
 
 /// Where records live: the store says which one it is, and carries only its own settings.
 #[derive(Debug, Clone, PartialEq)]
+// Read once per configuration: the etcd settings' size costs nothing per request.
+#[allow(clippy::large_enum_variant)]
 pub enum StoreConfig {
     /// Envoy's shared data: one Envoy process, all its workers.
     Local { capacity: u32 },

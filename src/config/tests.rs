@@ -980,6 +980,30 @@ fn rejects_bad_shard_lists_naming_the_field() {
             "unknown",
         ),
         (
+            "previous_shards with store.cluster",
+            sharded(r#","cluster":"etcd","previous_shards":[{"cluster":"etcd-a"}]"#),
+            "store.previous_shards",
+            "only with store.shards",
+        ),
+        (
+            "an empty previous list",
+            sharded(r#","shards":[{"cluster":"a"}],"previous_shards":[]"#),
+            "store.previous_shards",
+            "got 0",
+        ),
+        (
+            "a cluster twice in the previous list",
+            sharded(r#","shards":[{"cluster":"a"}],"previous_shards":[{"cluster":"b"},{"cluster":"b"}]"#),
+            "store.previous_shards[1].cluster",
+            "shard 0's cluster",
+        ),
+        (
+            "one cluster reached two ways",
+            sharded(r#","shards":[{"cluster":"a"}],"previous_shards":[{"cluster":"a","authority":"other"}]"#),
+            "store.previous_shards[0]",
+            "one cluster, one way",
+        ),
+        (
             "a shard's auth without its password",
             sharded(r#","shards":[{"cluster":"a","auth":{"username":"u"}}]"#),
             "store.shards[0].auth.password",
@@ -1016,6 +1040,19 @@ fn a_shard_list_parses_each_shard_with_the_stores_credentials_unless_its_own() {
     assert!(each.iter().all(|s| s.prefix == "/p/" && s.shards.is_empty()));
     // The store's own fields are its first shard's.
     assert_eq!((settings.cluster.as_str(), &settings.auth), ("etcd-a", &store_auth));
+    // A change under way: the previous list's shards, each as the current list's would be.
+    let json = sharded(
+        r#","shards":[{"cluster":"etcd-a"},{"cluster":"etcd-b"},{"cluster":"etcd-c"}],"previous_shards":[{"cluster":"etcd-a"},{"cluster":"etcd-b"}]"#,
+    );
+    match parse_str(&json) {
+        Ok(Config { store: StoreConfig::Etcd(settings), .. }) => {
+            let before: Vec<String> =
+                settings.previous_shard_settings().into_iter().map(|s| s.cluster).collect();
+            assert_eq!(before, ["etcd-a", "etcd-b"]);
+            assert!(settings.shard_settings().iter().all(|s| s.previous_shards.is_empty()));
+        }
+        other => unreachable!("{other:?}"),
+    }
     // One cluster: one shard, the store itself.
     match parse_str(&etcd("", "")) {
         Ok(Config { store: StoreConfig::Etcd(one), .. }) => assert_eq!(one.shard_settings(), vec![one]),
@@ -1053,6 +1090,7 @@ fn etcd_store_parses_with_defaults_and_in_full() {
             replay_cache: None,
             protocol: Protocol::Json,
             shards: Vec::new(),
+            previous_shards: Vec::new(),
         })
     );
     let full = etcd(
@@ -1072,6 +1110,7 @@ fn etcd_store_parses_with_defaults_and_in_full() {
             replay_cache: None,
             protocol: Protocol::Grpc,
             shards: Vec::new(),
+            previous_shards: Vec::new(),
         })
     );
     // The local store keeps no etcd settings, and wait mode and large bodies stay its own.

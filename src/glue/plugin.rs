@@ -188,7 +188,9 @@ impl<H: Host> PluginState<H> {
         };
         let store: Box<dyn Store> = match (remote, &config.store) {
             (Some(remote), _) => remote_store(remote),
-            (None, StoreConfig::Etcd(settings)) if settings.shards.len() > 1 => {
+            (None, StoreConfig::Etcd(settings))
+                if settings.shards.len() > 1 || !settings.previous_shards.is_empty() =>
+            {
                 remote_store(Box::new(EtcdShards::new(settings)))
             }
             (None, StoreConfig::Etcd(settings)) => {

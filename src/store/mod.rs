@@ -75,6 +75,9 @@ pub struct RecordView {
     /// None: written before records carried their label.
     pub label: Option<Label>,
     pub snapshot: Option<Snapshot>,
+    /// The shard it was found on (`store.shards`; 0 for a store of one): a change is made
+    /// there.
+    pub shard: u8,
 }
 
 /// How an operator names a record: the tag the filter's logs and access logs print (the first
@@ -257,6 +260,20 @@ pub struct Claim {
     /// or deletes it and its quota index keys). None: the store reads the record (the local
     /// store always does).
     pub written: Option<Entry>,
+    /// The shard the claim is on (`store.shards`; 0 for a store of one).
+    pub shard: u8,
+    /// While the record's shard changes (`store.previous_shards`), the same claim on its old
+    /// home: settled there too, so that Envoys still reading the old home see its outcome.
+    pub old_home: Option<ShardClaim>,
+}
+
+/// A claim's part on another shard: where. Settled there as a claim whose record is read
+/// first (`Claim::written` None): a change of shards is rare and short, and the claim stays
+/// small.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardClaim {
+    pub shard: u8,
+    pub locator: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -253,6 +253,7 @@ fn settings() -> EtcdSettings {
         replay_cache: None,
         protocol: Protocol::Json,
         shards: Vec::new(),
+        previous_shards: Vec::new(),
     }
 }
 

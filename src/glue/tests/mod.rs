@@ -179,9 +179,14 @@ impl Conversation for OneCall {
     }
     fn unanswered_claim(&self) -> Option<Claim> {
         match &self.0 {
-            StoreOp::Begin(a) if self.2 => {
-                Some(Claim { scope: a.scope, owner: a.owner, locator: 0, written: None })
-            }
+            StoreOp::Begin(a) if self.2 => Some(Claim {
+                scope: a.scope,
+                owner: a.owner,
+                locator: 0,
+                written: None,
+                shard: 0,
+                old_home: None,
+            }),
             _ => None,
         }
     }
@@ -208,6 +213,8 @@ impl Conversation for OneCall {
                     // As etcd's claim carries the record it wrote: its lease's end bounds the
                     // completion's retries (`flow::Retry`).
                     written: Some(a.processing_entry(0, 0, 0, 0)),
+                    shard: 0,
+                    old_home: None,
                 }))))
             }
             StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),

@@ -164,9 +164,14 @@ impl EtcdConversation {
         let w = self.write.as_ref()?;
         let claims = matches!(w.won, Won::Claimed | Won::TookOver) && w.claim_lease != 0;
         match (self.stage, &w.record) {
-            (Stage::Write | Stage::Undo, Some((entry, _))) if claims => {
-                Some(Claim { scope: a.scope, owner: entry.owner, locator: UNANSWERED, written: Some(*entry) })
-            }
+            (Stage::Write | Stage::Undo, Some((entry, _))) if claims => Some(Claim {
+                scope: a.scope,
+                owner: entry.owner,
+                locator: UNANSWERED,
+                written: Some(*entry),
+                shard: 0,
+                old_home: None,
+            }),
             _ => None,
         }
     }
@@ -670,7 +675,8 @@ impl EtcdConversation {
                         return Ok(self.undo(store, entry, txn.revision, refusal));
                     }
                 }
-                let claim = Claim { scope: a.scope, owner: a.owner, locator, written };
+                let claim =
+                    Claim { scope: a.scope, owner: a.owner, locator, written, shard: 0, old_home: None };
                 Ok(Move::Begun(if won == Won::TookOver {
                     Begin::TookOver(claim)
                 } else {

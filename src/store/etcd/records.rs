@@ -134,6 +134,7 @@ impl EtcdConversation {
                 entry: e,
                 label: None,
                 snapshot: value.snapshot.filter(|_| q.detail),
+                shard: 0,
             });
         }
         scan.more = found.count > found.kvs.len() as i64;
@@ -218,6 +219,8 @@ impl EtcdConversation {
             owner: view.entry.owner,
             locator: view.locator,
             written: Some(written),
+            shard: 0,
+            old_home: None,
         };
         let settlement = match change {
             Amendment::Release { .. } => StoreOp::Release(claim),

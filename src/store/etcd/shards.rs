@@ -16,9 +16,12 @@ use super::EtcdStore;
 use crate::config::etcd::EtcdSettings;
 use crate::identity::scope::ScopeId;
 use crate::splitmix::splitmix64;
-use crate::store::remote::{Answer, Conversation, Next, RemoteSettings};
+use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, Request};
 use crate::store::seam::{Started, Store, Watch};
-use crate::store::{Claim, RecordId, RecordPage, RecordQuery, StoreAnswer, StoreError, StoreOp};
+use crate::store::{Begin, Claim, RecordId, RecordPage, RecordQuery, StoreAnswer, StoreError, StoreOp};
+
+pub mod moving;
+use moving::{Move, Moving};
 
 /// A shard's weight seed: its cluster's name, hashed (FNV-1a), so that a shard keeps its records
 /// wherever it stands in the list.
@@ -42,54 +45,116 @@ pub fn home(seeds: &[u64], scope: &ScopeId) -> usize {
     best.0
 }
 
+/// A shard list's shards: each one's index in the store's shards, and its weight seed.
+type List = Vec<(u8, u64)>;
+
+/// The shard of `list` that `scope`'s record lives on.
+fn home_in(list: &List, scope: &ScopeId) -> u8 {
+    let seeds: Vec<u64> = list.iter().map(|(_, seed)| *seed).collect();
+    list.get(home(&seeds, scope)).map_or(0, |(shard, _)| *shard)
+}
+
 pub struct EtcdShards {
+    /// Every shard of either list: the current list's, in its order, then the previous list's
+    /// other clusters.
     shards: Rc<Vec<EtcdRemote>>,
-    seeds: Vec<u64>,
+    current: List,
+    /// `store.previous_shards` (empty: no change under way).
+    previous: List,
 }
 
 impl EtcdShards {
-    /// A store over every shard of `settings` (at most `config::etcd::MAX_SHARDS`).
+    /// A store over every shard of `settings` and of its previous list (at most
+    /// `config::etcd::MAX_SHARDS` each).
     pub fn new(settings: &EtcdSettings) -> EtcdShards {
-        let each = settings.shard_settings();
-        let seeds = each.iter().map(|s| seed(&s.cluster)).collect();
-        let shards = each.into_iter().map(|s| EtcdRemote::new(EtcdStore::new(s))).collect();
-        EtcdShards { shards: Rc::new(shards), seeds }
+        let mut all: Vec<EtcdSettings> = Vec::new();
+        let mut list = |each: Vec<EtcdSettings>| -> List {
+            each.into_iter()
+                .map(|s| {
+                    let seed = seed(&s.cluster);
+                    let at = all.iter().position(|x| x.cluster == s.cluster).unwrap_or_else(|| {
+                        all.push(s);
+                        all.len() - 1
+                    });
+                    (shard_number(at), seed)
+                })
+                .collect()
+        };
+        let current = list(settings.shard_settings());
+        let previous = list(settings.previous_shard_settings());
+        let shards = all.into_iter().map(|s| EtcdRemote::new(EtcdStore::new(s))).collect();
+        EtcdShards { shards: Rc::new(shards), current, previous }
     }
 
     /// The shard `scope`'s record lives on.
-    pub fn home(&self, scope: &ScopeId) -> usize {
-        home(&self.seeds, scope)
+    pub fn home(&self, scope: &ScopeId) -> u8 {
+        home_in(&self.current, scope)
     }
 
-    /// The shard an operation is about; None: the admin API's look that every shard answers.
-    fn shard_of(&self, op: &StoreOp) -> Option<usize> {
-        let scope = match op {
-            StoreOp::Begin(attempt) => &attempt.scope,
-            StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => &claim.scope,
-            StoreOp::Amend { view, .. } => &view.scope,
-            StoreOp::Records(RecordQuery { id: Some(RecordId::Scope(scope)), .. }) => scope,
-            StoreOp::Records(_) => return None,
+    /// While the shard list changes, the shard `scope`'s record lived on by the previous list,
+    /// when it is another one.
+    pub fn old_home(&self, scope: &ScopeId) -> Option<u8> {
+        if self.previous.is_empty() {
+            return None;
+        }
+        Some(home_in(&self.previous, scope)).filter(|old| *old != self.home(scope))
+    }
+
+    /// `op` on one shard: its calls go there, its claims and records are that shard's.
+    fn on(&self, shard: u8, op: StoreOp, now: &dyn Fn() -> u64) -> Started {
+        let Some(store) = self.shards.get(usize::from(shard)) else {
+            return Started::Answered(StoreAnswer::failed(
+                &op,
+                StoreError::Unavailable("no such shard".into()),
+            ));
         };
-        Some(self.home(scope))
+        match store.start(op, now) {
+            Started::Conversation(conversation) => {
+                Started::Conversation(Box::new(OnShard { shard, conversation }))
+            }
+            Started::Answered(answer) => Started::Answered(on_shard(answer, shard)),
+        }
+    }
+
+    /// An operation of a record whose home moves, carried out step by step as `Moving` plans.
+    fn moving(&self, plan: Moving, first: Move, now: &dyn Fn() -> u64) -> Started {
+        let op = MovingOp { shards: Rc::clone(&self.shards), plan, next: Some(first), current: None };
+        Started::first_step(Box::new(op), now())
     }
 }
 
 impl Store for EtcdShards {
     fn start(&self, op: StoreOp, now: &dyn Fn() -> u64) -> Started {
-        let Some(i) = self.shard_of(&op) else {
-            return match look_through(Rc::clone(&self.shards), op) {
-                Ok(look) => Started::first_step(look, now()),
-                Err(refused) => Started::Answered(StoreAnswer::Records(Err(refused))),
-            };
-        };
-        let Some(shard) = self.shards.get(i) else {
-            return Started::Answered(StoreAnswer::failed(&op, StoreError::Unavailable("no shard".into())));
-        };
-        match shard.start(op, now) {
-            Started::Conversation(conversation) => {
-                Started::Conversation(Box::new(OnShard { shard: shard_number(i), conversation }))
+        let order = match &op {
+            StoreOp::Begin(attempt) => {
+                let new = self.home(&attempt.scope);
+                return match self.old_home(&attempt.scope) {
+                    Some(old) => {
+                        let (plan, first) = Moving::begin(attempt.clone(), old, new);
+                        self.moving(plan, first, now)
+                    }
+                    None => self.on(new, op, now),
+                };
             }
-            answered => answered,
+            StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => {
+                let shard = claim.shard;
+                return match Moving::settle(op.clone()) {
+                    Some((plan, first)) => self.moving(plan, first, now),
+                    None => self.on(shard, op, now),
+                };
+            }
+            // Where the look found it.
+            StoreOp::Amend { view, .. } => return self.on(view.shard, op, now),
+            StoreOp::Records(RecordQuery { id: Some(RecordId::Scope(scope)), .. }) => {
+                let mut order = vec![self.home(scope)];
+                order.extend(self.old_home(scope));
+                order
+            }
+            StoreOp::Records(_) => (0..self.shards.len()).map(shard_number).collect(),
+        };
+        match look_through(Rc::clone(&self.shards), order, op) {
+            Ok(look) => Started::first_step(look, now()),
+            Err(refused) => Started::Answered(StoreAnswer::Records(Err(refused))),
         }
     }
     fn remote_for(&self, shard: u8) -> Option<&RemoteSettings> {
@@ -103,7 +168,9 @@ impl Store for EtcdShards {
         self.shards.iter().fold(false, |woken, shard| shard.take_woken() | woken)
     }
     fn watch(&self, scope: &ScopeId) -> Option<&dyn Watch> {
-        self.shards.get(self.home(scope))?.watch(scope)
+        // While the home moves, a record in flight is first read on its old home.
+        let shard = self.old_home(scope).unwrap_or_else(|| self.home(scope));
+        self.shards.get(usize::from(shard))?.watch(scope)
     }
     fn watches(&self) -> Vec<&dyn Watch> {
         self.shards.iter().flat_map(|s| s.watches()).collect()
@@ -111,8 +178,27 @@ impl Store for EtcdShards {
 }
 
 fn shard_number(i: usize) -> u8 {
-    // `config` allows at most MAX_SHARDS (32) shards.
+    // `config` allows at most MAX_SHARDS (32) shards per list.
     u8::try_from(i).unwrap_or(u8::MAX)
+}
+
+/// An answer of one shard as the store's: its claims and records say which shard they are on.
+pub fn on_shard(answer: StoreAnswer, shard: u8) -> StoreAnswer {
+    match answer {
+        StoreAnswer::Begun(Ok(Begin::Claimed(claim))) => {
+            StoreAnswer::Begun(Ok(Begin::Claimed(Claim { shard, ..claim })))
+        }
+        StoreAnswer::Begun(Ok(Begin::TookOver(claim))) => {
+            StoreAnswer::Begun(Ok(Begin::TookOver(Claim { shard, ..claim })))
+        }
+        StoreAnswer::Records(Ok(mut page)) => {
+            for view in &mut page.views {
+                view.shard = shard;
+            }
+            StoreAnswer::Records(Ok(page))
+        }
+        other => other,
+    }
 }
 
 /// One shard's conversation: its calls go to that shard's cluster.
@@ -124,58 +210,134 @@ struct OnShard {
 impl Conversation for OnShard {
     fn step(&mut self, answer: Option<Answer>, now_ms: u64) -> Next {
         match self.conversation.step(answer, now_ms) {
-            Next::Call(request) => Next::Call(crate::store::remote::Request { shard: self.shard, ..request }),
-            next => next,
+            Next::Call(request) => Next::Call(Request { shard: self.shard, ..request }),
+            Next::Done(answer) => Next::Done(on_shard(answer, self.shard)),
+            Next::Wait => Next::Wait,
         }
     }
     fn into_op(self: Box<Self>) -> StoreOp {
         self.conversation.into_op()
     }
     fn unanswered_claim(&self) -> Option<Claim> {
-        self.conversation.unanswered_claim()
+        self.conversation.unanswered_claim().map(|claim| Claim { shard: self.shard, ..claim })
     }
 }
 
-/// The admin API's look at records over every shard, one after the other: a page holds what the
-/// shards gave until the limit, and its cursor (`<shard>s<that shard's cursor>`) says where the
-/// next one starts.
-fn look_through(shards: Rc<Vec<EtcdRemote>>, op: StoreOp) -> Result<Box<dyn Conversation>, StoreError> {
+/// A moving record's operation: each step `Moving` plans, as a conversation on its shard.
+struct MovingOp {
+    shards: Rc<Vec<EtcdRemote>>,
+    plan: Moving,
+    next: Option<Move>,
+    current: Option<OnShard>,
+}
+
+impl Conversation for MovingOp {
+    fn step(&mut self, mut answer: Option<Answer>, now_ms: u64) -> Next {
+        loop {
+            if let Some(current) = self.current.as_mut() {
+                match current.step(answer.take(), now_ms) {
+                    Next::Done(done) => {
+                        let unanswered = current.unanswered_claim();
+                        self.current = None;
+                        self.next = Some(self.plan.answered(done, unanswered));
+                    }
+                    waiting => return waiting,
+                }
+            }
+            match self.next.take() {
+                Some(Move::Run(shard, op)) => match self.shards.get(usize::from(shard)) {
+                    None => {
+                        self.next = Some(self.plan.answered(
+                            StoreAnswer::failed(&op, StoreError::Unavailable("no such shard".into())),
+                            None,
+                        ))
+                    }
+                    Some(store) => match store.start(op, &|| now_ms) {
+                        Started::Answered(done) => {
+                            self.next = Some(self.plan.answered(on_shard(done, shard), None))
+                        }
+                        Started::Conversation(conversation) => {
+                            self.current = Some(OnShard { shard, conversation })
+                        }
+                    },
+                },
+                Some(Move::Done(done)) => return Next::Done(done),
+                None => {
+                    let op = self.plan.clone().into_op();
+                    return Next::Done(StoreAnswer::failed(
+                        &op,
+                        StoreError::Unavailable("stepped past its end".into()),
+                    ));
+                }
+            }
+        }
+    }
+    fn into_op(self: Box<Self>) -> StoreOp {
+        self.plan.into_op()
+    }
+    fn unanswered_claim(&self) -> Option<Claim> {
+        self.plan.unanswered(self.current.as_ref().and_then(OnShard::unanswered_claim))
+    }
+}
+
+/// The admin API's look at records over the shards of `order`, one after the other (a record
+/// found on two, as a moving record may be, is shown as the first has it): a page holds what the
+/// shards gave until the limit, and its cursor (`<n>s<that shard's cursor>`, the n-th shard of
+/// `order`) says where the next one starts.
+fn look_through(
+    shards: Rc<Vec<EtcdRemote>>,
+    order: Vec<u8>,
+    op: StoreOp,
+) -> Result<Box<dyn Conversation>, StoreError> {
     let StoreOp::Records(query) = op else { return Err(StoreError::Unavailable("not a look".into())) };
-    let (shard, cursor) = match query.cursor.as_deref().map(|c| (c, c.split_once('s'))) {
+    let (at, cursor) = match query.cursor.as_deref().map(|c| (c, c.split_once('s'))) {
         None => (0, None),
-        Some((_, Some((n, rest)))) if n.parse::<usize>().is_ok_and(|n| n < shards.len()) => {
+        Some((_, Some((n, rest)))) if n.parse::<usize>().is_ok_and(|n| n < order.len()) => {
             (n.parse::<usize>().unwrap_or(0), (!rest.is_empty()).then(|| rest.to_string()))
         }
         Some((c, _)) => return Err(StoreError::Corrupt(format!("cursor {c:?}"))),
     };
-    Ok(Box::new(LookThrough { shards, query, shard, cursor, current: None, found: RecordPage::default() }))
+    Ok(Box::new(LookThrough {
+        shards,
+        order,
+        query,
+        at,
+        cursor,
+        current: None,
+        found: RecordPage::default(),
+    }))
 }
 
 struct LookThrough {
     shards: Rc<Vec<EtcdRemote>>,
+    order: Vec<u8>,
     query: RecordQuery,
-    /// The shard being read, from the cursor's on.
-    shard: usize,
+    /// The position in `order` of the shard being read, from the cursor's on.
+    at: usize,
     /// Where in it to start (the first shard read only).
     cursor: Option<String>,
-    current: Option<Box<dyn Conversation>>,
+    current: Option<OnShard>,
     found: RecordPage,
 }
 
 impl LookThrough {
     /// What this shard's look answered; None: go on to the next shard.
     fn page_read(&mut self, page: RecordPage) -> Option<Next> {
-        self.found.views.extend(page.views);
+        for view in page.views {
+            if !self.found.views.iter().any(|v| v.scope == view.scope) {
+                self.found.views.push(view);
+            }
+        }
         if let Some(next) = page.next {
-            self.found.next = Some(format!("{}s{next}", self.shard));
+            self.found.next = Some(format!("{}s{next}", self.at));
             return Some(self.done());
         }
-        self.shard += 1;
-        if self.shard >= self.shards.len() {
+        self.at += 1;
+        if self.at >= self.order.len() {
             return Some(self.done());
         }
         if self.found.views.len() >= self.query.limit {
-            self.found.next = Some(format!("{}s", self.shard));
+            self.found.next = Some(format!("{}s", self.at));
             return Some(self.done());
         }
         None
@@ -192,36 +354,33 @@ impl Conversation for LookThrough {
             let next = match self.current.as_mut() {
                 Some(conversation) => conversation.step(answer.take(), now_ms),
                 None => {
-                    let Some(shard) = self.shards.get(self.shard) else { return self.done() };
+                    let Some((shard, store)) =
+                        self.order.get(self.at).and_then(|s| Some((*s, self.shards.get(usize::from(*s))?)))
+                    else {
+                        return self.done();
+                    };
                     let query = RecordQuery {
                         limit: self.query.limit.saturating_sub(self.found.views.len()).max(1),
                         cursor: self.cursor.take(),
                         ..self.query.clone()
                     };
-                    match shard.start(StoreOp::Records(query), &|| now_ms) {
-                        Started::Answered(answer) => Next::Done(answer),
+                    match store.start(StoreOp::Records(query), &|| now_ms) {
+                        Started::Answered(answer) => Next::Done(on_shard(answer, shard)),
                         Started::Conversation(conversation) => {
-                            self.current = Some(conversation);
+                            self.current = Some(OnShard { shard, conversation });
                             continue;
                         }
                     }
                 }
             };
             match next {
-                Next::Call(request) => {
-                    return Next::Call(crate::store::remote::Request {
-                        shard: shard_number(self.shard),
-                        ..request
-                    })
-                }
-                Next::Wait => return Next::Wait,
                 Next::Done(StoreAnswer::Records(Ok(page))) => {
                     self.current = None;
                     if let Some(next) = self.page_read(page) {
                         return next;
                     }
                 }
-                Next::Done(failed) => return Next::Done(failed),
+                other => return other,
             }
         }
     }

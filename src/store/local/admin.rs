@@ -112,6 +112,7 @@ impl<S: SharedData> LocalStore<S> {
             entry,
             label,
             snapshot: snapshot.filter(|_| with_snapshot),
+            shard: 0,
         })
     }
 
@@ -174,8 +175,14 @@ impl<S: SharedData> LocalStore<S> {
         let state = done.state;
         if !view.entry.is_completed() {
             // A lease-ended claim: completed as its owner would, through the same commit.
-            let claim =
-                Claim { scope: view.scope, owner: view.entry.owner, locator: view.locator, written: None };
+            let claim = Claim {
+                scope: view.scope,
+                owner: view.entry.owner,
+                locator: view.locator,
+                written: None,
+                shard: 0,
+                old_home: None,
+            };
             return Ok(match self.complete(&claim, &done)? {
                 Settled::Done => Ok(()),
                 Settled::Lost => Err(Refusal::SettledMeanwhile),

@@ -431,5 +431,7 @@ fn claim_for(bucket: u32, position: u8, a: &ClaimAttempt) -> Claim {
         owner: a.owner,
         locator: (u64::from(bucket) << 8) | u64::from(position),
         written: None,
+        shard: 0,
+        old_home: None,
     }
 }

@@ -103,14 +103,15 @@ fn a_records_calls_go_to_its_home_shards_cluster_with_that_shards_authority() {
     for i in 0..30 {
         let s = scope(i);
         let request = first_call(store.start(attempt(s), &|| 1_000));
-        assert_eq!(usize::from(request.shard), store.home(&s));
+        let home = usize::from(store.home(&s));
+        assert_eq!(request.shard, store.home(&s));
         let remote = store.remote_for(request.shard).expect("the shard is known");
-        let cluster = ["etcd-a", "etcd-b", "etcd-c"][store.home(&s)];
+        let cluster = ["etcd-a", "etcd-b", "etcd-c"][home];
         assert_eq!(
             (remote.cluster.as_str(), remote.authority.as_str()),
             (cluster, &*format!("{cluster}.example"))
         );
-        seen[store.home(&s)] = true;
+        seen[home] = true;
     }
     assert_eq!(seen, [true; 3]);
     assert!(store.remote_for(3).is_none());
@@ -179,5 +180,45 @@ fn a_record_named_by_its_scope_is_looked_up_on_its_home_shard_only() {
         }
     });
     let (asked, _) = look_through_empty_shards(&store, op);
-    assert_eq!(asked, [shard_number(store.home(&s))]);
+    assert_eq!(asked, [store.home(&s)]);
+}
+
+#[test]
+fn while_the_list_changes_a_begin_asks_its_records_old_home_first_and_a_record_that_stays_only_its_home() {
+    let shard = |cluster: &str| crate::config::etcd::EtcdShard {
+        cluster: cluster.into(),
+        authority: "etcd".into(),
+        auth: None,
+    };
+    let settings = EtcdSettings {
+        shards: vec![shard("etcd-a"), shard("etcd-b"), shard("etcd-c")],
+        previous_shards: vec![shard("etcd-a"), shard("etcd-b")],
+        ..super::super::tests::settings(None)
+    };
+    let store = EtcdShards::new(&settings);
+    let before = EtcdShards::new(&EtcdSettings {
+        shards: settings.previous_shards.clone(),
+        previous_shards: Vec::new(),
+        ..settings.clone()
+    });
+    let (mut moving, mut staying) = (0, 0);
+    for i in 0..60 {
+        let s = scope(i);
+        let request = first_call(store.start(attempt(s), &|| 1_000));
+        // Both stores number etcd-a and etcd-b alike (the current list first).
+        match store.old_home(&s) {
+            Some(old) => {
+                moving += 1;
+                assert_eq!(old, before.home(&s));
+                assert_eq!(store.home(&s), 2, "only to the new shard");
+                assert_eq!(request.shard, old);
+            }
+            None => {
+                staying += 1;
+                assert_eq!(store.home(&s), before.home(&s));
+                assert_eq!(request.shard, store.home(&s));
+            }
+        }
+    }
+    assert!(moving > 5 && staying > 20, "{moving} {staying}");
 }

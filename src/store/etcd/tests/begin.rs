@@ -17,7 +17,14 @@ fn a_new_record_is_one_guarded_transaction_once_its_leases_are_granted() {
     let wrote = Some(processing(11, 0));
     assert_eq!(
         begun(answer),
-        Ok(Begin::Claimed(Claim { scope: scope(1), owner: 11, locator: 2, written: wrote }))
+        Ok(Begin::Claimed(Claim {
+            scope: scope(1),
+            owner: 11,
+            locator: 2,
+            written: wrote,
+            shard: 0,
+            old_home: None
+        }))
     );
     assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/lease/grant", "/v3/lease/grant", "/v3/kv/txn"]);
     let key = base64::encode(&record_key());
@@ -196,7 +203,14 @@ fn a_takeover_and_a_reuse_are_guarded_by_the_observed_revision() {
     let wrote = Some(processing(11, 1_000));
     assert_eq!(
         begun(answer),
-        Ok(Begin::TookOver(Claim { scope: scope(1), owner: 11, locator: 6, written: wrote }))
+        Ok(Begin::TookOver(Claim {
+            scope: scope(1),
+            owner: 11,
+            locator: 6,
+            written: wrote,
+            shard: 0,
+            old_home: None
+        }))
     );
     assert!(
         made[1].body.contains(r#""target":"MOD","result":"EQUAL","mod_revision":"4""#),

@@ -128,6 +128,7 @@ pub(crate) fn settings(auth: Option<EtcdAuth>) -> EtcdSettings {
         replay_cache: None,
         protocol: Default::default(),
         shards: Vec::new(),
+        previous_shards: Vec::new(),
     }
 }
 

@@ -40,7 +40,14 @@ fn a_claim_whose_answer_never_came_is_given_back_by_its_owner() {
     let claim = conversation.unanswered_claim().expect("the claim went out unanswered");
     assert_eq!(
         claim,
-        Claim { scope: scope(1), owner: 11, locator: UNANSWERED, written: Some(processing(11, 0)) }
+        Claim {
+            scope: scope(1),
+            owner: 11,
+            locator: UNANSWERED,
+            written: Some(processing(11, 0)),
+            shard: 0,
+            old_home: None
+        }
     );
 
     // Its release is one transaction guarded by its lease key still holding its owner token,
@@ -120,7 +127,14 @@ fn only_a_sent_claim_without_an_answer_is_in_doubt() {
     );
     assert_eq!(conversation.unanswered_claim(), None);
     // Settlements are their claim's owner's, who retries them.
-    let claim = Claim { scope: scope(1), owner: 11, locator: 4, written: Some(processing(11, 0)) };
+    let claim = Claim {
+        scope: scope(1),
+        owner: 11,
+        locator: 4,
+        written: Some(processing(11, 0)),
+        shard: 0,
+        old_home: None,
+    };
     let (conversation, _) = conversation_after(&store(), StoreOp::Release(claim), 0, vec![timed_out()]);
     assert_eq!(conversation.unanswered_claim(), None);
 }

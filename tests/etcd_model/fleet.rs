@@ -14,6 +14,8 @@ use crate::etcd::Etcd;
 use idempotency_filter::flow::Retry;
 use idempotency_filter::identity::fingerprint::Fingerprint;
 use idempotency_filter::identity::scope::ScopeId;
+use idempotency_filter::store::etcd::shards::moving::{Move, Moving};
+use idempotency_filter::store::etcd::shards::on_shard;
 use idempotency_filter::store::etcd::{EtcdConversation, EtcdSettings, EtcdStore, OnStoreError, Protocol};
 use idempotency_filter::store::record::{self, Snapshot, State};
 use idempotency_filter::store::remote::{Answer, Next, Request};
@@ -75,6 +77,22 @@ pub struct Fleet {
     pub horizon_ms: u64,
     pub lease_ms: u64,
     pub ttl_ms: u64,
+    /// Each Envoy's shard list, while the record's home moves from etcd 0 to etcd 1 (missing:
+    /// `Old`, the one etcd every run without a change has).
+    pub lists: Vec<List>,
+}
+
+/// The shard list an Envoy runs with while the records' home moves from etcd 0 (the old list's
+/// home) to etcd 1 (the new list's): the three kinds of Envoys of a rolling change
+/// (docs/ETCD.md, Shards).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum List {
+    /// The old list: etcd 0 only.
+    Old,
+    /// The new list with the old one as `previous_shards`: the product's `Moving` plan over both.
+    Moving,
+    /// The new list alone: etcd 1 only.
+    New,
 }
 
 /// A product value without `Hash` (a claim, an attempt, an operation), told apart by all it
@@ -102,6 +120,8 @@ impl Hash for Worker {
 #[derive(Clone, Debug)]
 pub struct Conv {
     conversation: EtcdConversation,
+    /// The etcd it talks to.
+    etcd: u8,
     call: u32,
     /// The tick its call went out in. A callout's timeout (250 ms) is shorter than a tick: time
     /// moves on only once it is answered or timed out (its request may still reach etcd later).
@@ -116,6 +136,7 @@ impl Conv {
 impl Hash for Conv {
     fn hash<H: Hasher>(&self, h: &mut H) {
         self.key().hash(h);
+        self.etcd.hash(h);
         self.call.hash(h);
         self.sent_tick.hash(h);
     }
@@ -131,6 +152,8 @@ pub enum Phase {
         attempt: Dbg<ClaimAttempt>,
         conv: Conv,
         adopt: Option<usize>,
+        /// A moving record's begin: the plan `conv` is a step of.
+        plan: Option<Dbg<Moving>>,
     },
     /// Claimed: forwarded next (before time moves: the upstream answers within the lease).
     Claimed {
@@ -156,6 +179,8 @@ pub struct Settlement {
     op: Dbg<StoreOp>,
     /// None: waiting to be started again (`retry`).
     conv: Option<Conv>,
+    /// A settlement on both homes of a moving record: the plan `conv` is a step of.
+    plan: Option<Dbg<Moving>>,
     retry: Option<Retry>,
     /// The execution a completion records.
     execution: Option<usize>,
@@ -167,7 +192,8 @@ pub struct Settlement {
 pub struct Envoy {
     skew_ms: u64,
     alive: bool,
-    worker: Worker,
+    /// One per etcd.
+    workers: Vec<Worker>,
     requests: Vec<ClientRequest>,
     settlements: Vec<Settlement>,
     next_call: u32,
@@ -176,7 +202,7 @@ pub struct Envoy {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Msg {
-    ToEtcd { envoy: usize, call: u32, path: &'static str, body: Vec<u8> },
+    ToEtcd { envoy: usize, etcd: u8, call: u32, path: &'static str, body: Vec<u8> },
     ToEnvoy { envoy: usize, call: u32, status: u16, body: Vec<u8> },
 }
 
@@ -185,9 +211,14 @@ pub struct Execution {
     envoy: usize,
     scope: u8,
     owner: u64,
-    /// Its completion is in etcd (this owner's outcome was written).
+    /// Its completion is in etcd (this owner's outcome was written), on every home its claim
+    /// held (a moving record's two: its client's answer waits for both).
     landed: bool,
-    /// Its Envoy crashed before that.
+    /// The etcds its claim held (a bit each), and those its outcome is written on so far.
+    homes: u8,
+    landed_on: u8,
+    /// Its Envoy crashed before that: the outcome is unknown to whoever reads a home it did not
+    /// reach, and the rule decides, as for any crashed owner.
     crashed: bool,
     /// Its completion was given up after failing for the whole retry window.
     given_up: bool,
@@ -195,12 +226,13 @@ pub struct Execution {
 
 #[derive(Clone, Debug, Hash)]
 pub struct FleetState {
-    pub etcd: Etcd,
+    /// etcd 0, and while a record's home moves, etcd 1.
+    pub etcds: Vec<Etcd>,
     pub envoys: Vec<Envoy>,
     pub network: Vec<Msg>,
     pub executions: Vec<Execution>,
-    /// Per scope: the record value of its first stored outcome.
-    pub stored: BTreeMap<u8, Vec<u8>>,
+    /// Per etcd and scope: the record value of its first stored outcome there.
+    pub stored: BTreeMap<(u8, u8), Vec<u8>>,
     /// Scopes whose record has been written at all.
     pub written: Vec<u8>,
     pub faults_left: u8,
@@ -299,11 +331,11 @@ fn call_summary(path: &str, body: &[u8]) -> String {
 
 impl Fleet {
     fn clock(&self, state: &FleetState, envoy: usize) -> u64 {
-        state.etcd.now_ms + state.envoys[envoy].skew_ms
+        state.etcds[0].now_ms + state.envoys[envoy].skew_ms
     }
 
     fn tick_index(&self, state: &FleetState) -> u64 {
-        state.etcd.now_ms / self.tick_ms
+        state.etcds[0].now_ms / self.tick_ms
     }
 
     fn attempt(&self, scope: u8, owner: u64, now_ms: u64) -> ClaimAttempt {
@@ -329,19 +361,20 @@ impl Fleet {
         &self,
         state: &mut FleetState,
         envoy: usize,
+        etcd: u8,
         mut conversation: EtcdConversation,
         answer: Option<Answer>,
     ) -> Result<Conv, (EtcdConversation, StoreAnswer)> {
         let now = self.clock(state, envoy);
         let tick = self.tick_index(state);
         let e = &mut state.envoys[envoy];
-        match conversation.step(&e.worker.0, answer, now) {
+        match conversation.step(&e.workers[usize::from(etcd)].0, answer, now) {
             Next::Call(Request { path, body, .. }) => {
                 e.next_call += 1;
                 let call = e.next_call;
-                state.network.push(Msg::ToEtcd { envoy, call, path, body });
+                state.network.push(Msg::ToEtcd { envoy, etcd, call, path, body });
                 state.network.sort();
-                Ok(Conv { conversation, call, sent_tick: tick })
+                Ok(Conv { conversation, etcd, call, sent_tick: tick })
             }
             Next::Done(answer) => Err((conversation, answer)),
             // No auth in the model: nothing to wait for.
@@ -351,19 +384,109 @@ impl Fleet {
         }
     }
 
+    fn list(&self, envoy: usize) -> List {
+        self.lists.get(envoy).copied().unwrap_or(List::Old)
+    }
+
+    /// Starts `op` as the Envoy's store does (`EtcdShards::start` for its list): on the one etcd
+    /// it belongs to, or as the product's `Moving` plan over both. Ok: a call is out (with the
+    /// plan it is a step of); Err: the answer, and the claim a failed begin leaves.
+    fn start_op(
+        &self,
+        state: &mut FleetState,
+        envoy: usize,
+        op: StoreOp,
+    ) -> Result<(Conv, Option<Moving>), (StoreAnswer, Option<Claim>)> {
+        let etcd = match (&op, self.list(envoy)) {
+            (StoreOp::Begin(a), List::Moving) => {
+                let (plan, first) = Moving::begin(a.clone(), 0, 1);
+                return self.follow(state, envoy, plan, first);
+            }
+            (StoreOp::Begin(_), List::Old) => 0,
+            (StoreOp::Begin(_), List::New) => 1,
+            (StoreOp::Complete { claim, .. } | StoreOp::Release(claim), _) => {
+                if let Some((plan, first)) = Moving::settle(op.clone()) {
+                    return self.follow(state, envoy, plan, first);
+                }
+                claim.shard
+            }
+            _ => 0,
+        };
+        self.run_on(state, envoy, etcd, op, None)
+    }
+
+    fn run_on(
+        &self,
+        state: &mut FleetState,
+        envoy: usize,
+        etcd: u8,
+        op: StoreOp,
+        plan: Option<Moving>,
+    ) -> Result<(Conv, Option<Moving>), (StoreAnswer, Option<Claim>)> {
+        let conversation = state.envoys[envoy].workers[usize::from(etcd)].0.start(op);
+        match self.step(state, envoy, etcd, conversation, None) {
+            Ok(conv) => Ok((conv, plan)),
+            Err((conversation, answer)) => self.ended(state, envoy, etcd, &conversation, answer, plan),
+        }
+    }
+
+    /// A conversation on `etcd` ended: its answer is the operation's, or the plan's next step
+    /// follows (its answers and claims say their shard, as the store's `on_shard` makes them).
+    fn ended(
+        &self,
+        state: &mut FleetState,
+        envoy: usize,
+        etcd: u8,
+        conversation: &EtcdConversation,
+        answer: StoreAnswer,
+        plan: Option<Moving>,
+    ) -> Result<(Conv, Option<Moving>), (StoreAnswer, Option<Claim>)> {
+        let answer = on_shard(answer, etcd);
+        let unanswered = conversation.unanswered_claim().map(|c| Claim { shard: etcd, ..c });
+        match plan {
+            None => Err((answer, unanswered)),
+            Some(mut plan) => {
+                let next = plan.answered(answer, unanswered);
+                self.follow(state, envoy, plan, next)
+            }
+        }
+    }
+
+    fn follow(
+        &self,
+        state: &mut FleetState,
+        envoy: usize,
+        plan: Moving,
+        next: Move,
+    ) -> Result<(Conv, Option<Moving>), (StoreAnswer, Option<Claim>)> {
+        match next {
+            Move::Done(answer) => Err((answer, plan.unanswered(None))),
+            Move::Run(shard, op) => self.run_on(state, envoy, shard, op, Some(plan)),
+        }
+    }
+
+    /// The claim to give back when a begin is given up now (its call timed out).
+    fn unanswered(conv: &Conv, plan: Option<&Moving>) -> Option<Claim> {
+        let sub = conv.conversation.unanswered_claim().map(|c| Claim { shard: conv.etcd, ..c });
+        match plan {
+            Some(plan) => plan.unanswered(sub),
+            None => sub,
+        }
+    }
+
     fn violate(state: &mut FleetState, property: &'static str, what: String) {
         state.violations.push((property, what));
     }
 
     /// A settlement started (or started again) from its op.
     fn settle(&self, state: &mut FleetState, envoy: usize, mut s: Settlement, log: &mut String) {
-        let conversation = state.envoys[envoy].worker.0.start(s.op.0.clone());
-        match self.step(state, envoy, conversation, None) {
-            Ok(conv) => {
+        match self.start_op(state, envoy, s.op.0.clone()) {
+            Ok((conv, plan)) => {
                 s.conv = Some(conv);
+                s.plan = plan.map(Dbg);
                 state.envoys[envoy].settlements.push(s);
             }
-            Err((_, answer)) => self.settled(state, envoy, s, answer, log),
+            Err((answer, _)) => self.settled(state, envoy, s, answer, log),
         }
     }
 
@@ -452,7 +575,7 @@ impl Fleet {
         let scope = state.envoys[envoy].requests[r].scope;
         let begun = answer.into_begun();
         log.push_str(&format!(": {}", brief(&begun)));
-        let stored = state.stored.get(&scope).and_then(|v| record::decode_record(v).ok());
+        let stored = Self::stored_outcomes(state, scope);
         let next = match begun {
             Ok(Begin::Claimed(claim) | Begin::TookOver(claim)) => match adopt {
                 Some(x) => {
@@ -461,6 +584,7 @@ impl Fleet {
                     let s = Settlement {
                         op: Dbg(StoreOp::Complete { claim, completion }),
                         conv: None,
+                        plan: None,
                         retry: None,
                         execution: None,
                         adopted: true,
@@ -472,15 +596,16 @@ impl Fleet {
             },
             Ok(Begin::Replay(snapshot)) => {
                 state.seen |= SEEN_REPLAY;
-                if stored.as_ref().and_then(|s| s.snapshot.as_ref()) != Some(&snapshot) {
+                if !stored.iter().any(|s| s.snapshot.as_ref() == Some(&snapshot)) {
                     let what = format!(
                         "{} replayed {:?} for scope {scope}; stored: {:?}",
                         name(envoy),
                         String::from_utf8_lossy(&snapshot.body),
                         stored
-                            .as_ref()
-                            .and_then(|s| s.snapshot.as_ref())
+                            .iter()
+                            .filter_map(|s| s.snapshot.as_ref())
                             .map(|s| String::from_utf8_lossy(&s.body).into_owned())
+                            .collect::<Vec<_>>()
                     );
                     Self::violate(state, REPLAYS, what);
                 }
@@ -488,8 +613,7 @@ impl Fleet {
             }
             Ok(Begin::OutcomeUnknown) | Ok(Begin::NotStored { .. }) => {
                 state.seen |= SEEN_MARKED_UNKNOWN;
-                let fits =
-                    stored.as_ref().is_some_and(|s| s.entry.outcome_unknown() || !s.entry.body_stored());
+                let fits = stored.iter().any(|s| s.entry.outcome_unknown() || !s.entry.body_stored());
                 if !fits {
                     Self::violate(
                         state,
@@ -536,6 +660,7 @@ impl Fleet {
                     let s = Settlement {
                         op: Dbg(StoreOp::Release(claim)),
                         conv: None,
+                        plan: None,
                         retry: None,
                         execution: None,
                         adopted: false,
@@ -562,11 +687,21 @@ impl Fleet {
         }
     }
 
-    /// After every change in etcd: what was stored, what landed, what was replaced.
-    fn observe(&self, state: &mut FleetState, before: &Etcd) {
+    /// The outcomes stored for `scope`, on each etcd: a moving record's homes hold the same one,
+    /// unless an owner crashed between its two writes and the rule let its record be taken
+    /// over on the home it did not reach (EXECUTIONS judges that).
+    fn stored_outcomes(state: &FleetState, scope: u8) -> Vec<record::SlotValue> {
+        (0..2u8)
+            .filter_map(|etcd| state.stored.get(&(etcd, scope)))
+            .filter_map(|v| record::decode_record(v).ok())
+            .collect()
+    }
+
+    /// After every change in etcd `etcd`: what was stored, what landed, what was replaced.
+    fn observe(&self, state: &mut FleetState, etcd: u8, before: &Etcd) {
         for scope in 0..2u8 {
             let key = record_key(scope);
-            let now = state.etcd.kvs.get(&key).map(|kv| kv.value.clone());
+            let now = state.etcds[usize::from(etcd)].kvs.get(&key).map(|kv| kv.value.clone());
             if now.is_some()
                 && before.kvs.get(&key).map(|kv| &kv.value) != now.as_ref()
                 && !state.written.contains(&scope)
@@ -574,27 +709,28 @@ impl Fleet {
                 state.written.push(scope);
             }
             let decoded = now.as_ref().and_then(|v| record::decode_record(v).ok());
-            if let Some(stored) = state.stored.get(&scope).cloned() {
+            if let Some(stored) = state.stored.get(&(etcd, scope)).cloned() {
                 if now.as_ref() != Some(&stored) {
                     let what = match &decoded {
-                        None => format!("scope {scope}'s stored outcome was deleted"),
+                        None => format!("scope {scope}'s stored outcome was deleted from etcd {etcd}"),
                         Some(d) => format!(
-                            "scope {scope}'s stored outcome was overwritten by owner {}'s {:?} {}",
+                            "scope {scope}'s stored outcome was overwritten on etcd {etcd} by owner {}'s {:?} {}",
                             d.entry.owner, d.entry.state, d.entry.status
                         ),
                     };
                     Self::violate(state, REPLACED, what);
-                    state.stored.insert(scope, now.clone().unwrap_or_default());
+                    state.stored.insert((etcd, scope), now.clone().unwrap_or_default());
                 }
             } else if let (Some(v), Some(d)) = (&now, &decoded) {
                 if d.entry.is_completed() {
-                    state.stored.insert(scope, v.clone());
+                    state.stored.insert((etcd, scope), v.clone());
                 }
             }
             if let Some(d) = decoded.filter(|d| d.entry.is_completed()) {
                 for x in state.executions.iter_mut().filter(|x| x.scope == scope && x.owner == d.entry.owner)
                 {
-                    x.landed = true;
+                    x.landed_on |= 1 << etcd;
+                    x.landed = x.landed_on & x.homes == x.homes;
                 }
             }
         }
@@ -606,25 +742,26 @@ impl Fleet {
     fn check_in_flight(&self, state: &mut FleetState) {
         let max_skew = self.skews_ms.iter().max().copied().unwrap_or(0);
         let bound = 2 * self.lease_ms + (self.lease_ms / 10).max(1_000) + 1_000 + max_skew;
-        for scope in 0..2u8 {
-            let Some(kv) = state.etcd.kvs.get(&record_key(scope)) else { continue };
+        for (etcd, scope) in (0..state.etcds.len()).flat_map(|etcd| (0..2u8).map(move |scope| (etcd, scope))) {
+            let db = &state.etcds[etcd];
+            let Some(kv) = db.kvs.get(&record_key(scope)) else { continue };
             let Ok(d) = record::decode_record(&kv.value) else { continue };
-            if d.entry.is_completed() || state.etcd.now_ms < kv.written_at_ms + bound {
+            if d.entry.is_completed() || db.now_ms < kv.written_at_ms + bound {
                 continue;
             }
             let lease_key_lives =
-                state.etcd.kvs.get(&lease_key(scope)).is_some_and(|l| l.value == d.entry.owner.to_be_bytes());
+                db.kvs.get(&lease_key(scope)).is_some_and(|l| l.value == d.entry.owner.to_be_bytes());
             let blind: Vec<char> = (0..state.envoys.len())
                 .filter(|e| state.envoys[*e].alive && self.clock(state, *e) < d.entry.lease_deadline_ms)
                 .map(name)
                 .collect();
             if lease_key_lives || !blind.is_empty() {
                 let what = format!(
-                    "scope {scope}'s claim by owner {} written at {} ms is in flight at {} ms (lease key {}, \
-                     deadline not yet passed for {blind:?})",
+                    "scope {scope}'s claim by owner {} written at {} ms on etcd {etcd} is in flight at {} ms \
+                     (lease key {}, deadline not yet passed for {blind:?})",
                     d.entry.owner,
                     kv.written_at_ms,
-                    state.etcd.now_ms,
+                    db.now_ms,
                     if lease_key_lives { "alive" } else { "gone" }
                 );
                 Self::violate(state, IN_FLIGHT, what);
@@ -638,10 +775,13 @@ impl Fleet {
         let mut log = String::new();
         match *action {
             Action::Tick => {
-                let before = state.etcd.clone();
-                state.etcd.advance(state.etcd.now_ms + self.tick_ms);
-                log = format!("time passes: etcd's clock {} ms", state.etcd.now_ms);
-                self.observe(&mut state, &before);
+                let to = state.etcds[0].now_ms + self.tick_ms;
+                for etcd in 0..state.etcds.len() {
+                    let before = state.etcds[etcd].clone();
+                    state.etcds[etcd].advance(to);
+                    self.observe(&mut state, u8::try_from(etcd).unwrap_or(0), &before);
+                }
+                log = format!("time passes: etcd's clock {to} ms");
                 self.check_in_flight(&mut state);
             }
             Action::StartBegin(e) => {
@@ -654,32 +794,29 @@ impl Fleet {
                 request.begins_left -= 1;
                 let attempt = self.attempt(request.scope, owner, now);
                 log = format!("{} (clock {now} ms) begins scope {} as owner {owner}", name(e), request.scope);
-                let conversation = envoy.worker.0.start(StoreOp::Begin(attempt.clone()));
-                match self.step(&mut state, e, conversation, None) {
-                    Ok(conv) => {
+                match self.start_op(&mut state, e, StoreOp::Begin(attempt.clone())) {
+                    Ok((conv, plan)) => {
                         state.envoys[e].requests[r].phase =
-                            Phase::Beginning { attempt: Dbg(attempt), conv, adopt: None };
+                            Phase::Beginning { attempt: Dbg(attempt), conv, adopt: None, plan: plan.map(Dbg) };
                     }
-                    Err((conversation, answer)) => {
-                        let claim = conversation.unanswered_claim();
-                        self.begun(&mut state, e, r, attempt, claim, None, answer, &mut log)
-                    }
+                    Err((answer, claim)) => self.begun(&mut state, e, r, attempt, claim, None, answer, &mut log),
                 }
             }
             Action::ToEtcd(i) => {
-                let Msg::ToEtcd { envoy, call, path, body } = state.network.remove(i) else {
+                let Msg::ToEtcd { envoy, etcd, call, path, body } = state.network.remove(i) else {
                     return (state, log);
                 };
-                let before = state.etcd.clone();
-                let reply = state.etcd.handle(path, &body);
+                let db = usize::from(etcd);
+                let before = state.etcds[db].clone();
+                let reply = state.etcds[db].handle(path, &body);
                 log = format!(
-                    "etcd applies {}'s {} (revision {} -> {})",
+                    "etcd {etcd} applies {}'s {} (revision {} -> {})",
                     name(envoy),
                     call_summary(path, &body),
                     before.revision,
-                    state.etcd.revision
+                    state.etcds[db].revision
                 );
-                self.observe(&mut state, &before);
+                self.observe(&mut state, etcd, &before);
                 if self.awaits(&state, envoy, call) {
                     state.network.push(Msg::ToEnvoy { envoy, call, status: reply.status, body: reply.body });
                     state.network.sort();
@@ -729,12 +866,12 @@ impl Fleet {
                 match which {
                     None => {
                         let Some(r) = Self::active(&state, e) else { return (state, log) };
-                        let Phase::Beginning { attempt, conv, adopt } =
+                        let Phase::Beginning { attempt, conv, adopt, plan } =
                             std::mem::replace(&mut state.envoys[e].requests[r].phase, Phase::Idle)
                         else {
                             return (state, log);
                         };
-                        let claim = conv.conversation.unanswered_claim();
+                        let claim = Self::unanswered(&conv, plan.as_ref().map(|p| &p.0));
                         self.begun(
                             &mut state,
                             e,
@@ -806,6 +943,8 @@ impl Fleet {
                     scope,
                     owner: claim.owner,
                     landed: false,
+                    homes: (1 << claim.shard) | claim.old_home.map_or(0, |h| 1 << h.shard),
+                    landed_on: 0,
                     crashed: false,
                     given_up: false,
                 });
@@ -814,6 +953,7 @@ impl Fleet {
                 let s = Settlement {
                     op: Dbg(StoreOp::Complete { claim, completion }),
                     conv: None,
+                    plan: None,
                     retry: None,
                     execution: Some(x),
                     adopted: false,
@@ -840,16 +980,12 @@ impl Fleet {
                     Lookup::NotFound => None,
                 };
                 let attempt = attempt.after_lookup(now);
-                let conversation = state.envoys[e].worker.0.start(StoreOp::Begin(attempt.clone()));
-                match self.step(&mut state, e, conversation, None) {
-                    Ok(conv) => {
+                match self.start_op(&mut state, e, StoreOp::Begin(attempt.clone())) {
+                    Ok((conv, plan)) => {
                         state.envoys[e].requests[r].phase =
-                            Phase::Beginning { attempt: Dbg(attempt), conv, adopt }
+                            Phase::Beginning { attempt: Dbg(attempt), conv, adopt, plan: plan.map(Dbg) }
                     }
-                    Err((conversation, answer)) => {
-                        let claim = conversation.unanswered_claim();
-                        self.begun(&mut state, e, r, attempt, claim, adopt, answer, &mut log)
-                    }
+                    Err((answer, claim)) => self.begun(&mut state, e, r, attempt, claim, adopt, answer, &mut log),
                 }
             }
             Action::Crash(e) => {
@@ -888,28 +1024,39 @@ impl Fleet {
             let mut settlement = state.envoys[e].settlements.remove(s);
             let Some(conv) = settlement.conv.take() else { return };
             log.push_str(&format!(" for its {}", op_name(&settlement.op.0)));
-            match self.step(state, e, conv.conversation, Some(answer)) {
-                Ok(next) => {
+            let plan = settlement.plan.take().map(|p| p.0);
+            let next = match self.step(state, e, conv.etcd, conv.conversation, Some(answer)) {
+                Ok(next) => Ok((next, plan)),
+                Err((conversation, done)) => self.ended(state, e, conv.etcd, &conversation, done, plan),
+            };
+            match next {
+                Ok((next, plan)) => {
                     settlement.conv = Some(next);
+                    settlement.plan = plan.map(Dbg);
                     state.envoys[e].settlements.push(settlement);
                 }
-                Err((_, done)) => self.settled(state, e, settlement, done, log),
+                Err((done, _)) => self.settled(state, e, settlement, done, log),
             }
             return;
         }
         let Some(r) = Self::active(state, e) else { return };
-        let Phase::Beginning { attempt, conv, adopt } =
+        let Phase::Beginning { attempt, conv, adopt, plan } =
             std::mem::replace(&mut state.envoys[e].requests[r].phase, Phase::Idle)
         else {
             return;
         };
         log.push_str(" for its begin");
-        match self.step(state, e, conv.conversation, Some(answer)) {
-            Ok(next) => state.envoys[e].requests[r].phase = Phase::Beginning { attempt, conv: next, adopt },
-            Err((conversation, done)) => {
-                let claim = conversation.unanswered_claim();
-                self.begun(state, e, r, attempt.0, claim, adopt, done, log)
+        let plan = plan.map(|p| p.0);
+        let next = match self.step(state, e, conv.etcd, conv.conversation, Some(answer)) {
+            Ok(next) => Ok((next, plan)),
+            Err((conversation, done)) => self.ended(state, e, conv.etcd, &conversation, done, plan),
+        };
+        match next {
+            Ok((next, plan)) => {
+                state.envoys[e].requests[r].phase =
+                    Phase::Beginning { attempt, conv: next, adopt, plan: plan.map(Dbg) }
             }
+            Err((done, claim)) => self.begun(state, e, r, attempt.0, claim, adopt, done, log),
         }
     }
 }
@@ -964,7 +1111,8 @@ impl Fleet {
     }
 
     pub fn init(&self) -> FleetState {
-        let mut etcd = Etcd::new();
+        let uses_two = self.lists.iter().any(|l| *l != List::Old);
+        let mut etcds: Vec<Etcd> = (0..if uses_two { 2 } else { 1 }).map(|_| Etcd::new()).collect();
         let envoys = self
             .skews_ms
             .iter()
@@ -973,11 +1121,14 @@ impl Fleet {
             .map(|(e, (skew_ms, requests))| Envoy {
                 skew_ms: *skew_ms,
                 alive: true,
-                worker: Worker({
-                    let worker = EtcdStore::new(settings());
-                    self.warm_up(&worker, &mut etcd, e, *skew_ms);
-                    worker
-                }),
+                workers: etcds
+                    .iter_mut()
+                    .map(|etcd| {
+                        let worker = EtcdStore::new(settings());
+                        self.warm_up(&worker, etcd, e, *skew_ms);
+                        Worker(worker)
+                    })
+                    .collect(),
                 requests: requests
                     .iter()
                     .map(|(scope, begins)| ClientRequest {
@@ -992,7 +1143,7 @@ impl Fleet {
             })
             .collect();
         FleetState {
-            etcd,
+            etcds,
             envoys,
             network: Vec::new(),
             executions: Vec::new(),
@@ -1010,7 +1161,7 @@ impl Fleet {
         if !state.violations.is_empty() {
             return;
         }
-        let mut time_may_pass = state.etcd.now_ms + self.tick_ms <= self.horizon_ms;
+        let mut time_may_pass = state.etcds[0].now_ms + self.tick_ms <= self.horizon_ms;
         for (e, envoy) in state.envoys.iter().enumerate() {
             if !envoy.alive {
                 continue;

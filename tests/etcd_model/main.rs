@@ -29,7 +29,7 @@ mod etcd;
 mod explore;
 mod fleet;
 
-use fleet::{Action, Fleet, FleetState, REACHED};
+use fleet::{Action, Fleet, FleetState, List, EXECUTIONS, REACHED};
 use idempotency_filter::store::UnknownOutcome;
 use std::time::Instant;
 
@@ -57,6 +57,7 @@ fn pair(rule: UnknownOutcome, faults: u8, crashes: u8) -> Fleet {
         horizon_ms: if deep() { 5_000 } else { 4_000 },
         lease_ms: 1_000,
         ttl_ms: 10_000,
+        lists: Vec::new(),
     }
 }
 
@@ -148,4 +149,36 @@ fn three_envoys() {
     fleet.requests = vec![vec![(0, 1)], vec![(0, 1)], vec![(0, 1)]];
     fleet.horizon_ms = if deep() { 3_000 } else { 1_000 };
     check("three envoys", fleet, &[0]);
+}
+
+/// A rolling change of shards (`store.previous_shards`, docs/ETCD.md "Shards"): the key's home
+/// moves from etcd 0 to etcd 1. A runs the old list, B the new one with the old as
+/// `previous_shards` (the product's `Moving` plan, claiming both homes), B's clock ahead; a lost
+/// callout, and a crash. Either may store first; the other replays it.
+#[test]
+fn shards_changing_an_old_list_envoy_and_a_moving_one() {
+    let mut fleet = pair(UnknownOutcome::Takeover, 1, 1);
+    fleet.lists = vec![List::Old, List::Moving];
+    check("shards changing: old list and moving", fleet, &[0, 1]);
+}
+
+/// The second half of the change: B has dropped `previous_shards` (the new list alone) while A
+/// still moves.
+#[test]
+fn shards_changing_a_moving_envoy_and_a_new_list_one() {
+    let mut fleet = pair(UnknownOutcome::Takeover, 1, 1);
+    fleet.lists = vec![List::Moving, List::New];
+    check("shards changing: moving and new list", fleet, &[0, 1]);
+}
+
+/// Why the procedure waits before dropping `previous_shards`: an Envoy on the old list and one
+/// on the new list alone share no home, and the checker finds the second execution.
+#[test]
+fn an_old_list_envoy_beside_a_new_list_one_executes_twice() {
+    let mut fleet = pair(UnknownOutcome::Takeover, 0, 0);
+    fleet.lists = vec![List::Old, List::New];
+    fleet.horizon_ms = 1_000;
+    let explored = explore::explore(&fleet);
+    let (path, last) = explored.counterexample.expect("two lists without a common home execute twice");
+    assert!(last.violations.iter().any(|(p, _)| *p == EXECUTIONS), "{}", narrate(&fleet, &path, &last));
 }

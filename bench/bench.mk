@@ -17,6 +17,7 @@
 #                       (first `make bench-unit`: the bench tools' own unit tests, bench/test_*.py)
 #   make bench-etcd-replay  a replay on etcd at 1 and 20,000 live records of its caller (BENCH_BEFORE=<commit>)
 #   make bench-etcd-sizing  the bytes a record costs etcd, live and until compacted (docs/ETCD.md)
+#   make bench-etcd-shards  one shard against three: each etcd's CPU per new key, the fleet's new keys a second
 #   (make bench and bench-smoke also measure wait mode's wake-up latency: bench/wake_latency.py)
 #   make bench-wake-fleet  wait mode across two Envoys on etcd: polling (JSON) against the watch (gRPC)
 #   make bench-callout-floor  one bare etcd callout per request (bench/callout-floor) next to the
@@ -169,6 +170,13 @@ bench-etcd-replay: tools etcd
 bench-etcd-sizing: tools etcd
 	$(CARGO) build --release --quiet --example etcd_sizing
 	$(VENV_PY) -m bench.etcd_sizing --binary $(BENCH_TARGET_DIR)/release/examples/etcd_sizing $(SIZING_ARGS)
+
+# The etcd store on one shard and on three (store.shards, docs/ETCD.md "Shards"): each etcd's
+# CPU per new key and the fleet's new keys a second (bench/etcd_shards.py). BENCH_ARGS passes
+# its options.
+.PHONY: bench-etcd-shards
+bench-etcd-shards: build tools etcd bench-bins
+	$(VENV_PY) -m bench.etcd_shards --envoy $(ENVOY_BIN) --wasm $(DIST_WASM) --loadgen $(BENCH_LOADGEN) $(BENCH_ARGS)
 
 # Wait mode across two Envoys on one etcd, polling (JSON gateway) against the watch (gRPC):
 # wake latency and etcd requests per waiter (bench/wake_fleet.py).

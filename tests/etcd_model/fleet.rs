@@ -742,7 +742,8 @@ impl Fleet {
     fn check_in_flight(&self, state: &mut FleetState) {
         let max_skew = self.skews_ms.iter().max().copied().unwrap_or(0);
         let bound = 2 * self.lease_ms + (self.lease_ms / 10).max(1_000) + 1_000 + max_skew;
-        for (etcd, scope) in (0..state.etcds.len()).flat_map(|etcd| (0..2u8).map(move |scope| (etcd, scope))) {
+        for (etcd, scope) in (0..state.etcds.len()).flat_map(|etcd| (0..2u8).map(move |scope| (etcd, scope)))
+        {
             let db = &state.etcds[etcd];
             let Some(kv) = db.kvs.get(&record_key(scope)) else { continue };
             let Ok(d) = record::decode_record(&kv.value) else { continue };
@@ -796,10 +797,16 @@ impl Fleet {
                 log = format!("{} (clock {now} ms) begins scope {} as owner {owner}", name(e), request.scope);
                 match self.start_op(&mut state, e, StoreOp::Begin(attempt.clone())) {
                     Ok((conv, plan)) => {
-                        state.envoys[e].requests[r].phase =
-                            Phase::Beginning { attempt: Dbg(attempt), conv, adopt: None, plan: plan.map(Dbg) };
+                        state.envoys[e].requests[r].phase = Phase::Beginning {
+                            attempt: Dbg(attempt),
+                            conv,
+                            adopt: None,
+                            plan: plan.map(Dbg),
+                        };
                     }
-                    Err((answer, claim)) => self.begun(&mut state, e, r, attempt, claim, None, answer, &mut log),
+                    Err((answer, claim)) => {
+                        self.begun(&mut state, e, r, attempt, claim, None, answer, &mut log)
+                    }
                 }
             }
             Action::ToEtcd(i) => {
@@ -985,7 +992,9 @@ impl Fleet {
                         state.envoys[e].requests[r].phase =
                             Phase::Beginning { attempt: Dbg(attempt), conv, adopt, plan: plan.map(Dbg) }
                     }
-                    Err((answer, claim)) => self.begun(&mut state, e, r, attempt, claim, adopt, answer, &mut log),
+                    Err((answer, claim)) => {
+                        self.begun(&mut state, e, r, attempt, claim, adopt, answer, &mut log)
+                    }
                 }
             }
             Action::Crash(e) => {

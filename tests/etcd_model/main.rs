@@ -182,3 +182,15 @@ fn an_old_list_envoy_beside_a_new_list_one_executes_twice() {
     let (path, last) = explored.counterexample.expect("two lists without a common home execute twice");
     assert!(last.violations.iter().any(|(p, _)| *p == EXECUTIONS), "{}", narrate(&fleet, &path, &last));
 }
+
+/// Three Envoys during the first half of a change: one on the old list, two moving (one of
+/// them with the clock 1.5 s ahead).
+#[test]
+fn shards_changing_three_envoys() {
+    let mut fleet = pair(UnknownOutcome::Takeover, 0, 0);
+    fleet.skews_ms = vec![0, 1_500, 700];
+    fleet.requests = vec![vec![(0, 1)], vec![(0, 1)], vec![(0, 1)]];
+    fleet.lists = vec![List::Old, List::Moving, List::Moving];
+    fleet.horizon_ms = if deep() { 3_000 } else { 1_000 };
+    check("shards changing: three envoys", fleet, &[0]);
+}

@@ -163,7 +163,6 @@ fn with_claim(op: &StoreOp, claim: Claim) -> StoreOp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::identity::fingerprint::Fingerprint;
     use crate::identity::scope::ScopeId;
     use crate::store::{Completion, Settled, StoreError};
 
@@ -171,21 +170,11 @@ mod tests {
     const NEW: u8 = 2;
 
     fn attempt() -> ClaimAttempt {
-        ClaimAttempt {
-            scope: ScopeId([4; 32]),
-            fingerprint: Fingerprint([5; 32]),
-            owner: 9,
-            now_ms: 1_000,
-            lease_ms: 1_000,
-            ttl_ms: 60_000,
-            quota: None,
-            unknown_outcome: crate::config::UnknownOutcome::Takeover,
-            label: None,
-        }
+        super::super::tests::claim_attempt(ScopeId([4; 32]))
     }
 
     fn claim(shard: u8, locator: u64) -> Claim {
-        Claim { scope: ScopeId([4; 32]), owner: 9, locator, written: None, shard, old_home: None }
+        Claim { scope: ScopeId([4; 32]), owner: 7, locator, written: None, shard, old_home: None }
     }
 
     fn begun(b: Begin) -> StoreAnswer {

@@ -72,8 +72,9 @@ fn three_shards() -> EtcdShards {
     })
 }
 
-fn attempt(scope: ScopeId) -> StoreOp {
-    StoreOp::Begin(crate::store::ClaimAttempt {
+/// A claim attempt of `scope` (also the plan's tests').
+pub(super) fn claim_attempt(scope: ScopeId) -> crate::store::ClaimAttempt {
+    crate::store::ClaimAttempt {
         scope,
         fingerprint: crate::identity::fingerprint::Fingerprint([1; 32]),
         owner: 7,
@@ -83,7 +84,11 @@ fn attempt(scope: ScopeId) -> StoreOp {
         quota: None,
         unknown_outcome: crate::config::UnknownOutcome::Takeover,
         label: None,
-    })
+    }
+}
+
+fn attempt(scope: ScopeId) -> StoreOp {
+    StoreOp::Begin(claim_attempt(scope))
 }
 
 fn first_call(started: Started) -> crate::store::remote::Request {

@@ -30,13 +30,13 @@ fn seed(cluster: &str) -> u64 {
 }
 
 /// The index of `scope`'s shard among `seeds`: the highest weight wins, the first of equals.
-pub fn home(seeds: &[u64], scope: &ScopeId) -> usize {
+pub fn home<'a>(seeds: impl IntoIterator<Item = &'a u64>, scope: &ScopeId) -> usize {
     // A scope id is a digest: any 8 of its bytes are uniformly spread.
     let mut first = [0u8; 8];
     first.copy_from_slice(scope.0.get(..8).unwrap_or(&[0; 8]));
     let key = u64::from_le_bytes(first);
     let mut best = (0, 0);
-    for (i, s) in seeds.iter().enumerate() {
+    for (i, s) in seeds.into_iter().enumerate() {
         let weight = splitmix64(s ^ key);
         if i == 0 || weight > best.1 {
             best = (i, weight);
@@ -50,8 +50,7 @@ type List = Vec<(u8, u64)>;
 
 /// The shard of `list` that `scope`'s record lives on.
 fn home_in(list: &List, scope: &ScopeId) -> u8 {
-    let seeds: Vec<u64> = list.iter().map(|(_, seed)| *seed).collect();
-    list.get(home(&seeds, scope)).map_or(0, |(shard, _)| *shard)
+    list.get(home(list.iter().map(|(_, seed)| seed), scope)).map_or(0, |(shard, _)| *shard)
 }
 
 pub struct EtcdShards {

@@ -213,6 +213,124 @@ fn wait_for_claim_leases() {
 
 idempotency_filter::conformance_suite!(Etcd);
 
+/// Two more etcds beside the shared one, for the suite over a store in shards: started with the
+/// first case that needs them, stopped with the last.
+type TwoEtcds = Arc<(EtcdProcess, EtcdProcess)>;
+
+static MORE: Mutex<Option<(TwoEtcds, usize)>> = Mutex::new(None);
+
+struct MoreUse(TwoEtcds);
+
+impl MoreUse {
+    fn acquire() -> MoreUse {
+        let mut more = MORE.lock().unwrap_or_else(|p| p.into_inner());
+        let (etcds, users) = more.get_or_insert_with(|| (Arc::new((start_etcd(), start_etcd())), 0));
+        *users += 1;
+        MoreUse(Arc::clone(etcds))
+    }
+}
+
+impl Drop for MoreUse {
+    fn drop(&mut self) {
+        let mut more = MORE.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, users)) = more.as_mut() {
+            *users -= 1;
+            if *users == 0 {
+                *more = None;
+            }
+        }
+    }
+}
+
+/// The same suite over a store in three shards, three etcds (`store.shards`): every operation
+/// through the one storage interface, each call to its shard's etcd; and over the same store in
+/// the middle of a change from two shards to three (`store.previous_shards`), where a record
+/// whose home moves is claimed and settled on both homes.
+mod in_shards {
+    use super::*;
+    use idempotency_filter::config::etcd::EtcdShard;
+    use idempotency_filter::store::etcd::blocking::BlockingSeam;
+    use idempotency_filter::store::etcd::shards::EtcdShards;
+
+    pub struct Sharded<const MOVING: bool> {
+        etcd: EtcdUse,
+        more: MoreUse,
+        prefix: String,
+    }
+
+    impl<const MOVING: bool> Sharded<MOVING> {
+        fn settings(&self) -> EtcdSettings {
+            EtcdSettings {
+                shards: vec![shard("etcd-a"), shard("etcd-b"), shard("etcd-c")],
+                previous_shards: if MOVING { vec![shard("etcd-a"), shard("etcd-b")] } else { Vec::new() },
+                ..settings(&self.prefix)
+            }
+        }
+    }
+
+    fn shard(cluster: &str) -> EtcdShard {
+        EtcdShard { cluster: cluster.into(), authority: "etcd".into(), auth: None }
+    }
+
+    impl<const MOVING: bool> Backend for Sharded<MOVING> {
+        const BOUNDED: bool = false;
+        const RECLAIMS_BY_SWEEP: bool = false;
+
+        fn with_capacity(_capacity: u32) -> Self {
+            static TESTS: AtomicU32 = AtomicU32::new(0);
+            let prefix = format!("/idem-shards-{MOVING}/{}/", TESTS.fetch_add(1, Ordering::SeqCst));
+            Sharded { etcd: EtcdUse::acquire(), more: MoreUse::acquire(), prefix }
+        }
+
+        fn worker(&self, _n: u8) -> Box<dyn RecordStore + '_> {
+            let addrs = vec![self.etcd.0.addr, self.more.0 .0.addr, self.more.0 .1.addr];
+            Box::new(BlockingSeam::new(addrs, Box::new(EtcdShards::new(&self.settings()))))
+        }
+
+        fn let_claim_leases_end(&self) {
+            wait_for_claim_leases();
+        }
+    }
+
+    mod fixed {
+        idempotency_filter::conformance_suite!(super::Sharded<false>, quotas per shard);
+    }
+
+    mod changing {
+        idempotency_filter::conformance_suite!(super::Sharded<true>, quotas per shard);
+    }
+
+    /// With shards, a quota bounds a caller's live records on each shard (each etcd counts its
+    /// own): the bound's records on one shard, then the next is refused there while another
+    /// shard still takes the caller's new records.
+    #[test]
+    fn a_quota_bounds_a_callers_records_on_each_shard() {
+        use idempotency_filter::store::conformance::charged;
+        let b = Sharded::<false>::with_capacity(0);
+        let w = b.worker(0);
+        let homes = EtcdShards::new(&b.settings());
+        let bounds = (100, 2);
+        let mut by_home: [Vec<u64>; 3] = Default::default();
+        for n in 1..400u64 {
+            let home = usize::from(homes.home(&charged(n, 1, 0, 1, None, bounds).scope));
+            by_home[home].push(n);
+        }
+        assert!(by_home.iter().all(|scopes| scopes.len() >= 3), "{by_home:?}");
+        let mut owner = 10;
+        for scopes in &by_home[..2] {
+            for n in &scopes[..2] {
+                owner += 1;
+                claimed(w.begin(&charged(*n, owner, owner, 1, None, bounds)).unwrap());
+            }
+            owner += 1;
+            let refused = w.begin(&charged(scopes[2], owner, owner, 1, None, bounds)).unwrap();
+            assert!(matches!(refused, Begin::QuotaExceeded { tenant: false, .. }), "{refused:?}");
+        }
+        // The third shard has none of the caller's records yet.
+        claimed(w.begin(&charged(by_home[2][0], 99, 99, 1, None, bounds)).unwrap());
+    }
+}
+
 /// The same suite with each worker's replay cache on: answers from the cache must be the ones
 /// etcd gives (replays, mismatches, expiry in virtual time, takeovers of expired records).
 mod with_replay_cache {

@@ -103,27 +103,33 @@ impl BlockingEtcd {
     /// One HTTP/1.1 POST on a fresh connection. Any I/O failure is a failed callout (no status),
     /// as Envoy reports a reset.
     pub fn post(&self, path: &str, body: &[u8], token: Option<&str>) -> Answer {
-        self.try_post(path, body, token).unwrap_or_default()
+        post(self.addr, path, body, token)
     }
+}
 
-    fn try_post(&self, path: &str, body: &[u8], token: Option<&str>) -> std::io::Result<Answer> {
-        let mut stream = TcpStream::connect_timeout(&self.addr, IO_TIMEOUT)?;
-        stream.set_read_timeout(Some(IO_TIMEOUT))?;
-        stream.set_write_timeout(Some(IO_TIMEOUT))?;
-        let mut request = format!(
-            "POST {path} HTTP/1.1\r\nhost: etcd\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
-            body.len()
-        );
-        if let Some(t) = token {
-            request.push_str(&format!("authorization: {t}\r\n"));
-        }
-        request.push_str("\r\n");
-        stream.write_all(request.as_bytes())?;
-        stream.write_all(body)?;
-        let mut raw = Vec::new();
-        stream.read_to_end(&mut raw)?;
-        parse_response(&raw).ok_or_else(|| std::io::Error::other("malformed HTTP response"))
+/// One HTTP/1.1 POST to etcd at `addr` on a fresh connection; any I/O failure is a failed callout
+/// (no status), as Envoy reports a reset.
+pub fn post(addr: SocketAddr, path: &str, body: &[u8], token: Option<&str>) -> Answer {
+    try_post(addr, path, body, token).unwrap_or_default()
+}
+
+fn try_post(addr: SocketAddr, path: &str, body: &[u8], token: Option<&str>) -> std::io::Result<Answer> {
+    let mut stream = TcpStream::connect_timeout(&addr, IO_TIMEOUT)?;
+    stream.set_read_timeout(Some(IO_TIMEOUT))?;
+    stream.set_write_timeout(Some(IO_TIMEOUT))?;
+    let mut request = format!(
+        "POST {path} HTTP/1.1\r\nhost: etcd\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+        body.len()
+    );
+    if let Some(t) = token {
+        request.push_str(&format!("authorization: {t}\r\n"));
     }
+    request.push_str("\r\n");
+    stream.write_all(request.as_bytes())?;
+    stream.write_all(body)?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw)?;
+    parse_response(&raw).ok_or_else(|| std::io::Error::other("malformed HTTP response"))
 }
 
 fn parse_response(raw: &[u8]) -> Option<Answer> {
@@ -160,6 +166,71 @@ fn begun(answer: StoreAnswer) -> Result<Begin, StoreError> {
         StoreAnswer::Begun(b) => b,
         StoreAnswer::Settled(Err(e)) => Err(e),
         other => Err(other.unexpected()),
+    }
+}
+
+/// (`testing`) A `RecordStore` over any store on the one storage interface (`seam::Store`), its
+/// calls made to the etcd of their shard (`Request::shard`, an index into `addrs`) with the
+/// HTTP/1.1 client above: the conformance suite runs against a store in shards (and one whose
+/// shard list is changing) exactly as the glue drives it.
+pub struct BlockingSeam {
+    pub addrs: Vec<SocketAddr>,
+    store: Box<dyn crate::store::seam::Store>,
+}
+
+impl BlockingSeam {
+    pub fn new(addrs: Vec<SocketAddr>, store: Box<dyn crate::store::seam::Store>) -> BlockingSeam {
+        BlockingSeam { addrs, store }
+    }
+
+    pub fn perform(&self, op: StoreOp, now_ms: u64) -> StoreAnswer {
+        let failed = |why: &str| StoreAnswer::Settled(Err(StoreError::Unavailable(why.into())));
+        let mut conversation = match self.store.start(op, &|| now_ms) {
+            crate::store::seam::Started::Answered(answer) => return answer,
+            crate::store::seam::Started::Conversation(conversation) => conversation,
+        };
+        let mut answer = None;
+        for _ in 0..MAX_CALLS * 2 {
+            match conversation.step(answer.take(), now_ms) {
+                Next::Done(done) => return done,
+                Next::Wait => return failed("waiting for a token no conversation fetches"),
+                Next::Call(Request { path, body, token, shard, .. }) => {
+                    let Some(addr) = self.addrs.get(usize::from(shard)) else {
+                        return failed("no such shard");
+                    };
+                    answer = Some(post(*addr, path, &body, token.as_deref()));
+                }
+            }
+        }
+        failed("the conversation did not finish")
+    }
+}
+
+impl RecordStore for BlockingSeam {
+    fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
+        begun(self.perform(StoreOp::Begin(attempt.clone()), attempt.now_ms))
+    }
+    fn complete(&self, claim: &Claim, completion: &Completion) -> Result<Settled, StoreError> {
+        let op = StoreOp::Complete { claim: *claim, completion: completion.clone() };
+        self.perform(op, completion.now_ms).into_settled()
+    }
+    fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
+        self.perform(StoreOp::Release(*claim), 0).into_settled()
+    }
+    fn sweep(&self, _now_ms: u64) -> Result<u32, StoreError> {
+        Ok(0)
+    }
+    fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
+        self.perform(StoreOp::Records(query.clone()), query.now_ms).into_records()
+    }
+    fn amend(
+        &self,
+        view: &RecordView,
+        change: &Amendment,
+        now_ms: u64,
+    ) -> Result<Result<(), Refusal>, StoreError> {
+        let op = StoreOp::Amend { view: Box::new(view.clone()), change: change.clone(), now_ms };
+        self.perform(op, now_ms).into_amended()
     }
 }
 

@@ -18,7 +18,9 @@ use crate::identity::scope::ScopeId;
 use crate::splitmix::splitmix64;
 use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, Request};
 use crate::store::seam::{Started, Store, Watch};
-use crate::store::{Begin, Claim, RecordId, RecordPage, RecordQuery, StoreAnswer, StoreError, StoreOp};
+use crate::store::{
+    Amendment, Begin, Claim, RecordId, RecordPage, RecordQuery, StateFilter, StoreAnswer, StoreError, StoreOp,
+};
 
 pub mod moving;
 use moving::{Move, Moving};
@@ -142,8 +144,25 @@ impl Store for EtcdShards {
                     None => self.on(shard, op, now),
                 };
             }
-            // Where the look found it.
-            StoreOp::Amend { view, .. } => return self.on(view.shard, op, now),
+            // Where the look found it, and while its home moves, on its other home too.
+            StoreOp::Amend { view, change, .. } => {
+                let other = match self.old_home(&view.scope) {
+                    Some(old) if old == view.shard => Some(self.home(&view.scope)),
+                    Some(old) => Some(old),
+                    None => None,
+                };
+                let Some(other) = other else { return self.on(view.shard, op, now) };
+                let both = AmendBoth {
+                    shards: Rc::clone(&self.shards),
+                    op: op.clone(),
+                    other,
+                    change: change.clone(),
+                    stage: AmendStage::First,
+                    first: None,
+                    current: None,
+                };
+                return Started::first_step(Box::new(both), now());
+            }
             StoreOp::Records(RecordQuery { id: Some(RecordId::Scope(scope)), .. }) => {
                 let mut order = vec![self.home(scope)];
                 order.extend(self.old_home(scope));
@@ -151,7 +170,16 @@ impl Store for EtcdShards {
             }
             StoreOp::Records(_) => (0..self.shards.len()).map(shard_number).collect(),
         };
-        match look_through(Rc::clone(&self.shards), order, op) {
+        // While homes move, a list shows each record on its new home: one an Envoy on the new list
+        // made is on both (a lookup by id or tag finds either).
+        let keep: Option<Keep> = match &op {
+            StoreOp::Records(RecordQuery { id: None, .. }) if !self.previous.is_empty() => {
+                let current = self.current.clone();
+                Some(Box::new(move |scope, shard| home_in(&current, scope) == shard))
+            }
+            _ => None,
+        };
+        match look_through(Rc::clone(&self.shards), order, op, keep) {
             Ok(look) => Started::first_step(look, now()),
             Err(refused) => Started::Answered(StoreAnswer::Records(Err(refused))),
         }
@@ -279,6 +307,129 @@ impl Conversation for MovingOp {
     }
 }
 
+/// An operator's change of a record whose home moves: made where the look found it, then on its
+/// other home, looked up there first (its revision there is another). The first change's answer
+/// is the operator's; the other home's is best effort (a record an Envoy on one list made is on
+/// one home only).
+struct AmendBoth {
+    shards: Rc<Vec<EtcdRemote>>,
+    /// The change as asked.
+    op: StoreOp,
+    /// The other home and the change to make there.
+    other: u8,
+    change: Amendment,
+    stage: AmendStage,
+    /// The first change's answer, once it came.
+    first: Option<StoreAnswer>,
+    current: Option<OnShard>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AmendStage {
+    First,
+    Look,
+    Other,
+}
+
+impl AmendBoth {
+    /// `op` on `shard`: its conversation, or its answer at once.
+    fn run(&self, shard: u8, op: StoreOp) -> Result<OnShard, Box<StoreAnswer>> {
+        let Some(store) = self.shards.get(usize::from(shard)) else {
+            return Err(Box::new(StoreAnswer::failed(&op, StoreError::Unavailable("no such shard".into()))));
+        };
+        match store.start(op, &|| 0) {
+            Started::Conversation(conversation) => Ok(OnShard { shard, conversation }),
+            Started::Answered(answer) => Err(Box::new(on_shard(answer, shard))),
+        }
+    }
+
+    /// After an answer of the stage's operation: the next operation, if any.
+    fn next(&mut self, done: StoreAnswer, now_ms: u64) -> Option<(u8, StoreOp)> {
+        match self.stage {
+            AmendStage::First => {
+                self.first = Some(done);
+                self.stage = AmendStage::Look;
+                let StoreOp::Amend { view, .. } = &self.op else { return None };
+                let look = RecordQuery {
+                    id: Some(RecordId::Scope(view.scope)),
+                    state: StateFilter::All,
+                    route: None,
+                    key: None,
+                    limit: 1,
+                    cursor: None,
+                    detail: false,
+                    now_ms,
+                };
+                Some((self.other, StoreOp::Records(look)))
+            }
+            AmendStage::Look => {
+                self.stage = AmendStage::Other;
+                let StoreAnswer::Records(Ok(page)) = done else { return None };
+                let view = page.views.into_iter().next()?;
+                let at = match &self.op {
+                    StoreOp::Amend { now_ms, .. } => *now_ms,
+                    _ => now_ms,
+                };
+                let amend = StoreOp::Amend { view: Box::new(view), change: self.change.clone(), now_ms: at };
+                Some((self.other, amend))
+            }
+            AmendStage::Other => None,
+        }
+    }
+}
+
+impl Conversation for AmendBoth {
+    fn step(&mut self, mut answer: Option<Answer>, now_ms: u64) -> Next {
+        loop {
+            let done = match self.current.as_mut() {
+                Some(current) => match current.step(answer.take(), now_ms) {
+                    Next::Done(done) => done,
+                    waiting => return waiting,
+                },
+                None => match self.run_first() {
+                    Ok(current) => {
+                        self.current = Some(current);
+                        continue;
+                    }
+                    Err(done) => *done,
+                },
+            };
+            self.current = None;
+            let mut next = self.next(done, now_ms);
+            while let Some((shard, op)) = next.take() {
+                match self.run(shard, op) {
+                    Ok(current) => self.current = Some(current),
+                    Err(done) => next = self.next(*done, now_ms),
+                }
+            }
+            if self.current.is_none() {
+                let op = &self.op;
+                let first = self.first.take();
+                return Next::Done(first.unwrap_or_else(|| {
+                    StoreAnswer::failed(op, StoreError::Unavailable("no answer".into()))
+                }));
+            }
+        }
+    }
+    fn into_op(self: Box<Self>) -> StoreOp {
+        self.op
+    }
+}
+
+impl AmendBoth {
+    /// The first change, on the shard where the look found the record.
+    fn run_first(&self) -> Result<OnShard, Box<StoreAnswer>> {
+        let shard = match &self.op {
+            StoreOp::Amend { view, .. } => view.shard,
+            _ => 0,
+        };
+        self.run(shard, self.op.clone())
+    }
+}
+
+/// Which views of a shard a list shows: those of records whose home (by the current list) it is.
+type Keep = Box<dyn Fn(&ScopeId, u8) -> bool>;
+
 /// The admin API's look at records over the shards of `order`, one after the other (a record
 /// found on two, as a moving record may be, is shown as the first has it): a page holds what the
 /// shards gave until the limit, and its cursor (`<n>s<that shard's cursor>`, the n-th shard of
@@ -287,6 +438,7 @@ fn look_through(
     shards: Rc<Vec<EtcdRemote>>,
     order: Vec<u8>,
     op: StoreOp,
+    keep: Option<Keep>,
 ) -> Result<Box<dyn Conversation>, StoreError> {
     let StoreOp::Records(query) = op else { return Err(StoreError::Unavailable("not a look".into())) };
     let (at, cursor) = match query.cursor.as_deref().map(|c| (c, c.split_once('s'))) {
@@ -299,6 +451,7 @@ fn look_through(
     Ok(Box::new(LookThrough {
         shards,
         order,
+        keep,
         query,
         at,
         cursor,
@@ -310,6 +463,8 @@ fn look_through(
 struct LookThrough {
     shards: Rc<Vec<EtcdRemote>>,
     order: Vec<u8>,
+    /// Which views of a shard to show (None: all).
+    keep: Option<Keep>,
     query: RecordQuery,
     /// The position in `order` of the shard being read, from the cursor's on.
     at: usize,
@@ -323,7 +478,8 @@ impl LookThrough {
     /// What this shard's look answered; None: go on to the next shard.
     fn page_read(&mut self, page: RecordPage) -> Option<Next> {
         for view in page.views {
-            if !self.found.views.iter().any(|v| v.scope == view.scope) {
+            let kept = self.keep.as_ref().is_none_or(|keep| keep(&view.scope, view.shard));
+            if kept && !self.found.views.iter().any(|v| v.scope == view.scope) {
                 self.found.views.push(view);
             }
         }

@@ -206,64 +206,45 @@ impl BlockingSeam {
     }
 }
 
-impl RecordStore for BlockingSeam {
-    fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
-        begun(self.perform(StoreOp::Begin(attempt.clone()), attempt.now_ms))
-    }
-    fn complete(&self, claim: &Claim, completion: &Completion) -> Result<Settled, StoreError> {
-        let op = StoreOp::Complete { claim: *claim, completion: completion.clone() };
-        self.perform(op, completion.now_ms).into_settled()
-    }
-    fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
-        self.perform(StoreOp::Release(*claim), 0).into_settled()
-    }
-    fn sweep(&self, _now_ms: u64) -> Result<u32, StoreError> {
-        Ok(0)
-    }
-    fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
-        self.perform(StoreOp::Records(query.clone()), query.now_ms).into_records()
-    }
-    fn amend(
-        &self,
-        view: &RecordView,
-        change: &Amendment,
-        now_ms: u64,
-    ) -> Result<Result<(), Refusal>, StoreError> {
-        let op = StoreOp::Amend { view: Box::new(view.clone()), change: change.clone(), now_ms };
-        self.perform(op, now_ms).into_amended()
-    }
+/// The `RecordStore` of a blocking driver whose `perform(op, now_ms)` carries out one operation:
+/// each call as that operation, at its own time.
+macro_rules! record_store_by_perform {
+    ($driver:ty) => {
+        impl RecordStore for $driver {
+            fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
+                begun(self.perform(StoreOp::Begin(attempt.clone()), attempt.now_ms))
+            }
+            fn complete(&self, claim: &Claim, completion: &Completion) -> Result<Settled, StoreError> {
+                let op = StoreOp::Complete { claim: *claim, completion: completion.clone() };
+                self.perform(op, completion.now_ms).into_settled()
+            }
+            fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
+                // A release writes no lease, so its clock does not matter.
+                self.perform(StoreOp::Release(*claim), 0).into_settled()
+            }
+            /// Leases collect expired records (and expired ones already read as absent): nothing
+            /// to sweep.
+            fn sweep(&self, _now_ms: u64) -> Result<u32, StoreError> {
+                Ok(0)
+            }
+            fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
+                self.perform(StoreOp::Records(query.clone()), query.now_ms).into_records()
+            }
+            fn amend(
+                &self,
+                view: &RecordView,
+                change: &Amendment,
+                now_ms: u64,
+            ) -> Result<Result<(), Refusal>, StoreError> {
+                let op = StoreOp::Amend { view: Box::new(view.clone()), change: change.clone(), now_ms };
+                self.perform(op, now_ms).into_amended()
+            }
+        }
+    };
 }
 
-impl RecordStore for BlockingEtcd {
-    fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
-        begun(self.perform(StoreOp::Begin(attempt.clone()), attempt.now_ms))
-    }
-    fn complete(&self, claim: &Claim, completion: &Completion) -> Result<Settled, StoreError> {
-        let op = StoreOp::Complete { claim: *claim, completion: completion.clone() };
-        self.perform(op, completion.now_ms).into_settled()
-    }
-    fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
-        // A release writes no lease, so its clock does not matter.
-        self.perform(StoreOp::Release(*claim), 0).into_settled()
-    }
-    /// Leases collect expired records (and expired ones already read as absent): nothing to
-    /// sweep.
-    fn sweep(&self, _now_ms: u64) -> Result<u32, StoreError> {
-        Ok(0)
-    }
-    fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
-        self.perform(StoreOp::Records(query.clone()), query.now_ms).into_records()
-    }
-    fn amend(
-        &self,
-        view: &RecordView,
-        change: &Amendment,
-        now_ms: u64,
-    ) -> Result<Result<(), Refusal>, StoreError> {
-        let op = StoreOp::Amend { view: Box::new(view.clone()), change: change.clone(), now_ms };
-        self.perform(op, now_ms).into_amended()
-    }
-}
+record_store_by_perform!(BlockingEtcd);
+record_store_by_perform!(BlockingSeam);
 
 #[cfg(test)]
 mod tests {

@@ -41,6 +41,11 @@ fn random_u64(mix: u64) -> u64 {
 /// The filter state a decided request's outcome is published under (Envoy prefixes `wasm.`).
 pub const OUTCOME_PROPERTY: &str = "idempotency.outcome";
 
+/// How to reach each shard of a remote store, in shard order (none for a store in place).
+fn shards(store: &dyn Store) -> impl Iterator<Item = &crate::store::remote::RemoteSettings> {
+    (0..=u8::MAX).map_while(|shard| store.remote_for(shard))
+}
+
 /// Counter ids, defined once per root context (define_metric hands out a new id per call):
 /// the outcomes per route rule (by the rule's name), the requests no rule matched, the sweep.
 pub struct Metrics {
@@ -76,8 +81,7 @@ impl Metrics {
             // Defined whatever the store, as the sweep's is: a family that is always there (at 0
             // where nothing watches) lets one dashboard and one alert serve every fleet.
             watch_ended: define(WATCH_ENDED_METRIC.to_string()),
-            calls_failed: (0..=u8::MAX)
-                .map_while(|shard| store.remote_for(shard))
+            calls_failed: shards(store)
                 .map(|remote| define(store_calls_failed_metric(&remote.cluster)))
                 .collect(),
             admin: if admin {
@@ -174,10 +178,7 @@ impl<H: Host> PluginState<H> {
         });
         let now_ms = host.now_ms();
         let remote_store = |remote: Box<dyn Store>| {
-            let clusters: Vec<&str> = (0..=u8::MAX)
-                .map_while(|shard| remote.remote_for(shard))
-                .map(|r| r.cluster.as_str())
-                .collect();
+            let clusters: Vec<&str> = shards(remote.as_ref()).map(|r| r.cluster.as_str()).collect();
             log::info!(
                 "configured {} route rule(s); remote store on cluster{} {}",
                 config.rules.len(),
@@ -300,15 +301,16 @@ impl<H: Host> PluginState<H> {
         }
     }
 
-    /// Counted at once, not batched to the tick: it is rare, and the moment it happens is what
-    /// an operator looks for.
-    /// A call to the store's `shard` failed (no answer, a refusal, an error status).
+    /// A call to the store's `shard` failed (no answer, a refusal, an error status). Counted at
+    /// once, as a watch's end is.
     pub fn count_call_failed(&self, shard: u8) {
         if let Some(id) = self.metrics.calls_failed.get(usize::from(shard)).copied().flatten() {
             self.host.increment(id, 1);
         }
     }
 
+    /// Counted at once, not batched to the tick: it is rare, and the moment it happens is what
+    /// an operator looks for.
     fn count_watch_ended(&self) {
         if let Some(id) = self.metrics.watch_ended {
             self.host.increment(id, 1);

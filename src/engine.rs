@@ -1063,6 +1063,9 @@ pub(crate) mod tests {
             fn sweep(&self, _: u64) -> Result<u32, crate::store::StoreError> {
                 unreachable!()
             }
+            fn renew(&self, _: &crate::store::Renew) -> Result<Vec<bool>, crate::store::StoreError> {
+                unreachable!()
+            }
             fn records(
                 &self,
                 _: &crate::store::RecordQuery,

@@ -202,6 +202,15 @@ impl<F: Flavor> Backend for EtcdWith<F> {
     fn let_claim_leases_end(&self) {
         wait_for_claim_leases();
     }
+
+    fn let_part_of_a_claim_lease_pass(&self) {
+        wait_part_of_a_claim_lease();
+    }
+}
+
+/// Twice this outlives a claim's first lease key (`wait_for_claim_leases`), once does not.
+fn wait_part_of_a_claim_lease() {
+    std::thread::sleep(Duration::from_millis(2_500));
 }
 
 /// A claim's lease key lives on an etcd lease, by etcd's clock: the suite's LEASE (1 s), then
@@ -289,6 +298,10 @@ mod in_shards {
 
         fn let_claim_leases_end(&self) {
             wait_for_claim_leases();
+        }
+
+        fn let_part_of_a_claim_lease_pass(&self) {
+            wait_part_of_a_claim_lease();
         }
     }
 

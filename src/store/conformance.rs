@@ -10,7 +10,7 @@ use crate::identity::scope::ScopeId;
 use crate::store::record::{Label, Snapshot, State};
 use crate::store::{
     Amendment, Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordPage, RecordQuery, RecordStore,
-    RecordView, Refusal, Settled, StoreError, StoreOp, UnknownOutcome,
+    RecordView, Refusal, Renew, Settled, StoreError, StoreOp, UnknownOutcome,
 };
 
 mod admin;
@@ -36,6 +36,10 @@ pub trait Backend {
     /// attempts' clock. A store that also keeps the lease by a clock of its own (etcd's lease
     /// keys, so that Envoys with skewed clocks never take over early) lets that clock pass it.
     fn let_claim_leases_end(&self) {}
+    /// Called where a case's clock passes most of a claim's lease (`LEASE`) and the renewal
+    /// must be what keeps the claim: a store that keeps its leases by a clock of its own (etcd)
+    /// lets that much of it pass, so that twice this outlives a claim's first lease there.
+    fn let_part_of_a_claim_lease_pass(&self) {}
 }
 
 /// A worker that talks to its store only through `StoreOp`s and `StoreAnswer`s, the way the
@@ -58,6 +62,9 @@ impl RecordStore for ThroughOps<'_> {
     }
     fn sweep(&self, now_ms: u64) -> Result<u32, StoreError> {
         self.0.sweep(now_ms)
+    }
+    fn renew(&self, renew: &Renew) -> Result<Vec<bool>, StoreError> {
+        StoreOp::Renew(renew.clone()).perform(&*self.0).into_renewed()
     }
     fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
         StoreOp::Records(query.clone()).perform(&*self.0).into_records()
@@ -126,6 +133,94 @@ pub fn snapshot(tag: &str) -> Snapshot {
 
 pub fn done(tag: &str, now_ms: u64) -> Completion {
     Completion { state: State::Succeeded, status: 201, snapshot: Some(snapshot(tag)), now_ms, ttl_ms: TTL }
+}
+
+/// Renews `claims` for another `LEASE` from `now_ms` as the glue does: each shard's parts in a
+/// renewal of their own. Per claim: kept on every part.
+pub fn renew_all(w: &dyn RecordStore, claims: &[&Claim], now_ms: u64) -> Vec<bool> {
+    let parts: Vec<(usize, crate::store::Renewal)> =
+        claims.iter().enumerate().flat_map(|(i, c)| c.renewals().map(move |r| (i, r))).collect();
+    let mut kept = vec![true; claims.len()];
+    let mut shards: Vec<u8> = parts.iter().map(|(_, r)| r.shard).collect();
+    shards.sort_unstable();
+    shards.dedup();
+    for shard in shards {
+        let here: Vec<&(usize, crate::store::Renewal)> =
+            parts.iter().filter(|(_, r)| r.shard == shard).collect();
+        let renew = Renew { claims: here.iter().map(|(_, r)| *r).collect(), lease_ms: LEASE, now_ms };
+        for ((i, _), k) in here.iter().zip(w.renew(&renew).unwrap()) {
+            kept[*i] &= k;
+        }
+    }
+    kept
+}
+
+/// A claim whose owner is still at work, renewed before its lease ends, is still in flight past
+/// that lease, by the store's own clock too (etcd's lease keys): nobody takes it over, refuses
+/// it or looks it up, whatever the rule, and its owner's completion lands.
+pub fn a_renewed_claim_stays_its_owners_past_its_first_lease<B: Backend>() {
+    let b = B::with_capacity(64);
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
+    let c = claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
+    b.let_part_of_a_claim_lease_pass();
+    // A handle of its own, as an owner's worker whose leases were granted long before (etcd).
+    let owner = through_ops(&b, 0);
+    assert_eq!(renew_all(&owner, &[&c], LEASE * 3 / 4), vec![true]);
+    b.let_part_of_a_claim_lease_pass();
+    for rule in [UnknownOutcome::Takeover, UnknownOutcome::Refuse, UnknownOutcome::Reconcile] {
+        let retry = ClaimAttempt { unknown_outcome: rule, ..attempt(1, 1, 12, LEASE + LEASE / 2) };
+        let answer = w1.begin(&retry).unwrap();
+        assert!(matches!(answer, Begin::InFlight { .. }), "{rule:?}: {answer:?}");
+    }
+    assert_eq!(w0.complete(&c, &done("long", LEASE + LEASE / 2 + 1)).unwrap(), Settled::Done);
+    assert_eq!(w1.begin(&attempt(1, 1, 13, LEASE * 2)).unwrap(), Begin::Replay(snapshot("long")));
+}
+
+/// A renewal answers per claim: kept while the claim is its owner's, not once it is completed,
+/// released or taken over; and what is no longer the claim's it leaves as it is.
+pub fn a_renewal_keeps_only_the_claims_still_their_owners<B: Backend>() {
+    let b = B::with_capacity(64);
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
+    let live = claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
+    let completed = claimed(w0.begin(&attempt(2, 1, 12, 0)).unwrap());
+    let released = claimed(w0.begin(&attempt(3, 1, 13, 0)).unwrap());
+    assert_eq!(w0.complete(&completed, &done("done", 1)).unwrap(), Settled::Done);
+    assert_eq!(w0.release(&released).unwrap(), Settled::Done);
+    assert_eq!(renew_all(&w0, &[&live, &completed, &released], LEASE / 2), vec![true, false, false]);
+    assert_eq!(w1.begin(&attempt(2, 1, 14, LEASE / 2)).unwrap(), Begin::Replay(snapshot("done")));
+    assert!(matches!(w1.begin(&attempt(3, 1, 15, LEASE / 2)).unwrap(), Begin::Claimed(_)));
+    assert!(matches!(w1.begin(&attempt(1, 1, 16, LEASE + LEASE / 4)).unwrap(), Begin::InFlight { .. }));
+    // Taken over once nobody renewed it: the old owner's renewal changes nothing.
+    let abandoned = claimed(w0.begin(&attempt(4, 1, 17, 0)).unwrap());
+    b.let_claim_leases_end();
+    let taken = claimed(w1.begin(&attempt(4, 1, 18, LEASE)).unwrap());
+    assert_eq!(renew_all(&w0, &[&abandoned], LEASE + 1), vec![false]);
+    assert_eq!(w1.complete(&taken, &done("new", LEASE + 2)).unwrap(), Settled::Done);
+    assert_eq!(w0.begin(&attempt(4, 1, 19, LEASE + 3)).unwrap(), Begin::Replay(snapshot("new")));
+}
+
+/// A claim whose owner stopped renewing it (its client left, its Envoy died) ends one lease
+/// after its last renewal, as any claim ends one lease after it was made.
+pub fn a_claim_no_longer_renewed_ends_a_lease_after_its_last_renewal<B: Backend>() {
+    let b = B::with_capacity(64);
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
+    let c = claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
+    assert_eq!(renew_all(&w0, &[&c], LEASE / 2), vec![true]);
+    assert!(matches!(w1.begin(&attempt(1, 1, 12, LEASE / 2 + LEASE - 1)).unwrap(), Begin::InFlight { .. }));
+    b.let_claim_leases_end();
+    assert!(matches!(w1.begin(&attempt(1, 1, 13, LEASE / 2 + LEASE)).unwrap(), Begin::TookOver(_)));
+    assert_eq!(w0.complete(&c, &done("old", LEASE * 2)).unwrap(), Settled::Lost);
+}
+
+/// A renewal never keeps a claim past its record's expiry (`ttl`): a request Envoy forgot cannot
+/// hold its key longer than any record lives.
+pub fn a_renewal_never_outlives_the_record<B: Backend>() {
+    let b = B::with_capacity(64);
+    let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
+    let c = claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
+    assert_eq!(renew_all(&w0, &[&c], TTL - LEASE / 2), vec![true]);
+    b.let_claim_leases_end();
+    assert!(matches!(w1.begin(&attempt(1, 1, 12, TTL)).unwrap(), Begin::Claimed(_)));
 }
 
 pub fn claimed(b: Begin) -> Claim {
@@ -671,6 +766,22 @@ macro_rules! conformance_suite {
         #[test]
         fn resolve_settles_an_unknown_outcome_and_every_retry_replays_it() {
             $crate::store::conformance::resolve_settles_an_unknown_outcome_and_every_retry_replays_it::<$backend>();
+        }
+        #[test]
+        fn a_renewed_claim_stays_its_owners_past_its_first_lease() {
+            $crate::store::conformance::a_renewed_claim_stays_its_owners_past_its_first_lease::<$backend>();
+        }
+        #[test]
+        fn a_renewal_keeps_only_the_claims_still_their_owners() {
+            $crate::store::conformance::a_renewal_keeps_only_the_claims_still_their_owners::<$backend>();
+        }
+        #[test]
+        fn a_claim_no_longer_renewed_ends_a_lease_after_its_last_renewal() {
+            $crate::store::conformance::a_claim_no_longer_renewed_ends_a_lease_after_its_last_renewal::<$backend>();
+        }
+        #[test]
+        fn a_renewal_never_outlives_the_record() {
+            $crate::store::conformance::a_renewal_never_outlives_the_record::<$backend>();
         }
         #[test]
         fn first_claim_then_in_flight() {

@@ -19,7 +19,10 @@
 //!   opt-in; an attempt without a quota charges nothing): once an identity holds its bound of
 //!   live records, `begin` answers `QuotaExceeded` instead of claiming; takeovers, replays,
 //!   mismatches and in-flight answers are not charged;
-//! - expired records read as absent and their space is reclaimed by `sweep` (etcd: by leases).
+//! - expired records read as absent and their space is reclaimed by `sweep` (etcd: by leases);
+//! - a claim whose owner is still at work is kept by `renew`: its lease runs on from the
+//!   renewal, so nobody takes it over, refuses it or looks it up meanwhile; a renewal of a claim
+//!   that is no longer its owner's (settled, taken over, gone) changes nothing and says so.
 
 #[cfg(feature = "testing")]
 pub mod conformance;
@@ -267,6 +270,16 @@ pub struct Claim {
     pub old_home: Option<ShardClaim>,
 }
 
+impl Claim {
+    /// What renews this claim (`RecordStore::renew`): its record on its shard, and while its
+    /// shard changes its part on its old home too, each renewed on its own shard.
+    pub fn renewals(&self) -> impl Iterator<Item = Renewal> + '_ {
+        let home = Renewal { scope: self.scope, owner: self.owner, locator: self.locator, shard: self.shard };
+        let old = self.old_home.map(|o| Renewal { locator: o.locator, shard: o.shard, ..home });
+        std::iter::once(home).chain(old)
+    }
+}
+
 /// A claim's part on another shard: where. Settled there as a claim whose record is read
 /// first (`Claim::written` None): a change of shards is rare and short, and the claim stays
 /// small.
@@ -274,6 +287,27 @@ pub struct Claim {
 pub struct ShardClaim {
     pub shard: u8,
     pub locator: u64,
+}
+
+/// One claim its owner is still working on (its request is waiting for the upstream's answer, or
+/// its completion is under way), to be kept for another lease (`RecordStore::renew`): where its
+/// record is, as the claim knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Renewal {
+    pub scope: ScopeId,
+    pub owner: u64,
+    /// As `Claim::locator` (on `shard`; a moving claim's old home is a `Renewal` of its own).
+    pub locator: u64,
+    pub shard: u8,
+}
+
+/// Claims of one shard and one processing lease, kept for another `lease_ms` from `now_ms`
+/// (never past their record's expiry).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Renew {
+    pub claims: Vec<Renewal>,
+    pub lease_ms: u64,
+    pub now_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -388,6 +422,10 @@ pub trait RecordStore {
     fn sweep(&self, now_ms: u64) -> Result<u32, StoreError>;
     /// An operator's look at records (the admin API; never on a request's path).
     fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError>;
+    /// Keeps each claim of `renew` for another lease: per claim, in order, true when it was
+    /// renewed, false when it is no longer its owner's (nothing changed; whoever settled or took
+    /// it over decides).
+    fn renew(&self, renew: &Renew) -> Result<Vec<bool>, StoreError>;
     /// An operator's change to a record `records` showed, as it stood then (`view`): refused if
     /// it no longer may be done, or if the record changed meanwhile.
     fn amend(
@@ -409,6 +447,8 @@ pub enum StoreOp {
         completion: Completion,
     },
     Release(Claim),
+    /// Claims whose owners are still at work, kept for another lease.
+    Renew(Renew),
     /// The admin API's: a look at records, then a change to one of them.
     Records(RecordQuery),
     Amend {
@@ -422,6 +462,8 @@ pub enum StoreOp {
 pub enum StoreAnswer {
     Begun(Result<Begin, StoreError>),
     Settled(Result<Settled, StoreError>),
+    /// Per claim of the `Renew`, in order: kept, or no longer its owner's.
+    Renewed(Result<Vec<bool>, StoreError>),
     Records(Result<RecordPage, StoreError>),
     Amended(Result<Result<(), Refusal>, StoreError>),
 }
@@ -432,6 +474,7 @@ impl StoreAnswer {
         match op {
             StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),
             StoreOp::Complete { .. } | StoreOp::Release(_) => StoreAnswer::Settled(Err(error)),
+            StoreOp::Renew(_) => StoreAnswer::Renewed(Err(error)),
             StoreOp::Records(_) => StoreAnswer::Records(Err(error)),
             StoreOp::Amend { .. } => StoreAnswer::Amended(Err(error)),
         }
@@ -449,6 +492,14 @@ impl StoreAnswer {
     pub fn into_settled(self) -> Result<Settled, StoreError> {
         match self {
             StoreAnswer::Settled(settled) => settled,
+            other => Err(other.unexpected()),
+        }
+    }
+
+    /// A renewal's answer; any other kind is an error.
+    pub fn into_renewed(self) -> Result<Vec<bool>, StoreError> {
+        match self {
+            StoreAnswer::Renewed(kept) => kept,
             other => Err(other.unexpected()),
         }
     }
@@ -475,6 +526,7 @@ impl StoreAnswer {
         let kind = match self {
             StoreAnswer::Begun(_) => "a begin's",
             StoreAnswer::Settled(_) => "a settlement's",
+            StoreAnswer::Renewed(_) => "a renewal's",
             StoreAnswer::Records(_) => "a list's",
             StoreAnswer::Amended(_) => "an amendment's",
         };
@@ -491,6 +543,7 @@ impl StoreOp {
                 StoreAnswer::Settled(store.complete(claim, completion))
             }
             StoreOp::Release(claim) => StoreAnswer::Settled(store.release(claim)),
+            StoreOp::Renew(renew) => StoreAnswer::Renewed(store.renew(renew)),
             StoreOp::Records(query) => StoreAnswer::Records(store.records(query)),
             StoreOp::Amend { view, change, now_ms } => {
                 StoreAnswer::Amended(store.amend(view, change, *now_ms))

@@ -12,7 +12,7 @@ use crate::store::etcd::{EtcdSettings, EtcdStore};
 use crate::store::remote::{Answer, Next, Request};
 use crate::store::{
     Amendment, Begin, Claim, ClaimAttempt, Completion, RecordPage, RecordQuery, RecordStore, RecordView,
-    Refusal, Settled, StoreAnswer, StoreError, StoreOp,
+    Refusal, Renew, Settled, StoreAnswer, StoreError, StoreOp,
 };
 
 /// A conversation makes a handful of calls; more means it is looping.
@@ -226,6 +226,9 @@ macro_rules! record_store_by_perform {
             /// to sweep.
             fn sweep(&self, _now_ms: u64) -> Result<u32, StoreError> {
                 Ok(0)
+            }
+            fn renew(&self, renew: &Renew) -> Result<Vec<bool>, StoreError> {
+                self.perform(StoreOp::Renew(renew.clone()), renew.now_ms).into_renewed()
             }
             fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
                 self.perform(StoreOp::Records(query.clone()), query.now_ms).into_records()

@@ -129,6 +129,8 @@ pub struct EtcdConversation {
     pub(super) scan: Option<Box<records::Scan>>,
     /// An operator's change, carried out as the release or completion now in `op`.
     pub(super) amending: Option<StoreOp>,
+    /// A renewal in progress (`renew.rs`).
+    pub(super) renewing: Option<Box<super::renew::Renewing>>,
 }
 
 impl EtcdConversation {
@@ -151,6 +153,7 @@ impl EtcdConversation {
             unanswered: None,
             scan: None,
             amending: None,
+            renewing: None,
         }
     }
 
@@ -211,6 +214,7 @@ impl EtcdConversation {
                 return Next::Done(StoreAnswer::Amended(Ok(done)));
             }
             (Ok(Move::Settled(s)), false) => return Next::Done(StoreAnswer::Settled(Ok(s))),
+            (Ok(Move::Renewed(kept)), _) => return Next::Done(StoreAnswer::Renewed(Ok(kept))),
             (Ok(Move::Records(page)), _) => return Next::Done(StoreAnswer::Records(Ok(page))),
             (Ok(Move::Amended(done)), _) => return Next::Done(StoreAnswer::Amended(Ok(done))),
             (Ok(Move::Call(..)), _) => unusable("a call where an answer was due"),
@@ -256,6 +260,10 @@ impl EtcdConversation {
                             }
                         }
                         return self.send(store, now_ms);
+                    }
+                    Err(EtcdRefusal::LeaseNotFound) if stage == Stage::Renew && !self.lease_regranted => {
+                        self.lease_regranted = true;
+                        self.renew_lease_lost(store, now_ms)?
                     }
                     Err(EtcdRefusal::LeaseNotFound) if stage == Stage::Write && !self.lease_regranted => {
                         self.lease_regranted = true;
@@ -328,6 +336,14 @@ impl EtcdConversation {
                             let txn = body.txn().map_err(EtcdRefusal::into_error)?;
                             self.labelled(store, &txn)?
                         }
+                        Stage::RenewLease => {
+                            let id = body.lease_id().map_err(EtcdRefusal::into_error)?;
+                            self.renew_lease_granted(store, id, now_ms)?
+                        }
+                        Stage::Renew => {
+                            let txn = body.txn().map_err(EtcdRefusal::into_error)?;
+                            self.renewed(store, &txn, now_ms)?
+                        }
                         Stage::Start | Stage::Finished => return Err(unusable("no call was made")),
                     },
                 }
@@ -370,6 +386,7 @@ impl EtcdConversation {
                 self.settle_or_read(store, *claim, now_ms)
             }
             StoreOp::Release(claim) => self.settle_or_read(store, *claim, now_ms),
+            StoreOp::Renew(_) => self.start_renew(store, now_ms),
             StoreOp::Records(query) => {
                 let query = query.clone();
                 self.start_scan(store, query)
@@ -596,7 +613,9 @@ impl EtcdConversation {
         let scope = match &self.op {
             StoreOp::Begin(a) => a.scope,
             StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => claim.scope,
-            StoreOp::Records(_) | StoreOp::Amend { .. } => return Err(unusable("not a write")),
+            StoreOp::Records(_) | StoreOp::Amend { .. } | StoreOp::Renew(_) => {
+                return Err(unusable("not a write"))
+            }
         };
         let key = store.record_key(&scope);
         let fresh_index = w.record.as_ref().map(|(entry, _)| store.index_keys(entry)).unwrap_or_default();
@@ -760,6 +779,7 @@ impl Clone for EtcdConversation {
             unanswered: self.unanswered,
             scan: self.scan.clone(),
             amending: self.amending.clone(),
+            renewing: self.renewing.clone(),
         }
     }
 }

@@ -53,7 +53,7 @@ pub(super) fn held_past_lease_ms(lease_ms: u64) -> u64 {
 /// record over meanwhile: the takeover would execute it again although its client has its
 /// answer. The price: an abandoned claim (its Envoy died) is taken over, refused or looked up
 /// one processing lease later.
-fn claim_lease_ttl_s(lease_ms: u64) -> u64 {
+pub(super) fn claim_lease_ttl_s(lease_ms: u64) -> u64 {
     lease_ms
         .saturating_add(held_past_lease_ms(lease_ms))
         .saturating_add(claim_lease_reuse_ms(lease_ms))

@@ -137,6 +137,12 @@ impl Store for EtcdShards {
                     None => self.on(new, op, now),
                 };
             }
+            // A renewal's claims are one shard's (a moving claim's old home is a claim of its own,
+            // on the old home's shard): the glue groups them so.
+            StoreOp::Renew(renew) => {
+                let shard = renew.claims.first().map_or(0, |c| c.shard);
+                return self.on(shard, op, now);
+            }
             StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => {
                 let shard = claim.shard;
                 return match Moving::settle(op.clone()) {

@@ -25,6 +25,9 @@ pub(super) enum Stage {
     /// records: a page of records; then the labels of those that passed the state filter.
     Scan,
     Labels,
+    /// renew: the claim lease the lease keys go on, then the transaction that puts them.
+    RenewLease,
+    Renew,
     Finished,
 }
 
@@ -33,6 +36,8 @@ pub(super) enum Move {
     Call(wire::Call, Stage),
     Begun(Begin),
     Settled(Settled),
+    /// Per claim of a renewal: kept, or no longer its owner's.
+    Renewed(Vec<bool>),
     Records(RecordPage),
     Amended(Result<(), Refusal>),
 }

@@ -50,7 +50,7 @@
 use crate::store::record::{self, Entry, State, FLAG_BODY_NOT_STORED, LAYOUT_V3};
 use crate::store::shared_data::{SharedData, SharedDataError};
 use crate::store::{
-    Begin, Claim, ClaimAttempt, Completion, RecordStore, Settled, StoreError, UnknownOutcome,
+    Begin, Claim, ClaimAttempt, Completion, RecordStore, Renew, Renewal, Settled, StoreError, UnknownOutcome,
 };
 use commit::SLOT_ATTEMPTS;
 use layout::{buckets_for, prefix_of, FILL_SHARD_BUCKETS};
@@ -173,6 +173,45 @@ impl<S: SharedData> LocalStore<S> {
 
     pub fn shared_data(&self) -> &S {
         &self.data
+    }
+}
+
+impl<S: SharedData> LocalStore<S> {
+    /// Moves a claim's lease end to `until_ms` (never past its record's expiry, never back) while
+    /// it is still its owner's and without an outcome. The bucket entry's deadline is what every
+    /// begin, eviction and sweep reads, and the CAS on the bucket orders the renewal with any of
+    /// them: a takeover that wrote first makes the claim another's (false), one that comes after
+    /// finds the lease running.
+    fn renew_one(&self, r: &Renewal, until_ms: u64) -> Result<bool, StoreError> {
+        let claim = Claim {
+            scope: r.scope,
+            owner: r.owner,
+            locator: r.locator,
+            written: None,
+            shard: 0,
+            old_home: None,
+        };
+        let Some((bucket, position)) = self.locate(&claim) else { return Ok(false) };
+        for _ in 0..CAS_ATTEMPTS {
+            let (committed, _) = self.read_slot(bucket, position)?;
+            let (mut entries, read) = self.read_bucket(bucket)?;
+            let Some(i) = self.owned(&entries, &claim, position) else { return Ok(false) };
+            if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
+                // Completed (its promotion lost): nothing left to keep.
+                return Ok(false);
+            }
+            let until = until_ms.min(entries[i].expires_at_ms);
+            if entries[i].lease_deadline_ms >= until {
+                return Ok(true);
+            }
+            entries[i].lease_deadline_ms = until;
+            // Its quota counters already count it until past its expiry (`charge`): a renewal,
+            // which never outlives the record, leaves them as they are.
+            if self.write_bucket(bucket, &entries, &read)? {
+                return Ok(true);
+            }
+        }
+        Err(StoreError::Contention)
     }
 }
 
@@ -308,6 +347,11 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
             }
         }
         Err(StoreError::Contention)
+    }
+
+    fn renew(&self, renew: &Renew) -> Result<Vec<bool>, StoreError> {
+        let until_ms = renew.now_ms.saturating_add(renew.lease_ms);
+        renew.claims.iter().map(|r| self.renew_one(r, until_ms)).collect()
     }
 
     fn records(&self, query: &crate::store::RecordQuery) -> Result<crate::store::RecordPage, StoreError> {

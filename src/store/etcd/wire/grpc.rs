@@ -167,9 +167,9 @@ fn op(out: &mut Vec<u8>, op: &TxnOp) {
     }
 }
 
-pub fn txn(guard: Option<(&[u8], Guard)>, success: &[TxnOp], failure: &[TxnOp]) -> Vec<u8> {
+pub fn txn(guards: &[(&[u8], Guard)], success: &[TxnOp], failure: &[TxnOp]) -> Vec<u8> {
     framed(|out| {
-        if let Some((key, guard)) = guard {
+        for &(key, guard) in guards {
             message_field(out, field::TXN_COMPARE, |m| {
                 match guard {
                     Guard::Absent => {

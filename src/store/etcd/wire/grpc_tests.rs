@@ -58,7 +58,7 @@ fn kv(out: &mut Vec<u8>, number: u32, key: &[u8], mod_revision: i64, value: &[u8
 #[test]
 fn a_claim_transaction_is_encoded_as_etcd_reads_it() {
     let body = txn(
-        Some((b"k", Guard::Absent)),
+        &[(&b"k"[..], Guard::Absent)],
         &[TxnOp::Put { key: b"k".to_vec(), value: b"v".to_vec(), lease: 5 }],
         &[TxnOp::Range { key: b"k".to_vec(), range_end: None, limit: 0, keys_only: false }],
     );
@@ -73,7 +73,7 @@ fn a_claim_transaction_is_encoded_as_etcd_reads_it() {
 #[test]
 fn a_guarded_write_a_delete_and_a_keys_only_range_are_encoded_as_etcd_reads_them() {
     let body = txn(
-        Some((b"r", Guard::ModRevision(300))),
+        &[(&b"r"[..], Guard::ModRevision(300))],
         &[
             TxnOp::Delete { key: b"q".to_vec() },
             TxnOp::Range { key: b"a".to_vec(), range_end: Some(b"b".to_vec()), limit: 2, keys_only: true },
@@ -93,7 +93,7 @@ fn a_guarded_write_a_delete_and_a_keys_only_range_are_encoded_as_etcd_reads_them
 
 #[test]
 fn an_owner_guard_compares_the_value_as_etcd_reads_it() {
-    let body = txn(Some((b"l", Guard::Owner(11))), &[TxnOp::Delete { key: b"r".to_vec() }], &[]);
+    let body = txn(&[(&b"l"[..], Guard::Owner(11))], &[TxnOp::Delete { key: b"r".to_vec() }], &[]);
     // compare{target VALUE, key, value = the owner token's 8 big-endian bytes}
     // | success{request_delete_range{key}}
     assert_eq!(

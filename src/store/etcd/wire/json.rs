@@ -165,11 +165,14 @@ fn ops_json(out: &mut Vec<u8>, ops: &[TxnOp]) {
     out.push(b']');
 }
 
-/// A transaction: if `guard` holds on `key`, `success`; otherwise `failure`.
-pub fn txn(guard: Option<(&[u8], Guard)>, success: &[TxnOp], failure: &[TxnOp]) -> Vec<u8> {
+/// A transaction: if every guard holds on its key, `success`; otherwise `failure`.
+pub fn txn(guards: &[(&[u8], Guard)], success: &[TxnOp], failure: &[TxnOp]) -> Vec<u8> {
     let mut out = Vec::with_capacity(256);
     out.extend_from_slice(b"{\"compare\":[");
-    if let Some((key, guard)) = guard {
+    for (i, (key, guard)) in guards.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
         out.push(b'{');
         field_b64(&mut out, "key", key);
         let revision = |out: &mut Vec<u8>, target: &str, field: &str, revision: i64| {
@@ -178,7 +181,7 @@ pub fn txn(guard: Option<(&[u8], Guard)>, success: &[TxnOp], failure: &[TxnOp]) 
                     .as_bytes(),
             )
         };
-        match guard {
+        match *guard {
             Guard::Absent => revision(&mut out, "CREATE", "create_revision", 0),
             Guard::ModRevision(r) => revision(&mut out, "MOD", "mod_revision", r),
             Guard::Owner(owner) => {

@@ -132,9 +132,14 @@ pub struct Call {
 
 /// A transaction: if `guard` holds on `key`, `success`; otherwise `failure`.
 pub fn txn(protocol: Protocol, guard: Option<(&[u8], Guard)>, success: &[TxnOp], failure: &[TxnOp]) -> Call {
+    txn_all(protocol, guard.as_slice(), success, failure)
+}
+
+/// A transaction: if every guard holds on its key, `success`; otherwise `failure`.
+pub fn txn_all(protocol: Protocol, guards: &[(&[u8], Guard)], success: &[TxnOp], failure: &[TxnOp]) -> Call {
     match protocol {
-        Protocol::Json => Call { path: json::TXN, body: json::txn(guard, success, failure) },
-        Protocol::Grpc => Call { path: grpc::TXN, body: grpc::txn(guard, success, failure) },
+        Protocol::Json => Call { path: json::TXN, body: json::txn(guards, success, failure) },
+        Protocol::Grpc => Call { path: grpc::TXN, body: grpc::txn(guards, success, failure) },
     }
 }
 

@@ -28,6 +28,7 @@ use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
+use crate::renewal::Hold;
 use crate::router_control;
 use crate::store::record::State;
 use crate::store::{Begin, Claim, ClaimAttempt, Completion, StoreAnswer, StoreError, StoreOp};
@@ -95,6 +96,12 @@ pub enum Step {
     /// call from the rule and the held request), then hand its answer to `lookup_answered`;
     /// if no lookup can be made now, `lookup_refused`.
     Lookup { rule: Rc<Rule>, request: Vec<(String, Vec<u8>)> },
+    /// The request now owns this claim and is at work on it: the worker's root keeps it (renews
+    /// its lease) until the flow lets it go (`renewal`).
+    Hold(Hold),
+    /// The request is done with the claim of this owner token (settled, or ended without an
+    /// outcome): no longer renewed.
+    LetGo(u64),
     /// `reconcile`: this request's outcome is unknown and its record kept in flight; the
     /// worker's root asks the upstream itself when the lease ends (`RequestFlow::lease_end`),
     /// so that a key nobody retries settles too. The glue builds the lookup now, from the
@@ -170,8 +177,8 @@ enum Phase {
     /// Held in the wait room, with its fingerprint (its body stays in Envoy's buffer, never read
     /// again); the root looks at its record again (`recheck`).
     Waiting { pending: Pending, fingerprint: Fingerprint },
-    /// A waiter's `begin` asked again; its answer is the waiter's fate.
-    Rechecking { pending: Pending, fingerprint: Fingerprint },
+    /// A waiter's `begin` asked again (at `now_ms`); its answer is the waiter's fate.
+    Rechecking { pending: Pending, fingerprint: Fingerprint, now_ms: u64 },
     /// We answered locally; our own reply comes back through the encode callbacks and must be
     /// left alone (never snapshotted), except that a replay's framing headers are put back.
     Answered { replay_shape: Option<ReplayShape> },
@@ -467,9 +474,9 @@ impl RequestFlow {
                 let decision = engine::decision_of(cfg, &pending, begun);
                 self.decided(pending, fingerprint, now_ms, decision)
             }
-            (Phase::Rechecking { pending, fingerprint }, StoreAnswer::Begun(begun)) => {
+            (Phase::Rechecking { pending, fingerprint, now_ms }, StoreAnswer::Begun(begun)) => {
                 let decision = engine::decision_of(cfg, &pending, begun);
-                self.rechecked(pending, fingerprint, decision)
+                self.rechecked(pending, fingerprint, now_ms, decision)
             }
             (Phase::Adopting { pending, fingerprint, now_ms, found }, StoreAnswer::Begun(begun)) => {
                 match begun {
@@ -667,10 +674,11 @@ impl RequestFlow {
                         request,
                         due_ms,
                         route_cluster: None,
+                        owner: claim.owner,
                     };
                     self.later = Some(Box::new(later));
                 }
-                self.forward(pending, claim, counter)
+                self.forward(pending, claim, counter, now_ms)
             }
             Decision::Respond { reply, counter } => self.respond(&pending, reply, counter),
             Decision::Wait { lease_remaining_ms } => {
@@ -687,16 +695,27 @@ impl RequestFlow {
     }
 
     /// The request owns the record: forwarded upstream through Envoy, or carried by the root on
-    /// a detached rule.
-    fn forward(&mut self, pending: Pending, claim: Claim, counter: Counter) -> Output {
+    /// a detached rule. Its claim, made at `now_ms`, is held (renewed) while it is at work.
+    fn forward(&mut self, pending: Pending, claim: Claim, counter: Counter, now_ms: u64) -> Output {
         log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
+        let rule = &pending.rule;
+        let hold = Step::Hold(Hold {
+            claim,
+            lease_ms: rule.processing_timeout_ms,
+            lease_end_ms: now_ms.saturating_add(rule.processing_timeout_ms),
+            expires_at_ms: now_ms.saturating_add(rule.ttl_ms),
+        });
         if matches!(pending.rule.execution, Execution::Detached { .. }) {
             self.phase = Phase::Detached { claim, rule: Rc::clone(&pending.rule) };
-            return Output::hold(vec![Step::Count(counter), Step::Detach { claim, rule: pending.rule }]);
+            return Output::hold(vec![
+                Step::Count(counter),
+                hold,
+                Step::Detach { claim, rule: pending.rule },
+            ]);
         }
         self.forwarded_rule = Some(Rc::clone(&pending.rule));
         self.phase = Phase::Forwarded { claim, rule: pending.rule };
-        Output::go(vec![Step::Count(counter)])
+        Output::go(vec![Step::Count(counter), hold])
     }
 
     /// Answered locally: a replay or a problem.
@@ -743,7 +762,7 @@ impl RequestFlow {
         match std::mem::replace(&mut self.phase, Phase::Idle) {
             Phase::Waiting { pending, fingerprint } => {
                 let attempt = engine::claim_attempt(cfg, &pending, fingerprint, now_ms, owner);
-                self.phase = Phase::Rechecking { pending, fingerprint };
+                self.phase = Phase::Rechecking { pending, fingerprint, now_ms };
                 Some(StoreOp::Begin(attempt))
             }
             phase => {
@@ -756,13 +775,19 @@ impl RequestFlow {
     /// A waiter's fate, from what its look at the record found: the `Decision` any request's
     /// `begin` leads to, carried out the same way (it leaves the wait room to be forwarded or
     /// answered), except that "wait" holds it in the room again.
-    fn rechecked(&mut self, pending: Pending, fingerprint: Fingerprint, decision: Decision) -> Output {
+    fn rechecked(
+        &mut self,
+        pending: Pending,
+        fingerprint: Fingerprint,
+        now_ms: u64,
+        decision: Decision,
+    ) -> Output {
         let out = match decision {
             Decision::Wait { lease_remaining_ms } => {
                 self.phase = Phase::Parking { pending, fingerprint, lease_remaining_ms, again: true };
                 return Output::hold(vec![Step::Repark { lease_remaining_ms }]);
             }
-            Decision::Forward { claim, counter } => self.forward(pending, claim, counter),
+            Decision::Forward { claim, counter } => self.forward(pending, claim, counter, now_ms),
             Decision::Respond { reply, counter } => self.respond(&pending, reply, counter),
         };
         let mut steps = vec![Step::LeaveWaitRoom];
@@ -1087,7 +1112,11 @@ mod tests {
         // Nothing else happens while the request is held; then the answer arrives.
         let answer = op.perform(&w.store());
         let out = flow.store_answered(&cfg(), answer);
-        assert_eq!(out, Output::go(vec![Step::Count(Counter::Claimed)]));
+        // Forwarded, its claim held (renewed while it is at work) from the begin's time.
+        let [Step::Count(Counter::Claimed), Step::Hold(hold)] = out.steps.as_slice() else {
+            panic!("{out:?}")
+        };
+        assert_eq!((out.verdict, hold.lease_end_ms - hold.lease_ms), (Verdict::Continue, facts.now_ms));
         assert!(!flow.awaiting_store());
     }
 
@@ -1113,7 +1142,10 @@ mod tests {
         begun(&mut flow, &mut facts, &w.store());
         let out = flow.response_headers(&mut facts, true);
         assert!(matches!(out.steps.as_slice(), [Step::Store(StoreOp::Complete { .. })]));
-        assert_eq!(flow.store_timed_out(&cfg()).steps, vec![Step::Count(Counter::StoreError)]);
+        assert_eq!(
+            flow.store_timed_out(&cfg()).steps,
+            vec![Step::Count(Counter::StoreError), Step::LetGo(1)]
+        );
     }
 
     #[test]
@@ -1140,7 +1172,7 @@ mod tests {
         begun(&mut flow, &mut facts, &w.store());
         flow.response_headers(&mut facts, true);
         let out = flow.store_failed(&cfg(), StoreError::TimedOut, OnStoreError::FailOpen);
-        assert_eq!(out.steps, vec![Step::Count(Counter::StoreError)]);
+        assert_eq!(out.steps, vec![Step::Count(Counter::StoreError), Step::LetGo(1)]);
     }
 
     #[test]
@@ -1155,8 +1187,11 @@ mod tests {
         assert!(!flow.awaiting_store());
         assert!(flow.hand_off_settlement().is_none());
         let StoreAnswer::Settled(settled) = op.perform(&w.store()) else { panic!() };
-        assert_eq!(settlement.answered(settled), vec![Step::Count(Counter::Stored)]);
-        assert_eq!(settlement.answered(Ok(Settled::Lost)), vec![Step::Count(Counter::CompletionLost)]);
+        assert_eq!(settlement.answered(settled), vec![Step::Count(Counter::Stored), Step::LetGo(1)]);
+        assert_eq!(
+            settlement.answered(Ok(Settled::Lost)),
+            vec![Step::Count(Counter::CompletionLost), Step::LetGo(1)]
+        );
     }
 
     #[test]
@@ -1195,11 +1230,18 @@ mod tests {
         let mut facts = Facts::post("/orders", "b", b"x").local_reply("ext_authz_denied", 0, "");
         facts.unreadable.push("upstream\0address".into());
         let mut flow = forwarded("b", &mut facts);
-        assert_eq!(flow.response_headers(&mut facts, true).steps, vec![Step::Count(Counter::KeptUnknown)]);
+        // Kept: its owner lets its claim go (the first owner token of its stream's facts).
+        assert_eq!(
+            flow.response_headers(&mut facts, true).steps,
+            vec![Step::Count(Counter::KeptUnknown), Step::LetGo(1)]
+        );
         // A timeout: keep.
         let mut facts = Facts::post("/orders", "c", b"x").local_reply("response_timeout", 0x4, "10.0.0.1:80");
         let mut flow = forwarded("c", &mut facts);
-        assert_eq!(flow.stream_ended(&mut facts).steps, vec![Step::Count(Counter::KeptUnknown)]);
+        assert_eq!(
+            flow.stream_ended(&mut facts).steps,
+            vec![Step::Count(Counter::KeptUnknown), Step::LetGo(1)]
+        );
         // Cut mid-body: completed without the body, a retry gets 410.
         let mut facts = Facts::post("/orders", "d", b"x").upstream_answer(201, b"abc");
         let mut flow = forwarded("d", &mut facts);
@@ -1302,7 +1344,11 @@ mod tests {
         let mut facts = Facts::post("/orders", "k", b"x").local_reply("response_timeout", 0x4, "10.0.0.1:80");
         let mut flow = RequestFlow::new(1);
         begun(&mut flow, &mut facts, &w.store());
-        assert_eq!(flow.response_headers(&mut facts, true).steps, vec![Step::Count(Counter::KeptUnknown)]);
+        // The owner ended without an outcome: its claim is let go, and ends with its lease.
+        assert_eq!(
+            flow.response_headers(&mut facts, true).steps,
+            vec![Step::Count(Counter::KeptUnknown), Step::LetGo(1)]
+        );
         let retry = |now_ms| {
             let mut facts = Facts { now_ms, ..Facts::post("/orders", "k", b"x") };
             counters(&begun(&mut RequestFlow::new(2), &mut facts, &w.store()).0)
@@ -1327,7 +1373,7 @@ mod tests {
         let out = first.response_headers(&mut facts, true);
         let (steps, _) = run(&mut first, out, &w.store());
         assert!(
-            matches!(steps.as_slice(), [Step::Wake(_), Step::Count(Counter::OutcomeUnknown)]),
+            matches!(steps.as_slice(), [Step::Wake(_), Step::Count(Counter::OutcomeUnknown), Step::LetGo(_)]),
             "{steps:?}"
         );
         // ...and what a woken waiter's recheck gets is what any retry gets: 502, not a claim.
@@ -1346,7 +1392,7 @@ mod tests {
         let [Step::Store(op @ StoreOp::Complete { .. })] = out.steps.as_slice() else { panic!("{out:?}") };
         let settlement = flow.hand_off_settlement().expect("settling");
         let StoreAnswer::Settled(settled) = op.perform(&w.store()) else { panic!() };
-        assert_eq!(settlement.answered(settled), vec![Step::Count(Counter::OutcomeUnknown)]);
+        assert_eq!(settlement.answered(settled), vec![Step::Count(Counter::OutcomeUnknown), Step::LetGo(1)]);
         assert_eq!(retried(&w, "k", b"x", 1).1, 502);
     }
 
@@ -1396,7 +1442,10 @@ mod tests {
         first.response_headers(&mut facts, false);
         let out = first.response_body(&mut facts, 2, true);
         let (steps, _) = run(&mut first, out, &w.store());
-        assert!(matches!(steps.as_slice(), [Step::Wake(_), Step::Count(Counter::Stored)]), "{steps:?}");
+        assert!(
+            matches!(steps.as_slice(), [Step::Wake(_), Step::Count(Counter::Stored), Step::LetGo(_)]),
+            "{steps:?}"
+        );
         // Only a detached request takes a detached call's answer: a forwarded one goes on as such.
         let mut forwarded = RequestFlow::new(4);
         let mut facts = Facts::post("/wait", "other", b"x").upstream_answer(201, b"ok");
@@ -1466,7 +1515,15 @@ mod tests {
         let out = original.response_headers(&mut facts, true);
         assert!(counters(&run(&mut original, out, &w.store()).0).contains(&Counter::Released));
         let out = rechecked(&mut w1, &w, 301, 6);
-        assert_eq!(out, Output::go(vec![Step::LeaveWaitRoom, Step::Count(Counter::Claimed)]));
+        // A waiter that becomes the owner holds its claim from its recheck's time.
+        let [Step::LeaveWaitRoom, Step::Count(Counter::Claimed), Step::Hold(hold)] = out.steps.as_slice()
+        else {
+            panic!("{out:?}")
+        };
+        assert_eq!(
+            (out.verdict, hold.lease_end_ms - hold.lease_ms, hold.claim.owner),
+            (Verdict::Continue, 301, 6)
+        );
         // Should it not be resumed, its own claim is what is released.
         let settlement = w1.not_resumed().expect("forwarded with a claim");
         assert_eq!(settlement.done, Counter::Released);

@@ -15,6 +15,7 @@ pub mod json;
 pub mod metrics;
 pub mod problem;
 pub mod reconcile;
+pub mod renewal;
 pub mod router_control;
 mod sort;
 pub mod splitmix;

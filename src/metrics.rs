@@ -22,6 +22,13 @@ pub const UNMATCHED_METRIC: &str = "idempotency.unmatched_requests_total";
 
 /// Expired records reclaimed by the sweep.
 pub const SWEPT_METRIC: &str = "idempotency.records_swept_total";
+/// Claims kept for another lease because their owner was still at work (`renewal`): requests
+/// that outlived three quarters of their lease, about once per lease each.
+pub const RENEWED_METRIC: &str = "idempotency.claims_renewed_total";
+/// Claims a renewal found no longer their owner's while the owner was still at work: their
+/// lease ended before it could be renewed (the store out of reach for longer than the lease
+/// key's slack, a worker stalled) and a retry may have executed beside them. Alert on any.
+pub const CLAIMS_LOST_METRIC: &str = "idempotency.claims_lost_total";
 
 /// The etcd store over gRPC (0 on any other store): a worker's watch stream to etcd ended (etcd
 /// closed it, a connection was cut, a message was refused) or could not be opened. Its waiters

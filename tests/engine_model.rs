@@ -8,13 +8,18 @@
 //! - no live record is evicted: while one lives, its scope is answered from it;
 //! - with `unknown_outcome: "refuse"` (the default), a claim left without an outcome is never
 //!   executed again: after its lease its scope answers 502 `outcome-unknown` until the ttl, and
-//!   nothing is ever taken over. The model runs with both values.
+//!   nothing is ever taken over. The model runs with both values;
+//! - a claim lives as long as its owner (C25): each worker's root renews the claims its owners
+//!   hold at every 100 ms tick, as the glue does (`renewal::Renewals`), so an owner whose
+//!   upstream takes several leases is never taken over, refused or evicted while it waits; an
+//!   owner that dies (its claim left) ends its claim a lease after its last renewal at most.
 
 #![allow(clippy::unwrap_used, clippy::panic)]
 
 use idempotency_filter::config::{parse, Config};
 use idempotency_filter::flow::{Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict};
 use idempotency_filter::metrics::Counter;
+use idempotency_filter::renewal::Renewals;
 use idempotency_filter::store::fake::FakeSharedData;
 use idempotency_filter::store::local::LocalStore;
 use idempotency_filter::store::{RecordStore, StoreOp};
@@ -38,7 +43,13 @@ impl Lcg {
 struct Execution {
     scope_key: u64,
     payload: u64,
+    /// Its claim's owner token, and when it was claimed.
+    owner: u64,
+    started: u64,
+    /// Its claim's lease end: one lease after the claim, then after each renewal of it.
     lease_deadline: u64,
+    /// Its owner is still at work (its request forwarded, its answer not yet in).
+    alive: bool,
     /// Set once the store accepted its completion: (completed at, response body). For a claim
     /// left without an outcome on a refusing rule: when a retry completed it as outcome unknown.
     completed_at: Option<u64>,
@@ -133,11 +144,13 @@ impl StreamFacts for Stream {
 }
 
 /// Carries out the flow's steps as the glue does with the local store (a store operation is
-/// answered at once and its answer goes back to the flow): the counters and the reply, if any.
+/// answered at once and its answer goes back to the flow; a claim held or let go is the
+/// worker's `renewals`'): the counters and the reply, if any.
 fn carry_out(
     cfg: &Config,
     flow: &mut RequestFlow,
     store: &dyn RecordStore,
+    renewals: &mut Renewals,
     out: Output,
 ) -> (Vec<Counter>, Option<Vec<u8>>, Verdict) {
     let (mut counted, mut reply, mut verdict) = (Vec::new(), None, out.verdict);
@@ -150,6 +163,10 @@ fn carry_out(
                 let more = flow.store_answered(cfg, StoreOp::perform(&op, store));
                 verdict = more.verdict;
                 steps.extend(more.steps);
+            }
+            Step::Hold(hold) => assert!(renewals.hold(hold), "a worker of the model holds few claims"),
+            Step::LetGo(owner) => {
+                renewals.let_go(owner);
             }
             Step::Wake(_) | Step::FixHeaders(_) => {}
             other => panic!("the model's route does not {other:?}"),
@@ -179,6 +196,7 @@ fn run(
     let mut now = 1u64;
     let mut execs: Vec<Execution> = Vec::new();
     let mut in_flight: Vec<Vec<InFlight>> = (0..workers).map(|_| Vec::new()).collect();
+    let mut renewals: Vec<Renewals> = (0..workers).map(|_| Renewals::default()).collect();
     let mut owner = 0u64;
     let mut counts: HashMap<&'static str, u32> = HashMap::new();
 
@@ -197,7 +215,7 @@ fn run(
                 let held = flow.request_headers(&cfg, &mut stream, false);
                 assert_eq!(held.verdict, Verdict::Pause, "a protected request is held for its body ({ctx})");
                 let out = flow.request_body(&cfg, &mut stream, body.len(), true);
-                let (counted, reply, verdict) = carry_out(&cfg, &mut flow, &stores[w], out);
+                let (counted, reply, verdict) = carry_out(&cfg, &mut flow, &stores[w], &mut renewals[w], out);
                 let counter = match counted.as_slice() {
                     [c] => *c,
                     other => panic!("one outcome per request, got {other:?} ({ctx})"),
@@ -225,6 +243,8 @@ fn run(
                     }
                     (Counter::Claimed | Counter::TakenOver, Verdict::Continue) => {
                         for e in execs.iter().filter(|e| e.scope_key == scope_key) {
+                            // An owner still at work keeps its claim whatever its first lease said.
+                            assert!(!e.alive, "a live owner's claim executed again: {e:?} ({ctx})");
                             let lease_live = !e.ended && e.completed_at.is_none() && now < e.lease_deadline;
                             let response_live = e.completed_at.is_some_and(|c| now < c + TTL_MS);
                             assert!(
@@ -241,6 +261,9 @@ fn run(
                         execs.push(Execution {
                             scope_key,
                             payload,
+                            owner,
+                            started: now,
+                            alive: true,
                             lease_deadline: now + LEASE_MS,
                             completed_at: None,
                             unknown: false,
@@ -287,10 +310,14 @@ fn run(
                 let body = format!("exec-{}", f.exec).into_bytes();
                 let mut stream = Stream::answered(now, 201, body.clone());
                 let out = f.flow.response_headers(&mut stream, false);
-                let (mut counted, _, _) = carry_out(&cfg, &mut f.flow, &stores[w], out);
+                let (mut counted, _, _) = carry_out(&cfg, &mut f.flow, &stores[w], &mut renewals[w], out);
                 let out = f.flow.response_body(&mut stream, body.len(), true);
-                counted.extend(carry_out(&cfg, &mut f.flow, &stores[w], out).0);
+                counted.extend(carry_out(&cfg, &mut f.flow, &stores[w], &mut renewals[w], out).0);
                 let e = &mut execs[f.exec];
+                e.alive = false;
+                if now - e.started >= 2 * LEASE_MS {
+                    *counts.entry("answered_after_two_leases").or_default() += 1;
+                }
                 match counted.as_slice() {
                     [Counter::Stored] => {
                         assert!(!e.ended, "an owner that lost its claim completed it ({ctx})");
@@ -305,8 +332,9 @@ fn run(
                 if let Some(mut f) = in_flight[w].pop() {
                     let mut stream = Stream::answered(now, 503, Vec::new());
                     let out = f.flow.response_headers(&mut stream, true);
-                    let (counted, _, _) = carry_out(&cfg, &mut f.flow, &stores[w], out);
+                    let (counted, _, _) = carry_out(&cfg, &mut f.flow, &stores[w], &mut renewals[w], out);
                     let e = &mut execs[f.exec];
+                    e.alive = false;
                     if counted.contains(&Counter::Released) {
                         assert!(!e.ended, "an owner that lost its claim released it ({ctx})");
                     }
@@ -314,18 +342,42 @@ fn run(
                 }
             }
             7 => {
-                // Outcome unknown (timeout, reset, client gone): the claim is simply left.
+                // Outcome unknown (timeout, reset, client gone), or its Envoy died: the claim is
+                // simply left, and no longer renewed.
                 if !in_flight[w].is_empty() {
                     let i = rng.below(in_flight[w].len() as u64) as usize;
-                    in_flight[w].swap_remove(i);
+                    let f = in_flight[w].swap_remove(i);
+                    let e = &mut execs[f.exec];
+                    e.alive = false;
+                    renewals[w].let_go(e.owner);
                 }
             }
             8 => {
                 stores[w].sweep(now).unwrap();
             }
-            _ => now += rng.below(LEASE_MS / 2),
+            _ => {
+                // Time passes; every worker's root ticks each 100 ms and renews its owners'
+                // claims that are due, as the glue does.
+                let until = now + rng.below(LEASE_MS / 2);
+                while now < until {
+                    now = (now + 100).min(until);
+                    for (w, r) in renewals.iter_mut().enumerate() {
+                        for renew in r.due(now) {
+                            let kept = stores[w].renew(&renew).unwrap();
+                            let out = r.answered(&renew, Ok(&kept));
+                            assert!(out.lost.is_empty(), "a live owner's claim lost at {now} ({ctx})");
+                            *counts.entry("renewed").or_default() += u32::try_from(out.kept).unwrap();
+                            for c in &renew.claims {
+                                let e = execs.iter_mut().find(|e| e.owner == c.owner && e.alive).unwrap();
+                                e.lease_deadline = (now + LEASE_MS).min(e.started + TTL_MS);
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
+
     let replays = counts.get("replayed").copied().unwrap_or(0);
     assert!(
         replays > 0 && counts.get("claimed").copied().unwrap_or(0) > 0,
@@ -334,10 +386,14 @@ fn run(
     counts
 }
 
-/// Every run of a test together exercised what an unknown outcome leads to for that value.
+/// Every run of a test together exercised what an unknown outcome leads to for that value, and
+/// owners whose upstream answered after two leases or more, renewed meanwhile.
 fn assert_unknown_outcomes_exercised(totals: &HashMap<&'static str, u32>, refuse: bool) {
     let seen = totals.get(if refuse { "unknown_refused" } else { "taken_over" }).copied().unwrap_or(0);
     assert!(seen > 0, "no run reached an unknown outcome's lease end: {totals:?}");
+    let long = totals.get("answered_after_two_leases").copied().unwrap_or(0);
+    let renewed = totals.get("renewed").copied().unwrap_or(0);
+    assert!(long > 0 && renewed > 0, "no owner outlived two leases: {totals:?}");
 }
 
 fn add(totals: &mut HashMap<&'static str, u32>, counts: HashMap<&'static str, u32>) {

@@ -283,6 +283,7 @@ fn run(upstream: Upstream, order: &[Event]) {
         request: headers.clone(),
         due_ms: 1 + LEASE_MS + 2_000,
         route_cluster: None,
+        owner: claim.owner,
     });
     if matches!(upstream, Upstream::Found | Upstream::FailedThen(true)) {
         w.executions += 1;

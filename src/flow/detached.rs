@@ -89,13 +89,16 @@ impl RequestFlow {
     ) -> Output {
         let reply = detached::unknown_reply(&rule, timed_out, held_ms);
         match rule.unknown_outcome {
+            // The call is over without an outcome: its claim ends where its last lease does.
             UnknownOutcome::Takeover => {
-                self.answer(reply, DETAILS_DETACHED, vec![Step::Count(Counter::KeptUnknown)])
+                let steps = vec![Step::Count(Counter::KeptUnknown), Step::LetGo(claim.owner)];
+                self.answer(reply, DETAILS_DETACHED, steps)
             }
             // Kept for the lookup at the lease's end, and counted as what it is until then.
             UnknownOutcome::Reconcile => {
                 let mut steps = vec![Step::Count(Counter::OutcomeUnknown)];
                 steps.extend(self.later.take().map(Step::LookUpAtLeaseEnd));
+                steps.push(Step::LetGo(claim.owner));
                 self.answer(reply, DETAILS_DETACHED, steps)
             }
             UnknownOutcome::Refuse => {
@@ -130,12 +133,12 @@ impl RequestFlow {
     /// No detached call could be made for this claimed request (its claim is given back by the
     /// glue, nothing was sent upstream): 503 with retry-after.
     pub fn detach_refused(&mut self, why: &str) -> Output {
-        if !matches!(self.phase, Phase::Detached { .. }) {
-            return Output::go(Vec::new());
-        }
+        let Phase::Detached { claim, .. } = &self.phase else { return Output::go(Vec::new()) };
+        let owner = claim.owner;
         log::debug!("#{} no detached call: {why}", self.context_id);
         let reply = detached::refused_reply(why);
-        self.answer(reply, super::DETAILS_PROBLEM, vec![Step::Count(Counter::DetachedRefused)])
+        let steps = vec![Step::Count(Counter::DetachedRefused), Step::LetGo(owner)];
+        self.answer(reply, super::DETAILS_PROBLEM, steps)
     }
 
     /// A detached request's lookup at its lease's end may be built after its client left,

@@ -24,6 +24,9 @@ pub struct LaterLookup {
     /// The route's cluster, kept for a lookup built when it can no longer be read (a detached
     /// request's client gone: `RequestFlow::keep_route_cluster`).
     pub route_cluster: Option<String>,
+    /// The claim's owner token: while its owner held it, its lease ran on (`renewal`), and the
+    /// lookup is due when the lease it last renewed ends.
+    pub owner: u64,
 }
 
 /// What the upstream's lookup answered for an executed request.

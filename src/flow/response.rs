@@ -47,13 +47,22 @@ pub fn retry_window_end(claim: &Claim, now_ms: u64, processing_timeout_ms: u64) 
 impl Retry {
     /// After the first failure at `now_ms`; None: its window already closed.
     pub fn first(now_ms: u64, claim: &Claim, processing_timeout_ms: u64) -> Option<Retry> {
+        Retry::first_within(now_ms, retry_window_end(claim, now_ms, processing_timeout_ms))
+    }
+
+    /// After the first failure at `now_ms`, tried until `give_up_at_ms`; None: that is past.
+    pub fn first_within(now_ms: u64, give_up_at_ms: u64) -> Option<Retry> {
         let due_ms = now_ms.saturating_add(RETRY_FIRST_BACKOFF_MS);
-        let give_up_at_ms = retry_window_end(claim, now_ms, processing_timeout_ms);
         (due_ms < give_up_at_ms).then_some(Retry {
             due_ms,
             backoff_ms: RETRY_FIRST_BACKOFF_MS,
             give_up_at_ms,
         })
+    }
+
+    /// The same tries, until `give_up_at_ms` if that is later (its claim was renewed meanwhile).
+    pub fn within(self, give_up_at_ms: u64) -> Retry {
+        Retry { give_up_at_ms: self.give_up_at_ms.max(give_up_at_ms), ..self }
     }
 
     /// After another failure at `now_ms`; None: give up.
@@ -96,10 +105,14 @@ impl Settlement {
         (counter, wake)
     }
 
-    /// `result` as the flow's steps: the wake-up first, then the count.
+    /// `result` as the flow's steps: the wake-up first, then the count; the claim is no longer
+    /// held, whatever the store said.
     pub fn answered(&self, settled: Result<Settled, StoreError>) -> Vec<Step> {
         let (counter, wake) = self.result(settled);
-        wake.map(Step::Wake).into_iter().chain([Step::Count(counter)]).collect()
+        wake.map(Step::Wake)
+            .into_iter()
+            .chain([Step::Count(counter), Step::LetGo(self.claim.owner)])
+            .collect()
     }
 }
 
@@ -257,13 +270,15 @@ impl RequestFlow {
             }
             ResponsePlan::Keep => {
                 self.phase = Phase::Idle;
+                // The owner ended without an outcome: its claim ends where its last lease does.
                 // With `reconcile` the record waits for the lookup, and until then this is what
                 // it is: an unknown outcome.
                 if rule.reconcile.is_none() {
-                    return vec![Step::Count(Counter::KeptUnknown)];
+                    return vec![Step::Count(Counter::KeptUnknown), Step::LetGo(claim.owner)];
                 }
                 let mut steps = vec![Step::Count(Counter::OutcomeUnknown)];
                 steps.extend(self.later.take().map(Step::LookUpAtLeaseEnd));
+                steps.push(Step::LetGo(claim.owner));
                 steps
             }
             ResponsePlan::Capture { .. } => {

@@ -8,7 +8,7 @@ use crate::config::Rule;
 use crate::flow::{RequestFlow, Retry, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::store::remote::Conversation;
-use crate::store::{Claim, StoreOp};
+use crate::store::{Claim, Renew, StoreOp};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -109,6 +109,13 @@ pub struct RootAdmin {
     pub ask: AdminAsk,
 }
 
+/// A renewal of claims whose owners are still at work (`renewal`), carried as a conversation
+/// (a remote store); its answer goes back to the worker's `Renewals`.
+pub struct RootRenewal {
+    pub conversation: Box<dyn Conversation>,
+    pub renew: Renew,
+}
+
 /// One store operation the root carries out on behalf of a stream.
 pub enum RootCall {
     /// Boxed: it carries the request's task.
@@ -121,6 +128,8 @@ pub enum RootCall {
     Detached(Box<DetachedCall>),
     /// Boxed: it carries the flow.
     Lookup(Box<RootLookup>),
+    /// Boxed: it carries its claims.
+    Renew(Box<RootRenewal>),
 }
 
 /// What a worker's root is doing with the remote store on behalf of its streams. The root

@@ -9,6 +9,7 @@ use super::calls::{
     DetachedCall, FlowHandle, HeldFlow, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootLookup,
 };
 use super::plugin::PluginState;
+use super::renew::converse_renewal;
 use super::settle::{
     call_store, converse, give_back, gives_back, on_store_error, send_reply, settle_then_answer, Sent,
 };
@@ -168,6 +169,7 @@ fn take_on<H: Host>(plugin: &PluginState<H>, call: RootCall) {
         RootCall::Admin(call) => converse_admin(plugin, call, None),
         RootCall::Detached(call) => dispatch_detached(plugin, call),
         RootCall::Lookup(call) => dispatch_lookup(plugin, call),
+        RootCall::Renew(call) => converse_renewal(plugin, call, None),
     }
 }
 
@@ -497,6 +499,21 @@ pub(super) fn carry_out<H: Host>(
                     }
                     Err(retry_after_ms) => Some(flow.lookup_refused(retry_after_ms)),
                 }
+            }
+            // The owner holds its claim: renewed by the root while it is at work.
+            Step::Hold(hold) => {
+                if !plugin.renewals.borrow_mut().hold(hold) && plugin.held_full_log_due(host.now_ms()) {
+                    log::warn!(
+                        "this worker already keeps {} claims alive: key {}'s ends with its lease",
+                        crate::renewal::MAX_HELD,
+                        hold.claim.scope.log_tag()
+                    );
+                }
+                None
+            }
+            Step::LetGo(owner) => {
+                plugin.renewals.borrow_mut().let_go(owner);
+                None
             }
             Step::LookUpAtLeaseEnd(later) => {
                 if let Some(lookup) = plugin.lease_end_lookup(context_id, *later) {

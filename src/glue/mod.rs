@@ -13,6 +13,7 @@ pub mod http;
 pub mod pairs;
 pub mod plugin;
 pub mod remote;
+mod renew;
 pub mod root;
 mod settle;
 

@@ -12,10 +12,11 @@ use crate::detached;
 use crate::flow::{LaterLookup, LeaseEnd, ParkPlan, RequestFlow, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::metrics::{
-    store_calls_failed_metric, Counter, ADMIN_METRIC_PREFIX, SWEPT_METRIC, UNMATCHED_METRIC,
-    WATCH_ENDED_METRIC,
+    store_calls_failed_metric, Counter, ADMIN_METRIC_PREFIX, CLAIMS_LOST_METRIC, RENEWED_METRIC,
+    SWEPT_METRIC, UNMATCHED_METRIC, WATCH_ENDED_METRIC,
 };
 use crate::reconcile::{self, LookupGate};
+use crate::renewal::Renewals;
 use crate::splitmix::splitmix64;
 use crate::store::etcd::remote::EtcdRemote;
 use crate::store::etcd::shards::EtcdShards;
@@ -52,6 +53,8 @@ pub struct Metrics {
     routes: HashMap<String, Vec<Option<u32>>>,
     unmatched: Option<u32>,
     swept: Option<u32>,
+    renewed: Option<u32>,
+    claims_lost: Option<u32>,
     watch_ended: Option<u32>,
     /// A remote store's failed calls, by shard (`Request::shard`).
     calls_failed: Vec<Option<u32>>,
@@ -78,6 +81,8 @@ impl Metrics {
                 .collect(),
             unmatched: define(UNMATCHED_METRIC.to_string()),
             swept: define(SWEPT_METRIC.to_string()),
+            renewed: define(RENEWED_METRIC.to_string()),
+            claims_lost: define(CLAIMS_LOST_METRIC.to_string()),
             // Defined whatever the store, as the sweep's is: a family that is always there (at 0
             // where nothing watches) lets one dashboard and one alert serve every fleet.
             watch_ended: define(WATCH_ENDED_METRIC.to_string()),
@@ -136,6 +141,7 @@ pub struct PluginState<H: Host> {
     pub calls: RefCell<RootCalls>,
     bypass_log: LogEvery,
     body_never_received_log: LogEvery,
+    held_full_log: LogEvery,
     /// Set once this worker has logged that Envoy keeps request bodies from the filter
     /// (`allow_on_headers_stop_iteration` missing): one error line per worker, not per request.
     stop_iteration_error_logged: Cell<bool>,
@@ -152,6 +158,8 @@ pub struct PluginState<H: Host> {
     pub lookups: LookupGate<H>,
     /// Records this worker looks up itself when their leases end.
     pub lease_end_lookups: RefCell<Vec<LeaseEndLookup>>,
+    /// The claims this worker's owners hold, renewed by the root while they are at work.
+    pub renewals: RefCell<Renewals>,
     /// Live wake queues of all workers (refreshed by the heartbeat), with resolved ids.
     peers: RefCell<Vec<(String, Option<u32>)>>,
     /// This root's queue is in the registry (a heartbeat succeeded).
@@ -248,6 +256,7 @@ impl<H: Host> PluginState<H> {
             calls: RefCell::new(RootCalls::default()),
             bypass_log: LogEvery::new(BYPASS_LOG_EVERY_MS),
             body_never_received_log: LogEvery::new(BODY_NEVER_RECEIVED_LOG_EVERY_MS),
+            held_full_log: LogEvery::new(BODY_NEVER_RECEIVED_LOG_EVERY_MS),
             stop_iteration_error_logged: Cell::new(false),
             tokens: Cell::new(0),
             seed,
@@ -258,6 +267,7 @@ impl<H: Host> PluginState<H> {
             detached_in_flight: Cell::new(0),
             lookups,
             lease_end_lookups: RefCell::new(Vec::new()),
+            renewals: RefCell::new(Renewals::default()),
             peers: RefCell::new(Vec::new()),
             advertised: Cell::new(false),
         })
@@ -327,6 +337,15 @@ impl<H: Host> PluginState<H> {
     pub fn count_swept(&self, n: u32) {
         if let (Some(id), true) = (self.metrics.swept, n > 0) {
             self.host.increment(id, i64::from(n));
+        }
+    }
+
+    /// Counts what a renewal did: claims kept, claims found lost.
+    pub fn count_renewals(&self, kept: usize, lost: usize) {
+        for (id, n) in [(self.metrics.renewed, kept), (self.metrics.claims_lost, lost)] {
+            if let (Some(id), true) = (id, n > 0) {
+                self.host.increment(id, i64::try_from(n).unwrap_or(i64::MAX));
+            }
         }
     }
 
@@ -607,12 +626,14 @@ impl<H: Host> PluginState<H> {
             &later.request,
             later.route_cluster.as_deref(),
         )?;
+        // While its owner held the claim its lease ran on: due where the last renewed lease ends.
+        let lease_ends_ms = self.renewals.borrow().lease_end(later.owner).unwrap_or(0).max(later.due_ms);
         let owner = self.owner_token(context_id);
         let attempt = crate::engine::claim_attempt(
             &self.config,
             &later.pending,
             later.fingerprint,
-            later.due_ms,
+            lease_ends_ms,
             owner,
         );
         // A margin past the lease: etcd ends a claim's lease key by its own clock, in whole
@@ -620,7 +641,7 @@ impl<H: Host> PluginState<H> {
         // the claim past its lease (etcd: its completion's retry window) keeps it from the lookup
         // too: asked before, its begin would only find the claim in flight.
         let held_ms = self.store.held_past_lease_ms(rule.processing_timeout_ms);
-        let due_ms = later.due_ms.saturating_add(held_ms).saturating_add(LEASE_END_MARGIN_MS);
+        let due_ms = lease_ends_ms.saturating_add(held_ms).saturating_add(LEASE_END_MARGIN_MS);
         let Lookup { cluster, headers, timeout_ms, .. } = lookup;
         let lease_end = LeaseEnd { cluster, headers, timeout_ms, attempt, tries: 0 };
         Some(LeaseEndLookup { due_ms, flow: RequestFlow::lease_end(context_id, later, lease_end) })
@@ -695,6 +716,12 @@ impl<H: Host> PluginState<H> {
     /// a store outage must not flood the log with one line per request).
     pub fn bypass_log_due(&self, now_ms: u64) -> bool {
         self.bypass_log.due(now_ms)
+    }
+
+    /// True when a claim the worker could not keep alive (it keeps `renewal::MAX_HELD`) should
+    /// be logged now (at most once a minute per worker).
+    pub fn held_full_log_due(&self, now_ms: u64) -> bool {
+        self.held_full_log.due(now_ms)
     }
 
     /// True when a request that ended before its body arrived should be logged now (at most

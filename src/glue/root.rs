@@ -9,6 +9,7 @@ use super::carry::{
 use super::http::Http;
 use super::plugin::PluginState;
 use super::remote;
+use super::renew::{converse_renewal, renew_due, renewed};
 use super::settle::{abandon, converse, finish_settlement, retry_settlements, Sent};
 use super::{log_filter, Host, HostError, BUFFER_GRPC_RECEIVE};
 use crate::identity::scope::ScopeId;
@@ -127,6 +128,8 @@ impl<H: Host> Root<H> {
         // those due to be tried again.
         take_on_handed_over(&plugin);
         retry_settlements(&plugin, now_ms);
+        // Claims whose owners are still at work, before their leases end.
+        renew_due(&plugin, now_ms);
         start_lease_end_lookups(&plugin, now_ms);
         // Conversations waiting for a token: on, or over once its fetch is past its deadline.
         resume_parked(&plugin);
@@ -263,6 +266,8 @@ impl<H: Host> Root<H> {
             (RootCall::Settle(settle), Err(error)) => finish_settlement(&plugin, settle, Err(error)),
             (RootCall::Admin(call), Ok(answer)) => converse_admin(&plugin, call, Some(answer)),
             (RootCall::Admin(call), Err(error)) => admin_failed(&plugin, call, error),
+            (RootCall::Renew(call), Ok(answer)) => converse_renewal(&plugin, call, Some(answer)),
+            (RootCall::Renew(call), Err(error)) => renewed(&plugin, &call.renew, Err(error)),
             (RootCall::Detached(_) | RootCall::Lookup(_), _) => {}
         }
         if plugin.store.take_woken() {

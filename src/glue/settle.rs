@@ -9,7 +9,7 @@ use super::remote;
 use super::{Host, HostError};
 use crate::config::etcd::OnStoreError;
 use crate::engine::Reply;
-use crate::flow::{Retry, Settlement};
+use crate::flow::{retry_window_end, Retry, Settlement};
 use crate::metrics::Counter;
 use crate::store::remote::{Answer, Conversation, Next, Request};
 use crate::store::seam::Started;
@@ -68,6 +68,7 @@ fn settled_at_once<H: Host>(
     settlement: &Settlement,
     settled: Result<Settled, StoreError>,
 ) {
+    plugin.renewals.borrow_mut().let_go(settlement.claim.owner);
     let (counter, wake) = settlement.result(settled);
     if let Some(scope) = wake {
         plugin.broadcast(&scope);
@@ -186,8 +187,9 @@ pub(super) fn abandon<H: Host>(plugin: &PluginState<H>) {
                 plugin.detached_done();
                 plugin.count(Counter::SettlementAbandoned, Some(&call.rule));
             }
-            // A lookup writes nothing: its record stays as it was, for the next retry's lookup.
-            RootCall::Begin(_) | RootCall::Lookup(_) | RootCall::Admin(_) => {}
+            // A lookup writes nothing: its record stays as it was, for the next retry's lookup. A
+            // renewal left undone leaves its claims to end with their leases.
+            RootCall::Begin(_) | RootCall::Lookup(_) | RootCall::Admin(_) | RootCall::Renew(_) => {}
         }
     }
     log::warn!(
@@ -207,11 +209,18 @@ pub(super) fn finish_settlement<H: Host>(
     mut call: Box<RootSettlement>,
     settled: Result<Settled, StoreError>,
 ) {
+    let owner = call.settlement.claim.owner;
     if let Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)) = &settled {
         let now_ms = plugin.host.now_ms();
+        // The claim is still its owner's while the completion is tried, and renewed meanwhile
+        // (`renewal`): its tries run until one `processing_timeout` past the lease it last
+        // renewed, which its lease key outlives (etcd).
+        let lease_ms = call.settlement.rule.processing_timeout_ms;
+        let window_ms = retry_window_end(&call.settlement.claim, now_ms, lease_ms)
+            .max(plugin.renewals.borrow().lease_end(owner).map_or(0, |end| end.saturating_add(lease_ms)));
         let retry = match call.retry {
-            None => Retry::first(now_ms, &call.settlement.claim, call.settlement.rule.processing_timeout_ms),
-            Some(retry) => retry.next(now_ms),
+            None => Retry::first_within(now_ms, window_ms),
+            Some(retry) => retry.within(window_ms).next(now_ms),
         };
         resume_held_response(plugin, &mut call);
         let (context_id, scope) = (call.settlement.context_id, call.settlement.claim.scope);
@@ -232,11 +241,13 @@ pub(super) fn finish_settlement<H: Host>(
                     scope.log_tag(),
                     call.settlement.rule.processing_timeout_ms
                 );
+                plugin.renewals.borrow_mut().let_go(owner);
                 plugin.count(Counter::SettlementAbandoned, Some(&call.settlement.rule));
             }
         }
         return;
     }
+    plugin.renewals.borrow_mut().let_go(owner);
     let (counter, wake) = call.settlement.result(settled);
     if let Some(scope) = wake {
         plugin.broadcast(&scope);

@@ -301,8 +301,12 @@ pub struct Renewal {
     pub shard: u8,
 }
 
-/// Claims of one shard and one processing lease, kept for another `lease_ms` from `now_ms`
-/// (never past their record's expiry).
+/// Claims one `Renew` carries at most: etcd refuses a transaction with more than
+/// `--max-txn-ops` (128 by default) compares or operations, and a renewal is one transaction.
+pub const MAX_RENEWALS: usize = 64;
+
+/// Claims of one shard and one processing lease (`MAX_RENEWALS` at most), kept for another
+/// `lease_ms` from `now_ms` (never past their record's expiry).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Renew {
     pub claims: Vec<Renewal>,

@@ -14,6 +14,7 @@ mod reconcile;
 mod remote;
 mod remote_grpc;
 mod remote_wait;
+mod renewal;
 mod shards;
 mod wait;
 
@@ -161,7 +162,8 @@ fn last_token(h: &FakeHost) -> u32 {
 pub(super) type Begins = Rc<RefCell<VecDeque<Begin>>>;
 
 /// Each operation is one call; a 200 answers a `begin` with the next scripted `Begin`
-/// (a claim when none is left), a settlement with Done; anything else is Unavailable.
+/// (a claim when none is left), a settlement with Done, a renewal with every claim kept;
+/// anything else is Unavailable.
 pub(super) struct Scripted {
     pub(super) settings: RemoteSettings,
     pub(super) ops: Rc<RefCell<Vec<StoreOp>>>,
@@ -218,6 +220,9 @@ impl Conversation for OneCall {
                 }))))
             }
             StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),
+            // A renewal keeps every claim it carries.
+            StoreOp::Renew(r) if ok => StoreAnswer::Renewed(Ok(vec![true; r.claims.len()])),
+            StoreOp::Renew(_) => StoreAnswer::Renewed(Err(error)),
             _ if ok => StoreAnswer::Settled(Ok(Settled::Done)),
             _ => StoreAnswer::Settled(Err(error)),
         })

@@ -533,33 +533,82 @@ fn a_completion_the_store_failed_is_tried_again_with_backoff_until_it_lands() {
     assert_eq!(h.0.calls.borrow().iter().filter(|c| matches!(c, HostCall::ResumeResponse { .. })).count(), 1);
 }
 
+/// The claims renewed so far (`idempotency.claims_renewed_total`).
+fn renewed(h: &FakeHost) -> i64 {
+    h.plain_counter(crate::metrics::RENEWED_METRIC).unwrap_or(-1)
+}
+
+/// Runs `root`'s ticks every 100 ms from `from_ms` to `until_ms`, each callout answered at once
+/// with the status `status` gives its operation (None: the call failed): when the last
+/// completion was tried, and how often it was.
+fn ticks_answering(
+    h: &FakeHost,
+    root: &mut Root<FakeHost>,
+    ops: &Rc<RefCell<Vec<StoreOp>>>,
+    (from_ms, until_ms): (u64, u64),
+    status: impl Fn(&StoreOp) -> Option<&'static str>,
+) -> (u64, usize) {
+    let completions = || ops.borrow().iter().filter(|op| matches!(op, StoreOp::Complete { .. })).count();
+    let (mut now, mut last) = (from_ms, 0);
+    while now < until_ms {
+        now += 100;
+        let before = (ops.borrow().len(), completions());
+        at(h, root, now);
+        if completions() > before.1 {
+            last = now;
+        }
+        // Each operation of the scripted store is one call, answered in the order made.
+        for i in before.0..ops.borrow().len() {
+            let answer = status(&ops.borrow()[i]);
+            store_answers(h, answer, if answer.is_some() { b"{}" } else { b"" });
+            root.on_http_call_response(last_token(h), if answer.is_some() { 2 } else { 0 });
+        }
+    }
+    (last, completions())
+}
+
 #[test]
 fn a_completion_is_tried_until_its_lease_ended_a_processing_timeout_ago_then_abandoned() {
     let h = host();
-    let mut root = root(&h, "etcd", OnStoreError::FailClosed);
+    let (mut root, ops) = root_with_ops(&h, "etcd", OnStoreError::FailClosed);
     // Claimed at 1 s with the default processing_timeout, 30 s: its lease ends at 31 s.
     let (_http, token) = completing(&h, &mut root, 2);
     store_answers(&h, None, b"");
     root.on_http_call_response(token, 0);
-    let (mut now, mut tries, mut last) = (1_000, 1, 0);
-    while now < 70_000 {
-        now += 100;
-        let before = h.dispatches().len();
-        at(&h, &mut root, now);
-        if h.dispatches().len() > before {
-            (tries, last) = (tries + 1, now);
-            store_answers(&h, None, b"");
-            root.on_http_call_response(last_token(&h), 0);
-        }
-    }
+    let (last, tries) = ticks_answering(&h, &mut root, &ops, (1_000, 70_000), |_| None);
     assert_eq!(h.counter("settlement_abandoned"), 1);
     assert_eq!(h.route_counter("orders", "settlement_abandoned"), 1);
     assert_eq!((h.counter("stored"), h.counter("store_error")), (0, 0));
     // Tried until 61 s, one processing_timeout past its lease's end (its lease key, by etcd's
     // clock, outlives that: nobody can take it over meanwhile), not only 30 s after the first
-    // failure: 100, 200, 400, 800, 1600 ms, then every 2 s.
+    // failure: 100, 200, 400, 800, 1600 ms, then every 2 s. The store that fails its completion
+    // fails the renewals of its claim too, which so ends where it did.
     assert!((59_000..61_000).contains(&last), "last try at {last} ms");
     assert!((30..=35).contains(&tries), "{tries} tries");
+    let renewals = ops.borrow().iter().filter(|op| matches!(op, StoreOp::Renew(_))).count();
+    assert!(renewals > 0 && renewed(&h) == 0, "{renewals} renewals");
+}
+
+#[test]
+fn a_completion_whose_claim_is_renewed_meanwhile_is_tried_a_lease_past_its_last_renewal() {
+    let h = host();
+    let (mut root, ops) = root_with_ops(&h, "etcd", OnStoreError::FailClosed);
+    let (_http, token) = completing(&h, &mut root, 2);
+    store_answers(&h, None, b"");
+    root.on_http_call_response(token, 0);
+    // The completion keeps failing while the claim's renewals land: its owner is still at work,
+    // so it keeps its claim and its tries go on past 61 s, where an unrenewed claim's end.
+    let renewals_only = |op: &StoreOp| matches!(op, StoreOp::Renew(_)).then_some("200");
+    let (last, _) = ticks_answering(&h, &mut root, &ops, (1_000, 90_000), renewals_only);
+    assert!(renewed(&h) >= 2, "renewed {}", renewed(&h));
+    assert!(last > 86_000, "last try at {last} ms");
+    assert_eq!(h.counter("settlement_abandoned"), 0);
+    // Then it lands, and the claim is let go: nothing more is renewed.
+    ticks_answering(&h, &mut root, &ops, (90_000, 93_000), |_| Some("200"));
+    assert_eq!(h.counter("stored"), 1);
+    let so_far = renewed(&h);
+    ticks_answering(&h, &mut root, &ops, (93_000, 200_000), |_| Some("200"));
+    assert_eq!(renewed(&h), so_far);
 }
 
 #[test]

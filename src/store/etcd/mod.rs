@@ -37,7 +37,6 @@ use leases::{CachedLease, ClaimLease};
 
 pub use conversation::EtcdConversation;
 pub use leases::LEASE_WINDOW_MS;
-pub use renew::MAX_RENEWALS_PER_TXN;
 
 /// The store's settings are the configuration's `store` section, defined (with their defaults
 /// and the size limits that follow from etcd's) in `config::etcd`, where `parse` builds them.

@@ -16,11 +16,7 @@ use super::leases::claim_lease_ttl_s;
 use super::stage::{Move, Stage};
 use super::wire::{self, Guard, TxnOp};
 use super::{unusable, EtcdConversation, EtcdStore};
-use crate::store::{StoreError, StoreOp};
-
-/// Claims one renewal transaction carries at most: etcd refuses a transaction with more than
-/// `--max-txn-ops` (128 by default) compares or operations.
-pub const MAX_RENEWALS_PER_TXN: usize = 64;
+use crate::store::{StoreError, StoreOp, MAX_RENEWALS};
 
 /// A renewal in progress.
 #[derive(Debug, Clone)]
@@ -41,7 +37,7 @@ impl EtcdConversation {
         if n == 0 {
             return Ok(Move::Renewed(Vec::new()));
         }
-        if n > MAX_RENEWALS_PER_TXN {
+        if n > MAX_RENEWALS {
             return Err(unusable("more claims than one renewal carries"));
         }
         self.renewing = Some(Box::new(Renewing {

@@ -15,15 +15,12 @@ use crate::store::{
 use super::keys::owner_of;
 use super::leases::{window_end, LIVE_CLAIM_RETRY_MS};
 use super::quota::{charged_entry, quota_reads, quota_refusal};
-use super::stage::{Move, Stage};
+use super::stage::{Move, Stage, TXN_ATTEMPTS};
 use super::wire::{self, EtcdRefusal, Guard, TxnOp};
 use super::{decode, records, unusable, EtcdStore, UNANSWERED};
 
 /// Room kept for keys and framing when checking an encoded record against etcd's limit.
 const TXN_FRAMING_BYTES: u64 = 4 * 1024;
-
-/// Transactions lost to other writers before `begin` gives up (`Contention`).
-pub(super) const TXN_ATTEMPTS: u8 = 3;
 
 /// A guarded write waiting for its lease (or sent).
 #[derive(Debug, Clone)]

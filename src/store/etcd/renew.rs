@@ -11,9 +11,8 @@
 //! branch reads each record's revision, those claims are answered "no longer the owner's", and
 //! the others are tried again in a new transaction (`TXN_ATTEMPTS` at most).
 
-use super::conversation::TXN_ATTEMPTS;
 use super::leases::claim_lease_ttl_s;
-use super::stage::{Move, Stage};
+use super::stage::{Move, Stage, TXN_ATTEMPTS};
 use super::wire::{self, Guard, TxnOp};
 use super::{unusable, EtcdConversation, EtcdStore};
 use crate::store::{StoreError, StoreOp, MAX_RENEWALS};

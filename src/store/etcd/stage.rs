@@ -5,6 +5,9 @@
 use super::wire;
 use crate::store::{Begin, RecordPage, Refusal, Settled};
 
+/// Transactions lost to other writers before a begin or a renewal gives up (`Contention`).
+pub(super) const TXN_ATTEMPTS: u8 = 3;
+
 /// Where a conversation is: which answer it waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Stage {

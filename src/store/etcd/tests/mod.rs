@@ -8,9 +8,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use super::cache::ReplayCacheSettings;
-use super::conversation::TXN_ATTEMPTS;
 use super::keys::hex;
 use super::leases::{window_end, CACHED_LEASES, LIVE_CLAIM_RETRY_MS};
+use super::stage::TXN_ATTEMPTS;
 use super::*;
 use crate::config::etcd::ETCD_MAX_REQUEST_BYTES;
 use crate::identity::fingerprint::Fingerprint;

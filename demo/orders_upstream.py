@@ -31,10 +31,14 @@ Test knobs (request headers, all optional):
 
 Lookup by key (not an execution), what a `routes[].reconcile` of the filter asks:
     GET  /_lookup/<key>                the key's first committed answer (its status, content-type,
-                                       x-execution and body), or 404 if no execution of the key
-                                       ever committed one. An execution commits its answer when it
-                                       is about to send it: after x-delay-ms, never with
-                                       x-reset: before-headers (read, then dropped uncommitted).
+                                       x-execution and body); 202 {"status": "processing"} while an
+                                       execution of the key is still running and none committed
+                                       (docs/CONTRACT.md asks upstream authors for exactly this: a
+                                       404 then would let a retry execute beside it); 404 only if
+                                       no execution of the key committed one and none is running.
+                                       An execution commits its answer when it is about to send
+                                       it: after x-delay-ms, never with x-reset: before-headers
+                                       (read, then dropped uncommitted).
 
 Admin endpoints (not executions):
     GET  /_admin/executions            {"total": n, "by_key": {key: count}, "by_path": {path: count}}
@@ -47,6 +51,10 @@ Admin endpoints (not executions):
     POST /_admin/reset                 zero everything
     POST /_admin/lookup-fail?count=N[&status=S]
                                        the next N lookups answer S (default 500)
+    POST /_admin/lookup-while-running?status=S
+                                       what a lookup answers while an execution of its key runs
+                                       (default 202; 404 makes the broken lookup the filter must
+                                       survive: tests/e2e/contract/test_claim_renewal.py)
     GET  /_admin/lookups[?key=K]       {"total": n, "by_key": {key: count}} or {"key": K, "count": c}
     GET  /_admin/health                200
 
@@ -100,7 +108,10 @@ class State:
         self.answers: dict[str, tuple[int, list[tuple[str, str]], bytes]] = {}
         self.lookups: dict[str, int] = collections.Counter()
         self.committed: dict[str, int] = collections.Counter()
+        # key -> executions of it under way (started, not yet answered or dropped)
+        self.running: dict[str, int] = collections.Counter()
         self.lookup_fail = (0, 500)
+        self.while_running = 202
 
     def commit(self, key: str, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
         with self.lock:
@@ -256,6 +267,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             with STATE.lock:
                 STATE.lookup_fail = (count, status)
             self._json(200, {"count": count, "status": status})
+        elif url.path == "/_admin/lookup-while-running" and self.command == "POST":
+            status = int(query.get("status", ["202"])[0])
+            with STATE.lock:
+                STATE.while_running = status
+            self._json(200, {"status": status})
         elif url.path == "/_admin/committed":
             key = query.get("key", [""])[0]
             with STATE.lock:
@@ -283,8 +299,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if failing > 0:
                 STATE.lookup_fail = (failing - 1, fail_status)
             answer = STATE.answers.get(key)
+            running, while_running = STATE.running.get(key, 0), STATE.while_running
         if failing > 0:
             self._json(fail_status, {"error": "lookup failing on purpose"})
+        elif answer is None and running > 0:
+            # Not final: the filter keeps the record as it is and asks again later.
+            self._json(while_running, {"status": "processing", "key": key})
         elif answer is None:
             self._json(404, {"error": "no execution of this key committed an answer", "key": key})
         else:
@@ -296,6 +316,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
         keys = self.headers.get_all(KEY_HEADER) or []
         key = ", ".join(keys)
         n = STATE.record(self.command, path, key, body, list(self.headers.items()))
+        with STATE.lock:
+            STATE.running[key] += 1
+        try:
+            self._execution(n, key, path, body)
+        finally:
+            with STATE.lock:
+                STATE.running[key] -= 1
+
+    def _execution(self, n: int, key: str, path: str, body: bytes) -> None:
         with STATE.lock:
             first_of_key = STATE.by_key[key] == 1
 

@@ -306,6 +306,11 @@ class Upstream(Process):
         """The next `count` lookups answer `status`."""
         assert self._get("/_admin/lookup-fail?count=%d&status=%d" % (count, status), "POST").status == 200
 
+    def lookup_while_running(self, status: int) -> None:
+        """What a lookup answers while an execution of its key runs (202; 404 is the broken
+        lookup that lets a retry execute beside it)."""
+        assert self._get("/_admin/lookup-while-running?status=%d" % status, "POST").status == 200
+
     def path_executions(self, path: str) -> int:
         q = urllib.parse.quote(path, safe="", encoding="latin-1")
         return self._get("/_admin/executions?path=" + q).json()["count"]

@@ -55,6 +55,8 @@ def test_first_call_replay_and_mismatch_are_separate_series_with_route_and_outco
     # says which module runs (test_build_info.py).
     families = re.findall(r"^# TYPE (idempotency_\w+) (\w+)$", text, re.M)
     assert sorted(families) == [("idempotency_build_info", "gauge"),
+                                ("idempotency_claims_lost_total", "counter"),
+                                ("idempotency_claims_renewed_total", "counter"),
                                 ("idempotency_records_swept_total", "counter"),
                                 ("idempotency_requests_total", "counter"),
                                 ("idempotency_store_watch_ended_total", "counter"),

@@ -1274,6 +1274,52 @@ mod tests {
         }
     }
 
+    /// C25: the router's last attempt failed to connect, but an earlier one was sent (a route
+    /// retry policy retried its reset): the outcome is unknown, whatever the last reason says.
+    /// At the response headers (the router's 503) and at the stream's end alike; one attempt, or
+    /// none (Envoy answered before picking a host), is still released.
+    #[test]
+    fn a_connect_failure_after_an_earlier_attempt_is_an_unknown_outcome() {
+        const REFUSED: &str =
+            "upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}";
+        let w = World::new();
+        let attempts = |key: &str, path: &str, n: Option<u64>| {
+            let mut facts = Facts::post(path, key, b"x").local_reply(REFUSED, 0x20, "127.0.0.1:1");
+            match n {
+                Some(n) => {
+                    facts
+                        .properties
+                        .insert("upstream\0request_attempt_count".into(), n.to_le_bytes().to_vec());
+                }
+                None => facts.unreadable.push("upstream\0request_attempt_count".into()),
+            }
+            let mut flow = RequestFlow::new(1);
+            assert_eq!(counters(&begun(&mut flow, &mut facts, &w.store()).0), vec![Counter::Claimed]);
+            (flow, facts)
+        };
+        // refuse: completed as outcome unknown at the headers, and a retry gets 502.
+        let (mut flow, mut facts) = attempts("r", "/pay", Some(3));
+        let out = flow.response_headers(&mut facts, true);
+        assert_eq!(completed_unknown(&mut flow, out, &w, 0), vec![Counter::OutcomeUnknown]);
+        assert_eq!(retried(&w, "r", b"x", 1).1, 502);
+        // An attempt count that cannot be read proves nothing either.
+        let (mut flow, mut facts) = attempts("u", "/pay", None);
+        let out = flow.response_headers(&mut facts, true);
+        assert_eq!(completed_unknown(&mut flow, out, &w, 0), vec![Counter::OutcomeUnknown]);
+        // takeover: kept in flight, at the headers and at the stream's end.
+        let (mut flow, mut facts) = attempts("t", "/orders", Some(2));
+        assert_eq!(flow.response_headers(&mut facts, true).steps, vec![Step::Count(Counter::KeptUnknown)]);
+        let (mut flow, mut facts) = attempts("e", "/orders", Some(2));
+        let steps = flow.stream_ended(&mut facts).steps;
+        assert_eq!(counters(&steps), vec![Counter::UpstreamRetried, Counter::KeptUnknown], "{steps:?}");
+        // One attempt (or none) that never left: released, as before.
+        for (key, n) in [("one", 1), ("none", 0)] {
+            let (mut flow, mut facts) = attempts(key, "/pay", Some(n));
+            let out = flow.response_headers(&mut facts, true);
+            assert_eq!(counters(&run(&mut flow, out, &w.store()).0), vec![Counter::Released], "{key}");
+        }
+    }
+
     #[test]
     fn refuse_never_takes_over_a_claim_whose_lease_ended_without_an_outcome() {
         // The claim's Envoy died while the request was upstream: no outcome was ever written.

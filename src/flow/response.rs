@@ -2,7 +2,7 @@
 //! `ending.rs` plans it), the capture of the body, and the settlement (`complete` or `release`)
 //! that writes it, carried out by the flow itself or handed to whoever outlives the stream.
 
-use super::facts::{body_bytes_received, property_string, property_u64, stream_report};
+use super::facts::{attempt_count, body_bytes_received, property_string, stream_report};
 use super::{Capture, Output, Phase, RequestFlow, Step, StreamFacts, Unreadable};
 use crate::config::{Concurrency, Rule};
 use crate::ending::{
@@ -133,7 +133,8 @@ impl RequestFlow {
         let (flags, upstream_selected) =
             if details.as_deref() == Some(VIA_UPSTREAM) { (0, true) } else { stream_report(facts) };
         let report = StreamReport { details: details.as_deref(), flags, upstream_selected };
-        match plan_response(&rule, status, report) {
+        // The attempt count only where a release on "never sent" grounds is decided (a host call).
+        match plan_response(&rule, status, report, || attempt_count(facts)) {
             ResponsePlan::Capture { state, status } => {
                 let headers = engine::snapshot_headers(sent, &rule.replay_exclude_headers);
                 self.phase = Phase::Capturing(Capture {
@@ -178,13 +179,16 @@ impl RequestFlow {
     /// The stream is over (Envoy's `on_log`), however it ended.
     pub fn stream_ended(&mut self, facts: &mut dyn StreamFacts) -> Output {
         let mut steps = Vec::new();
-        if let Some(rule) = self.forwarded_rule.take() {
-            let attempts = property_u64(facts, &["upstream", "request_attempt_count"]).unwrap_or(0);
-            if attempts > 1 {
+        // Read once for every request that went upstream under a claim (final now), and used by
+        // an unfinished one's plan below too. None: not forwarded, so not read.
+        let attempts = self.forwarded_rule.take().map(|rule| {
+            let attempts = attempt_count(facts);
+            if let Some(attempts) = attempts.filter(|n| *n > 1) {
                 steps.push(Step::Count(Counter::UpstreamRetried));
                 steps.push(Step::WarnRetried { rule: rule.name.clone(), attempts });
             }
-        }
+            attempts
+        });
         match std::mem::replace(&mut self.phase, Phase::Idle) {
             Phase::Forwarded { claim, rule } => {
                 let details = property_string(facts, &["response", "code_details"]);
@@ -192,6 +196,7 @@ impl RequestFlow {
                 let plan = plan_unfinished(
                     &rule,
                     StreamReport { details: details.as_deref(), flags, upstream_selected },
+                    || attempts.unwrap_or_else(|| attempt_count(facts)),
                 );
                 log::debug!("#{} stream ended unfinished ({details:?}, flags {flags:#x})", self.context_id);
                 steps.extend(self.settle(plan, claim, rule, facts));

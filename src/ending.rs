@@ -15,10 +15,6 @@ use crate::config::{Disposition, Rule, UnknownOutcome};
 use crate::store::record::State;
 
 pub const VIA_UPSTREAM: &str = "via_upstream";
-/// The router adds this header to every upstream answer (unless the operator suppresses
-/// Envoy's headers), never to a local reply: where it is present the answer is the upstream's
-/// without asking Envoy for `response.code_details` (a host call).
-pub const UPSTREAM_SERVICE_TIME: &str = "x-envoy-upstream-service-time";
 
 // Envoy StreamInfo::CoreResponseFlag bits (envoy/stream_info/stream_info.h).
 const NO_HEALTHY_UPSTREAM: u64 = 0x2;

@@ -4,10 +4,8 @@
 
 use super::facts::{attempt_count, body_bytes_received, property_string, stream_report};
 use super::{Capture, Output, Phase, RequestFlow, Step, StreamFacts, Unreadable};
-use crate::config::{Concurrency, Rule};
-use crate::ending::{
-    plan_response, plan_unfinished, ResponsePlan, StreamReport, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
-};
+use crate::config::{Concurrency, Config, Rule};
+use crate::ending::{plan_response, plan_unfinished, ResponsePlan, StreamReport, VIA_UPSTREAM};
 use crate::engine::{self};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
@@ -103,9 +101,24 @@ impl Settlement {
     }
 }
 
+/// `first`, then `then`: `then` itself when there is nothing before it (almost always), so the
+/// usual response allocates nothing more for it.
+fn joined(mut first: Vec<Step>, then: Vec<Step>) -> Vec<Step> {
+    if first.is_empty() {
+        return then;
+    }
+    first.extend(then);
+    first
+}
+
 impl RequestFlow {
     /// Response headers.
-    pub fn response_headers(&mut self, facts: &mut dyn StreamFacts, end_of_stream: bool) -> Output {
+    pub fn response_headers(
+        &mut self,
+        cfg: &Config,
+        facts: &mut dyn StreamFacts,
+        end_of_stream: bool,
+    ) -> Output {
         if let Phase::Answered { replay_shape: Some(shape) } = &self.phase {
             // One read of the map, not one per header (each read is a round trip into the module).
             let sent = facts.response_headers();
@@ -123,9 +136,15 @@ impl RequestFlow {
             .iter()
             .find(|(n, _)| n == ":status")
             .and_then(|(_, s)| std::str::from_utf8(s).ok()?.parse::<u16>().ok());
-        let details = if sent.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME) {
+        let mut steps = Vec::new();
+        let details = if cfg.envoy_headers.from_upstream(&sent) {
             Some(VIA_UPSTREAM.to_string())
         } else {
+            // Another prefix's mark instead of ours: Envoy's header_prefix is not the configured
+            // one (a scan of headers at hand, on a path that makes a host call next anyway).
+            if let Some(seen) = cfg.envoy_headers.foreign_service_time(&sent) {
+                steps.push(Step::ErrorHeaderPrefix { seen: seen.to_owned() });
+            }
             // Envoy's headers suppressed, or a local reply: Envoy says which.
             property_string(facts, &["response", "code_details"])
         };
@@ -146,10 +165,13 @@ impl RequestFlow {
                     body: Vec::new(),
                     overflowed: false,
                 });
-                let steps = if end_of_stream { self.finish_capture(facts) } else { Vec::new() };
-                Output::go(steps)
+                let then = if end_of_stream { self.finish_capture(facts) } else { Vec::new() };
+                Output::go(joined(steps, then))
             }
-            plan => Output::go(self.settle(plan, claim, rule, facts)),
+            plan => {
+                let then = self.settle(plan, claim, rule, facts);
+                Output::go(joined(steps, then))
+            }
         }
     }
 

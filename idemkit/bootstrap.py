@@ -444,6 +444,7 @@ def orders_proxy(
     tracing: dict | None = None,
     hcm_options: dict | None = None,
     extra_listeners: Sequence[dict] = (),
+    header_prefix: str | None = None,
 ) -> dict:
     """The proxy in front of the orders upstream (cluster `orders`).
 
@@ -461,7 +462,9 @@ def orders_proxy(
     access loggers (`file_access_log(...)`). `tracing`: the HCM's tracing (`zipkin_tracing(...)`,
     whose collector cluster goes in `extra_clusters`). `hcm_options`: more HCM fields
     (`internal_callers()`). `extra_listeners`: listeners after the proxy's own (e.g.
-    `admin_listener(...)`).
+    `admin_listener(...)`). `header_prefix`: the bootstrap's `header_prefix`, which renames
+    every `x-envoy-*` header Envoy reads or writes (`x-acme`: `x-acme-upstream-service-time`,
+    `x-acme-retry-on`, ...), to be matched by the filter's `envoy_header_prefix`.
     """
     if filter_config is not None and wasm_path is None:
         raise ValueError("a filter configuration needs wasm_path")
@@ -503,6 +506,8 @@ def orders_proxy(
     if stats_config is not None:
         config["stats_config"] = _copy(stats_config)
     config["static_resources"]["listeners"] += _copy(list(extra_listeners))
+    if header_prefix is not None:
+        config["header_prefix"] = header_prefix
     return config
 
 

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -62,6 +63,71 @@ class ClosedPort:
 
     def close(self) -> None:
         self._sock.close()
+
+
+class DyingUpstream:
+    """An upstream host that dies mid-request: refuses connections (like `ClosedPort`) until
+    `arm()`, after which it accepts one connection, reads one request off it (counted in
+    `executions`: it ran), stops listening and then resets that connection without an answer,
+    so a retry of it is refused: an Envoy route retry policy's second attempt fails to connect."""
+
+    def __init__(self) -> None:
+        self._sock = self._bound(0)
+        self.port = self._sock.getsockname()[1]
+        self.executions = 0
+        self._served = threading.Event()
+
+    @staticmethod
+    def _bound(port: int) -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        return sock
+
+    def arm(self) -> None:
+        """Accept and kill the next request; `wait_served` says when that is done."""
+        self._served.clear()
+        self._sock.listen(1)
+        threading.Thread(target=self._serve, args=(self._sock,), daemon=True).start()
+
+    def wait_served(self, timeout: float = 10.0) -> None:
+        if not self._served.wait(timeout):
+            raise AssertionError("DyingUpstream: no request came within %s s" % timeout)
+
+    def _serve(self, listener: socket.socket) -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        # Stop listening first: the retry that the reset sets off must find the port refusing.
+        listener.close()
+        self._sock = self._bound(self.port)
+        try:
+            conn.settimeout(5)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+            while length and len(body) < int(length.group(1)):
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                body += chunk
+            self.executions += 1
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            self._served.set()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
 
 
 class Blackhole:

@@ -18,10 +18,10 @@
 //! `x-envoy-expected-rq-timeout-ms` to the call.
 
 use crate::config::{PathMatch, Rule, UnknownOutcome, UpstreamRewrite};
-use crate::ending::{NEVER_SENT_RESETS, UPSTREAM_SERVICE_TIME};
+use crate::ending::NEVER_SENT_RESETS;
 use crate::engine::{ReplayShape, Reply};
 use crate::problem::{Kind, Problem};
-use crate::router_control::is_router_control;
+use crate::router_control::EnvoyHeaders;
 
 /// `response.code_details` of the reply a detached call's answer is sent to its client with.
 pub const DETAILS_DETACHED: &str = "idempotency_detached";
@@ -48,12 +48,13 @@ fn hop_by_hop(name: &str) -> bool {
 /// included): the pseudo-headers `:method`, `:path` (with its query) and `:authority` as the
 /// client sent them, or as the rule's `upstream_rewrite` says the route would rewrite them,
 /// then every other header but the connection-level ones and Envoy's router control headers
-/// (`router_control.rs`: the async client's router would obey them, so the caller could lift
-/// `upstream_timeout` or ask for retries). None when one of the three is missing (Envoy would
-/// refuse the call).
+/// by `envoy`'s prefix (`router_control.rs`: the async client's router would obey them, so the
+/// caller could lift `upstream_timeout` or ask for retries). None when one of the three is
+/// missing (Envoy would refuse the call).
 pub fn call_headers(
     matched: &PathMatch,
     rewrite: &UpstreamRewrite,
+    envoy: &EnvoyHeaders,
     request: Vec<(String, Vec<u8>)>,
 ) -> Option<Vec<(String, Vec<u8>)>> {
     let pseudo = |name: &str| request.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
@@ -71,7 +72,7 @@ pub fn call_headers(
     headers.push((":path".to_string(), path));
     headers.push((":authority".to_string(), authority));
     headers.extend(
-        request.into_iter().filter(|(n, _)| !n.starts_with(':') && !hop_by_hop(n) && !is_router_control(n)),
+        request.into_iter().filter(|(n, _)| !n.starts_with(':') && !hop_by_hop(n) && !envoy.is_control(n)),
     );
     Some(headers)
 }
@@ -102,9 +103,9 @@ pub enum CallAnswer {
     Unknown { timed_out: bool },
 }
 
-// `UPSTREAM_SERVICE_TIME` (ending.rs) is on every response the async client's router
-// received from an upstream; a reply Envoy made itself (its timeout, a reset, no connection)
-// has none. Measured on Envoy 1.40: a reset after the upstream read the request came back as
+// `<prefix>-upstream-service-time` (`EnvoyHeaders::upstream_service_time`) is on every response
+// the async client's router received from an upstream; a reply Envoy made itself (its timeout,
+// a reset, no connection) has none. Measured on Envoy 1.40: a reset after the upstream read the request came back as
 // a 503 `upstream connect error or disconnect/reset before headers. reset reason: connection
 // termination` without it, an answer with it.
 
@@ -123,10 +124,17 @@ fn never_sent(body: &str) -> bool {
     NEVER_SENT_RESETS.contains(&reason)
 }
 
-/// Reads a callout's answer: `status` None is Envoy's report of a failed call (no headers).
-pub fn answer_of(status: Option<u16>, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> CallAnswer {
+/// Reads a callout's answer: `status` None is Envoy's report of a failed call (no headers). An
+/// answer is the upstream's by `envoy`'s mark on it; without it (another prefix's mark
+/// included: `EnvoyHeaders::foreign_service_time`, which the glue logs) it is Envoy's own.
+pub fn answer_of(
+    envoy: &EnvoyHeaders,
+    status: Option<u16>,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+) -> CallAnswer {
     let Some(status) = status else { return CallAnswer::Unknown { timed_out: false } };
-    if headers.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME) {
+    if envoy.from_upstream(&headers) {
         return CallAnswer::Answered { status, headers, body };
     }
     if never_sent(&String::from_utf8_lossy(&body)) {
@@ -240,7 +248,7 @@ mod tests {
     /// The call's headers for a request on `rule`, as the glue asks for them.
     fn headers_for(rule: &Rule, request: Vec<(String, Vec<u8>)>) -> Option<Vec<(String, Vec<u8>)>> {
         let crate::config::Execution::Detached { rewrite, .. } = &rule.execution else { panic!("inline") };
-        call_headers(&rule.path, rewrite, request)
+        call_headers(&rule.path, rewrite, &EnvoyHeaders::default(), request)
     }
 
     const CLAIM: Claim =
@@ -310,26 +318,36 @@ mod tests {
 
     #[test]
     fn only_an_answer_envoy_received_from_the_upstream_is_one() {
-        let upstream = |status: &str| pairs(&[(":status", status), (UPSTREAM_SERVICE_TIME, "3")]);
+        let upstream = |status: &str| pairs(&[(":status", status), ("x-envoy-upstream-service-time", "3")]);
         let envoys = pairs(&[(":status", "503"), ("content-type", "text/plain")]);
         // The upstream's own 504 and 503 are answers.
         for status in [504, 503, 201] {
-            let got = answer_of(Some(status), upstream(&status.to_string()), b"x".to_vec());
+            let got = answer_of(
+                &EnvoyHeaders::default(),
+                Some(status),
+                upstream(&status.to_string()),
+                b"x".to_vec(),
+            );
             assert!(matches!(got, CallAnswer::Answered { status: s, .. } if s == status), "{got:?}");
         }
         // Envoy's timeout, and its reply to a reset after the request was sent: unknown.
         assert_eq!(
-            answer_of(Some(504), pairs(&[(":status", "504")]), b"upstream request timeout".to_vec()),
+            answer_of(
+                &EnvoyHeaders::default(),
+                Some(504),
+                pairs(&[(":status", "504")]),
+                b"upstream request timeout".to_vec()
+            ),
             CallAnswer::Unknown { timed_out: true }
         );
         let reset = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
         assert_eq!(
-            answer_of(Some(503), envoys.clone(), reset.to_vec()),
+            answer_of(&EnvoyHeaders::default(), Some(503), envoys.clone(), reset.to_vec()),
             CallAnswer::Unknown { timed_out: false }
         );
         // Its reply when no connection carried the request: never sent, released.
         let refused = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure";
-        let never = answer_of(Some(503), envoys.clone(), refused.to_vec());
+        let never = answer_of(&EnvoyHeaders::default(), Some(503), envoys.clone(), refused.to_vec());
         assert!(matches!(never, CallAnswer::NeverSent { status: 503, .. }));
         let out = outcome(&rule(""), CLAIM, never, 0, 0);
         assert_eq!(
@@ -337,17 +355,56 @@ mod tests {
             (Some(StoreOp::Release(CLAIM)), Counter::Released, refused.to_vec())
         );
         assert!(matches!(
-            answer_of(Some(503), envoys, b"no healthy upstream".to_vec()),
+            answer_of(&EnvoyHeaders::default(), Some(503), envoys, b"no healthy upstream".to_vec()),
             CallAnswer::NeverSent { .. }
         ));
         // A failed call (no :status).
-        assert_eq!(answer_of(None, vec![], vec![]), CallAnswer::Unknown { timed_out: false });
+        assert_eq!(
+            answer_of(&EnvoyHeaders::default(), None, vec![], vec![]),
+            CallAnswer::Unknown { timed_out: false }
+        );
+    }
+
+    /// C27: behind an Envoy whose `header_prefix` is `x-acme` (and `envoy_header_prefix` says
+    /// so) its names are the ones: the call loses the caller's `x-acme-*` controls, and an answer
+    /// is the upstream's by `x-acme-upstream-service-time` (another prefix's mark proves nothing).
+    #[test]
+    fn envoys_header_prefix_names_the_controls_and_the_upstreams_mark() {
+        let acme = EnvoyHeaders::new("x-acme");
+        let crate::config::Execution::Detached { rewrite, .. } = &rule("").execution else {
+            panic!("inline")
+        };
+        let request = pairs(&[
+            (":method", "POST"),
+            (":path", "/p"),
+            (":authority", "a"),
+            ("x-acme-retry-on", "5xx"),
+            ("x-acme-upstream-rq-timeout-ms", "20000"),
+            ("x-envoy-retry-on", "5xx"),
+        ]);
+        let sent = call_headers(&rule("").path, rewrite, &acme, request).unwrap();
+        let names: Vec<&str> = sent.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, [":method", ":path", ":authority", "x-envoy-retry-on"]);
+        let marked = |name: &str| pairs(&[(":status", "201"), (name, "3")]);
+        assert!(matches!(
+            answer_of(&acme, Some(201), marked("x-acme-upstream-service-time"), vec![]),
+            CallAnswer::Answered { status: 201, .. }
+        ));
+        assert_eq!(
+            answer_of(&acme, Some(201), marked("x-envoy-upstream-service-time"), vec![]),
+            CallAnswer::Unknown { timed_out: false }
+        );
+        assert_eq!(
+            answer_of(&EnvoyHeaders::default(), Some(201), marked("x-acme-upstream-service-time"), vec![]),
+            CallAnswer::Unknown { timed_out: false }
+        );
     }
 
     #[test]
     fn every_reason_a_request_never_left_releases_and_no_other_does() {
         let envoys = pairs(&[(":status", "503"), ("content-type", "text/plain")]);
-        let answer = |body: String| answer_of(Some(503), envoys.clone(), body.into_bytes());
+        let answer =
+            |body: String| answer_of(&EnvoyHeaders::default(), Some(503), envoys.clone(), body.into_bytes());
         let head = "upstream connect error or disconnect/reset before headers. ";
         for reason in NEVER_SENT_RESETS {
             for body in [

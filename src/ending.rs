@@ -3,7 +3,9 @@
 //!
 //! The rule that matters: only a response whose details are `via_upstream` is a real upstream
 //! answer. Everything else is a local reply (router, another filter, ourselves), and the record
-//! may only be released when the request provably never reached the upstream; when the upstream
+//! may only be released when the request provably never reached the upstream (what Envoy
+//! reports proves it only for the router's last attempt, so also that there was no earlier one:
+//! `plan_unfinished`); when the upstream
 //! may have executed (timeout, reset after sending, client gone) releasing would turn a timeout
 //! into a second execution. The rule's `unknown_outcome` says what happens instead: the record
 //! stays PROCESSING until its lease ends and a retry then takes it over (`takeover`), or it is
@@ -13,10 +15,6 @@ use crate::config::{Disposition, Rule, UnknownOutcome};
 use crate::store::record::State;
 
 pub const VIA_UPSTREAM: &str = "via_upstream";
-/// The router adds this header to every upstream answer (unless the operator suppresses
-/// Envoy's headers), never to a local reply: where it is present the answer is the upstream's
-/// without asking Envoy for `response.code_details` (a host call).
-pub const UPSTREAM_SERVICE_TIME: &str = "x-envoy-upstream-service-time";
 
 // Envoy StreamInfo::CoreResponseFlag bits (envoy/stream_info/stream_info.h).
 const NO_HEALTHY_UPSTREAM: u64 = 0x2;
@@ -99,8 +97,14 @@ pub struct StreamReport<'a> {
     pub upstream_selected: bool,
 }
 
-/// Decides from the response headers (`details` readable there already).
-pub fn plan_response(rule: &Rule, status: Option<u16>, report: StreamReport) -> ResponsePlan {
+/// Decides from the response headers (`details` readable there already). `attempts`: as for
+/// `plan_unfinished`, asked only for a local reply that looks never sent.
+pub fn plan_response(
+    rule: &Rule,
+    status: Option<u16>,
+    report: StreamReport,
+    attempts: impl FnOnce() -> Option<u64>,
+) -> ResponsePlan {
     let StreamReport { details, .. } = report;
     match (details, status) {
         (Some(VIA_UPSTREAM), Some(status)) => match rule.statuses.disposition(status) {
@@ -110,18 +114,31 @@ pub fn plan_response(rule: &Rule, status: Option<u16>, report: StreamReport) -> 
             }
             Disposition::Release => ResponsePlan::Release,
         },
-        _ => plan_unfinished(rule, report),
+        _ => plan_unfinished(rule, report, attempts),
     }
 }
 
 /// Decides for a stream that ended without a captured upstream answer (a local reply, a reset,
 /// a client that went away).
-pub fn plan_unfinished(rule: &Rule, report: StreamReport) -> ResponsePlan {
+///
+/// Envoy's details and flags describe the router's last attempt only. With a route retry
+/// policy (hedging, an internal redirect) an earlier attempt may have been sent, executed and
+/// been reset, and the retry then failed to connect: the last reason says "never sent" of a
+/// request that ran. So a release on "never sent" grounds also needs the router's attempt count
+/// (`upstream.request_attempt_count`, asked through `attempts` only here: it is a host call):
+/// at most one attempt (0: Envoy answered before its router tried). More, or a count that
+/// could not be read (None), and the outcome is unknown. Nothing else is released.
+pub fn plan_unfinished(
+    rule: &Rule,
+    report: StreamReport,
+    attempts: impl FnOnce() -> Option<u64>,
+) -> ResponsePlan {
     let StreamReport { details, flags, upstream_selected } = report;
     if flags & MAYBE_EXECUTED != 0 {
         return unknown(rule);
     }
-    if details.is_some_and(never_sent_details) || flags & NEVER_SENT != 0 || !upstream_selected {
+    let never_sent = details.is_some_and(never_sent_details) || flags & NEVER_SENT != 0 || !upstream_selected;
+    if never_sent && matches!(attempts(), Some(0 | 1)) {
         ResponsePlan::Release
     } else {
         unknown(rule)
@@ -152,6 +169,11 @@ mod tests {
         (*cfg.rules[0]).clone()
     }
 
+    /// The router made one attempt (or none): what it reports is all there is.
+    fn one() -> Option<u64> {
+        Some(1)
+    }
+
     fn sent(details: Option<&str>, flags: u64) -> StreamReport<'_> {
         StreamReport { details, flags, upstream_selected: true }
     }
@@ -159,7 +181,7 @@ mod tests {
     #[test]
     fn upstream_statuses_follow_the_rule() {
         let r = rule();
-        let plan = |s| plan_response(&r, Some(s), sent(Some(VIA_UPSTREAM), 0));
+        let plan = |s| plan_response(&r, Some(s), sent(Some(VIA_UPSTREAM), 0), one);
         assert_eq!(plan(201), ResponsePlan::Capture { state: State::Succeeded, status: 201 });
         assert_eq!(plan(302), ResponsePlan::Capture { state: State::Succeeded, status: 302 });
         assert_eq!(plan(404), ResponsePlan::Capture { state: State::FailedFinal, status: 404 });
@@ -176,9 +198,10 @@ mod tests {
             &r,
             Some(200),
             sent(Some("upstream_reset_before_response_started{connection_failure}"), 0x20),
+            one,
         );
         assert_eq!(plan, ResponsePlan::Release);
-        assert_eq!(plan_response(&r, Some(200), sent(None, 0)), ResponsePlan::Keep);
+        assert_eq!(plan_response(&r, Some(200), sent(None, 0), one), ResponsePlan::Keep);
     }
 
     #[test]
@@ -186,15 +209,15 @@ mod tests {
         let r = rule();
         for details in ["direct_response", "ext_authz_denied", "local_rate_limited"] {
             let report = StreamReport { details: Some(details), flags: 0, upstream_selected: false };
-            assert_eq!(plan_response(&r, Some(200), report), ResponsePlan::Release, "{details}");
-            assert_eq!(plan_unfinished(&r, report), ResponsePlan::Release, "{details}");
-            assert_eq!(plan_unfinished(&refusing(), report), ResponsePlan::Release, "{details}");
+            assert_eq!(plan_response(&r, Some(200), report, one), ResponsePlan::Release, "{details}");
+            assert_eq!(plan_unfinished(&r, report, one), ResponsePlan::Release, "{details}");
+            assert_eq!(plan_unfinished(&refusing(), report, one), ResponsePlan::Release, "{details}");
         }
         // A timeout is a timeout even if the address is somehow missing: it may have executed.
         let timeout =
             StreamReport { details: Some("response_timeout"), flags: 0x4, upstream_selected: false };
-        assert_eq!(plan_unfinished(&r, timeout), ResponsePlan::Keep);
-        assert_eq!(plan_unfinished(&refusing(), timeout), ResponsePlan::CompleteUnknown);
+        assert_eq!(plan_unfinished(&r, timeout, one), ResponsePlan::Keep);
+        assert_eq!(plan_unfinished(&refusing(), timeout, one), ResponsePlan::CompleteUnknown);
     }
 
     #[test]
@@ -212,24 +235,28 @@ mod tests {
         ];
         let (takeover, refuse) = (rule(), refusing());
         for (d, f) in cases {
-            assert_eq!(plan_unfinished(&takeover, sent(*d, *f)), ResponsePlan::Keep, "{d:?} {f:#x}");
+            assert_eq!(plan_unfinished(&takeover, sent(*d, *f), one), ResponsePlan::Keep, "{d:?} {f:#x}");
             // unknown_outcome: "refuse": the same endings complete the record as outcome unknown.
-            assert_eq!(plan_unfinished(&refuse, sent(*d, *f)), ResponsePlan::CompleteUnknown, "{d:?} {f:#x}");
+            assert_eq!(
+                plan_unfinished(&refuse, sent(*d, *f), one),
+                ResponsePlan::CompleteUnknown,
+                "{d:?} {f:#x}"
+            );
         }
         // A local reply at the response headers (the router's 504 after its timeout) too.
         let timeout = sent(Some("response_timeout"), 0x4);
-        assert_eq!(plan_response(&takeover, Some(504), timeout), ResponsePlan::Keep);
-        assert_eq!(plan_response(&refuse, Some(504), timeout), ResponsePlan::CompleteUnknown);
+        assert_eq!(plan_response(&takeover, Some(504), timeout, one), ResponsePlan::Keep);
+        assert_eq!(plan_response(&refuse, Some(504), timeout, one), ResponsePlan::CompleteUnknown);
     }
 
     #[test]
     fn refuse_changes_only_unknown_outcomes() {
         let r = refusing();
-        let upstream = |s| plan_response(&r, Some(s), sent(Some(VIA_UPSTREAM), 0));
+        let upstream = |s| plan_response(&r, Some(s), sent(Some(VIA_UPSTREAM), 0), one);
         assert_eq!(upstream(201), ResponsePlan::Capture { state: State::Succeeded, status: 201 });
         assert_eq!(upstream(503), ResponsePlan::Release);
         let never_sent = sent(Some("no_healthy_upstream"), 0x2);
-        assert_eq!(plan_unfinished(&r, never_sent), ResponsePlan::Release);
+        assert_eq!(plan_unfinished(&r, never_sent, one), ResponsePlan::Release);
         // No status a rule can store is 0, the status that marks an outcome unknown.
         assert_eq!(upstream(0), ResponsePlan::Release);
     }
@@ -257,6 +284,42 @@ mod tests {
         assert!(!never_sent_details("upstream_reset_after_response_started{connection_timeout}"));
     }
 
+    /// C26: "never sent" holds for the router's last attempt only; after an earlier attempt
+    /// (a route retry policy) the outcome is unknown, and so it is when the count is unreadable.
+    #[test]
+    fn a_never_sent_last_attempt_after_an_earlier_one_is_unknown() {
+        let refused = "upstream_reset_before_response_started{remote_connection_failure}";
+        let reports = [
+            sent(Some(refused), 0x20),
+            sent(Some("no_healthy_upstream"), 0x2),
+            sent(Some("upstream_reset_before_response_started{overflow}"), 0x80),
+            StreamReport { details: Some("direct_response"), flags: 0, upstream_selected: false },
+        ];
+        for report in reports {
+            for count in [Some(2), Some(3), Some(u64::MAX), None] {
+                let attempts = || count;
+                assert_eq!(
+                    plan_unfinished(&rule(), report, attempts),
+                    ResponsePlan::Keep,
+                    "{report:?} {count:?}"
+                );
+                let plan = plan_unfinished(&refusing(), report, attempts);
+                assert_eq!(plan, ResponsePlan::CompleteUnknown, "{report:?} {count:?}");
+                assert_eq!(plan_response(&refusing(), Some(503), report, attempts), plan);
+            }
+            for count in [0, 1] {
+                assert_eq!(plan_unfinished(&refusing(), report, || Some(count)), ResponsePlan::Release);
+            }
+        }
+        // The count is a host call: asked only where it decides a release.
+        let never = || -> Option<u64> { panic!("the attempt count was read") };
+        let upstream = sent(Some(VIA_UPSTREAM), 0);
+        assert_eq!(plan_response(&rule(), Some(503), upstream, never), ResponsePlan::Release);
+        assert!(matches!(plan_response(&rule(), Some(201), upstream, never), ResponsePlan::Capture { .. }));
+        assert_eq!(plan_unfinished(&rule(), sent(Some("response_timeout"), 0x4), never), ResponsePlan::Keep);
+        assert_eq!(plan_unfinished(&rule(), sent(None, 0), never), ResponsePlan::Keep);
+    }
+
     #[test]
     fn never_reached_releases() {
         let cases: &[(Option<&str>, u64)] = &[
@@ -270,7 +333,7 @@ mod tests {
             (Some("upstream_reset_before_response_started{overflow}"), 0x80),
         ];
         for (d, f) in cases {
-            assert_eq!(plan_unfinished(&rule(), sent(*d, *f)), ResponsePlan::Release, "{d:?} {f:#x}");
+            assert_eq!(plan_unfinished(&rule(), sent(*d, *f), one), ResponsePlan::Release, "{d:?} {f:#x}");
         }
     }
 }

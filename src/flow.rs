@@ -29,7 +29,6 @@ use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
 use crate::renewal::Hold;
-use crate::router_control;
 use crate::store::record::State;
 use crate::store::{Begin, Claim, ClaimAttempt, Completion, StoreAnswer, StoreError, StoreOp};
 use crate::wait::{self, NotHeld};
@@ -71,12 +70,16 @@ pub enum Step {
     /// Remove these headers from the held request before anything carries it upstream: Envoy's
     /// router control headers (`router_control.rs`), which would let the caller lift the
     /// rule's bounds or ask for a second execution.
-    RemoveRequestHeaders(Vec<&'static str>),
+    RemoveRequestHeaders(Vec<String>),
     /// Take the request out of the wait room: its client went away, or its look at the record
     /// settled its fate.
     LeaveWaitRoom,
     /// Envoy sent this claimed request upstream several times: warn, once per rule per Envoy.
     WarnRetried { rule: String, attempts: u64 },
+    /// An upstream answer carried `seen` (another prefix's `*-upstream-service-time`) and not
+    /// ours: Envoy's bootstrap `header_prefix` is not `envoy_header_prefix`. Log it at error
+    /// level, once per worker (`router_control::prefix_mismatch_line`).
+    ErrorHeaderPrefix { seen: String },
     /// A request held for its body ended before any of it arrived, and nothing says its body
     /// ever reached Envoy (its client left first, or Envoy's count is unreadable): warn (at
     /// most once a minute per worker), since every request does so when Envoy is missing
@@ -362,7 +365,7 @@ impl RequestFlow {
                 }
                 // A protected request's retries and deadlines are the configuration's, never
                 // its caller's: whatever carries it upstream, it goes without them.
-                let controls = router_control::present(&headers);
+                let controls = cfg.envoy_headers.present(&headers);
                 let mut out = if end_of_stream {
                     self.body_complete(cfg, pending, Ok(Vec::new()), facts)
                 } else {
@@ -964,7 +967,7 @@ mod tests {
         let mut flow = RequestFlow::new(1);
         let (steps, verdict) = begun(&mut flow, &mut facts, &w.store());
         assert_eq!((counters(&steps), verdict), (vec![Counter::Claimed], Verdict::Continue));
-        assert_eq!(flow.response_headers(&mut facts, false), Output::go(Vec::new()));
+        assert_eq!(flow.response_headers(&cfg(), &mut facts, false), Output::go(Vec::new()));
         let out = flow.response_body(&mut facts, 8, true);
         let (steps, _) = run(&mut flow, out, &w.store());
         assert_eq!(counters(&steps), vec![Counter::Stored]);
@@ -977,7 +980,7 @@ mod tests {
         assert_eq!((reply.status, reply.body.as_slice(), details), (201, &b"{\"id\":1}"[..], DETAILS_REPLAY));
         // Envoy's local-reply path invented a content-type the upstream never sent.
         retry_facts.response = vec![("content-type".into(), b"text/plain".to_vec())];
-        let out = retry.response_headers(&mut retry_facts, false);
+        let out = retry.response_headers(&cfg(), &mut retry_facts, false);
         assert_eq!(out, Output::go(vec![Step::FixHeaders(vec![HeaderFix::Remove("content-type")])]));
     }
 
@@ -1140,7 +1143,7 @@ mod tests {
         let mut facts = Facts::post("/orders", "k2", b"x").upstream_answer(201, b"");
         let mut flow = RequestFlow::new(2);
         begun(&mut flow, &mut facts, &w.store());
-        let out = flow.response_headers(&mut facts, true);
+        let out = flow.response_headers(&cfg(), &mut facts, true);
         assert!(matches!(out.steps.as_slice(), [Step::Store(StoreOp::Complete { .. })]));
         assert_eq!(
             flow.store_timed_out(&cfg()).steps,
@@ -1164,13 +1167,13 @@ mod tests {
         let out = flow.store_failed(&cfg(), StoreError::Unavailable("down".into()), OnStoreError::FailOpen);
         assert_eq!(out, Output::go(vec![Step::Count(Counter::StoreBypassed)]));
         assert!(!flow.awaiting_store());
-        assert_eq!(flow.response_headers(&mut facts, true), Output::go(Vec::new()));
+        assert_eq!(flow.response_headers(&cfg(), &mut facts, true), Output::go(Vec::new()));
         assert_eq!(flow.stream_ended(&mut facts), Output::go(Vec::new()));
         // A settlement's failure is a store error whatever the mode.
         let mut facts = Facts::post("/orders", "k3", b"x").upstream_answer(201, b"");
         let mut flow = RequestFlow::new(3);
         begun(&mut flow, &mut facts, &w.store());
-        flow.response_headers(&mut facts, true);
+        flow.response_headers(&cfg(), &mut facts, true);
         let out = flow.store_failed(&cfg(), StoreError::TimedOut, OnStoreError::FailOpen);
         assert_eq!(out.steps, vec![Step::Count(Counter::StoreError), Step::LetGo(1)]);
     }
@@ -1181,7 +1184,7 @@ mod tests {
         let mut facts = Facts::post("/orders", "k", b"x").upstream_answer(201, b"");
         let mut flow = RequestFlow::new(1);
         begun(&mut flow, &mut facts, &w.store());
-        let out = flow.response_headers(&mut facts, true);
+        let out = flow.response_headers(&cfg(), &mut facts, true);
         let [Step::Store(op)] = out.steps.as_slice() else { panic!("{out:?}") };
         let settlement = flow.hand_off_settlement().expect("settling");
         assert!(!flow.awaiting_store());
@@ -1224,7 +1227,7 @@ mod tests {
         // No upstream host was ever selected (a direct response): release.
         let mut facts = Facts::post("/orders", "a", b"x").local_reply("direct_response", 0, "");
         let mut flow = forwarded("a", &mut facts);
-        let out = flow.response_headers(&mut facts, true);
+        let out = flow.response_headers(&cfg(), &mut facts, true);
         assert_eq!(counters(&run(&mut flow, out, &w.store()).0), vec![Counter::Released]);
         // The address cannot be read: it may have been sent, keep.
         let mut facts = Facts::post("/orders", "b", b"x").local_reply("ext_authz_denied", 0, "");
@@ -1232,7 +1235,7 @@ mod tests {
         let mut flow = forwarded("b", &mut facts);
         // Kept: its owner lets its claim go (the first owner token of its stream's facts).
         assert_eq!(
-            flow.response_headers(&mut facts, true).steps,
+            flow.response_headers(&cfg(), &mut facts, true).steps,
             vec![Step::Count(Counter::KeptUnknown), Step::LetGo(1)]
         );
         // A timeout: keep.
@@ -1245,7 +1248,7 @@ mod tests {
         // Cut mid-body: completed without the body, a retry gets 410.
         let mut facts = Facts::post("/orders", "d", b"x").upstream_answer(201, b"abc");
         let mut flow = forwarded("d", &mut facts);
-        flow.response_headers(&mut facts, false);
+        flow.response_headers(&cfg(), &mut facts, false);
         flow.response_body(&mut facts, 3, false);
         let out = flow.stream_ended(&mut facts);
         let [Step::Store(StoreOp::Complete { completion, .. })] = out.steps.as_slice() else {
@@ -1290,7 +1293,7 @@ mod tests {
             "10.0.0.1:80",
         );
         let mut flow = forwarded(&mut facts);
-        let out = flow.response_headers(&mut facts, true);
+        let out = flow.response_headers(&cfg(), &mut facts, true);
         assert_eq!(completed_unknown(&mut flow, out, &w, 5), vec![Counter::OutcomeUnknown]);
         assert_eq!(flow.stream_ended(&mut facts), Output::go(Vec::new()), "settled once");
         // The client gone while the upstream worked: only the stream's end tells.
@@ -1313,6 +1316,55 @@ mod tests {
             }
             // Another payload under the key: the usual 422.
             assert_eq!(retried(&w, key, b"other", 9).0, vec![Counter::Mismatch]);
+        }
+    }
+
+    /// C26: the router's last attempt failed to connect, but an earlier one was sent (a route
+    /// retry policy retried its reset): the outcome is unknown, whatever the last reason says.
+    /// At the response headers (the router's 503) and at the stream's end alike; one attempt, or
+    /// none (Envoy answered before picking a host), is still released.
+    #[test]
+    fn a_connect_failure_after_an_earlier_attempt_is_an_unknown_outcome() {
+        const REFUSED: &str =
+            "upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}";
+        let w = World::new();
+        let attempts = |key: &str, path: &str, n: Option<u64>| {
+            let mut facts = Facts::post(path, key, b"x").local_reply(REFUSED, 0x20, "127.0.0.1:1");
+            match n {
+                Some(n) => {
+                    facts
+                        .properties
+                        .insert("upstream\0request_attempt_count".into(), n.to_le_bytes().to_vec());
+                }
+                None => facts.unreadable.push("upstream\0request_attempt_count".into()),
+            }
+            let mut flow = RequestFlow::new(1);
+            assert_eq!(counters(&begun(&mut flow, &mut facts, &w.store()).0), vec![Counter::Claimed]);
+            (flow, facts)
+        };
+        // refuse: completed as outcome unknown at the headers, and a retry gets 502.
+        let (mut flow, mut facts) = attempts("r", "/pay", Some(3));
+        let out = flow.response_headers(&cfg(), &mut facts, true);
+        assert_eq!(completed_unknown(&mut flow, out, &w, 0), vec![Counter::OutcomeUnknown]);
+        assert_eq!(retried(&w, "r", b"x", 1).1, 502);
+        // An attempt count that cannot be read proves nothing either.
+        let (mut flow, mut facts) = attempts("u", "/pay", None);
+        let out = flow.response_headers(&cfg(), &mut facts, true);
+        assert_eq!(completed_unknown(&mut flow, out, &w, 0), vec![Counter::OutcomeUnknown]);
+        // takeover: kept in flight, at the headers and at the stream's end.
+        let (mut flow, mut facts) = attempts("t", "/orders", Some(2));
+        assert_eq!(
+            flow.response_headers(&cfg(), &mut facts, true).steps,
+            vec![Step::Count(Counter::KeptUnknown), Step::LetGo(1)]
+        );
+        let (mut flow, mut facts) = attempts("e", "/orders", Some(2));
+        let steps = flow.stream_ended(&mut facts).steps;
+        assert_eq!(counters(&steps), vec![Counter::UpstreamRetried, Counter::KeptUnknown], "{steps:?}");
+        // One attempt (or none) that never left: released, as before.
+        for (key, n) in [("one", 1), ("none", 0)] {
+            let (mut flow, mut facts) = attempts(key, "/pay", Some(n));
+            let out = flow.response_headers(&cfg(), &mut facts, true);
+            assert_eq!(counters(&run(&mut flow, out, &w.store()).0), vec![Counter::Released], "{key}");
         }
     }
 
@@ -1346,7 +1398,7 @@ mod tests {
         begun(&mut flow, &mut facts, &w.store());
         // The owner ended without an outcome: its claim is let go, and ends with its lease.
         assert_eq!(
-            flow.response_headers(&mut facts, true).steps,
+            flow.response_headers(&cfg(), &mut facts, true).steps,
             vec![Step::Count(Counter::KeptUnknown), Step::LetGo(1)]
         );
         let retry = |now_ms| {
@@ -1370,7 +1422,7 @@ mod tests {
         let (steps, _) = begun(&mut dup, &mut Facts::post("/held-pay", "k", b"x"), &w.store());
         assert!(matches!(steps.as_slice(), [Step::Park(_)]), "{steps:?}");
         // The original's outcome becomes unknown: completed, and its waiters are woken...
-        let out = first.response_headers(&mut facts, true);
+        let out = first.response_headers(&cfg(), &mut facts, true);
         let (steps, _) = run(&mut first, out, &w.store());
         assert!(
             matches!(steps.as_slice(), [Step::Wake(_), Step::Count(Counter::OutcomeUnknown), Step::LetGo(_)]),
@@ -1403,7 +1455,7 @@ mod tests {
         facts.properties.insert("upstream\0request_attempt_count".into(), 2u64.to_le_bytes().to_vec());
         let mut flow = RequestFlow::new(1);
         begun(&mut flow, &mut facts, &w.store());
-        flow.response_headers(&mut facts, false);
+        flow.response_headers(&cfg(), &mut facts, false);
         let out = flow.response_body(&mut facts, 9, true);
         assert_eq!(counters(&run(&mut flow, out, &w.store()).0), vec![Counter::ResponseNotStored]);
         let out = flow.stream_ended(&mut facts);
@@ -1439,7 +1491,7 @@ mod tests {
         assert!(held.waiting());
         assert_eq!(held.stream_ended(&mut Facts::default()).steps, vec![Step::LeaveWaitRoom]);
         // The original completes: its waiters are woken.
-        first.response_headers(&mut facts, false);
+        first.response_headers(&cfg(), &mut facts, false);
         let out = first.response_body(&mut facts, 2, true);
         let (steps, _) = run(&mut first, out, &w.store());
         assert!(
@@ -1453,7 +1505,7 @@ mod tests {
         let unknown = crate::detached::CallAnswer::Unknown { timed_out: true };
         assert_eq!(forwarded.detached_answered(unknown, 0, 0), Output::go(Vec::new()));
         assert_eq!(forwarded.written(), None);
-        forwarded.response_headers(&mut facts, false);
+        forwarded.response_headers(&cfg(), &mut facts, false);
         assert!(forwarded.capturing(), "only a detached flow takes word from its root");
     }
 
@@ -1497,7 +1549,7 @@ mod tests {
         assert_eq!((reply.status, details), (409, DETAILS_PROBLEM));
         assert!(header(reply, "retry-after").is_some());
         // The original completes: the waiter leaves the room with the replay.
-        original.response_headers(&mut facts, false);
+        original.response_headers(&cfg(), &mut facts, false);
         let out = original.response_body(&mut facts, 4, true);
         run(&mut original, out, &w.store());
         let out = rechecked(&mut waiter, &w, 201, 4);
@@ -1512,7 +1564,7 @@ mod tests {
         let mut original = RequestFlow::new(2);
         begun(&mut original, &mut facts, &w.store());
         let (mut w1, mut w2) = (held_waiter(&w, 8, "b", 300), held_waiter(&w, 9, "b", 300));
-        let out = original.response_headers(&mut facts, true);
+        let out = original.response_headers(&cfg(), &mut facts, true);
         assert!(counters(&run(&mut original, out, &w.store()).0).contains(&Counter::Released));
         let out = rechecked(&mut w1, &w, 301, 6);
         // A waiter that becomes the owner holds its claim from its recheck's time.

@@ -309,7 +309,7 @@ fn run(
                 let mut f = in_flight[w].swap_remove(i);
                 let body = format!("exec-{}", f.exec).into_bytes();
                 let mut stream = Stream::answered(now, 201, body.clone());
-                let out = f.flow.response_headers(&mut stream, false);
+                let out = f.flow.response_headers(&cfg, &mut stream, false);
                 let (mut counted, _, _) = carry_out(&cfg, &mut f.flow, &stores[w], &mut renewals[w], out);
                 let out = f.flow.response_body(&mut stream, body.len(), true);
                 counted.extend(carry_out(&cfg, &mut f.flow, &stores[w], &mut renewals[w], out).0);
@@ -331,7 +331,7 @@ fn run(
                 // The upstream answers 503 (a released status): the flow gives the claim back.
                 if let Some(mut f) = in_flight[w].pop() {
                     let mut stream = Stream::answered(now, 503, Vec::new());
-                    let out = f.flow.response_headers(&mut stream, true);
+                    let out = f.flow.response_headers(&cfg, &mut stream, true);
                     let (counted, _, _) = carry_out(&cfg, &mut f.flow, &stores[w], &mut renewals[w], out);
                     let e = &mut execs[f.exec];
                     e.alive = false;

@@ -199,7 +199,7 @@ impl World<'_> {
             self.committed.get_or_insert(body.clone());
             stream.response = vec![(":status".into(), b"201".to_vec())];
             stream.response_body = body;
-            let out = flow.response_headers(stream, false);
+            let out = flow.response_headers(&self.cfg.clone(), stream, false);
             self.drive(envoy, flow, stream, out);
             let size = stream.response_body.len();
             let out = flow.response_body(stream, size, true);

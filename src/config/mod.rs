@@ -11,6 +11,7 @@
 use std::rc::Rc;
 
 use crate::json::{self, JsonValue as Value, MemberOrder};
+use crate::router_control::EnvoyHeaders;
 use fields::{
     array, boolean, duration_ms, err, get, index, json_error, key, object, object_any, optional,
     reject_unknown, required, string, uint, unique_list, Obj, Res,
@@ -101,6 +102,9 @@ const DEFAULT_MAX_WAITERS_PER_KEY: u64 = 100;
 const DEFAULT_MAX_WAITERS: u64 = 1_000;
 const MAX_WAITERS_LIMIT: u64 = 100_000;
 const MAX_HEADER_NAME_LEN: usize = 128;
+/// Room for the longest name built on it (`<prefix>-upstream-rq-per-try-timeout-ms`) within
+/// `MAX_HEADER_NAME_LEN`.
+const MAX_HEADER_PREFIX_LEN: usize = 64;
 const MAX_RULE_NAME_LEN: usize = 64;
 /// Nesting the configuration may use. Its own constant, not the canonical form's: the two
 /// limits happen to be equal, but changing the fingerprint contract must not change which
@@ -127,6 +131,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
             "max_detached_calls",
             "publish_outcome",
             "admin",
+            "envoy_header_prefix",
         ],
     )?;
     let key_header =
@@ -150,6 +155,10 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let jwt_principal = optional(top, "", "principal", jwt_principal)?;
     let quota = optional(top, "", "quota", quota)?.unwrap_or_default();
     let publish_outcome = optional(top, "", "publish_outcome", boolean)?.unwrap_or(false);
+    let envoy_headers = match optional(top, "", "envoy_header_prefix", envoy_header_prefix)? {
+        Some(prefix) => EnvoyHeaders::new(&prefix),
+        None => EnvoyHeaders::default(),
+    };
 
     let admin = optional(top, "", "admin", admin)?;
     if admin.is_some() {
@@ -175,7 +184,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let mut rules: Vec<Rc<Rule>> = Vec::with_capacity(routes.len());
     for (i, v) in routes.iter().enumerate() {
         let path = index("routes", i);
-        let r = rule(v, &path, &lookup_headers)?;
+        let r = rule(v, &path, &lookup_headers, &envoy_headers)?;
         // Names label metrics and logs; a duplicate would silently merge two routes' numbers.
         if rules.iter().any(|x| x.name == r.name) {
             return Err(err(&key(&path, "name"), format!("duplicate route name {:?}", r.name)));
@@ -201,7 +210,26 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         max_detached_calls,
         publish_outcome,
         admin,
+        envoy_headers,
     })
+}
+
+/// `envoy_header_prefix`: the bootstrap `header_prefix` of the Envoy the filter runs in. Envoy
+/// lowercases it; a name that is not lowercase here is refused rather than guessed at, since
+/// the filter compares header names as Envoy holds them.
+fn envoy_header_prefix(v: &Value, path: &str) -> Res<String> {
+    let s = string(v, path)?;
+    if s.len() > MAX_HEADER_PREFIX_LEN || !is_token(s) || s.bytes().any(|b| b.is_ascii_uppercase()) {
+        return Err(err(
+            path,
+            format!(
+                "{s:?} is not a header prefix: expected 1 to {MAX_HEADER_PREFIX_LEN} lowercase token \
+                 characters, as Envoy's bootstrap header_prefix (default \"{}\")",
+                crate::router_control::DEFAULT_PREFIX
+            ),
+        ));
+    }
+    Ok(s.to_owned())
 }
 
 /// `admin`: `{"token_sha256": "<64 hex digits>"}` (the token itself never appears in a config).
@@ -368,7 +396,7 @@ fn problem_statuses(v: &Value, path: &str) -> Res<ProblemStatuses> {
     })
 }
 
-fn rule(v: &Value, path: &str, lookup_headers: &[String]) -> Res<Rule> {
+fn rule(v: &Value, path: &str, lookup_headers: &[String], envoy: &EnvoyHeaders) -> Res<Rule> {
     let o = object(
         v,
         path,
@@ -450,7 +478,7 @@ fn rule(v: &Value, path: &str, lookup_headers: &[String]) -> Res<Rule> {
     };
     let execution = execution(o, path, processing_timeout_ms)?;
     let reconcile =
-        optional(o, path, "reconcile", |v, f| reconcile(v, f, processing_timeout_ms, lookup_headers))?;
+        optional(o, path, "reconcile", |v, f| reconcile(v, f, processing_timeout_ms, lookup_headers, envoy))?;
     let unknown_outcome =
         match optional(o, path, "unknown_outcome", |v, f| string(v, f).map(str::to_owned))?.as_deref() {
             // Keeping the record in flight for the lookup is the only policy a lookup can follow.
@@ -498,6 +526,7 @@ fn reconcile(
     path: &str,
     processing_timeout_ms: u64,
     default_headers: &[String],
+    envoy: &EnvoyHeaders,
 ) -> Res<Reconcile> {
     let o = object(v, path, &["path", "method", "cluster", "timeout", "headers"])?;
     let lookup_path = required(o, path, "path", |v, f| {
@@ -523,7 +552,7 @@ fn reconcile(
     let headers = match optional(o, path, "headers", |v, f| unique_list(v, f, header_name))? {
         Some(headers) => {
             // The lookup's bounds (its timeout, one try) are the configuration's, never a caller's.
-            if let Some(h) = headers.iter().find(|h| crate::router_control::is_router_control(h)) {
+            if let Some(h) = headers.iter().find(|h| envoy.is_control(h)) {
                 return Err(err(
                     &key(path, "headers"),
                     format!("{h:?} is an Envoy router control header, never copied from a caller"),

@@ -6,6 +6,7 @@ use std::fmt;
 use std::rc::Rc;
 
 use super::etcd::EtcdSettings;
+use crate::router_control::EnvoyHeaders;
 
 /// Compiled, validated configuration. Built once per `on_configure`, shared by every request.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,6 +38,9 @@ pub struct Config {
     pub publish_outcome: bool,
     /// This instance serves the admin API (and protects no routes: `rules` is empty).
     pub admin: Option<AdminConfig>,
+    /// Envoy's own header names by `envoy_header_prefix` (its bootstrap's `header_prefix`):
+    /// the router control headers a protected request loses, and the mark of an upstream answer.
+    pub envoy_headers: EnvoyHeaders,
 }
 
 /// `admin` in the configuration.

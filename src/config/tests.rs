@@ -3,6 +3,7 @@
 
 use super::etcd::{EtcdAuth, EtcdSettings, OnStoreError, Protocol, ReplayCacheSettings};
 use super::*;
+use crate::router_control::EnvoyHeaders;
 use StatusPattern::{Class, Code};
 
 /// Top-level fields before a minimal valid route list.
@@ -125,6 +126,14 @@ fn rejects_bad_configs_naming_the_field() {
         ),
         ("detached calls zero", top(r#""max_detached_calls":0"#), "max_detached_calls"),
         ("publish_outcome not a boolean", top(r#""publish_outcome":"yes""#), "publish_outcome"),
+        // Envoy's bootstrap header_prefix, as Envoy holds it: a lowercase token.
+        ("envoy_header_prefix uppercase", top(r#""envoy_header_prefix":"X-Acme""#), "envoy_header_prefix"),
+        ("envoy_header_prefix empty", top(r#""envoy_header_prefix":"""#), "envoy_header_prefix"),
+        ("envoy_header_prefix space", top(r#""envoy_header_prefix":"x acme""#), "envoy_header_prefix"),
+        ("envoy_header_prefix colon", top(r#""envoy_header_prefix":"x-acme:""#), "envoy_header_prefix"),
+        ("envoy_header_prefix not a string", top(r#""envoy_header_prefix":1"#), "envoy_header_prefix"),
+        ("envoy_header_prefix null", top(r#""envoy_header_prefix":null"#), "envoy_header_prefix"),
+        ("envoy_header_prefix too long", top(&format!(r#""envoy_header_prefix":"{}""#, "x".repeat(65))), "envoy_header_prefix"),
         ("admin beside routes", top(r#""admin":{}"#), "admin"),
         ("admin token not a digest", r#"{"admin":{"token_sha256":"abc"}}"#.into(), "admin.token_sha256"),
         ("admin unknown field", r#"{"admin":{"token":"x"}}"#.into(), "admin.token"),
@@ -317,7 +326,8 @@ fn full_example_parses_exactly() {
       ],
       "principal": {"jwt_payload": "jwt_payload", "claims": ["iss", "sub"]},
       "quota": {"per_tenant": 5000, "per_principal": 100},
-      "publish_outcome": true
+      "publish_outcome": true,
+      "envoy_header_prefix": "x-acme"
     }"#;
     let expected = Config {
         key_header: "idempotency-key".into(),
@@ -347,6 +357,7 @@ fn full_example_parses_exactly() {
         max_detached_calls: 1_000,
         publish_outcome: true,
         admin: None,
+        envoy_headers: EnvoyHeaders::new("x-acme"),
     };
     assert_eq!(parse_str(json), Ok(expected));
 }
@@ -425,6 +436,8 @@ fn minimal_config_yields_all_defaults() {
         max_detached_calls: 1_000,
         publish_outcome: false,
         admin: None,
+        // Envoy's own names, x-envoy-*: its bootstrap header_prefix unset.
+        envoy_headers: EnvoyHeaders::new("x-envoy"),
     };
     assert_eq!(parse_str(r#"{"routes":[{"name":"a","match":{"prefix":"/"}}]}"#), Ok(expected));
 }
@@ -454,6 +467,38 @@ fn unknown_outcome_defaults_to_refuse_and_takes_both_values() {
         e.to_string(),
         r#"invalid configuration: field `routes[0].unknown_outcome`: "retry": expected "takeover" or "refuse""#
     );
+}
+
+/// C27: `envoy_header_prefix` names Envoy's headers by its bootstrap's `header_prefix`: the
+/// router controls a protected request loses and the mark of an upstream answer, built once.
+#[test]
+fn envoy_header_prefix_names_envoys_headers() {
+    let prefixed = |prefix: &str| parse_str(&top(&format!(r#""envoy_header_prefix":"{prefix}""#)));
+    let acme = prefixed("x-acme").unwrap().envoy_headers;
+    assert_eq!(acme, EnvoyHeaders::new("x-acme"));
+    assert_eq!(
+        (acme.prefix.as_str(), acme.upstream_service_time.as_str()),
+        ("x-acme", "x-acme-upstream-service-time")
+    );
+    assert!(acme.is_control("x-acme-retry-on") && !acme.is_control("x-envoy-retry-on"));
+    assert_eq!(parse_str(&top(r#""key_header":"k""#)).unwrap().envoy_headers, EnvoyHeaders::default());
+    for ok in ["x-envoy", "envoy", "x_corp.proxy", "a", &"x".repeat(64)] {
+        assert_eq!(prefixed(ok).map(|c| c.envoy_headers.prefix), Ok(ok.to_string()), "{ok}");
+    }
+    let e = prefixed("X-Acme").unwrap_err();
+    assert!(e.reason.contains("lowercase") && e.reason.contains("header_prefix"), "{e}");
+    // A reconcile lookup never carries a router control header, by the configured prefix.
+    let lookup = |prefix: &str, header: &str| {
+        parse_str(&format!(
+            r#"{{"envoy_header_prefix":"{prefix}","routes":[{{"name":"a","match":{{"prefix":"/"}},
+                "reconcile":{{"path":"/k","headers":["{header}"]}}}}]}}"#
+        ))
+        .map(|_| ())
+        .map_err(|e| e.field)
+    };
+    assert_eq!(lookup("x-acme", "x-acme-retry-on"), Err("routes[0].reconcile.headers".to_string()));
+    assert_eq!(lookup("x-acme", "x-envoy-retry-on"), Ok(()));
+    assert_eq!(lookup("x-envoy", "x-envoy-retry-on"), Err("routes[0].reconcile.headers".to_string()));
 }
 
 #[test]

@@ -38,7 +38,11 @@ impl RequestFlow {
         };
         let report = StreamReport { details: Some(VIA_UPSTREAM), flags: 0, upstream_selected: true };
         let reply = detached::first_reply(status, &headers, body.clone());
-        match plan_response(&rule, Some(status), report) {
+        // One attempt: a callout's router does not use the route's retry policy (its route is
+        // the async client's own), and the caller's retry headers never reach it
+        // (`router_control.rs`). So an upstream answer, and Envoy's "never sent" reply above,
+        // speak for the only attempt there was; only the inline path reads the count.
+        match plan_response(&rule, Some(status), report, || Some(1)) {
             ResponsePlan::Capture { state, status } => {
                 let fits = body.len() as u64 <= rule.max_response_bytes;
                 let snapshot = fits.then(|| Snapshot {

@@ -34,6 +34,21 @@ pub(super) fn property_u64(facts: &mut dyn StreamFacts, path: &[&str]) -> Option
     Some(u64::from_le_bytes(<[u8; 8]>::try_from(bytes.as_slice()).ok()?))
 }
 
+/// The router's attempts at the request so far: Envoy's `upstream.request_attempt_count`,
+/// which its router sets as each attempt starts (`Filter::decodeHeaders`, `Filter::doRetry`),
+/// so it is as final at the response headers as in `on_log`. Envoy 1.40 always answers it (0
+/// before any attempt: `attemptCount().value_or(0)` in its CEL attributes; the attribute is in
+/// every Envoy since 1.33, older than any this filter runs on), so an absent value is read as
+/// 0. None when the read failed or is not a number: `ending::plan_unfinished` then releases
+/// nothing on "never sent" grounds, since the count is the proof that no earlier attempt left.
+pub(super) fn attempt_count(facts: &mut dyn StreamFacts) -> Option<u64> {
+    match facts.property(&["upstream", "request_attempt_count"]) {
+        Ok(None) => Some(0),
+        Ok(Some(bytes)) => Some(u64::from_le_bytes(<[u8; 8]>::try_from(bytes.as_slice()).ok()?)),
+        Err(Unreadable) => None,
+    }
+}
+
 /// The request body bytes Envoy received from the client, read at the stream's end: Envoy's
 /// `request.total_size` (bytes received plus the request header map's size, the sum of its
 /// names' and values' lengths) less that header map. None when either is unreadable. Envoy

@@ -2,12 +2,10 @@
 //! `ending.rs` plans it), the capture of the body, and the settlement (`complete` or `release`)
 //! that writes it, carried out by the flow itself or handed to whoever outlives the stream.
 
-use super::facts::{body_bytes_received, property_string, property_u64, stream_report};
+use super::facts::{attempt_count, body_bytes_received, property_string, stream_report};
 use super::{Capture, Output, Phase, RequestFlow, Step, StreamFacts, Unreadable};
-use crate::config::{Concurrency, Rule};
-use crate::ending::{
-    plan_response, plan_unfinished, ResponsePlan, StreamReport, UPSTREAM_SERVICE_TIME, VIA_UPSTREAM,
-};
+use crate::config::{Concurrency, Config, Rule};
+use crate::ending::{plan_response, plan_unfinished, ResponsePlan, StreamReport, VIA_UPSTREAM};
 use crate::engine::{self};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
@@ -116,9 +114,24 @@ impl Settlement {
     }
 }
 
+/// `first`, then `then`: `then` itself when there is nothing before it (almost always), so the
+/// usual response allocates nothing more for it.
+fn joined(mut first: Vec<Step>, then: Vec<Step>) -> Vec<Step> {
+    if first.is_empty() {
+        return then;
+    }
+    first.extend(then);
+    first
+}
+
 impl RequestFlow {
     /// Response headers.
-    pub fn response_headers(&mut self, facts: &mut dyn StreamFacts, end_of_stream: bool) -> Output {
+    pub fn response_headers(
+        &mut self,
+        cfg: &Config,
+        facts: &mut dyn StreamFacts,
+        end_of_stream: bool,
+    ) -> Output {
         if let Phase::Answered { replay_shape: Some(shape) } = &self.phase {
             // One read of the map, not one per header (each read is a round trip into the module).
             let sent = facts.response_headers();
@@ -136,9 +149,15 @@ impl RequestFlow {
             .iter()
             .find(|(n, _)| n == ":status")
             .and_then(|(_, s)| std::str::from_utf8(s).ok()?.parse::<u16>().ok());
-        let details = if sent.iter().any(|(n, _)| n == UPSTREAM_SERVICE_TIME) {
+        let mut steps = Vec::new();
+        let details = if cfg.envoy_headers.from_upstream(&sent) {
             Some(VIA_UPSTREAM.to_string())
         } else {
+            // Another prefix's mark instead of ours: Envoy's header_prefix is not the configured
+            // one (a scan of headers at hand, on a path that makes a host call next anyway).
+            if let Some(seen) = cfg.envoy_headers.foreign_service_time(&sent) {
+                steps.push(Step::ErrorHeaderPrefix { seen: seen.to_owned() });
+            }
             // Envoy's headers suppressed, or a local reply: Envoy says which.
             property_string(facts, &["response", "code_details"])
         };
@@ -146,7 +165,8 @@ impl RequestFlow {
         let (flags, upstream_selected) =
             if details.as_deref() == Some(VIA_UPSTREAM) { (0, true) } else { stream_report(facts) };
         let report = StreamReport { details: details.as_deref(), flags, upstream_selected };
-        match plan_response(&rule, status, report) {
+        // The attempt count only where a release on "never sent" grounds is decided (a host call).
+        match plan_response(&rule, status, report, || attempt_count(facts)) {
             ResponsePlan::Capture { state, status } => {
                 let headers = engine::snapshot_headers(sent, &rule.replay_exclude_headers);
                 self.phase = Phase::Capturing(Capture {
@@ -158,10 +178,13 @@ impl RequestFlow {
                     body: Vec::new(),
                     overflowed: false,
                 });
-                let steps = if end_of_stream { self.finish_capture(facts) } else { Vec::new() };
-                Output::go(steps)
+                let then = if end_of_stream { self.finish_capture(facts) } else { Vec::new() };
+                Output::go(joined(steps, then))
             }
-            plan => Output::go(self.settle(plan, claim, rule, facts)),
+            plan => {
+                let then = self.settle(plan, claim, rule, facts);
+                Output::go(joined(steps, then))
+            }
         }
     }
 
@@ -191,13 +214,16 @@ impl RequestFlow {
     /// The stream is over (Envoy's `on_log`), however it ended.
     pub fn stream_ended(&mut self, facts: &mut dyn StreamFacts) -> Output {
         let mut steps = Vec::new();
-        if let Some(rule) = self.forwarded_rule.take() {
-            let attempts = property_u64(facts, &["upstream", "request_attempt_count"]).unwrap_or(0);
-            if attempts > 1 {
+        // Read once for every request that went upstream under a claim (final now), and used by
+        // an unfinished one's plan below too. None: not forwarded, so not read.
+        let attempts = self.forwarded_rule.take().map(|rule| {
+            let attempts = attempt_count(facts);
+            if let Some(attempts) = attempts.filter(|n| *n > 1) {
                 steps.push(Step::Count(Counter::UpstreamRetried));
                 steps.push(Step::WarnRetried { rule: rule.name.clone(), attempts });
             }
-        }
+            attempts
+        });
         match std::mem::replace(&mut self.phase, Phase::Idle) {
             Phase::Forwarded { claim, rule } => {
                 let details = property_string(facts, &["response", "code_details"]);
@@ -205,6 +231,7 @@ impl RequestFlow {
                 let plan = plan_unfinished(
                     &rule,
                     StreamReport { details: details.as_deref(), flags, upstream_selected },
+                    || attempts.unwrap_or_else(|| attempt_count(facts)),
                 );
                 log::debug!("#{} stream ended unfinished ({details:?}, flags {flags:#x})", self.context_id);
                 steps.extend(self.settle(plan, claim, rule, facts));

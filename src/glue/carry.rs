@@ -136,7 +136,16 @@ pub(super) fn detached_answered<H: Host>(plugin: &PluginState<H>, call: Detached
     plugin.detached_done();
     let now_ms = host.now_ms();
     let answer = match callout_answer(host, body_size) {
-        Some((status, headers, body)) => detached::answer_of(status, headers, body),
+        Some((status, headers, body)) => {
+            let envoy = &plugin.config.envoy_headers;
+            // Asked only of an answer without our mark (a local reply, or a prefix mismatch).
+            if !envoy.from_upstream(&headers) {
+                if let Some(seen) = envoy.foreign_service_time(&headers) {
+                    plugin.header_prefix_mismatch(seen);
+                }
+            }
+            detached::answer_of(envoy, status, headers, body)
+        }
         // An answer that cannot be read: what it said is unknown.
         None => detached::CallAnswer::Unknown { timed_out: false },
     };
@@ -537,7 +546,7 @@ pub(super) fn carry_out<H: Host>(
             }
             Step::RemoveRequestHeaders(names) => {
                 for name in names {
-                    if let Err(HostError(s)) = host.remove_header(MAP_REQUEST_HEADERS, name) {
+                    if let Err(HostError(s)) = host.remove_header(MAP_REQUEST_HEADERS, &name) {
                         log::warn!(
                             "#{context_id} could not remove {name} from the request (host status {s})"
                         );
@@ -557,6 +566,10 @@ pub(super) fn carry_out<H: Host>(
                          disable Envoy retries on routes this filter protects"
                     );
                 }
+                None
+            }
+            Step::ErrorHeaderPrefix { seen } => {
+                plugin.header_prefix_mismatch(&seen);
                 None
             }
             Step::ErrorStopIterationMissing { rule, details, body_bytes } => {

@@ -157,7 +157,7 @@ impl<H: Host> Http<H> {
     }
 
     pub fn on_response_headers(&mut self, end_of_stream: bool) -> Verdict {
-        self.callback(true, |flow, _, facts| flow.response_headers(facts, end_of_stream))
+        self.callback(true, |flow, p, facts| flow.response_headers(&p.config, facts, end_of_stream))
     }
 
     pub fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {

@@ -145,6 +145,8 @@ pub struct PluginState<H: Host> {
     /// Set once this worker has logged that Envoy keeps request bodies from the filter
     /// (`allow_on_headers_stop_iteration` missing): one error line per worker, not per request.
     stop_iteration_error_logged: Cell<bool>,
+    /// Set once this worker has logged that Envoy's header prefix is not `envoy_header_prefix`.
+    prefix_error_logged: Cell<bool>,
     metrics: Metrics,
     tokens: Cell<u64>,
     seed: u64,
@@ -258,6 +260,7 @@ impl<H: Host> PluginState<H> {
             body_never_received_log: LogEvery::new(BODY_NEVER_RECEIVED_LOG_EVERY_MS),
             held_full_log: LogEvery::new(BODY_NEVER_RECEIVED_LOG_EVERY_MS),
             stop_iteration_error_logged: Cell::new(false),
+            prefix_error_logged: Cell::new(false),
             tokens: Cell::new(0),
             seed,
             room,
@@ -538,7 +541,7 @@ impl<H: Host> PluginState<H> {
             .host
             .header_pairs(MAP_REQUEST_HEADERS)
             .ok()
-            .and_then(|h| detached::call_headers(&rule.path, rewrite, h));
+            .and_then(|h| detached::call_headers(&rule.path, rewrite, &self.config.envoy_headers, h));
         let Some(headers) = headers else { return Err("the request head could not be read".into()) };
         let body = self
             .host
@@ -734,6 +737,17 @@ impl<H: Host> PluginState<H> {
     /// bodies from the filter is logged once per worker; every such request is counted.
     pub fn first_stop_iteration_error(&self) -> bool {
         !self.stop_iteration_error_logged.replace(true)
+    }
+
+    /// An upstream answer carried another prefix's `seen` upstream service time and not ours:
+    /// one error line per worker naming `envoy_header_prefix`, not one per request.
+    pub fn header_prefix_mismatch(&self, seen: &str) {
+        if !self.prefix_error_logged.replace(true) {
+            log::error!(
+                "{}",
+                crate::router_control::prefix_mismatch_line(&self.config.envoy_headers.prefix, seen)
+            );
+        }
     }
 
     /// Tells every worker that this record's outcome may be known, so that its waiters look.

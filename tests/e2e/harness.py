@@ -57,7 +57,9 @@ from idemkit.envoy import (  # noqa: F401
 )
 from idemkit.etcd import DelayProxy, EtcdCluster  # noqa: F401
 from idemkit.etcd import Etcd as _Etcd
-from idemkit.process import LIVE, Blackhole, ClosedPort, Fatal, free_port, tail, wait_until  # noqa: F401
+from idemkit.process import (  # noqa: F401
+    LIVE, Blackhole, ClosedPort, DyingUpstream, Fatal, free_port, tail, wait_until,
+)
 from idemkit.testkit import env_path  # noqa: F401 (re-exported for the tests)
 
 LOG_ROOT = Path(__file__).resolve().parent / ".logs"

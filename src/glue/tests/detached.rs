@@ -251,3 +251,74 @@ fn past_max_detached_calls_a_new_key_gets_503_and_its_claim_back() {
     assert!(matches!(sent_to(&h, 6).as_slice(), [(503, _, _)]));
     assert_eq!((h.counter("detached_refused"), h.counter("released")), (2, 2));
 }
+
+/// An upstream's answer as an Envoy whose bootstrap `header_prefix` is `x-acme` hands it over.
+fn answers_under_acme(h: &FakeHost, status: &str, body: &[u8]) {
+    *h.0.call_response_headers.borrow_mut() = pairs(&[
+        (":status", status),
+        ("content-type", "application/json"),
+        ("x-acme-upstream-service-time", "3"),
+    ]);
+    *h.0.call_response_body.borrow_mut() = body.to_vec();
+}
+
+/// C27: behind an Envoy with `header_prefix: x-acme`, `envoy_header_prefix: "x-acme"`: the
+/// call goes without the caller's `x-acme-*` router controls, and its answer, marked
+/// `x-acme-upstream-service-time`, is the upstream's: stored, and no error logged.
+#[test]
+fn with_envoys_header_prefix_configured_a_detached_answer_is_the_upstreams() {
+    super::capture_logs();
+    let h = host();
+    let config = CONFIG.replacen('{', r#"{"envoy_header_prefix":"x-acme","#, 1);
+    *h.0.config.borrow_mut() = config.into_bytes();
+    let mut root = root(&h);
+    let mut http = root.http_context(2);
+    h.0.effective.set(2);
+    *h.0.request_headers.borrow_mut() = pairs(&[
+        (":method", "POST"),
+        (":path", "/pay"),
+        (":authority", "shop.example"),
+        ("idempotency-key", "k"),
+        ("x-acme-retry-on", "5xx"),
+        ("x-acme-max-retries", "3"),
+        ("x-envoy-retry-on", "5xx"),
+    ]);
+    *h.0.request_body.borrow_mut() = b"{}".to_vec();
+    assert_eq!(http.on_request_headers(false), Verdict::Pause);
+    assert_eq!(http.on_request_body(2, true), Verdict::Pause);
+    h.0.effective.set(1);
+    root.on_queue_ready(0);
+    let call = h.dispatches().last().cloned();
+    let Some(HostCall::Dispatch { headers, .. }) = &call else { panic!("{call:?}") };
+    let names: Vec<&str> = headers.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(!names.iter().any(|n| n.starts_with("x-acme-")), "{names:?}");
+    assert_eq!(h.counter("router_controls_removed"), 1);
+    answers_under_acme(&h, "201", b"{}");
+    root.on_http_call_response(token(&call), 2);
+    assert_eq!((h.counter("stored"), h.counter("outcome_unknown")), (1, 0));
+    assert!(super::logged(log::Level::Error).is_empty());
+}
+
+/// C27: the filter expects `x-envoy` (the default) behind an Envoy whose prefix is `x-acme`.
+/// A detached answer is then Envoy's own reply for all the filter can tell (an unknown outcome,
+/// the safe side), and it says what is wrong in one error line per worker naming
+/// `envoy_header_prefix`, however many answers (detached or inline) show it.
+#[test]
+fn a_header_prefix_other_than_the_configured_one_is_one_error_line_per_worker() {
+    super::capture_logs();
+    let h = host();
+    let mut root = root(&h);
+    for (id, key) in [(2, "a"), (4, "b")] {
+        let (_http, call) = posted(&h, &mut root, id, key);
+        answers_under_acme(&h, "201", b"{}");
+        root.on_http_call_response(token(&call), 2);
+    }
+    assert_eq!((h.counter("outcome_unknown"), h.counter("stored")), (2, 0));
+    let errors = super::logged(log::Level::Error);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    for words in
+        ["x-acme-upstream-service-time", "envoy_header_prefix is \"x-envoy\"", "header_prefix differs"]
+    {
+        assert!(errors[0].contains(words), "{words:?} in {:?}", errors[0]);
+    }
+}

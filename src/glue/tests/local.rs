@@ -285,3 +285,33 @@ fn a_protected_request_loses_its_router_control_headers_and_other_traffic_keeps_
     assert_eq!(*h.0.request_headers.borrow(), headers);
     assert_eq!(h.counter("router_controls_removed"), 1);
 }
+
+/// C27, inline: an upstream answer marked with another prefix's upstream service time and not
+/// ours (Envoy's `header_prefix` is not `envoy_header_prefix`) is still captured (Envoy's
+/// details say it came from the upstream), and the mismatch is one error line per worker.
+#[test]
+fn an_inline_answer_under_another_header_prefix_is_captured_and_logged_once() {
+    capture_logs();
+    let h = host();
+    let root = root(&h);
+    for (id, key) in [(2, "a"), (3, "b"), (4, "c")] {
+        let mut http = root.http_context(id);
+        assert_eq!(post(&h, &mut http, "/orders", key), Verdict::Continue);
+        upstream_answers(&h, "201", b"{}");
+        let acme = pairs(&[(":status", "201"), ("x-acme-upstream-service-time", "1")]);
+        *h.0.response_headers.borrow_mut() = acme;
+        assert_eq!(http.on_response_headers(false), Verdict::Continue);
+        assert_eq!(http.on_response_body(2, true), Verdict::Continue);
+        http.on_log();
+    }
+    assert_eq!(h.counter("stored"), 3);
+    let errors = logged(log::Level::Error);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].contains("envoy_header_prefix"), "{errors:?}");
+    // Our own mark: nothing to say.
+    capture_logs();
+    let fresh = host();
+    let plain = super::root(&fresh);
+    executed(&fresh, &plain, 2, "k", b"{}");
+    assert!(logged(log::Level::Error).is_empty());
+}

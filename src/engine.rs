@@ -41,6 +41,11 @@ impl RequestHead<'_> {
     fn values(&self, name: &str) -> Vec<&[u8]> {
         self.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()).collect()
     }
+
+    /// The first value of `name` (empty when absent), without collecting them all.
+    fn first(&self, name: &str) -> &[u8] {
+        self.headers.iter().find(|(n, _)| n == name).map_or(&[], |(_, v)| v.as_slice())
+    }
 }
 
 /// A protected request waiting for its body.
@@ -218,10 +223,7 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
         Ok(principal) => principal,
         Err(problem) => return Admission::Reject(problem),
     };
-    let authority = normalize_authority(
-        head.values(":authority").first().copied().unwrap_or_default(),
-        head.values(":scheme").first().copied().unwrap_or_default(),
-    );
+    let authority = normalize_authority(head.first(":authority"), head.first(":scheme"));
     let scope = scope_id(&ScopeParts {
         tenant: tenant_values.as_deref(),
         principal,

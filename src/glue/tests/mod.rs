@@ -15,6 +15,7 @@ mod remote;
 mod remote_grpc;
 mod remote_wait;
 mod shards;
+mod unknown_cluster;
 mod wait;
 
 use super::fake_host::{FakeHost, HostCall};

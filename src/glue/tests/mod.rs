@@ -9,6 +9,7 @@ mod costs;
 mod detached;
 mod detached_model;
 mod etcd_auth;
+mod etcd_messages;
 mod local;
 mod reconcile;
 mod remote;

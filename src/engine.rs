@@ -41,6 +41,11 @@ impl RequestHead<'_> {
     fn values(&self, name: &str) -> Vec<&[u8]> {
         self.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_slice()).collect()
     }
+
+    /// The first value of `name` (empty when absent), without collecting them all.
+    fn first(&self, name: &str) -> &[u8] {
+        self.headers.iter().find(|(n, _)| n == name).map_or(&[], |(_, v)| v.as_slice())
+    }
 }
 
 /// A protected request waiting for its body.
@@ -218,10 +223,7 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
         Ok(principal) => principal,
         Err(problem) => return Admission::Reject(problem),
     };
-    let authority = normalize_authority(
-        head.values(":authority").first().copied().unwrap_or_default(),
-        head.values(":scheme").first().copied().unwrap_or_default(),
-    );
+    let authority = normalize_authority(head.first(":authority"), head.first(":scheme"));
     let scope = scope_id(&ScopeParts {
         tenant: tenant_values.as_deref(),
         principal,
@@ -404,8 +406,9 @@ pub fn decision_of(cfg: &Config, pending: &Pending, begun: Result<Begin, StoreEr
                 Kind::ResponseNotStored,
                 410,
                 format!(
-                    "the request with this Idempotency-Key was executed (upstream status {status}) but its \
-                     response was larger than the filter keeps, so it cannot be replayed; it will not be executed again"
+                    "the request with this Idempotency-Key was executed (upstream status {status}), but its \
+                     response was not kept (larger than the filter keeps, or cut off before its end), so it cannot \
+                     be replayed; it will not be executed again"
                 ),
             );
             p.headers.push((ORIGINAL_STATUS_HEADER, status.to_string()));
@@ -447,7 +450,10 @@ pub fn decision_of(cfg: &Config, pending: &Pending, begun: Result<Begin, StoreEr
         }
         Err(e) => {
             log::warn!("idempotency store error for {}: {e}", pending.scope.log_tag());
-            respond_problem(store_unavailable())
+            match e {
+                StoreError::Corrupt(_) => respond_problem(record_unreadable()),
+                _ => respond_problem(store_unavailable()),
+            }
         }
     }
 }
@@ -485,6 +491,19 @@ pub fn unsettled(retry_after_ms: u64) -> Problem {
 pub fn store_unavailable() -> Problem {
     Problem::new(Kind::StoreUnavailable, 503, "the idempotency store could not be used; retry later")
         .retry_after_ms(1000)
+}
+
+/// 503 for a record this build cannot read (a newer build's, in a rollback, or damaged): left
+/// as it is, never overwritten, and nothing executed. `retry-after`: an Envoy of the newer build
+/// reads it.
+pub fn record_unreadable() -> Problem {
+    Problem::new(
+        Kind::StoreUnavailable,
+        503,
+        "the record of this Idempotency-Key is in a form this build of the filter cannot read (written by a \
+         newer build, or damaged); it was left as it is and the request was not executed; retry later",
+    )
+    .retry_after_ms(1000)
 }
 
 /// 409 (or the configured status) with `retry-after`: the original is still processing.
@@ -595,6 +614,51 @@ pub(crate) mod tests {
             Admission::Reject(p) => p.kind,
             other => panic!("{other:?}"),
         }
+    }
+
+    /// The body of the reply `decision_of` gives for a store's answer, as text.
+    fn answered_with(begun: Result<Begin, StoreError>) -> (u16, String) {
+        let p = pending(&[("idempotency-key", "k")]);
+        match decision_of(&cfg(), &p, begun) {
+            Decision::Respond { reply, .. } => {
+                (reply.status, String::from_utf8_lossy(&reply.body).into_owned())
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// C15: a kept status whose body is not (too large, or cut mid-body) says both ways it can
+    /// happen, not only one of them.
+    #[test]
+    fn a_record_without_its_body_says_it_was_not_kept() {
+        let (status, body) = answered_with(Ok(Begin::NotStored { status: 201 }));
+        assert_eq!(status, 410);
+        assert!(
+            body.contains(
+                "was executed (upstream status 201), but its response was not kept (larger than the filter keeps, \
+                 or cut off before its end), so it cannot be replayed; it will not be executed again"
+            ),
+            "{body}"
+        );
+    }
+
+    /// A record this build cannot read (a newer build's, in a rollback) is said to be that, not
+    /// a store that could not be used.
+    #[test]
+    fn a_record_this_build_cannot_read_is_said_to_be_one() {
+        let unreadable =
+            StoreError::Corrupt("etcd record: format version 5, written by a newer build".into());
+        let (status, body) = answered_with(Err(unreadable));
+        assert_eq!(status, 503);
+        assert!(
+            body.contains(
+                "in a form this build of the filter cannot read (written by a newer build, or damaged); \
+                               it was left as it is and the request was not executed"
+            ),
+            "{body}"
+        );
+        let (status, body) = answered_with(Err(StoreError::TimedOut));
+        assert_eq!((status, body.contains("could not be used")), (503, true), "{body}");
     }
 
     #[test]

@@ -37,6 +37,12 @@ pub const CLAIMS_LOST_METRIC: &str = "idempotency.claims_lost_total";
 pub const ADMIN_METRIC_PREFIX: &str = "idempotency.admin.";
 pub const WATCH_ENDED_METRIC: &str = "idempotency.store_watch_ended_total";
 
+/// Calls the filter tried to make to a cluster Envoy does not know (a misspelled `store.cluster`
+/// or shard cluster, `routes[].cluster` or `routes[].reconcile.cluster`): Envoy refused each,
+/// nothing was sent, and the request that needed it failed. Each counted; the first per field
+/// and cluster on a worker also logged as a critical line naming both.
+pub const UNKNOWN_CLUSTER_METRIC: &str = "idempotency.unknown_cluster_calls_total";
+
 /// A remote store's calls that failed, per cluster of the store (each shard of `store.shards`):
 /// no answer within the timeout, a reset, Envoy's refusal to send, or an error status. A stats
 /// tag takes out everything after `.shard.` as the `shard` label (envoy/envoy.yaml), dots and

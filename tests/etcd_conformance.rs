@@ -404,7 +404,7 @@ mod over_grpc {
             Some(GrpcStatus { code, message })
         };
         let grpc = trailers.as_ref().and_then(status_from).or_else(|| status_from(&head.headers));
-        Some(Answer { status: Some(head.status.as_u16()), body: data, grpc })
+        Some(Answer { status: Some(head.status.as_u16()), body: data, grpc, from_envoy: false })
     }
 
     impl Transport for H2 {

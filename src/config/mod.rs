@@ -55,6 +55,28 @@ impl Config {
     pub fn rule_for(&self, method: &str, path_without_query: &str) -> Option<&Rc<Rule>> {
         self.rules.iter().find(|r| r.matches(method, path_without_query))
     }
+
+    /// The field that names `cluster` as the store's, as a log line names it: `store.cluster`,
+    /// or its entry in `store.shards` or `store.previous_shards`.
+    pub fn store_cluster_field(&self, cluster: &str) -> String {
+        let StoreConfig::Etcd(etcd) = &self.store else { return "store.cluster".into() };
+        let entry = |list: &[etcd::EtcdShard]| list.iter().position(|s| s.cluster == cluster);
+        if let Some(i) = entry(&etcd.shards) {
+            return format!("store.shards[{i}].cluster");
+        }
+        match entry(&etcd.previous_shards) {
+            Some(i) => format!("store.previous_shards[{i}].cluster"),
+            None => "store.cluster".into(),
+        }
+    }
+
+    /// A rule as the configuration names it: `routes[<index>]` (rule names are unique).
+    pub fn rule_field(&self, rule: &str) -> String {
+        match self.rules.iter().position(|r| r.name == rule) {
+            Some(i) => format!("routes[{i}]"),
+            None => format!("route rule {rule}"),
+        }
+    }
 }
 
 const DEFAULT_KEY_HEADER: &str = "idempotency-key";

@@ -1203,3 +1203,24 @@ fn an_admin_instance_protects_no_routes_and_keeps_the_tokens_digest() {
     let on_etcd = parse_str(r#"{"admin":{},"store":{"type":"etcd","cluster":"etcd"}}"#).unwrap();
     assert!(on_etcd.admin.is_some() && on_etcd.rules.is_empty());
 }
+
+/// A log line about a cluster names the field that named it (an unknown cluster's line).
+#[test]
+fn a_cluster_is_named_by_its_field() {
+    let one = parse_str(&sharded(r#","cluster":"etcd-main""#)).expect("valid");
+    assert_eq!(one.store_cluster_field("etcd-main"), "store.cluster");
+    let moving = parse_str(&sharded(
+        r#","shards":[{"cluster":"a"},{"cluster":"b"}],"previous_shards":[{"cluster":"a"},{"cluster":"old"}]"#,
+    ))
+    .expect("valid");
+    assert_eq!(moving.store_cluster_field("b"), "store.shards[1].cluster");
+    assert_eq!(moving.store_cluster_field("a"), "store.shards[0].cluster");
+    assert_eq!(moving.store_cluster_field("old"), "store.previous_shards[1].cluster");
+    let two = parse_str(&format!(
+        r#"{{"routes":[{},{}]}}"#,
+        r#"{"name":"first","match":{"prefix":"/a"}}"#, r#"{"name":"pay","match":{"prefix":"/b"}}"#
+    ))
+    .expect("valid");
+    assert_eq!(two.rule_field("pay"), "routes[1]");
+    assert_eq!(two.rule_field("gone"), "route rule gone");
+}

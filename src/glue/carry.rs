@@ -8,7 +8,7 @@ use super::admin;
 use super::calls::{
     DetachedCall, FlowHandle, HeldFlow, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootLookup,
 };
-use super::plugin::PluginState;
+use super::plugin::{CalloutOf, PluginState};
 use super::renew::converse_renewal;
 use super::settle::{
     call_store, converse, give_back, gives_back, on_store_error, send_reply, settle_then_answer, Sent,
@@ -90,14 +90,9 @@ fn dispatch_detached<H: Host>(plugin: &PluginState<H>, mut call: Box<DetachedCal
             plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Detached(call));
         }
         Err(HostError(s)) => {
-            log::warn!(
-                "#{} detached call to cluster {} refused (host status {s})",
-                call.context_id,
-                call.cluster
-            );
+            let why = plugin.callout_refused(CalloutOf::Detached(&call.rule), &call.cluster, s);
             plugin.detached_done();
             plugin.release_claim(call.context_id, call.claim, &call.rule);
-            let why = format!("Envoy refused the call to cluster {} (host status {s})", call.cluster);
             let DetachedCall { context_id, mut flow, handle, .. } = *call;
             if plugin.host.set_effective_context(context_id).is_err() {
                 flow.stream_gone();
@@ -190,7 +185,7 @@ pub(super) fn converse_admin<H: Host>(
     answer: Option<Answer>,
 ) {
     match call.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match call_store(plugin, call.context_id, &request) {
+        Next::Call(request) => match call_store(plugin, &request) {
             Ok(token) => {
                 plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Admin(call));
             }
@@ -226,7 +221,7 @@ pub(super) fn converse_begin<H: Host>(
     answer: Option<Answer>,
 ) {
     match begin.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match call_store(plugin, begin.context_id, &request) {
+        Next::Call(request) => match call_store(plugin, &request) {
             Ok(token) => {
                 plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Begin(begin));
             }
@@ -675,9 +670,8 @@ fn dispatch_lookup<H: Host>(plugin: &PluginState<H>, call: Box<RootLookup>) {
             plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Lookup(call));
         }
         Err(HostError(s)) => {
-            log::warn!("#{} lookup to cluster {} refused (host status {s})", call.context_id, l.cluster);
+            let why = plugin.callout_refused(CalloutOf::Lookup(&l.rule), &l.cluster, s);
             plugin.lookups.finished(&call.lookup.scope, call.lookup.started_ms, plugin.host.now_ms());
-            let why = format!("Envoy refused the call (host status {s})");
             answer_lookup(plugin, *call, LookupAnswer::Failed(why));
         }
     }

@@ -13,7 +13,7 @@ use crate::flow::{LaterLookup, LeaseEnd, ParkPlan, RequestFlow, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::metrics::{
     store_calls_failed_metric, Counter, ADMIN_METRIC_PREFIX, CLAIMS_LOST_METRIC, RENEWED_METRIC,
-    SWEPT_METRIC, UNMATCHED_METRIC, WATCH_ENDED_METRIC,
+    SWEPT_METRIC, UNKNOWN_CLUSTER_METRIC, UNMATCHED_METRIC, WATCH_ENDED_METRIC,
 };
 use crate::reconcile::{self, LookupGate};
 use crate::renewal::Renewals;
@@ -56,6 +56,7 @@ pub struct Metrics {
     renewed: Option<u32>,
     claims_lost: Option<u32>,
     watch_ended: Option<u32>,
+    unknown_cluster: Option<u32>,
     /// A remote store's failed calls, by shard (`Request::shard`).
     calls_failed: Vec<Option<u32>>,
     /// An admin instance's requests, by `admin::Action` (none elsewhere).
@@ -86,6 +87,9 @@ impl Metrics {
             // Defined whatever the store, as the sweep's is: a family that is always there (at 0
             // where nothing watches) lets one dashboard and one alert serve every fleet.
             watch_ended: define(WATCH_ENDED_METRIC.to_string()),
+            // Always there too: any filter configuration names clusters (a detached rule may
+            // name none, and take the route's).
+            unknown_cluster: define(UNKNOWN_CLUSTER_METRIC.to_string()),
             calls_failed: shards(store)
                 .map(|remote| define(store_calls_failed_metric(&remote.cluster)))
                 .collect(),
@@ -147,6 +151,9 @@ pub struct PluginState<H: Host> {
     stop_iteration_error_logged: Cell<bool>,
     /// Set once this worker has logged that Envoy's header prefix is not `envoy_header_prefix`.
     prefix_error_logged: Cell<bool>,
+    /// The (field, cluster) pairs this worker has said Envoy does not know (`callout_refused`):
+    /// one critical line each, not one per request.
+    unknown_clusters_logged: RefCell<Vec<(String, String)>>,
     metrics: Metrics,
     tokens: Cell<u64>,
     seed: u64,
@@ -261,6 +268,7 @@ impl<H: Host> PluginState<H> {
             held_full_log: LogEvery::new(BODY_NEVER_RECEIVED_LOG_EVERY_MS),
             stop_iteration_error_logged: Cell::new(false),
             prefix_error_logged: Cell::new(false),
+            unknown_clusters_logged: RefCell::new(Vec::new()),
             tokens: Cell::new(0),
             seed,
             room,
@@ -319,6 +327,73 @@ impl<H: Host> PluginState<H> {
     pub fn count_call_failed(&self, shard: u8) {
         if let Some(id) = self.metrics.calls_failed.get(usize::from(shard)).copied().flatten() {
             self.host.increment(id, 1);
+        }
+    }
+
+    /// Envoy refused a callout to `cluster` (made for `of`) with host status `status`. Returns
+    /// what happened, for the request's own answer.
+    ///
+    /// BadArgument means Envoy does not know the cluster: its other reasons (a missing `:method`,
+    /// `:path` or `:authority`, a timeout over 2^31 ms; Envoy's `Context::httpCall`) never apply
+    /// to the filter's calls. Counted every time; said in one critical line naming the field and
+    /// the cluster at the first such call for that pair on this worker (then at debug level).
+    ///
+    /// Why at the first call and not at start: Envoy 1.40 gives a filter no way to ask whether a
+    /// cluster exists without calling it. `proxy_http_call` answers BadArgument for an unknown
+    /// cluster and for missing headers alike (so a call made to fail cannot tell), and sends the
+    /// request when both are right; `proxy_grpc_call` and `proxy_grpc_stream` answer
+    /// ParseFailure for an unknown cluster but start the call for a known one; no property names
+    /// a cluster but the routed stream's own (`xds.cluster_name`), and Envoy registers no foreign
+    /// function that reads its cluster manager (only `declare_property`,
+    /// `set_envoy_filter_state`, `verify_signature`, `clear_route_cache`). A cluster from CDS may
+    /// also arrive after the filter's configuration, which a check at start would refuse.
+    pub fn callout_refused(&self, of: CalloutOf, cluster: &str, status: u32) -> String {
+        if status != BAD_ARGUMENT {
+            log::warn!("Envoy refused a call to cluster {cluster:?} (host status {status})");
+            return format!("Envoy refused the call to cluster {cluster:?} (host status {status})");
+        }
+        if let Some(id) = self.metrics.unknown_cluster {
+            self.host.increment(id, 1);
+        }
+        let (field, fails) = self.cluster_field(of, cluster);
+        let first = {
+            let mut logged = self.unknown_clusters_logged.borrow_mut();
+            let first = logged.len() < MAX_UNKNOWN_CLUSTERS_LOGGED
+                && !logged.iter().any(|(f, c)| *f == field && c == cluster);
+            if first {
+                logged.push((field.clone(), cluster.to_string()));
+            }
+            first
+        };
+        if first {
+            self.host.log_critical(&format!(
+                "{field}: Envoy does not know the cluster {cluster:?}, so it refuses every call the filter \
+                 makes to it and nothing is sent: {fails}. Add the cluster to Envoy's configuration or \
+                 correct {field} (counter unknown_cluster_calls_total; logged once per worker)"
+            ));
+        }
+        format!("Envoy does not know the cluster {cluster:?}")
+    }
+
+    /// The field that names the cluster of a call made for `of`, and what its refusal does to
+    /// traffic.
+    fn cluster_field(&self, of: CalloutOf, cluster: &str) -> (String, &'static str) {
+        let (rule, named, field, fails) = match of {
+            CalloutOf::Store => return (self.config.store_cluster_field(cluster), STORE_FAILS),
+            CalloutOf::Detached(rule) => match &rule.execution {
+                Execution::Detached { cluster, .. } => (rule, cluster.as_deref(), "cluster", DETACHED_FAILS),
+                Execution::Inline => (rule, None, "cluster", DETACHED_FAILS),
+            },
+            CalloutOf::Lookup(rule) => {
+                let named = rule.reconcile.as_ref().and_then(|r| r.cluster.as_deref());
+                (rule, named, "reconcile.cluster", LOOKUP_FAILS)
+            }
+        };
+        let at = self.config.rule_field(&rule.name);
+        if named == Some(cluster) {
+            (format!("{at}.{field}"), fails)
+        } else {
+            (format!("{at} (its route's cluster, xds.cluster_name)"), fails)
         }
     }
 
@@ -844,6 +919,28 @@ impl<H: Host> PluginState<H> {
         mixed.max(1)
     }
 }
+
+/// The host status of a call Envoy refused for its arguments (proxy-wasm's `BadArgument`).
+const BAD_ARGUMENT: u32 = 2;
+
+/// (field, cluster) pairs one worker says once each; past it, unknown clusters are only counted
+/// (the configuration names a bounded set, but a route's cluster is whatever Envoy's routes say).
+const MAX_UNKNOWN_CLUSTERS_LOGGED: usize = 64;
+
+/// What a call is for, when Envoy refuses it (`PluginState::callout_refused`).
+#[derive(Clone, Copy)]
+pub enum CalloutOf<'r> {
+    Store,
+    Detached(&'r Rule),
+    Lookup(&'r Rule),
+}
+
+const STORE_FAILS: &str =
+    "every protected request whose record lives there gets 503 store-unavailable (forwarded unprotected \
+     with on_error: fail_open)";
+const DETACHED_FAILS: &str = "every new key on this rule gets 503 detached-capacity and is not executed";
+const LOOKUP_FAILS: &str = "no lookup of this rule can be made, so its unknown outcomes stay unsettled \
+                            (503 outcome-unknown)";
 
 /// Data key of the once-per-Envoy warning that a rule's requests went upstream more than once;
 /// one per configured rule name, created at configure time.

@@ -65,8 +65,17 @@ fn percent_decode(text: &str) -> String {
 /// Reads the callout's answer. A missing `:status` (Envoy's report of a reset or an answer over
 /// its buffer limit) or an unreadable one is handed on as a failed callout, never guessed at.
 /// Envoy's synthesized 504 (no answer within the call's timeout) is `TimedOut`: whether the
-/// store acted is unknown.
-pub fn read_answer<H: Host>(host: &H, body_size: usize, protocol: Protocol) -> Result<Answer, StoreError> {
+/// store acted is unknown. Any other answer Envoy made itself (a 503 for a refused connection,
+/// in gRPC form `grpc-status: 14`) lacks the router's `service_time` header (the
+/// configuration's `<envoy_header_prefix>-upstream-service-time`), which every
+/// answer from the store carries: it is marked `from_envoy`, so that its message says that
+/// Envoy could not reach the store, not that the store answered.
+pub fn read_answer<H: Host>(
+    host: &H,
+    body_size: usize,
+    protocol: Protocol,
+    service_time: &str,
+) -> Result<Answer, StoreError> {
     let status = header(host, MAP_HTTP_CALL_RESPONSE_HEADERS, ":status").and_then(|s| s.parse::<u16>().ok());
     if status == Some(TIMEOUT_STATUS) {
         return Err(StoreError::TimedOut);
@@ -89,7 +98,13 @@ pub fn read_answer<H: Host>(host: &H, body_size: usize, protocol: Protocol) -> R
             }
         }
     };
-    Ok(Answer { status, body, grpc })
+    let mut answer = Answer { status, body, grpc, from_envoy: false };
+    // Only for an answer that failed (one more host call): whose it is, for what its message says.
+    if status.is_some() && !answer.succeeded() {
+        answer.from_envoy =
+            matches!(host.header_value(MAP_HTTP_CALL_RESPONSE_HEADERS, service_time), Ok(None));
+    }
+    Ok(answer)
 }
 
 /// Makes the call on the store's cluster; the token identifies its answer. Envoy refuses

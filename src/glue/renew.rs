@@ -31,7 +31,7 @@ pub(super) fn converse_renewal<H: Host>(
     answer: Option<Answer>,
 ) {
     match call.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match call_store(plugin, 0, &request) {
+        Next::Call(request) => match call_store(plugin, &request) {
             Ok(token) => {
                 plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Renew(call));
             }

@@ -250,7 +250,8 @@ impl<H: Host> Root<H> {
             call => call,
         };
         let Some(settings) = plugin.store.remote() else { return };
-        let answer = remote::read_answer(&plugin.host, body_size, settings.protocol);
+        let service_time = &plugin.config.envoy_headers.upstream_service_time;
+        let answer = remote::read_answer(&plugin.host, body_size, settings.protocol, service_time);
         let shard = {
             let mut calls = plugin.calls.borrow_mut();
             let at = calls.shard_of.iter().position(|(t, _)| *t == token);

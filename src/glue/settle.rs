@@ -4,7 +4,7 @@
 //! goes out once a settlement is written. Calls nothing above it (`carry.rs`, `root.rs`).
 
 use super::calls::{HeldFlow, RootCall, RootSettlement};
-use super::plugin::PluginState;
+use super::plugin::{CalloutOf, PluginState};
 use super::remote;
 use super::{Host, HostError};
 use crate::config::etcd::OnStoreError;
@@ -78,11 +78,7 @@ fn settled_at_once<H: Host>(
 
 /// Makes a store conversation's call. Envoy's refusal (an unknown cluster, a full queue) is the
 /// store's failure, and nothing was sent.
-pub(super) fn call_store<H: Host>(
-    plugin: &PluginState<H>,
-    context_id: u32,
-    request: &Request,
-) -> Result<u32, StoreError> {
+pub(super) fn call_store<H: Host>(plugin: &PluginState<H>, request: &Request) -> Result<u32, StoreError> {
     let Some(settings) = plugin.store.remote_for(request.shard) else {
         return Err(StoreError::Unavailable(format!(
             "a call to shard {}, which the store lacks",
@@ -97,9 +93,9 @@ pub(super) fn call_store<H: Host>(
             Ok(token)
         }
         Err(HostError(s)) => {
-            log::warn!("#{context_id} callout to cluster {} refused (host status {s})", settings.cluster);
             plugin.count_call_failed(request.shard);
-            Err(StoreError::Unavailable(format!("callout refused (host status {s})")))
+            let why = plugin.callout_refused(CalloutOf::Store, &settings.cluster, s);
+            Err(StoreError::Unavailable(why))
         }
     }
 }
@@ -139,7 +135,7 @@ pub(super) fn converse<H: Host>(
     answer: Option<Answer>,
 ) {
     match call.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match call_store(plugin, call.settlement.context_id, &request) {
+        Next::Call(request) => match call_store(plugin, &request) {
             Ok(token) => {
                 plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Settle(call));
             }

@@ -151,6 +151,44 @@ pub enum DecodeError {
     NonCanonical,
 }
 
+/// The newest format version this build writes for any value: a higher one was written by a
+/// newer build.
+const NEWEST_FORMAT: u8 = FORMAT_V4;
+
+/// What a value this build cannot read is, as the store's error and the operator's log say it:
+/// a newer build's value is said to be one (a rollback leaves them), not damage.
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const NEWER_OR_DAMAGED: &str = "written by a newer build of the filter, or damaged";
+        match self {
+            DecodeError::UnknownVersion(v) if *v > NEWEST_FORMAT => write!(
+                f,
+                "format version {v}, written by a newer build of the filter (this one reads versions up to \
+                 {NEWEST_FORMAT}); left as it is"
+            ),
+            DecodeError::UnknownVersion(v) => {
+                write!(f, "format version {v}, which this kind of value does not have: {NEWER_OR_DAMAGED}")
+            }
+            DecodeError::BadState(state) => {
+                write!(f, "record state {state}, unknown to this build: {NEWER_OR_DAMAGED}")
+            }
+            DecodeError::BadFlags(flags) => {
+                write!(f, "record flags {flags:#04x}, some unknown to this build: {NEWER_OR_DAMAGED}")
+            }
+            DecodeError::Truncated => write!(f, "shorter than its format says: damaged"),
+            DecodeError::TrailingBytes => write!(f, "longer than its format says: damaged"),
+            DecodeError::BadPosition(p) => write!(f, "an entry at slot {p}, outside its bucket: damaged"),
+            DecodeError::DuplicatePosition(p) => write!(f, "two entries at slot {p}: damaged"),
+            DecodeError::Duplicate => write!(f, "the same record twice: damaged"),
+            DecodeError::NonCanonical => write!(
+                f,
+                "a form no build writes (say, a completed record with status 0 \
+                                                   that is not an unknown outcome): damaged"
+            ),
+        }
+    }
+}
+
 fn read_entry(r: &mut Reader) -> Result<Entry, DecodeError> {
     let position = r.u8()?;
     let state_code = r.u8()?;
@@ -707,6 +745,48 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What each value this build cannot read is said to be: a newer build's version is one, not
+    /// damage; the rest say what is wrong with the bytes.
+    #[test]
+    fn a_value_this_build_cannot_read_says_what_it_is() {
+        let said = |e: Result<SlotValue, DecodeError>| e.err().map(|e| e.to_string()).unwrap_or_default();
+        let snapshot = Some(Snapshot { status: 201, headers: vec![], body: vec![] });
+        let mut newer = encode_slot(&SlotValue { entry: entry(0, 1), snapshot, label: None });
+        newer[0] = 5;
+        assert_eq!(
+            said(decode_record(&newer)),
+            "format version 5, written by a newer build of the filter (this one reads versions up to 4); left as it is"
+        );
+        assert_eq!(
+            decode_bucket(&[3, 1], 8).err().map(|e| e.to_string()).unwrap_or_default(),
+            "format version 3, which this kind of value does not have: written by a newer build of the filter, or \
+             damaged"
+        );
+        let mut flagged = encode_bucket(&[entry(0, 1)]);
+        flagged[4] |= 0x08;
+        assert_eq!(
+            decode_bucket(&flagged, 8).err().map(|e| e.to_string()).unwrap_or_default(),
+            "record flags 0x0c, some unknown to this build: written by a newer build of the filter, or damaged"
+        );
+        let mut stated = encode_bucket(&[entry(0, 1)]);
+        stated[3] = 9;
+        assert_eq!(
+            decode_bucket(&stated, 8).err().map(|e| e.to_string()).unwrap_or_default(),
+            "record state 9, unknown to this build: written by a newer build of the filter, or damaged"
+        );
+        let whole = encode_bucket(&[entry(0, 1)]);
+        let cut = whole.get(..whole.len() - 1).unwrap_or_default();
+        assert_eq!(
+            decode_bucket(cut, 8).err().map(|e| e.to_string()).unwrap_or_default(),
+            "shorter than its format says: damaged"
+        );
+        let longer = [whole.as_slice(), &[0]].concat();
+        assert_eq!(
+            decode_bucket(&longer, 8).err().map(|e| e.to_string()).unwrap_or_default(),
+            "longer than its format says: damaged"
+        );
+    }
 
     fn entry(position: u8, owner: u64) -> Entry {
         Entry {

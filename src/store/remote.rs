@@ -29,6 +29,10 @@ pub struct Answer {
     pub body: Vec<u8>,
     /// A gRPC call's `grpc-status` and `grpc-message` (None for JSON, or when absent).
     pub grpc: Option<GrpcStatus>,
+    /// Envoy made this answer itself: the store's own never reached it (no connection, a reset
+    /// before its headers, no healthy host). Only told for an answer that did not succeed
+    /// (`glue::remote::read_answer`).
+    pub from_envoy: bool,
 }
 
 impl Answer {

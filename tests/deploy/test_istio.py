@@ -375,7 +375,9 @@ def test_on_istios_stats_config_the_override_gives_the_labels(envoy_bin, filter_
                     families = set(re.findall(r"^# TYPE (idempotency_\w+) counter$", text, re.M))
                     assert families == {"idempotency_requests_total", "idempotency_unmatched_requests_total",
                                         "idempotency_records_swept_total",
-                                        "idempotency_store_watch_ended_total"}, families
+                                        "idempotency_claims_renewed_total", "idempotency_claims_lost_total",
+                                        "idempotency_store_watch_ended_total",
+                                        "idempotency_unknown_cluster_calls_total"}, families
                 for line in lines:
                     assert not line.startswith("idempotency_") or re.match(r"[a-z0-9_]+(\{[^}]*\})? \d+$", line), line
             finally:

@@ -835,7 +835,7 @@ impl Fleet {
                 let Msg::ToEnvoy { envoy: e, call, status, body } = state.network.remove(i) else {
                     return (state, log);
                 };
-                let answer = Answer { status: Some(status), body, grpc: None };
+                let answer = Answer { status: Some(status), body, grpc: None, from_envoy: false };
                 log = format!("{} (clock {} ms) reads etcd's answer", name(e), self.clock(&state, e));
                 self.deliver(&mut state, e, call, answer, &mut log);
             }
@@ -1096,7 +1096,12 @@ fn run(worker: &EtcdStore, etcd: &mut Etcd, op: StoreOp, now_ms: u64) -> StoreAn
         match conversation.step(worker, answer.take(), now_ms) {
             Next::Call(Request { path, body, .. }) => {
                 let reply = etcd.handle(path, &body);
-                answer = Some(Answer { status: Some(reply.status), body: reply.body, grpc: None });
+                answer = Some(Answer {
+                    status: Some(reply.status),
+                    body: reply.body,
+                    grpc: None,
+                    from_envoy: false,
+                });
             }
             Next::Done(done) => return done,
             Next::Wait => return StoreAnswer::Begun(Err(StoreError::Unavailable("a wait".into()))),

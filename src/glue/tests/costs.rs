@@ -190,9 +190,9 @@ fn outcomes_are_counted_per_route_rule_for_one_increment_each() {
     let h = host();
     let root = root(&h);
     // Defined at configure time, none on the request path: the outcomes per rule (orders,
-    // waits), the unmatched requests, the sweep's, the renewals' (claims renewed and lost) and
-    // the watch stream's counters.
-    let defined = crate::metrics::Counter::ALL.len() * 2 + 5;
+    // waits), the unmatched requests, the sweep's, the renewals' (claims renewed and lost), the
+    // watch stream's and the unknown clusters' counters.
+    let defined = crate::metrics::Counter::ALL.len() * 2 + 6;
     assert_eq!(h.metrics_defined(), defined);
     executed(&h, &root, 2, "k", b"{}");
     assert_eq!((h.route_counter("orders", "claimed"), h.route_counter("orders", "stored")), (1, 1));

@@ -9,6 +9,7 @@ mod costs;
 mod detached;
 mod detached_model;
 mod etcd_auth;
+mod etcd_messages;
 mod local;
 mod reconcile;
 mod remote;
@@ -16,6 +17,7 @@ mod remote_grpc;
 mod remote_wait;
 mod renewal;
 mod shards;
+mod unknown_cluster;
 mod wait;
 
 use super::fake_host::{FakeHost, HostCall};

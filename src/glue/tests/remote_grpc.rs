@@ -65,7 +65,7 @@ fn answer(
     *h.0.call_response_headers.borrow_mut() = pairs(headers);
     *h.0.call_response_trailers.borrow_mut() = pairs(trailers);
     *h.0.call_response_body.borrow_mut() = b"\0\0\0\0\0".to_vec();
-    read_answer(&h, 5, protocol)
+    read_answer(&h, 5, protocol, "x-envoy-upstream-service-time")
 }
 
 fn grpc(code: u32, message: &str) -> Option<GrpcStatus> {
@@ -75,15 +75,20 @@ fn grpc(code: u32, message: &str) -> Option<GrpcStatus> {
 #[test]
 fn a_grpc_status_is_read_from_the_trailers_or_a_trailers_only_answer() {
     let ok = answer(&[(":status", "200")], &[("grpc-status", "0")], Protocol::Grpc);
-    assert_eq!(ok, Ok(Answer { status: Some(200), body: vec![0; 5], grpc: grpc(0, "") }));
+    assert_eq!(ok, Ok(Answer { status: Some(200), body: vec![0; 5], grpc: grpc(0, ""), from_envoy: false }));
     // etcd's errors come trailers-only; grpc-message is percent-encoded.
     let refused = answer(
-        &[(":status", "200"), ("grpc-status", "16"), ("grpc-message", "etcdserver: invalid auth token%21")],
+        &[
+            (":status", "200"),
+            ("x-envoy-upstream-service-time", "1"),
+            ("grpc-status", "16"),
+            ("grpc-message", "etcdserver: invalid auth token%21"),
+        ],
         &[],
         Protocol::Grpc,
     );
     let Ok(refused) = refused else { unreachable!("an answer") };
-    assert_eq!(refused.grpc, grpc(16, "etcdserver: invalid auth token!"));
+    assert_eq!((refused.grpc, refused.from_envoy), (grpc(16, "etcdserver: invalid auth token!"), false));
     // The stream ended without a status: nothing to read it from.
     let Ok(cut) = answer(&[(":status", "200")], &[], Protocol::Grpc) else { unreachable!() };
     assert_eq!(cut.grpc, None);
@@ -110,5 +115,8 @@ fn envoys_timeout_is_a_timeout_in_either_form() {
         &[],
         Protocol::Grpc,
     );
-    assert!(matches!(unavailable, Ok(Answer { grpc: Some(GrpcStatus { code: 14, .. }), .. })));
+    assert!(matches!(
+        unavailable,
+        Ok(Answer { grpc: Some(GrpcStatus { code: 14, .. }), from_envoy: true, .. })
+    ));
 }

@@ -140,13 +140,12 @@ impl EtcdConversation {
         answer: &Answer,
     ) -> Result<Next, StoreError> {
         self.fetching = None;
-        let token =
-            wire::body(store.protocol(), answer).and_then(|body| body.token()).map_err(
-                |refused| match refused {
-                    EtcdRefusal::Unusable(m) => StoreError::Unavailable(format!("authenticate: {m}")),
-                    other => other.into_error(),
-                },
-            );
+        let token = wire::body(store.protocol(), &store.settings.cluster, answer)
+            .and_then(|body| body.token())
+            .map_err(|refused| match refused {
+                EtcdRefusal::Unusable(m) => StoreError::Unavailable(format!("authenticate: {m}")),
+                other => other.into_error(),
+            });
         {
             let mut fetch = store.fetch.borrow_mut();
             // A later fetch (this one outlived its deadline) is not this one's to end.

@@ -143,7 +143,7 @@ fn parse_response(raw: &[u8]) -> Option<Answer> {
         l.starts_with("transfer-encoding:") && l.contains("chunked")
     });
     let body = if chunked { dechunk(rest)? } else { rest.to_vec() };
-    Some(Answer { status: Some(status), body, grpc: None })
+    Some(Answer { status: Some(status), body, grpc: None, from_envoy: false })
 }
 
 fn dechunk(mut rest: &[u8]) -> Option<Vec<u8>> {
@@ -258,12 +258,12 @@ mod tests {
         let plain = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}";
         assert_eq!(
             parse_response(plain),
-            Some(Answer { status: Some(200), body: b"{}".to_vec(), grpc: None })
+            Some(Answer { status: Some(200), body: b"{}".to_vec(), grpc: None, from_envoy: false })
         );
         let chunked = b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n4\r\n\":1}\r\n0\r\n\r\n";
         assert_eq!(
             parse_response(chunked),
-            Some(Answer { status: Some(404), body: b"{\"a\":1}".to_vec(), grpc: None })
+            Some(Answer { status: Some(404), body: b"{\"a\":1}".to_vec(), grpc: None, from_envoy: false })
         );
         assert_eq!(parse_response(b"garbage"), None);
     }

@@ -241,7 +241,7 @@ impl EtcdConversation {
                 if let Some(number) = self.fetching {
                     return self.authenticated(store, number, &answer);
                 }
-                match wire::body(store.protocol(), &answer) {
+                match wire::body(store.protocol(), &store.settings.cluster, &answer) {
                     Err(EtcdRefusal::InvalidToken(_))
                         if store.settings.auth.is_some() && !self.reauthenticated =>
                     {

@@ -131,7 +131,7 @@ fn unusable(why: &str) -> StoreError {
 fn decode(bytes: &[u8]) -> Result<SlotValue, StoreError> {
     // Bytes this build cannot read are reported, never overwritten: a newer build's record is
     // still somebody's guarantee.
-    record::decode_record(bytes).map_err(|e| StoreError::Corrupt(format!("etcd record: {e:?}")))
+    record::decode_record(bytes).map_err(|e| StoreError::Corrupt(format!("etcd record: {e}")))
 }
 
 #[cfg(test)]

@@ -63,7 +63,7 @@ impl<S: SharedData> LocalStore<S> {
             return Err(StoreError::Unavailable(format!("{data_key} was never created")));
         }
         let Some(bytes) = read.value.as_deref() else { return Ok((None, read)) };
-        let slot = decode(bytes).map_err(|e| StoreError::Corrupt(format!("{data_key}: {e:?}")))?;
+        let slot = decode(bytes).map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
         Ok((Some(slot), read))
     }
 

@@ -201,7 +201,7 @@ impl<S: SharedData> LocalStore<S> {
             return Err(StoreError::Unavailable(format!("{data_key} was never created")));
         }
         let entries = record::decode_bucket(read.bytes(), ENTRIES_PER_BUCKET)
-            .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e:?}")))?;
+            .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
         Ok((entries, read))
     }
 
@@ -236,7 +236,7 @@ impl<S: SharedData> LocalStore<S> {
         for _ in 0..CAS_ATTEMPTS {
             let read = self.data.get(LAYOUTS_KEY).map_err(host)?;
             let mut layouts = record::decode_layouts(read.bytes())
-                .map_err(|e| StoreError::Corrupt(format!("{LAYOUTS_KEY}: {e:?}")))?;
+                .map_err(|e| StoreError::Corrupt(format!("{LAYOUTS_KEY}: {e}")))?;
             match layouts.iter_mut().find(|l| l.buckets == self.layout_id()) {
                 Some(l) if l.beat_ms >= now_ms && l.cursor == 0 => return Ok(layouts),
                 Some(l) => {

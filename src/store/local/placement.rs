@@ -365,7 +365,7 @@ impl<S: SharedData> LocalStore<S> {
         for _ in 0..CAS_ATTEMPTS {
             let read = self.data.get(&data_key).map_err(host)?;
             let count = record::decode_fill(read.bytes())
-                .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e:?}")))?;
+                .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
             if count >= bound {
                 return Ok(false);
             }

@@ -132,7 +132,7 @@ impl<S: SharedData> LocalStore<S> {
         for _ in 0..CAS_ATTEMPTS {
             let read = self.data.get(&data_key).map_err(host)?;
             let mut counters = record::decode_counters(read.bytes())
-                .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e:?}")))?;
+                .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
             // Counters that read as 0 give their room to other identities.
             counters.retain(|c| c.tag == tag || (c.count > 0 && now < c.until_ms));
             let found = counters.iter().position(|c| c.tag == tag);
@@ -227,7 +227,7 @@ impl<S: SharedData> LocalStore<S> {
         for _ in 0..CAS_ATTEMPTS {
             let read = self.data.get(&data_key).map_err(host)?;
             let mut counters = record::decode_counters(read.bytes())
-                .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e:?}")))?;
+                .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
             let Some(i) =
                 counters.iter().position(|c| c.tag == tag && c.since_ms <= charged_at_ms && c.count > 0)
             else {

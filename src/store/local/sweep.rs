@@ -61,8 +61,8 @@ impl<S: SharedData> LocalStore<S> {
     fn recount(&self, shard: u32) -> Result<(), StoreError> {
         let data_key = self.fill_key(shard);
         let read = self.data.get(&data_key).map_err(host)?;
-        let counted = record::decode_fill(read.bytes())
-            .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e:?}")))?;
+        let counted =
+            record::decode_fill(read.bytes()).map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
         let mut held: u32 = 0;
         for bucket in self.shard_buckets(shard) {
             let (entries, _) = self.read_bucket(bucket)?;
@@ -182,7 +182,7 @@ impl<S: SharedData> LocalStore<S> {
         // and a namespace that beat again in the meantime is left alone.
         let read = self.data.get(LAYOUTS_KEY).map_err(host)?;
         let mut layouts = record::decode_layouts(read.bytes())
-            .map_err(|e| StoreError::Corrupt(format!("{LAYOUTS_KEY}: {e:?}")))?;
+            .map_err(|e| StoreError::Corrupt(format!("{LAYOUTS_KEY}: {e}")))?;
         let Some(i) = layouts.iter().position(|l| *l == old) else { return Ok(()) };
         if finished {
             layouts.remove(i);

@@ -288,6 +288,24 @@ fn cas_conflicts_are_retried_then_reported() {
     assert_eq!(w.begin(&attempt(2, 1, 2, 0)), Err(StoreError::Contention));
 }
 
+/// A bucket a newer build wrote (a rollback) is said to be one, with the data key, and left alone.
+#[test]
+fn a_newer_builds_bucket_is_said_to_be_one() {
+    let b = Local::with_capacity(8);
+    let store = open(&b.data, 8, 3);
+    let data_key = store.bucket_key(0);
+    b.data.poke(&data_key, b"\x05\x01newer");
+    let Err(StoreError::Corrupt(said)) = store.begin(&attempt(1, 1, 1, 0)) else { panic!("refused") };
+    assert_eq!(
+        said,
+        format!(
+            "{data_key}: format version 5, written by a newer build of the filter (this one reads versions up \
+             to 4); left as it is"
+        )
+    );
+    assert_eq!(b.data.get(&data_key).unwrap().bytes(), b"\x05\x01newer");
+}
+
 #[test]
 fn unreadable_bucket_is_reported_and_left_alone() {
     let b = Local::with_capacity(8);

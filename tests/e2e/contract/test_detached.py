@@ -227,6 +227,23 @@ def test_a_call_envoy_refuses_gets_503_detached_capacity_and_its_claim_back(envo
     envoy.wait_counter("released", released + 2, timeout=5)
 
 
+def test_a_cluster_envoy_does_not_know_is_said_once_per_worker_naming_its_field_and_counted(envoy, upstream):
+    """C21: the refusal of a cluster Envoy does not know is counted every time
+    (`unknown_cluster_calls_total`) and said in one critical line per worker, naming the rule's
+    field and the cluster, never once per request."""
+    before = envoy.counter(harness.UNKNOWN_CLUSTER_STAT)
+    for _ in range(6):
+        assert_problem(envoy.post("/nocluster/pay", BODY, key_headers(new_key())), 503, "detached-capacity")
+    harness.wait_until(lambda: envoy.counter(harness.UNKNOWN_CLUSTER_STAT) == before + 6, 5,
+                       what="every refusal counted")
+    lines = [line for line in envoy.log_text().splitlines()
+             if "[critical]" in line and "Envoy does not know the cluster" in line]
+    assert 1 <= len(lines) <= ENVOY_OPTIONS["concurrency"], lines
+    for line in lines:
+        assert 'routes[4].cluster: Envoy does not know the cluster "no-such-cluster"' in line, line
+        assert "every new key on this rule gets 503 detached-capacity" in line, line
+
+
 def test_a_host_whose_connects_time_out_is_never_sent_to_and_the_claim_released(envoy, upstream):
     """Issue 30: Envoy's pool gave up connecting (`reset reason: connection timeout`): nothing
     was sent, so the claim is released, not burnt as an unknown outcome. Once the host is back

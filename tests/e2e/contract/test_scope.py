@@ -2,7 +2,9 @@
 replays (C9); the same key in another scope is another record, forwarded as a first request (C8).
 
 The host: `Host: a.example` and `Host: b.example` are two records; the host is compared
-lower-cased and without the scheme's default port (`A.Example:80` is `a.example` on plain HTTP).
+lower-cased and without the scheme's default port (`A.Example:80` is `a.example` on plain HTTP),
+without the trailing dot of an absolute name (`a.example.`) and with its port's digits read as
+a number (`a.example:0080` is `a.example` on plain HTTP, `:010000` is `:10000`).
 One `x-tenant-id: a,b` header and two headers `a` + `b` are two different tenants. (Envoy's
 virtual host here has `domains: ["*"]`, so any host routes.)"""
 
@@ -140,6 +142,26 @@ def test_host_is_lower_cased_and_the_default_port_dropped(envoy, upstream):
     other = _raw(envoy, key, "B.Example:80")
     assert _fresh(other), other
     assert upstream.executions(key) == 2
+
+
+def test_the_absolute_name_and_a_port_with_leading_zeros_are_the_same_host(envoy, upstream):
+    key = new_key()
+    a = _raw(envoy, key, "a.example")
+    assert _fresh(a), a
+    # Envoy serves plain HTTP here: port 80, spelled any way, is the scheme's default port.
+    for spelled in ("a.example.", "A.Example.", "a.example:0080", "a.example.:080", "a.example:"):
+        again = _raw(envoy, key, spelled)
+        assert again.replayed and again.header("x-execution") == a.header("x-execution"), (spelled, again)
+    # The listener's own port is no default: it stays part of the host, however it is spelled.
+    port = _raw(envoy, key, "a.example:%d" % envoy.port)
+    assert _fresh(port), port
+    for spelled in ("a.example:0%d" % envoy.port, "a.example.:%d" % envoy.port):
+        again = _raw(envoy, key, spelled)
+        assert again.replayed and again.header("x-execution") == port.header("x-execution"), (spelled, again)
+    # Still compared: another name, or another port, is another record.
+    assert _fresh(_raw(envoy, key, "a.example.com."))
+    assert _fresh(_raw(envoy, key, "a.example:8080"))
+    assert upstream.executions(key) == 4
 
 
 def test_one_tenant_header_with_a_comma_is_not_two_headers(envoy, upstream):

@@ -3,7 +3,8 @@ nothing; fail_open forwards unprotected; both counted, and both recover when etc
 without restarting Envoy), and slower than the store's `timeout` (503, and the claim the late
 write may have left behind is given back once etcd answers in time). The stopped and slow
 cases run with both store protocols (JSON gateway, gRPC): how a failure reaches the filter
-differs (an HTTP status, or a gRPC status in a trailers-only answer)."""
+differs (an HTTP status, or a gRPC status in a trailers-only answer), and the log says Envoy
+could not reach etcd either way."""
 
 from __future__ import annotations
 
@@ -72,6 +73,14 @@ def test_etcd_stopped_fail_closed_refuses_fail_open_forwards_and_both_recover(bo
         assert retry_after_seconds(resp) >= 1
         assert upstream.executions(key) == 0, "fail_closed forwards nothing"
         closed.wait_counter("store_error", errors + 1)
+        # The log says what happened: Envoy answered for an etcd it could not reach, with its
+        # status and its own words (a 503, over gRPC a trailers-only grpc-status 14); never
+        # that etcd answered.
+        said = [line for line in closed.log_text().splitlines() if "idempotency store error for" in line]
+        assert said, "the store error is logged"
+        assert all('Envoy could not reach etcd on cluster "etcd": the answer is Envoy\'s own, ' in line
+                   for line in said), said
+        assert not any("etcd answered" in line for line in said), said
 
         key = new_key()
         resp = opened.post("/orders", BODY, key_headers(key))

@@ -8,7 +8,8 @@ import re
 import tomllib
 
 import harness
-from harness import REPO_ROOT, ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNMATCHED_STAT, WATCH_ENDED_STAT, new_key
+from harness import (REPO_ROOT, ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNKNOWN_CLUSTER_STAT, UNMATCHED_STAT,
+                     WATCH_ENDED_STAT, new_key)
 
 with open(REPO_ROOT / "Cargo.toml", "rb") as _f:
     VERSION = tomllib.load(_f)["package"]["version"]
@@ -24,7 +25,7 @@ FILTER_CONFIG = {
 def test_all_counters_exist_from_the_start(envoy):
     counters = set(envoy.filter_counters())
     expected = {(ROUTE_STAT % ("orders", o))[len(STAT_PREFIX):] for o in harness.OUTCOMES}
-    expected |= {s[len(STAT_PREFIX):] for s in (UNMATCHED_STAT, SWEPT_STAT, WATCH_ENDED_STAT)}
+    expected |= {s[len(STAT_PREFIX):] for s in (UNMATCHED_STAT, SWEPT_STAT, WATCH_ENDED_STAT, UNKNOWN_CLUSTER_STAT)}
     assert expected <= counters, sorted(expected - counters)
     # One family per meaning: no all-routes counter that repeats the rules' outcomes.
     per_rule = re.compile(r"route\.orders\.requests_total\.[a-z_]+")
@@ -58,6 +59,9 @@ def test_counters_count_and_prometheus_names(envoy, upstream):
     assert re.search(r"^idempotency_unmatched_requests_total(?:\{\})? %d$" % (unmatched + 1), text, re.M)
     assert re.search(r"^idempotency_records_swept_total(?:\{\})? 0$", text, re.M)
     assert re.search(r"^idempotency_store_watch_ended_total(?:\{\})? 0$", text, re.M)
+    assert re.search(r"^idempotency_unknown_cluster_calls_total(?:\{\})? 0$", text, re.M)
+    assert re.search(r"^idempotency_claims_renewed_total(?:\{\})? 0$", text, re.M)
+    assert re.search(r"^idempotency_claims_lost_total(?:\{\})? 0$", text, re.M)
     # The version in the name, its dots made underscores, as a gauge.
     gauge = "idempotency_build_info_version_" + VERSION.replace(".", "_")
     assert re.search(r"^# TYPE %s gauge$" % gauge, text, re.M)

@@ -60,6 +60,7 @@ def test_first_call_replay_and_mismatch_are_separate_series_with_route_and_outco
                                 ("idempotency_records_swept_total", "counter"),
                                 ("idempotency_requests_total", "counter"),
                                 ("idempotency_store_watch_ended_total", "counter"),
+                                ("idempotency_unknown_cluster_calls_total", "counter"),
                                 ("idempotency_unmatched_requests_total", "counter")], families
     after = labelled(text)
     for outcome in ("claimed", "replayed", "mismatch"):

@@ -147,7 +147,8 @@ fn look_through_empty_shards(store: &EtcdShards, op: StoreOp) -> (Vec<u8>, Store
         match conversation.step(answer.take(), 1_000) {
             Next::Call(request) => {
                 asked.push(request.shard);
-                answer = Some(Answer { status: Some(200), body: empty.to_vec(), grpc: None });
+                answer =
+                    Some(Answer { status: Some(200), body: empty.to_vec(), grpc: None, from_envoy: false });
             }
             Next::Done(done) => return (asked, done),
             Next::Wait => panic!("nothing to wait for"),

@@ -170,7 +170,7 @@ fn started(
 }
 
 fn answer(canned: Canned) -> Option<Answer> {
-    Some(Answer { status: canned.0, body: canned.1, grpc: None })
+    Some(Answer { status: canned.0, body: canned.1, grpc: None, from_envoy: false })
 }
 
 fn is_fetch(step: &Next) -> bool {

@@ -77,13 +77,36 @@ fn a_value_that_is_not_a_v2_record_is_corrupt_and_never_overwritten() {
     }
 }
 
+/// A record a newer build wrote (a rollback on a shared etcd) is said to be one.
+#[test]
+fn a_newer_builds_record_is_said_to_be_one() {
+    let key = record_key();
+    let mut newer = value(processing(9, 0), None);
+    newer[0] = 5;
+    let (answer, _) = run(
+        &warm_store(20_000),
+        StoreOp::Begin(attempt(20_000)),
+        20_000,
+        vec![ok(read_answer(5, Some((&key, &newer, 4)), &[]))],
+    );
+    let Err(StoreError::Corrupt(said)) = begun(answer) else { panic!("refused") };
+    assert_eq!(
+        said,
+        "etcd record: format version 5, written by a newer build of the filter (this one reads versions up to \
+         4); left as it is"
+    );
+}
+
 #[test]
 fn a_driver_out_of_step_gets_an_error_not_a_panic() {
     let store = store();
     // An answer before any call.
     let mut conversation = store.start(StoreOp::Begin(attempt(0)));
-    let early =
-        conversation.step(&store, Some(Answer { status: Some(200), body: b"{}".to_vec(), grpc: None }), 0);
+    let early = conversation.step(
+        &store,
+        Some(Answer { status: Some(200), body: b"{}".to_vec(), grpc: None, from_envoy: false }),
+        0,
+    );
     assert!(matches!(early, Next::Done(StoreAnswer::Begun(Err(StoreError::Unavailable(_))))));
     // No answer to a call that was made.
     let claim = Claim { scope: scope(1), owner: 11, locator: 4, written: None, shard: 0, old_home: None };

@@ -187,7 +187,7 @@ fn run(store: &EtcdStore, op: StoreOp, now_ms: u64, answers: Vec<Canned>) -> (St
             Next::Call(Request { path, body, token, .. }) => {
                 made.push(Made { path, body: String::from_utf8(body).unwrap(), token });
                 let (status, body) = answers.next().unwrap_or_else(|| panic!("no answer left for {made:?}"));
-                answer = Some(Answer { status, body, grpc: None });
+                answer = Some(Answer { status, body, grpc: None, from_envoy: false });
             }
         }
     }

@@ -19,7 +19,7 @@ fn conversation_after(
             Next::Done(done) => return (conversation, done),
             Next::Call(_) => {
                 let (status, body) = answers.next().expect("an answer for every call");
-                answer = Some(Answer { status, body, grpc: None });
+                answer = Some(Answer { status, body, grpc: None, from_envoy: false });
             }
             Next::Wait => panic!("no token fetch here"),
         }

@@ -312,14 +312,12 @@ fn as_bytes<'a>(v: &Value<'a>, what: &str) -> Result<&'a [u8], EtcdRefusal> {
 
 /// The answer's message, once its gRPC status says etcd did what was asked.
 pub(super) fn body(answer: &Answer) -> Result<&[u8], EtcdRefusal> {
-    let Some(status) = answer.status else {
-        return Err(EtcdRefusal::Unusable("the callout to etcd failed (no status)".into()));
-    };
+    let Some(status) = answer.status else { return Err(super::no_answer()) };
     match &answer.grpc {
         Some(g) if g.code != 0 => return Err(refusal(Some(i64::from(g.code)), g.message.clone(), status)),
         _ if status != 200 => {
-            // Envoy's own answers (503 on reset, no healthy host) and proxies' error pages.
-            return Err(EtcdRefusal::Unusable(format!("etcd answered {status}")));
+            // Envoy's own answers were told apart before (`Answer::from_envoy`): a proxy's page.
+            return Err(EtcdRefusal::Unusable(format!("etcd answered {status}, without a grpc-status")));
         }
         // No grpc-status: the stream ended before etcd finished it.
         None => return Err(EtcdRefusal::Unusable("etcd's answer has no grpc-status".into())),

@@ -22,6 +22,7 @@ fn ok(message: &[u8]) -> Answer {
         status: Some(200),
         body: frame(message),
         grpc: Some(GrpcStatus { code: 0, message: String::new() }),
+        from_envoy: false,
     }
 }
 
@@ -174,6 +175,7 @@ fn etcd_errors_and_envoy_failures_are_refusals() {
         status: Some(200),
         body: vec![],
         grpc: Some(GrpcStatus { code, message: message.into() }),
+        from_envoy: false,
     };
     assert!(matches!(body(&grpc(16, "etcdserver: invalid auth token")), Err(EtcdRefusal::InvalidToken(_))));
     assert!(matches!(
@@ -185,7 +187,8 @@ fn etcd_errors_and_envoy_failures_are_refusals() {
         matches!(body(&grpc(14, "no healthy upstream")), Err(EtcdRefusal::Unusable(m)) if m.contains("no healthy upstream"))
     );
     assert!(matches!(body(&Answer::default()), Err(EtcdRefusal::Unusable(_))), "no status");
-    let reset = Answer { status: Some(503), body: b"upstream connect error".to_vec(), grpc: None };
+    let reset =
+        Answer { status: Some(503), body: b"upstream connect error".to_vec(), grpc: None, from_envoy: false };
     assert!(matches!(body(&reset), Err(EtcdRefusal::Unusable(m)) if m.contains("503")));
     let unfinished = Answer { grpc: None, ..ok(&[]) };
     assert!(matches!(body(&unfinished), Err(EtcdRefusal::Unusable(m)) if m.contains("grpc-status")));

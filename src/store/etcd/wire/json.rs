@@ -37,9 +37,7 @@ fn text<'a>(v: Option<&'a JsonValue>) -> Option<&'a str> {
 
 /// Reads an answer's body as etcd JSON, refusing failed callouts, error statuses and error bodies.
 pub(super) fn body(status: Option<u16>, bytes: &[u8]) -> Result<JsonValue<'_>, EtcdRefusal> {
-    let Some(status) = status else {
-        return Err(EtcdRefusal::Unusable("the callout to etcd failed (no status)".into()));
-    };
+    let Some(status) = status else { return Err(super::no_answer()) };
     let parsed = json::read(bytes, MAX_DEPTH, MemberOrder::Document);
     let error = parsed.as_ref().ok().and_then(|v| {
         let message = text(v.get("error")).or(text(v.get("message")))?;
@@ -49,8 +47,8 @@ pub(super) fn body(status: Option<u16>, bytes: &[u8]) -> Result<JsonValue<'_>, E
         return Err(refusal(code, message, status));
     }
     if status != 200 {
-        // Envoy's own answers (504 on timeout, 503 on reset) and proxies' error pages land here.
-        return Err(EtcdRefusal::Unusable(format!("etcd answered {status}")));
+        // Envoy's own answers were told apart before (`Answer::from_envoy`): a proxy's error page.
+        return Err(EtcdRefusal::Unusable(format!("etcd answered {status}, without an error of its own")));
     }
     parsed.map_err(|e| EtcdRefusal::Unusable(format!("etcd's answer is not JSON: {e}")))
 }

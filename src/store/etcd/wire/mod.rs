@@ -86,8 +86,43 @@ fn refusal(code: Option<i64>, message: String, status: u16) -> EtcdRefusal {
             EtcdRefusal::InvalidToken(message)
         }
         Some(CODE_NOT_FOUND) if message.contains("lease not found") => EtcdRefusal::LeaseNotFound,
-        _ => EtcdRefusal::Unusable(format!("etcd answered {status}: {message}")),
+        Some(code) => EtcdRefusal::Unusable(format!("etcd refused the call (code {code}): {message}")),
+        None => EtcdRefusal::Unusable(format!("etcd refused the call ({status}): {message}")),
     }
+}
+
+/// What an answer Envoy made itself says: Envoy could not reach etcd, its status, and the
+/// start of its own words (the body, or a gRPC answer's `grpc-message`).
+fn envoy_answered(cluster: &str, answer: &Answer) -> String {
+    let status = answer.status.unwrap_or_default();
+    let (code, words) = match &answer.grpc {
+        Some(g) if g.code != 0 => (format!(", grpc-status {}", g.code), g.message.as_bytes()),
+        _ => (String::new(), answer.body.as_slice()),
+    };
+    format!(
+        "Envoy could not reach etcd on cluster {cluster:?}: the answer is Envoy's own, {status}{code} {:?}",
+        excerpt(words)
+    )
+}
+
+/// The first bytes of someone else's words, for a log line: at most `EXCERPT_BYTES`, as text.
+fn excerpt(words: &[u8]) -> String {
+    const EXCERPT_BYTES: usize = 160;
+    let cut = words.get(..EXCERPT_BYTES).unwrap_or(words);
+    let mut text = String::from_utf8_lossy(cut).into_owned();
+    if cut.len() < words.len() {
+        text.push_str("...");
+    }
+    text
+}
+
+/// Envoy's report that a call failed without an answer (`:status` missing).
+fn no_answer() -> EtcdRefusal {
+    EtcdRefusal::Unusable(
+        "the call to etcd failed without an answer (Envoy reports a reset after etcd's headers, or an \
+         answer over its buffer limit)"
+            .into(),
+    )
 }
 
 fn malformed(what: &str) -> EtcdRefusal {
@@ -171,8 +206,12 @@ pub enum Body<'a> {
     Proto(&'a [u8]),
 }
 
-/// Reads an answer, refusing failed callouts, error statuses and etcd's errors.
-pub fn body(protocol: Protocol, answer: &Answer) -> Result<Body<'_>, EtcdRefusal> {
+/// Reads an answer from etcd on `cluster`, refusing failed callouts, Envoy's own answers, error
+/// statuses and etcd's errors.
+pub fn body<'a>(protocol: Protocol, cluster: &str, answer: &'a Answer) -> Result<Body<'a>, EtcdRefusal> {
+    if answer.from_envoy {
+        return Err(EtcdRefusal::Unusable(envoy_answered(cluster, answer)));
+    }
     match protocol {
         Protocol::Json => json::body(answer.status, &answer.body).map(Body::Json),
         Protocol::Grpc => grpc::body(answer).map(Body::Proto),

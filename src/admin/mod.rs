@@ -297,7 +297,8 @@ fn refused(r: Refusal) -> Problem {
             Kind::RecordConflict,
             409,
             format!(
-                "a claim within its lease (until {}): its request may be executing; ask again after it",
+                "its request may still be at work upstream: its claim's lease runs until {} at the earliest \
+                 (later while its Envoy still renews it); ask again after it",
                 time::rfc3339(lease_ends_at_ms)
             ),
         ),

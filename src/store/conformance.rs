@@ -223,6 +223,50 @@ pub fn a_renewal_never_outlives_the_record<B: Backend>() {
     assert!(matches!(w1.begin(&attempt(1, 1, 12, TTL)).unwrap(), Begin::Claimed(_)));
 }
 
+/// C24, C25: an operator's release waits for the request that may still be at work, by the rule a
+/// takeover follows: a claim its owner renews, and an unknown outcome recorded the moment its
+/// route timed out (a `refuse` rule) while its claim's lease still ran, are refused as live until
+/// that lease ends (on etcd, until its lease key does); then they are released.
+pub fn an_operator_waits_for_a_request_that_may_still_be_at_work<B: Backend>() {
+    let b = B::with_capacity(64);
+    let (w, admin) = (through_ops(&b, 0), through_ops(&b, 1));
+    let look = |n: u64, now_ms: u64| {
+        let q = RecordQuery {
+            id: Some(crate::store::RecordId::Scope(scope(n))),
+            state: crate::store::StateFilter::All,
+            route: None,
+            key: None,
+            limit: 10,
+            cursor: None,
+            detail: false,
+            now_ms,
+        };
+        admin.records(&q).unwrap().views.remove(0)
+    };
+    let release = Amendment::Release { force: false };
+    let unknown = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
+    assert_eq!(w.complete(&unknown, &Completion::outcome_unknown(LEASE / 5, TTL)).unwrap(), Settled::Done);
+    let renewed = claimed(w.begin(&attempt(2, 1, 12, 0)).unwrap());
+    assert_eq!(renew_all(&w, &[&renewed], LEASE / 2), vec![true]);
+    // Its upstream may be at work: not released, forced or not (a resolve, which executes
+    // nothing, is the operator's to make: the suite's resolve cases).
+    let now = LEASE / 5 + 1;
+    for change in [release.clone(), Amendment::Release { force: true }] {
+        let refused = admin.amend(&look(1, now), &change, now).unwrap();
+        assert!(matches!(refused, Err(Refusal::Live { .. })), "{change:?}: {refused:?}");
+    }
+    let past_first_lease = LEASE + 1;
+    let refused = admin.amend(&look(2, past_first_lease), &release, past_first_lease).unwrap();
+    assert!(matches!(refused, Err(Refusal::Live { .. })), "{refused:?}");
+    // Once the leases ended: released, and the next request executes.
+    b.let_claim_leases_end();
+    let later = LEASE * 2;
+    assert_eq!(admin.amend(&look(1, later), &release, later).unwrap(), Ok(()));
+    assert_eq!(admin.amend(&look(2, later), &release, later).unwrap(), Ok(()));
+    assert!(matches!(w.begin(&attempt(1, 1, 13, later + 1)).unwrap(), Begin::Claimed(_)));
+    assert!(matches!(w.begin(&attempt(2, 1, 14, later + 1)).unwrap(), Begin::Claimed(_)));
+}
+
 pub fn claimed(b: Begin) -> Claim {
     match b {
         Begin::Claimed(c) | Begin::TookOver(c) => c,
@@ -778,6 +822,10 @@ macro_rules! conformance_suite {
         #[test]
         fn a_claim_no_longer_renewed_ends_a_lease_after_its_last_renewal() {
             $crate::store::conformance::a_claim_no_longer_renewed_ends_a_lease_after_its_last_renewal::<$backend>();
+        }
+        #[test]
+        fn an_operator_waits_for_a_request_that_may_still_be_at_work() {
+            $crate::store::conformance::an_operator_waits_for_a_request_that_may_still_be_at_work::<$backend>();
         }
         #[test]
         fn a_renewal_never_outlives_the_record() {

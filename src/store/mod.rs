@@ -171,14 +171,26 @@ pub enum Amendment {
 
 impl Amendment {
     /// Why this cannot be done to `e` as it stands at `now_ms`, if it cannot: a claim within its
-    /// lease may be executing right now, and a known outcome is never replaced (a release of one
-    /// needs `force`).
+    /// lease may be executing right now, and so may the request of an unknown outcome recorded
+    /// within its claim's lease (on a `refuse` rule the record is completed the moment its route
+    /// times out, while the upstream may still be at work): such a record is not released, since
+    /// its retry would execute beside it (resolving it, with what the upstream said, executes
+    /// nothing). A known outcome is never replaced (a release of one needs `force`, which lifts
+    /// nothing else). The lease is the one a takeover waits for: renewed while its owner is at
+    /// work (C25), and on etcd kept by its lease key past that (`needs_claim_ended`).
     pub fn refusal(&self, e: &Entry, now_ms: u64) -> Option<Refusal> {
-        if !e.is_completed() && now_ms < e.lease_deadline_ms {
+        if self.needs_claim_ended(e) && now_ms < e.lease_deadline_ms {
             return Some(Refusal::Live { lease_ends_at_ms: e.lease_deadline_ms });
         }
         let force = matches!(self, Amendment::Release { force: true });
         (e.is_completed() && !e.outcome_unknown() && !force).then_some(Refusal::Completed)
+    }
+
+    /// Whether this change must find the record's claim ended first (by its deadline, and on
+    /// etcd by its lease key: the store's own clock): any change of a claim, and a release of an
+    /// unknown outcome, whose request may still be at work. A known outcome's request answered.
+    pub fn needs_claim_ended(&self, e: &Entry) -> bool {
+        !e.is_completed() || (e.outcome_unknown() && matches!(self, Amendment::Release { .. }))
     }
 
     /// The completion a resolve writes: the record's own expiry kept.

@@ -129,15 +129,16 @@ pub fn release_frees_a_key_whose_outcome_is_unknown_or_whose_lease_ended<B: Back
     let (w, admin) = (through_ops(&b, 0), through_ops(&b, 1));
     let release = |force| Amendment::Release { force };
     let live = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
+    claimed(w.begin(&attempt(2, 1, 21, 0)).unwrap());
     let v = only(&admin, 1, 1);
     assert_eq!(admin.amend(&v, &release(true), 1).unwrap(), Err(Refusal::Live { lease_ends_at_ms: LEASE }));
-    // Its lease ended: released; the owner's late completion finds nothing, the next executes.
+    // Its lease ended (on etcd, its lease key too, as a takeover waits for it): released; the
+    // owner's late completion finds nothing, the next executes.
+    b.let_claim_leases_end();
     assert_eq!(admin.amend(&only(&admin, 1, LEASE), &release(false), LEASE).unwrap(), Ok(()));
     assert_eq!(w.complete(&live, &done("late", LEASE + 1)).unwrap(), Settled::Lost);
     assert!(matches!(w.begin(&attempt(1, 1, 12, LEASE + 2)).unwrap(), Begin::Claimed(_)));
-    // Outcome unknown: released without force.
-    claimed(w.begin(&attempt(2, 1, 21, 0)).unwrap());
-    b.let_claim_leases_end();
+    // Outcome unknown once its lease ended: released without force.
     assert_eq!(w.begin(&refusing(2, 22, LEASE)).unwrap(), Begin::OutcomeUnknown);
     assert_eq!(admin.amend(&only(&admin, 2, LEASE), &release(false), LEASE).unwrap(), Ok(()));
     assert!(matches!(w.begin(&refusing(2, 23, LEASE + 1)).unwrap(), Begin::Claimed(_)));

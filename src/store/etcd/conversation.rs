@@ -128,6 +128,9 @@ pub struct EtcdConversation {
     pub(super) amending: Option<StoreOp>,
     /// A renewal in progress (`renew.rs`).
     pub(super) renewing: Option<Box<super::renew::Renewing>>,
+    /// An operator's change to a record whose request may still be at work: made only while
+    /// the claim's lease key is gone (the rule a takeover follows), else refused as live.
+    pub(super) amend_after_lease_key: Option<u64>,
 }
 
 impl EtcdConversation {
@@ -151,6 +154,7 @@ impl EtcdConversation {
             scan: None,
             amending: None,
             renewing: None,
+            amend_after_lease_key: None,
         }
     }
 
@@ -670,6 +674,17 @@ impl EtcdConversation {
         }
         // An unanswered claim's release compares its lease key, the one key that says whose it is.
         let guarded = if let Guard::Owner(_) = w.guard { store.lease_key(&scope) } else { key };
+        if self.amend_after_lease_key.is_some() {
+            // An operator's change waits for the claim's lease key as a takeover does: made
+            // only once it is gone; else its failure branch reads it (`written`: live).
+            let lease_key = store.lease_key(&scope);
+            let guards = [(guarded.as_slice(), w.guard), (lease_key.as_slice(), Guard::Absent)];
+            let read = [
+                TxnOp::Range { key: guarded.clone(), range_end: None, limit: 0, keys_only: false },
+                TxnOp::Range { key: lease_key.clone(), range_end: None, limit: 0, keys_only: true },
+            ];
+            return Ok(Move::Call(wire::txn_all(store.protocol(), &guards, &ops, &read), Stage::Write));
+        }
         Ok(Move::Call(
             wire::txn(store.protocol(), Some((&guarded, w.guard)), &ops, &on_failure),
             Stage::Write,
@@ -702,6 +717,18 @@ impl EtcdConversation {
             (StoreOp::Begin(_), false, _) if w.guard == Guard::Absent => {
                 // The record exists: the failure branch read it.
                 self.existing(store, txn, now_ms)
+            }
+            // An operator's change found the record as the operator saw it, and the claim's lease
+            // key still there: its request may be at work (its owner renews it), so nothing was
+            // changed. (A record changed since is settled meanwhile, below.)
+            (_, false, _)
+                if self.amend_after_lease_key.is_some()
+                    && unchanged(&w.guard, txn)
+                    && lease_key_held(txn) =>
+            {
+                let deadline = self.amend_after_lease_key.unwrap_or(0);
+                let at_the_earliest = deadline.max(now_ms.saturating_add(LIVE_CLAIM_RETRY_MS));
+                Ok(Move::Amended(Err(Refusal::Live { lease_ends_at_ms: at_the_earliest })))
             }
             (StoreOp::Begin(a), false, _) => {
                 // Another worker wrote the record between our read and our write: look again.
@@ -738,6 +765,17 @@ impl EtcdConversation {
             }
         }
     }
+}
+
+/// An operator's guarded change that failed: whether the record read back is still the revision
+/// it was guarded by (its first read), and whether the claim's lease key exists (its second).
+fn unchanged(guard: &Guard, txn: &wire::TxnAnswer) -> bool {
+    let revision = txn.ranges.first().and_then(|r| r.kvs.first()).map(|kv| kv.mod_revision);
+    matches!((guard, revision), (Guard::ModRevision(g), Some(r)) if *g == r)
+}
+
+fn lease_key_held(txn: &wire::TxnAnswer) -> bool {
+    txn.ranges.get(1).is_some_and(|r| !r.kvs.is_empty())
 }
 
 /// True when `value` is the record as `op`, a completion, writes it: this claim's owner token
@@ -777,6 +815,7 @@ impl Clone for EtcdConversation {
             scan: self.scan.clone(),
             amending: self.amending.clone(),
             renewing: self.renewing.clone(),
+            amend_after_lease_key: self.amend_after_lease_key,
         }
     }
 }

@@ -230,6 +230,9 @@ impl EtcdConversation {
             },
         };
         self.amending = Some(std::mem::replace(&mut self.op, settlement));
+        if change.needs_claim_ended(&view.entry) {
+            self.amend_after_lease_key = Some(view.entry.lease_deadline_ms);
+        }
         self.settle(store, written, Guard::ModRevision(revision), now_ms)
     }
 }

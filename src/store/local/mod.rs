@@ -177,6 +177,112 @@ impl<S: SharedData> LocalStore<S> {
 }
 
 impl<S: SharedData> LocalStore<S> {
+    /// `RecordStore::complete`; `lease_over`: the completion of a claim nobody executes under (a
+    /// lease end refused as outcome unknown), whose record says its lease ended at once.
+    fn complete_as(&self, claim: &Claim, c: &Completion, lease_over: bool) -> Result<Settled, StoreError> {
+        if c.state == State::Processing {
+            return Err(StoreError::Corrupt("a completion must carry an outcome state".into()));
+        }
+        let Some((bucket, position)) = self.locate(claim) else { return Ok(Settled::Lost) };
+        let data_key = self.slot_key(bucket, position);
+        let mut commit: Option<(Entry, Vec<u8>)> = None;
+        // A late completion of a claim whose charge the sweep dropped (abandoned) makes a live
+        // record again: it counts again, past any bound, since its upstream already executed.
+        let mut recharged: Option<Entry> = None;
+        let refund = |recharged: &Option<Entry>| {
+            if let Some(e) = recharged {
+                self.uncharge(e);
+            }
+        };
+        for _ in 0..SLOT_ATTEMPTS {
+            // Slot first, then the ownership check, then the slot write as a CAS against that
+            // first read: an owner that lost its record in between fails the CAS (whoever took
+            // the position fenced the slot after its bucket write) instead of overwriting the
+            // new owner's outcome. The bucket is only read here, so its contention cannot
+            // starve the completion.
+            // Read as a replay reads it (the label stepped over, not decoded): the label moves
+            // into the outcome as its bytes.
+            let (value, slot) = self.read_slot_as(bucket, position, record::decode_slot_outcome)?;
+            let (entries, bucket_read) = self.read_bucket(bucket)?;
+            let Some(i) = self.owned(&entries, claim, position) else {
+                refund(&recharged);
+                return Ok(Settled::Lost);
+            };
+            // The outcome keeps the label its claim left in the slot.
+            let (label, committed) = match value {
+                Some(v) if v.is_claim_label() => {
+                    let own = v.belongs_to(&entries[i]);
+                    let label = record::slot_label(slot.bytes()).ok().flatten().filter(|_| own);
+                    (label, None)
+                }
+                other => (None, other),
+            };
+            if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
+                // Already completed (its promotion lost): an outcome is final.
+                refund(&recharged);
+                return Ok(Settled::Lost);
+            }
+            let (entry, bytes) = commit.get_or_insert_with(|| {
+                let mut e = entries[i];
+                if e.flags & CHARGE_FLAGS == 0 && (e.tenant_tag != 0 || e.principal_tag != 0) {
+                    self.recharge(&mut e, c.now_ms, c.now_ms.saturating_add(c.ttl_ms));
+                    recharged = Some(e);
+                }
+                e.state = c.state;
+                e.status = c.status;
+                e.flags = if c.snapshot.is_some() {
+                    e.flags & !FLAG_BODY_NOT_STORED
+                } else {
+                    e.flags | FLAG_BODY_NOT_STORED
+                };
+                e.expires_at_ms = c.now_ms.saturating_add(c.ttl_ms);
+                if lease_over {
+                    e.lease_deadline_ms = e.lease_deadline_ms.min(c.now_ms);
+                }
+                let label = label.map(record::LabelBytes::Encoded);
+                let bytes = record::encode_slot_parts(&e, c.snapshot.as_ref(), label);
+                (e, bytes)
+            });
+            if self.cas(&data_key, bytes, &slot)? {
+                let late = c.now_ms > entries[i].lease_deadline_ms;
+                if let Err(e) = self.promote(bucket, entry, (entries, bucket_read)) {
+                    log::debug!(
+                        "completion of {} committed, bucket not promoted: {e}",
+                        claim.scope.log_tag()
+                    );
+                }
+                if late {
+                    // Completed after its lease: it lives past what its counters assumed.
+                    self.extend_charge(entry, entry.expires_at_ms);
+                }
+                return Ok(Settled::Done);
+            }
+        }
+        refund(&recharged);
+        Err(StoreError::Contention)
+    }
+
+    fn release_claim(&self, claim: &Claim) -> Result<Settled, StoreError> {
+        let Some((bucket, position)) = self.locate(claim) else { return Ok(Settled::Lost) };
+        for _ in 0..CAS_ATTEMPTS {
+            let (committed, _) = self.read_slot(bucket, position)?;
+            let (mut entries, read) = self.read_bucket(bucket)?;
+            let Some(i) = self.owned(&entries, claim, position) else { return Ok(Settled::Lost) };
+            if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
+                // Completed (its promotion lost): an outcome is final, it cannot be released.
+                return Ok(Settled::Lost);
+            }
+            let gone = entries.remove(i);
+            if self.write_bucket(bucket, &entries, &read)? {
+                // Its slot is already empty: the claim fenced it and the owner never completed.
+                self.uncharge(&gone);
+                self.fill_adjust(self.shard_of(bucket), -1);
+                return Ok(Settled::Done);
+            }
+        }
+        Err(StoreError::Contention)
+    }
+
     /// Moves a claim's lease end to `until_ms` (never past its record's expiry, never back) while
     /// it is still its owner's and without an outcome. The bucket entry's deadline is what every
     /// begin, eviction and sweep reads, and the CAS on the bucket orders the renewal with any of
@@ -234,7 +340,9 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
                 // completed as outcome unknown, through the same commit as any completion.
                 Some(Begin::TookOver(claim)) if attempt.unknown_outcome == UnknownOutcome::Refuse => {
                     let unknown = Completion::outcome_unknown(attempt.now_ms, attempt.ttl_ms);
-                    return Ok(match self.complete(&claim, &unknown)? {
+                    // Nobody executes under this claim: the record says its lease is over, so
+                    // that an operator may release it at once (`Amendment::refusal`).
+                    return Ok(match self.complete_as(&claim, &unknown, true)? {
                         Settled::Done => Begin::OutcomeUnknown,
                         // Taken from this claim in between (cannot happen while its fresh lease
                         // runs): whoever holds the record decides; ask again after a moment.
@@ -249,106 +357,12 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
     }
 
     fn complete(&self, claim: &Claim, c: &Completion) -> Result<Settled, StoreError> {
-        if c.state == State::Processing {
-            return Err(StoreError::Corrupt("a completion must carry an outcome state".into()));
-        }
-        let Some((bucket, position)) = self.locate(claim) else { return Ok(Settled::Lost) };
-        let data_key = self.slot_key(bucket, position);
-        let mut commit: Option<(Entry, Vec<u8>)> = None;
-        // A late completion of a claim whose charge the sweep dropped (abandoned) makes a live
-        // record again: it counts again, past any bound, since its upstream already executed.
-        let mut recharged: Option<Entry> = None;
-        let refund = |recharged: &Option<Entry>| {
-            if let Some(e) = recharged {
-                self.uncharge(e);
-            }
-        };
-        for _ in 0..SLOT_ATTEMPTS {
-            // Slot first, then the ownership check, then the slot write as a CAS against that
-            // first read: an owner that lost its record in between fails the CAS (whoever took
-            // the position fenced the slot after its bucket write) instead of overwriting the
-            // new owner's outcome. The bucket is only read here, so its contention cannot
-            // starve the completion.
-            // Read as a replay reads it (the label stepped over, not decoded): the label moves
-            // into the outcome as its bytes.
-            let (value, slot) = self.read_slot_as(bucket, position, record::decode_slot_outcome)?;
-            let (entries, bucket_read) = self.read_bucket(bucket)?;
-            let Some(i) = self.owned(&entries, claim, position) else {
-                refund(&recharged);
-                return Ok(Settled::Lost);
-            };
-            // The outcome keeps the label its claim left in the slot.
-            let (label, committed) = match value {
-                Some(v) if v.is_claim_label() => {
-                    let own = v.belongs_to(&entries[i]);
-                    let label = record::slot_label(slot.bytes()).ok().flatten().filter(|_| own);
-                    (label, None)
-                }
-                other => (None, other),
-            };
-            if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
-                // Already completed (its promotion lost): an outcome is final.
-                refund(&recharged);
-                return Ok(Settled::Lost);
-            }
-            let (entry, bytes) = commit.get_or_insert_with(|| {
-                let mut e = entries[i];
-                if e.flags & CHARGE_FLAGS == 0 && (e.tenant_tag != 0 || e.principal_tag != 0) {
-                    self.recharge(&mut e, c.now_ms, c.now_ms.saturating_add(c.ttl_ms));
-                    recharged = Some(e);
-                }
-                e.state = c.state;
-                e.status = c.status;
-                e.flags = if c.snapshot.is_some() {
-                    e.flags & !FLAG_BODY_NOT_STORED
-                } else {
-                    e.flags | FLAG_BODY_NOT_STORED
-                };
-                e.expires_at_ms = c.now_ms.saturating_add(c.ttl_ms);
-                let label = label.map(record::LabelBytes::Encoded);
-                let bytes = record::encode_slot_parts(&e, c.snapshot.as_ref(), label);
-                (e, bytes)
-            });
-            if self.cas(&data_key, bytes, &slot)? {
-                let late = c.now_ms > entries[i].lease_deadline_ms;
-                if let Err(e) = self.promote(bucket, entry, (entries, bucket_read)) {
-                    log::debug!(
-                        "completion of {} committed, bucket not promoted: {e}",
-                        claim.scope.log_tag()
-                    );
-                }
-                if late {
-                    // Completed after its lease: it lives past what its counters assumed.
-                    self.extend_charge(entry, entry.expires_at_ms);
-                }
-                return Ok(Settled::Done);
-            }
-        }
-        refund(&recharged);
-        Err(StoreError::Contention)
+        self.complete_as(claim, c, false)
     }
 
     fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
-        let Some((bucket, position)) = self.locate(claim) else { return Ok(Settled::Lost) };
-        for _ in 0..CAS_ATTEMPTS {
-            let (committed, _) = self.read_slot(bucket, position)?;
-            let (mut entries, read) = self.read_bucket(bucket)?;
-            let Some(i) = self.owned(&entries, claim, position) else { return Ok(Settled::Lost) };
-            if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
-                // Completed (its promotion lost): an outcome is final, it cannot be released.
-                return Ok(Settled::Lost);
-            }
-            let gone = entries.remove(i);
-            if self.write_bucket(bucket, &entries, &read)? {
-                // Its slot is already empty: the claim fenced it and the owner never completed.
-                self.uncharge(&gone);
-                self.fill_adjust(self.shard_of(bucket), -1);
-                return Ok(Settled::Done);
-            }
-        }
-        Err(StoreError::Contention)
+        self.release_claim(claim)
     }
-
     fn renew(&self, renew: &Renew) -> Result<Vec<bool>, StoreError> {
         let until_ms = renew.now_ms.saturating_add(renew.lease_ms);
         renew.claims.iter().map(|r| self.renew_one(r, until_ms)).collect()

@@ -504,8 +504,9 @@ pub fn respond_problem(p: Problem) -> Decision {
 
 /// Headers that belong to one connection hop and never to a stored response (RFC 9110 7.6.1).
 /// `content-length` is kept: a replay's body carries its own length, but a HEAD or 204 answer's
-/// stored value is restored from it (`Reply::replay`).
-const NOT_STORED_HEADERS: &[&str] =
+/// stored value is restored from it (`Reply::replay`). An operator's resolve may not give them
+/// (the admin API).
+pub const NOT_STORED_HEADERS: &[&str] =
     &["connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"];
 
 /// The response headers a snapshot keeps: all but hop-by-hop ones and the rule's exclusions.

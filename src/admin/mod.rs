@@ -335,7 +335,9 @@ fn resolution(body: &[u8]) -> Result<Snapshot, Problem> {
         Some(JsonValue::Number(n)) => n.parse::<u16>().ok().filter(|s| (200..600).contains(s)),
         _ => None,
     }
-    .ok_or_else(|| bad("status: expected an HTTP status from 200 to 599".to_string()))?;
+    .ok_or_else(|| {
+        bad("status: expected a final HTTP status from 200 to 599 (a 1xx is no answer to replay)".to_string())
+    })?;
     let mut headers = Vec::new();
     match doc.get("headers") {
         None => {}
@@ -346,8 +348,27 @@ fn resolution(body: &[u8]) -> Result<Snapshot, Problem> {
                     return Err(bad(HEADER_SHAPE.to_string()));
                 };
                 let name = n.to_ascii_lowercase();
-                if name.is_empty() || name.starts_with(':') || !name.bytes().all(|b| b.is_ascii_graphic()) {
-                    return Err(bad(format!("header name {n:?} is not one a response may carry")));
+                if name.is_empty() || !name.bytes().all(is_token_byte) {
+                    return Err(bad(format!(
+                        "header name {n:?} is not one a response may carry (a token: letters, digits, !#$%&'*+-.^_`|~)"
+                    )));
+                }
+                if crate::engine::NOT_STORED_HEADERS.contains(&name.as_str())
+                    || name.starts_with("proxy-")
+                    || name == "content-length"
+                {
+                    return Err(bad(format!(
+                        "header {name:?} belongs to a connection or frames the message: the replay sets its own"
+                    )));
+                }
+                // Replayed as given: a CR or LF would end the header on an HTTP/1.1 connection and
+                // start whatever follows as more headers or a second response (response
+                // splitting); a NUL or another control byte is no field content either (RFC 9110
+                // 5.5). A tab is.
+                if v.bytes().any(|b| b.is_ascii_control() && b != b'\t') {
+                    return Err(bad(format!(
+                        "header {name:?}: its value holds a control character (CR, LF, NUL...), which would split the replayed response"
+                    )));
                 }
                 headers.push((name, v.as_bytes().to_vec()));
             }
@@ -361,7 +382,17 @@ fn resolution(body: &[u8]) -> Result<Snapshot, Problem> {
         (None, None) => Vec::new(),
         _ => return Err(bad("body: a string, or body_base64: a base64 string, not both".to_string())),
     };
+    if matches!(status, 204 | 304) && !body.is_empty() {
+        return Err(bad(format!(
+            "status {status} carries no body (RFC 9110 15.3.5, 15.4.5): leave body out"
+        )));
+    }
     Ok(Snapshot { status, headers, body })
+}
+
+/// RFC 9110 5.6.2 `tchar`.
+fn is_token_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
 const HEADER_SHAPE: &str = "headers: expected [[\"name\", \"value\"], ...]";

@@ -192,3 +192,49 @@ fn a_list_stops_at_its_limit_and_says_it_was_truncated() {
     assert_eq!(body.matches("\"tag\"").count(), 1, "{body}");
     assert!(body.contains(&scope(4).log_tag()), "{body}");
 }
+
+/// A resolve's answer is replayed to clients as it is: a header value with CR, LF or NUL would
+/// reach an HTTP/1.1 connection as a second response, a name that is no token or a hop-by-hop or
+/// framing header would break the replay's framing, and 204 and 304 carry no body. Each is
+/// refused with a problem naming what is wrong, and the record stays as it was.
+#[test]
+fn a_resolve_that_would_split_or_misframe_a_replay_is_refused_and_the_record_stays_unsettled() {
+    let data = FakeSharedData::new();
+    let s = store(&data);
+    unknown_outcome_of(&s, 1);
+    let resolve = format!("/idempotency/records/{}/resolve", scope(1).log_tag());
+    for (body, says) in [
+        (r#"{"status":201,"headers":[["x-a","1\r\nHTTP/1.1 200 OK"]]}"#, "x-a"),
+        (r#"{"status":201,"headers":[["x-b","1\nset-cookie: a=b"]]}"#, "x-b"),
+        (r#"{"status":201,"headers":[["x-c","1\r"]]}"#, "x-c"),
+        (r#"{"status":201,"headers":[["x-d","a\u0000b"]]}"#, "x-d"),
+        (r#"{"status":201,"headers":[["x e","1"]]}"#, "x e"),
+        (r#"{"status":201,"headers":[["x(e)","1"]]}"#, "x(e)"),
+        (r#"{"status":201,"headers":[["x:e","1"]]}"#, "x:e"),
+        (r#"{"status":201,"headers":[["Transfer-Encoding","chunked"]]}"#, "transfer-encoding"),
+        (r#"{"status":201,"headers":[["content-length","99"]]}"#, "content-length"),
+        (r#"{"status":201,"headers":[["connection","close"]]}"#, "connection"),
+        (r#"{"status":201,"headers":[["upgrade","h2c"]]}"#, "upgrade"),
+        (r#"{"status":201,"headers":[["proxy-connection","x"]]}"#, "proxy-connection"),
+        (r#"{"status":204,"body":"x"}"#, "204"),
+        (r#"{"status":304,"body_base64":"eA=="}"#, "304"),
+        (r#"{"status":101}"#, "status"),
+    ] {
+        let (got, problem, action) = ask(&cfg(false), &s, "POST", &resolve, body, LEASE + 1);
+        assert_eq!((got, action), (400, Action::Refused), "{body}: {problem}");
+        assert!(problem.contains(says), "{body}: {problem}");
+    }
+    assert_eq!(s.begin(&attempt(1, 1, 5, LEASE + 2)).unwrap(), Begin::OutcomeUnknown);
+    // A tab inside a value, obs-text, and 204 or 304 without a body are answers a replay carries.
+    for body in [
+        r#"{"status":201,"headers":[["x-a","a\tb ü"]],"body":"ok"}"#,
+        r#"{"status":204,"headers":[["x-a","1"]]}"#,
+    ] {
+        unknown_outcome_of(&s, 2);
+        let resolve = format!("/idempotency/records/{}/resolve", scope(2).log_tag());
+        let (got, problem, _) = ask(&cfg(false), &s, "POST", &resolve, body, LEASE + 1);
+        assert_eq!(got, 200, "{body}: {problem}");
+        let release = format!("/idempotency/records/{}/release?force=true", scope(2).log_tag());
+        assert_eq!(ask(&cfg(false), &s, "POST", &release, "", LEASE + 1).0, 200);
+    }
+}

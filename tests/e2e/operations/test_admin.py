@@ -3,7 +3,9 @@ key, settles it with the upstream's real answer (every retry then replays it, an
 never executes it again), and releases another (its retry then executes). The admin instance is
 the same module, vm_id and root_id on its own listener, as envoy/envoy.yaml ships it, so it
 reads the data plane's records in the local store; a token that does not match gets 401, and a
-configuration with both `admin` and `routes` does not start.
+configuration with both `admin` and `routes` does not start. A resolve whose answer would
+split or misframe its replays (a CR, LF or NUL in a header value, a body on 204 or 304) is
+refused with 400 naming what is wrong, and the record stays as it was.
 """
 
 from __future__ import annotations
@@ -92,6 +94,27 @@ def test_an_operator_releases_an_unknown_outcome_and_the_retry_executes(envoy, u
     # A known outcome is released only with force.
     done = find_completed(envoy, key)
     assert_problem(admin(envoy, "POST", "/idempotency/records/%s/release" % done["tag"]), 409, "record-conflict")
+
+
+@pytest.mark.parametrize("answer, names", [
+    ({"status": 201, "headers": [["x-split", "1\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0"]]}, "x-split"),
+    ({"status": 201, "headers": [["x-lf", "1\nset-cookie: session=stolen"]]}, "x-lf"),
+    ({"status": 201, "headers": [["x-nul", "a\u0000b"]]}, "x-nul"),
+    ({"status": 204, "body": "not allowed"}, "204"),
+    ({"status": 304, "body_base64": "eA=="}, "304"),
+])
+def test_a_resolve_that_would_split_or_misframe_the_replay_is_refused(envoy, upstream, answer, names):
+    key = unknown_outcome(envoy, upstream)
+    record = find(envoy, key)
+    refused = admin(envoy, "POST", "/idempotency/records/%s/resolve" % record["tag"], answer)
+    assert names in assert_problem(refused, 400, "admin-bad-request")["detail"], refused
+    # Nothing was written: the record is still unsettled, and a retry is still refused.
+    shown = json.loads(admin(envoy, "GET", "/idempotency/records/" + record["tag"]).body)
+    assert shown["state"] == "outcome_unknown" and "response" not in shown, shown
+    retry = envoy.post("/pay", BODY, key_headers(key))
+    assert_problem(retry, 502, "outcome-unknown")
+    assert retry.header("x-split") is None and retry.header("set-cookie") is None, retry
+    assert upstream.executions(key) == 1
 
 
 def find_completed(envoy, key: str) -> dict:

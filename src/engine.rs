@@ -17,7 +17,7 @@ use crate::identity::scope::{
 };
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
-use crate::store::record::{Label, Snapshot};
+use crate::store::record::{Label, LabelScope, Snapshot};
 use crate::store::{Begin, Claim, ClaimAttempt, QuotaCharge, StoreError};
 use std::rc::Rc;
 
@@ -233,7 +233,17 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
     Admission::Collect(Pending {
         rule: Rc::clone(rule),
         scope,
-        label: Label::new(&rule.name, key.as_str()),
+        label: Label::scoped(
+            &rule.name,
+            key.as_str(),
+            &LabelScope {
+                method: head.method,
+                host: &authority,
+                path,
+                tenant: tenant_values.as_deref(),
+                principal: &principal,
+            },
+        ),
         tenant: tenant_values.as_deref().map(tenant_digest),
         principal,
         method: head.method.to_string(),

@@ -4,7 +4,7 @@
 //! the operations it asks for (`Progress`), as a reply the glue sends. Pure: the glue carries
 //! the operations out on either store; nothing here imports proxy-wasm.
 //!
-//! - `GET  /idempotency/records?state=&route=&key=&limit=&cursor=`   list
+//! - `GET  /idempotency/records?state=&route=&key=&tenant=&host=&limit=&cursor=`   list
 //! - `GET  /idempotency/records/{id}`                   one record, with its stored response
 //! - `POST /idempotency/records/{id}/release[?force=true]`
 //! - `POST /idempotency/records/{id}/resolve`           body: the upstream's real answer
@@ -19,7 +19,7 @@ use crate::engine::Reply;
 use crate::identity::scope::{hex, unhex, ScopeId};
 use crate::json::{emit_string, JsonValue, MemberOrder};
 use crate::problem::{Kind, Problem};
-use crate::store::record::Snapshot;
+use crate::store::record::{Label, Snapshot};
 use crate::store::{Amendment, RecordId, RecordPage, RecordQuery, RecordView, Refusal, StateFilter};
 use crate::store::{StoreAnswer, StoreError, StoreOp};
 use sha2::{Digest, Sha256};
@@ -196,6 +196,8 @@ fn route(req: &AdminRequest) -> Result<(Wants, StoreOp), Problem> {
             state: StateFilter::All,
             route: None,
             key: None,
+            tenant: None,
+            host: None,
             limit: MAX_LIMIT,
             cursor: None,
             detail: then.is_none(),
@@ -250,6 +252,9 @@ fn list_query(query: &str, now_ms: u64) -> Result<RecordQuery, Problem> {
         state,
         route: query_param(query, "route"),
         key: query_param(query, "key"),
+        tenant: query_param(query, "tenant"),
+        // As the scope keeps it: lower case, without the default port.
+        host: query_param(query, "host").map(|h| h.to_ascii_lowercase()),
         limit,
         cursor,
         detail: false,
@@ -406,8 +411,20 @@ fn view_json(v: &RecordView, detail: bool, now_ms: u64) -> Vec<u8> {
     emit_string(&v.scope.log_tag(), &mut out);
     out.extend_from_slice(b",\"id\":");
     emit_string(&hex(&v.scope.0), &mut out);
-    let (route, key) = v.label.as_ref().map_or((None, None), |l| (Some(l.route()), Some(l.key())));
-    for (name, value) in [("route", route), ("key", key)] {
+    // What the record is about, and whose: two customers may use one key (their records are
+    // two, in two scopes), and these tell them apart. Null where the record's label does not
+    // say (written before records named their scope, or no tenant header).
+    let l = v.label.as_ref();
+    let principal = l.and_then(Label::principal).map(|p| hex(&p));
+    for (name, value) in [
+        ("route", l.map(Label::route)),
+        ("key", l.map(Label::key)),
+        ("tenant", l.and_then(Label::tenant)),
+        ("host", l.and_then(Label::host)),
+        ("method", l.and_then(Label::method)),
+        ("path", l.and_then(Label::path)),
+        ("principal", principal.as_deref()),
+    ] {
         out.extend_from_slice(format!(",\"{name}\":").as_bytes());
         match value {
             Some(s) => emit_string(s, &mut out),

@@ -238,3 +238,55 @@ fn a_resolve_that_would_split_or_misframe_a_replay_is_refused_and_the_record_sta
         assert_eq!(ask(&cfg(false), &s, "POST", &release, "", LEASE + 1).0, 200);
     }
 }
+
+/// Two tenants' records of one key are told apart in the list by their scope, and `tenant=`
+/// (or `host=`, in any case) narrows it; a record labelled by the previous build (route and key
+/// only) lists with its scope fields null.
+#[test]
+fn a_list_names_each_records_scope_and_filters_by_tenant_and_host() {
+    use crate::store::conformance::label_in;
+    use crate::store::record::Label;
+    let data = FakeSharedData::new();
+    let s = store(&data);
+    for (n, tenant) in [(1, Some("acme")), (2, Some("globex")), (3, None)] {
+        claimed(
+            s.begin(&ClaimAttempt { label: Some(label_in(tenant, "k")), ..attempt(n, 1, n, 0) }).unwrap(),
+        );
+    }
+    claimed(
+        s.begin(&ClaimAttempt { label: Some(Label::new("orders", "k")), ..attempt(4, 1, 4, 0) }).unwrap(),
+    );
+    // Each record's tag, tenant, host, method, path and principal.
+    let records = |query: &str| -> Vec<[Option<String>; 6]> {
+        let (status, body, _) = ask(&cfg(false), &s, "GET", &format!("/idempotency/records?{query}"), "", 1);
+        assert_eq!(status, 200, "{body}");
+        let doc = read(body.as_bytes(), 8, MemberOrder::Document).unwrap();
+        let Some(JsonValue::Array(records)) = doc.get("records") else { panic!("{body}") };
+        records
+            .iter()
+            .map(|r| {
+                ["tag", "tenant", "host", "method", "path", "principal"].map(|name| match r.get(name) {
+                    Some(JsonValue::String(s)) => Some(s.to_string()),
+                    Some(JsonValue::Null) => None,
+                    other => panic!("{name}: {other:?}"),
+                })
+            })
+            .collect()
+    };
+    let all = records("key=k");
+    let mut tenants: Vec<_> = all.iter().map(|r| r[1].clone()).collect();
+    tenants.sort();
+    assert_eq!(tenants, [None, None, Some("acme".into()), Some("globex".into())]);
+    for [tag, _, host, method, path, principal] in all {
+        let shown = [host, method, path, principal];
+        if tag == Some(scope(4).log_tag()) {
+            assert_eq!(shown, [None, None, None, None]);
+        } else {
+            assert_eq!(shown, ["api.example", "POST", "/orders", "07070707"].map(|s| Some(s.to_string())));
+        }
+    }
+    let only = records("key=k&tenant=acme");
+    assert_eq!(only.iter().map(|r| r[0].clone()).collect::<Vec<_>>(), [Some(scope(1).log_tag())]);
+    assert_eq!(records("tenant=initech").len(), 0);
+    assert_eq!(records("host=API.Example").len(), 3, "hosts are compared in lower case");
+}

@@ -34,7 +34,8 @@ pub mod shared_data;
 
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
-use crate::store::record::{Entry, Label, Snapshot, State, STATUS_OUTCOME_UNKNOWN};
+use crate::store::record::{label_part, Entry, Label, Snapshot, State, STATUS_OUTCOME_UNKNOWN};
+use crate::store::record::{LABEL_HOST_MAX, LABEL_TENANT_MAX};
 
 /// What `begin` needs to know about the request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,14 +108,18 @@ impl RecordId {
 }
 
 /// Which records an operator asks for (the admin API): one record (`id`), or a list filtered by
-/// state, route and key, `limit` at most, resuming after `cursor` (a `RecordPage::next` of the
-/// same backend).
+/// state, route, key, tenant and host, `limit` at most, resuming after `cursor` (a
+/// `RecordPage::next` of the same backend).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecordQuery {
     pub id: Option<RecordId>,
     pub state: StateFilter,
     pub route: Option<String>,
     pub key: Option<String>,
+    /// As the label keeps it (`Label::tenant`: the header's values joined by commas).
+    pub tenant: Option<String>,
+    /// Normalized as the scope is (lower case, without the default port).
+    pub host: Option<String>,
     pub limit: usize,
     pub cursor: Option<String>,
     /// With their stored responses (a lookup); a list leaves them out.
@@ -142,11 +147,19 @@ impl StateFilter {
 }
 
 impl RecordQuery {
-    /// The route and key filters, on a record's label (a record without one matches neither).
+    /// The route, key, tenant and host filters, on a record's label (a record without one, or
+    /// whose label does not name its scope, matches none). A tenant or host longer than a label
+    /// keeps is compared as the label keeps it (`record::label_part`).
     pub fn admits_label(&self, label: Option<&Label>) -> bool {
         let matches =
             |wanted: &Option<String>, got: Option<&str>| wanted.as_deref().is_none_or(|w| got == Some(w));
-        matches(&self.route, label.map(Label::route)) && matches(&self.key, label.map(Label::key))
+        let kept = |wanted: &Option<String>, max: usize, got: Option<&str>| {
+            wanted.as_deref().is_none_or(|w| got == Some(&*label_part(w, max)))
+        };
+        matches(&self.route, label.map(Label::route))
+            && matches(&self.key, label.map(Label::key))
+            && kept(&self.tenant, LABEL_TENANT_MAX, label.and_then(Label::tenant))
+            && kept(&self.host, LABEL_HOST_MAX, label.and_then(Label::host))
     }
 }
 

@@ -266,7 +266,6 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
                     e.flags | FLAG_BODY_NOT_STORED
                 };
                 e.expires_at_ms = c.now_ms.saturating_add(c.ttl_ms);
-                let label = label.map(record::LabelBytes::Encoded);
                 let bytes = record::encode_slot_parts(&e, c.snapshot.as_ref(), label);
                 (e, bytes)
             });

@@ -89,6 +89,10 @@ pub struct Answered {
 pub enum Progress {
     Done(Answered),
     Ask(AdminTask, StoreOp),
+    /// As `Ask`, in a later callback: the store paused a long scan at its bound of work for one
+    /// call (`RecordPage::paused`), and this goes on from there. The worker serves its requests
+    /// in between (the glue's root asks at its next tick).
+    Later(AdminTask, StoreOp),
 }
 
 /// An admin request waiting for the store.
@@ -98,10 +102,10 @@ pub struct AdminTask {
 }
 
 enum Wants {
-    /// The records a list asked for.
-    List,
-    /// The record an id names, then what to do with it.
-    One { id: String, then: Option<Amendment> },
+    /// The records a list asked for (`query`), and those found so far by a scan the store paused.
+    List { query: RecordQuery, got: Vec<RecordView> },
+    /// The record an id names (`query`: found so far, `found`), then what to do with it.
+    One { id: String, then: Option<Amendment>, query: RecordQuery, found: Vec<RecordView> },
     /// The change to this record is done (or refused).
     Amended { tag: String, scope: ScopeId, action: Action },
 }
@@ -140,10 +144,36 @@ impl AdminTask {
             Progress::Done(Answered { reply, action, tag, who: who.clone(), changed })
         };
         let step = match (wants, answer) {
-            (Wants::List, StoreAnswer::Records(page)) => {
-                page.map(|page| done(list_reply(&page, now_ms), Action::Listed, None, None))
+            (Wants::List { query, mut got }, StoreAnswer::Records(Ok(page))) => {
+                got.extend(page.views);
+                if page.paused {
+                    // The rest of the list, from where the store stopped.
+                    let rest = RecordQuery {
+                        cursor: page.next,
+                        limit: query.limit.saturating_sub(got.len()).max(1),
+                        ..query.clone()
+                    };
+                    return Progress::Later(
+                        AdminTask { who, wants: Wants::List { query, got } },
+                        rest.into(),
+                    );
+                }
+                let page = RecordPage { views: got, next: page.next, paused: false };
+                Ok(done(list_reply(&page, now_ms), Action::Listed, None, None))
             }
-            (Wants::One { id, then }, StoreAnswer::Records(page)) => match page.map(|p| only(&id, p.views)) {
+            (Wants::List { .. }, StoreAnswer::Records(Err(e))) => Err(e),
+            (Wants::One { id, then, query, mut found }, StoreAnswer::Records(Ok(page))) if page.paused => {
+                found.extend(page.views);
+                let rest = RecordQuery { cursor: page.next, ..query.clone() };
+                return Progress::Later(
+                    AdminTask { who, wants: Wants::One { id, then, query, found } },
+                    rest.into(),
+                );
+            }
+            (Wants::One { id, then, mut found, .. }, StoreAnswer::Records(page)) => match page.map(|p| {
+                found.extend(p.views);
+                only(&id, found)
+            }) {
                 Ok(Ok(view)) => Ok(match then {
                     None => done(
                         json_reply(200, &view_json(&view, true, now_ms)),
@@ -203,10 +233,13 @@ fn route(req: &AdminRequest) -> Result<(Wants, StoreOp), Problem> {
             detail: then.is_none(),
             now_ms: req.now_ms,
         };
-        Ok((Wants::One { id: id.to_string(), then }, StoreOp::Records(q)))
+        Ok((Wants::One { id: id.to_string(), then, query: q.clone(), found: Vec::new() }, q.into()))
     };
     match (req.method, parts.as_slice()) {
-        ("GET", []) => Ok((Wants::List, StoreOp::Records(list_query(query, req.now_ms)?))),
+        ("GET", []) => {
+            let q = list_query(query, req.now_ms)?;
+            Ok((Wants::List { query: q.clone(), got: Vec::new() }, q.into()))
+        }
         ("GET", [id]) => one(id, None),
         ("POST", [id, "release"]) => {
             let force = query_param(query, "force").is_some_and(|v| v == "true");

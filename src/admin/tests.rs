@@ -14,7 +14,9 @@ fn answer(cfg: &AdminConfig, s: &LocalStore<&FakeSharedData>, req: &AdminRequest
     loop {
         match progress {
             Progress::Done(a) => return a,
-            Progress::Ask(task, op) => progress = task.answered(op.perform(s), req.now_ms),
+            Progress::Ask(task, op) | Progress::Later(task, op) => {
+                progress = task.answered(op.perform(s), req.now_ms)
+            }
         }
     }
 }
@@ -289,4 +291,71 @@ fn a_list_names_each_records_scope_and_filters_by_tenant_and_host() {
     assert_eq!(only.iter().map(|r| r[0].clone()).collect::<Vec<_>>(), [Some(scope(1).log_tag())]);
     assert_eq!(records("tenant=initech").len(), 0);
     assert_eq!(records("host=API.Example").len(), 3, "hosts are compared in lower case");
+}
+
+/// A list by key, a list in pages and a look-up by tag over a store far larger than one call may
+/// read go in parts: each store call reads at most `SCAN_READS` keys (and a bucket's entries),
+/// the admin task asks again from where the store stopped (`Progress::Later`), and the answer is
+/// the one a single scan would give.
+#[test]
+fn a_scan_over_a_large_store_goes_in_bounded_parts_and_answers_as_one_scan_would() {
+    use crate::store::local::admin::SCAN_READS;
+    let data = FakeSharedData::new();
+    let s = LocalStore::open(&data, 4_000, [1; 32], 0).unwrap();
+    let n = 1_500;
+    for i in 1..=n {
+        claimed(s.begin(&attempt(i, 1, i, 0)).unwrap());
+    }
+    // Each store call, with the host reads it made; the answer.
+    let run = |method: &str, path: &str, body: &str| -> (Vec<u64>, u16, String) {
+        let req =
+            AdminRequest { method, path, authorization: None, body: body.as_bytes(), now_ms: LEASE + 1 };
+        let mut progress = start(&cfg(false), &req);
+        let mut calls = Vec::new();
+        loop {
+            match progress {
+                Progress::Done(a) => {
+                    return (calls, a.reply.status, String::from_utf8(a.reply.body).unwrap())
+                }
+                Progress::Ask(task, op) | Progress::Later(task, op) => {
+                    let before = data.io().gets;
+                    let answer = op.perform(&s);
+                    calls.push(data.io().gets - before);
+                    progress = task.answered(answer, LEASE + 1);
+                }
+            }
+        }
+    };
+    let bound = (SCAN_READS + 1 + 8) as u64;
+    let (calls, status, body) = run("GET", "/idempotency/records?key=key-777", "");
+    assert_eq!(status, 200, "{body}");
+    assert!(calls.len() > 3 && calls.iter().all(|&r| r <= bound), "{calls:?}");
+    assert_eq!(body.matches("\"tag\"").count(), 1, "{body}");
+    assert!(body.contains(&scope(777).log_tag()) && body.ends_with("\"truncated\":false}"), "{body}");
+    // In pages of 400: every record once, whatever the parts.
+    let mut seen = std::collections::HashSet::new();
+    let mut cursor = String::new();
+    for page in 0.. {
+        assert!(page < 10, "still more");
+        let (calls, _, body) = run("GET", &format!("/idempotency/records?limit=400&cursor={cursor}"), "");
+        assert!(calls.iter().all(|&r| r <= bound), "{calls:?}");
+        for tag in body.split("\"tag\":\"").skip(1) {
+            assert!(seen.insert(tag[..12].to_string()), "{tag} twice");
+        }
+        match body.split("\"next\":\"").nth(1) {
+            Some(next) => cursor = next.trim_end_matches("\"}").to_string(),
+            None => break,
+        }
+    }
+    assert_eq!(seen.len(), n as usize);
+    // By tag: looked up, and resolved, in parts too.
+    unknown_outcome_of(&s, 5_000);
+    let tag = scope(5_000).log_tag();
+    let (calls, status, body) = run("GET", &format!("/idempotency/records/{tag}"), "");
+    assert_eq!(status, 200, "{body}");
+    // A tag's scan reads no slot but its record's: buckets only, 750 of them.
+    assert!(calls.len() == 3 && calls.iter().all(|&r| r <= bound), "{calls:?}");
+    let (_, status, body) =
+        run("POST", &format!("/idempotency/records/{tag}/resolve"), r#"{"status":201,"body":"ok"}"#);
+    assert_eq!((status, body.as_str()), (200, format!("{{\"resolved\":\"{tag}\"}}").as_str()));
 }

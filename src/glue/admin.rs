@@ -95,19 +95,27 @@ fn serve<H: Host>(plugin: &PluginState<H>, context_id: u32, head: &AdminHead, bo
         method: head.method.clone(),
         path: head.path.split('?').next().unwrap_or("").to_string(),
     };
-    if let Some((asked, conversation)) = advance(plugin, line, admin::start(cfg, &req)) {
-        plugin.admin_from_root(context_id, conversation, asked);
+    match advance(plugin, line, admin::start(cfg, &req)) {
+        None => {}
+        Some(Handoff::Conversation(asked, conversation)) => {
+            plugin.admin_from_root(context_id, conversation, asked)
+        }
+        Some(Handoff::Later(asked)) => plugin.admin_later(context_id, asked),
     }
 }
 
+/// Where an admin request goes on, when not answered at once: with the root.
+pub enum Handoff {
+    /// The store answers through callouts (etcd): the root carries the conversation.
+    Conversation(AdminAsk, Box<dyn Conversation>),
+    /// The store paused a long scan: the root asks again at its next tick.
+    Later(AdminAsk),
+}
+
 /// Takes an admin request on until it is answered (the effective context is its stream's), or
-/// until the store does not answer at once: that ask and its conversation are handed back, for
-/// the root.
-pub fn advance<H: Host>(
-    plugin: &PluginState<H>,
-    line: AdminLine,
-    mut progress: Progress,
-) -> Option<(AdminAsk, Box<dyn Conversation>)> {
+/// until the store does not answer at once, or paused a scan: that ask is handed back, for the
+/// root.
+pub fn advance<H: Host>(plugin: &PluginState<H>, line: AdminLine, mut progress: Progress) -> Option<Handoff> {
     loop {
         match progress {
             Progress::Done(answered) => {
@@ -118,9 +126,10 @@ pub fn advance<H: Host>(
             Progress::Ask(task, op) => match plugin.start(op.clone()) {
                 Started::Answered(answer) => progress = task.answered(answer, plugin.host.now_ms()),
                 Started::Conversation(conversation) => {
-                    return Some((AdminAsk { task, op, line }, conversation))
+                    return Some(Handoff::Conversation(AdminAsk { task, op, line }, conversation))
                 }
             },
+            Progress::Later(task, op) => return Some(Handoff::Later(AdminAsk { task, op, line })),
         }
     }
 }

@@ -139,6 +139,9 @@ pub struct RootCalls {
     pub retrying: Vec<RootSettlement>,
     /// Waiting for what another conversation fetches (`remote::Next::Wait`: the etcd token).
     pub parked: Vec<RootCall>,
+    /// Admin requests whose store paused a long scan, asked again at the root's next tick (not
+    /// counted by `is_idle`: an operator's look is not worth holding a retired root for).
+    pub admin_later: Vec<AdminLater>,
 }
 
 impl RootCalls {
@@ -177,6 +180,14 @@ impl RootCalls {
 /// The message a stream leaves on its own worker's wake queue so that the root runs at once
 /// (a wake-up is a 32-byte scope id, so the two never mix).
 pub const SETTLE_NOW: &[u8] = b"settle";
+
+/// An admin request the root takes on at its next tick: the store paused a long scan at its
+/// bound of work for one call (`admin::Progress::Later`), and the worker serves its requests
+/// until then.
+pub struct AdminLater {
+    pub context_id: u32,
+    pub ask: AdminAsk,
+}
 
 /// What the log line says of the request.
 pub struct AdminLine {

@@ -163,11 +163,22 @@ impl RecordQuery {
     }
 }
 
+impl From<RecordQuery> for StoreOp {
+    fn from(q: RecordQuery) -> StoreOp {
+        StoreOp::Records(q)
+    }
+}
+
 /// The records a query found, and where a list goes on (None: nothing more to scan).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RecordPage {
     pub views: Vec<RecordView>,
     pub next: Option<String>,
+    /// The store stopped at its bound of work for one call (the local store's `SCAN_READS`),
+    /// not at the query's `limit`: the same query with `next` as its cursor (and the rest of its
+    /// limit) goes on where it stopped, a tag's look-up too. Its caller (the admin API) asks
+    /// again in a later callback, so that the worker serves requests in between.
+    pub paused: bool,
 }
 
 /// What an operator does to a record they looked up.

@@ -57,7 +57,7 @@ use layout::{buckets_for, prefix_of, FILL_SHARD_BUCKETS};
 use quota::CHARGE_FLAGS;
 use std::cell::Cell;
 
-mod admin;
+pub mod admin;
 mod commit;
 mod layout;
 mod placement;

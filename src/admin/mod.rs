@@ -76,12 +76,32 @@ impl Action {
 pub struct Answered {
     pub reply: Reply,
     pub action: Action,
-    /// The record acted on (its tag), for the log line.
-    pub tag: Option<String>,
-    /// Who: the token's first 8 hex digits ("-" without a token).
+    /// The record acted on (or looked up, or whose change was refused), for the audit line.
+    pub record: Option<Subject>,
+    /// Who: the first 8 hex digits of the SHA-256 of the token presented ("-" without one).
     pub who: String,
     /// A record released or resolved: waiters held for it are woken.
     pub changed: Option<ScopeId>,
+}
+
+/// A record as the audit line names it: its tag, and whose it is (route and tenant, when its
+/// label says).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subject {
+    pub tag: String,
+    pub route: Option<String>,
+    pub tenant: Option<String>,
+}
+
+impl Subject {
+    fn of(view: &RecordView) -> Subject {
+        let label = view.label.as_ref();
+        Subject {
+            tag: view.scope.log_tag(),
+            route: label.map(|l| l.route().to_string()),
+            tenant: label.and_then(Label::tenant).map(str::to_string),
+        }
+    }
 }
 
 /// Where an admin request is: answered, or waiting for the store to answer `StoreOp` (the local
@@ -107,10 +127,14 @@ enum Wants {
     /// The record an id names (`query`: found so far, `found`), then what to do with it.
     One { id: String, then: Option<Amendment>, query: RecordQuery, found: Vec<RecordView> },
     /// The change to this record is done (or refused).
-    Amended { tag: String, scope: ScopeId, action: Action },
+    Amended { record: Subject, scope: ScopeId, action: Action },
 }
 
 pub fn start(cfg: &AdminConfig, req: &AdminRequest) -> Progress {
+    // Which token acted, for the audit line: the first 8 hex digits of its SHA-256, never of the
+    // token itself. A prefix of a secret is part of it (every reader of the log would hold 32
+    // of its bits, and shorten a search for the rest); a prefix of its digest tells tokens apart
+    // and gives away nothing, and matches the first digits of the `token_sha256` configured.
     let who =
         req.authorization.and_then(bearer).map_or_else(|| "-".to_string(), |t| hex(&Sha256::digest(t)[..4]));
     if let Some(expected) = &cfg.token_sha256 {
@@ -122,26 +146,26 @@ pub fn start(cfg: &AdminConfig, req: &AdminRequest) -> Progress {
                 "present the admin token as authorization: Bearer <token>",
             );
             p.headers.push(("www-authenticate", "Bearer".to_string()));
-            return refusal(who, p);
+            return refusal(who, p, None);
         }
     }
     match route(req) {
         Ok((wants, op)) => Progress::Ask(AdminTask { who, wants }, op),
-        Err(p) => refusal(who, p),
+        Err(p) => refusal(who, p, None),
     }
 }
 
-fn refusal(who: String, p: Problem) -> Progress {
+fn refusal(who: String, p: Problem, record: Option<Subject>) -> Progress {
     let action = if p.kind == Kind::AdminUnauthorized { Action::Unauthorized } else { Action::Refused };
-    Progress::Done(Answered { reply: problem_reply(&p), action, tag: None, who, changed: None })
+    Progress::Done(Answered { reply: problem_reply(&p), action, record, who, changed: None })
 }
 
 impl AdminTask {
     /// Takes the store's answer on: the reply, or the change to make to the record it found.
     pub fn answered(self, answer: StoreAnswer, now_ms: u64) -> Progress {
         let AdminTask { who, wants } = self;
-        let done = |reply: Reply, action: Action, tag: Option<String>, changed: Option<ScopeId>| {
-            Progress::Done(Answered { reply, action, tag, who: who.clone(), changed })
+        let done = |reply: Reply, action: Action, record: Option<Subject>, changed: Option<ScopeId>| {
+            Progress::Done(Answered { reply, action, record, who: who.clone(), changed })
         };
         let step = match (wants, answer) {
             (Wants::List { query, mut got }, StoreAnswer::Records(Ok(page))) => {
@@ -178,7 +202,7 @@ impl AdminTask {
                     None => done(
                         json_reply(200, &view_json(&view, true, now_ms)),
                         Action::LookedUp,
-                        Some(view.scope.log_tag()),
+                        Some(Subject::of(&view)),
                         None,
                     ),
                     Some(change) => {
@@ -187,26 +211,28 @@ impl AdminTask {
                         } else {
                             Action::Resolved
                         };
-                        let wants = Wants::Amended { tag: view.scope.log_tag(), scope: view.scope, action };
+                        let wants = Wants::Amended { record: Subject::of(&view), scope: view.scope, action };
                         let op = StoreOp::Amend { view: Box::new(view), change, now_ms };
                         return Progress::Ask(AdminTask { who, wants }, op);
                     }
                 }),
-                Ok(Err(p)) => return refusal(who, p),
+                Ok(Err(p)) => return refusal(who, p, None),
                 Err(e) => Err(e),
             },
-            (Wants::Amended { tag, scope, action }, StoreAnswer::Amended(done_or_not)) => match done_or_not {
-                Ok(Ok(())) => {
-                    let verb = if action == Action::Released { "released" } else { "resolved" };
-                    let body = format!("{{\"{verb}\":\"{tag}\"}}");
-                    Ok(done(json_reply(200, body.as_bytes()), action, Some(tag), Some(scope)))
+            (Wants::Amended { record, scope, action }, StoreAnswer::Amended(done_or_not)) => {
+                match done_or_not {
+                    Ok(Ok(())) => {
+                        let verb = if action == Action::Released { "released" } else { "resolved" };
+                        let body = format!("{{\"{verb}\":\"{}\"}}", record.tag);
+                        Ok(done(json_reply(200, body.as_bytes()), action, Some(record), Some(scope)))
+                    }
+                    Ok(Err(r)) => return refusal(who, refused(r), Some(record)),
+                    Err(e) => return refusal(who, unavailable(e), Some(record)),
                 }
-                Ok(Err(r)) => return refusal(who, refused(r)),
-                Err(e) => Err(e),
-            },
+            }
             (_, other) => Err(other.unexpected()),
         };
-        step.unwrap_or_else(|e| refusal(who, unavailable(e)))
+        step.unwrap_or_else(|e| refusal(who, unavailable(e), None))
     }
 }
 

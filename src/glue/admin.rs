@@ -136,19 +136,32 @@ pub fn advance<H: Host>(plugin: &PluginState<H>, line: AdminLine, mut progress: 
 
 fn reply<H: Host>(plugin: &PluginState<H>, line: &AdminLine, answered: &Answered) {
     plugin.count_admin(answered.action);
-    log::info!(
-        "admin {} {} {} -> {} ({}) by {}",
-        line.method,
-        line.path,
-        answered.tag.as_deref().unwrap_or("-"),
-        answered.reply.status,
-        answered.action.name(),
-        answered.who
-    );
+    log::info!("{}", audit_line(line, answered));
     let r = &answered.reply;
     if let Err(HostError(s)) = plugin.host.send_response(r.status, DETAILS_ADMIN, &r.headers, &r.body) {
         log::warn!("admin: could not send the reply (host status {s})");
     }
+}
+
+/// The audit line of an admin request, at info level: the action, the record's tag, whose it
+/// is (route, tenant: quoted, as the label keeps them), which token (`Answered::who`: a digest
+/// prefix, never the token's), and the request. `-` where there is none (a list, no tenant
+/// header, no token).
+pub fn audit_line(line: &AdminLine, answered: &Answered) -> String {
+    let record = answered.record.as_ref();
+    let quoted = |s: Option<&String>| s.map_or_else(|| "-".to_string(), |s| format!("{s:?}"));
+    let token = if answered.who == "-" { "-".to_string() } else { format!("sha256:{}", answered.who) };
+    format!(
+        "admin {} tag={} route={} tenant={} token={} ({} {} -> {})",
+        answered.action.name(),
+        record.map_or("-", |r| r.tag.as_str()),
+        quoted(record.and_then(|r| r.route.as_ref())),
+        quoted(record.and_then(|r| r.tenant.as_ref())),
+        token,
+        line.method,
+        line.path,
+        answered.reply.status
+    )
 }
 
 fn send<H: Host>(plugin: &PluginState<H>, status: u16, body: &[u8]) {

@@ -2,7 +2,9 @@
 //! larger than one callback may read is read in bounded parts, the first in the request's own
 //! callback and the rest at the root's ticks (every `ADMIN_TICK_MS` while it goes on, so that
 //! Envoy serves the worker's requests in between), and answered as one scan would; an operator
-//! who left meanwhile costs nothing more.
+//! who left meanwhile costs nothing more. Every action is audited in one info line naming the
+//! record's tag, route and tenant, the action, and the token by a prefix of its SHA-256 (never
+//! of the token).
 
 use super::{capture_logs, logged, pairs};
 use crate::flow::Verdict;
@@ -13,6 +15,7 @@ use crate::store::local::LocalStore;
 use crate::store::RecordStore;
 
 const ADMIN: &str = r#"{"store":{"type":"local","capacity":4000},"admin":{}}"#;
+const TOKEN: &str = "audit-me-s3cret";
 
 /// An admin instance's root over a local store holding `records` claims (keys `key-1`...).
 fn admin_root(records: u64) -> (FakeHost, Root<FakeHost>) {
@@ -68,7 +71,9 @@ fn a_list_by_key_over_a_large_store_is_read_in_bounded_parts_at_the_roots_ticks(
     let body = body_of(&h, 7).unwrap();
     assert_eq!(body.matches("\"tag\"").count(), 1, "{body}");
     assert!(body.contains(&scope(777).log_tag()), "{body}");
-    assert!(logged(log::Level::Info).iter().any(|l| l.starts_with("admin GET /idempotency/records")));
+    assert!(logged(log::Level::Info)
+        .iter()
+        .any(|l| l.starts_with("admin listed tag=- route=- tenant=- token=- (GET")));
     // Nothing left to go on: back to the usual period.
     root.on_tick();
     assert_eq!(h.0.tick_ms.get(), TICK_MS);
@@ -85,4 +90,68 @@ fn an_operator_who_left_mid_scan_costs_nothing_more() {
     assert_eq!(body_of(&h, 7), None);
     root.on_tick();
     assert_eq!(h.0.tick_ms.get(), TICK_MS);
+}
+
+fn post(h: &FakeHost, root: &Root<FakeHost>, context: u32, path: &str, body: &str) {
+    h.0.effective.set(context);
+    *h.0.request_headers.borrow_mut() =
+        pairs(&[(":method", "POST"), (":path", path), ("authorization", &format!("Bearer {TOKEN}"))]);
+    *h.0.request_body.borrow_mut() = body.as_bytes().to_vec();
+    let mut http = root.http_context(context);
+    assert_eq!(http.on_request_headers(body.is_empty()), Verdict::Pause);
+    if !body.is_empty() {
+        assert_eq!(http.on_request_body(body.len(), true), Verdict::Pause);
+    }
+}
+
+#[test]
+fn every_action_is_audited_with_the_records_tag_route_and_tenant_and_a_digest_of_the_token() {
+    use crate::store::conformance::{label_in, LEASE};
+    use crate::store::{Begin, ClaimAttempt, UnknownOutcome};
+    use sha2::{Digest, Sha256};
+    capture_logs();
+    let (h, mut root) = admin_root(0);
+    let store = LocalStore::open(&h.0.data, 4_000, [9; 32], 1_000).unwrap();
+    // Two records of tenant acme whose outcome is unknown, and a live claim of no tenant.
+    for n in [1, 2] {
+        let labelled = |owner, now| ClaimAttempt {
+            label: Some(label_in(Some("acme"), "k")),
+            ..attempt(n, 1, owner, now)
+        };
+        claimed(store.begin(&labelled(n, 1_000)).unwrap());
+        let refuse =
+            ClaimAttempt { unknown_outcome: UnknownOutcome::Refuse, ..labelled(n + 10, 1_000 + LEASE) };
+        assert_eq!(store.begin(&refuse).unwrap(), Begin::OutcomeUnknown);
+    }
+    claimed(
+        store.begin(&ClaimAttempt { label: Some(label_in(None, "j")), ..attempt(3, 1, 3, 2_000) }).unwrap(),
+    );
+    h.0.now_ms.set(2_001);
+    let (one, two, three) = (scope(1).log_tag(), scope(2).log_tag(), scope(3).log_tag());
+    // Each found by its tag: a scan in parts, at the root's ticks.
+    let asks = [
+        (7, format!("/idempotency/records/{one}/release"), ""),
+        (8, format!("/idempotency/records/{two}/resolve"), r#"{"status":201,"body":"ok"}"#),
+        (9, format!("/idempotency/records/{three}/release"), ""),
+    ];
+    for (context, path, body) in asks {
+        post(&h, &root, context, &path, body);
+        while body_of(&h, context).is_none() {
+            root.on_tick();
+        }
+    }
+    assert_eq!(h.replies().iter().map(|r| r.1).collect::<Vec<_>>(), [200, 200, 409]);
+    let token = format!("sha256:{}", &crate::identity::scope::hex(&Sha256::digest(TOKEN.as_bytes()))[..8]);
+    let lines: Vec<String> =
+        logged(log::Level::Info).into_iter().filter(|l| l.starts_with("admin ")).collect();
+    assert_eq!(
+        lines,
+        [
+            format!("admin released tag={one} route=\"orders\" tenant=\"acme\" token={token} (POST /idempotency/records/{one}/release -> 200)"),
+            format!("admin resolved tag={two} route=\"orders\" tenant=\"acme\" token={token} (POST /idempotency/records/{two}/resolve -> 200)"),
+            format!("admin refused tag={three} route=\"orders\" tenant=- token={token} (POST /idempotency/records/{three}/release -> 409)"),
+        ]
+    );
+    // Nothing of the token itself, not even its first characters.
+    assert!(lines.iter().all(|l| !l.contains(&TOKEN[..6])), "{lines:?}");
 }

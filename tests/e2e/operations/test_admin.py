@@ -84,6 +84,12 @@ def test_an_operator_resolves_an_unknown_outcome_and_every_retry_replays_it(envo
     again = admin(envoy, "POST", "/idempotency/records/%s/resolve" % record["tag"], answer)
     assert_problem(again, 409, "record-conflict")
     assert envoy.counter(harness.STAT_PREFIX + "admin.resolved_total") == 1
+    # The audit line: the action, the record's tag, route and tenant, and the token by a prefix
+    # of its SHA-256 (never of the token).
+    token = "sha256:" + hashlib.sha256(TOKEN.encode()).hexdigest()[:8]
+    line = 'admin resolved tag=%s route="pay" tenant="" token=%s (POST /idempotency/records/%s/resolve -> 200)'
+    assert line % (record["tag"], token, record["tag"]) in envoy.log_text()
+    assert TOKEN[:6] not in envoy.log_text()
 
 
 def test_an_operator_releases_an_unknown_outcome_and_the_retry_executes(envoy, upstream):

@@ -383,27 +383,34 @@ impl Label {
             (scope.path.as_bytes(), LABEL_PATH_MAX),
             (tenant.as_deref().unwrap_or_default(), LABEL_TENANT_MAX),
         ];
-        let mut text = Vec::with_capacity(parts.iter().map(|(p, max)| p.len().min(*max)).sum());
-        let mut lens = [0u8; PARTS];
-        for (i, (part, max)) in parts.into_iter().enumerate() {
-            let start = text.len();
-            // Header values may hold bytes that are no UTF-8: shown as U+FFFD.
-            let part = String::from_utf8_lossy(part);
-            // Route and key are bounded upstream (configuration, key parser): cut, no marker.
-            match capped(&part, max) {
-                (s, true) if i > 1 => {
-                    text.extend_from_slice(s.as_bytes());
-                    text.extend_from_slice(LABEL_CUT.as_bytes());
-                }
-                _ => text.extend_from_slice(cut(&part, max).as_bytes()),
+        // Header values may hold bytes that are no UTF-8: shown as U+FFFD (borrowed when valid).
+        let texts = parts.map(|(part, max)| (String::from_utf8_lossy(part), max));
+        // Each part as kept, and whether the cut marker follows. Route and key are bounded
+        // upstream (configuration, key parser): cut, never marked.
+        let mut kept = [("", false); PARTS];
+        for (i, ((text, max), k)) in texts.iter().zip(kept.iter_mut()).enumerate() {
+            *k = match capped(text, *max) {
+                (s, true) if i > 1 => (s, true),
+                _ => (cut(text, *max), false),
+            };
+        }
+        let marker = |cut: bool| if cut { LABEL_CUT.as_bytes() } else { &[] };
+        let len = |(s, cut): &(&str, bool)| s.len() + marker(*cut).len();
+        // Every part is at most 255 bytes (`LABEL_MAX`).
+        let lens = kept.map(|k| len(&k) as u8);
+        // One allocation, filled in place (the Rc is new: `get_mut` is always Some).
+        let mut text: std::rc::Rc<[u8]> = std::iter::repeat_n(0, kept.iter().map(len).sum()).collect();
+        if let Some(buf) = std::rc::Rc::get_mut(&mut text) {
+            let bytes = kept.iter().flat_map(|(s, cut)| s.bytes().chain(marker(*cut).iter().copied()));
+            for (to, b) in buf.iter_mut().zip(bytes) {
+                *to = b;
             }
-            lens[i] = (text.len() - start) as u8;
         }
         let mut principal = [0u8; LABEL_PRINCIPAL_BYTES];
         principal.copy_from_slice(&scope.principal[..LABEL_PRINCIPAL_BYTES]);
         Label {
             created_at_ms: 0,
-            text: text.into(),
+            text,
             lens,
             scope: Some(LabelScopeBits { tenant: tenant.is_some(), principal }),
         }

@@ -1,6 +1,7 @@
 //! What one record costs etcd (issue 33, sizing): `records` records are claimed and completed
 //! through the filter's own exchanges (a blocking client to a real etcd), each as the filter
-//! writes it: its label (route `orders`, a 36-character key), the default 30 s lease, a 24 h
+//! writes it: its label (route `orders`, a 36-character key, its scope: a tenant, host, method,
+//! path and caller prefix), the default 30 s lease, a 24 h
 //! ttl, and a 201 with `content-type`, an `x-request-id` and `body` bytes of body; with `quota`,
 //! charged to a tenant and a caller (their index keys). `bench/etcd_sizing.py` measures etcd's
 //! database around it.
@@ -14,9 +15,9 @@ use std::net::SocketAddr;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use idempotency_filter::config;
-use idempotency_filter::store::conformance::{attempt, charged, claimed};
+use idempotency_filter::store::conformance::{attempt, charged, claimed, label_in};
 use idempotency_filter::store::etcd::blocking::BlockingEtcd;
-use idempotency_filter::store::record::{Label, Snapshot, State};
+use idempotency_filter::store::record::{Snapshot, State};
 use idempotency_filter::store::{ClaimAttempt, Completion, RecordStore};
 
 const TTL_MS: u64 = 24 * 3_600_000;
@@ -47,7 +48,7 @@ fn main() {
         let attempt = ClaimAttempt {
             lease_ms: LEASE_MS,
             ttl_ms: TTL_MS,
-            label: Some(Label::new("orders", &key)),
+            label: Some(label_in(Some("tenant-0042"), &key)),
             ..base
         };
         let claim = claimed(worker.begin(&attempt).unwrap());

@@ -10,7 +10,7 @@ use idempotency_filter::identity::scope::ScopeId;
 use idempotency_filter::splitmix::SeededRng;
 use idempotency_filter::store::fake::{FakeSharedData, Io};
 use idempotency_filter::store::local::LocalStore;
-use idempotency_filter::store::record::{Label, Snapshot, State};
+use idempotency_filter::store::record::{Label, LabelScope, Snapshot, State};
 use idempotency_filter::store::{Begin, Claim, ClaimAttempt, Completion, RecordStore, UnknownOutcome};
 use sha2::{Digest, Sha256};
 
@@ -26,8 +26,19 @@ fn attempt(n: u64, owner: u64) -> ClaimAttempt {
         ttl_ms: TTL,
         quota: None,
         unknown_outcome: UnknownOutcome::Takeover,
-        // A typical label: a short route name and a UUID key.
-        label: Some(Label::new("orders", "5f0c6d2e-8a41-4b7e-9c3d-2f1e0a9b8c7d")),
+        // A typical label: a short route name, a UUID key, and its scope (a POST to a host's
+        // path, one tenant, the caller's digest).
+        label: Some(Label::scoped(
+            "orders",
+            "5f0c6d2e-8a41-4b7e-9c3d-2f1e0a9b8c7d",
+            &LabelScope {
+                method: "POST",
+                host: b"api.example.com",
+                path: "/v1/orders",
+                tenant: Some(&[b"tenant-0042"]),
+                principal: &[7; 32],
+            },
+        )),
     }
 }
 

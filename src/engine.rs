@@ -17,7 +17,7 @@ use crate::identity::scope::{
 };
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
-use crate::store::record::{Label, Snapshot};
+use crate::store::record::{Label, LabelScope, Snapshot};
 use crate::store::{Begin, Claim, ClaimAttempt, QuotaCharge, StoreError};
 use std::rc::Rc;
 
@@ -235,7 +235,17 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
     Admission::Collect(Pending {
         rule: Rc::clone(rule),
         scope,
-        label: Label::new(&rule.name, key.as_str()),
+        label: Label::scoped(
+            &rule.name,
+            key.as_str(),
+            &LabelScope {
+                method: head.method,
+                host: &authority,
+                path,
+                tenant: tenant_values.as_deref(),
+                principal: &principal,
+            },
+        ),
         tenant: tenant_values.as_deref().map(tenant_digest),
         principal,
         method: head.method.to_string(),
@@ -523,8 +533,9 @@ pub fn respond_problem(p: Problem) -> Decision {
 
 /// Headers that belong to one connection hop and never to a stored response (RFC 9110 7.6.1).
 /// `content-length` is kept: a replay's body carries its own length, but a HEAD or 204 answer's
-/// stored value is restored from it (`Reply::replay`).
-const NOT_STORED_HEADERS: &[&str] =
+/// stored value is restored from it (`Reply::replay`). An operator's resolve may not give them
+/// (the admin API).
+pub const NOT_STORED_HEADERS: &[&str] =
     &["connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"];
 
 /// The response headers a snapshot keeps: all but hop-by-hop ones and the rule's exclusions.

@@ -7,8 +7,8 @@
 
 use crate::identity::canonical::canonicalize;
 use crate::store::record::{
-    decode_bucket, decode_counters, decode_fill, decode_layouts, decode_slot, encode_bucket, encode_counters,
-    encode_fill, encode_layouts, encode_slot,
+    decode_bucket, decode_counters, decode_fill, decode_label, decode_layouts, decode_slot, encode_bucket,
+    encode_counters, encode_fill, encode_label, encode_layouts, encode_slot,
 };
 
 /// Key parser: total; an accepted key is 1..=255 visible ASCII, and its bare form parses to it.
@@ -57,6 +57,9 @@ pub fn record(data: &[u8]) {
     }
     if let Ok(slot) = decode_slot(data) {
         assert_eq!(encode_slot(&slot), data);
+    }
+    if let Ok(label) = decode_label(data) {
+        assert_eq!(encode_label(&label), data);
     }
     if let Ok(counters) = decode_counters(data) {
         assert_eq!(encode_counters(&counters), data);

@@ -4,7 +4,7 @@
 //! the operations it asks for (`Progress`), as a reply the glue sends. Pure: the glue carries
 //! the operations out on either store; nothing here imports proxy-wasm.
 //!
-//! - `GET  /idempotency/records?state=&route=&key=&limit=&cursor=`   list
+//! - `GET  /idempotency/records?state=&route=&key=&tenant=&host=&limit=&cursor=`   list
 //! - `GET  /idempotency/records/{id}`                   one record, with its stored response
 //! - `POST /idempotency/records/{id}/release[?force=true]`
 //! - `POST /idempotency/records/{id}/resolve`           body: the upstream's real answer
@@ -19,7 +19,7 @@ use crate::engine::Reply;
 use crate::identity::scope::{hex, unhex, ScopeId};
 use crate::json::{emit_string, JsonValue, MemberOrder};
 use crate::problem::{Kind, Problem};
-use crate::store::record::Snapshot;
+use crate::store::record::{Label, Snapshot};
 use crate::store::{Amendment, RecordId, RecordPage, RecordQuery, RecordView, Refusal, StateFilter};
 use crate::store::{StoreAnswer, StoreError, StoreOp};
 use sha2::{Digest, Sha256};
@@ -76,12 +76,32 @@ impl Action {
 pub struct Answered {
     pub reply: Reply,
     pub action: Action,
-    /// The record acted on (its tag), for the log line.
-    pub tag: Option<String>,
-    /// Who: the token's first 8 hex digits ("-" without a token).
+    /// The record acted on (or looked up, or whose change was refused), for the audit line.
+    pub record: Option<Subject>,
+    /// Who: the first 8 hex digits of the SHA-256 of the token presented ("-" without one).
     pub who: String,
     /// A record released or resolved: waiters held for it are woken.
     pub changed: Option<ScopeId>,
+}
+
+/// A record as the audit line names it: its tag, and whose it is (route and tenant, when its
+/// label says).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subject {
+    pub tag: String,
+    pub route: Option<String>,
+    pub tenant: Option<String>,
+}
+
+impl Subject {
+    fn of(view: &RecordView) -> Subject {
+        let label = view.label.as_ref();
+        Subject {
+            tag: view.scope.log_tag(),
+            route: label.map(|l| l.route().to_string()),
+            tenant: label.and_then(Label::tenant).map(str::to_string),
+        }
+    }
 }
 
 /// Where an admin request is: answered, or waiting for the store to answer `StoreOp` (the local
@@ -89,6 +109,10 @@ pub struct Answered {
 pub enum Progress {
     Done(Answered),
     Ask(AdminTask, StoreOp),
+    /// As `Ask`, in a later callback: the store paused a long scan at its bound of work for one
+    /// call (`RecordPage::paused`), and this goes on from there. The worker serves its requests
+    /// in between (the glue's root asks at its next tick).
+    Later(AdminTask, StoreOp),
 }
 
 /// An admin request waiting for the store.
@@ -98,15 +122,19 @@ pub struct AdminTask {
 }
 
 enum Wants {
-    /// The records a list asked for.
-    List,
-    /// The record an id names, then what to do with it.
-    One { id: String, then: Option<Amendment> },
+    /// The records a list asked for (`query`), and those found so far by a scan the store paused.
+    List { query: RecordQuery, got: Vec<RecordView> },
+    /// The record an id names (`query`: found so far, `found`), then what to do with it.
+    One { id: String, then: Option<Amendment>, query: RecordQuery, found: Vec<RecordView> },
     /// The change to this record is done (or refused).
-    Amended { tag: String, scope: ScopeId, action: Action },
+    Amended { record: Subject, scope: ScopeId, action: Action },
 }
 
 pub fn start(cfg: &AdminConfig, req: &AdminRequest) -> Progress {
+    // Which token acted, for the audit line: the first 8 hex digits of its SHA-256, never of the
+    // token itself. A prefix of a secret is part of it (every reader of the log would hold 32
+    // of its bits, and shorten a search for the rest); a prefix of its digest tells tokens apart
+    // and gives away nothing, and matches the first digits of the `token_sha256` configured.
     let who =
         req.authorization.and_then(bearer).map_or_else(|| "-".to_string(), |t| hex(&Sha256::digest(t)[..4]));
     if let Some(expected) = &cfg.token_sha256 {
@@ -118,37 +146,63 @@ pub fn start(cfg: &AdminConfig, req: &AdminRequest) -> Progress {
                 "present the admin token as authorization: Bearer <token>",
             );
             p.headers.push(("www-authenticate", "Bearer".to_string()));
-            return refusal(who, p);
+            return refusal(who, p, None);
         }
     }
     match route(req) {
         Ok((wants, op)) => Progress::Ask(AdminTask { who, wants }, op),
-        Err(p) => refusal(who, p),
+        Err(p) => refusal(who, p, None),
     }
 }
 
-fn refusal(who: String, p: Problem) -> Progress {
+fn refusal(who: String, p: Problem, record: Option<Subject>) -> Progress {
     let action = if p.kind == Kind::AdminUnauthorized { Action::Unauthorized } else { Action::Refused };
-    Progress::Done(Answered { reply: problem_reply(&p), action, tag: None, who, changed: None })
+    Progress::Done(Answered { reply: problem_reply(&p), action, record, who, changed: None })
 }
 
 impl AdminTask {
     /// Takes the store's answer on: the reply, or the change to make to the record it found.
     pub fn answered(self, answer: StoreAnswer, now_ms: u64) -> Progress {
         let AdminTask { who, wants } = self;
-        let done = |reply: Reply, action: Action, tag: Option<String>, changed: Option<ScopeId>| {
-            Progress::Done(Answered { reply, action, tag, who: who.clone(), changed })
+        let done = |reply: Reply, action: Action, record: Option<Subject>, changed: Option<ScopeId>| {
+            Progress::Done(Answered { reply, action, record, who: who.clone(), changed })
         };
         let step = match (wants, answer) {
-            (Wants::List, StoreAnswer::Records(page)) => {
-                page.map(|page| done(list_reply(&page, now_ms), Action::Listed, None, None))
+            (Wants::List { query, mut got }, StoreAnswer::Records(Ok(page))) => {
+                got.extend(page.views);
+                if page.paused {
+                    // The rest of the list, from where the store stopped.
+                    let rest = RecordQuery {
+                        cursor: page.next,
+                        limit: query.limit.saturating_sub(got.len()).max(1),
+                        ..query.clone()
+                    };
+                    return Progress::Later(
+                        AdminTask { who, wants: Wants::List { query, got } },
+                        rest.into(),
+                    );
+                }
+                let page = RecordPage { views: got, next: page.next, paused: false };
+                Ok(done(list_reply(&page, now_ms), Action::Listed, None, None))
             }
-            (Wants::One { id, then }, StoreAnswer::Records(page)) => match page.map(|p| only(&id, p.views)) {
+            (Wants::List { .. }, StoreAnswer::Records(Err(e))) => Err(e),
+            (Wants::One { id, then, query, mut found }, StoreAnswer::Records(Ok(page))) if page.paused => {
+                found.extend(page.views);
+                let rest = RecordQuery { cursor: page.next, ..query.clone() };
+                return Progress::Later(
+                    AdminTask { who, wants: Wants::One { id, then, query, found } },
+                    rest.into(),
+                );
+            }
+            (Wants::One { id, then, mut found, .. }, StoreAnswer::Records(page)) => match page.map(|p| {
+                found.extend(p.views);
+                only(&id, found)
+            }) {
                 Ok(Ok(view)) => Ok(match then {
                     None => done(
                         json_reply(200, &view_json(&view, true, now_ms)),
                         Action::LookedUp,
-                        Some(view.scope.log_tag()),
+                        Some(Subject::of(&view)),
                         None,
                     ),
                     Some(change) => {
@@ -157,26 +211,28 @@ impl AdminTask {
                         } else {
                             Action::Resolved
                         };
-                        let wants = Wants::Amended { tag: view.scope.log_tag(), scope: view.scope, action };
+                        let wants = Wants::Amended { record: Subject::of(&view), scope: view.scope, action };
                         let op = StoreOp::Amend { view: Box::new(view), change, now_ms };
                         return Progress::Ask(AdminTask { who, wants }, op);
                     }
                 }),
-                Ok(Err(p)) => return refusal(who, p),
+                Ok(Err(p)) => return refusal(who, p, None),
                 Err(e) => Err(e),
             },
-            (Wants::Amended { tag, scope, action }, StoreAnswer::Amended(done_or_not)) => match done_or_not {
-                Ok(Ok(())) => {
-                    let verb = if action == Action::Released { "released" } else { "resolved" };
-                    let body = format!("{{\"{verb}\":\"{tag}\"}}");
-                    Ok(done(json_reply(200, body.as_bytes()), action, Some(tag), Some(scope)))
+            (Wants::Amended { record, scope, action }, StoreAnswer::Amended(done_or_not)) => {
+                match done_or_not {
+                    Ok(Ok(())) => {
+                        let verb = if action == Action::Released { "released" } else { "resolved" };
+                        let body = format!("{{\"{verb}\":\"{}\"}}", record.tag);
+                        Ok(done(json_reply(200, body.as_bytes()), action, Some(record), Some(scope)))
+                    }
+                    Ok(Err(r)) => return refusal(who, refused(r), Some(record)),
+                    Err(e) => return refusal(who, unavailable(e), Some(record)),
                 }
-                Ok(Err(r)) => return refusal(who, refused(r)),
-                Err(e) => Err(e),
-            },
+            }
             (_, other) => Err(other.unexpected()),
         };
-        step.unwrap_or_else(|e| refusal(who, unavailable(e)))
+        step.unwrap_or_else(|e| refusal(who, unavailable(e), None))
     }
 }
 
@@ -196,15 +252,20 @@ fn route(req: &AdminRequest) -> Result<(Wants, StoreOp), Problem> {
             state: StateFilter::All,
             route: None,
             key: None,
+            tenant: None,
+            host: None,
             limit: MAX_LIMIT,
             cursor: None,
             detail: then.is_none(),
             now_ms: req.now_ms,
         };
-        Ok((Wants::One { id: id.to_string(), then }, StoreOp::Records(q)))
+        Ok((Wants::One { id: id.to_string(), then, query: q.clone(), found: Vec::new() }, q.into()))
     };
     match (req.method, parts.as_slice()) {
-        ("GET", []) => Ok((Wants::List, StoreOp::Records(list_query(query, req.now_ms)?))),
+        ("GET", []) => {
+            let q = list_query(query, req.now_ms)?;
+            Ok((Wants::List { query: q.clone(), got: Vec::new() }, q.into()))
+        }
         ("GET", [id]) => one(id, None),
         ("POST", [id, "release"]) => {
             let force = query_param(query, "force").is_some_and(|v| v == "true");
@@ -250,6 +311,9 @@ fn list_query(query: &str, now_ms: u64) -> Result<RecordQuery, Problem> {
         state,
         route: query_param(query, "route"),
         key: query_param(query, "key"),
+        tenant: query_param(query, "tenant"),
+        // As the scope keeps it: lower case, without the default port.
+        host: query_param(query, "host").map(|h| h.to_ascii_lowercase()),
         limit,
         cursor,
         detail: false,
@@ -336,7 +400,9 @@ fn resolution(body: &[u8]) -> Result<Snapshot, Problem> {
         Some(JsonValue::Number(n)) => n.parse::<u16>().ok().filter(|s| (200..600).contains(s)),
         _ => None,
     }
-    .ok_or_else(|| bad("status: expected an HTTP status from 200 to 599".to_string()))?;
+    .ok_or_else(|| {
+        bad("status: expected a final HTTP status from 200 to 599 (a 1xx is no answer to replay)".to_string())
+    })?;
     let mut headers = Vec::new();
     match doc.get("headers") {
         None => {}
@@ -347,8 +413,27 @@ fn resolution(body: &[u8]) -> Result<Snapshot, Problem> {
                     return Err(bad(HEADER_SHAPE.to_string()));
                 };
                 let name = n.to_ascii_lowercase();
-                if name.is_empty() || name.starts_with(':') || !name.bytes().all(|b| b.is_ascii_graphic()) {
-                    return Err(bad(format!("header name {n:?} is not one a response may carry")));
+                if name.is_empty() || !name.bytes().all(is_token_byte) {
+                    return Err(bad(format!(
+                        "header name {n:?} is not one a response may carry (a token: letters, digits, !#$%&'*+-.^_`|~)"
+                    )));
+                }
+                if crate::engine::NOT_STORED_HEADERS.contains(&name.as_str())
+                    || name.starts_with("proxy-")
+                    || name == "content-length"
+                {
+                    return Err(bad(format!(
+                        "header {name:?} belongs to a connection or frames the message: the replay sets its own"
+                    )));
+                }
+                // Replayed as given: a CR or LF would end the header on an HTTP/1.1 connection and
+                // start whatever follows as more headers or a second response (response
+                // splitting); a NUL or another control byte is no field content either (RFC 9110
+                // 5.5). A tab is.
+                if v.bytes().any(|b| b.is_ascii_control() && b != b'\t') {
+                    return Err(bad(format!(
+                        "header {name:?}: its value holds a control character (CR, LF, NUL...), which would split the replayed response"
+                    )));
                 }
                 headers.push((name, v.as_bytes().to_vec()));
             }
@@ -362,7 +447,17 @@ fn resolution(body: &[u8]) -> Result<Snapshot, Problem> {
         (None, None) => Vec::new(),
         _ => return Err(bad("body: a string, or body_base64: a base64 string, not both".to_string())),
     };
+    if matches!(status, 204 | 304) && !body.is_empty() {
+        return Err(bad(format!(
+            "status {status} carries no body (RFC 9110 15.3.5, 15.4.5): leave body out"
+        )));
+    }
     Ok(Snapshot { status, headers, body })
+}
+
+/// RFC 9110 5.6.2 `tchar`.
+fn is_token_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
 const HEADER_SHAPE: &str = "headers: expected [[\"name\", \"value\"], ...]";
@@ -376,8 +471,20 @@ fn view_json(v: &RecordView, detail: bool, now_ms: u64) -> Vec<u8> {
     emit_string(&v.scope.log_tag(), &mut out);
     out.extend_from_slice(b",\"id\":");
     emit_string(&hex(&v.scope.0), &mut out);
-    let (route, key) = v.label.as_ref().map_or((None, None), |l| (Some(l.route()), Some(l.key())));
-    for (name, value) in [("route", route), ("key", key)] {
+    // What the record is about, and whose: two customers may use one key (their records are
+    // two, in two scopes), and these tell them apart. Null where the record's label does not
+    // say (written before records named their scope, or no tenant header).
+    let l = v.label.as_ref();
+    let principal = l.and_then(Label::principal).map(|p| hex(&p));
+    for (name, value) in [
+        ("route", l.map(Label::route)),
+        ("key", l.map(Label::key)),
+        ("tenant", l.and_then(Label::tenant)),
+        ("host", l.and_then(Label::host)),
+        ("method", l.and_then(Label::method)),
+        ("path", l.and_then(Label::path)),
+        ("principal", principal.as_deref()),
+    ] {
         out.extend_from_slice(format!(",\"{name}\":").as_bytes());
         match value {
             Some(s) => emit_string(s, &mut out),

@@ -95,19 +95,27 @@ fn serve<H: Host>(plugin: &PluginState<H>, context_id: u32, head: &AdminHead, bo
         method: head.method.clone(),
         path: head.path.split('?').next().unwrap_or("").to_string(),
     };
-    if let Some((asked, conversation)) = advance(plugin, line, admin::start(cfg, &req)) {
-        plugin.admin_from_root(context_id, conversation, asked);
+    match advance(plugin, line, admin::start(cfg, &req)) {
+        None => {}
+        Some(Handoff::Conversation(asked, conversation)) => {
+            plugin.admin_from_root(context_id, conversation, asked)
+        }
+        Some(Handoff::Later(asked)) => plugin.admin_later(context_id, asked),
     }
 }
 
+/// Where an admin request goes on, when not answered at once: with the root.
+pub enum Handoff {
+    /// The store answers through callouts (etcd): the root carries the conversation.
+    Conversation(AdminAsk, Box<dyn Conversation>),
+    /// The store paused a long scan: the root asks again at its next tick.
+    Later(AdminAsk),
+}
+
 /// Takes an admin request on until it is answered (the effective context is its stream's), or
-/// until the store does not answer at once: that ask and its conversation are handed back, for
-/// the root.
-pub fn advance<H: Host>(
-    plugin: &PluginState<H>,
-    line: AdminLine,
-    mut progress: Progress,
-) -> Option<(AdminAsk, Box<dyn Conversation>)> {
+/// until the store does not answer at once, or paused a scan: that ask is handed back, for the
+/// root.
+pub fn advance<H: Host>(plugin: &PluginState<H>, line: AdminLine, mut progress: Progress) -> Option<Handoff> {
     loop {
         match progress {
             Progress::Done(answered) => {
@@ -118,28 +126,42 @@ pub fn advance<H: Host>(
             Progress::Ask(task, op) => match plugin.start(op.clone()) {
                 Started::Answered(answer) => progress = task.answered(answer, plugin.host.now_ms()),
                 Started::Conversation(conversation) => {
-                    return Some((AdminAsk { task, op, line }, conversation))
+                    return Some(Handoff::Conversation(AdminAsk { task, op, line }, conversation))
                 }
             },
+            Progress::Later(task, op) => return Some(Handoff::Later(AdminAsk { task, op, line })),
         }
     }
 }
 
 fn reply<H: Host>(plugin: &PluginState<H>, line: &AdminLine, answered: &Answered) {
     plugin.count_admin(answered.action);
-    log::info!(
-        "admin {} {} {} -> {} ({}) by {}",
-        line.method,
-        line.path,
-        answered.tag.as_deref().unwrap_or("-"),
-        answered.reply.status,
-        answered.action.name(),
-        answered.who
-    );
+    log::info!("{}", audit_line(line, answered));
     let r = &answered.reply;
     if let Err(HostError(s)) = plugin.host.send_response(r.status, DETAILS_ADMIN, &r.headers, &r.body) {
         log::warn!("admin: could not send the reply (host status {s})");
     }
+}
+
+/// The audit line of an admin request, at info level: the action, the record's tag, whose it
+/// is (route, tenant: quoted, as the label keeps them), which token (`Answered::who`: a digest
+/// prefix, never the token's), and the request. `-` where there is none (a list, no tenant
+/// header, no token).
+pub fn audit_line(line: &AdminLine, answered: &Answered) -> String {
+    let record = answered.record.as_ref();
+    let quoted = |s: Option<&String>| s.map_or_else(|| "-".to_string(), |s| format!("{s:?}"));
+    let token = if answered.who == "-" { "-".to_string() } else { format!("sha256:{}", answered.who) };
+    format!(
+        "admin {} tag={} route={} tenant={} token={} ({} {} -> {})",
+        answered.action.name(),
+        record.map_or("-", |r| r.tag.as_str()),
+        quoted(record.and_then(|r| r.route.as_ref())),
+        quoted(record.and_then(|r| r.tenant.as_ref())),
+        token,
+        line.method,
+        line.path,
+        answered.reply.status
+    )
 }
 
 fn send<H: Host>(plugin: &PluginState<H>, status: u16, body: &[u8]) {

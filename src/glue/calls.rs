@@ -148,6 +148,10 @@ pub struct RootCalls {
     pub retrying: Vec<RootSettlement>,
     /// Waiting for what another conversation fetches (`remote::Next::Wait`: the etcd token).
     pub parked: Vec<RootCall>,
+    /// Admin requests whose store paused a long scan, asked again at the root's next tick
+    /// (counted as the rest; a root is retired once its streams have ended, so these are of
+    /// clients that left).
+    pub admin_later: Vec<AdminLater>,
 }
 
 impl RootCalls {
@@ -157,11 +161,16 @@ impl RootCalls {
             && self.in_flight.is_empty()
             && self.retrying.is_empty()
             && self.parked.is_empty()
+            && self.admin_later.is_empty()
     }
 
     /// How many are handed over, under way, waiting for a token or to be tried again.
     pub fn len(&self) -> usize {
-        self.queued.len() + self.in_flight.len() + self.retrying.len() + self.parked.len()
+        self.queued.len()
+            + self.in_flight.len()
+            + self.retrying.len()
+            + self.parked.len()
+            + self.admin_later.len()
     }
 
     /// Takes the settlements due to be tried again at `now_ms`.
@@ -179,6 +188,8 @@ impl RootCalls {
         all.extend(std::mem::take(&mut self.in_flight).into_values());
         all.extend(std::mem::take(&mut self.retrying).into_iter().map(|s| RootCall::Settle(Box::new(s))));
         all.extend(std::mem::take(&mut self.parked));
+        // An operator's look changes nothing: left unanswered (its client gives up).
+        self.admin_later.clear();
         all
     }
 }
@@ -186,6 +197,14 @@ impl RootCalls {
 /// The message a stream leaves on its own worker's wake queue so that the root runs at once
 /// (a wake-up is a 32-byte scope id, so the two never mix).
 pub const SETTLE_NOW: &[u8] = b"settle";
+
+/// An admin request the root takes on at its next tick: the store paused a long scan at its
+/// bound of work for one call (`admin::Progress::Later`), and the worker serves its requests
+/// until then.
+pub struct AdminLater {
+    pub context_id: u32,
+    pub ask: AdminAsk,
+}
 
 /// What the log line says of the request.
 pub struct AdminLine {

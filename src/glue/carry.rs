@@ -6,7 +6,8 @@
 
 use super::admin;
 use super::calls::{
-    DetachedCall, FlowHandle, HeldFlow, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootLookup,
+    AdminAsk, AdminLater, DetachedCall, FlowHandle, HeldFlow, LeaseEndLookup, Lookup, RootAdmin, RootBegin,
+    RootCall, RootLookup,
 };
 use super::plugin::{CalloutOf, PluginState};
 use super::renew::converse_renewal;
@@ -17,6 +18,7 @@ use super::{
     Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS, MAP_REQUEST_HEADERS,
     MAP_RESPONSE_HEADERS,
 };
+use crate::admin::Progress;
 use crate::config::etcd::OnStoreError;
 use crate::detached;
 use crate::engine::{HeaderFix, Reply};
@@ -209,8 +211,34 @@ fn admin_answered<H: Host>(plugin: &PluginState<H>, call: RootAdmin, answer: Sto
     }
     let RootAdmin { context_id, ask, .. } = call;
     let progress = ask.task.answered(answer, plugin.host.now_ms());
-    if let Some((ask, conversation)) = admin::advance(plugin, ask.line, progress) {
-        converse_admin(plugin, Box::new(RootAdmin { context_id, conversation, ask }), None);
+    admin_handed_off(plugin, context_id, admin::advance(plugin, ask.line, progress));
+}
+
+/// Where the root takes an admin request on that did not end in its callback.
+fn admin_handed_off<H: Host>(plugin: &PluginState<H>, context_id: u32, handoff: Option<admin::Handoff>) {
+    match handoff {
+        None => {}
+        Some(admin::Handoff::Conversation(ask, conversation)) => {
+            converse_admin(plugin, Box::new(RootAdmin { context_id, conversation, ask }), None)
+        }
+        Some(admin::Handoff::Later(ask)) => {
+            plugin.calls.borrow_mut().admin_later.push(AdminLater { context_id, ask });
+        }
+    }
+}
+
+/// At the root's tick: the admin requests whose store paused a scan ask again, each one bounded
+/// part more (`store::local::admin::SCAN_READS`), or are answered; one whose client left is
+/// dropped (a look changes nothing).
+pub(super) fn continue_admin<H: Host>(plugin: &PluginState<H>) {
+    let later = std::mem::take(&mut plugin.calls.borrow_mut().admin_later);
+    for AdminLater { context_id, ask } in later {
+        if plugin.host.set_effective_context(context_id).is_err() {
+            log::info!("admin #{context_id}: the client left before its list was read");
+            continue;
+        }
+        let AdminAsk { task, op, line } = ask;
+        admin_handed_off(plugin, context_id, admin::advance(plugin, line, Progress::Ask(task, op)));
     }
 }
 

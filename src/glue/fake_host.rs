@@ -70,6 +70,8 @@ pub enum HostCall {
 pub struct Inner {
     pub(super) data: FakeSharedData,
     pub now_ms: Cell<u64>,
+    /// The root's tick period, as last set.
+    pub tick_ms: Cell<u32>,
     pub config: RefCell<Vec<u8>>,
     pub request_headers: RefCell<Vec<(String, Vec<u8>)>>,
     pub request_body: RefCell<Vec<u8>>,
@@ -244,8 +246,10 @@ impl Host for FakeHost {
     fn log_critical(&self, message: &str) {
         self.0.calls.borrow_mut().push(HostCall::Critical(message.to_string()));
     }
-    fn set_tick_period_ms(&self, _ms: u32) -> Result<(), HostError> {
-        self.fails("set_tick_period_ms")
+    fn set_tick_period_ms(&self, ms: u32) -> Result<(), HostError> {
+        self.fails("set_tick_period_ms")?;
+        self.0.tick_ms.set(ms);
+        Ok(())
     }
     fn buffer(&self, buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostError> {
         self.fails("buffer")?;

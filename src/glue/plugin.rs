@@ -553,6 +553,18 @@ impl<H: Host> PluginState<H> {
         self.to_root(RootCall::Admin(Box::new(RootAdmin { context_id, conversation, ask })));
     }
 
+    /// Hands an admin request whose store paused a long scan to this worker's root, which asks
+    /// again at its next tick (and ticks faster while it holds one: `Root::pace`); woken at once
+    /// through its queue so that it does.
+    pub fn admin_later(&self, context_id: u32, ask: super::calls::AdminAsk) {
+        self.calls.borrow_mut().admin_later.push(super::calls::AdminLater { context_id, ask });
+        if let Some(queue) = self.queue_id {
+            if let Err(e) = self.host.enqueue(queue, SETTLE_NOW) {
+                log::debug!("cannot wake the root (host status {}); it goes on at its next tick", e.0);
+            }
+        }
+    }
+
     /// Hands a paused request's `begin` (and its flow) to this worker's root.
     pub fn begin_from_root(
         &self,

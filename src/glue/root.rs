@@ -3,8 +3,8 @@
 
 use super::calls::RootCall;
 use super::carry::{
-    admin_failed, begin_failed, converse_admin, converse_begin, detached_answered, lookup_answered, recheck,
-    resume_parked, start_lease_end_lookups, take_on_handed_over, tend_watch,
+    admin_failed, begin_failed, continue_admin, converse_admin, converse_begin, detached_answered,
+    lookup_answered, recheck, resume_parked, start_lease_end_lookups, take_on_handed_over, tend_watch,
 };
 use super::http::Http;
 use super::plugin::PluginState;
@@ -18,7 +18,12 @@ use std::rc::Rc;
 
 /// Tick period: waiters' give-up and recheck times are honoured to this resolution.
 pub const TICK_MS: u32 = 100;
-/// Sweep and wake-registry heartbeat every this many ticks (1 s).
+/// Tick period while the root holds admin requests whose store paused a long scan: each tick
+/// reads one bounded part (`store::local::admin::SCAN_READS`), and between two ticks Envoy's
+/// event loop serves the worker's requests (a timer, unlike a queue's wake-up posted from the
+/// root's own callback, lets Envoy poll its connections first).
+pub const ADMIN_TICK_MS: u32 = 1;
+/// Sweep and wake-registry heartbeat every this many ticks of `TICK_MS` (1 s).
 const SLOW_EVERY_TICKS: u64 = 10;
 /// Wake-up messages handled per `on_queue_ready`, so one callback stays short.
 const MAX_MESSAGES_PER_READY: usize = 4096;
@@ -27,7 +32,12 @@ pub struct Root<H: Host> {
     context_id: u32,
     host: H,
     plugin: Option<Rc<PluginState<H>>>,
+    /// Ticks of `TICK_MS` so far (faster ticks count once per `TICK_MS`), and when the last
+    /// one counted: the once-a-second work keeps its pace whatever the period.
     ticks: u64,
+    counted_at_ms: u64,
+    /// The tick period set: `ADMIN_TICK_MS` while admin requests go on, else `TICK_MS`.
+    tick_ms: u32,
     /// Set when Envoy retired this root and it asked to finish first (`on_done`): when it
     /// stops waiting for the store operations it carries.
     retiring_until_ms: Option<u64>,
@@ -35,7 +45,15 @@ pub struct Root<H: Host> {
 
 impl<H: Host> Root<H> {
     pub fn new(context_id: u32, host: H) -> Root<H> {
-        Root { context_id, host, plugin: None, ticks: 0, retiring_until_ms: None }
+        Root {
+            context_id,
+            host,
+            plugin: None,
+            ticks: 0,
+            counted_at_ms: 0,
+            tick_ms: TICK_MS,
+            retiring_until_ms: None,
+        }
     }
 
     /// Envoy started this root (once per root context: the canary, the main thread, each
@@ -133,7 +151,12 @@ impl<H: Host> Root<H> {
         start_lease_end_lookups(&plugin, now_ms);
         // Conversations waiting for a token: on, or over once its fetch is past its deadline.
         resume_parked(&plugin);
-        if self.ticks.is_multiple_of(SLOW_EVERY_TICKS) {
+        let counted =
+            self.tick_ms == TICK_MS || now_ms.saturating_sub(self.counted_at_ms) >= u64::from(TICK_MS);
+        if counted {
+            self.counted_at_ms = now_ms;
+        }
+        if counted && self.ticks.is_multiple_of(SLOW_EVERY_TICKS) {
             // Once a second: reclaim expired records (a remote store expires its own), and beat
             // in the wake registry.
             match plugin.store.sweep(now_ms) {
@@ -147,12 +170,27 @@ impl<H: Host> Root<H> {
             plugin.heartbeat(now_ms);
             tend_watch(&plugin, now_ms);
         }
-        self.ticks = self.ticks.wrapping_add(1);
+        if counted {
+            self.ticks = self.ticks.wrapping_add(1);
+        }
         let due = plugin.room.borrow_mut().due(now_ms);
         for w in due {
             recheck(&plugin, w);
         }
+        continue_admin(&plugin);
+        self.pace(&plugin);
         self.finish_retirement();
+    }
+
+    /// Ticks every `ADMIN_TICK_MS` while admin requests go on, else every `TICK_MS`.
+    fn pace(&mut self, plugin: &PluginState<H>) {
+        let want = if plugin.calls.borrow().admin_later.is_empty() { TICK_MS } else { ADMIN_TICK_MS };
+        if want != self.tick_ms {
+            match self.host.set_tick_period_ms(want) {
+                Ok(()) => self.tick_ms = want,
+                Err(HostError(s)) => log::debug!("cannot set the tick period to {want} ms (host status {s})"),
+            }
+        }
     }
 
     pub fn on_queue_ready(&mut self, queue_id: u32) {
@@ -174,6 +212,8 @@ impl<H: Host> Root<H> {
                 recheck(&plugin, w);
             }
         }
+        // An admin request handed over by its stream goes on at the next tick, soon.
+        self.pace(&plugin);
         self.finish_retirement();
     }
 

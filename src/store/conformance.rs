@@ -7,7 +7,7 @@
 
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
-use crate::store::record::{Label, Snapshot, State};
+use crate::store::record::{Label, LabelScope, Snapshot, State};
 use crate::store::{
     Amendment, Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordPage, RecordQuery, RecordStore,
     RecordView, Refusal, Renew, Settled, StoreError, StoreOp, UnknownOutcome,
@@ -96,8 +96,22 @@ pub fn attempt(scope_n: u64, fp: u8, owner: u64, now_ms: u64) -> ClaimAttempt {
         quota: None,
         unknown_outcome: UnknownOutcome::Takeover,
         // Every conformance record carries its label, as the filter's do.
-        label: Some(Label::new("orders", &format!("key-{scope_n}"))),
+        label: Some(label_in(None, &format!("key-{scope_n}"))),
     }
+}
+
+/// A label as the filter writes it: route `orders`, `key`, a POST to api.example/orders by one
+/// caller, of `tenant` if any.
+pub fn label_in(tenant: Option<&str>, key: &str) -> Label {
+    let values: Vec<&[u8]> = tenant.iter().map(|t| t.as_bytes()).collect();
+    let scope = LabelScope {
+        method: "POST",
+        host: b"api.example",
+        path: "/orders",
+        tenant: tenant.map(|_| values.as_slice()),
+        principal: &[7; 32],
+    };
+    Label::scoped("orders", key, &scope)
 }
 
 /// An attempt charged to principal `principal` (and tenant `tenant`, if any) with these bounds.
@@ -236,6 +250,8 @@ pub fn an_operator_waits_for_a_request_that_may_still_be_at_work<B: Backend>() {
             state: crate::store::StateFilter::All,
             route: None,
             key: None,
+            tenant: None,
+            host: None,
             limit: 10,
             cursor: None,
             detail: false,
@@ -798,6 +814,10 @@ macro_rules! conformance_suite {
         #[test]
         fn records_are_listed_with_their_route_key_and_claim_time() {
             $crate::store::conformance::records_are_listed_with_their_route_key_and_claim_time::<$backend>();
+        }
+        #[test]
+        fn two_tenants_records_of_one_key_are_listed_each_with_its_scope() {
+            $crate::store::conformance::two_tenants_records_of_one_key_are_listed_each_with_its_scope::<$backend>();
         }
         #[test]
         fn a_long_list_comes_in_pages_that_hold_every_record_once() {

@@ -37,7 +37,8 @@ pub mod shared_data;
 
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
-use crate::store::record::{Entry, Label, Snapshot, State, STATUS_OUTCOME_UNKNOWN};
+use crate::store::record::{label_part, Entry, Label, Snapshot, State, STATUS_OUTCOME_UNKNOWN};
+use crate::store::record::{LABEL_HOST_MAX, LABEL_TENANT_MAX};
 
 /// What `begin` needs to know about the request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,14 +111,18 @@ impl RecordId {
 }
 
 /// Which records an operator asks for (the admin API): one record (`id`), or a list filtered by
-/// state, route and key, `limit` at most, resuming after `cursor` (a `RecordPage::next` of the
-/// same backend).
+/// state, route, key, tenant and host, `limit` at most, resuming after `cursor` (a
+/// `RecordPage::next` of the same backend).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecordQuery {
     pub id: Option<RecordId>,
     pub state: StateFilter,
     pub route: Option<String>,
     pub key: Option<String>,
+    /// As the label keeps it (`Label::tenant`: the header's values joined by commas).
+    pub tenant: Option<String>,
+    /// Normalized as the scope is (lower case, without the default port).
+    pub host: Option<String>,
     pub limit: usize,
     pub cursor: Option<String>,
     /// With their stored responses (a lookup); a list leaves them out.
@@ -145,11 +150,25 @@ impl StateFilter {
 }
 
 impl RecordQuery {
-    /// The route and key filters, on a record's label (a record without one matches neither).
+    /// The route, key, tenant and host filters, on a record's label (a record without one, or
+    /// whose label does not name its scope, matches none). A tenant or host longer than a label
+    /// keeps is compared as the label keeps it (`record::label_part`).
     pub fn admits_label(&self, label: Option<&Label>) -> bool {
         let matches =
             |wanted: &Option<String>, got: Option<&str>| wanted.as_deref().is_none_or(|w| got == Some(w));
-        matches(&self.route, label.map(Label::route)) && matches(&self.key, label.map(Label::key))
+        let kept = |wanted: &Option<String>, max: usize, got: Option<&str>| {
+            wanted.as_deref().is_none_or(|w| got == Some(&*label_part(w, max)))
+        };
+        matches(&self.route, label.map(Label::route))
+            && matches(&self.key, label.map(Label::key))
+            && kept(&self.tenant, LABEL_TENANT_MAX, label.and_then(Label::tenant))
+            && kept(&self.host, LABEL_HOST_MAX, label.and_then(Label::host))
+    }
+}
+
+impl From<RecordQuery> for StoreOp {
+    fn from(q: RecordQuery) -> StoreOp {
+        StoreOp::Records(q)
     }
 }
 
@@ -158,6 +177,11 @@ impl RecordQuery {
 pub struct RecordPage {
     pub views: Vec<RecordView>,
     pub next: Option<String>,
+    /// The store stopped at its bound of work for one call (the local store's `SCAN_READS`),
+    /// not at the query's `limit`: the same query with `next` as its cursor (and the rest of its
+    /// limit) goes on where it stopped, a tag's look-up too. Its caller (the admin API) asks
+    /// again in a later callback, so that the worker serves requests in between.
+    pub paused: bool,
 }
 
 /// What an operator does to a record they looked up.

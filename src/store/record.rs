@@ -37,6 +37,16 @@
 //!   so every record an operator lists has its route and key. Readers of v2 and v4 alike; a
 //!   build before v4 reads a v4 value as an unknown version (the store then answers errors for
 //!   that record, never a second execution), which is the downgrade limit the changelog states.
+//! Slot v5:     [5u8] | entry | label v5 | snapshot as in v2. Label v5: the v4 label, then
+//!   method, host and path (each len u8 | UTF-8, at most 16, 96 and 128 bytes), tenant (len u8 |
+//!   UTF-8, at most 64, or 255 alone: no tenant header), principal [4] (the first bytes of the
+//!   caller's principal digest). A part cut at its bound ends with `LABEL_CUT`. It names the
+//!   record's scope, so that an operator tells two tenants' records of one key apart. A v4 or
+//!   v5 claim label moves into its outcome as it was written (`slot_label`): v4 values stay
+//!   readable and show without the scope. Like v4, it is a new version byte in a slot (one
+//!   record), never in a bucket: a build before v5 reads a v5 slot as an unknown version and
+//!   answers errors for that record only. The etcd label key holds the same label ([5u8] |
+//!   label v5, or [4u8] | label v4).
 //!
 //! Outcome unknown (`routes[].unknown_outcome: "refuse"`): a completed entry with status 0
 //! (`STATUS_OUTCOME_UNKNOWN`), state FAILED_FINAL and `FLAG_BODY_NOT_STORED`, so a slot (or an
@@ -55,6 +65,8 @@ pub const FORMAT_V2: u8 = 2;
 pub const FORMAT_V3: u8 = 3;
 /// Slot and etcd record values that carry their `Label` (see the module docs).
 pub const FORMAT_V4: u8 = 4;
+/// Slot values and etcd labels whose `Label` names the record's scope (see the module docs).
+pub const FORMAT_V5: u8 = 5;
 /// Layout ids with this bit are `idem:v3:<capacity>:` namespaces.
 pub const LAYOUT_V3: u32 = 1 << 31;
 /// The status of a completed entry whose outcome is unknown (module docs: Outcome unknown).
@@ -153,7 +165,7 @@ pub enum DecodeError {
 
 /// The newest format version this build writes for any value: a higher one was written by a
 /// newer build.
-const NEWEST_FORMAT: u8 = FORMAT_V4;
+const NEWEST_FORMAT: u8 = FORMAT_V5;
 
 /// What a value this build cannot read is, as the store's error and the operator's log say it:
 /// a newer build's value is said to be one (a rollback leaves them), not damage.
@@ -297,106 +309,283 @@ pub struct Snapshot {
 }
 
 /// What a record is about, in an operator's words: the rule's route name and the client's
-/// Idempotency-Key, and when its current claim was made. The scope id is a one-way hash of them
-/// (and the caller), so a record that must be found by key, or shown to an operator, carries
-/// them. Both parts are bounded by the configuration (route names) and the key parser (keys); a
-/// longer one is cut at a character boundary, never refused.
+/// Idempotency-Key, when its current claim was made, and (v5) the scope it lives in: the tenant
+/// (when the filter has a tenant header), host, method and path, and a short prefix of the
+/// caller's principal digest. The scope id is a one-way hash of them, so a record that must be
+/// found by key, or told apart from another customer's with the same key, carries them. Every
+/// part is bounded: route names by the configuration and keys by the key parser (cut at a
+/// character boundary, never refused); a longer method, host, path or tenant is cut and ends
+/// with `LABEL_CUT`. Never a secret: the principal only as `LABEL_PRINCIPAL_BYTES` of its
+/// digest (a SHA-256 of the caller's credentials), and the path without its query.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Label {
     /// When the record's current claim was made (the store sets it as it writes the claim).
     pub created_at_ms: u64,
-    /// Route then key (UTF-8, cut at character boundaries), in one shared allocation made once
-    /// per request: every step that carries an attempt clones it, and a replay never writes it,
-    /// so a clone is a count, not a copy.
+    /// The parts (route, key, method, host, path, tenant; UTF-8, each cut at a character
+    /// boundary) in one shared allocation made once per request: every step that carries an
+    /// attempt clones it, and a replay never writes it, so a clone is a count, not a copy.
     text: std::rc::Rc<[u8]>,
-    route_len: usize,
+    /// Each part's length in `text`, in that order (a v4 label has route and key only).
+    lens: [u8; PARTS],
+    /// None: a v4 label, written before records named their scope.
+    scope: Option<LabelScopeBits>,
 }
 
+/// What a v5 label says of its scope besides its text parts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LabelScopeBits {
+    /// The filter has a tenant header (the tenant part is then the record's tenant, maybe "").
+    tenant: bool,
+    principal: [u8; LABEL_PRINCIPAL_BYTES],
+}
+
+/// The scope a request's record lives in, as `Label::scoped` keeps it.
+pub struct LabelScope<'a> {
+    pub method: &'a str,
+    /// Normalized as the scope is (`identity::scope::normalize_authority`).
+    pub host: &'a [u8],
+    /// Without the query (the scope's path).
+    pub path: &'a str,
+    /// The tenant header's values; None when the filter has no tenant header.
+    pub tenant: Option<&'a [&'a [u8]]>,
+    /// The caller's principal digest (`identity::scope`).
+    pub principal: &'a [u8; 32],
+}
+
+const PARTS: usize = 6;
 pub const LABEL_ROUTE_MAX: usize = 64;
 pub const LABEL_KEY_MAX: usize = 255;
+pub const LABEL_METHOD_MAX: usize = 16;
+pub const LABEL_HOST_MAX: usize = 96;
+pub const LABEL_PATH_MAX: usize = 128;
+pub const LABEL_TENANT_MAX: usize = 64;
+/// The bound of each part, in `Label::text` order.
+const LABEL_MAX: [usize; PARTS] =
+    [LABEL_ROUTE_MAX, LABEL_KEY_MAX, LABEL_METHOD_MAX, LABEL_HOST_MAX, LABEL_PATH_MAX, LABEL_TENANT_MAX];
+/// Ends a method, host, path or tenant that was cut at its bound.
+pub const LABEL_CUT: &str = "…";
+/// How much of the principal's digest a label keeps: enough to tell two callers apart in a
+/// list, far too little to stand for the credentials.
+pub const LABEL_PRINCIPAL_BYTES: usize = 4;
+/// A v5 label's tenant length byte when the filter has no tenant header.
+const NO_TENANT: u8 = u8::MAX;
+
+/// `s` cut to at most `max` bytes at a character boundary.
+fn cut(s: &str, max: usize) -> &str {
+    let mut n = s.len().min(max);
+    while !s.is_char_boundary(n) {
+        n -= 1;
+    }
+    s.get(..n).unwrap_or("")
+}
+
+/// `s` as a label part of at most `max` bytes: itself, or cut to leave room for `LABEL_CUT`
+/// (then `true`: the marker follows).
+fn capped(s: &str, max: usize) -> (&str, bool) {
+    if s.len() <= max {
+        (s, false)
+    } else {
+        (cut(s, max.saturating_sub(LABEL_CUT.len())), true)
+    }
+}
+
+/// The text a label keeps of `wanted` (a filter's value) at `max`: what it is compared with.
+pub fn label_part(wanted: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    match capped(wanted, max) {
+        (s, false) => std::borrow::Cow::Borrowed(s),
+        (s, true) => std::borrow::Cow::Owned(format!("{s}{LABEL_CUT}")),
+    }
+}
 
 impl Label {
+    /// A label without its scope (as v4 labels are): tests, and records read from v4 values.
     pub fn new(route: &str, key: &str) -> Label {
-        let cut = |s: &str, max: usize| {
-            let mut n = s.len().min(max);
-            while !s.is_char_boundary(n) {
-                n -= 1;
-            }
-            n
-        };
-        let (route, key) = (&route[..cut(route, LABEL_ROUTE_MAX)], &key[..cut(key, LABEL_KEY_MAX)]);
+        let (route, key) = (cut(route, LABEL_ROUTE_MAX), cut(key, LABEL_KEY_MAX));
         // An exact-size iterator: the Rc and its bytes are one allocation.
         let text = route.bytes().chain(key.bytes()).collect();
-        Label { created_at_ms: 0, text, route_len: route.len() }
+        Label { created_at_ms: 0, text, lens: [route.len() as u8, key.len() as u8, 0, 0, 0, 0], scope: None }
+    }
+
+    /// The label a request's record carries: its route and key, and its scope.
+    pub fn scoped(route: &str, key: &str, scope: &LabelScope) -> Label {
+        // One tenant value (the usual case) as it is; several joined by commas.
+        let tenant: Option<std::borrow::Cow<[u8]>> = scope.tenant.map(|values| match values {
+            [one] => std::borrow::Cow::Borrowed(*one),
+            more => std::borrow::Cow::Owned(more.join(&b',')),
+        });
+        let parts = [
+            (route.as_bytes(), LABEL_ROUTE_MAX),
+            (key.as_bytes(), LABEL_KEY_MAX),
+            (scope.method.as_bytes(), LABEL_METHOD_MAX),
+            (scope.host, LABEL_HOST_MAX),
+            (scope.path.as_bytes(), LABEL_PATH_MAX),
+            (tenant.as_deref().unwrap_or_default(), LABEL_TENANT_MAX),
+        ];
+        // Header values may hold bytes that are no UTF-8: shown as U+FFFD (borrowed when valid).
+        let texts = parts.map(|(part, max)| (String::from_utf8_lossy(part), max));
+        // Each part as kept, and whether the cut marker follows. Route and key are bounded
+        // upstream (configuration, key parser): cut, never marked.
+        let mut kept = [("", false); PARTS];
+        for (i, ((text, max), k)) in texts.iter().zip(kept.iter_mut()).enumerate() {
+            *k = match capped(text, *max) {
+                (s, true) if i > 1 => (s, true),
+                _ => (cut(text, *max), false),
+            };
+        }
+        let marker = |cut: bool| if cut { LABEL_CUT.as_bytes() } else { &[] };
+        let len = |(s, cut): &(&str, bool)| s.len() + marker(*cut).len();
+        // Every part is at most 255 bytes (`LABEL_MAX`).
+        let lens = kept.map(|k| len(&k) as u8);
+        // One allocation, filled in place (the Rc is new: `get_mut` is always Some).
+        let mut text: std::rc::Rc<[u8]> = std::iter::repeat_n(0, kept.iter().map(len).sum()).collect();
+        if let Some(buf) = std::rc::Rc::get_mut(&mut text) {
+            let bytes = kept.iter().flat_map(|(s, cut)| s.bytes().chain(marker(*cut).iter().copied()));
+            for (to, b) in buf.iter_mut().zip(bytes) {
+                *to = b;
+            }
+        }
+        let mut principal = [0u8; LABEL_PRINCIPAL_BYTES];
+        principal.copy_from_slice(&scope.principal[..LABEL_PRINCIPAL_BYTES]);
+        Label {
+            created_at_ms: 0,
+            text,
+            lens,
+            scope: Some(LabelScopeBits { tenant: tenant.is_some(), principal }),
+        }
     }
 
     pub fn route(&self) -> &str {
-        self.part(..self.route_len)
+        self.part(0)
     }
 
     pub fn key(&self) -> &str {
-        self.part(self.route_len..)
+        self.part(1)
     }
 
-    /// Both parts were cut at character boundaries (`new`), so this never reads "".
-    fn part(&self, range: impl std::slice::SliceIndex<[u8], Output = [u8]>) -> &str {
-        self.text.get(range).and_then(|b| std::str::from_utf8(b).ok()).unwrap_or("")
+    /// The record's method, host (normalized) and path (without its query); None for a label
+    /// written before records named their scope.
+    pub fn method(&self) -> Option<&str> {
+        self.scope.map(|_| self.part(2))
+    }
+
+    pub fn host(&self) -> Option<&str> {
+        self.scope.map(|_| self.part(3))
+    }
+
+    pub fn path(&self) -> Option<&str> {
+        self.scope.map(|_| self.part(4))
+    }
+
+    /// The record's tenant (its header's values, joined by commas); None when the filter has no
+    /// tenant header, or the label was written before records named their scope.
+    pub fn tenant(&self) -> Option<&str> {
+        self.scope.filter(|s| s.tenant).map(|_| self.part(5))
+    }
+
+    /// The first bytes of the caller's principal digest.
+    pub fn principal(&self) -> Option<[u8; LABEL_PRINCIPAL_BYTES]> {
+        self.scope.map(|s| s.principal)
+    }
+
+    /// Every part was cut at character boundaries (`new`, `scoped`, `read`), so this never
+    /// reads "".
+    fn part(&self, i: usize) -> &str {
+        let start: usize = self.lens.iter().take(i).map(|&n| usize::from(n)).sum();
+        let len = self.lens.get(i).map_or(0, |&n| usize::from(n));
+        self.text.get(start..start + len).and_then(|b| std::str::from_utf8(b).ok()).unwrap_or("")
     }
 
     pub fn created_at(self, now_ms: u64) -> Label {
         Label { created_at_ms: now_ms, ..self }
     }
 
-    fn encoded_len(&self) -> usize {
-        10 + self.text.len()
+    /// The format version of the values that carry this label: v5 with its scope, v4 without.
+    pub fn version(&self) -> u8 {
+        if self.scope.is_some() {
+            FORMAT_V5
+        } else {
+            FORMAT_V4
+        }
     }
 
+    fn encoded_len(&self) -> usize {
+        8 + self.text.len() + if self.scope.is_some() { PARTS + LABEL_PRINCIPAL_BYTES } else { 2 }
+    }
+
+    /// v4: created_at_ms u64 | route len u8 | route | key len u8 | key. v5: the same, then
+    /// method, host and path (each len u8 | text), tenant (len u8 | text, or `NO_TENANT`
+    /// alone), principal [LABEL_PRINCIPAL_BYTES].
     fn write(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.created_at_ms.to_be_bytes());
-        // Both at most 255 bytes (`new`).
-        let (route, key) = self.text.split_at(self.route_len.min(self.text.len()));
-        out.push(route.len() as u8);
-        out.extend_from_slice(route);
-        out.push(key.len() as u8);
-        out.extend_from_slice(key);
+        let parts = if self.scope.is_some() { PARTS } else { 2 };
+        for i in 0..parts {
+            let text = self.part(i);
+            match self.scope {
+                Some(s) if i == 5 && !s.tenant => out.push(NO_TENANT),
+                _ => {
+                    // Every part is at most 255 bytes (`LABEL_MAX`).
+                    out.push(text.len() as u8);
+                    out.extend_from_slice(text.as_bytes());
+                }
+            }
+        }
+        if let Some(s) = self.scope {
+            out.extend_from_slice(&s.principal);
+        }
     }
 
-    fn read(r: &mut Reader) -> Result<Label, DecodeError> {
-        fn text(bytes: &[u8], max: usize) -> Result<&str, DecodeError> {
-            let s = std::str::from_utf8(bytes).map_err(|_| DecodeError::NonCanonical)?;
-            if s.len() > max {
+    fn read(r: &mut Reader, version: u8) -> Result<Label, DecodeError> {
+        let created_at_ms = r.u64()?;
+        let parts = if version == FORMAT_V5 { PARTS } else { 2 };
+        let mut text = Vec::with_capacity(r.rest().len().min(1 << 10));
+        let mut lens = [0u8; PARTS];
+        let mut tenant = true;
+        for (i, len) in lens.iter_mut().enumerate().take(parts) {
+            let n = r.u8()?;
+            if i == 5 && n == NO_TENANT {
+                tenant = false;
+                continue;
+            }
+            let bytes = r.take(usize::from(n))?;
+            if std::str::from_utf8(bytes).is_err() || bytes.len() > LABEL_MAX.get(i).copied().unwrap_or(0) {
                 return Err(DecodeError::NonCanonical);
             }
-            Ok(s)
+            text.extend_from_slice(bytes);
+            *len = n;
         }
-        let created_at_ms = r.u64()?;
-        let n = usize::from(r.u8()?);
-        let route = text(r.take(n)?, LABEL_ROUTE_MAX)?;
-        let n = usize::from(r.u8()?);
-        let key = text(r.take(n)?, LABEL_KEY_MAX)?;
-        Ok(Label::new(route, key).created_at(created_at_ms))
+        let scope =
+            if version == FORMAT_V5 { Some(LabelScopeBits { tenant, principal: r.array()? }) } else { None };
+        Ok(Label { created_at_ms, text: text.into(), lens, scope })
     }
 
     /// Steps over a label without reading it: a replay's read never shows it.
-    fn skip(r: &mut Reader) -> Result<(), DecodeError> {
+    fn skip(r: &mut Reader, version: u8) -> Result<(), DecodeError> {
         r.u64()?;
-        for max in [LABEL_ROUTE_MAX, LABEL_KEY_MAX] {
-            let n = usize::from(r.u8()?);
-            if n > max {
+        let parts = if version == FORMAT_V5 { PARTS } else { 2 };
+        for (i, max) in LABEL_MAX.iter().enumerate().take(parts) {
+            let n = r.u8()?;
+            if i == 5 && n == NO_TENANT {
+                continue;
+            }
+            if usize::from(n) > *max {
                 return Err(DecodeError::NonCanonical);
             }
-            r.take(n)?;
+            r.take(usize::from(n))?;
+        }
+        if version == FORMAT_V5 {
+            r.take(LABEL_PRINCIPAL_BYTES)?;
         }
         Ok(())
     }
 }
 
-/// An etcd record's label, under its own key (`n/<scope hex>`, `store::etcd`): [4u8] | label.
-/// Apart from the record so that the record's value keeps the v2 bytes every build reads: a
-/// fleet upgraded one Envoy at a time never has an older build meet a value it cannot read.
+/// An etcd record's label, under its own key (`n/<scope hex>`, `store::etcd`): [version] |
+/// label (v5 with its scope, v4 without). Apart from the record so that the record's value keeps
+/// the v2 bytes every build reads: a fleet upgraded one Envoy at a time never has an older build
+/// meet a value it cannot read (an older build's list shows a label it cannot read as none).
 pub fn encode_label(label: &Label) -> Vec<u8> {
     let mut out = Vec::with_capacity(1 + label.encoded_len());
-    out.push(FORMAT_V4);
+    out.push(label.version());
     label.write(&mut out);
     out
 }
@@ -404,10 +593,10 @@ pub fn encode_label(label: &Label) -> Vec<u8> {
 pub fn decode_label(bytes: &[u8]) -> Result<Label, DecodeError> {
     let mut r = Reader::new(bytes);
     let version = r.u8()?;
-    if version != FORMAT_V4 {
+    if version != FORMAT_V4 && version != FORMAT_V5 {
         return Err(DecodeError::UnknownVersion(version));
     }
-    let label = Label::read(&mut r)?;
+    let label = Label::read(&mut r, version)?;
     if !r.rest().is_empty() {
         return Err(DecodeError::TrailingBytes);
     }
@@ -444,24 +633,27 @@ pub fn encode_slot(v: &SlotValue) -> Vec<u8> {
 }
 
 /// A label to write into a slot: decoded, or as its claim left it in the slot (`slot_label`).
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LabelBytes<'a> {
     Decoded(&'a Label),
-    Encoded(&'a [u8]),
+    /// The value's format version (v4 or v5) and the label's bytes.
+    Encoded(u8, &'a [u8]),
 }
 
-/// The encoded label of a v4 slot value, the bytes `Label::write` wrote (None for v2): a
-/// completion moves its claim's label into the outcome as it is, without reading it.
-pub fn slot_label(bytes: &[u8]) -> Result<Option<&[u8]>, DecodeError> {
+/// The encoded label of a v4 or v5 slot value, the bytes `Label::write` wrote, with the
+/// value's version (None for v2): a completion moves its claim's label into the outcome as it
+/// is, without reading it, in the version it was written in.
+pub fn slot_label(bytes: &[u8]) -> Result<Option<LabelBytes<'_>>, DecodeError> {
     let mut r = Reader::new(bytes);
-    if r.u8()? != FORMAT_V4 {
+    let version = r.u8()?;
+    if version != FORMAT_V4 && version != FORMAT_V5 {
         return Ok(None);
     }
     r.take(ENTRY_LEN)?;
     let before = r.rest().len();
-    Label::skip(&mut r)?;
+    Label::skip(&mut r, version)?;
     let start = 1 + ENTRY_LEN;
-    Ok(bytes.get(start..start + (before - r.rest().len())))
+    Ok(bytes.get(start..start + (before - r.rest().len())).map(|b| LabelBytes::Encoded(version, b)))
 }
 
 /// `encode_slot` from its parts, borrowed: a completion writes its snapshot without a copy.
@@ -471,10 +663,14 @@ pub fn encode_slot_parts(entry: &Entry, snapshot: Option<&Snapshot>, label: Opti
     });
     let label_len = label.map_or(0, |l| match l {
         LabelBytes::Decoded(l) => l.encoded_len(),
-        LabelBytes::Encoded(b) => b.len(),
+        LabelBytes::Encoded(_, b) => b.len(),
     });
     let mut out = Vec::with_capacity(1 + ENTRY_LEN + label_len + snapshot_len);
-    out.push(if label.is_some() { FORMAT_V4 } else { FORMAT_V2 });
+    out.push(match label {
+        None => FORMAT_V2,
+        Some(LabelBytes::Decoded(l)) => l.version(),
+        Some(LabelBytes::Encoded(version, _)) => version,
+    });
     let mut entry = *entry;
     // The flag and the snapshot's presence must agree, or the bytes would have two meanings.
     if snapshot.is_some() {
@@ -485,7 +681,7 @@ pub fn encode_slot_parts(entry: &Entry, snapshot: Option<&Snapshot>, label: Opti
     write_entry(&mut out, &entry);
     match label {
         Some(LabelBytes::Decoded(l)) => l.write(&mut out),
-        Some(LabelBytes::Encoded(b)) => out.extend_from_slice(b),
+        Some(LabelBytes::Encoded(_, b)) => out.extend_from_slice(b),
         None => {}
     }
     let Some(s) = snapshot else { return out };
@@ -538,14 +734,14 @@ fn decode_slot_layout(
 ) -> Result<SlotValue, DecodeError> {
     let mut r = Reader::new(bytes);
     let version = r.u8()?;
-    if version != FORMAT_V2 && version != FORMAT_V4 {
+    if version != FORMAT_V2 && version != FORMAT_V4 && version != FORMAT_V5 {
         return Err(DecodeError::UnknownVersion(version));
     }
     let entry = read_entry(&mut r)?;
-    let labelled = version == FORMAT_V4;
+    let labelled = version != FORMAT_V2;
     let label = match (labelled, with_label) {
-        (true, true) => Some(Label::read(&mut r)?),
-        (true, false) => Label::skip(&mut r).map(|()| None)?,
+        (true, true) => Some(Label::read(&mut r, version)?),
+        (true, false) => Label::skip(&mut r, version).map(|()| None)?,
         (false, _) => None,
     };
     // A claim (an etcd record, or a claim's label in a v4 slot) never has a snapshot.
@@ -753,10 +949,10 @@ mod tests {
         let said = |e: Result<SlotValue, DecodeError>| e.err().map(|e| e.to_string()).unwrap_or_default();
         let snapshot = Some(Snapshot { status: 201, headers: vec![], body: vec![] });
         let mut newer = encode_slot(&SlotValue { entry: entry(0, 1), snapshot, label: None });
-        newer[0] = 5;
+        newer[0] = 6;
         assert_eq!(
             said(decode_record(&newer)),
-            "format version 5, written by a newer build of the filter (this one reads versions up to 4); left as it is"
+            "format version 6, written by a newer build of the filter (this one reads versions up to 5); left as it is"
         );
         assert_eq!(
             decode_bucket(&[3, 1], 8).err().map(|e| e.to_string()).unwrap_or_default(),
@@ -963,23 +1159,47 @@ mod tests {
         assert_eq!(decode_slot(&encode_slot(&done)), Ok(done));
     }
 
-    fn labelled(entry: Entry, snapshot: Option<Snapshot>) -> SlotValue {
+    /// A label as the previous build wrote it (v4: route and key only).
+    fn labelled_v4(entry: Entry, snapshot: Option<Snapshot>) -> SlotValue {
         SlotValue { entry, snapshot, label: Some(Label::new("orders", "order-42 ü").created_at(7)) }
+    }
+
+    fn scope_of(tenant: Option<&[&[u8]]>) -> Label {
+        let principal = [0xab; 32];
+        let scope = LabelScope {
+            method: "POST",
+            host: b"api.example",
+            path: "/orders",
+            tenant,
+            principal: &principal,
+        };
+        Label::scoped("orders", "order-42 ü", &scope).created_at(7)
+    }
+
+    /// A label as this build writes it (v5: with the record's scope).
+    fn labelled(entry: Entry, snapshot: Option<Snapshot>) -> SlotValue {
+        SlotValue { entry, snapshot, label: Some(scope_of(Some(&[b"acme"]))) }
+    }
+
+    fn labelled_both(entry: Entry, snapshot: Option<Snapshot>) -> [SlotValue; 3] {
+        let no_tenant = SlotValue { label: Some(scope_of(None)), ..labelled(entry, snapshot.clone()) };
+        [labelled_v4(entry, snapshot.clone()), labelled(entry, snapshot), no_tenant]
     }
 
     #[test]
     fn a_labelled_outcome_round_trips_and_every_truncation_is_an_error() {
         let snapshot =
             Snapshot { status: 201, headers: vec![("a".into(), b"b".to_vec())], body: b"{}".to_vec() };
-        for v in [
-            labelled(entry(3, 42), Some(snapshot)),
-            labelled(Entry { flags: FLAG_BODY_NOT_STORED, ..entry(3, 42) }, None),
-        ] {
+        let values = [
+            labelled_both(entry(3, 42), Some(snapshot)),
+            labelled_both(Entry { flags: FLAG_BODY_NOT_STORED, ..entry(3, 42) }, None),
+        ];
+        for v in values.into_iter().flatten() {
             let bytes = encode_slot(&v);
-            assert_eq!(bytes[0], FORMAT_V4);
+            let label = v.label.clone().unwrap();
+            assert_eq!(bytes[0], if label.method().is_some() { FORMAT_V5 } else { FORMAT_V4 });
             assert_eq!(decode_slot(&bytes), Ok(v.clone()));
             assert_eq!(decode_record(&bytes), Ok(v.clone()));
-            let label = v.label.clone().unwrap();
             assert_eq!((label.route(), label.key(), label.created_at_ms), ("orders", "order-42 ü", 7));
             for n in 0..bytes.len() {
                 assert!(decode_slot(&bytes[..n]).is_err(), "prefix {n}");
@@ -987,16 +1207,59 @@ mod tests {
             }
             // A replay's read steps over the label: the same outcome, without it.
             assert_eq!(decode_slot_outcome(&bytes), Ok(SlotValue { label: None, ..v }));
+            // An etcd label key holds the same label.
+            let key = encode_label(&label);
+            assert_eq!((key[0], decode_label(&key)), (bytes[0], Ok(label)));
+            for n in 0..key.len() {
+                assert!(decode_label(&key[..n]).is_err(), "prefix {n}");
+            }
         }
+    }
+
+    #[test]
+    fn a_label_names_the_records_scope_and_one_the_previous_build_wrote_reads_without_it() {
+        let [v4, v5, no_tenant] = labelled_both(Entry { flags: FLAG_BODY_NOT_STORED, ..entry(3, 42) }, None);
+        let l = v5.label.unwrap();
+        assert_eq!(
+            (l.method(), l.host(), l.path(), l.tenant(), l.principal()),
+            (Some("POST"), Some("api.example"), Some("/orders"), Some("acme"), Some([0xab; 4]))
+        );
+        let l = no_tenant.label.unwrap();
+        assert_eq!((l.tenant(), l.host()), (None, Some("api.example")));
+        let l = v4.label.clone().unwrap();
+        assert_eq!(
+            (l.method(), l.host(), l.path(), l.tenant(), l.principal()),
+            (None, None, None, None, None)
+        );
+        // The previous build's bytes, as it wrote them: version 4, entry, created_at, route, key.
+        let mut written = vec![FORMAT_V4];
+        write_entry(&mut written, &Entry { flags: FLAG_BODY_NOT_STORED, ..entry(3, 42) });
+        written.extend_from_slice(&7u64.to_be_bytes());
+        written.push(6);
+        written.extend_from_slice(b"orders");
+        written.push(11);
+        written.extend_from_slice("order-42 ü".as_bytes());
+        assert_eq!(decode_slot(&written), Ok(v4.clone()));
+        assert_eq!(encode_slot(&v4), written, "a v4 label is written back as v4");
+        let mut key = vec![FORMAT_V4];
+        key.extend_from_slice(&written[1 + ENTRY_LEN..]);
+        assert_eq!(decode_label(&key), Ok(v4.label.unwrap()));
+        // Several tenant header values read as one list.
+        let principal = [1; 32];
+        let two: &[&[u8]] = &[b"a", b"b"];
+        let scope =
+            LabelScope { method: "PUT", host: b"h", path: "/", tenant: Some(two), principal: &principal };
+        assert_eq!(Label::scoped("r", "k", &scope).tenant(), Some("a,b"));
     }
 
     #[test]
     fn a_claims_label_reads_from_a_slot_as_no_outcome() {
         let claim = Entry { state: State::Processing, flags: FLAG_BODY_NOT_STORED, status: 0, ..entry(2, 5) };
-        let v = labelled(claim, None);
-        let read = decode_slot(&encode_slot(&v)).unwrap();
-        assert!(read.is_claim_label());
-        assert_eq!(read, v);
+        for v in labelled_both(claim, None) {
+            let read = decode_slot(&encode_slot(&v)).unwrap();
+            assert!(read.is_claim_label());
+            assert_eq!(read, v);
+        }
         // An outcome is none.
         assert!(!labelled(Entry { flags: FLAG_BODY_NOT_STORED, ..entry(2, 5) }, None).is_claim_label());
     }
@@ -1004,18 +1267,24 @@ mod tests {
     #[test]
     fn a_claims_label_moves_into_its_outcome_as_bytes_exactly_as_if_decoded() {
         let claim = Entry { state: State::Processing, flags: FLAG_BODY_NOT_STORED, status: 0, ..entry(2, 5) };
-        let claimed = encode_slot(&labelled(claim, None));
-        let moved = slot_label(&claimed).unwrap().unwrap();
         let snapshot =
             Snapshot { status: 201, headers: vec![("a".into(), b"b".to_vec())], body: b"{}".to_vec() };
-        let outcome = labelled(entry(2, 5), Some(snapshot));
-        assert_eq!(
-            encode_slot_parts(&outcome.entry, outcome.snapshot.as_ref(), Some(LabelBytes::Encoded(moved))),
-            encode_slot(&outcome)
-        );
-        // A v2 value has none; a truncated label is an error, not a shorter label.
-        assert_eq!(slot_label(&encode_slot(&SlotValue { label: None, ..outcome })), Ok(None));
-        assert!(slot_label(&claimed[..claimed.len() - 1]).is_err());
+        // A claim the previous build labelled (v4) keeps its v4 label in its outcome, and one
+        // this build labelled its v5 one.
+        for (claim, outcome) in
+            labelled_both(claim, None).into_iter().zip(labelled_both(entry(2, 5), Some(snapshot)))
+        {
+            let claimed = encode_slot(&claim);
+            let moved = slot_label(&claimed).unwrap().unwrap();
+            assert!(matches!(moved, LabelBytes::Encoded(v, _) if v == claimed[0]));
+            assert_eq!(
+                encode_slot_parts(&outcome.entry, outcome.snapshot.as_ref(), Some(moved)),
+                encode_slot(&outcome)
+            );
+            // A v2 value has none; a truncated label is an error, not a shorter label.
+            assert_eq!(slot_label(&encode_slot(&SlotValue { label: None, ..outcome })), Ok(None));
+            assert!(slot_label(&claimed[..claimed.len() - 1]).is_err());
+        }
     }
 
     #[test]
@@ -1024,10 +1293,53 @@ mod tests {
         assert_eq!(long.route().len(), LABEL_ROUTE_MAX);
         assert_eq!(long.key().len(), 254);
         assert!(long.key().chars().all(|c| c == 'é'));
-        let mut bytes = encode_slot(&labelled(Entry { flags: FLAG_BODY_NOT_STORED, ..entry(2, 5) }, None));
-        // The key's first byte (after version, entry, created_at, route len + route, key len).
-        let at = 1 + ENTRY_LEN + 8 + 1 + "orders".len() + 1;
-        bytes[at] = 0xff;
-        assert_eq!(decode_slot(&bytes), Err(DecodeError::NonCanonical));
+        for v in labelled_both(Entry { flags: FLAG_BODY_NOT_STORED, ..entry(2, 5) }, None) {
+            let mut bytes = encode_slot(&v);
+            // The key's first byte (after version, entry, created_at, route len + route, key len).
+            let at = 1 + ENTRY_LEN + 8 + 1 + "orders".len() + 1;
+            bytes[at] = 0xff;
+            assert_eq!(decode_slot(&bytes), Err(DecodeError::NonCanonical));
+        }
+        // A long method, host, path or tenant is cut and marked; the label stays bounded.
+        let principal = [9; 32];
+        let host = "h".repeat(300);
+        let tenant = "t".repeat(100);
+        let tenants: &[&[u8]] = &[tenant.as_bytes()];
+        let path = format!("/{}", "p".repeat(500));
+        let method = "M".repeat(40);
+        let scope = LabelScope {
+            method: &method,
+            host: host.as_bytes(),
+            path: &path,
+            tenant: Some(tenants),
+            principal: &principal,
+        };
+        let l = Label::scoped(&"r".repeat(100), &"k".repeat(255), &scope);
+        for (part, max) in [
+            (l.method(), LABEL_METHOD_MAX),
+            (l.host(), LABEL_HOST_MAX),
+            (l.path(), LABEL_PATH_MAX),
+            (l.tenant(), LABEL_TENANT_MAX),
+        ] {
+            let part = part.unwrap();
+            assert!(part.len() <= max && part.ends_with(LABEL_CUT), "{part}");
+        }
+        // Cut on a character boundary: 30 ü (60 bytes) and the marker.
+        let wide = "ü".repeat(100);
+        let wide: &[&[u8]] = &[wide.as_bytes()];
+        let cut = Label::scoped("r", "k", &LabelScope { tenant: Some(wide), ..scope });
+        assert_eq!(cut.tenant(), Some(format!("{}{LABEL_CUT}", "ü".repeat(30)).as_str()));
+        let bytes = encode_label(&l);
+        assert_eq!(decode_label(&bytes), Ok(l.clone()));
+        assert_eq!(bytes.len(), 1 + 8 + 6 + 64 + 255 + 16 + 96 + 128 + 64 + 4, "the largest label");
+        // A filter's value is compared as a label keeps it.
+        assert_eq!(label_part(&host, LABEL_HOST_MAX), l.host().unwrap());
+        assert_eq!(label_part("short", LABEL_HOST_MAX), "short");
+        // A tenant length that is neither a length nor "no tenant" is refused.
+        let mut bad = encode_label(&scope_of(Some(&[b"acme"])));
+        let at = 1 + 8 + 1 + 6 + 1 + 11 + 1 + 4 + 1 + 11 + 1 + 7;
+        assert_eq!(bad[at], 4);
+        bad[at] = 65;
+        assert!(decode_label(&bad).is_err());
     }
 }

@@ -4,6 +4,7 @@
 //! share: a host configured with the local store and two rules (`orders`, and `waits` in wait
 //! mode), a keyed POST and an upstream's answer on it, and readers of the calls made.
 
+mod admin;
 mod build_info;
 mod costs;
 mod detached;

@@ -13,7 +13,18 @@ use crate::store::{
 };
 
 fn query(now_ms: u64, state: StateFilter) -> RecordQuery {
-    RecordQuery { id: None, state, route: None, key: None, limit: 100, cursor: None, detail: false, now_ms }
+    RecordQuery {
+        id: None,
+        state,
+        route: None,
+        key: None,
+        tenant: None,
+        host: None,
+        limit: 100,
+        cursor: None,
+        detail: false,
+        now_ms,
+    }
 }
 
 fn listed(w: &dyn RecordStore, now_ms: u64, state: StateFilter) -> Vec<RecordView> {
@@ -91,6 +102,52 @@ pub fn records_are_listed_with_their_route_key_and_claim_time<B: Backend>() {
     assert_eq!(only(&admin, 1, 9).snapshot, Some(snapshot("one")));
     // Expired records are not there.
     assert!(listed(&admin, 6 + TTL, StateFilter::All).iter().all(|v| v.scope != scope(1)));
+}
+
+/// Two tenants that use one key own two records (two scopes): a list by the key shows both,
+/// each naming its tenant, host, method, path and caller, so an operator settles the right
+/// customer's; `tenant=` (and `host=`) narrow it to one.
+pub fn two_tenants_records_of_one_key_are_listed_each_with_its_scope<B: Backend>() {
+    let b = B::with_capacity(64);
+    let (w, admin) = (through_ops(&b, 0), through_ops(&b, 1));
+    for (n, tenant) in [(1, "acme"), (2, "globex")] {
+        let a =
+            ClaimAttempt { label: Some(label_in(Some(tenant), "shared-key")), ..attempt(n, 1, n + 10, 5) };
+        claimed(w.begin(&a).unwrap());
+    }
+    // And one without a tenant header (another filter configuration on the same store).
+    let a = ClaimAttempt { label: Some(label_in(None, "shared-key")), ..attempt(3, 1, 13, 5) };
+    claimed(w.begin(&a).unwrap());
+    let by_key = RecordQuery { key: Some("shared-key".into()), ..query(6, StateFilter::All) };
+    let mut seen: Vec<(Option<String>, [u8; 32])> = admin
+        .records(&by_key)
+        .unwrap()
+        .views
+        .iter()
+        .map(|v| {
+            let l = v.label.as_ref().unwrap();
+            let scope = (l.host(), l.method(), l.path(), l.principal());
+            assert_eq!(scope, (Some("api.example"), Some("POST"), Some("/orders"), Some([7; 4])), "{v:?}");
+            (l.tenant().map(str::to_string), v.scope.0)
+        })
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![(None, scope(3).0), (Some("acme".into()), scope(1).0), (Some("globex".into()), scope(2).0)]
+    );
+    let one = |tenant: &str| {
+        let q = RecordQuery { tenant: Some(tenant.into()), ..by_key.clone() };
+        admin.records(&q).unwrap().views.iter().map(|v| v.scope).collect::<Vec<_>>()
+    };
+    assert_eq!(one("acme"), vec![scope(1)]);
+    assert_eq!(one("globex"), vec![scope(2)]);
+    assert!(one("initech").is_empty());
+    let host = |host: &str| {
+        let q = RecordQuery { host: Some(host.into()), ..by_key.clone() };
+        admin.records(&q).unwrap().views.len()
+    };
+    assert_eq!((host("api.example"), host("other.example")), (3, 0));
 }
 
 /// A list of more records than its limit comes in pages: each page's cursor starts the next,

@@ -361,6 +361,8 @@ impl AmendBoth {
                     state: StateFilter::All,
                     route: None,
                     key: None,
+                    tenant: None,
+                    host: None,
                     limit: 1,
                     cursor: None,
                     detail: false,

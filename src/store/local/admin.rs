@@ -5,45 +5,73 @@
 
 use super::commit::Restored;
 use super::{LocalStore, CAS_ATTEMPTS};
+use crate::identity::scope::ScopeId;
 use crate::store::record::{self, Entry, SlotValue, FLAG_BODY_NOT_STORED};
 use crate::store::shared_data::SharedData;
 use crate::store::{Amendment, Claim, RecordId, RecordPage, RecordQuery, RecordStore, RecordView, Refusal};
 use crate::store::{Settled, StoreError};
 
+/// Host reads (a bucket's or a slot's) one look at records makes at most in one call, give or
+/// take a bucket's entries. A list, or a look-up by tag, over a large store reads every bucket
+/// and many slots: on the worker that serves it, that is time no request gets. So such a scan
+/// goes in parts: a call stops at this bound with `RecordPage::paused` and where it stopped, and
+/// the admin API asks again for the rest in a later callback (`crate::admin`), so the worker
+/// serves its requests in between. Measured (docs/OPERATIONS.md, "An outcome_unknown alert
+/// fired"): about 1 ms of one worker per call.
+pub const SCAN_READS: usize = 256;
+
 impl<S: SharedData> LocalStore<S> {
-    /// `RecordStore::records`: one record's id (every record a tag names), or a list in bucket
-    /// order, each record as it really stands (its slot read when its bucket entry may lag). The
-    /// cursor is the locator of the last record a page showed, so a list resumes after it.
-    /// Reads every bucket: an operator's scan, never on a request's path.
+    /// `RecordStore::records`: one record's id (a scope: its two buckets; a tag: every record
+    /// whose scope starts with it, in bucket order), or a list in bucket order, each record as
+    /// it really stands (its slot read when its bucket entry may lag). The cursor is the locator
+    /// of the last record a page showed (or the last bucket a paused call read whole: position
+    /// 0xff), so a scan resumes after it. At most about `SCAN_READS` reads a call.
     pub(super) fn query_records(&self, q: &RecordQuery) -> Result<RecordPage, StoreError> {
-        if let Some(id) = &q.id {
-            return Ok(RecordPage { views: self.find_records(id, q.now_ms)?, next: None });
+        if let Some(RecordId::Scope(scope)) = &q.id {
+            return Ok(RecordPage { views: self.find_scope(scope, q)?, next: None, paused: false });
         }
         let after: Option<u64> = match &q.cursor {
             None => None,
             Some(c) => Some(c.parse().map_err(|_| StoreError::Corrupt(format!("cursor {c:?}")))?),
         };
-        let first_bucket = after.map_or(0, |l| split(l).0);
+        let first_bucket = after.map_or(0, |l| match split(l) {
+            (bucket, u8::MAX) => bucket.saturating_add(1),
+            (bucket, _) => bucket,
+        });
         let mut page = RecordPage::default();
+        let mut reads = 0;
         for bucket in first_bucket..self.buckets {
+            if reads >= SCAN_READS {
+                if q.id.is_none() && page.views.len() == q.limit {
+                    // Full: the next page starts after its last record (and may be empty).
+                    page.next = page.views.last().map(|v| v.locator.to_string());
+                } else {
+                    // Every bucket before this one was read whole.
+                    page.next = Some(((u64::from(bucket) << 8).saturating_sub(1)).to_string());
+                    page.paused = true;
+                }
+                return Ok(page);
+            }
             let (mut entries, _) = self.read_bucket(bucket)?;
+            reads += 1;
             entries.sort_by_key(|e| e.position);
             for e in entries {
                 let locator = (u64::from(bucket) << 8) | u64::from(e.position);
-                if after.is_some_and(|a| locator <= a)
-                    || e.is_expired(q.now_ms)
-                    || (!q.state.admits(&e) && e.is_completed())
-                {
+                let wanted = match &q.id {
+                    Some(id) => id.names(&e.scope),
+                    None => q.state.admits(&e) || !e.is_completed(),
+                };
+                if after.is_some_and(|a| locator <= a) || e.is_expired(q.now_ms) || !wanted {
                     continue;
                 }
-                let view = self.view(bucket, &e, false)?;
-                if view.entry.is_expired(q.now_ms)
-                    || !q.state.admits(&view.entry)
-                    || !q.admits_label(view.label.as_ref())
-                {
+                let view = self.view(bucket, &e, q.detail)?;
+                reads += 1;
+                let listed =
+                    q.id.is_some() || (q.state.admits(&view.entry) && q.admits_label(view.label.as_ref()));
+                if view.entry.is_expired(q.now_ms) || !listed {
                     continue;
                 }
-                if page.views.len() == q.limit {
+                if q.id.is_none() && page.views.len() == q.limit {
                     // One more matches: the page ends at the last one shown.
                     page.next = page.views.last().map(|v| v.locator.to_string());
                     return Ok(page);
@@ -54,26 +82,15 @@ impl<S: SharedData> LocalStore<S> {
         Ok(page)
     }
 
-    /// The records `id` names (a full scope: at most one; a tag: every record whose scope
-    /// starts with it), with their stored responses.
-    pub fn find_records(&self, id: &RecordId, now_ms: u64) -> Result<Vec<RecordView>, StoreError> {
-        let buckets: Vec<u32> = match id {
-            RecordId::Scope(scope) => {
-                let (a, b) = self.buckets_of(scope);
-                if a == b {
-                    vec![a]
-                } else {
-                    vec![a, b]
-                }
-            }
-            RecordId::Tag(_) => (0..self.buckets).collect(),
-        };
+    /// The record a scope id names (at most one), in its two buckets.
+    fn find_scope(&self, scope: &ScopeId, q: &RecordQuery) -> Result<Vec<RecordView>, StoreError> {
+        let (a, b) = self.buckets_of(scope);
         let mut found = Vec::new();
-        for bucket in buckets {
+        for bucket in if a == b { vec![a] } else { vec![a, b] } {
             let (entries, _) = self.read_bucket(bucket)?;
-            for e in entries.iter().filter(|e| id.names(&e.scope) && !e.is_expired(now_ms)) {
-                let view = self.view(bucket, e, true)?;
-                if !view.entry.is_expired(now_ms) {
+            for e in entries.iter().filter(|e| e.scope == *scope && !e.is_expired(q.now_ms)) {
+                let view = self.view(bucket, e, q.detail)?;
+                if !view.entry.is_expired(q.now_ms) {
                     found.push(view);
                 }
             }

@@ -57,7 +57,7 @@ use layout::{buckets_for, prefix_of, FILL_SHARD_BUCKETS};
 use quota::CHARGE_FLAGS;
 use std::cell::Cell;
 
-mod admin;
+pub mod admin;
 mod commit;
 mod layout;
 mod placement;
@@ -239,7 +239,6 @@ impl<S: SharedData> LocalStore<S> {
                 if lease_over {
                     e.lease_deadline_ms = e.lease_deadline_ms.min(c.now_ms);
                 }
-                let label = label.map(record::LabelBytes::Encoded);
                 let bytes = record::encode_slot_parts(&e, c.snapshot.as_ref(), label);
                 (e, bytes)
             });

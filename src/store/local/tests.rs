@@ -294,16 +294,16 @@ fn a_newer_builds_bucket_is_said_to_be_one() {
     let b = Local::with_capacity(8);
     let store = open(&b.data, 8, 3);
     let data_key = store.bucket_key(0);
-    b.data.poke(&data_key, b"\x05\x01newer");
+    b.data.poke(&data_key, b"\x06\x01newer");
     let Err(StoreError::Corrupt(said)) = store.begin(&attempt(1, 1, 1, 0)) else { panic!("refused") };
     assert_eq!(
         said,
         format!(
-            "{data_key}: format version 5, written by a newer build of the filter (this one reads versions up \
-             to 4); left as it is"
+            "{data_key}: format version 6, written by a newer build of the filter (this one reads versions up \
+             to 5); left as it is"
         )
     );
-    assert_eq!(b.data.get(&data_key).unwrap().bytes(), b"\x05\x01newer");
+    assert_eq!(b.data.get(&data_key).unwrap().bytes(), b"\x06\x01newer");
 }
 
 #[test]

@@ -3,7 +3,9 @@ with an unknown outcome. The admin instance reads etcd, so an operator may ask a
 finds the record by its key, resolves it (every retry, on either Envoy, then replays the
 answer and the upstream never executes it again) or releases it (its retry then executes,
 once). The data plane's replay cache is on, as an operator would run it: an outcome-unknown
-record is never kept there, so a settled record is seen at once.
+record is never kept there, so a settled record is seen at once. Two tenants that use one key,
+each through another Envoy, own two records: any Envoy's list names each one's tenant, and
+`tenant=` narrows it to one.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def store() -> dict:
 def start(envoy_bin, filter_wasm, upstream, etcd, name):
     config = {
         "store": store(),
+        "tenant_header": "x-tenant-id",
         "routes": [{"name": "pay", "match": {"prefix": "/pay"}, "require_key": True, "processing_timeout": "3s"}],
     }
     return harness.Envoy(
@@ -105,3 +108,18 @@ def test_an_operator_releases_a_record_and_its_retry_executes_once(fleet, upstre
     assert (again.status, again.body, again.replayed) == (201, retry.body, True), again
     assert upstream.executions(key) == 2
     assert find(b, key, "all")["state"] == "completed"
+
+
+def test_two_tenants_records_of_one_key_are_listed_each_with_its_tenant(fleet, upstream):
+    a, b = fleet
+    key = new_key()
+    for proxy, tenant in ((a, "acme"), (b, "globex")):
+        placed = proxy.post("/pay", BODY, key_headers(key, x_tenant_id=tenant))
+        assert placed.status == 201 and not placed.replayed, placed
+    assert upstream.executions(key) == 2
+    for operator in (a, b):
+        records = listed(operator, key, "all")
+        assert sorted(r["tenant"] for r in records) == ["acme", "globex"], records
+        assert {(r["method"], r["path"], r["state"]) for r in records} == {("POST", "/pay", "completed")}, records
+        only = json.loads(admin(operator, "GET", "/idempotency/records?key=%s&tenant=globex" % key).body)
+        assert [r["tenant"] for r in only["records"]] == ["globex"], only

@@ -3,7 +3,11 @@ key, settles it with the upstream's real answer (every retry then replays it, an
 never executes it again), and releases another (its retry then executes). The admin instance is
 the same module, vm_id and root_id on its own listener, as envoy/envoy.yaml ships it, so it
 reads the data plane's records in the local store; a token that does not match gets 401, and a
-configuration with both `admin` and `routes` does not start.
+configuration with both `admin` and `routes` does not start. A resolve whose answer would
+split or misframe its replays (a CR, LF or NUL in a header value, a body on 204 or 304) is
+refused with 400 naming what is wrong, and the record stays as it was. Two tenants that use one
+key own two records: the list names each one's tenant, host, method, path and caller, and
+`tenant=` narrows it to one, so the operator settles the right customer's.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ TOKEN = "e2e-admin-token"
 STORE = {"type": "local", "capacity": 1000}
 FILTER_CONFIG = {
     "store": STORE,
+    "tenant_header": "x-tenant-id",
     "routes": [{"name": "pay", "match": {"prefix": "/pay"}, "require_key": True, "processing_timeout": "3s"}],
 }
 ADMIN_CONFIG = {"store": STORE, "admin": {"token_sha256": hashlib.sha256(TOKEN.encode()).hexdigest()}}
@@ -79,6 +84,12 @@ def test_an_operator_resolves_an_unknown_outcome_and_every_retry_replays_it(envo
     again = admin(envoy, "POST", "/idempotency/records/%s/resolve" % record["tag"], answer)
     assert_problem(again, 409, "record-conflict")
     assert envoy.counter(harness.STAT_PREFIX + "admin.resolved_total") == 1
+    # The audit line: the action, the record's tag, route and tenant, and the token by a prefix
+    # of its SHA-256 (never of the token).
+    token = "sha256:" + hashlib.sha256(TOKEN.encode()).hexdigest()[:8]
+    line = 'admin resolved tag=%s route="pay" tenant="" token=%s (POST /idempotency/records/%s/resolve -> 200)'
+    assert line % (record["tag"], token, record["tag"]) in envoy.log_text()
+    assert TOKEN[:6] not in envoy.log_text()
 
 
 def test_an_operator_releases_an_unknown_outcome_and_the_retry_executes(envoy, upstream):
@@ -92,6 +103,47 @@ def test_an_operator_releases_an_unknown_outcome_and_the_retry_executes(envoy, u
     # A known outcome is released only with force.
     done = find_completed(envoy, key)
     assert_problem(admin(envoy, "POST", "/idempotency/records/%s/release" % done["tag"]), 409, "record-conflict")
+
+
+@pytest.mark.parametrize("answer, names", [
+    ({"status": 201, "headers": [["x-split", "1\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 0"]]}, "x-split"),
+    ({"status": 201, "headers": [["x-lf", "1\nset-cookie: session=stolen"]]}, "x-lf"),
+    ({"status": 201, "headers": [["x-nul", "a\u0000b"]]}, "x-nul"),
+    ({"status": 204, "body": "not allowed"}, "204"),
+    ({"status": 304, "body_base64": "eA=="}, "304"),
+])
+def test_a_resolve_that_would_split_or_misframe_the_replay_is_refused(envoy, upstream, answer, names):
+    key = unknown_outcome(envoy, upstream)
+    record = find(envoy, key)
+    refused = admin(envoy, "POST", "/idempotency/records/%s/resolve" % record["tag"], answer)
+    assert names in assert_problem(refused, 400, "admin-bad-request")["detail"], refused
+    # Nothing was written: the record is still unsettled, and a retry is still refused.
+    shown = json.loads(admin(envoy, "GET", "/idempotency/records/" + record["tag"]).body)
+    assert shown["state"] == "outcome_unknown" and "response" not in shown, shown
+    retry = envoy.post("/pay", BODY, key_headers(key))
+    assert_problem(retry, 502, "outcome-unknown")
+    assert retry.header("x-split") is None and retry.header("set-cookie") is None, retry
+    assert upstream.executions(key) == 1
+
+
+def test_two_tenants_with_one_key_are_two_records_each_listed_with_its_scope(envoy, upstream):
+    key = new_key()
+    for tenant in ("acme", "globex"):
+        placed = envoy.post("/pay", BODY, key_headers(key, x_tenant_id=tenant))
+        assert placed.status == 201 and not placed.replayed, placed
+    assert upstream.executions(key) == 2
+    listed = admin(envoy, "GET", "/idempotency/records?key=" + key)
+    records = json.loads(listed.body)["records"]
+    assert sorted(r["tenant"] for r in records) == ["acme", "globex"], listed.body
+    for r in records:
+        assert (r["route"], r["key"], r["method"], r["path"]) == ("pay", key, "POST", "/pay"), r
+        assert r["host"] and len(r["principal"]) == 8, r
+    # The operator picks the customer's record: by tenant (and host), then by its tag.
+    acme = admin(envoy, "GET", "/idempotency/records?key=%s&tenant=acme&host=%s" % (key, records[0]["host"]))
+    only = json.loads(acme.body)["records"]
+    assert [r["tenant"] for r in only] == ["acme"], acme.body
+    assert only[0]["tag"] == [r["tag"] for r in records if r["tenant"] == "acme"][0]
+    assert json.loads(admin(envoy, "GET", "/idempotency/records?tenant=initech&key=" + key).body)["records"] == []
 
 
 def find_completed(envoy, key: str) -> dict:

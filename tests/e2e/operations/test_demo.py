@@ -368,6 +368,7 @@ def test_the_outcome_unknown_runbook_settles_a_record_against_make_run(envoy_bin
         assert len(parts) == len(lines) + 1, (out.stdout, out.stderr)
         listed, looked_up, resolved, retry = parts[2], parts[4], parts[5], parts[6]
         assert '"state":"outcome_unknown"' in listed and '"route":"orders"' in listed, listed
+        assert '"tenant":"acme"' in listed and '"method":"POST"' in listed, listed
         assert listed.count('"tag"') == 1, listed
         tag = re.search(r'"tag":"([0-9a-f]{12})"', listed).group(1)
         assert '"tag":"%s"' % tag in looked_up and '"state":"outcome_unknown"' in looked_up, looked_up

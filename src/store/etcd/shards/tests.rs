@@ -128,6 +128,8 @@ fn look(cursor: Option<&str>, limit: usize) -> StoreOp {
         state: crate::store::StateFilter::All,
         route: None,
         key: None,
+        tenant: None,
+        host: None,
         limit,
         cursor: cursor.map(str::to_string),
         detail: false,

@@ -82,7 +82,7 @@ fn a_value_that_is_not_a_v2_record_is_corrupt_and_never_overwritten() {
 fn a_newer_builds_record_is_said_to_be_one() {
     let key = record_key();
     let mut newer = value(processing(9, 0), None);
-    newer[0] = 5;
+    newer[0] = 6;
     let (answer, _) = run(
         &warm_store(20_000),
         StoreOp::Begin(attempt(20_000)),
@@ -92,8 +92,8 @@ fn a_newer_builds_record_is_said_to_be_one() {
     let Err(StoreError::Corrupt(said)) = begun(answer) else { panic!("refused") };
     assert_eq!(
         said,
-        "etcd record: format version 5, written by a newer build of the filter (this one reads versions up to \
-         4); left as it is"
+        "etcd record: format version 6, written by a newer build of the filter (this one reads versions up to \
+         5); left as it is"
     );
 }
 

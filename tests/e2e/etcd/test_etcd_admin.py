@@ -100,7 +100,16 @@ def test_an_operator_on_one_envoy_resolves_a_record_the_other_left_unknown(fleet
 def test_an_operator_releases_a_record_and_its_retry_executes_once(fleet, upstream):
     a, b = fleet
     key, record = unknown_outcome(a, b)
-    released = admin(b, "POST", "/idempotency/records/%s/release" % record["tag"])
+    # Its request may still be at work: refused until its claim's lease key is gone (twice the
+    # 3 s lease and slack, by etcd's clock), as a takeover waits.
+    early = admin(b, "POST", "/idempotency/records/%s/release" % record["tag"])
+    assert_problem(early, 409, "record-conflict")
+    deadline = time.monotonic() + 15
+    while True:
+        released = admin(b, "POST", "/idempotency/records/%s/release" % record["tag"])
+        if released.status != 409 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert released.status == 200, released
     retry = a.post("/pay", BODY, key_headers(key))
     assert retry.status == 201 and not retry.replayed, retry

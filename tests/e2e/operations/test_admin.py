@@ -1,4 +1,4 @@
-"""C24: the admin API. An operator lists the records whose outcome is unknown, finds one by its
+"""C24, C25: the admin API. An operator lists the records whose outcome is unknown, finds one by its
 key, settles it with the upstream's real answer (every retry then replays it, and the upstream
 never executes it again), and releases another (its retry then executes). The admin instance is
 the same module, vm_id and root_id on its own listener, as envoy/envoy.yaml ships it, so it
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 
 import pytest
 
@@ -92,11 +93,31 @@ def test_an_operator_resolves_an_unknown_outcome_and_every_retry_replays_it(envo
     assert TOKEN[:6] not in envoy.log_text()
 
 
-def test_an_operator_releases_an_unknown_outcome_and_the_retry_executes(envoy, upstream):
+def release_once_its_request_is_over(envoy, tag: str, within_s: float):
+    """The first release of `tag` that is not refused as live (409 `record-conflict` while the
+    request may still be at work), asked every 0.25 s: the answer, and how long it was refused."""
+    since = time.monotonic()
+    while True:
+        resp = admin(envoy, "POST", "/idempotency/records/%s/release" % tag)
+        if resp.status != 409 or time.monotonic() - since > within_s:
+            return resp, time.monotonic() - since
+        time.sleep(0.25)
+
+
+def test_an_operator_releases_an_unknown_outcome_once_its_request_is_over_and_the_retry_executes(envoy, upstream):
     key = unknown_outcome(envoy, upstream)
     record = find(envoy, key)
-    released = admin(envoy, "POST", "/idempotency/records/%s/release" % record["id"])
-    assert released.status == 200, released
+    # Moments after the route's timeout its upstream may still be at work (it is: 1.5 s against
+    # a 1 s route timeout): a release now would let the retry execute beside it. Refused, and
+    # the detail says until when.
+    early = admin(envoy, "POST", "/idempotency/records/%s/release" % record["id"])
+    doc = assert_problem(early, 409, "record-conflict")
+    assert "at work" in doc["detail"] and "at the earliest" in doc["detail"], doc
+    assert_problem(admin(envoy, "POST", "/idempotency/records/%s/release?force=true" % record["id"]), 409,
+                   "record-conflict")
+    # Once the claim's lease (3 s) has ended: released, and the retry executes.
+    released, waited = release_once_its_request_is_over(envoy, record["id"], within_s=5)
+    assert released.status == 200 and waited > 0.5, (released, waited)
     retry = envoy.post("/pay", BODY, key_headers(key))
     assert retry.status == 201 and not retry.replayed, retry
     assert upstream.executions(key) == 2

@@ -1138,7 +1138,10 @@ pub(crate) mod tests {
             fn sweep(&self, _: u64) -> Result<u32, crate::store::StoreError> {
                 unreachable!()
             }
-            fn renew(&self, _: &crate::store::Renew) -> Result<Vec<bool>, crate::store::StoreError> {
+            fn renew(
+                &self,
+                _: &crate::store::Renew,
+            ) -> Result<Vec<crate::store::Kept>, crate::store::StoreError> {
                 unreachable!()
             }
             fn records(

@@ -9,7 +9,7 @@ use super::settle::call_store;
 use super::Host;
 use crate::store::remote::{Answer, Next};
 use crate::store::seam::Started;
-use crate::store::{Renew, StoreError, StoreOp};
+use crate::store::{Kept, Renew, StoreError, StoreOp};
 
 /// Starts the renewals due at `now_ms`. Nothing to do (no host call) while no claim is due.
 pub(super) fn renew_due<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
@@ -44,7 +44,7 @@ pub(super) fn converse_renewal<H: Host>(
 
 /// What the store answered a renewal: counted, and a claim found lost logged (its request may
 /// execute twice: its lease ended before it could be renewed).
-pub(super) fn renewed<H: Host>(plugin: &PluginState<H>, renew: &Renew, kept: Result<Vec<bool>, StoreError>) {
+pub(super) fn renewed<H: Host>(plugin: &PluginState<H>, renew: &Renew, kept: Result<Vec<Kept>, StoreError>) {
     let outcome = match &kept {
         Ok(kept) => plugin.renewals.borrow_mut().answered(renew, Ok(kept)),
         Err(error) => {

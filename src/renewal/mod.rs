@@ -21,7 +21,7 @@
 //!   (it ends with its lease, as every claim did before renewals) and is counted.
 
 use crate::identity::scope::ScopeId;
-use crate::store::{Claim, Renew, Renewal, MAX_RENEWALS};
+use crate::store::{Claim, Kept, Renew, Renewal, MAX_RENEWALS};
 use std::collections::HashMap;
 
 /// Claims one worker keeps renewing at most.
@@ -64,15 +64,26 @@ fn margin_ms(lease_ms: u64) -> u64 {
 pub struct Renewed {
     /// Claims kept for another lease.
     pub kept: usize,
-    /// Claims found no longer their owner's (taken over after a lease that ended before it
-    /// could be renewed, or settled meanwhile): let go.
+    /// Claims found another owner's (taken over after a lease that ended before it could be
+    /// renewed): let go, and said (`claims_lost`). Claims their owner settled meanwhile are let
+    /// go without a word.
     pub lost: Vec<ScopeId>,
 }
 
-/// The claims a worker's owners hold, by owner token.
-#[derive(Debug, Default)]
+/// The claims a worker's owners hold, by owner token. (`Clone` for the etcd model checker, which
+/// copies a worker's state into each state it explores, and tells states apart by their `Debug`:
+/// written in owner order, whatever the map's.)
+#[derive(Default, Clone)]
 pub struct Renewals {
     held: HashMap<u64, Held>,
+}
+
+impl std::fmt::Debug for Renewals {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut held: Vec<(&u64, &Held)> = self.held.iter().collect();
+        held.sort_unstable_by_key(|(owner, _)| **owner);
+        f.debug_list().entries(held).finish()
+    }
 }
 
 impl Renewals {
@@ -164,19 +175,22 @@ impl Renewals {
     /// asked, never past its expiry) or lost (let go); or the store failed it (asked again
     /// after a pause, while the lease still runs: a store that fails its renewals is a store
     /// that fails its takeovers too).
-    pub fn answered(&mut self, renew: &Renew, kept: Result<&[bool], ()>) -> Renewed {
+    pub fn answered(&mut self, renew: &Renew, kept: Result<&[Kept], ()>) -> Renewed {
         let mut out = Renewed::default();
         for (i, r) in renew.claims.iter().enumerate() {
             let Some(h) = self.held.get_mut(&r.owner) else { continue };
             h.renewing = h.renewing.saturating_sub(1);
             match kept.map(|k| k.get(i).copied()) {
-                Ok(Some(true)) => {
+                Ok(Some(Kept::Renewed)) => {
                     let until = renew.now_ms.saturating_add(renew.lease_ms).min(h.hold.expires_at_ms);
                     h.hold.lease_end_ms = h.hold.lease_end_ms.max(until);
                     out.kept += 1;
                 }
-                Ok(_) => {
+                Ok(Some(Kept::TakenOver)) => {
                     out.lost.push(r.scope);
+                    self.held.remove(&r.owner);
+                }
+                Ok(Some(Kept::Settled) | None) => {
                     self.held.remove(&r.owner);
                 }
                 Err(()) => h.not_before_ms = renew.now_ms.saturating_add(RETRY_AFTER_FAILURE_MS),

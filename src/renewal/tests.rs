@@ -1,5 +1,5 @@
 use super::*;
-use crate::store::{Claim, ShardClaim};
+use crate::store::{Claim, Kept, ShardClaim};
 
 const LEASE: u64 = 4_000;
 const TTL: u64 = 60_000;
@@ -34,7 +34,7 @@ fn a_claim_is_renewed_only_in_the_last_quarter_of_its_lease() {
     assert_eq!(owners(&due), vec![vec![1]]);
     // Under way: not asked twice.
     assert!(r.due(LEASE * 3 / 4 + 100).is_empty());
-    assert_eq!(r.answered(&due[0], Ok(&[true])), Renewed { kept: 1, lost: Vec::new() });
+    assert_eq!(r.answered(&due[0], Ok(&[Kept::Renewed])), Renewed { kept: 1, lost: Vec::new() });
     // Its lease now runs a whole lease from when the renewal was asked.
     assert_eq!(r.lease_end(1), Some(LEASE * 3 / 4 + LEASE));
     assert!(r.due(LEASE * 3 / 2 - 1).is_empty());
@@ -46,13 +46,13 @@ fn letting_go_ends_the_renewals_and_says_where_the_lease_ends() {
     let mut r = Renewals::default();
     r.hold(hold_at(claim(1), 0));
     let due = r.due(LEASE);
-    r.answered(&due[0], Ok(&[true]));
+    r.answered(&due[0], Ok(&[Kept::Renewed]));
     assert_eq!(r.let_go(1), Some(2 * LEASE));
     assert_eq!(r.let_go(1), None);
     assert!(r.due(2 * LEASE).is_empty());
     assert!(r.is_empty());
     // An answer for a claim let go meanwhile changes nothing.
-    assert_eq!(r.answered(&due[0], Ok(&[true])), Renewed::default());
+    assert_eq!(r.answered(&due[0], Ok(&[Kept::Renewed])), Renewed::default());
     assert!(r.is_empty());
 }
 
@@ -90,11 +90,12 @@ fn claims_on_other_shards_are_renewed_each_on_its_own_and_a_moving_claim_on_both
     // The moving claim lost on one home is lost: let go.
     let (old_batch, new_batch) =
         if due[0].claims[0].shard == 1 { (&due[0], &due[1]) } else { (&due[1], &due[0]) };
-    let kept: Vec<bool> = old_batch.claims.iter().map(|c| c.owner == 1).collect();
+    let kept: Vec<Kept> =
+        old_batch.claims.iter().map(|c| if c.owner == 1 { Kept::Renewed } else { Kept::TakenOver }).collect();
     let out = r.answered(old_batch, Ok(&kept));
     assert_eq!(out.lost, vec![moving.scope]);
     assert_eq!(r.lease_end(2), None);
-    r.answered(new_batch, Ok(&[true]));
+    r.answered(new_batch, Ok(&[Kept::Renewed]));
     assert_eq!(r.lease_end(2), None);
     assert_eq!(r.lease_end(1), Some(2 * LEASE));
 }
@@ -105,7 +106,7 @@ fn a_renewal_never_outlives_the_record() {
     let h = Hold { expires_at_ms: LEASE + LEASE / 2, ..hold_at(claim(1), 0) };
     r.hold(h);
     let due = r.due(LEASE);
-    r.answered(&due[0], Ok(&[true]));
+    r.answered(&due[0], Ok(&[Kept::Renewed]));
     assert_eq!(r.lease_end(1), Some(LEASE + LEASE / 2));
     // Nothing left to extend.
     assert!(r.due(LEASE + LEASE / 4).is_empty());
@@ -125,10 +126,17 @@ fn a_lost_claim_is_let_go_and_a_failed_renewal_is_asked_again_after_a_pause() {
     assert_eq!(r.len(), 2);
     assert!(r.due(LEASE * 3 / 4 + RETRY_AFTER_FAILURE_MS - 1).is_empty());
     let again = r.due(LEASE * 3 / 4 + RETRY_AFTER_FAILURE_MS);
-    let kept: Vec<bool> = again[0].claims.iter().map(|c| c.owner == 1).collect();
+    let kept: Vec<Kept> =
+        again[0].claims.iter().map(|c| if c.owner == 1 { Kept::Renewed } else { Kept::TakenOver }).collect();
     let out = r.answered(&again[0], Ok(&kept));
     assert_eq!(out, Renewed { kept: 1, lost: vec![claim(2).scope] });
     assert_eq!(r.len(), 1);
+    // A claim its owner settled while the renewal was out is let go without a word.
+    r.hold(hold_at(claim(3), 0));
+    let due = r.due(LEASE * 3 / 4 + RETRY_AFTER_FAILURE_MS);
+    assert_eq!(due[0].claims.iter().map(|c| c.owner).collect::<Vec<_>>(), vec![3]);
+    assert_eq!(r.answered(&due[0], Ok(&[Kept::Settled])), Renewed::default());
+    assert_eq!((r.lease_end(3), r.len()), (None, 1));
 }
 
 #[test]

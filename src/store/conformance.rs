@@ -9,8 +9,8 @@ use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::store::record::{Label, LabelScope, Snapshot, State};
 use crate::store::{
-    Amendment, Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordPage, RecordQuery, RecordStore,
-    RecordView, Refusal, Renew, Settled, StoreError, StoreOp, UnknownOutcome,
+    Amendment, Begin, Claim, ClaimAttempt, Completion, Kept, QuotaCharge, RecordPage, RecordQuery,
+    RecordStore, RecordView, Refusal, Renew, Settled, StoreError, StoreOp, UnknownOutcome,
 };
 
 mod admin;
@@ -63,7 +63,7 @@ impl RecordStore for ThroughOps<'_> {
     fn sweep(&self, now_ms: u64) -> Result<u32, StoreError> {
         self.0.sweep(now_ms)
     }
-    fn renew(&self, renew: &Renew) -> Result<Vec<bool>, StoreError> {
+    fn renew(&self, renew: &Renew) -> Result<Vec<Kept>, StoreError> {
         StoreOp::Renew(renew.clone()).perform(&*self.0).into_renewed()
     }
     fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {
@@ -150,11 +150,11 @@ pub fn done(tag: &str, now_ms: u64) -> Completion {
 }
 
 /// Renews `claims` for another `LEASE` from `now_ms` as the glue does: each shard's parts in a
-/// renewal of their own. Per claim: kept on every part.
-pub fn renew_all(w: &dyn RecordStore, claims: &[&Claim], now_ms: u64) -> Vec<bool> {
+/// renewal of their own. Per claim: renewed on every part, or what a part found instead.
+pub fn renew_all(w: &dyn RecordStore, claims: &[&Claim], now_ms: u64) -> Vec<Kept> {
     let parts: Vec<(usize, crate::store::Renewal)> =
         claims.iter().enumerate().flat_map(|(i, c)| c.renewals().map(move |r| (i, r))).collect();
-    let mut kept = vec![true; claims.len()];
+    let mut kept = vec![Kept::Renewed; claims.len()];
     let mut shards: Vec<u8> = parts.iter().map(|(_, r)| r.shard).collect();
     shards.sort_unstable();
     shards.dedup();
@@ -163,7 +163,9 @@ pub fn renew_all(w: &dyn RecordStore, claims: &[&Claim], now_ms: u64) -> Vec<boo
             parts.iter().filter(|(_, r)| r.shard == shard).collect();
         let renew = Renew { claims: here.iter().map(|(_, r)| *r).collect(), lease_ms: LEASE, now_ms };
         for ((i, _), k) in here.iter().zip(w.renew(&renew).unwrap()) {
-            kept[*i] &= k;
+            if kept[*i] == Kept::Renewed {
+                kept[*i] = k;
+            }
         }
     }
     kept
@@ -179,7 +181,7 @@ pub fn a_renewed_claim_stays_its_owners_past_its_first_lease<B: Backend>() {
     b.let_part_of_a_claim_lease_pass();
     // A handle of its own, as an owner's worker whose leases were granted long before (etcd).
     let owner = through_ops(&b, 0);
-    assert_eq!(renew_all(&owner, &[&c], LEASE * 3 / 4), vec![true]);
+    assert_eq!(renew_all(&owner, &[&c], LEASE * 3 / 4), vec![Kept::Renewed]);
     b.let_part_of_a_claim_lease_pass();
     for rule in [UnknownOutcome::Takeover, UnknownOutcome::Refuse, UnknownOutcome::Reconcile] {
         let retry = ClaimAttempt { unknown_outcome: rule, ..attempt(1, 1, 12, LEASE + LEASE / 2) };
@@ -200,15 +202,18 @@ pub fn a_renewal_keeps_only_the_claims_still_their_owners<B: Backend>() {
     let released = claimed(w0.begin(&attempt(3, 1, 13, 0)).unwrap());
     assert_eq!(w0.complete(&completed, &done("done", 1)).unwrap(), Settled::Done);
     assert_eq!(w0.release(&released).unwrap(), Settled::Done);
-    assert_eq!(renew_all(&w0, &[&live, &completed, &released], LEASE / 2), vec![true, false, false]);
+    assert_eq!(
+        renew_all(&w0, &[&live, &completed, &released], LEASE / 2),
+        vec![Kept::Renewed, Kept::Settled, Kept::Settled]
+    );
     assert_eq!(w1.begin(&attempt(2, 1, 14, LEASE / 2)).unwrap(), Begin::Replay(snapshot("done")));
     assert!(matches!(w1.begin(&attempt(3, 1, 15, LEASE / 2)).unwrap(), Begin::Claimed(_)));
     assert!(matches!(w1.begin(&attempt(1, 1, 16, LEASE + LEASE / 4)).unwrap(), Begin::InFlight { .. }));
-    // Taken over once nobody renewed it: the old owner's renewal changes nothing.
+    // Taken over once nobody renewed it: the old owner's renewal changes nothing, and says so.
     let abandoned = claimed(w0.begin(&attempt(4, 1, 17, 0)).unwrap());
     b.let_claim_leases_end();
     let taken = claimed(w1.begin(&attempt(4, 1, 18, LEASE)).unwrap());
-    assert_eq!(renew_all(&w0, &[&abandoned], LEASE + 1), vec![false]);
+    assert_eq!(renew_all(&w0, &[&abandoned], LEASE + 1), vec![Kept::TakenOver]);
     assert_eq!(w1.complete(&taken, &done("new", LEASE + 2)).unwrap(), Settled::Done);
     assert_eq!(w0.begin(&attempt(4, 1, 19, LEASE + 3)).unwrap(), Begin::Replay(snapshot("new")));
 }
@@ -219,7 +224,7 @@ pub fn a_claim_no_longer_renewed_ends_a_lease_after_its_last_renewal<B: Backend>
     let b = B::with_capacity(64);
     let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     let c = claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
-    assert_eq!(renew_all(&w0, &[&c], LEASE / 2), vec![true]);
+    assert_eq!(renew_all(&w0, &[&c], LEASE / 2), vec![Kept::Renewed]);
     assert!(matches!(w1.begin(&attempt(1, 1, 12, LEASE / 2 + LEASE - 1)).unwrap(), Begin::InFlight { .. }));
     b.let_claim_leases_end();
     assert!(matches!(w1.begin(&attempt(1, 1, 13, LEASE / 2 + LEASE)).unwrap(), Begin::TookOver(_)));
@@ -232,7 +237,7 @@ pub fn a_renewal_never_outlives_the_record<B: Backend>() {
     let b = B::with_capacity(64);
     let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     let c = claimed(w0.begin(&attempt(1, 1, 11, 0)).unwrap());
-    assert_eq!(renew_all(&w0, &[&c], TTL - LEASE / 2), vec![true]);
+    assert_eq!(renew_all(&w0, &[&c], TTL - LEASE / 2), vec![Kept::Renewed]);
     b.let_claim_leases_end();
     assert!(matches!(w1.begin(&attempt(1, 1, 12, TTL)).unwrap(), Begin::Claimed(_)));
 }
@@ -263,7 +268,7 @@ pub fn an_operator_waits_for_a_request_that_may_still_be_at_work<B: Backend>() {
     let unknown = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
     assert_eq!(w.complete(&unknown, &Completion::outcome_unknown(LEASE / 5, TTL)).unwrap(), Settled::Done);
     let renewed = claimed(w.begin(&attempt(2, 1, 12, 0)).unwrap());
-    assert_eq!(renew_all(&w, &[&renewed], LEASE / 2), vec![true]);
+    assert_eq!(renew_all(&w, &[&renewed], LEASE / 2), vec![Kept::Renewed]);
     // Its upstream may be at work: not released, forced or not (a resolve, which executes
     // nothing, is the operator's to make: the suite's resolve cases).
     let now = LEASE / 5 + 1;

@@ -337,6 +337,19 @@ pub struct Renewal {
     pub shard: u8,
 }
 
+/// What a renewal found of one claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kept {
+    /// Its lease now runs another lease from the renewal.
+    Renewed,
+    /// No longer a claim, and no other's: its owner settled it (a completion or release that
+    /// landed before the renewal did), or it is gone. Nothing more to renew, nothing wrong.
+    Settled,
+    /// Another owner's now: it was taken over after a lease that ended before it could be
+    /// renewed, and a retry may have executed beside its owner.
+    TakenOver,
+}
+
 /// Claims one `Renew` carries at most: etcd refuses a transaction with more than
 /// `--max-txn-ops` (128 by default) compares or operations, and a renewal is one transaction.
 pub const MAX_RENEWALS: usize = 64;
@@ -462,10 +475,9 @@ pub trait RecordStore {
     fn sweep(&self, now_ms: u64) -> Result<u32, StoreError>;
     /// An operator's look at records (the admin API; never on a request's path).
     fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError>;
-    /// Keeps each claim of `renew` for another lease: per claim, in order, true when it was
-    /// renewed, false when it is no longer its owner's (nothing changed; whoever settled or took
-    /// it over decides).
-    fn renew(&self, renew: &Renew) -> Result<Vec<bool>, StoreError>;
+    /// Keeps each claim of `renew` for another lease: per claim, in order, what it found (a claim
+    /// that is no longer its owner's is left as it is: whoever settled or took it over decides).
+    fn renew(&self, renew: &Renew) -> Result<Vec<Kept>, StoreError>;
     /// An operator's change to a record `records` showed, as it stood then (`view`): refused if
     /// it no longer may be done, or if the record changed meanwhile.
     fn amend(
@@ -502,8 +514,8 @@ pub enum StoreOp {
 pub enum StoreAnswer {
     Begun(Result<Begin, StoreError>),
     Settled(Result<Settled, StoreError>),
-    /// Per claim of the `Renew`, in order: kept, or no longer its owner's.
-    Renewed(Result<Vec<bool>, StoreError>),
+    /// Per claim of the `Renew`, in order: kept, or why not.
+    Renewed(Result<Vec<Kept>, StoreError>),
     Records(Result<RecordPage, StoreError>),
     Amended(Result<Result<(), Refusal>, StoreError>),
 }
@@ -537,7 +549,7 @@ impl StoreAnswer {
     }
 
     /// A renewal's answer; any other kind is an error.
-    pub fn into_renewed(self) -> Result<Vec<bool>, StoreError> {
+    pub fn into_renewed(self) -> Result<Vec<Kept>, StoreError> {
         match self {
             StoreAnswer::Renewed(kept) => kept,
             other => Err(other.unexpected()),

@@ -4,23 +4,27 @@
 //! lookups: every interleaving of them is explored (`explore.rs`).
 //!
 //! Real: everything the store decides (the calls, their guards, what each answer means, the
-//! lease caches of each worker, the give-back of an unanswered claim). Modelled, after the glue
-//! (which builds for wasm32 and the crate's own unit tests only): what an Envoy does with a
-//! store answer (forward on a claim, retry a failed completion as the root does (`flow::Retry`,
-//! the product's own), give
-//! back a claim whose answer was lost, look up an unsettled record), and the upstream.
+//! lease caches of each worker, the give-back of an unanswered claim), and which claims an
+//! owner still at work renews, and when (`renewal::Renewals`, the product's own, with its
+//! `StoreOp::Renew` conversations). Modelled, after the glue (which builds for wasm32 and the
+//! crate's own unit tests only): what an Envoy does with a store answer (forward on a claim,
+//! retry a failed completion as the root does (`flow::Retry`, the product's own, its window
+//! following the claim's renewals), give back a claim whose answer was lost, look up an
+//! unsettled record), the root's ticks that renew, and the upstream, which may take several
+//! leases to answer (`Fleet::upstream_ticks`).
 
 use crate::etcd::Etcd;
-use idempotency_filter::flow::Retry;
+use idempotency_filter::flow::{retry_window_end, Retry};
 use idempotency_filter::identity::fingerprint::Fingerprint;
 use idempotency_filter::identity::scope::ScopeId;
+use idempotency_filter::renewal::{Hold, Renewals};
 use idempotency_filter::store::etcd::shards::moving::{Move, Moving};
 use idempotency_filter::store::etcd::shards::on_shard;
 use idempotency_filter::store::etcd::{EtcdConversation, EtcdSettings, EtcdStore, OnStoreError, Protocol};
 use idempotency_filter::store::record::{self, Snapshot, State};
 use idempotency_filter::store::remote::{Answer, Next, Request};
 use idempotency_filter::store::{
-    Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp, UnknownOutcome,
+    Begin, Claim, ClaimAttempt, Completion, Renew, Settled, StoreAnswer, StoreError, StoreOp, UnknownOutcome,
 };
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
@@ -31,6 +35,7 @@ pub const REPLAYS: &str = "every replay is the stored outcome";
 pub const SCOPES: &str = "no request of another scope reads a record";
 pub const IN_FLIGHT: &str = "no record stays in flight past its lease plus the bound";
 pub const OUTCOMES_KEPT: &str = "an outcome its live owner was answered with is kept";
+pub const RENEWALS: &str = "a claim its live owner renews is never found lost";
 
 /// What the checker must reach somewhere (`FleetState::seen`; which, depends on the rule).
 pub const SEEN_REPLAY: u8 = 1;
@@ -40,9 +45,10 @@ pub const SEEN_ADOPTED: u8 = 8;
 pub const SEEN_MARKED_UNKNOWN: u8 = 16;
 pub const SEEN_GIVEN_BACK: u8 = 32;
 pub const SEEN_ANSWER_LOST: u8 = 64;
+pub const SEEN_RENEWED: u8 = 128;
 
 /// The names of the `SEEN_*` flags, in bit order.
-pub const REACHED: [&str; 7] = [
+pub const REACHED: [&str; 8] = [
     "a replay",
     "a takeover executed again",
     "a settlement tried again landed",
@@ -50,6 +56,7 @@ pub const REACHED: [&str; 7] = [
     "an outcome-unknown answer",
     "an unanswered claim given back",
     "an answer lost after etcd applied its call",
+    "a claim renewed while its owner waited for the upstream",
 ];
 
 /// The names of the flags set in `seen`.
@@ -80,6 +87,9 @@ pub struct Fleet {
     /// Each Envoy's shard list, while the record's home moves from etcd 0 to etcd 1 (missing:
     /// `Old`, the one etcd every run without a change has).
     pub lists: Vec<List>,
+    /// How many ticks the upstream takes to answer a forwarded request (0: at once, within its
+    /// lease, as before renewals). More than a lease: its owner renews its claim meanwhile.
+    pub upstream_ticks: u64,
 }
 
 /// The shard list an Envoy runs with while the records' home moves from etcd 0 (the old list's
@@ -159,6 +169,13 @@ pub enum Phase {
     Claimed {
         claim: Dbg<Claim>,
     },
+    /// Forwarded, the upstream still at work (`Fleet::upstream_ticks`): it answers at
+    /// `answers_at_ms` by its Envoy's clock; the claim is held (renewed) meanwhile.
+    Executing {
+        claim: Dbg<Claim>,
+        execution: usize,
+        answers_at_ms: u64,
+    },
     /// The begin answered `Unsettled`: the upstream's lookup is asked.
     Looking {
         attempt: Dbg<ClaimAttempt>,
@@ -188,10 +205,20 @@ pub struct Settlement {
     adopted: bool,
 }
 
+/// A renewal the Envoy's root carries (`StoreOp::Renew` on one etcd).
+#[derive(Clone, Debug, Hash)]
+pub struct Renewing {
+    renew: Dbg<Renew>,
+    conv: Conv,
+}
+
 #[derive(Clone, Debug, Hash)]
 pub struct Envoy {
     skew_ms: u64,
     alive: bool,
+    /// The claims its owners hold (the product's registry), and the renewals under way.
+    renewals: Dbg<Renewals>,
+    renewing: Vec<Renewing>,
     /// One per etcd.
     workers: Vec<Worker>,
     requests: Vec<ClientRequest>,
@@ -254,6 +281,10 @@ pub enum Action {
     Timeout(usize, Option<usize>),
     RetrySettlement(usize, usize),
     Forward(usize),
+    /// The upstream of envoy .0's request answers (after `upstream_ticks`).
+    Answer(usize),
+    /// Envoy .0's root renews the claims that are due (at its 100 ms tick: before time moves on).
+    Renew(usize),
     Lookup(usize, Lookup),
     Crash(usize),
 }
@@ -500,15 +531,28 @@ impl Fleet {
         log: &mut String,
     ) {
         let now = self.clock(state, envoy);
+        let owner = match &s.op.0 {
+            StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => Some(claim.owner),
+            _ => None,
+        };
+        // Held (renewed) while the root writes it, as the glue does: let go once it is over.
+        let renewals = &mut state.envoys[envoy].renewals.0;
+        let held = owner.and_then(|o| renewals.lease_end(o)).map_or(0, |end| end + self.lease_ms);
+        let over =
+            !matches!(answer, StoreAnswer::Settled(Err(StoreError::Unavailable(_) | StoreError::TimedOut)));
+        if over {
+            owner.map(|o| renewals.let_go(o));
+        }
         match answer.into_settled() {
             Err(StoreError::Unavailable(_) | StoreError::TimedOut) => {
-                // The glue's own retry (`flow::Retry`), as the root carries it.
+                // The glue's own retry (`flow::Retry`), as the root carries it: until a lease past
+                // the claim's, or past the lease it last renewed.
                 let retry = match (s.retry, &s.op.0) {
                     (None, StoreOp::Complete { claim, .. } | StoreOp::Release(claim)) => {
-                        Retry::first(now, claim, self.lease_ms)
+                        Retry::first_within(now, retry_window_end(claim, now, self.lease_ms).max(held))
                     }
                     (None, _) => None,
-                    (Some(r), _) => r.next(now),
+                    (Some(r), _) => r.within(held).next(now),
                 };
                 match retry {
                     Some(r) => {
@@ -519,6 +563,7 @@ impl Fleet {
                     }
                     None => {
                         log.push_str("; given up");
+                        owner.map(|o| state.envoys[envoy].renewals.0.let_go(o));
                         if let Some(x) = s.execution {
                             // Given up once tried again until its retry window closed: the
                             // rule lets its record be taken over then. A completion given up
@@ -673,6 +718,47 @@ impl Fleet {
         state.envoys[envoy].requests[r].phase = next;
     }
 
+    /// The upstream answered execution `x`: its completion, carried by the root.
+    fn complete(&self, state: &mut FleetState, e: usize, claim: Claim, x: usize, log: &mut String) {
+        let completion = self.completion(x, self.clock(state, e));
+        let s = Settlement {
+            op: Dbg(StoreOp::Complete { claim, completion }),
+            conv: None,
+            plan: None,
+            retry: None,
+            execution: Some(x),
+            adopted: false,
+        };
+        log.push_str("; its completion");
+        self.settle(state, e, s, log);
+    }
+
+    /// A renewal's answer, as the root hands it to its worker's `Renewals`. No fault strikes a
+    /// renewal in the model and every Envoy renews at its ticks: a claim a live owner holds is
+    /// never found another's.
+    fn renewed(
+        &self,
+        state: &mut FleetState,
+        e: usize,
+        renew: &Renew,
+        answer: StoreAnswer,
+        log: &mut String,
+    ) {
+        let kept = answer.into_renewed();
+        let out = match &kept {
+            Ok(k) => state.envoys[e].renewals.0.answered(renew, Ok(k)),
+            Err(_) => state.envoys[e].renewals.0.answered(renew, Err(())),
+        };
+        log.push_str(&format!("; renewal: {kept:?}"));
+        if out.kept > 0 {
+            state.seen |= SEEN_RENEWED;
+        }
+        if !out.lost.is_empty() {
+            let what = format!("{}'s renewal found a claim of its live owner taken over: {kept:?}", name(e));
+            Self::violate(state, RENEWALS, what);
+        }
+    }
+
     fn completion(&self, execution: usize, now_ms: u64) -> Completion {
         Completion {
             state: State::Succeeded,
@@ -747,11 +833,18 @@ impl Fleet {
             let db = &state.etcds[etcd];
             let Some(kv) = db.kvs.get(&record_key(scope)) else { continue };
             let Ok(d) = record::decode_record(&kv.value) else { continue };
-            if d.entry.is_completed() || db.now_ms < kv.written_at_ms + bound {
+            // A claim is kept (its lease key put again) while its owner is at work: counted from
+            // its last renewal, and not at all while a live Envoy still holds it.
+            let lease = db.kvs.get(&lease_key(scope)).filter(|l| l.value == d.entry.owner.to_be_bytes());
+            let since = lease.map_or(kv.written_at_ms, |l| l.written_at_ms.max(kv.written_at_ms));
+            let held = state
+                .envoys
+                .iter()
+                .any(|envoy| envoy.alive && envoy.renewals.0.lease_end(d.entry.owner).is_some());
+            if d.entry.is_completed() || held || db.now_ms < since + bound {
                 continue;
             }
-            let lease_key_lives =
-                db.kvs.get(&lease_key(scope)).is_some_and(|l| l.value == d.entry.owner.to_be_bytes());
+            let lease_key_lives = lease.is_some();
             let blind: Vec<char> = (0..state.envoys.len())
                 .filter(|e| state.envoys[*e].alive && self.clock(state, *e) < d.entry.lease_deadline_ms)
                 .map(name)
@@ -955,18 +1048,57 @@ impl Fleet {
                     crashed: false,
                     given_up: false,
                 });
-                state.envoys[e].requests[r].phase = Phase::Finished;
-                let completion = self.completion(x, self.clock(&state, e));
-                let s = Settlement {
-                    op: Dbg(StoreOp::Complete { claim, completion }),
-                    conv: None,
-                    plan: None,
-                    retry: None,
-                    execution: Some(x),
-                    adopted: false,
+                let now = self.clock(&state, e);
+                if self.upstream_ticks == 0 {
+                    // The upstream answers at once: its claim is never due for a renewal before
+                    // its completion starts. (Held through a completion tried again, it is
+                    // renewed meanwhile: the runs with a long upstream check that, not these,
+                    // whose state spaces it would multiply.)
+                    state.envoys[e].requests[r].phase = Phase::Finished;
+                    self.complete(&mut state, e, claim, x, &mut log);
+                    return (state, log);
+                }
+                // Held by its owner from here (`Step::Hold`), renewed while it is at work.
+                let hold = Hold {
+                    claim,
+                    lease_ms: self.lease_ms,
+                    lease_end_ms: claim.written.map_or(now + self.lease_ms, |w| w.lease_deadline_ms),
+                    expires_at_ms: claim.written.map_or(now + self.ttl_ms, |w| w.expires_at_ms),
                 };
-                log.push_str("; its completion");
-                self.settle(&mut state, e, s, &mut log);
+                state.envoys[e].renewals.0.hold(hold);
+                let answers_at_ms = now + self.upstream_ticks * self.tick_ms;
+                log = log.replace("and answers 201", &format!("and answers at {answers_at_ms} ms"));
+                state.envoys[e].requests[r].phase =
+                    Phase::Executing { claim: Dbg(claim), execution: x, answers_at_ms };
+            }
+            Action::Answer(e) => {
+                let Some(r) = Self::active(&state, e) else { return (state, log) };
+                let Phase::Executing { claim: Dbg(claim), execution, .. } =
+                    state.envoys[e].requests[r].phase.clone()
+                else {
+                    return (state, log);
+                };
+                log = format!("{} (clock {} ms): the upstream answers 201", name(e), self.clock(&state, e));
+                state.envoys[e].requests[r].phase = Phase::Finished;
+                self.complete(&mut state, e, claim, execution, &mut log);
+            }
+            Action::Renew(e) => {
+                let now = self.clock(&state, e);
+                let due = state.envoys[e].renewals.0.due(now);
+                log = format!(
+                    "{}'s root (clock {now} ms) renews {} claim(s)",
+                    name(e),
+                    due.iter().map(|r| r.claims.len()).sum::<usize>()
+                );
+                for renew in due {
+                    let etcd = renew.claims.first().map_or(0, |c| c.shard);
+                    let conversation =
+                        state.envoys[e].workers[usize::from(etcd)].0.start(StoreOp::Renew(renew.clone()));
+                    match self.step(&mut state, e, etcd, conversation, None) {
+                        Ok(conv) => state.envoys[e].renewing.push(Renewing { renew: Dbg(renew), conv }),
+                        Err((_, answer)) => self.renewed(&mut state, e, &renew, answer, &mut log),
+                    }
+                }
             }
             Action::Lookup(e, lookup) => {
                 let Some(r) = Self::active(&state, e) else { return (state, log) };
@@ -1004,6 +1136,8 @@ impl Fleet {
                 let envoy = &mut state.envoys[e];
                 envoy.alive = false;
                 envoy.settlements.clear();
+                envoy.renewing.clear();
+                envoy.renewals = Dbg(Renewals::default());
                 for r in &mut envoy.requests {
                     r.phase = Phase::Finished;
                 }
@@ -1020,6 +1154,7 @@ impl Fleet {
         let envoy = &state.envoys[e];
         envoy.alive
             && (envoy.settlements.iter().any(|s| s.conv.as_ref().is_some_and(|c| c.call == call))
+                || envoy.renewing.iter().any(|r| r.conv.call == call)
                 || envoy
                     .requests
                     .iter()
@@ -1027,6 +1162,15 @@ impl Fleet {
     }
 
     fn deliver(&self, state: &mut FleetState, e: usize, call: u32, answer: Answer, log: &mut String) {
+        if let Some(i) = state.envoys[e].renewing.iter().position(|r| r.conv.call == call) {
+            let Renewing { renew: Dbg(renew), conv } = state.envoys[e].renewing.remove(i);
+            log.push_str(" for its renewal");
+            match self.step(state, e, conv.etcd, conv.conversation, Some(answer)) {
+                Ok(next) => state.envoys[e].renewing.push(Renewing { renew: Dbg(renew), conv: next }),
+                Err((_, done)) => self.renewed(state, e, &renew, done, log),
+            }
+            return;
+        }
         if let Some(s) =
             state.envoys[e].settlements.iter().position(|s| s.conv.as_ref().is_some_and(|c| c.call == call))
         {
@@ -1135,6 +1279,8 @@ impl Fleet {
             .map(|(e, (skew_ms, requests))| Envoy {
                 skew_ms: *skew_ms,
                 alive: true,
+                renewals: Dbg(Renewals::default()),
+                renewing: Vec::new(),
                 workers: etcds
                     .iter_mut()
                     .map(|etcd| {
@@ -1201,6 +1347,12 @@ impl Fleet {
                         let deadline = claim.0.written.map_or(0, |w| w.lease_deadline_ms);
                         time_may_pass &= now + self.tick_ms < deadline;
                     }
+                    Phase::Executing { answers_at_ms, .. } => {
+                        if now >= *answers_at_ms {
+                            actions.push(Action::Answer(e));
+                            time_may_pass = false;
+                        }
+                    }
                     Phase::Looking { .. } => {
                         let executed = state.executions.iter().any(|x| x.scope == request.scope);
                         actions
@@ -1229,6 +1381,14 @@ impl Fleet {
                     }
                     (None, _) => {}
                 }
+            }
+            // The root's tick renews what is due before time moves on, and waits for its answer.
+            if !envoy.renewals.0.clone().due(now).is_empty() {
+                actions.push(Action::Renew(e));
+                time_may_pass = false;
+            }
+            if !envoy.renewing.is_empty() {
+                time_may_pass = false;
             }
             if state.crashes_left > 0 {
                 actions.push(Action::Crash(e));

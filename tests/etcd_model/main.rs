@@ -58,6 +58,7 @@ fn pair(rule: UnknownOutcome, faults: u8, crashes: u8) -> Fleet {
         lease_ms: 1_000,
         ttl_ms: 10_000,
         lists: Vec::new(),
+        upstream_ticks: 0,
     }
 }
 
@@ -193,4 +194,49 @@ fn shards_changing_three_envoys() {
     fleet.lists = vec![List::Old, List::Moving, List::Moving];
     fleet.horizon_ms = if deep() { 3_000 } else { 1_000 };
     check("shards changing: three envoys", fleet, &[0]);
+}
+
+/// A claim lives as long as its owner (C25): A's upstream takes 5 s against a 2 s lease, and A's
+/// root renews its claim at its ticks (the product's `Renewals`, its `StoreOp::Renew`
+/// conversations) while B, its clock 1.5 s ahead, retries. B never executes, is never refused
+/// as outcome unknown, never looks the record up: it gets 409, then A's replay.
+fn a_long_upstream(rule: UnknownOutcome, crashes: u8) -> Fleet {
+    let mut fleet = pair(rule, 0, 0);
+    fleet.crashes = crashes;
+    fleet.lease_ms = 2_000;
+    fleet.tick_ms = 500;
+    fleet.upstream_ticks = 10;
+    fleet.ttl_ms = 60_000;
+    fleet.requests = vec![vec![(0, 1)], vec![(0, if crashes > 0 && !deep() { 2 } else { 3 })]];
+    // A crash's claim ends only with its lease key, 6 s after its last renewal by etcd's clock:
+    // the deep run goes on until then; the quick one checks that nothing ends it before.
+    fleet.horizon_ms = match (crashes > 0, deep()) {
+        (true, true) => 10_000,
+        (true, false) => 6_000,
+        (false, _) => 7_000,
+    };
+    fleet
+}
+
+#[test]
+fn an_owner_at_work_past_several_leases_keeps_its_claim() {
+    for rule in [UnknownOutcome::Takeover, UnknownOutcome::Refuse, UnknownOutcome::Reconcile] {
+        // Reached: a replay, a renewal.
+        check(&format!("{rule:?}, an owner at work past two leases"), a_long_upstream(rule, 0), &[0, 7]);
+    }
+}
+
+/// The owner dies between two renewals: its claim ends a lease (and, on etcd, its completion's
+/// retry window) after its last renewal, and the rule decides then: a takeover executes again,
+/// a refusal answers outcome unknown. Never before.
+#[test]
+fn an_owner_that_dies_between_two_renewals() {
+    // Deep: reached a takeover executed again, an outcome-unknown answer (and a renewal).
+    let (takeover, refuse): (&[usize], &[usize]) = if deep() { (&[1, 7], &[4, 7]) } else { (&[7], &[7]) };
+    check(
+        "takeover, the owner dies between renewals",
+        a_long_upstream(UnknownOutcome::Takeover, 1),
+        takeover,
+    );
+    check("refuse, the owner dies between renewals", a_long_upstream(UnknownOutcome::Refuse, 1), refuse);
 }

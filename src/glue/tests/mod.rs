@@ -224,7 +224,9 @@ impl Conversation for OneCall {
             }
             StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),
             // A renewal keeps every claim it carries.
-            StoreOp::Renew(r) if ok => StoreAnswer::Renewed(Ok(vec![true; r.claims.len()])),
+            StoreOp::Renew(r) if ok => {
+                StoreAnswer::Renewed(Ok(vec![crate::store::Kept::Renewed; r.claims.len()]))
+            }
             StoreOp::Renew(_) => StoreAnswer::Renewed(Err(error)),
             _ if ok => StoreAnswer::Settled(Ok(Settled::Done)),
             _ => StoreAnswer::Settled(Err(error)),

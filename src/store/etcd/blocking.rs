@@ -227,7 +227,7 @@ macro_rules! record_store_by_perform {
             fn sweep(&self, _now_ms: u64) -> Result<u32, StoreError> {
                 Ok(0)
             }
-            fn renew(&self, renew: &Renew) -> Result<Vec<bool>, StoreError> {
+            fn renew(&self, renew: &Renew) -> Result<Vec<crate::store::Kept>, StoreError> {
                 self.perform(StoreOp::Renew(renew.clone()), renew.now_ms).into_renewed()
             }
             fn records(&self, query: &RecordQuery) -> Result<RecordPage, StoreError> {

@@ -11,18 +11,19 @@
 //! branch reads each record's revision, those claims are answered "no longer the owner's", and
 //! the others are tried again in a new transaction (`TXN_ATTEMPTS` at most).
 
+use super::decode;
 use super::leases::claim_lease_ttl_s;
 use super::stage::{Move, Stage, TXN_ATTEMPTS};
 use super::wire::{self, Guard, TxnOp};
 use super::{unusable, EtcdConversation, EtcdStore};
-use crate::store::{StoreError, StoreOp, MAX_RENEWALS};
+use crate::store::{Kept, StoreError, StoreOp, MAX_RENEWALS};
 
 /// A renewal in progress.
 #[derive(Debug, Clone)]
 pub(super) struct Renewing {
     /// The claims (their index in the `Renew`) not yet answered.
     pending: Vec<usize>,
-    kept: Vec<bool>,
+    kept: Vec<Kept>,
     /// The claim lease the lease keys go on (0: not known yet), asked for at `grant_sent_ms`.
     lease: i64,
     grant_sent_ms: u64,
@@ -41,7 +42,7 @@ impl EtcdConversation {
         }
         self.renewing = Some(Box::new(Renewing {
             pending: (0..n).collect(),
-            kept: vec![false; n],
+            kept: vec![Kept::Settled; n],
             lease: 0,
             grant_sent_ms: 0,
             attempts: 0,
@@ -77,7 +78,7 @@ impl EtcdConversation {
             records.iter().map(|(key, revision)| (key.as_slice(), Guard::ModRevision(*revision))).collect();
         let reads: Vec<TxnOp> = records
             .iter()
-            .map(|(key, _)| TxnOp::Range { key: key.clone(), range_end: None, limit: 0, keys_only: true })
+            .map(|(key, _)| TxnOp::Range { key: key.clone(), range_end: None, limit: 0, keys_only: false })
             .collect();
         Ok(Move::Call(wire::txn_all(store.protocol(), &guards, &puts, &reads), Stage::Renew))
     }
@@ -114,19 +115,26 @@ impl EtcdConversation {
         if txn.succeeded {
             for &i in &state.pending {
                 if let Some(k) = state.kept.get_mut(i) {
-                    *k = true;
+                    *k = Kept::Renewed;
                 }
             }
             return Ok(Move::Renewed(std::mem::take(&mut state.kept)));
         }
         // The failure branch read each record, in the order of the claims still pending: those
-        // whose revision is still their claim's are tried again.
+        // whose revision is still their claim's are tried again; the others are settled (their
+        // owner's, or gone) or taken over (another owner's).
         let mut still = Vec::new();
         for (read, &i) in txn.ranges.iter().zip(&state.pending) {
-            let locator = r.claims.get(i).map(|c| c.locator);
-            let unchanged = read.kvs.first().is_some_and(|kv| u64::try_from(kv.mod_revision).ok() == locator);
-            if unchanged {
-                still.push(i);
+            let Some(c) = r.claims.get(i) else { continue };
+            match read.kvs.first() {
+                Some(kv) if u64::try_from(kv.mod_revision).ok() == Some(c.locator) => still.push(i),
+                Some(kv) => {
+                    let theirs = decode(&kv.value).is_ok_and(|v| v.entry.owner != c.owner);
+                    if let Some(k) = state.kept.get_mut(i) {
+                        *k = if theirs { Kept::TakenOver } else { Kept::Settled };
+                    }
+                }
+                None => {}
             }
         }
         state.attempts += 1;

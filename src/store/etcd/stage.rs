@@ -39,8 +39,8 @@ pub(super) enum Move {
     Call(wire::Call, Stage),
     Begun(Begin),
     Settled(Settled),
-    /// Per claim of a renewal: kept, or no longer its owner's.
-    Renewed(Vec<bool>),
+    /// Per claim of a renewal: kept, or why not.
+    Renewed(Vec<crate::store::Kept>),
     Records(RecordPage),
     Amended(Result<(), Refusal>),
 }

@@ -50,7 +50,8 @@
 use crate::store::record::{self, Entry, State, FLAG_BODY_NOT_STORED, LAYOUT_V3};
 use crate::store::shared_data::{SharedData, SharedDataError};
 use crate::store::{
-    Begin, Claim, ClaimAttempt, Completion, RecordStore, Renew, Renewal, Settled, StoreError, UnknownOutcome,
+    Begin, Claim, ClaimAttempt, Completion, Kept, RecordStore, Renew, Renewal, Settled, StoreError,
+    UnknownOutcome,
 };
 use commit::SLOT_ATTEMPTS;
 use layout::{buckets_for, prefix_of, FILL_SHARD_BUCKETS};
@@ -287,7 +288,7 @@ impl<S: SharedData> LocalStore<S> {
     /// begin, eviction and sweep reads, and the CAS on the bucket orders the renewal with any of
     /// them: a takeover that wrote first makes the claim another's (false), one that comes after
     /// finds the lease running.
-    fn renew_one(&self, r: &Renewal, until_ms: u64) -> Result<bool, StoreError> {
+    fn renew_one(&self, r: &Renewal, until_ms: u64) -> Result<Kept, StoreError> {
         let claim = Claim {
             scope: r.scope,
             owner: r.owner,
@@ -296,24 +297,31 @@ impl<S: SharedData> LocalStore<S> {
             shard: 0,
             old_home: None,
         };
-        let Some((bucket, position)) = self.locate(&claim) else { return Ok(false) };
+        let Some((bucket, position)) = self.locate(&claim) else { return Ok(Kept::Settled) };
         for _ in 0..CAS_ATTEMPTS {
             let (committed, _) = self.read_slot(bucket, position)?;
             let (mut entries, read) = self.read_bucket(bucket)?;
-            let Some(i) = self.owned(&entries, &claim, position) else { return Ok(false) };
+            let Some(i) = self.owned(&entries, &claim, position) else {
+                // Another owner's entry of this scope where the claim was: taken over. Its own,
+                // completed, or none: settled by its owner, or gone.
+                let theirs = entries
+                    .iter()
+                    .any(|e| e.position == position && e.scope == r.scope && e.owner != r.owner);
+                return Ok(if theirs { Kept::TakenOver } else { Kept::Settled });
+            };
             if committed.is_some_and(|v| v.belongs_to(&entries[i])) {
                 // Completed (its promotion lost): nothing left to keep.
-                return Ok(false);
+                return Ok(Kept::Settled);
             }
             let until = until_ms.min(entries[i].expires_at_ms);
             if entries[i].lease_deadline_ms >= until {
-                return Ok(true);
+                return Ok(Kept::Renewed);
             }
             entries[i].lease_deadline_ms = until;
             // Its quota counters already count it until past its expiry (`charge`): a renewal,
             // which never outlives the record, leaves them as they are.
             if self.write_bucket(bucket, &entries, &read)? {
-                return Ok(true);
+                return Ok(Kept::Renewed);
             }
         }
         Err(StoreError::Contention)
@@ -362,7 +370,7 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
     fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
         self.release_claim(claim)
     }
-    fn renew(&self, renew: &Renew) -> Result<Vec<bool>, StoreError> {
+    fn renew(&self, renew: &Renew) -> Result<Vec<Kept>, StoreError> {
         let until_ms = renew.now_ms.saturating_add(renew.lease_ms);
         renew.claims.iter().map(|r| self.renew_one(r, until_ms)).collect()
     }

@@ -240,3 +240,15 @@ fn an_owner_that_dies_between_two_renewals() {
     );
     check("refuse, the owner dies between renewals", a_long_upstream(UnknownOutcome::Refuse, 1), refuse);
 }
+
+/// One owner, one retry, clocks in step: A renews, then dies, and B's one begin may come at any
+/// time. A's claim must end (its lease key, 6 s after its last renewal by etcd's clock, plus the
+/// checker's bound) and B then takes it over: a renewed claim never outlives its owner for good.
+#[test]
+fn a_dead_owners_renewed_claim_ends_with_its_lease_key() {
+    let mut fleet = a_long_upstream(UnknownOutcome::Takeover, 1);
+    fleet.skews_ms = vec![0, 0];
+    fleet.requests = vec![vec![(0, 1)], vec![(0, 1)]];
+    fleet.horizon_ms = 9_000;
+    check("takeover, a dead owner's renewed claim ends", fleet, &[1, 7]);
+}

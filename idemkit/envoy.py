@@ -33,6 +33,8 @@ UNMATCHED_STAT = STAT_PREFIX + "unmatched_requests_total"
 SWEPT_STAT = STAT_PREFIX + "records_swept_total"
 WATCH_ENDED_STAT = STAT_PREFIX + "store_watch_ended_total"
 UNKNOWN_CLUSTER_STAT = STAT_PREFIX + "unknown_cluster_calls_total"
+CLAIMS_RENEWED_STAT = STAT_PREFIX + "claims_renewed_total"
+CLAIMS_LOST_STAT = STAT_PREFIX + "claims_lost_total"
 _OUTCOME_STAT = re.compile(r"route\.(.+)\.requests_total\.([a-z_]+)")
 # The filter counts in Wasm and hands each worker's counts to Envoy at its root's 100 ms tick:
 # two ticks and some room for a loaded machine.

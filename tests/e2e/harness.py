@@ -53,7 +53,8 @@ from idemkit.client import (  # noqa: F401
     send_and_disconnect,
 )
 from idemkit.envoy import (  # noqa: F401
-    ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNKNOWN_CLUSTER_STAT, UNMATCHED_STAT, WATCH_ENDED_STAT,
+    CLAIMS_LOST_STAT, CLAIMS_RENEWED_STAT, ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNKNOWN_CLUSTER_STAT,
+    UNMATCHED_STAT, WATCH_ENDED_STAT,
     EnvoyStartError,
 )
 from idemkit.etcd import DelayProxy, EtcdCluster  # noqa: F401

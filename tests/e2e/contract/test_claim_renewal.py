@@ -52,7 +52,7 @@ def envoy(request, envoy_bin, filter_wasm, upstream):
 
 def renewed(envoy) -> int:
     """Claims the Envoy renewed (`idempotency_claims_renewed_total`)."""
-    return envoy.counter("wasmcustom.idempotency.claims_renewed_total")
+    return envoy.counter(harness.CLAIMS_RENEWED_STAT)
 
 
 def _slow_original(envoy, path: str, key: str, kind: str) -> tuple[threading.Thread, list]:

@@ -8,7 +8,8 @@ import re
 import tomllib
 
 import harness
-from harness import (REPO_ROOT, ROUTE_STAT, STAT_PREFIX, SWEPT_STAT, UNKNOWN_CLUSTER_STAT, UNMATCHED_STAT,
+from harness import (CLAIMS_LOST_STAT, CLAIMS_RENEWED_STAT, REPO_ROOT, ROUTE_STAT, STAT_PREFIX, SWEPT_STAT,
+                     UNKNOWN_CLUSTER_STAT, UNMATCHED_STAT,
                      WATCH_ENDED_STAT, new_key)
 
 with open(REPO_ROOT / "Cargo.toml", "rb") as _f:
@@ -25,7 +26,8 @@ FILTER_CONFIG = {
 def test_all_counters_exist_from_the_start(envoy):
     counters = set(envoy.filter_counters())
     expected = {(ROUTE_STAT % ("orders", o))[len(STAT_PREFIX):] for o in harness.OUTCOMES}
-    expected |= {s[len(STAT_PREFIX):] for s in (UNMATCHED_STAT, SWEPT_STAT, WATCH_ENDED_STAT, UNKNOWN_CLUSTER_STAT)}
+    expected |= {s[len(STAT_PREFIX):] for s in (UNMATCHED_STAT, SWEPT_STAT, WATCH_ENDED_STAT, UNKNOWN_CLUSTER_STAT,
+                                                 CLAIMS_RENEWED_STAT, CLAIMS_LOST_STAT)}
     assert expected <= counters, sorted(expected - counters)
     # One family per meaning: no all-routes counter that repeats the rules' outcomes.
     per_rule = re.compile(r"route\.orders\.requests_total\.[a-z_]+")

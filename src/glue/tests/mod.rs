@@ -77,8 +77,13 @@ fn logged(level: log::Level) -> Vec<String> {
 }
 
 fn host() -> FakeHost {
+    host_with(CONFIG)
+}
+
+/// A host configured with `config`, its clock at 1 s.
+fn host_with(config: &str) -> FakeHost {
     let h = FakeHost::default();
-    *h.0.config.borrow_mut() = CONFIG.as_bytes().to_vec();
+    *h.0.config.borrow_mut() = config.as_bytes().to_vec();
     h.0.now_ms.set(1_000);
     h
 }

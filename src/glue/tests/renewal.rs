@@ -4,7 +4,7 @@
 //! its last renewal; a request answered within three quarters of its lease costs no renewal
 //! (no host call, no store operation).
 
-use super::{pairs, post, upstream_answers};
+use super::{host_with, pairs, post, root, upstream_answers};
 use crate::flow::Verdict;
 use crate::glue::fake_host::FakeHost;
 use crate::glue::root::Root;
@@ -15,16 +15,7 @@ const CONFIG: &str = r#"{"store":{"type":"local","capacity":64},"routes":[
      "unknown_outcome":"takeover","processing_timeout":"2s"}]}"#;
 
 fn host() -> FakeHost {
-    let h = FakeHost::default();
-    *h.0.config.borrow_mut() = CONFIG.as_bytes().to_vec();
-    h.0.now_ms.set(1_000);
-    h
-}
-
-fn root(h: &FakeHost) -> Root<FakeHost> {
-    let mut root = Root::new(1, h.clone());
-    assert!(root.on_configure());
-    root
+    host_with(CONFIG)
 }
 
 /// The root's ticks, every 100 ms, up to `until_ms`.

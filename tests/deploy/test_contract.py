@@ -2,8 +2,9 @@
 (C1, C2, ...) in its table "The promises", one row per row of the README's contract table, which
 carries the same IDs in its first column. A test that proves a promise cites its ID in a
 docstring (Python: module, class or function; Rust: `///` or `//!` in a test file, tests/*.rs,
-src/**/tests/*.rs or src/**/tests.rs, or inside a `#[cfg(test)] mod tests { ... }` block of any
-other source file, whose production docs around it never count).
+tests/*/tests/*.rs (a workspace member's own tests, as tests/module-abi's), src/**/tests/*.rs or
+src/**/tests.rs, or inside a `#[cfg(test)] mod tests { ... }` block of any other source file, whose
+production docs around it never count).
 
 Checked here: both tables hold the same IDs in the same order, each once; every ID is cited by at
 least one test; no test cites an ID that is not in the tables."""
@@ -134,7 +135,8 @@ def _test_files() -> list[Path]:
     tests = REPO_ROOT / "tests"
     src = REPO_ROOT / "src"
     python = [p for p in tests.rglob("*.py") if "node_modules" not in p.parts and ".logs" not in p.parts]
-    rust = {*tests.glob("*.rs"), *src.rglob("tests/*.rs"), *src.rglob("tests.rs"), *_path_test_modules(src)}
+    rust = {*tests.glob("*.rs"), *tests.glob("*/tests/*.rs"), *src.rglob("tests/*.rs"), *src.rglob("tests.rs"),
+            *_path_test_modules(src)}
     return sorted(python + list(rust))
 
 
@@ -238,6 +240,13 @@ def test_the_checker_reads_test_modules_named_by_a_path_attribute(tmp_path):
     assert _path_test_modules(tmp_path) == [(tmp_path / "store" / "watch_tests.rs").resolve()]
     found = {p.name for p in _test_files()}
     assert {"watch_tests.rs", "grpc_tests.rs"} <= found, sorted(found)
+
+
+def test_the_checker_reads_the_tests_of_a_workspace_member_under_tests():
+    """Issue 48: tests/module-abi (the built module in an emulated Envoy) is a workspace member
+    of its own; the promises its tests cite are checked like any test file's."""
+    found = {p.relative_to(REPO_ROOT).as_posix() for p in _test_files()}
+    assert "tests/module-abi/tests/module.rs" in found, sorted(found)
 
 
 def test_the_checker_reads_every_inline_test_module_of_the_sources():

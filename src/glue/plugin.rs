@@ -7,7 +7,7 @@ use super::calls::{
     RootLookup, RootSettlement, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS, SETTLE_NOW,
 };
 use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
-use crate::config::{self, Config, Execution, Rule, StoreConfig, UnknownOutcome};
+use crate::config::{self, Config, Execution, Rule, StoreConfig};
 use crate::detached;
 use crate::flow::{LaterLookup, LeaseEnd, ParkPlan, RequestFlow, Settlement};
 use crate::identity::scope::ScopeId;
@@ -218,7 +218,8 @@ impl<H: Host> PluginState<H> {
             (None, StoreConfig::Local { capacity }) => {
                 // An abandoned claim evicted for room would let its retry execute with no
                 // record: only a rule that takes such claims over anyway can lose one.
-                let refusing = config.rules.iter().any(|r| r.unknown_outcome != UnknownOutcome::Takeover);
+                let refusing =
+                    config.rules.iter().any(|r| !crate::engine::on_lease_end(r.unknown_outcome).may_evict());
                 let store = LocalStore::open(host.clone(), *capacity, fresh_secret, now_ms)
                     .map_err(|e| format!("cannot prepare the local store: {e}"))?
                     .keeping_abandoned_claims(refusing);

@@ -14,6 +14,8 @@
 //! leases to answer (`Fleet::upstream_ticks`).
 
 use crate::etcd::Etcd;
+use idempotency_filter::config::UnknownOutcome;
+use idempotency_filter::engine::on_lease_end;
 use idempotency_filter::flow::{retry_window_end, Retry};
 use idempotency_filter::identity::fingerprint::Fingerprint;
 use idempotency_filter::identity::scope::ScopeId;
@@ -24,7 +26,7 @@ use idempotency_filter::store::etcd::{EtcdConversation, EtcdSettings, EtcdStore,
 use idempotency_filter::store::record::{self, Snapshot, State};
 use idempotency_filter::store::remote::{Answer, Next, Request};
 use idempotency_filter::store::{
-    Begin, Claim, ClaimAttempt, Completion, Renew, Settled, StoreAnswer, StoreError, StoreOp, UnknownOutcome,
+    Begin, Claim, ClaimAttempt, Completion, Renew, Settled, StoreAnswer, StoreError, StoreOp,
 };
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
@@ -378,7 +380,7 @@ impl Fleet {
             lease_ms: self.lease_ms,
             ttl_ms: self.ttl_ms,
             quota: None,
-            unknown_outcome: self.rule,
+            on_lease_end: on_lease_end(self.rule),
             label: None,
         }
     }

@@ -11,7 +11,7 @@ use super::{host, retry_hint, LocalStore, CAS_ATTEMPTS, ENTRIES_PER_BUCKET, RETR
 use crate::identity::scope::ScopeId;
 use crate::store::record::{self, Entry};
 use crate::store::shared_data::{Read, SharedData};
-use crate::store::{completed_answer, Begin, Claim, ClaimAttempt, StoreError, UnknownOutcome};
+use crate::store::{completed_answer, Begin, Claim, ClaimAttempt, OnLeaseEnd, StoreError};
 use sha2::{Digest, Sha256};
 
 /// How long a worker leaves a fill shard alone after sweeping all its buckets found nothing to
@@ -91,8 +91,10 @@ impl<S: SharedData> LocalStore<S> {
             if now < existing.lease_deadline_ms {
                 return Ok(Some(Begin::InFlight { retry_after_ms: existing.lease_deadline_ms - now }));
             }
-            if a.unknown_outcome == UnknownOutcome::Reconcile {
-                return Ok(Some(Begin::Unsettled));
+            match a.on_lease_end {
+                OnLeaseEnd::Report => return Ok(Some(Begin::Unsettled)),
+                // (`MarkUnknown` completes the record once it is taken over: `begin`.)
+                OnLeaseEnd::TakeOver | OnLeaseEnd::MarkUnknown => {}
             }
             // The lease ended without an outcome: take the record over. It keeps its quota
             // charge (same scope, so same tenant and principal): a takeover is not charged,
@@ -309,8 +311,8 @@ impl<S: SharedData> LocalStore<S> {
 
     /// An entry whose place a new record may take: expired, or processing past its lease with no
     /// outcome in its slot (abandoned: exactly as safe to replace as a takeover is, so not while
-    /// a rule refuses lease ends: `evict_abandoned`). Prefers the one that ended first. Err:
-    /// nothing evictable, and when something may become so.
+    /// an attempt may end a lease otherwise: `evict_abandoned`). Prefers the one that ended
+    /// first. Err: nothing evictable, and when something may become so.
     fn evictable(&self, bucket: u32, entries: &[Entry], now: u64) -> Result<Result<Entry, u64>, StoreError> {
         let ends = |e: &Entry| {
             if e.is_completed() {

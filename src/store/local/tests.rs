@@ -186,13 +186,13 @@ fn at_capacity_new_keys_are_refused_and_no_live_record_is_dropped() {
 }
 
 /// Fills a store of capacity 8 with 7 completed records and one claim left open (abandoned),
-/// all at time 0, with `unknown_outcome`; returns the abandoned claim's scope number.
-fn fill_with_one_abandoned<S: SharedData>(w: &LocalStore<S>, unknown_outcome: UnknownOutcome) -> u64 {
+/// all at time 0, with `on_lease_end`; returns the abandoned claim's scope number.
+fn fill_with_one_abandoned<S: SharedData>(w: &LocalStore<S>, on_lease_end: OnLeaseEnd) -> u64 {
     let (mut abandoned, mut live, mut n) = (None, 0, 0);
     while live < 8 {
         n += 1;
         assert!(n < 10_000, "the store never filled");
-        match w.begin(&ClaimAttempt { unknown_outcome, ..attempt(n, 1, n, 0) }).unwrap() {
+        match w.begin(&ClaimAttempt { on_lease_end, ..attempt(n, 1, n, 0) }).unwrap() {
             Begin::Claimed(_) if abandoned.is_none() => abandoned = Some(n),
             Begin::Claimed(c) => {
                 assert_eq!(w.complete(&c, &done(&format!("r{n}"), 0)).unwrap(), Settled::Done)
@@ -211,12 +211,12 @@ fn fill_with_one_abandoned<S: SharedData>(w: &LocalStore<S>, unknown_outcome: Un
 #[test]
 fn an_abandoned_claim_is_not_evicted_while_lease_ends_are_refused() {
     let refusing = |n: u64, owner: u64, now: u64| ClaimAttempt {
-        unknown_outcome: UnknownOutcome::Refuse,
+        on_lease_end: OnLeaseEnd::MarkUnknown,
         ..attempt(n, 1, owner, now)
     };
     let data = FakeSharedData::new();
     let w = open(&data, 8, 1).keeping_abandoned_claims(true);
-    let abandoned = fill_with_one_abandoned(&w, UnknownOutcome::Refuse);
+    let abandoned = fill_with_one_abandoned(&w, OnLeaseEnd::MarkUnknown);
     // After the abandoned claim's lease, a new key is refused for room: nothing is evicted.
     assert!(matches!(w.begin(&refusing(20_000, 90_001, LEASE)).unwrap(), Begin::Full { .. }));
     // The abandoned claim's retry gets the unknown outcome, and keeps getting it.
@@ -225,7 +225,7 @@ fn an_abandoned_claim_is_not_evicted_while_lease_ends_are_refused() {
     // Without refusing rules, the same full store gives the abandoned claim's place away.
     let data = FakeSharedData::new();
     let w = open(&data, 8, 1);
-    fill_with_one_abandoned(&w, UnknownOutcome::Takeover);
+    fill_with_one_abandoned(&w, OnLeaseEnd::TakeOver);
     assert!(matches!(w.begin(&attempt(20_000, 1, 90_001, LEASE - 1)).unwrap(), Begin::Full { .. }));
     assert!(matches!(w.begin(&attempt(20_000, 1, 90_001, LEASE)).unwrap(), Begin::Claimed(_)));
 }

@@ -90,7 +90,7 @@ pub enum RecordId {
 
 impl RecordId {
     pub fn parse(hex: &str) -> Option<RecordId> {
-        let bytes = crate::identity::scope::unhex(hex)?;
+        let bytes = crate::codec::unhex(hex)?;
         match bytes.len() {
             6 => bytes.try_into().ok().map(RecordId::Tag),
             32 => bytes.try_into().ok().map(|b| RecordId::Scope(ScopeId(b))),

@@ -141,7 +141,7 @@ fn every_action_is_audited_with_the_records_tag_route_and_tenant_and_a_digest_of
         }
     }
     assert_eq!(h.replies().iter().map(|r| r.1).collect::<Vec<_>>(), [200, 200, 409]);
-    let token = format!("sha256:{}", &crate::identity::scope::hex(&Sha256::digest(TOKEN.as_bytes()))[..8]);
+    let token = format!("sha256:{}", &crate::codec::hex(&Sha256::digest(TOKEN.as_bytes()))[..8]);
     let lines: Vec<String> =
         logged(log::Level::Info).into_iter().filter(|l| l.starts_with("admin ")).collect();
     assert_eq!(

@@ -8,10 +8,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use super::cache::ReplayCacheSettings;
-use super::keys::hex;
 use super::leases::{window_end, CACHED_LEASES, LIVE_CLAIM_RETRY_MS};
 use super::stage::TXN_ATTEMPTS;
 use super::*;
+use crate::codec::{base64, hex};
 use crate::config::etcd::ETCD_MAX_REQUEST_BYTES;
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;

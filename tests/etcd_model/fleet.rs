@@ -20,7 +20,7 @@ use idempotency_filter::flow::{retry_window_end, Retry};
 use idempotency_filter::identity::fingerprint::Fingerprint;
 use idempotency_filter::identity::scope::ScopeId;
 use idempotency_filter::renewal::{Hold, Renewals};
-use idempotency_filter::store::etcd::shards::moving::{Move, Moving};
+use idempotency_filter::store::etcd::shards::moving::{Leg, Moving};
 use idempotency_filter::store::etcd::shards::on_shard;
 use idempotency_filter::store::etcd::{EtcdConversation, EtcdSettings, EtcdStore, OnStoreError, Protocol};
 use idempotency_filter::store::record::{self, Snapshot, State};
@@ -490,11 +490,11 @@ impl Fleet {
         state: &mut FleetState,
         envoy: usize,
         plan: Moving,
-        next: Move,
+        next: Leg,
     ) -> Result<(Conv, Option<Moving>), (StoreAnswer, Option<Claim>)> {
         match next {
-            Move::Done(answer) => Err((answer, plan.unanswered(None))),
-            Move::Run(shard, op) => self.run_on(state, envoy, shard, op, Some(plan)),
+            Leg::Done(answer) => Err((answer, plan.unanswered(None))),
+            Leg::Run(shard, op) => self.run_on(state, envoy, shard, op, Some(plan)),
         }
     }
 

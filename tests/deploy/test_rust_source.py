@@ -5,6 +5,9 @@ worth knowing").
   trait or type alias is named once in src/, so that a name in a review, a log line or a doc
   means one thing. Test code is left out, as in test_rust_imports.py: a test's helper may share a
   name.
+- Every `unsafe` (block, fn, impl, trait, extern block) in src/, test code too, is preceded by a
+  `// SAFETY:` comment saying why it is sound: the comment lines right above the line that
+  holds it (attributes and doc lines may sit between) must contain `SAFETY:`.
 
 Standard library only, like the citations: run by `make contract-check`, in `make check`."""
 
@@ -40,6 +43,30 @@ def duplicate_public_types(src: Path = SRC) -> dict[str, list[str]]:
     return {name: places for name, places in seen.items() if len(places) > 1}
 
 
+_UNSAFE = re.compile(r"\bunsafe\s*(?:\{|fn\b|impl\b|trait\b|extern\b)")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def unsafe_without_safety_comment(src: Path = SRC) -> list[str]:
+    """Each `unsafe` whose line is not preceded by a `// SAFETY:` comment, as path:line."""
+    missing = []
+    for path in sorted(src.rglob("*.rs")):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            code = _STRING.sub('""', line).split("//", 1)[0]
+            if not _UNSAFE.search(code):
+                continue
+            above = []
+            for prev in reversed(lines[:i]):
+                stripped = prev.strip()
+                if not (stripped.startswith("//") or stripped.startswith("#[")):
+                    break
+                above.append(stripped)
+            if not any(l.startswith("//") and not l.startswith("///") and "SAFETY:" in l for l in above):
+                missing.append(f"{path.relative_to(src)}:{i + 1}")
+    return missing
+
+
 def test_no_two_public_types_of_one_name():
     found = duplicate_public_types()
     assert found == {}, f"public types of one name (rename one, in domain words): {found}"
@@ -55,11 +82,39 @@ def test_the_check_finds_a_duplicate_type(tmp_path):
     assert duplicate_public_types(tmp_path) == {"Move": ["a/mod.rs:1", "b.rs:2"]}
 
 
+def test_every_unsafe_says_why_it_is_sound():
+    missing = unsafe_without_safety_comment()
+    assert missing == [], f"unsafe without a // SAFETY: comment above it: {missing}"
+
+
+def test_the_check_finds_an_unsafe_without_its_reason(tmp_path):
+    (tmp_path / "lib.rs").write_text(
+        "fn a() {\n"
+        "    // SAFETY: why.\n"
+        "    unsafe { f() };\n"
+        "    let s = \"unsafe { in a string }\"; // unsafe { in a comment }\n"
+        "    // Some other comment.\n"
+        "    check(unsafe { g() })\n"
+        "}\n"
+        "/// # Safety\n"
+        "/// a doc is for callers, not the reason the body is sound\n"
+        "unsafe fn h() {}\n"
+        "// SAFETY: why.\n"
+        "#[inline]\n"
+        "unsafe fn k() {}\n")
+    assert unsafe_without_safety_comment(tmp_path) == ["lib.rs:6", "lib.rs:10"]
+
+
 def main() -> int:
     """The checks without pytest, for `make check`."""
     import tempfile
 
-    tests = [test_no_two_public_types_of_one_name, test_the_check_finds_a_duplicate_type]
+    tests = [
+        test_no_two_public_types_of_one_name,
+        test_the_check_finds_a_duplicate_type,
+        test_every_unsafe_says_why_it_is_sound,
+        test_the_check_finds_an_unsafe_without_its_reason,
+    ]
     failed = 0
     for test in tests:
         try:

@@ -2,10 +2,10 @@
 //!
 //! Layout (namespace `idem:v3:<capacity>:`, so a capacity change starts a fresh namespace instead
 //! of misreading the old placement; the old one is retired, see below):
-//! - `b:<i>`     bucket i: up to ENTRIES_PER_BUCKET compact record entries (record.rs);
+//! - `b:<i>`     bucket i: up to ENTRIES_PER_BUCKET compact record entries (format.rs, Bucket v2);
 //! - `s:<i>:<p>` the snapshot slot of position p in bucket i: the record's committed outcome;
 //! - `q:<j>`     quota key j: up to COUNTERS_PER_QUOTA_KEY live-record counters;
-//! - `f:<k>`     fill shard k: how many entries buckets 64k..64k+63 hold (record.rs, Fill v3);
+//! - `f:<k>`     fill shard k: how many entries buckets 64k..64k+63 hold (format.rs, Fill v3);
 //! - `sweep`     the sweep cursor (a fill shard), so workers share the sweeping;
 //! - `ready`     set once every key above exists.
 //!
@@ -42,24 +42,28 @@
 //! CAS and sees it lost; an owner whose outcome landed first wins, and the fencer puts the
 //! completed record back (`restore`).
 //!
-//! Files, one idea each: this one has the handle and the `RecordStore` operations; `layout` the
-//! data keys, the namespace registry and the placement secret; `placement` where a new record
-//! goes and the fill shards; `commit` the slots (fence, restore, promote); `quota` the counters;
-//! `sweep` the sweep and namespace retirement. The unit tests are in `tests`.
+//! Files, one idea each: this one has the handle and the `RecordStore` operations; `format` the
+//! byte formats only this store writes (buckets, quota counters, the layout registry, fill
+//! counts; the entry and the slot are `store/record.rs`'s); `layout` the data keys, the
+//! namespace registry and the placement secret; `placement` where a new record goes and the fill
+//! shards; `commit` the slots (fence, restore, promote); `quota` the counters; `sweep` the sweep
+//! and namespace retirement. The unit tests are in `tests`.
 
-use crate::store::record::{self, Entry, State, FLAG_BODY_NOT_STORED, LAYOUT_V3};
+use crate::store::record::{self, Entry, State, FLAG_BODY_NOT_STORED};
 use crate::store::shared_data::{SharedData, SharedDataError};
 use crate::store::{
     Begin, Claim, ClaimAttempt, Completion, Kept, OnLeaseEnd, RecordStore, Renew, Renewal, Settled,
     StoreError,
 };
 use commit::SLOT_ATTEMPTS;
+use format::LAYOUT_V3;
 use layout::{buckets_for, prefix_of, FILL_SHARD_BUCKETS};
 use quota::CHARGE_FLAGS;
 use std::cell::Cell;
 
 pub mod admin;
 mod commit;
+pub mod format;
 mod layout;
 mod placement;
 mod quota;

@@ -5,11 +5,12 @@
 //! makes a scope land in one bucket only.
 
 use super::commit::{Fenced, Restored};
+use super::format;
 use super::layout::FILL_SHARD_BUCKETS;
 use super::quota::{Charged, CHARGE_FLAGS, QUOTA_RETRY_FALLBACK_MS};
 use super::{host, retry_hint, LocalStore, CAS_ATTEMPTS, ENTRIES_PER_BUCKET, RETRY_CAP_MS};
 use crate::identity::scope::ScopeId;
-use crate::store::record::{self, Entry};
+use crate::store::record::Entry;
 use crate::store::shared_data::{Read, SharedData};
 use crate::store::{completed_answer, Begin, Claim, ClaimAttempt, OnLeaseEnd, StoreError};
 use sha2::{Digest, Sha256};
@@ -366,12 +367,12 @@ impl<S: SharedData> LocalStore<S> {
         let bound = self.shard_bound(shard);
         for _ in 0..CAS_ATTEMPTS {
             let read = self.data.get(&data_key).map_err(host)?;
-            let count = record::decode_fill(read.bytes())
+            let count = format::decode_fill(read.bytes())
                 .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
             if count >= bound {
                 return Ok(false);
             }
-            if self.cas(&data_key, &record::encode_fill(count + 1), &read)? {
+            if self.cas(&data_key, &format::encode_fill(count + 1), &read)? {
                 return Ok(true);
             }
         }
@@ -384,9 +385,9 @@ impl<S: SharedData> LocalStore<S> {
         let data_key = self.fill_key(shard);
         for _ in 0..CAS_ATTEMPTS {
             let Ok(read) = self.data.get(&data_key) else { break };
-            let Ok(count) = record::decode_fill(read.bytes()) else { break };
+            let Ok(count) = format::decode_fill(read.bytes()) else { break };
             let next = u32::try_from((i64::from(count) + delta).max(0)).unwrap_or(u32::MAX);
-            match self.cas(&data_key, &record::encode_fill(next), &read) {
+            match self.cas(&data_key, &format::encode_fill(next), &read) {
                 Ok(true) => return,
                 Ok(false) => {}
                 Err(_) => break,

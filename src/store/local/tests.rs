@@ -2,12 +2,13 @@
 //! commit point under races (`Interleave`), quotas and retirement. The conformance suite is
 //! instantiated in `tests/store_conformance.rs`, from outside the crate.
 
+use super::format::{self, Layout, QuotaCounter};
 use super::layout::{bucket_key_in, fill_key_in, quota_key_in, slot_key_in};
 use super::*;
 use crate::splitmix::SeededRng;
 use crate::store::conformance::{attempt, charged, claimed, done, snapshot, Backend, LEASE, TTL};
 use crate::store::fake::{FakeSharedData, Interleave};
-use crate::store::record::{Layout, QuotaCounter, SlotValue, Snapshot};
+use crate::store::record::{SlotValue, Snapshot};
 
 struct Local {
     data: FakeSharedData,
@@ -31,7 +32,7 @@ impl Backend for Local {
 }
 
 fn only_bucket(data: &FakeSharedData) -> Vec<Entry> {
-    record::decode_bucket(data.get("idem:v3:8:b:0").unwrap().bytes(), ENTRIES_PER_BUCKET).unwrap()
+    format::decode_bucket(data.get("idem:v3:8:b:0").unwrap().bytes(), ENTRIES_PER_BUCKET).unwrap()
 }
 
 #[test]
@@ -474,7 +475,7 @@ fn a_key_claimed_in_both_of_its_buckets_at_once_is_claimed_once() {
         principal_tag: 0,
     };
     let primary_key = w1.bucket_key(primary);
-    data.poke(&primary_key, &record::encode_bucket(&[other]));
+    data.poke(&primary_key, &format::encode_bucket(&[other]));
     let seen = std::cell::RefCell::new(None);
     // Bucket ops of worker 0's claim: primary read, secondary read, then its write.
     let racing = Interleave::new(&data, ":b:", 3, || {
@@ -488,9 +489,9 @@ fn a_key_claimed_in_both_of_its_buckets_at_once_is_claimed_once() {
     assert_eq!(claims, 1, "{first:?} {second:?}");
     assert!(matches!(first, Begin::InFlight { .. }), "{first:?}");
     // The withdrawn entry is gone and the fill count holds the one record.
-    let left = record::decode_bucket(data.get(&w1.bucket_key(secondary)).unwrap().bytes(), 8).unwrap();
+    let left = format::decode_bucket(data.get(&w1.bucket_key(secondary)).unwrap().bytes(), 8).unwrap();
     assert!(left.iter().all(|e| e.scope != crate::store::conformance::scope(n)));
-    assert_eq!(record::decode_fill(data.get(&w1.fill_key(0)).unwrap().bytes()), Ok(1));
+    assert_eq!(format::decode_fill(data.get(&w1.fill_key(0)).unwrap().bytes()), Ok(1));
 }
 
 #[test]
@@ -501,10 +502,10 @@ fn a_fill_count_that_lost_its_discharges_is_recounted_by_the_sweep() {
     let w = b.worker(0);
     claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
     let fill = w_fill_key(&b);
-    b.data.poke(&fill, &record::encode_fill(64));
+    b.data.poke(&fill, &format::encode_fill(64));
     assert!(matches!(w.begin(&attempt(2, 1, 12, 1)).unwrap(), Begin::Full { .. }));
     w.sweep(2).unwrap();
-    assert_eq!(record::decode_fill(b.data.get(&fill).unwrap().bytes()), Ok(1));
+    assert_eq!(format::decode_fill(b.data.get(&fill).unwrap().bytes()), Ok(1));
     claimed(w.begin(&attempt(2, 1, 13, 3)).unwrap());
 }
 
@@ -646,7 +647,7 @@ fn a_quota_key_without_room_answers_full() {
             until_ms: TTL + LEASE,
         })
         .collect();
-    b.data.poke("idem:v3:8:q:0", &record::encode_counters(&foreign));
+    b.data.poke("idem:v3:8:q:0", &format::encode_counters(&foreign));
     let r = w.begin(&charged(1, 11, 0, 1, None, (10, 10))).unwrap();
     assert_eq!(r, Begin::Full { retry_after_ms: TTL + LEASE });
     // Unquoted attempts are not affected, and counters that read as 0 give their room.
@@ -673,7 +674,7 @@ fn a_namespace_of_the_previous_placement_is_retired_too() {
     for k in &keys {
         data.poke(k, b"old bytes");
     }
-    data.poke(LAYOUTS_KEY, &record::encode_layouts(&[Layout { buckets: 2, beat_ms: 0, cursor: 0 }]));
+    data.poke(LAYOUTS_KEY, &format::encode_layouts(&[Layout { buckets: 2, beat_ms: 0, cursor: 0 }]));
     let store = LocalStore::open(&data, 64, [1; 32], 0).unwrap();
     let mut now = 0;
     for _ in 0..(RETIRE_AFTER_MS / 1_000 + 4) {
@@ -683,7 +684,7 @@ fn a_namespace_of_the_previous_placement_is_retired_too() {
     for k in &keys {
         assert_eq!(data.get(k).unwrap().value, None, "{k}");
     }
-    let layouts = record::decode_layouts(data.get(LAYOUTS_KEY).unwrap().bytes()).unwrap();
+    let layouts = format::decode_layouts(data.get(LAYOUTS_KEY).unwrap().bytes()).unwrap();
     assert_eq!(layouts.iter().map(|l| l.buckets).collect::<Vec<_>>(), vec![store.layout_id()]);
 }
 
@@ -724,7 +725,7 @@ fn a_retired_namespace_is_emptied_while_a_live_one_is_left_alone() {
         }
     }
     assert_eq!(data.key_count(), keys, "retiring empties values and creates nothing");
-    let layouts = record::decode_layouts(data.get(LAYOUTS_KEY).unwrap().bytes()).unwrap();
+    let layouts = format::decode_layouts(data.get(LAYOUTS_KEY).unwrap().bytes()).unwrap();
     assert_eq!(layouts.iter().map(|l| l.buckets).collect::<Vec<_>>(), vec![b.layout_id()]);
     assert!(data.value_bytes() < 200, "{} bytes left", data.value_bytes());
 }

@@ -27,6 +27,7 @@
 #[cfg(feature = "testing")]
 pub mod conformance;
 pub mod etcd;
+pub mod factory;
 #[cfg(feature = "testing")]
 pub mod fake;
 pub mod local;
@@ -34,6 +35,8 @@ pub mod record;
 pub mod remote;
 pub mod seam;
 pub mod shared_data;
+
+pub use factory::open;
 
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;

@@ -384,10 +384,12 @@ sdk-test: build tools $(SDK_NODE_STAMP)
 # too). It reads docs and docstrings only: in the fast loop with plain $(PYTHON), no .tools venv,
 # so `make check` stays without pip and off-Linux (tests/deploy/test_platforms.py).
 # And no two Rust modules import each other round a circle (tests/deploy/test_rust_imports.py,
-# ARCHITECTURE.md's "Imports run one way"): standard library only, like the citations.
+# ARCHITECTURE.md's "Imports run one way"), and no two public types share a name
+# (tests/deploy/test_rust_source.py): standard library only, like the citations.
 contract-check:
 	PYTHONPATH=. $(PYTHON) tests/deploy/test_contract.py
 	$(PYTHON) tests/deploy/test_rust_imports.py
+	$(PYTHON) tests/deploy/test_rust_source.py
 
 check: lint unit contract-check
 

@@ -15,9 +15,9 @@
 use std::net::SocketAddr;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use idempotency_filter::codec::base64;
 use idempotency_filter::config;
 use idempotency_filter::store::conformance::{charged, claimed, done};
-use idempotency_filter::store::etcd::base64;
 use idempotency_filter::store::etcd::blocking::BlockingEtcd;
 use idempotency_filter::store::{Begin, ClaimAttempt, RecordStore};
 

@@ -11,7 +11,7 @@ use idempotency_filter::splitmix::SeededRng;
 use idempotency_filter::store::fake::{FakeSharedData, Io};
 use idempotency_filter::store::local::LocalStore;
 use idempotency_filter::store::record::{Label, LabelScope, Snapshot, State};
-use idempotency_filter::store::{Begin, Claim, ClaimAttempt, Completion, RecordStore, UnknownOutcome};
+use idempotency_filter::store::{Begin, Claim, ClaimAttempt, Completion, OnLeaseEnd, RecordStore};
 use sha2::{Digest, Sha256};
 
 const TTL: u64 = 86_400_000;
@@ -25,7 +25,7 @@ fn attempt(n: u64, owner: u64) -> ClaimAttempt {
         lease_ms: 30_000,
         ttl_ms: TTL,
         quota: None,
-        unknown_outcome: UnknownOutcome::Takeover,
+        on_lease_end: OnLeaseEnd::TakeOver,
         // A typical label: a short route name, a UUID key, and its scope (a POST to a host's
         // path, one tenant, the caller's digest).
         label: Some(Label::scoped(

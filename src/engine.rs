@@ -9,7 +9,7 @@
 //!    `claim_attempt` for one atomic `begin` on the store, whose answer `decision_of` turns into
 //!    forward-with-claim, replay, wait, or a problem reply.
 
-use crate::config::{Concurrency, Config, Rule};
+use crate::config::{Concurrency, Config, Rule, UnknownOutcome};
 use crate::identity::fingerprint::{self, Fingerprint, FingerprintInput};
 use crate::identity::key::{parse_key, KeyError};
 use crate::identity::scope::{
@@ -18,7 +18,7 @@ use crate::identity::scope::{
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
 use crate::store::record::{Label, LabelScope, Snapshot};
-use crate::store::{Begin, Claim, ClaimAttempt, QuotaCharge, StoreError};
+use crate::store::{Begin, Claim, ClaimAttempt, OnLeaseEnd, QuotaCharge, StoreError};
 use std::rc::Rc;
 
 /// Header added to every replayed response.
@@ -387,8 +387,18 @@ pub fn claim_attempt(
         lease_ms: rule.processing_timeout_ms,
         ttl_ms: rule.ttl_ms,
         quota: quota_charge(cfg, pending),
-        unknown_outcome: rule.unknown_outcome,
+        on_lease_end: on_lease_end(rule.unknown_outcome),
         label: Some(pending.label.clone()),
+    }
+}
+
+/// What the stores do with a claim whose lease ended without an outcome, by a rule's
+/// `unknown_outcome`: the one place the policy becomes the stores' instruction.
+pub fn on_lease_end(policy: UnknownOutcome) -> OnLeaseEnd {
+    match policy {
+        UnknownOutcome::Takeover => OnLeaseEnd::TakeOver,
+        UnknownOutcome::Refuse => OnLeaseEnd::MarkUnknown,
+        UnknownOutcome::Reconcile => OnLeaseEnd::Report,
     }
 }
 
@@ -861,6 +871,25 @@ pub(crate) mod tests {
             Decision::Forward { counter, .. } => assert_eq!(counter, Counter::TakenOver),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// The rule's policy reaches the stores as one instruction each, and only a takeover lets
+    /// the local store evict an abandoned claim for room.
+    #[test]
+    fn each_unknown_outcome_policy_is_one_instruction_to_the_stores() {
+        use crate::config::UnknownOutcome;
+        for (policy, instruction, evicts) in [
+            (UnknownOutcome::Takeover, OnLeaseEnd::TakeOver, true),
+            (UnknownOutcome::Refuse, OnLeaseEnd::MarkUnknown, false),
+            (UnknownOutcome::Reconcile, OnLeaseEnd::Report, false),
+        ] {
+            assert_eq!(on_lease_end(policy), instruction, "{policy:?}");
+            assert_eq!(instruction.may_evict(), evicts, "{policy:?}");
+        }
+        let p = pending(&[("idempotency-key", "k")]);
+        let attempt = claim_attempt(&cfg(), &p, Fingerprint([0; 32]), 0, 1);
+        assert_eq!(attempt.on_lease_end, OnLeaseEnd::MarkUnknown);
+        assert_eq!(attempt.after_lookup(5).on_lease_end, OnLeaseEnd::TakeOver);
     }
 
     #[test]

@@ -6,10 +6,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use crate::identity::canonical::canonicalize;
-use crate::store::record::{
-    decode_bucket, decode_counters, decode_fill, decode_label, decode_layouts, decode_slot, encode_bucket,
-    encode_counters, encode_fill, encode_label, encode_layouts, encode_slot,
+use crate::store::local::format::{
+    decode_bucket, decode_counters, decode_fill, decode_layouts, encode_bucket, encode_counters, encode_fill,
+    encode_layouts,
 };
+use crate::store::record::{decode_label, decode_slot, encode_label, encode_slot};
 
 /// Key parser: total; an accepted key is 1..=255 visible ASCII, and its bare form parses to it.
 pub fn key(data: &[u8]) {
@@ -102,9 +103,8 @@ mod tests {
     /// them), except those named as refused or truncated.
     #[test]
     fn kept_record_inputs_decode_as_v2() {
-        use crate::store::record::{
-            decode_bucket, decode_counters, decode_fill, decode_layouts, decode_slot,
-        };
+        use crate::store::local::format::{decode_bucket, decode_counters, decode_fill, decode_layouts};
+        use crate::store::record::decode_slot;
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/regressions/record");
         for entry in std::fs::read_dir(dir).unwrap().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();

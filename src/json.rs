@@ -8,6 +8,7 @@
 //! purpose: the canonical form's limit is part of the fingerprint contract and the configuration's
 //! is part of what Envoy accepts; neither may move the other.
 
+use crate::codec::{hex_digit, hex_value};
 use std::borrow::Cow;
 use std::fmt;
 
@@ -379,12 +380,7 @@ impl<'a> Parser<'a> {
     fn hex4(&mut self) -> Result<u16, JsonError> {
         let mut value: u16 = 0;
         for _ in 0..4 {
-            let digit = match self.peek() {
-                Some(b @ b'0'..=b'9') => b - b'0',
-                Some(b @ b'a'..=b'f') => b - b'a' + 10,
-                Some(b @ b'A'..=b'F') => b - b'A' + 10,
-                _ => return Err(self.syntax()),
-            };
+            let Some(digit) = self.peek().and_then(hex_value) else { return Err(self.syntax()) };
             value = (value << 4) | u16::from(digit);
             self.pos += 1;
         }
@@ -442,14 +438,6 @@ pub(crate) fn plain_len(bytes: &[u8]) -> usize {
     }
     let tail = bytes.get(n..).unwrap_or_default();
     n + tail.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20).unwrap_or(tail.len())
-}
-
-fn hex_digit(nibble: u8) -> u8 {
-    if nibble < 10 {
-        b'0' + nibble
-    } else {
-        b'a' + (nibble - 10)
-    }
 }
 
 #[cfg(test)]

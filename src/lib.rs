@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod build_info;
+pub mod codec;
 pub mod config;
 pub mod detached;
 pub mod ending;

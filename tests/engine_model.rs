@@ -443,7 +443,7 @@ mod quota_model {
     use idempotency_filter::store::local::LocalStore;
     use idempotency_filter::store::record::{Snapshot, State};
     use idempotency_filter::store::{
-        Begin, Claim, ClaimAttempt, Completion, QuotaCharge, RecordStore, Settled, UnknownOutcome,
+        Begin, Claim, ClaimAttempt, Completion, OnLeaseEnd, QuotaCharge, RecordStore, Settled,
     };
     use std::collections::HashMap;
 
@@ -514,7 +514,7 @@ mod quota_model {
                 per_tenant: PER_TENANT,
                 per_principal: PER_PRINCIPAL,
             }),
-            unknown_outcome: UnknownOutcome::Takeover,
+            on_lease_end: OnLeaseEnd::TakeOver,
             label: None,
         }
     }

@@ -17,9 +17,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use idempotency_filter::codec::base64;
 use idempotency_filter::store::conformance::Backend;
 use idempotency_filter::store::conformance::{attempt, claimed};
-use idempotency_filter::store::etcd::base64;
 use idempotency_filter::store::etcd::blocking::BlockingEtcd;
 use idempotency_filter::store::etcd::{EtcdAuth, EtcdSettings, OnStoreError};
 use idempotency_filter::store::{Begin, ClaimAttempt, Completion, RecordStore, Settled, StoreError};

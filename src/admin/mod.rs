@@ -14,9 +14,10 @@
 
 mod time;
 
+use crate::codec::{base64, form_decode, hex};
 use crate::config::AdminConfig;
 use crate::engine::Reply;
-use crate::identity::scope::{hex, unhex, ScopeId};
+use crate::identity::scope::ScopeId;
 use crate::json::{emit_string, JsonValue, MemberOrder};
 use crate::problem::{Kind, Problem};
 use crate::store::record::{Label, Snapshot};
@@ -442,8 +443,9 @@ fn resolution(body: &[u8]) -> Result<Snapshot, Problem> {
     }
     let body = match (doc.get("body"), doc.get("body_base64")) {
         (Some(JsonValue::String(s)), None) => s.as_bytes().to_vec(),
-        (None, Some(JsonValue::String(s))) => crate::store::etcd::base64::decode(s)
-            .ok_or_else(|| bad("body_base64 is not base64".to_string()))?,
+        (None, Some(JsonValue::String(s))) => {
+            base64::decode(s).ok_or_else(|| bad("body_base64 is not base64".to_string()))?
+        }
         (None, None) => Vec::new(),
         _ => return Err(bad("body: a string, or body_base64: a base64 string, not both".to_string())),
     };
@@ -542,31 +544,8 @@ fn view_json(v: &RecordView, detail: bool, now_ms: u64) -> Vec<u8> {
 fn query_param(query: &str, name: &str) -> Option<String> {
     query.split('&').find_map(|pair| {
         let (n, v) = pair.split_once('=').unwrap_or((pair, ""));
-        (n == name).then(|| percent_decode(v))
+        (n == name).then(|| form_decode(v))
     })
-}
-
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match (b[i], b.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok()).and_then(unhex)) {
-            (b'%', Some(byte)) => {
-                out.extend_from_slice(&byte);
-                i += 3;
-            }
-            (b'+', _) => {
-                out.push(b' ');
-                i += 1;
-            }
-            (c, _) => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn bearer(value: &[u8]) -> Option<&[u8]> {

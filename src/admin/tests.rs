@@ -6,7 +6,7 @@ use crate::json::read;
 use crate::store::conformance::{attempt, claimed, done, scope, snapshot, LEASE};
 use crate::store::fake::FakeSharedData;
 use crate::store::local::LocalStore;
-use crate::store::{Begin, ClaimAttempt, RecordStore, UnknownOutcome};
+use crate::store::{Begin, ClaimAttempt, OnLeaseEnd, RecordStore};
 
 /// What the glue does on the local store: each operation the request asks for, performed at once.
 fn answer(cfg: &AdminConfig, s: &LocalStore<&FakeSharedData>, req: &AdminRequest) -> Answered {
@@ -48,7 +48,7 @@ fn ask(
 
 fn unknown_outcome_of(s: &LocalStore<&FakeSharedData>, n: u64) {
     claimed(s.begin(&attempt(n, 1, n * 10, 0)).unwrap());
-    let refuse = ClaimAttempt { unknown_outcome: UnknownOutcome::Refuse, ..attempt(n, 1, n * 10 + 1, LEASE) };
+    let refuse = ClaimAttempt { on_lease_end: OnLeaseEnd::MarkUnknown, ..attempt(n, 1, n * 10 + 1, LEASE) };
     assert_eq!(s.begin(&refuse).unwrap(), Begin::OutcomeUnknown);
 }
 

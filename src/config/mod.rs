@@ -259,7 +259,7 @@ fn admin(v: &Value, path: &str) -> Res<AdminConfig> {
     let o = object(v, path, &["token_sha256"])?;
     let token_sha256 = optional(o, path, "token_sha256", |v, f| {
         let s = string(v, f)?;
-        crate::identity::scope::unhex(s)
+        crate::codec::unhex(s)
             .and_then(|b| <[u8; 32]>::try_from(b).ok())
             .ok_or_else(|| err(f, "expected the token's SHA-256 as 64 hex digits (sha256sum of the token)"))
     })?;

@@ -1197,7 +1197,7 @@ fn an_admin_instance_protects_no_routes_and_keeps_the_tokens_digest() {
     let c = parse_str(&format!(r#"{{"admin":{{"token_sha256":"{digest}"}}}}"#)).unwrap();
     assert!(c.rules.is_empty());
     let admin = c.admin.unwrap();
-    assert_eq!(crate::identity::scope::hex(&admin.token_sha256.unwrap()), digest);
+    assert_eq!(crate::codec::hex(&admin.token_sha256.unwrap()), digest);
     assert_eq!(parse_str(r#"{"admin":{}}"#).unwrap().admin.unwrap().token_sha256, None);
     // On etcd too: it reads and settles the fleet's records there.
     let on_etcd = parse_str(r#"{"admin":{},"store":{"type":"etcd","cluster":"etcd"}}"#).unwrap();

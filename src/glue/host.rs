@@ -154,6 +154,12 @@ fn check(status: u32) -> Result<(), HostError> {
 ///
 /// # Safety
 /// `data`/`size` must come from a successful host call that returned an allocation.
+// SAFETY: on success a host call that returns bytes writes into its out-pointers either null (no
+// data: None here) or a buffer it got from `proxy_on_memory_allocate` (glue/abi.rs) for exactly
+// `size` bytes and filled: a boxed slice of `size` bytes, align 1, which is the allocation of a
+// `Vec<u8>` of length and capacity `size` (a dangling, non-null pointer for 0). Nothing else
+// owns it: the host only returns it, so the Vec frees it once, and never a pointer twice, since
+// each caller takes what one call wrote.
 unsafe fn take(data: *mut u8, size: usize) -> Option<Vec<u8>> {
     if data.is_null() {
         None
@@ -164,11 +170,15 @@ unsafe fn take(data: *mut u8, size: usize) -> Option<Vec<u8>> {
 
 pub fn log(level: u32, message: &str) {
     // A logging failure has nowhere to be reported; ignoring it is the only total choice.
+    // SAFETY: the host reads `message.len()` bytes at its pointer during the call only, and the
+    // borrowed `&str` outlives the call.
     let _ = unsafe { proxy_log(level, message.as_ptr(), message.len()) };
 }
 
 fn log_level() -> u32 {
     let mut level = LOG_INFO;
+    // SAFETY: `level` is a live, aligned u32 on this frame, which the host writes on success
+    // only; on an error it keeps its default.
     match unsafe { proxy_get_log_level(&mut level) } {
         OK => level,
         _ => LOG_INFO,
@@ -177,6 +187,8 @@ fn log_level() -> u32 {
 
 fn now_nanos() -> Result<u64, HostError> {
     let mut t = 0u64;
+    // SAFETY: `t` is a live, aligned u64 on this frame, which the host writes on success only
+    // (an error is returned, and `t` not read).
     check(unsafe { proxy_get_current_time_nanoseconds(&mut t) })?;
     Ok(t)
 }
@@ -203,13 +215,17 @@ fn now_ms() -> u64 {
 }
 
 fn set_tick_period_ms(ms: u32) -> Result<(), HostError> {
+    // SAFETY: a plain integer; no memory changes hands.
     check(unsafe { proxy_set_tick_period_milliseconds(ms) })
 }
 
 fn buffer(buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostError> {
     let mut data = null_mut();
     let mut size = 0usize;
+    // SAFETY: `data` and `size` are live out-pointers on this frame; the host writes them on
+    // success only (and copies at most `max` bytes into memory it allocates itself).
     match unsafe { proxy_get_buffer_bytes(buffer_type, start, max, &mut data, &mut size) } {
+        // SAFETY: on OK, `data`/`size` are what the host wrote: null, or its allocation (`take`).
         OK => Ok(unsafe { take(data, size) }.unwrap_or_default()),
         NOT_FOUND => Ok(Vec::new()),
         s => Err(HostError(s)),
@@ -220,7 +236,11 @@ fn buffer(buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostErr
 fn header_map(map_type: u32) -> Result<HeaderMap, HostError> {
     let mut data = null_mut();
     let mut size = 0usize;
+    // SAFETY: `data` and `size` are live out-pointers on this frame, written by the host on
+    // success only.
     check(unsafe { proxy_get_header_map_pairs(map_type, &mut data, &mut size) })?;
+    // SAFETY: reached on OK only (`?` above): `data`/`size` are null, or the host's allocation
+    // of the serialized map (`take`).
     let Some(bytes) = (unsafe { take(data, size) }) else { return Ok(HeaderMap::default()) };
     HeaderMap::from_bytes(bytes).ok_or(HostError(u32::MAX))
 }
@@ -228,7 +248,10 @@ fn header_map(map_type: u32) -> Result<HeaderMap, HostError> {
 fn header_value(map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostError> {
     let mut data = null_mut();
     let mut size = 0usize;
+    // SAFETY: the host reads `name.len()` bytes of the borrowed name during the call only, and
+    // writes the out-pointers `data` and `size` (live on this frame) on success only.
     match unsafe { proxy_get_header_map_value(map_type, name.as_ptr(), name.len(), &mut data, &mut size) } {
+        // SAFETY: on OK, `data`/`size` are what the host wrote: null, or its allocation (`take`).
         OK => Ok(unsafe { take(data, size) }),
         NOT_FOUND => Ok(None),
         s => Err(HostError(s)),
@@ -237,12 +260,15 @@ fn header_value(map_type: u32, name: &str) -> Result<Option<Vec<u8>>, HostError>
 
 /// Sets a header (replacing every value it had).
 fn set_header(map_type: u32, name: &str, value: &[u8]) -> Result<(), HostError> {
+    // SAFETY: two pointer/length pairs of borrowed bytes, which the host copies during the call
+    // and never keeps; both borrows outlive the call.
     check(unsafe {
         proxy_replace_header_map_value(map_type, name.as_ptr(), name.len(), value.as_ptr(), value.len())
     })
 }
 
 fn remove_header(map_type: u32, name: &str) -> Result<(), HostError> {
+    // SAFETY: the host reads `name.len()` bytes of the borrowed name during the call only.
     check(unsafe { proxy_remove_header_map_value(map_type, name.as_ptr(), name.len()) })
 }
 
@@ -251,7 +277,10 @@ fn property(path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
     let serialized = path.join("\0");
     let mut data = null_mut();
     let mut size = 0usize;
+    // SAFETY: the host reads the serialized path (owned here, alive past the call) during the
+    // call only, and writes the out-pointers `data` and `size` (live on this frame) on success.
     match unsafe { proxy_get_property(serialized.as_ptr(), serialized.len(), &mut data, &mut size) } {
+        // SAFETY: on OK, `data`/`size` are what the host wrote: null, or its allocation (`take`).
         OK => Ok(unsafe { take(data, size) }),
         NOT_FOUND => Ok(None),
         s => Err(HostError(s)),
@@ -259,6 +288,8 @@ fn property(path: &[&str]) -> Result<Option<Vec<u8>>, HostError> {
 }
 
 fn set_property(name: &str, value: &[u8]) -> Result<(), HostError> {
+    // SAFETY: two pointer/length pairs of borrowed bytes, which the host copies during the call
+    // and never keeps.
     check(unsafe { proxy_set_property(name.as_ptr(), name.len(), value.as_ptr(), value.len()) })
 }
 
@@ -269,6 +300,9 @@ fn send_response(
     body: &[u8],
 ) -> Result<(), HostError> {
     let map = encode_pairs(headers);
+    // SAFETY: the details, the body (null with length 0 when empty, as the ABI spells "none")
+    // and the serialized header map are pointer/length pairs alive past the call, which the host
+    // copies into its reply during the call; -1 is "no gRPC status".
     check(unsafe {
         proxy_send_local_response(
             u32::from(status),
@@ -285,22 +319,28 @@ fn send_response(
 
 /// Resumes the held request of the effective context (see `set_effective_context`).
 fn resume_request() -> Result<(), HostError> {
+    // SAFETY: a plain integer; no memory changes hands (the host refuses a context not paused).
     check(unsafe { proxy_continue_stream(STREAM_HTTP_REQUEST) })
 }
 
 /// Resumes the held response of the effective context.
 fn resume_response() -> Result<(), HostError> {
+    // SAFETY: a plain integer; no memory changes hands (the host refuses a context not paused).
     check(unsafe { proxy_continue_stream(STREAM_HTTP_RESPONSE) })
 }
 
 /// Makes later calls in this callback act on another context of this VM; fails (without harm)
 /// when that context is gone, e.g. its client went away.
 fn set_effective_context(context_id: u32) -> Result<(), HostError> {
+    // SAFETY: a plain integer; the host looks the id up and answers an error for one it does
+    // not know, changing nothing.
     check(unsafe { proxy_set_effective_context(context_id) })
 }
 
 fn register_queue(name: &str) -> Result<u32, HostError> {
     let mut id = 0u32;
+    // SAFETY: the host reads the borrowed name during the call only, and writes `id` (a live,
+    // aligned u32 on this frame) on success only.
     check(unsafe { proxy_register_shared_queue(name.as_ptr(), name.len(), &mut id) })?;
     Ok(id)
 }
@@ -309,6 +349,8 @@ fn register_queue(name: &str) -> Result<u32, HostError> {
 fn resolve_queue(name: &str) -> Result<Option<u32>, HostError> {
     let mut id = 0u32;
     // An empty vm_id means this plugin's own vm_id.
+    // SAFETY: the vm_id is null with length 0 (nothing to read), the name a borrowed slice the
+    // host reads during the call only; it writes `id` (live on this frame) on success only.
     match unsafe { proxy_resolve_shared_queue(null(), 0, name.as_ptr(), name.len(), &mut id) } {
         OK => Ok(Some(id)),
         NOT_FOUND => Ok(None),
@@ -317,6 +359,8 @@ fn resolve_queue(name: &str) -> Result<Option<u32>, HostError> {
 }
 
 fn enqueue(queue_id: u32, message: &[u8]) -> Result<(), HostError> {
+    // SAFETY: the host copies the borrowed message into the queue during the call and never
+    // keeps the pointer.
     check(unsafe { proxy_enqueue_shared_queue(queue_id, message.as_ptr(), message.len()) })
 }
 
@@ -324,7 +368,10 @@ fn enqueue(queue_id: u32, message: &[u8]) -> Result<(), HostError> {
 fn dequeue(queue_id: u32) -> Result<Option<Vec<u8>>, HostError> {
     let mut data = null_mut();
     let mut size = 0usize;
+    // SAFETY: `data` and `size` are live out-pointers on this frame, written by the host when it
+    // hands a message over (OK) and left alone on EMPTY or an error.
     match unsafe { proxy_dequeue_shared_queue(queue_id, &mut data, &mut size) } {
+        // SAFETY: on OK, `data`/`size` are what the host wrote: null, or its allocation (`take`).
         OK => Ok(Some(unsafe { take(data, size) }.unwrap_or_default())),
         EMPTY => Ok(None),
         s => Err(HostError(s)),
@@ -333,13 +380,18 @@ fn dequeue(queue_id: u32) -> Result<Option<Vec<u8>>, HostError> {
 
 fn define_counter(name: &str) -> Result<u32, HostError> {
     let mut id = 0u32;
+    // SAFETY: the host reads the borrowed name during the call only, and writes `id` (a live,
+    // aligned u32 on this frame) on success only.
     check(unsafe { proxy_define_metric(METRIC_COUNTER, name.as_ptr(), name.len(), &mut id) })?;
     Ok(id)
 }
 
 fn set_gauge(name: &str, value: u64) -> Result<(), HostError> {
     let mut id = 0u32;
+    // SAFETY: the host reads the borrowed name during the call only, and writes `id` (a live,
+    // aligned u32 on this frame) on success only.
     check(unsafe { proxy_define_metric(METRIC_GAUGE, name.as_ptr(), name.len(), &mut id) })?;
+    // SAFETY: plain integers; the host refuses an id it does not know.
     check(unsafe { proxy_record_metric(id, value) })
 }
 
@@ -353,6 +405,7 @@ fn flush_metrics() {
     let batch = METRICS.with(|m| m.try_borrow_mut().map(|mut m| m.take()).unwrap_or_default());
     for (metric, by) in batch {
         // A lost increment is not worth failing anything for.
+        // SAFETY: plain integers; the host refuses an id it does not know.
         let _ = unsafe { proxy_increment_metric(metric, by) };
     }
 }
@@ -368,6 +421,9 @@ fn dispatch_http_call(
     let pairs: Vec<(String, Vec<u8>)> = headers.iter().map(|(n, v)| ((*n).to_string(), v.to_vec())).collect();
     let headers = encode_pairs(&pairs);
     let mut token = 0u32;
+    // SAFETY: the cluster name, the serialized headers and the body are pointer/length pairs
+    // alive past the call, which the host copies into its request during the call; the trailers
+    // are null with length 0 (none). `token` is a live u32 on this frame, written on success.
     let status = unsafe {
         proxy_http_call(
             cluster.as_ptr(),
@@ -394,6 +450,9 @@ fn open_grpc_stream(
 ) -> Result<u32, HostError> {
     let metadata = encode_pairs(metadata);
     let mut token = 0u32;
+    // SAFETY: the service, service name, method and serialized metadata are pointer/length pairs
+    // alive past the call, which the host copies during the call; `token` is a live u32 on this
+    // frame, written on success.
     let status = unsafe {
         proxy_grpc_stream(
             service.as_ptr(),
@@ -428,7 +487,7 @@ impl Host for AbiHost {
         set_tick_period_ms(ms)
     }
     fn done(&self) -> Result<(), HostError> {
-        // SAFETY: no arguments; the host acts on the calling root context.
+        // SAFETY: no arguments and no memory; the host acts on the calling root context.
         check(unsafe { proxy_done() })
     }
     fn buffer(&self, buffer_type: u32, start: usize, max: usize) -> Result<Vec<u8>, HostError> {
@@ -507,9 +566,12 @@ impl Host for AbiHost {
         open_grpc_stream(service, service_name, method, metadata)
     }
     fn send_grpc_message(&self, token: u32, message: &[u8]) -> Result<(), HostError> {
+        // SAFETY: the host copies the borrowed message onto the stream during the call and never
+        // keeps the pointer; an unknown token is refused.
         check(unsafe { proxy_grpc_send(token, message.as_ptr(), message.len(), 0) })
     }
     fn cancel_grpc_stream(&self, token: u32) -> Result<(), HostError> {
+        // SAFETY: a plain integer; an unknown token is refused.
         check(unsafe { proxy_grpc_cancel(token) })
     }
     fn increment(&self, metric: u32, by: i64) {
@@ -529,9 +591,13 @@ impl SharedData for AbiHost {
         let mut data = null_mut();
         let mut size = 0usize;
         let mut cas = 0u32;
+        // SAFETY: the host reads the borrowed key during the call only, and writes the three
+        // out-pointers (`data`, `size`, `cas`, live on this frame) on success only.
         match unsafe {
             proxy_get_shared_data(data_key.as_ptr(), data_key.len(), &mut data, &mut size, &mut cas)
         } {
+            // SAFETY: on OK, `data`/`size` are what the host wrote: null, or its allocation of
+            // a copy of the value (`take`).
             OK => Ok(Read { value: unsafe { take(data, size) }, cas: (cas != 0).then_some(cas as Cas) }),
             NOT_FOUND => Ok(Read::default()),
             s => Err(SharedDataError::Host(s)),
@@ -540,6 +606,8 @@ impl SharedData for AbiHost {
 
     fn set(&self, data_key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), SharedDataError> {
         let ptr = if value.is_empty() { null() } else { value.as_ptr() };
+        // SAFETY: the key and the value (null with length 0 when empty) are borrowed
+        // pointer/length pairs the host copies into shared data during the call and never keeps.
         match unsafe {
             proxy_set_shared_data(data_key.as_ptr(), data_key.len(), ptr, value.len(), cas.unwrap_or(0))
         } {

@@ -7,7 +7,7 @@ use super::calls::{
     RootLookup, RootSettlement, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS, SETTLE_NOW,
 };
 use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
-use crate::config::{self, Config, Execution, Rule, StoreConfig, UnknownOutcome};
+use crate::config::{self, Config, Execution, Rule};
 use crate::detached;
 use crate::flow::{LaterLookup, LeaseEnd, ParkPlan, RequestFlow, Settlement};
 use crate::identity::scope::ScopeId;
@@ -18,13 +18,10 @@ use crate::metrics::{
 use crate::reconcile::{self, LookupGate};
 use crate::renewal::Renewals;
 use crate::splitmix::splitmix64;
-use crate::store::etcd::remote::EtcdRemote;
-use crate::store::etcd::shards::EtcdShards;
-use crate::store::etcd::EtcdStore;
-use crate::store::local::LocalStore;
+use crate::store::factory::{remote_described, remotes, Opened};
 use crate::store::remote::Conversation;
 use crate::store::seam::{Started, Store, Watch};
-use crate::store::{Claim, StoreAnswer, StoreOp};
+use crate::store::{self, Claim, StoreAnswer, StoreOp};
 use crate::wait::wake::{self, Registry};
 use crate::wait::{self, NotHeld, WaitRoom, Waiter};
 use std::cell::{Cell, RefCell};
@@ -41,11 +38,6 @@ fn random_u64(mix: u64) -> u64 {
 
 /// The filter state a decided request's outcome is published under (Envoy prefixes `wasm.`).
 pub const OUTCOME_PROPERTY: &str = "idempotency.outcome";
-
-/// How to reach each shard of a remote store, in shard order (none for a store in place).
-fn shards(store: &dyn Store) -> impl Iterator<Item = &crate::store::remote::RemoteSettings> {
-    (0..=u8::MAX).map_while(|shard| store.remote_for(shard))
-}
 
 /// Counter ids, defined once per root context (define_metric hands out a new id per call):
 /// the outcomes per route rule (by the rule's name), the requests no rule matched, the sweep.
@@ -90,7 +82,7 @@ impl Metrics {
             // Always there too: any filter configuration names clusters (a detached rule may
             // name none, and take the route's).
             unknown_cluster: define(UNKNOWN_CLUSTER_METRIC.to_string()),
-            calls_failed: shards(store)
+            calls_failed: remotes(store)
                 .map(|remote| define(store_calls_failed_metric(&remote.cluster)))
                 .collect(),
             admin: if admin {
@@ -194,44 +186,17 @@ impl<H: Host> PluginState<H> {
             random_u64((i / 8) as u64).to_be_bytes().get(i % 8).copied().unwrap_or(0)
         });
         let now_ms = host.now_ms();
-        let remote_store = |remote: Box<dyn Store>| {
-            let clusters: Vec<&str> = shards(remote.as_ref()).map(|r| r.cluster.as_str()).collect();
-            log::info!(
-                "configured {} route rule(s); remote store on cluster{} {}",
-                config.rules.len(),
-                if clusters.len() == 1 { "" } else { "s" },
-                clusters.join(", ")
-            );
-            remote
-        };
-        let store: Box<dyn Store> = match (remote, &config.store) {
-            (Some(remote), _) => remote_store(remote),
-            (None, StoreConfig::Etcd(settings))
-                if settings.shards.len() > 1 || !settings.previous_shards.is_empty() =>
-            {
-                remote_store(Box::new(EtcdShards::new(settings)))
-            }
-            (None, StoreConfig::Etcd(settings)) => {
-                let one = settings.shard_settings().into_iter().next().unwrap_or_else(|| settings.clone());
-                remote_store(Box::new(EtcdRemote::new(EtcdStore::new(one))))
-            }
-            (None, StoreConfig::Local { capacity }) => {
+        let Opened { store, described } = match remote {
+            Some(store) => Opened { described: remote_described(store.as_ref()), store },
+            None => {
                 // An abandoned claim evicted for room would let its retry execute with no
-                // record: only a rule that takes such claims over anyway can lose one.
-                let refusing = config.rules.iter().any(|r| r.unknown_outcome != UnknownOutcome::Takeover);
-                let store = LocalStore::open(host.clone(), *capacity, fresh_secret, now_ms)
-                    .map_err(|e| format!("cannot prepare the local store: {e}"))?
-                    .keeping_abandoned_claims(refusing);
-                log::info!(
-                    "configured {} route rule(s); local store: {} records in {} buckets ({} keys created)",
-                    config.rules.len(),
-                    store.capacity(),
-                    store.buckets(),
-                    store.keys_created()
-                );
-                Box::new(store)
+                // record: the store keeps them unless every rule takes such claims over anyway.
+                let lease_ends: Vec<_> =
+                    config.rules.iter().map(|r| crate::engine::on_lease_end(r.unknown_outcome)).collect();
+                store::open(&config.store, host.clone(), fresh_secret, now_ms, &lease_ends)?
             }
         };
+        log::info!("configured {} route rule(s); {described}", config.rules.len());
         for rule in &config.rules {
             let data_key = retry_warning_key(&rule.name);
             let exists =

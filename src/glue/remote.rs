@@ -11,6 +11,7 @@ use super::{
     Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS,
     MAP_HTTP_CALL_RESPONSE_TRAILERS,
 };
+use crate::codec::percent_decode;
 use crate::config::etcd::Protocol;
 use crate::store::remote::{Answer, GrpcStatus, RemoteSettings, Request};
 use crate::store::StoreError;
@@ -40,26 +41,6 @@ fn grpc_status<H: Host>(host: &H) -> Option<GrpcStatus> {
     let code = code.parse().ok()?;
     let message = header(host, map, "grpc-message").map(|m| percent_decode(&m)).unwrap_or_default();
     Some(GrpcStatus { code, message })
-}
-
-fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
-        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
-            (b'%', Some(b)) => {
-                out.push(b);
-                i += 3;
-            }
-            (b, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Reads the callout's answer. A missing `:status` (Envoy's report of a reset or an answer over

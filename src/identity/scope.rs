@@ -9,6 +9,7 @@
 //! v2 (from v1): the authority joined the scope, and the tenant is the list of its header values,
 //! each length-prefixed, so one header `a,b` and two headers `a` and `b` are different tenants.
 
+use crate::codec::hex;
 use sha2::{Digest, Sha256};
 use std::borrow::Cow;
 
@@ -35,30 +36,6 @@ impl ScopeId {
         b.copy_from_slice(&self.0[24..32]);
         u64::from_le_bytes(b)
     }
-}
-
-pub fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(char::from(DIGITS[usize::from(b >> 4)]));
-        s.push(char::from(DIGITS[usize::from(b & 0xf)]));
-    }
-    s
-}
-
-/// The bytes of a hex string (either case); None for an odd length or any other character.
-pub fn unhex(s: &str) -> Option<Vec<u8>> {
-    let digit = |c: u8| match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        b'A'..=b'F' => Some(c - b'A' + 10),
-        _ => None,
-    };
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    s.as_bytes().chunks(2).map(|p| Some(digit(p[0])? << 4 | digit(p[1])?)).collect()
 }
 
 fn field(h: &mut Sha256, bytes: &[u8]) {

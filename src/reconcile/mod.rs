@@ -15,6 +15,7 @@
 //! The lookup is a read: it writes nothing, so two lookups of one record may run on two Envoys at
 //! once. Only acting on its answer takes the record over, atomically, as any takeover does.
 
+use crate::codec::percent_encode;
 use crate::config::{Config, Reconcile, Rule};
 use crate::engine;
 use crate::identity::key::parse_key;
@@ -86,20 +87,6 @@ pub fn lookup_request(
         .filter(|(n, _)| n == ":authority" || *n == cfg.key_header || reconcile.headers.contains(n))
         .cloned()
         .collect()
-}
-
-/// RFC 3986 percent-encoding of everything but the unreserved characters, so that a key is one
-/// path segment whatever it holds (`/`, `?`, `%`, ...).
-fn percent_encode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 /// What the lookup's answer means. `status` None: Envoy gave no answer (no connection, the

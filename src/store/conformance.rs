@@ -9,8 +9,8 @@ use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::store::record::{Label, LabelScope, Snapshot, State};
 use crate::store::{
-    Amendment, Begin, Claim, ClaimAttempt, Completion, Kept, QuotaCharge, RecordPage, RecordQuery,
-    RecordStore, RecordView, Refusal, Renew, Settled, StoreError, StoreOp, UnknownOutcome,
+    Amendment, Begin, Claim, ClaimAttempt, Completion, Kept, OnLeaseEnd, QuotaCharge, RecordPage,
+    RecordQuery, RecordStore, RecordView, Refusal, Renew, Settled, StoreError, StoreOp,
 };
 
 mod admin;
@@ -94,7 +94,7 @@ pub fn attempt(scope_n: u64, fp: u8, owner: u64, now_ms: u64) -> ClaimAttempt {
         lease_ms: LEASE,
         ttl_ms: TTL,
         quota: None,
-        unknown_outcome: UnknownOutcome::Takeover,
+        on_lease_end: OnLeaseEnd::TakeOver,
         // Every conformance record carries its label, as the filter's do.
         label: Some(label_in(None, &format!("key-{scope_n}"))),
     }
@@ -183,10 +183,10 @@ pub fn a_renewed_claim_stays_its_owners_past_its_first_lease<B: Backend>() {
     let owner = through_ops(&b, 0);
     assert_eq!(renew_all(&owner, &[&c], LEASE * 3 / 4), vec![Kept::Renewed]);
     b.let_part_of_a_claim_lease_pass();
-    for rule in [UnknownOutcome::Takeover, UnknownOutcome::Refuse, UnknownOutcome::Reconcile] {
-        let retry = ClaimAttempt { unknown_outcome: rule, ..attempt(1, 1, 12, LEASE + LEASE / 2) };
+    for on_lease_end in [OnLeaseEnd::TakeOver, OnLeaseEnd::MarkUnknown, OnLeaseEnd::Report] {
+        let retry = ClaimAttempt { on_lease_end, ..attempt(1, 1, 12, LEASE + LEASE / 2) };
         let answer = w1.begin(&retry).unwrap();
-        assert!(matches!(answer, Begin::InFlight { .. }), "{rule:?}: {answer:?}");
+        assert!(matches!(answer, Begin::InFlight { .. }), "{on_lease_end:?}: {answer:?}");
     }
     assert_eq!(w0.complete(&c, &done("long", LEASE + LEASE / 2 + 1)).unwrap(), Settled::Done);
     assert_eq!(w1.begin(&attempt(1, 1, 13, LEASE * 2)).unwrap(), Begin::Replay(snapshot("long")));
@@ -367,14 +367,14 @@ pub fn expired_lease_is_taken_over_and_the_old_owner_cannot_write<B: Backend>() 
     assert_eq!(w0.begin(&attempt(1, 1, 15, LEASE + 6)).unwrap(), Begin::Replay(snapshot("new")));
 }
 
-/// A rule with `unknown_outcome: "refuse"` (`UnknownOutcome::Refuse`): a claim whose lease ends
+/// A rule with `unknown_outcome: "refuse"` (`OnLeaseEnd::MarkUnknown`): a claim whose lease ends
 /// without an outcome (its Envoy died, its completion was never written) becomes an unknown
 /// outcome at the first begin after the lease, on every worker, and is never taken over.
 pub fn a_refused_lease_end_is_an_unknown_outcome_never_executed_again<B: Backend>() {
     let b = B::with_capacity(64);
     let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     let refusing = |fp: u8, owner: u64, now: u64| ClaimAttempt {
-        unknown_outcome: UnknownOutcome::Refuse,
+        on_lease_end: OnLeaseEnd::MarkUnknown,
         ..attempt(1, fp, owner, now)
     };
     let old = claimed(w0.begin(&refusing(1, 11, 0)).unwrap());
@@ -395,7 +395,7 @@ pub fn a_refused_lease_end_is_an_unknown_outcome_never_executed_again<B: Backend
     assert!(matches!(w1.begin(&refusing(1, 18, LEASE + TTL)).unwrap(), Begin::Claimed(_)));
 }
 
-/// A rule with `reconcile` (`UnknownOutcome::Reconcile`): a claim whose lease ends without an
+/// A rule with `reconcile` (`OnLeaseEnd::Report`): a claim whose lease ends without an
 /// outcome is answered `Unsettled` and left exactly as it is, on every worker, until a request
 /// that asked the upstream takes it over (`ClaimAttempt::after_lookup`) to write the lookup's
 /// answer or to execute; from then on it is a record like any other.
@@ -403,7 +403,7 @@ pub fn a_reconciled_lease_end_is_unsettled_until_a_lookup_takes_it_over<B: Backe
     let b = B::with_capacity(64);
     let (w0, w1) = (through_ops(&b, 0), through_ops(&b, 1));
     let reconciling = |fp: u8, owner: u64, now: u64| ClaimAttempt {
-        unknown_outcome: UnknownOutcome::Reconcile,
+        on_lease_end: OnLeaseEnd::Report,
         ..attempt(1, fp, owner, now)
     };
     let old = claimed(w0.begin(&reconciling(1, 11, 0)).unwrap());

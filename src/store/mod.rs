@@ -27,6 +27,7 @@
 #[cfg(feature = "testing")]
 pub mod conformance;
 pub mod etcd;
+pub mod factory;
 #[cfg(feature = "testing")]
 pub mod fake;
 pub mod local;
@@ -34,6 +35,8 @@ pub mod record;
 pub mod remote;
 pub mod seam;
 pub mod shared_data;
+
+pub use factory::open;
 
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
@@ -53,15 +56,11 @@ pub struct ClaimAttempt {
     /// The quota a new record is charged to; None: no quota applies, and no counter is read
     /// or written.
     pub quota: Option<QuotaCharge>,
-    /// The rule's `unknown_outcome`, which also decides what this begin makes of a processing
-    /// record whose lease ended without an outcome (its owner died, its VM was reloaded, or its
-    /// completion could not be written: whether its request reached the upstream is unknown).
-    /// `Takeover`: take the record over (`Begin::TookOver`), the request is forwarded again.
-    /// `Refuse`: complete the record as outcome unknown (`Completion::outcome_unknown`, at the
-    /// begin's time) and answer `Begin::OutcomeUnknown`, so it is never forwarded again until its
-    /// ttl ends, whoever asks: a refuse rule must not execute twice because the first attempt's
-    /// Envoy died before it could record what happened.
-    pub unknown_outcome: UnknownOutcome,
+    /// What this begin makes of a processing record whose lease ended without an outcome (its
+    /// owner died, its VM was reloaded, or its completion could not be written: whether its
+    /// request reached the upstream is unknown). The engine maps the rule's policy to it
+    /// (`engine::on_lease_end`); a store carries it out and decides nothing by the rule.
+    pub on_lease_end: OnLeaseEnd,
     /// The route and key the record is about, kept with it for operators (the admin API). None:
     /// a record without one (tests).
     pub label: Option<Label>,
@@ -94,7 +93,7 @@ pub enum RecordId {
 
 impl RecordId {
     pub fn parse(hex: &str) -> Option<RecordId> {
-        let bytes = crate::identity::scope::unhex(hex)?;
+        let bytes = crate::codec::unhex(hex)?;
         match bytes.len() {
             6 => bytes.try_into().ok().map(RecordId::Tag),
             32 => bytes.try_into().ok().map(|b| RecordId::Scope(ScopeId(b))),
@@ -242,15 +241,40 @@ pub enum Refusal {
     Gone,
 }
 
-/// The rule's policy for unknown outcomes (configuration), carried by each `ClaimAttempt`.
-pub use crate::config::UnknownOutcome;
+/// What a begin does with a processing record whose lease ended without an outcome, as its
+/// `ClaimAttempt` says: the stores carry it out, the engine chose it (`engine::on_lease_end`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnLeaseEnd {
+    /// Take the record over (`Begin::TookOver`): the request is forwarded again.
+    TakeOver,
+    /// Complete the record as outcome unknown (`Completion::outcome_unknown`, at the begin's
+    /// time; on etcd guarded by the revision read) and answer `Begin::OutcomeUnknown`, so it is
+    /// never forwarded again until its ttl ends, whoever asks: such a request must not execute
+    /// twice because the first attempt's Envoy died before it could record what happened.
+    MarkUnknown,
+    /// Write nothing and answer `Begin::Unsettled`: the caller finds out what happened first
+    /// (the upstream's lookup), then asks again as a takeover (`ClaimAttempt::after_lookup`).
+    Report,
+}
+
+impl OnLeaseEnd {
+    /// Whether a claim made under this instruction may lose its place once its lease ended
+    /// (the local store's eviction for room): only when a begin would take it over anyway; an
+    /// evicted claim's retry finds no record and executes again.
+    pub fn may_evict(self) -> bool {
+        match self {
+            OnLeaseEnd::TakeOver => true,
+            OnLeaseEnd::MarkUnknown | OnLeaseEnd::Report => false,
+        }
+    }
+}
 
 impl ClaimAttempt {
     /// The attempt a request makes once the upstream's lookup answered for an `Unsettled`
     /// record: it takes the lease-ended record over (to complete it with the lookup's answer,
     /// or to execute when the upstream never did), at a time of its own.
     pub fn after_lookup(self, now_ms: u64) -> ClaimAttempt {
-        ClaimAttempt { unknown_outcome: UnknownOutcome::Takeover, now_ms, ..self }
+        ClaimAttempt { on_lease_end: OnLeaseEnd::TakeOver, now_ms, ..self }
     }
 
     /// The processing record this attempt's claim writes (no outcome yet), at bucket
@@ -373,8 +397,8 @@ pub enum Begin {
     Replay(Snapshot),
     /// Completed, but the response was too large to keep; it must not execute again.
     NotStored { status: u16 },
-    /// A processing record whose lease ended without an outcome, asked for by an attempt whose
-    /// rule reconciles (`UnknownOutcome::Reconcile`): nothing was written. The upstream's lookup
+    /// A processing record whose lease ended without an outcome, asked for by an attempt that
+    /// says `OnLeaseEnd::Report` (a rule that reconciles): nothing was written. The upstream's lookup
     /// decides; the request then asks again as a takeover (`ClaimAttempt::after_lookup`).
     Unsettled,
     /// Completed as "outcome unknown" (`Completion::outcome_unknown`): the upstream may have

@@ -18,8 +18,8 @@
 //! (`fleet.rs`). One etcd: a second one (shard migration) would be a second value of this
 //! type, addressed by the Envoys' requests.
 
+use idempotency_filter::codec::base64;
 use idempotency_filter::json::{self, JsonValue, MemberOrder};
-use idempotency_filter::store::etcd::base64;
 use std::collections::BTreeMap;
 
 /// etcd's minimum lease TTL with the default election timeout (1 s): 3/2 of it, rounded up.

@@ -14,17 +14,19 @@
 //! leases to answer (`Fleet::upstream_ticks`).
 
 use crate::etcd::Etcd;
+use idempotency_filter::config::UnknownOutcome;
+use idempotency_filter::engine::on_lease_end;
 use idempotency_filter::flow::{retry_window_end, Retry};
 use idempotency_filter::identity::fingerprint::Fingerprint;
 use idempotency_filter::identity::scope::ScopeId;
 use idempotency_filter::renewal::{Hold, Renewals};
-use idempotency_filter::store::etcd::shards::moving::{Move, Moving};
+use idempotency_filter::store::etcd::shards::moving::{Leg, Moving};
 use idempotency_filter::store::etcd::shards::on_shard;
 use idempotency_filter::store::etcd::{EtcdConversation, EtcdSettings, EtcdStore, OnStoreError, Protocol};
 use idempotency_filter::store::record::{self, Snapshot, State};
 use idempotency_filter::store::remote::{Answer, Next, Request};
 use idempotency_filter::store::{
-    Begin, Claim, ClaimAttempt, Completion, Renew, Settled, StoreAnswer, StoreError, StoreOp, UnknownOutcome,
+    Begin, Claim, ClaimAttempt, Completion, Renew, Settled, StoreAnswer, StoreError, StoreOp,
 };
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
@@ -378,7 +380,7 @@ impl Fleet {
             lease_ms: self.lease_ms,
             ttl_ms: self.ttl_ms,
             quota: None,
-            unknown_outcome: self.rule,
+            on_lease_end: on_lease_end(self.rule),
             label: None,
         }
     }
@@ -488,11 +490,11 @@ impl Fleet {
         state: &mut FleetState,
         envoy: usize,
         plan: Moving,
-        next: Move,
+        next: Leg,
     ) -> Result<(Conv, Option<Moving>), (StoreAnswer, Option<Claim>)> {
         match next {
-            Move::Done(answer) => Err((answer, plan.unanswered(None))),
-            Move::Run(shard, op) => self.run_on(state, envoy, shard, op, Some(plan)),
+            Leg::Done(answer) => Err((answer, plan.unanswered(None))),
+            Leg::Run(shard, op) => self.run_on(state, envoy, shard, op, Some(plan)),
         }
     }
 

@@ -30,7 +30,7 @@ mod explore;
 mod fleet;
 
 use fleet::{Action, Fleet, FleetState, List, EXECUTIONS, REACHED};
-use idempotency_filter::store::UnknownOutcome;
+use idempotency_filter::config::UnknownOutcome;
 use std::time::Instant;
 
 /// The sizes `cargo test` checks, or with `ETCD_MODEL=deep` the larger ones.

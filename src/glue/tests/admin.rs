@@ -107,7 +107,7 @@ fn post(h: &FakeHost, root: &Root<FakeHost>, context: u32, path: &str, body: &st
 #[test]
 fn every_action_is_audited_with_the_records_tag_route_and_tenant_and_a_digest_of_the_token() {
     use crate::store::conformance::{label_in, LEASE};
-    use crate::store::{Begin, ClaimAttempt, UnknownOutcome};
+    use crate::store::{Begin, ClaimAttempt, OnLeaseEnd};
     use sha2::{Digest, Sha256};
     capture_logs();
     let (h, mut root) = admin_root(0);
@@ -120,7 +120,7 @@ fn every_action_is_audited_with_the_records_tag_route_and_tenant_and_a_digest_of
         };
         claimed(store.begin(&labelled(n, 1_000)).unwrap());
         let refuse =
-            ClaimAttempt { unknown_outcome: UnknownOutcome::Refuse, ..labelled(n + 10, 1_000 + LEASE) };
+            ClaimAttempt { on_lease_end: OnLeaseEnd::MarkUnknown, ..labelled(n + 10, 1_000 + LEASE) };
         assert_eq!(store.begin(&refuse).unwrap(), Begin::OutcomeUnknown);
     }
     claimed(
@@ -141,7 +141,7 @@ fn every_action_is_audited_with_the_records_tag_route_and_tenant_and_a_digest_of
         }
     }
     assert_eq!(h.replies().iter().map(|r| r.1).collect::<Vec<_>>(), [200, 200, 409]);
-    let token = format!("sha256:{}", &crate::identity::scope::hex(&Sha256::digest(TOKEN.as_bytes()))[..8]);
+    let token = format!("sha256:{}", &crate::codec::hex(&Sha256::digest(TOKEN.as_bytes()))[..8]);
     let lines: Vec<String> =
         logged(log::Level::Info).into_iter().filter(|l| l.starts_with("admin ")).collect();
     assert_eq!(

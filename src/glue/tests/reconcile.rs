@@ -229,7 +229,7 @@ fn on_a_remote_store_the_root_carries_the_begin_the_lookup_and_the_takeover() {
     let ops = ops.borrow();
     assert!(
         matches!(&ops[..], [StoreOp::Begin(_), StoreOp::Begin(a), StoreOp::Complete { claim: Claim { .. }, completion }]
-        if a.unknown_outcome == crate::config::UnknownOutcome::Takeover && completion.status == 201)
+        if a.on_lease_end == crate::store::OnLeaseEnd::TakeOver && completion.status == 201)
     );
     let sent = sent_to(&h, 4);
     assert_eq!((sent[0].0, header(&sent[0], "idempotent-reconciled")), (201, Some(&b"true"[..])));

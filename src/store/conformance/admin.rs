@@ -8,8 +8,8 @@ use super::*;
 use crate::identity::scope::ScopeId;
 use crate::store::record::{Snapshot, State};
 use crate::store::{
-    Amendment, Begin, ClaimAttempt, RecordId, RecordQuery, RecordStore, RecordView, Refusal, Settled,
-    StateFilter, UnknownOutcome,
+    Amendment, Begin, ClaimAttempt, OnLeaseEnd, RecordId, RecordQuery, RecordStore, RecordView, Refusal,
+    Settled, StateFilter,
 };
 
 fn query(now_ms: u64, state: StateFilter) -> RecordQuery {
@@ -40,7 +40,7 @@ fn only(w: &dyn RecordStore, n: u64, now_ms: u64) -> RecordView {
 }
 
 fn refusing(n: u64, owner: u64, now_ms: u64) -> ClaimAttempt {
-    ClaimAttempt { unknown_outcome: UnknownOutcome::Refuse, ..attempt(n, 1, owner, now_ms) }
+    ClaimAttempt { on_lease_end: OnLeaseEnd::MarkUnknown, ..attempt(n, 1, owner, now_ms) }
 }
 
 /// An operator lists records (by state, route and key, a page at a time) and looks one up by its

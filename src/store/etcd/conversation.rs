@@ -8,8 +8,8 @@ use crate::config::etcd::ETCD_MAX_REQUEST_BYTES;
 use crate::store::record::{self, Entry, SlotValue, State};
 use crate::store::remote::{Answer, Next};
 use crate::store::{
-    completed_answer, Begin, Claim, ClaimAttempt, Completion, Refusal, Settled, StoreAnswer, StoreError,
-    StoreOp, UnknownOutcome,
+    completed_answer, Begin, Claim, ClaimAttempt, Completion, OnLeaseEnd, Refusal, Settled, StoreAnswer,
+    StoreError, StoreOp,
 };
 
 use super::keys::owner_of;
@@ -71,7 +71,7 @@ enum Won {
     Claimed,
     TookOver,
     Settled,
-    /// A begin completed a lease-ended record as outcome unknown (`UnknownOutcome::Refuse`).
+    /// A begin completed a lease-ended record as outcome unknown (`OnLeaseEnd::MarkUnknown`).
     MarkedUnknown,
 }
 
@@ -491,21 +491,24 @@ impl EtcdConversation {
             return Ok(Move::Begun(Begin::InFlight { retry_after_ms: e.lease_deadline_ms - now }));
         } else if lease_running {
             return Ok(Move::Begun(Begin::InFlight { retry_after_ms: LIVE_CLAIM_RETRY_MS }));
-        } else if a.unknown_outcome == UnknownOutcome::Reconcile {
-            // The lease ended without an outcome, on a rule whose lookup decides: nothing is
-            // written until the upstream has said what happened.
-            return Ok(Move::Begun(Begin::Unsettled));
-        } else if a.unknown_outcome == UnknownOutcome::Refuse {
-            // The lease ended without an outcome, on a rule that never executes such a request
-            // twice: the record is completed as outcome unknown where it is, guarded by the
-            // revision just read (lost to another writer: read again).
-            let unknown = Completion::outcome_unknown(a.now_ms, a.ttl_ms);
-            let (done, value) = outcome_record(e, &unknown);
-            let write = Write::new(guard, Some((done, value)), store.index_keys(&e), Won::MarkedUnknown);
-            return self.plan(write, store, now_ms);
         } else {
-            // The lease ended without an outcome: take the record over.
-            PendingClaim { guard, replaced: Some(e), won: Won::TookOver }
+            match a.on_lease_end {
+                // The lease ended without an outcome, and the caller's lookup decides: nothing
+                // is written until the upstream has said what happened.
+                OnLeaseEnd::Report => return Ok(Move::Begun(Begin::Unsettled)),
+                // The lease ended without an outcome, and such a request never executes twice:
+                // the record is completed as outcome unknown where it is, guarded by the
+                // revision just read (lost to another writer: read again).
+                OnLeaseEnd::MarkUnknown => {
+                    let unknown = Completion::outcome_unknown(a.now_ms, a.ttl_ms);
+                    let (done, value) = outcome_record(e, &unknown);
+                    let write =
+                        Write::new(guard, Some((done, value)), store.index_keys(&e), Won::MarkedUnknown);
+                    return self.plan(write, store, now_ms);
+                }
+                // The lease ended without an outcome: take the record over.
+                OnLeaseEnd::TakeOver => PendingClaim { guard, replaced: Some(e), won: Won::TookOver },
+            }
         };
         if a.quota.is_none() {
             return self.claim(store, &a, pending, &[], now_ms);

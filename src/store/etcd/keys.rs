@@ -6,6 +6,7 @@
 
 use super::wire::TxnOp;
 use super::EtcdStore;
+use crate::codec::hex;
 use crate::store::record::{Entry, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED};
 
 impl EtcdStore {
@@ -74,16 +75,6 @@ pub(super) fn counts_until(e: &Entry) -> u64 {
     } else {
         e.lease_deadline_ms.min(e.expires_at_ms)
     }
-}
-
-pub(super) fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0x0F)]));
-    }
-    out
 }
 
 /// A quota tag: the first 8 bytes of the identity's digest. A collision (2^-64 per pair) merges

@@ -10,7 +10,6 @@
 //! (every call, guard and failure branch): docs/ETCD.md#data-model.
 
 mod auth;
-pub mod base64;
 #[cfg(feature = "testing")]
 pub mod blocking;
 pub mod cache;

@@ -8,8 +8,9 @@
 
 use super::stage::{Move, Stage};
 use super::wire::{self, Guard, TxnOp};
-use super::{decode, keys::hex, EtcdConversation, EtcdStore};
-use crate::identity::scope::{unhex, ScopeId};
+use super::{decode, EtcdConversation, EtcdStore};
+use crate::codec::{hex, unhex};
+use crate::identity::scope::ScopeId;
 use crate::store::record;
 use crate::store::{Amendment, Claim, RecordId, RecordPage, RecordQuery, RecordView, StoreError, StoreOp};
 

@@ -23,7 +23,7 @@ use crate::store::{
 };
 
 pub mod moving;
-use moving::{Move, Moving};
+use moving::{Leg, Moving};
 
 /// A shard's weight seed: its cluster's name, hashed (FNV-1a), so that a shard keeps its records
 /// wherever it stands in the list.
@@ -118,7 +118,7 @@ impl EtcdShards {
     }
 
     /// An operation of a record whose home moves, carried out step by step as `Moving` plans.
-    fn moving(&self, plan: Moving, first: Move, now: &dyn Fn() -> u64) -> Started {
+    fn moving(&self, plan: Moving, first: Leg, now: &dyn Fn() -> u64) -> Started {
         let op = MovingOp { shards: Rc::clone(&self.shards), plan, next: Some(first), current: None };
         Started::first_step(Box::new(op), now())
     }
@@ -260,7 +260,7 @@ impl Conversation for OnShard {
 struct MovingOp {
     shards: Rc<Vec<EtcdRemote>>,
     plan: Moving,
-    next: Option<Move>,
+    next: Option<Leg>,
     current: Option<OnShard>,
 }
 
@@ -278,7 +278,7 @@ impl Conversation for MovingOp {
                 }
             }
             match self.next.take() {
-                Some(Move::Run(shard, op)) => match self.shards.get(usize::from(shard)) {
+                Some(Leg::Run(shard, op)) => match self.shards.get(usize::from(shard)) {
                     None => {
                         self.next = Some(self.plan.answered(
                             StoreAnswer::failed(&op, StoreError::Unavailable("no such shard".into())),
@@ -294,7 +294,7 @@ impl Conversation for MovingOp {
                         }
                     },
                 },
-                Some(Move::Done(done)) => return Next::Done(done),
+                Some(Leg::Done(done)) => return Next::Done(done),
                 None => {
                     let op = self.plan.clone().into_op();
                     return Next::Done(StoreAnswer::failed(

@@ -5,8 +5,9 @@
 //! the checked reads and CAS writes every other file goes through, so that none of them can
 //! create a key by accident.
 
+use super::format::{self, Layout, LAYOUT_V3};
 use super::{host, LocalStore, CAS_ATTEMPTS, ENTRIES_PER_BUCKET};
-use crate::store::record::{self, Entry, Layout, LAYOUT_V3};
+use crate::store::record::Entry;
 use crate::store::shared_data::{Read, SharedData, SharedDataError};
 use crate::store::{Claim, StoreError};
 use sha2::{Digest, Sha256};
@@ -200,7 +201,7 @@ impl<S: SharedData> LocalStore<S> {
         if !read.exists() {
             return Err(StoreError::Unavailable(format!("{data_key} was never created")));
         }
-        let entries = record::decode_bucket(read.bytes(), ENTRIES_PER_BUCKET)
+        let entries = format::decode_bucket(read.bytes(), ENTRIES_PER_BUCKET)
             .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
         Ok((entries, read))
     }
@@ -212,7 +213,7 @@ impl<S: SharedData> LocalStore<S> {
         entries: &[Entry],
         read: &Read,
     ) -> Result<bool, StoreError> {
-        self.cas(&self.bucket_key(bucket), &record::encode_bucket(entries), read)
+        self.cas(&self.bucket_key(bucket), &format::encode_bucket(entries), read)
     }
 
     pub(super) fn cas(&self, data_key: &str, bytes: &[u8], read: &Read) -> Result<bool, StoreError> {
@@ -235,7 +236,7 @@ impl<S: SharedData> LocalStore<S> {
     pub(super) fn beat(&self, now_ms: u64) -> Result<Vec<Layout>, StoreError> {
         for _ in 0..CAS_ATTEMPTS {
             let read = self.data.get(LAYOUTS_KEY).map_err(host)?;
-            let mut layouts = record::decode_layouts(read.bytes())
+            let mut layouts = format::decode_layouts(read.bytes())
                 .map_err(|e| StoreError::Corrupt(format!("{LAYOUTS_KEY}: {e}")))?;
             match layouts.iter_mut().find(|l| l.buckets == self.layout_id()) {
                 Some(l) if l.beat_ms >= now_ms && l.cursor == 0 => return Ok(layouts),
@@ -245,7 +246,7 @@ impl<S: SharedData> LocalStore<S> {
                 }
                 None => layouts.push(Layout { buckets: self.layout_id(), beat_ms: now_ms, cursor: 0 }),
             }
-            if self.cas(LAYOUTS_KEY, &record::encode_layouts(&layouts), &read)? {
+            if self.cas(LAYOUTS_KEY, &format::encode_layouts(&layouts), &read)? {
                 return Ok(layouts);
             }
         }

@@ -2,10 +2,10 @@
 //!
 //! Layout (namespace `idem:v3:<capacity>:`, so a capacity change starts a fresh namespace instead
 //! of misreading the old placement; the old one is retired, see below):
-//! - `b:<i>`     bucket i: up to ENTRIES_PER_BUCKET compact record entries (record.rs);
+//! - `b:<i>`     bucket i: up to ENTRIES_PER_BUCKET compact record entries (format.rs, Bucket v2);
 //! - `s:<i>:<p>` the snapshot slot of position p in bucket i: the record's committed outcome;
 //! - `q:<j>`     quota key j: up to COUNTERS_PER_QUOTA_KEY live-record counters;
-//! - `f:<k>`     fill shard k: how many entries buckets 64k..64k+63 hold (record.rs, Fill v3);
+//! - `f:<k>`     fill shard k: how many entries buckets 64k..64k+63 hold (format.rs, Fill v3);
 //! - `sweep`     the sweep cursor (a fill shard), so workers share the sweeping;
 //! - `ready`     set once every key above exists.
 //!
@@ -42,24 +42,28 @@
 //! CAS and sees it lost; an owner whose outcome landed first wins, and the fencer puts the
 //! completed record back (`restore`).
 //!
-//! Files, one idea each: this one has the handle and the `RecordStore` operations; `layout` the
-//! data keys, the namespace registry and the placement secret; `placement` where a new record
-//! goes and the fill shards; `commit` the slots (fence, restore, promote); `quota` the counters;
-//! `sweep` the sweep and namespace retirement. The unit tests are in `tests`.
+//! Files, one idea each: this one has the handle and the `RecordStore` operations; `format` the
+//! byte formats only this store writes (buckets, quota counters, the layout registry, fill
+//! counts; the entry and the slot are `store/record.rs`'s); `layout` the data keys, the
+//! namespace registry and the placement secret; `placement` where a new record goes and the fill
+//! shards; `commit` the slots (fence, restore, promote); `quota` the counters; `sweep` the sweep
+//! and namespace retirement. The unit tests are in `tests`.
 
-use crate::store::record::{self, Entry, State, FLAG_BODY_NOT_STORED, LAYOUT_V3};
+use crate::store::record::{self, Entry, State, FLAG_BODY_NOT_STORED};
 use crate::store::shared_data::{SharedData, SharedDataError};
 use crate::store::{
-    Begin, Claim, ClaimAttempt, Completion, Kept, RecordStore, Renew, Renewal, Settled, StoreError,
-    UnknownOutcome,
+    Begin, Claim, ClaimAttempt, Completion, Kept, OnLeaseEnd, RecordStore, Renew, Renewal, Settled,
+    StoreError,
 };
 use commit::SLOT_ATTEMPTS;
+use format::LAYOUT_V3;
 use layout::{buckets_for, prefix_of, FILL_SHARD_BUCKETS};
 use quota::CHARGE_FLAGS;
 use std::cell::Cell;
 
 pub mod admin;
 mod commit;
+pub mod format;
 mod layout;
 mod placement;
 mod quota;
@@ -93,9 +97,9 @@ pub struct LocalStore<S: SharedData> {
     secret: [u8; 32],
     created: u32,
     /// Whether a new record may take the place of an abandoned claim (processing past its
-    /// lease, no outcome) when nothing else has room. Not while any rule refuses lease-ended
-    /// claims (`UnknownOutcome::Refuse`): an evicted claim's retry would find no record and execute
-    /// again, which is what refusing it prevents.
+    /// lease, no outcome) when nothing else has room. Not while any attempt may say anything but
+    /// take it over (`OnLeaseEnd::may_evict`): an evicted claim's retry would find no record and
+    /// execute again, which is what marking it unknown (or looking it up) prevents.
     evict_abandoned: bool,
     /// Per fill shard, until when this worker does not try to reclaim room in it: a pass over
     /// all its buckets found only live records (`reclaim_in_shard`). Worker memory, not shared
@@ -152,7 +156,7 @@ impl<S: SharedData> LocalStore<S> {
     }
 
     /// Keeps abandoned claims until they expire instead of evicting them for room (see
-    /// `evict_abandoned`): set when a rule refuses lease-ended claims.
+    /// `evict_abandoned`): set when an attempt may end a lease otherwise than by a takeover.
     pub fn keeping_abandoned_claims(mut self, keep: bool) -> Self {
         self.evict_abandoned = !keep;
         self
@@ -343,19 +347,25 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
     fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
         for _ in 0..CAS_ATTEMPTS {
             match self.begin_once(attempt)? {
-                // A refused lease end: the record is taken over (so nobody else can) and at once
-                // completed as outcome unknown, through the same commit as any completion.
-                Some(Begin::TookOver(claim)) if attempt.unknown_outcome == UnknownOutcome::Refuse => {
-                    let unknown = Completion::outcome_unknown(attempt.now_ms, attempt.ttl_ms);
-                    // Nobody executes under this claim: the record says its lease is over, so
-                    // that an operator may release it at once (`Amendment::refusal`).
-                    return Ok(match self.complete_as(&claim, &unknown, true)? {
-                        Settled::Done => Begin::OutcomeUnknown,
-                        // Taken from this claim in between (cannot happen while its fresh lease
-                        // runs): whoever holds the record decides; ask again after a moment.
-                        Settled::Lost => Begin::InFlight { retry_after_ms: 1_000 },
-                    });
-                }
+                Some(Begin::TookOver(claim)) => match attempt.on_lease_end {
+                    // A lease end marked unknown: the record is taken over (so nobody else can)
+                    // and at once completed as outcome unknown, through the same commit as any
+                    // completion.
+                    OnLeaseEnd::MarkUnknown => {
+                        let unknown = Completion::outcome_unknown(attempt.now_ms, attempt.ttl_ms);
+                        // Nobody executes under this claim: the record says its lease is over, so
+                        // that an operator may release it at once (`Amendment::refusal`).
+                        return Ok(match self.complete_as(&claim, &unknown, true)? {
+                            Settled::Done => Begin::OutcomeUnknown,
+                            // Taken from this claim in between (cannot happen while its fresh
+                            // lease runs): whoever holds the record decides; ask again after a
+                            // moment.
+                            Settled::Lost => Begin::InFlight { retry_after_ms: 1_000 },
+                        });
+                    }
+                    // (`Report` never takes over: `begin_once` answers `Unsettled` instead.)
+                    OnLeaseEnd::TakeOver | OnLeaseEnd::Report => return Ok(Begin::TookOver(claim)),
+                },
                 Some(outcome) => return Ok(outcome),
                 None => {}
             }

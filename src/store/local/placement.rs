@@ -5,13 +5,14 @@
 //! makes a scope land in one bucket only.
 
 use super::commit::{Fenced, Restored};
+use super::format;
 use super::layout::FILL_SHARD_BUCKETS;
 use super::quota::{Charged, CHARGE_FLAGS, QUOTA_RETRY_FALLBACK_MS};
 use super::{host, retry_hint, LocalStore, CAS_ATTEMPTS, ENTRIES_PER_BUCKET, RETRY_CAP_MS};
 use crate::identity::scope::ScopeId;
-use crate::store::record::{self, Entry};
+use crate::store::record::Entry;
 use crate::store::shared_data::{Read, SharedData};
-use crate::store::{completed_answer, Begin, Claim, ClaimAttempt, StoreError, UnknownOutcome};
+use crate::store::{completed_answer, Begin, Claim, ClaimAttempt, OnLeaseEnd, StoreError};
 use sha2::{Digest, Sha256};
 
 /// How long a worker leaves a fill shard alone after sweeping all its buckets found nothing to
@@ -91,8 +92,10 @@ impl<S: SharedData> LocalStore<S> {
             if now < existing.lease_deadline_ms {
                 return Ok(Some(Begin::InFlight { retry_after_ms: existing.lease_deadline_ms - now }));
             }
-            if a.unknown_outcome == UnknownOutcome::Reconcile {
-                return Ok(Some(Begin::Unsettled));
+            match a.on_lease_end {
+                OnLeaseEnd::Report => return Ok(Some(Begin::Unsettled)),
+                // (`MarkUnknown` completes the record once it is taken over: `begin`.)
+                OnLeaseEnd::TakeOver | OnLeaseEnd::MarkUnknown => {}
             }
             // The lease ended without an outcome: take the record over. It keeps its quota
             // charge (same scope, so same tenant and principal): a takeover is not charged,
@@ -309,8 +312,8 @@ impl<S: SharedData> LocalStore<S> {
 
     /// An entry whose place a new record may take: expired, or processing past its lease with no
     /// outcome in its slot (abandoned: exactly as safe to replace as a takeover is, so not while
-    /// a rule refuses lease ends: `evict_abandoned`). Prefers the one that ended first. Err:
-    /// nothing evictable, and when something may become so.
+    /// an attempt may end a lease otherwise: `evict_abandoned`). Prefers the one that ended
+    /// first. Err: nothing evictable, and when something may become so.
     fn evictable(&self, bucket: u32, entries: &[Entry], now: u64) -> Result<Result<Entry, u64>, StoreError> {
         let ends = |e: &Entry| {
             if e.is_completed() {
@@ -364,12 +367,12 @@ impl<S: SharedData> LocalStore<S> {
         let bound = self.shard_bound(shard);
         for _ in 0..CAS_ATTEMPTS {
             let read = self.data.get(&data_key).map_err(host)?;
-            let count = record::decode_fill(read.bytes())
+            let count = format::decode_fill(read.bytes())
                 .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
             if count >= bound {
                 return Ok(false);
             }
-            if self.cas(&data_key, &record::encode_fill(count + 1), &read)? {
+            if self.cas(&data_key, &format::encode_fill(count + 1), &read)? {
                 return Ok(true);
             }
         }
@@ -382,9 +385,9 @@ impl<S: SharedData> LocalStore<S> {
         let data_key = self.fill_key(shard);
         for _ in 0..CAS_ATTEMPTS {
             let Ok(read) = self.data.get(&data_key) else { break };
-            let Ok(count) = record::decode_fill(read.bytes()) else { break };
+            let Ok(count) = format::decode_fill(read.bytes()) else { break };
             let next = u32::try_from((i64::from(count) + delta).max(0)).unwrap_or(u32::MAX);
-            match self.cas(&data_key, &record::encode_fill(next), &read) {
+            match self.cas(&data_key, &format::encode_fill(next), &read) {
                 Ok(true) => return,
                 Ok(false) => {}
                 Err(_) => break,

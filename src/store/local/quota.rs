@@ -2,8 +2,9 @@
 //! record is charged, discharged and charged again, and how the counters heal (notes on the
 //! impl below). Apart from placement because a charge outlives any one bucket write.
 
+use super::format::{self, QuotaCounter};
 use super::{host, retry_hint, LocalStore, CAS_ATTEMPTS, RETRY_CAP_MS};
-use crate::store::record::{self, Entry, QuotaCounter, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED};
+use crate::store::record::{Entry, FLAG_PRINCIPAL_CHARGED, FLAG_TENANT_CHARGED};
 use crate::store::shared_data::SharedData;
 use crate::store::{Begin, ClaimAttempt, QuotaCharge, StoreError};
 
@@ -131,7 +132,7 @@ impl<S: SharedData> LocalStore<S> {
         let data_key = self.quota_key(tag);
         for _ in 0..CAS_ATTEMPTS {
             let read = self.data.get(&data_key).map_err(host)?;
-            let mut counters = record::decode_counters(read.bytes())
+            let mut counters = format::decode_counters(read.bytes())
                 .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
             // Counters that read as 0 give their room to other identities.
             counters.retain(|c| c.tag == tag || (c.count > 0 && now < c.until_ms));
@@ -170,7 +171,7 @@ impl<S: SharedData> LocalStore<S> {
                     }
                 }
             }
-            if apply == Apply::DryRun || self.cas(&data_key, &record::encode_counters(&counters), &read)? {
+            if apply == Apply::DryRun || self.cas(&data_key, &format::encode_counters(&counters), &read)? {
                 return Ok(Ok(()));
             }
         }
@@ -226,7 +227,7 @@ impl<S: SharedData> LocalStore<S> {
         let data_key = self.quota_key(tag);
         for _ in 0..CAS_ATTEMPTS {
             let read = self.data.get(&data_key).map_err(host)?;
-            let mut counters = record::decode_counters(read.bytes())
+            let mut counters = format::decode_counters(read.bytes())
                 .map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
             let Some(i) =
                 counters.iter().position(|c| c.tag == tag && c.since_ms <= charged_at_ms && c.count > 0)
@@ -241,7 +242,7 @@ impl<S: SharedData> LocalStore<S> {
                 }
                 None => counters[i].count -= 1,
             }
-            if self.cas(&data_key, &record::encode_counters(&counters), &read)? {
+            if self.cas(&data_key, &format::encode_counters(&counters), &read)? {
                 return Ok(());
             }
         }

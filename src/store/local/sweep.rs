@@ -3,12 +3,13 @@
 //! the retirement of namespaces left behind by a capacity change. Apart because it is the only
 //! code that walks many buckets, and none of it answers a request.
 
+use super::format::{self, Layout};
 use super::layout::{
     bucket_key_in, fill_key_in, namespace_of, quota_key_in, slot_key_in, FILL_SHARD_BUCKETS, LAYOUTS_KEY,
 };
 use super::quota::CHARGE_FLAGS;
 use super::{host, LocalStore, ENTRIES_PER_BUCKET};
-use crate::store::record::{self, Entry, Layout};
+use crate::store::record::Entry;
 use crate::store::shared_data::{SharedData, SharedDataError};
 use crate::store::StoreError;
 
@@ -62,7 +63,7 @@ impl<S: SharedData> LocalStore<S> {
         let data_key = self.fill_key(shard);
         let read = self.data.get(&data_key).map_err(host)?;
         let counted =
-            record::decode_fill(read.bytes()).map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
+            format::decode_fill(read.bytes()).map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
         let mut held: u32 = 0;
         for bucket in self.shard_buckets(shard) {
             let (entries, _) = self.read_bucket(bucket)?;
@@ -70,7 +71,7 @@ impl<S: SharedData> LocalStore<S> {
         }
         if held != counted {
             log::debug!("fill count of shard {shard} corrected from {counted} to {held}");
-            self.cas(&data_key, &record::encode_fill(held), &read)?;
+            self.cas(&data_key, &format::encode_fill(held), &read)?;
         }
         Ok(())
     }
@@ -181,7 +182,7 @@ impl<S: SharedData> LocalStore<S> {
         // Take the batch by CAS on the registry, as the sweep cursor does: roots share the work,
         // and a namespace that beat again in the meantime is left alone.
         let read = self.data.get(LAYOUTS_KEY).map_err(host)?;
-        let mut layouts = record::decode_layouts(read.bytes())
+        let mut layouts = format::decode_layouts(read.bytes())
             .map_err(|e| StoreError::Corrupt(format!("{LAYOUTS_KEY}: {e}")))?;
         let Some(i) = layouts.iter().position(|l| *l == old) else { return Ok(()) };
         if finished {
@@ -189,7 +190,7 @@ impl<S: SharedData> LocalStore<S> {
         } else {
             layouts[i].cursor = end;
         }
-        if !self.cas(LAYOUTS_KEY, &record::encode_layouts(&layouts), &read)? {
+        if !self.cas(LAYOUTS_KEY, &format::encode_layouts(&layouts), &read)? {
             return Ok(());
         }
         let prefix = ns.prefix;

@@ -2,12 +2,13 @@
 //! commit point under races (`Interleave`), quotas and retirement. The conformance suite is
 //! instantiated in `tests/store_conformance.rs`, from outside the crate.
 
+use super::format::{self, Layout, QuotaCounter};
 use super::layout::{bucket_key_in, fill_key_in, quota_key_in, slot_key_in};
 use super::*;
 use crate::splitmix::SeededRng;
 use crate::store::conformance::{attempt, charged, claimed, done, snapshot, Backend, LEASE, TTL};
 use crate::store::fake::{FakeSharedData, Interleave};
-use crate::store::record::{Layout, QuotaCounter, SlotValue, Snapshot};
+use crate::store::record::{SlotValue, Snapshot};
 
 struct Local {
     data: FakeSharedData,
@@ -31,7 +32,7 @@ impl Backend for Local {
 }
 
 fn only_bucket(data: &FakeSharedData) -> Vec<Entry> {
-    record::decode_bucket(data.get("idem:v3:8:b:0").unwrap().bytes(), ENTRIES_PER_BUCKET).unwrap()
+    format::decode_bucket(data.get("idem:v3:8:b:0").unwrap().bytes(), ENTRIES_PER_BUCKET).unwrap()
 }
 
 #[test]
@@ -186,13 +187,13 @@ fn at_capacity_new_keys_are_refused_and_no_live_record_is_dropped() {
 }
 
 /// Fills a store of capacity 8 with 7 completed records and one claim left open (abandoned),
-/// all at time 0, with `unknown_outcome`; returns the abandoned claim's scope number.
-fn fill_with_one_abandoned<S: SharedData>(w: &LocalStore<S>, unknown_outcome: UnknownOutcome) -> u64 {
+/// all at time 0, with `on_lease_end`; returns the abandoned claim's scope number.
+fn fill_with_one_abandoned<S: SharedData>(w: &LocalStore<S>, on_lease_end: OnLeaseEnd) -> u64 {
     let (mut abandoned, mut live, mut n) = (None, 0, 0);
     while live < 8 {
         n += 1;
         assert!(n < 10_000, "the store never filled");
-        match w.begin(&ClaimAttempt { unknown_outcome, ..attempt(n, 1, n, 0) }).unwrap() {
+        match w.begin(&ClaimAttempt { on_lease_end, ..attempt(n, 1, n, 0) }).unwrap() {
             Begin::Claimed(_) if abandoned.is_none() => abandoned = Some(n),
             Begin::Claimed(c) => {
                 assert_eq!(w.complete(&c, &done(&format!("r{n}"), 0)).unwrap(), Settled::Done)
@@ -211,12 +212,12 @@ fn fill_with_one_abandoned<S: SharedData>(w: &LocalStore<S>, unknown_outcome: Un
 #[test]
 fn an_abandoned_claim_is_not_evicted_while_lease_ends_are_refused() {
     let refusing = |n: u64, owner: u64, now: u64| ClaimAttempt {
-        unknown_outcome: UnknownOutcome::Refuse,
+        on_lease_end: OnLeaseEnd::MarkUnknown,
         ..attempt(n, 1, owner, now)
     };
     let data = FakeSharedData::new();
     let w = open(&data, 8, 1).keeping_abandoned_claims(true);
-    let abandoned = fill_with_one_abandoned(&w, UnknownOutcome::Refuse);
+    let abandoned = fill_with_one_abandoned(&w, OnLeaseEnd::MarkUnknown);
     // After the abandoned claim's lease, a new key is refused for room: nothing is evicted.
     assert!(matches!(w.begin(&refusing(20_000, 90_001, LEASE)).unwrap(), Begin::Full { .. }));
     // The abandoned claim's retry gets the unknown outcome, and keeps getting it.
@@ -225,7 +226,7 @@ fn an_abandoned_claim_is_not_evicted_while_lease_ends_are_refused() {
     // Without refusing rules, the same full store gives the abandoned claim's place away.
     let data = FakeSharedData::new();
     let w = open(&data, 8, 1);
-    fill_with_one_abandoned(&w, UnknownOutcome::Takeover);
+    fill_with_one_abandoned(&w, OnLeaseEnd::TakeOver);
     assert!(matches!(w.begin(&attempt(20_000, 1, 90_001, LEASE - 1)).unwrap(), Begin::Full { .. }));
     assert!(matches!(w.begin(&attempt(20_000, 1, 90_001, LEASE)).unwrap(), Begin::Claimed(_)));
 }
@@ -474,7 +475,7 @@ fn a_key_claimed_in_both_of_its_buckets_at_once_is_claimed_once() {
         principal_tag: 0,
     };
     let primary_key = w1.bucket_key(primary);
-    data.poke(&primary_key, &record::encode_bucket(&[other]));
+    data.poke(&primary_key, &format::encode_bucket(&[other]));
     let seen = std::cell::RefCell::new(None);
     // Bucket ops of worker 0's claim: primary read, secondary read, then its write.
     let racing = Interleave::new(&data, ":b:", 3, || {
@@ -488,9 +489,9 @@ fn a_key_claimed_in_both_of_its_buckets_at_once_is_claimed_once() {
     assert_eq!(claims, 1, "{first:?} {second:?}");
     assert!(matches!(first, Begin::InFlight { .. }), "{first:?}");
     // The withdrawn entry is gone and the fill count holds the one record.
-    let left = record::decode_bucket(data.get(&w1.bucket_key(secondary)).unwrap().bytes(), 8).unwrap();
+    let left = format::decode_bucket(data.get(&w1.bucket_key(secondary)).unwrap().bytes(), 8).unwrap();
     assert!(left.iter().all(|e| e.scope != crate::store::conformance::scope(n)));
-    assert_eq!(record::decode_fill(data.get(&w1.fill_key(0)).unwrap().bytes()), Ok(1));
+    assert_eq!(format::decode_fill(data.get(&w1.fill_key(0)).unwrap().bytes()), Ok(1));
 }
 
 #[test]
@@ -501,10 +502,10 @@ fn a_fill_count_that_lost_its_discharges_is_recounted_by_the_sweep() {
     let w = b.worker(0);
     claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
     let fill = w_fill_key(&b);
-    b.data.poke(&fill, &record::encode_fill(64));
+    b.data.poke(&fill, &format::encode_fill(64));
     assert!(matches!(w.begin(&attempt(2, 1, 12, 1)).unwrap(), Begin::Full { .. }));
     w.sweep(2).unwrap();
-    assert_eq!(record::decode_fill(b.data.get(&fill).unwrap().bytes()), Ok(1));
+    assert_eq!(format::decode_fill(b.data.get(&fill).unwrap().bytes()), Ok(1));
     claimed(w.begin(&attempt(2, 1, 13, 3)).unwrap());
 }
 
@@ -646,7 +647,7 @@ fn a_quota_key_without_room_answers_full() {
             until_ms: TTL + LEASE,
         })
         .collect();
-    b.data.poke("idem:v3:8:q:0", &record::encode_counters(&foreign));
+    b.data.poke("idem:v3:8:q:0", &format::encode_counters(&foreign));
     let r = w.begin(&charged(1, 11, 0, 1, None, (10, 10))).unwrap();
     assert_eq!(r, Begin::Full { retry_after_ms: TTL + LEASE });
     // Unquoted attempts are not affected, and counters that read as 0 give their room.
@@ -673,7 +674,7 @@ fn a_namespace_of_the_previous_placement_is_retired_too() {
     for k in &keys {
         data.poke(k, b"old bytes");
     }
-    data.poke(LAYOUTS_KEY, &record::encode_layouts(&[Layout { buckets: 2, beat_ms: 0, cursor: 0 }]));
+    data.poke(LAYOUTS_KEY, &format::encode_layouts(&[Layout { buckets: 2, beat_ms: 0, cursor: 0 }]));
     let store = LocalStore::open(&data, 64, [1; 32], 0).unwrap();
     let mut now = 0;
     for _ in 0..(RETIRE_AFTER_MS / 1_000 + 4) {
@@ -683,7 +684,7 @@ fn a_namespace_of_the_previous_placement_is_retired_too() {
     for k in &keys {
         assert_eq!(data.get(k).unwrap().value, None, "{k}");
     }
-    let layouts = record::decode_layouts(data.get(LAYOUTS_KEY).unwrap().bytes()).unwrap();
+    let layouts = format::decode_layouts(data.get(LAYOUTS_KEY).unwrap().bytes()).unwrap();
     assert_eq!(layouts.iter().map(|l| l.buckets).collect::<Vec<_>>(), vec![store.layout_id()]);
 }
 
@@ -724,7 +725,7 @@ fn a_retired_namespace_is_emptied_while_a_live_one_is_left_alone() {
         }
     }
     assert_eq!(data.key_count(), keys, "retiring empties values and creates nothing");
-    let layouts = record::decode_layouts(data.get(LAYOUTS_KEY).unwrap().bytes()).unwrap();
+    let layouts = format::decode_layouts(data.get(LAYOUTS_KEY).unwrap().bytes()).unwrap();
     assert_eq!(layouts.iter().map(|l| l.buckets).collect::<Vec<_>>(), vec![b.layout_id()]);
     assert!(data.value_bytes() < 200, "{} bytes left", data.value_bytes());
 }

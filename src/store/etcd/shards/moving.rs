@@ -18,9 +18,9 @@
 
 use crate::store::{Begin, Claim, ClaimAttempt, ShardClaim, StoreAnswer, StoreOp};
 
-/// The next step of a moving record's operation.
+/// The next leg of a moving record's operation: run on one of its homes, or over.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Move {
+pub enum Leg {
     /// Run the operation on that shard, then hand its answer to `Moving::answered`.
     Run(u8, StoreOp),
     /// The operation's answer.
@@ -53,14 +53,14 @@ enum Stage {
 
 impl Moving {
     /// A begin of a record whose home moves from shard `old` to shard `new`.
-    pub fn begin(attempt: ClaimAttempt, old: u8, new: u8) -> (Moving, Move) {
+    pub fn begin(attempt: ClaimAttempt, old: u8, new: u8) -> (Moving, Leg) {
         let op = StoreOp::Begin(attempt);
-        (Moving { op: op.clone(), stage: Stage::BeginOld { new } }, Move::Run(old, op))
+        (Moving { op: op.clone(), stage: Stage::BeginOld { new } }, Leg::Run(old, op))
     }
 
     /// A completion or release of a claim held on both homes (`Claim::old_home`); None for any
     /// other operation.
-    pub fn settle(op: StoreOp) -> Option<(Moving, Move)> {
+    pub fn settle(op: StoreOp) -> Option<(Moving, Leg)> {
         let claim = match &op {
             StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => *claim,
             _ => return None,
@@ -69,13 +69,13 @@ impl Moving {
         let old_claim =
             Claim { locator: old.locator, written: None, shard: old.shard, old_home: None, ..claim };
         let new = Claim { old_home: None, ..claim };
-        let first = Move::Run(old.shard, with_claim(&op, old_claim));
+        let first = Leg::Run(old.shard, with_claim(&op, old_claim));
         Some((Moving { op, stage: Stage::SettleOld { new } }, first))
     }
 
-    /// The answer of the last `Move::Run`, and the claim its conversation may have left when it
+    /// The answer of the last `Leg::Run`, and the claim its conversation may have left when it
     /// failed (`Conversation::unanswered_claim`): the next step.
-    pub fn answered(&mut self, answer: StoreAnswer, unanswered: Option<Claim>) -> Move {
+    pub fn answered(&mut self, answer: StoreAnswer, unanswered: Option<Claim>) -> Leg {
         let stage = std::mem::replace(&mut self.stage, Stage::Ended { unanswered: None });
         match (stage, answer) {
             (
@@ -85,49 +85,49 @@ impl Moving {
                 let (old, took_over) = match begun {
                     Begin::TookOver(old) => (old, true),
                     Begin::Claimed(old) => (old, false),
-                    _ => return Move::Done(StoreAnswer::Begun(Ok(begun))),
+                    _ => return Leg::Done(StoreAnswer::Begun(Ok(begun))),
                 };
                 self.stage = Stage::BeginNew { old, took_over };
-                Move::Run(new, self.op.clone())
+                Leg::Run(new, self.op.clone())
             }
             (Stage::BeginOld { .. }, answer) => {
                 self.stage = Stage::Ended { unanswered };
-                Move::Done(answer)
+                Leg::Done(answer)
             }
             (Stage::BeginNew { old, took_over }, StoreAnswer::Begun(Ok(Begin::Claimed(new)))) => {
                 let both = joined(new, &old);
-                Move::Done(StoreAnswer::Begun(Ok(if took_over {
+                Leg::Done(StoreAnswer::Begun(Ok(if took_over {
                     Begin::TookOver(both)
                 } else {
                     Begin::Claimed(both)
                 })))
             }
             (Stage::BeginNew { old, .. }, StoreAnswer::Begun(Ok(Begin::TookOver(new)))) => {
-                Move::Done(StoreAnswer::Begun(Ok(Begin::TookOver(joined(new, &old)))))
+                Leg::Done(StoreAnswer::Begun(Ok(Begin::TookOver(joined(new, &old)))))
             }
             (Stage::BeginNew { old, .. }, answer @ StoreAnswer::Begun(Ok(_))) => {
                 // The new home holds the record (written by an Envoy on the new list alone):
                 // its answer is the begin's, and the old home's claim goes back.
                 self.stage = Stage::GiveBack { answer };
-                Move::Run(old.shard, StoreOp::Release(old))
+                Leg::Run(old.shard, StoreOp::Release(old))
             }
             (Stage::BeginNew { old, .. }, answer) => {
                 // Failed: both claims, the old one held and the new one if it may have been
                 // written, are the caller's to give back (tried again until they land).
                 self.stage =
                     Stage::Ended { unanswered: Some(unanswered.map_or(old, |new| joined(new, &old))) };
-                Move::Done(answer)
+                Leg::Done(answer)
             }
             // Given back or not, the record is the new home's: a claim left behind on the old
             // home ends with its lease.
-            (Stage::GiveBack { answer }, _) => Move::Done(answer),
+            (Stage::GiveBack { answer }, _) => Leg::Done(answer),
             (Stage::SettleOld { new }, StoreAnswer::Settled(Ok(_))) => {
                 self.stage = Stage::SettleNew;
-                Move::Run(new.shard, with_claim(&self.op, new))
+                Leg::Run(new.shard, with_claim(&self.op, new))
             }
             // Failed on the old home: the whole settlement is tried again (a completion written
             // already is recognised as its own).
-            (Stage::SettleOld { .. } | Stage::SettleNew | Stage::Ended { .. }, answer) => Move::Done(answer),
+            (Stage::SettleOld { .. } | Stage::SettleNew | Stage::Ended { .. }, answer) => Leg::Done(answer),
         }
     }
 
@@ -188,24 +188,24 @@ mod tests {
     #[test]
     fn a_begin_claims_the_old_home_then_the_new_one_and_holds_both() {
         let (mut plan, first) = Moving::begin(attempt(), OLD, NEW);
-        assert_eq!(first, Move::Run(OLD, StoreOp::Begin(attempt())));
+        assert_eq!(first, Leg::Run(OLD, StoreOp::Begin(attempt())));
         assert_eq!(
             plan.answered(begun(Begin::Claimed(claim(OLD, 3))), None),
-            Move::Run(NEW, StoreOp::Begin(attempt()))
+            Leg::Run(NEW, StoreOp::Begin(attempt()))
         );
         // Given up on now, the old home's claim is held for sure, the new one's maybe.
         assert_eq!(plan.unanswered(None), Some(claim(OLD, 3)));
         assert_eq!(plan.unanswered(Some(claim(NEW, 7))), Some(both()));
         assert_eq!(
             plan.answered(begun(Begin::Claimed(claim(NEW, 7))), None),
-            Move::Done(begun(Begin::Claimed(both())))
+            Leg::Done(begun(Begin::Claimed(both())))
         );
         // A takeover on either home is the begin's.
         let (mut plan, _) = Moving::begin(attempt(), OLD, NEW);
         plan.answered(begun(Begin::TookOver(claim(OLD, 3))), None);
         assert_eq!(
             plan.answered(begun(Begin::Claimed(claim(NEW, 7))), None),
-            Move::Done(begun(Begin::TookOver(both())))
+            Leg::Done(begun(Begin::TookOver(both())))
         );
     }
 
@@ -217,7 +217,7 @@ mod tests {
             StoreAnswer::Begun(Err(StoreError::TimedOut)),
         ] {
             let (mut plan, _) = Moving::begin(attempt(), OLD, NEW);
-            assert_eq!(plan.answered(answer.clone(), Some(claim(OLD, 0))), Move::Done(answer));
+            assert_eq!(plan.answered(answer.clone(), Some(claim(OLD, 0))), Leg::Done(answer));
             // A failed begin leaves what its conversation may have written to give back.
             assert_eq!(plan.unanswered(None), Some(claim(OLD, 0)));
         }
@@ -228,11 +228,11 @@ mod tests {
         let (mut plan, _) = Moving::begin(attempt(), OLD, NEW);
         plan.answered(begun(Begin::Claimed(claim(OLD, 3))), None);
         let in_flight = begun(Begin::InFlight { retry_after_ms: 5 });
-        assert_eq!(plan.answered(in_flight.clone(), None), Move::Run(OLD, StoreOp::Release(claim(OLD, 3))));
+        assert_eq!(plan.answered(in_flight.clone(), None), Leg::Run(OLD, StoreOp::Release(claim(OLD, 3))));
         assert_eq!(plan.unanswered(None), None);
         assert_eq!(
             plan.answered(StoreAnswer::Settled(Err(StoreError::TimedOut)), None),
-            Move::Done(in_flight)
+            Leg::Done(in_flight)
         );
     }
 
@@ -241,7 +241,7 @@ mod tests {
         let (mut plan, _) = Moving::begin(attempt(), OLD, NEW);
         plan.answered(begun(Begin::Claimed(claim(OLD, 3))), None);
         let failed = StoreAnswer::Begun(Err(StoreError::TimedOut));
-        assert_eq!(plan.answered(failed.clone(), Some(claim(NEW, 7))), Move::Done(failed.clone()));
+        assert_eq!(plan.answered(failed.clone(), Some(claim(NEW, 7))), Leg::Done(failed.clone()));
         assert_eq!(plan.unanswered(None), Some(both()));
         let (mut plan, _) = Moving::begin(attempt(), OLD, NEW);
         plan.answered(begun(Begin::Claimed(claim(OLD, 3))), None);
@@ -254,18 +254,18 @@ mod tests {
         let completion = Completion::outcome_unknown(2_000, 60_000);
         let op = |claim| StoreOp::Complete { claim, completion: completion.clone() };
         let (mut plan, first) = Moving::settle(op(both())).expect("a claim on both homes");
-        assert_eq!(first, Move::Run(OLD, op(claim(OLD, 3))));
+        assert_eq!(first, Leg::Run(OLD, op(claim(OLD, 3))));
         assert_eq!(
             plan.answered(StoreAnswer::Settled(Ok(Settled::Lost)), None),
-            Move::Run(NEW, op(claim(NEW, 7)))
+            Leg::Run(NEW, op(claim(NEW, 7)))
         );
         let done = StoreAnswer::Settled(Ok(Settled::Done));
-        assert_eq!(plan.answered(done.clone(), None), Move::Done(done));
+        assert_eq!(plan.answered(done.clone(), None), Leg::Done(done));
         assert_eq!(plan.into_op(), op(both()));
         // Failed on the old home: the settlement fails whole, to be tried again whole.
         let (mut plan, _) = Moving::settle(StoreOp::Release(both())).expect("a claim on both homes");
         let failed = StoreAnswer::Settled(Err(StoreError::TimedOut));
-        assert_eq!(plan.answered(failed.clone(), None), Move::Done(failed));
+        assert_eq!(plan.answered(failed.clone(), None), Leg::Done(failed));
         // A claim on one home is not moving.
         assert!(Moving::settle(StoreOp::Release(claim(NEW, 7))).is_none());
     }

@@ -82,7 +82,7 @@ pub(super) fn claim_attempt(scope: ScopeId) -> crate::store::ClaimAttempt {
         lease_ms: 1_000,
         ttl_ms: 60_000,
         quota: None,
-        unknown_outcome: crate::config::UnknownOutcome::Takeover,
+        on_lease_end: crate::store::OnLeaseEnd::TakeOver,
         label: None,
     }
 }

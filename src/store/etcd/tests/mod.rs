@@ -8,16 +8,16 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use super::cache::ReplayCacheSettings;
-use super::keys::hex;
 use super::leases::{window_end, CACHED_LEASES, LIVE_CLAIM_RETRY_MS};
 use super::stage::TXN_ATTEMPTS;
 use super::*;
+use crate::codec::{base64, hex};
 use crate::config::etcd::ETCD_MAX_REQUEST_BYTES;
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::store::record::{Snapshot, State, FLAG_BODY_NOT_STORED, FLAG_PRINCIPAL_CHARGED};
 use crate::store::remote::Answer;
-use crate::store::{Claim, Completion, QuotaCharge, Settled, StoreAnswer, UnknownOutcome};
+use crate::store::{Claim, Completion, OnLeaseEnd, QuotaCharge, Settled, StoreAnswer};
 
 mod auth;
 mod bad_answers;
@@ -210,7 +210,7 @@ fn attempt(now_ms: u64) -> ClaimAttempt {
         lease_ms: 1_000,
         ttl_ms: 10_000,
         quota: None,
-        unknown_outcome: UnknownOutcome::Takeover,
+        on_lease_end: OnLeaseEnd::TakeOver,
         label: None,
     }
 }

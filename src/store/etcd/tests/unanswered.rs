@@ -118,7 +118,7 @@ fn only_a_sent_claim_without_an_answer_is_in_doubt() {
     let claim = conversation.unanswered_claim().expect("the takeover went out unanswered");
     assert_eq!((claim.owner, claim.locator), (11, UNANSWERED));
     // Marking a lease-ended record as outcome unknown claims nothing: a retry marks it again.
-    let refusing = ClaimAttempt { unknown_outcome: UnknownOutcome::Refuse, ..attempt(1_000) };
+    let refusing = ClaimAttempt { on_lease_end: OnLeaseEnd::MarkUnknown, ..attempt(1_000) };
     let (conversation, _) = conversation_after(
         &warm_store(1_000),
         StoreOp::Begin(refusing),

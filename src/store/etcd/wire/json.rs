@@ -8,8 +8,8 @@
 //! non-200 status with `{"error": text, "message": text, "code": grpc code}`.
 
 use super::{malformed, refusal, EtcdRefusal, Guard, Kv, RangeAnswer, TxnAnswer, TxnOp};
+use crate::codec::base64;
 use crate::json::{self, JsonValue, MemberOrder};
-use crate::store::etcd::base64;
 
 pub const TXN: &str = "/v3/kv/txn";
 pub const RANGE: &str = "/v3/kv/range";

@@ -1,5 +1,6 @@
 //! Standard base64 (RFC 4648 section 4, padded): etcd's JSON gateway carries every key and value
-//! as base64 (protobuf `bytes`). A dozen lines do not justify a dependency in the Wasm module.
+//! as base64 (protobuf `bytes`), and the admin API takes a resolved body as `body_base64`. A
+//! dozen lines do not justify a dependency in the Wasm module.
 
 const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 

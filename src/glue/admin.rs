@@ -135,7 +135,7 @@ pub fn advance<H: Host>(plugin: &PluginState<H>, line: AdminLine, mut progress: 
 }
 
 fn reply<H: Host>(plugin: &PluginState<H>, line: &AdminLine, answered: &Answered) {
-    plugin.count_admin(answered.action);
+    plugin.meter.count_admin(answered.action);
     log::info!("{}", audit_line(line, answered));
     let r = &answered.reply;
     if let Err(HostError(s)) = plugin.host.send_response(r.status, DETAILS_ADMIN, &r.headers, &r.body) {

@@ -138,7 +138,7 @@ pub(super) fn detached_answered<H: Host>(plugin: &PluginState<H>, call: Detached
             // Asked only of an answer without our mark (a local reply, or a prefix mismatch).
             if !envoy.from_upstream(&headers) {
                 if let Some(seen) = envoy.foreign_service_time(&headers) {
-                    plugin.header_prefix_mismatch(seen);
+                    plugin.meter.header_prefix_mismatch(&plugin.config.envoy_headers.prefix, seen);
                 }
             }
             detached::answer_of(envoy, status, headers, body)
@@ -323,7 +323,7 @@ pub(super) fn begin_failed<H: Host>(
     }
     // A lease-end lookup acts on the record only through the store: nothing to forward.
     let mode = if begin.flow.headless() { OnStoreError::FailClosed } else { on_store_error(plugin) };
-    if mode == OnStoreError::FailOpen && plugin.bypass_log_due(plugin.host.now_ms()) {
+    if mode == OnStoreError::FailOpen && plugin.meter.bypass_log_due(plugin.host.now_ms()) {
         log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
     }
     let RootBegin { context_id, mut flow, handle, .. } = *begin;
@@ -383,11 +383,11 @@ pub(super) fn carry_out<H: Host>(
             // A lease-end lookup's flow, or one whose stream went away: nothing to publish to or
             // answer.
             Step::Count(counter) if flow.streamless() => {
-                plugin.count(counter, flow.rule());
+                plugin.meter.count(counter, flow.rule());
                 None
             }
             Step::Count(counter) => {
-                plugin.count_for_stream(counter, flow.rule(), flow.scope());
+                plugin.meter.count_for_stream(counter, flow.rule(), flow.scope());
                 None
             }
             Step::Reply { .. } if flow.streamless() => None,
@@ -463,7 +463,7 @@ pub(super) fn carry_out<H: Host>(
                 Some(flow.parked(&plugin.config, held))
             }
             Step::Wake(scope) => {
-                plugin.broadcast(&scope);
+                plugin.wakeups.broadcast(&scope);
                 None
             }
             // Detached execution: the root makes the call, and the flow goes with it; its answer
@@ -534,7 +534,7 @@ pub(super) fn carry_out<H: Host>(
             }
             // The owner holds its claim: renewed by the root while it is at work.
             Step::Hold(hold) => {
-                if !plugin.renewals.borrow_mut().hold(hold) && plugin.held_full_log_due(host.now_ms()) {
+                if !plugin.renewals.borrow_mut().hold(hold) && plugin.meter.held_full_log_due(host.now_ms()) {
                     log::warn!(
                         "this worker already keeps {} claims alive: key {}'s ends with its lease",
                         crate::renewal::MAX_HELD,
@@ -592,17 +592,17 @@ pub(super) fn carry_out<H: Host>(
                 None
             }
             Step::ErrorHeaderPrefix { seen } => {
-                plugin.header_prefix_mismatch(&seen);
+                plugin.meter.header_prefix_mismatch(&plugin.config.envoy_headers.prefix, &seen);
                 None
             }
             Step::ErrorStopIterationMissing { rule, details, body_bytes } => {
-                if plugin.first_stop_iteration_error() {
+                if plugin.meter.first_stop_iteration_error() {
                     log::error!("{}", stop_iteration_missing_line(&rule, details.as_deref(), body_bytes));
                 }
                 None
             }
             Step::WarnBodyNeverReceived { rule, details } => {
-                if plugin.body_never_received_log_due(host.now_ms()) {
+                if plugin.meter.body_never_received_log_due(host.now_ms()) {
                     log::warn!(
                         "route rule {rule}: a request held for its body ended before any of it arrived \
                          ({}); nothing was claimed or forwarded. If every protected request with a body \

@@ -10,12 +10,14 @@ pub mod admin;
 pub mod calls;
 mod carry;
 pub mod http;
+pub mod meter;
 pub mod pairs;
 pub mod plugin;
 pub mod remote;
 mod renew;
 pub mod root;
 mod settle;
+pub mod wakeups;
 
 #[cfg(target_arch = "wasm32")]
 mod abi;

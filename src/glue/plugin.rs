@@ -4,28 +4,25 @@
 
 use super::calls::{
     DetachedCall, FlowHandle, HeldFlow, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootCalls,
-    RootLookup, RootSettlement, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS, SETTLE_NOW,
+    RootLookup, RootSettlement, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS,
 };
+use super::meter::Meter;
+use super::wakeups::Wakeups;
 use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
 use crate::config::{self, Config, Execution, Rule};
 use crate::detached;
 use crate::flow::{LaterLookup, LeaseEnd, ParkPlan, RequestFlow, Settlement};
 use crate::identity::scope::ScopeId;
-use crate::metrics::{
-    store_calls_failed_metric, Counter, ADMIN_METRIC_PREFIX, CLAIMS_LOST_METRIC, RENEWED_METRIC,
-    SWEPT_METRIC, UNKNOWN_CLUSTER_METRIC, UNMATCHED_METRIC, WATCH_ENDED_METRIC,
-};
+use crate::metrics::Counter;
 use crate::reconcile::{self, LookupGate};
 use crate::renewal::Renewals;
 use crate::splitmix::splitmix64;
-use crate::store::factory::{remote_described, remotes, Opened};
+use crate::store::factory::{remote_described, Opened};
 use crate::store::remote::Conversation;
 use crate::store::seam::{Started, Store, Watch};
 use crate::store::{self, Claim, StoreAnswer, StoreOp};
-use crate::wait::wake::{self, Registry};
 use crate::wait::{self, NotHeld, WaitRoom, Waiter};
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::rc::Rc;
 
@@ -36,98 +33,9 @@ fn random_u64(mix: u64) -> u64 {
     h.finish()
 }
 
-/// The filter state a decided request's outcome is published under (Envoy prefixes `wasm.`).
-pub const OUTCOME_PROPERTY: &str = "idempotency.outcome";
-
-/// Counter ids, defined once per root context (define_metric hands out a new id per call):
-/// the outcomes per route rule (by the rule's name), the requests no rule matched, the sweep.
-pub struct Metrics {
-    routes: HashMap<String, Vec<Option<u32>>>,
-    unmatched: Option<u32>,
-    swept: Option<u32>,
-    renewed: Option<u32>,
-    claims_lost: Option<u32>,
-    watch_ended: Option<u32>,
-    unknown_cluster: Option<u32>,
-    /// A remote store's failed calls, by shard (`Request::shard`).
-    calls_failed: Vec<Option<u32>>,
-    /// An admin instance's requests, by `admin::Action` (none elsewhere).
-    admin: Vec<Option<u32>>,
-}
-
-impl Metrics {
-    fn define<H: Host>(host: &H, rules: &[Rc<Rule>], admin: bool, store: &dyn Store) -> Metrics {
-        let define = |name: String| match host.define_counter(&name) {
-            Ok(id) => Some(id),
-            Err(e) => {
-                log::warn!("cannot define metric {name}: host status {}", e.0);
-                None
-            }
-        };
-        Metrics {
-            routes: rules
-                .iter()
-                .map(|r| {
-                    let ids = Counter::ALL.iter().map(|c| define(c.route_metric_name(&r.name))).collect();
-                    (r.name.clone(), ids)
-                })
-                .collect(),
-            unmatched: define(UNMATCHED_METRIC.to_string()),
-            swept: define(SWEPT_METRIC.to_string()),
-            renewed: define(RENEWED_METRIC.to_string()),
-            claims_lost: define(CLAIMS_LOST_METRIC.to_string()),
-            // Defined whatever the store, as the sweep's is: a family that is always there (at 0
-            // where nothing watches) lets one dashboard and one alert serve every fleet.
-            watch_ended: define(WATCH_ENDED_METRIC.to_string()),
-            // Always there too: any filter configuration names clusters (a detached rule may
-            // name none, and take the route's).
-            unknown_cluster: define(UNKNOWN_CLUSTER_METRIC.to_string()),
-            calls_failed: remotes(store)
-                .map(|remote| define(store_calls_failed_metric(&remote.cluster)))
-                .collect(),
-            admin: if admin {
-                crate::admin::Action::ALL
-                    .iter()
-                    .map(|a| define(format!("{ADMIN_METRIC_PREFIX}{}_total", a.name())))
-                    .collect()
-            } else {
-                Vec::new()
-            },
-        }
-    }
-}
-
 /// The most callouts one try of a store operation makes (authenticate, read, lease grant,
 /// write).
 const RETIREMENT_CALLS_PER_TRY: u64 = 4;
-
-/// Fail-open bypasses are logged at most this often per worker.
-const BYPASS_LOG_EVERY_MS: u64 = 1000;
-/// Requests that ended before their body arrived are logged at most this often per worker: a
-/// misconfigured Envoy makes every protected request one.
-const BODY_NEVER_RECEIVED_LOG_EVERY_MS: u64 = 60_000;
-
-/// A warning that may come with every request, logged at most once per period.
-struct LogEvery {
-    period_ms: u64,
-    last_ms: Cell<Option<u64>>,
-}
-
-impl LogEvery {
-    const fn new(period_ms: u64) -> LogEvery {
-        LogEvery { period_ms, last_ms: Cell::new(None) }
-    }
-
-    fn due(&self, now_ms: u64) -> bool {
-        match self.last_ms.get() {
-            Some(last) if now_ms.saturating_sub(last) < self.period_ms => false,
-            _ => {
-                self.last_ms.set(Some(now_ms));
-                true
-            }
-        }
-    }
-}
 
 pub struct PluginState<H: Host> {
     pub host: H,
@@ -135,24 +43,13 @@ pub struct PluginState<H: Host> {
     /// Where the records live: this Envoy's shared data, or a store the whole fleet shares.
     pub store: Box<dyn Store>,
     pub calls: RefCell<RootCalls>,
-    bypass_log: LogEvery,
-    body_never_received_log: LogEvery,
-    held_full_log: LogEvery,
-    /// Set once this worker has logged that Envoy keeps request bodies from the filter
-    /// (`allow_on_headers_stop_iteration` missing): one error line per worker, not per request.
-    stop_iteration_error_logged: Cell<bool>,
-    /// Set once this worker has logged that Envoy's header prefix is not `envoy_header_prefix`.
-    prefix_error_logged: Cell<bool>,
-    /// The (field, cluster) pairs this worker has said Envoy does not know (`callout_refused`):
-    /// one critical line each, not one per request.
-    unknown_clusters_logged: RefCell<Vec<(String, String)>>,
-    metrics: Metrics,
+    /// Counters, published outcomes, and the warnings logged once per period or per worker.
+    pub meter: Meter<H>,
     tokens: Cell<u64>,
     seed: u64,
     pub room: RefCell<WaitRoom<HeldFlow>>,
-    registry: Registry<H>,
-    queue_name: String,
-    pub queue_id: Option<u32>,
+    /// This worker's queue, the registry of every worker's, and the peers read there.
+    pub wakeups: Wakeups<H>,
     /// Detached calls this worker carries (handed over, made, not yet answered).
     pub detached_in_flight: Cell<u32>,
     /// This Envoy's lookups (`routes[].reconcile`): one at a time and one a second per record.
@@ -161,10 +58,6 @@ pub struct PluginState<H: Host> {
     pub lease_end_lookups: RefCell<Vec<LeaseEndLookup>>,
     /// The claims this worker's owners hold, renewed by the root while they are at work.
     pub renewals: RefCell<Renewals>,
-    /// Live wake queues of all workers (refreshed by the heartbeat), with resolved ids.
-    peers: RefCell<Vec<(String, Option<u32>)>>,
-    /// This root's queue is in the registry (a heartbeat succeeded).
-    advertised: Cell<bool>,
 }
 
 impl<H: Host> PluginState<H> {
@@ -211,88 +104,29 @@ impl<H: Host> PluginState<H> {
             lookups.create_keys().map_err(|e| format!("cannot prepare the lookup gate: {e:?}"))?;
         }
         let seed = random_u64(u64::from(context_id) ^ now_ms.rotate_left(32));
-        let registry = Registry::new(host.clone());
-        registry.create_key().map_err(|e| format!("cannot prepare wait-mode wake-ups: {e}"))?;
-        let queue_name = wake::queue_name(seed);
-        let queue_id = match host.register_queue(&queue_name) {
-            Ok(id) => Some(id),
-            Err(e) => {
-                log::warn!("no wake-up queue (host status {}); waiters on this worker rely on rechecks", e.0);
-                None
-            }
-        };
+        let wakeups = Wakeups::open(host.clone(), seed)?;
         let room = RefCell::new(WaitRoom::new(config.max_waiters_per_key, config.max_waiters));
         Ok(PluginState {
-            metrics: Metrics::define(&host, &config.rules, config.admin.is_some(), store.as_ref()),
+            meter: Meter::new(
+                host.clone(),
+                &config.rules,
+                config.admin.is_some(),
+                store.as_ref(),
+                config.publish_outcome,
+            ),
             host,
             config,
             store,
             calls: RefCell::new(RootCalls::default()),
-            bypass_log: LogEvery::new(BYPASS_LOG_EVERY_MS),
-            body_never_received_log: LogEvery::new(BODY_NEVER_RECEIVED_LOG_EVERY_MS),
-            held_full_log: LogEvery::new(BODY_NEVER_RECEIVED_LOG_EVERY_MS),
-            stop_iteration_error_logged: Cell::new(false),
-            prefix_error_logged: Cell::new(false),
-            unknown_clusters_logged: RefCell::new(Vec::new()),
             tokens: Cell::new(0),
             seed,
             room,
-            registry,
-            queue_name,
-            queue_id,
+            wakeups,
             detached_in_flight: Cell::new(0),
             lookups,
             lease_end_lookups: RefCell::new(Vec::new()),
             renewals: RefCell::new(Renewals::default()),
-            peers: RefCell::new(Vec::new()),
-            advertised: Cell::new(false),
         })
-    }
-
-    /// Counts an outcome under the route rule the request matched; a request that matched no
-    /// rule (passed through) in the unmatched counter. One host call per counted event.
-    pub fn count(&self, counter: Counter, rule: Option<&Rule>) {
-        let id = match rule {
-            Some(rule) => {
-                let Some(index) = Counter::ALL.iter().position(|c| *c == counter) else { return };
-                self.metrics.routes.get(&rule.name).and_then(|ids| ids.get(index).copied().flatten())
-            }
-            None => self.metrics.unmatched,
-        };
-        if let Some(id) = id {
-            self.host.increment(id, 1);
-        }
-    }
-
-    /// An outcome of the stream that is the effective context: counted, and published for its
-    /// access log (`publish`).
-    pub fn count_for_stream(&self, counter: Counter, rule: Option<&Rule>, scope: Option<&ScopeId>) {
-        self.count(counter, rule);
-        self.publish(counter, scope);
-    }
-
-    /// With `publish_outcome`, what just happened to the effective context's protected request
-    /// (`<outcome> <scope tag>`, the tag the filter's logs use too) as its filter state
-    /// `wasm.idempotency.outcome`, for access logs (`%FILTER_STATE(wasm.idempotency.outcome:PLAIN)%`).
-    /// Written at each outcome counted while the stream is there, so the last one stands (a new
-    /// key: `claimed`, then `stored`): one host call each, none when not configured.
-    pub fn publish(&self, counter: Counter, scope: Option<&ScopeId>) {
-        if !self.config.publish_outcome || !counter.is_request_outcome() {
-            return;
-        }
-        let tag = scope.map_or_else(|| "-".to_string(), ScopeId::log_tag);
-        let value = format!("{} {tag}", counter.name());
-        if let Err(HostError(s)) = self.host.set_property(OUTCOME_PROPERTY, value.as_bytes()) {
-            log::debug!("cannot publish the outcome {value} (host status {s})");
-        }
-    }
-
-    /// A call to the store's `shard` failed (no answer, a refusal, an error status). Counted at
-    /// once, as a watch's end is.
-    pub fn count_call_failed(&self, shard: u8) {
-        if let Some(id) = self.metrics.calls_failed.get(usize::from(shard)).copied().flatten() {
-            self.host.increment(id, 1);
-        }
     }
 
     /// Envoy refused a callout to `cluster` (made for `of`) with host status `status`. Returns
@@ -317,19 +151,8 @@ impl<H: Host> PluginState<H> {
             log::warn!("Envoy refused a call to cluster {cluster:?} (host status {status})");
             return format!("Envoy refused the call to cluster {cluster:?} (host status {status})");
         }
-        if let Some(id) = self.metrics.unknown_cluster {
-            self.host.increment(id, 1);
-        }
         let (field, fails) = self.cluster_field(of, cluster);
-        let first = {
-            let mut logged = self.unknown_clusters_logged.borrow_mut();
-            let first = logged.len() < MAX_UNKNOWN_CLUSTERS_LOGGED
-                && !logged.iter().any(|(f, c)| *f == field && c == cluster);
-            if first {
-                logged.push((field.clone(), cluster.to_string()));
-            }
-            first
-        };
+        let first = self.meter.unknown_cluster(&field, cluster);
         if first {
             self.host.log_critical(&format!(
                 "{field}: Envoy does not know the cluster {cluster:?}, so it refuses every call the filter \
@@ -362,36 +185,6 @@ impl<H: Host> PluginState<H> {
         }
     }
 
-    /// Counted at once, not batched to the tick: it is rare, and the moment it happens is what
-    /// an operator looks for.
-    fn count_watch_ended(&self) {
-        if let Some(id) = self.metrics.watch_ended {
-            self.host.increment(id, 1);
-        }
-    }
-
-    pub fn count_admin(&self, action: crate::admin::Action) {
-        let index = crate::admin::Action::ALL.iter().position(|a| *a == action);
-        if let Some(id) = index.and_then(|i| self.metrics.admin.get(i).copied().flatten()) {
-            self.host.increment(id, 1);
-        }
-    }
-
-    pub fn count_swept(&self, n: u32) {
-        if let (Some(id), true) = (self.metrics.swept, n > 0) {
-            self.host.increment(id, i64::from(n));
-        }
-    }
-
-    /// Counts what a renewal did: claims kept, claims found lost.
-    pub fn count_renewals(&self, kept: usize, lost: usize) {
-        for (id, n) in [(self.metrics.renewed, kept), (self.metrics.claims_lost, lost)] {
-            if let (Some(id), true) = (id, n > 0) {
-                self.host.increment(id, i64::try_from(n).unwrap_or(i64::MAX));
-            }
-        }
-    }
-
     /// Starts a store operation (the clock is read only if the store needs it).
     pub fn start(&self, op: StoreOp) -> Started {
         self.store.start(op, &|| self.host.now_ms())
@@ -403,7 +196,7 @@ impl<H: Host> PluginState<H> {
     /// Envoy, whose wake-ups never come here): first after `POLL_FIRST_MS`, doubling; on the
     /// local store it relies on wake-ups and the 1 s fallback.
     pub fn admit(&self, context_id: u32, plan: &ParkPlan) -> Result<Waiter<HeldFlow>, NotHeld> {
-        let just_advertised = self.ensure_advertised(plan.now_ms);
+        let just_advertised = self.wakeups.ensure_advertised(plan.now_ms);
         let remote = self.store.remote().is_some();
         let (recheck_at_ms, poll_ms) = match (remote, just_advertised) {
             (true, false) => (
@@ -458,7 +251,7 @@ impl<H: Host> PluginState<H> {
             }
             Err(HostError(s)) => {
                 log::debug!("watch stream refused (host status {s}); waiters poll");
-                self.count_watch_ended();
+                self.meter.count_watch_ended();
                 watch.refused(now_ms);
             }
         }
@@ -483,7 +276,7 @@ impl<H: Host> PluginState<H> {
     /// a stream usually ends because etcd is unreachable, and a poll into that fails the waiter
     /// by the store's fail mode). Counted in `store_watch_ended_total`.
     pub fn watch_ended(&self, scopes: Vec<ScopeId>, now_ms: u64) {
-        self.count_watch_ended();
+        self.meter.count_watch_ended();
         let mut room = self.room.borrow_mut();
         for scope in scopes {
             room.hasten(&scope, now_ms.saturating_add(wait::RECHECK_EVERY_MS));
@@ -523,11 +316,7 @@ impl<H: Host> PluginState<H> {
     /// through its queue so that it does.
     pub fn admin_later(&self, context_id: u32, ask: super::calls::AdminAsk) {
         self.calls.borrow_mut().admin_later.push(super::calls::AdminLater { context_id, ask });
-        if let Some(queue) = self.queue_id {
-            if let Err(e) = self.host.enqueue(queue, SETTLE_NOW) {
-                log::debug!("cannot wake the root (host status {}); it goes on at its next tick", e.0);
-            }
-        }
+        self.wakeups.wake_root("it goes on");
     }
 
     /// Hands a paused request's `begin` (and its flow) to this worker's root.
@@ -735,7 +524,7 @@ impl<H: Host> PluginState<H> {
         match self.start(StoreOp::Release(claim)) {
             Started::Answered(answer) => {
                 if let StoreAnswer::Settled(Ok(_)) = answer {
-                    self.count(Counter::Released, Some(rule));
+                    self.meter.count(Counter::Released, Some(rule));
                 }
             }
             Started::Conversation(conversation) => {
@@ -750,11 +539,7 @@ impl<H: Host> PluginState<H> {
     /// at its next tick.
     fn to_root(&self, call: RootCall) {
         self.calls.borrow_mut().queued.push(call);
-        if let Some(queue) = self.queue_id {
-            if let Err(e) = self.host.enqueue(queue, SETTLE_NOW) {
-                log::debug!("cannot wake the root (host status {}); it settles at its next tick", e.0);
-            }
-        }
+        self.wakeups.wake_root("it settles");
     }
 
     /// How long a retired root waits for the store operations it carries (`Root::on_done`):
@@ -765,109 +550,6 @@ impl<H: Host> PluginState<H> {
         let lease_ms = self.config.rules.iter().map(|r| r.processing_timeout_ms).max().unwrap_or(0);
         let timeout_ms = self.store.remote().map_or(0, |r| u64::from(r.timeout_ms));
         lease_ms.saturating_add(timeout_ms.saturating_mul(2 * RETIREMENT_CALLS_PER_TRY))
-    }
-
-    /// True when a fail-open bypass should be logged now (at most once a second per worker:
-    /// a store outage must not flood the log with one line per request).
-    pub fn bypass_log_due(&self, now_ms: u64) -> bool {
-        self.bypass_log.due(now_ms)
-    }
-
-    /// True when a claim the worker could not keep alive (it keeps `renewal::MAX_HELD`) should
-    /// be logged now (at most once a minute per worker).
-    pub fn held_full_log_due(&self, now_ms: u64) -> bool {
-        self.held_full_log.due(now_ms)
-    }
-
-    /// True when a request that ended before its body arrived should be logged now (at most
-    /// once a minute per worker).
-    pub fn body_never_received_log_due(&self, now_ms: u64) -> bool {
-        self.body_never_received_log.due(now_ms)
-    }
-
-    /// True the first time this worker (this root) asks: the error that Envoy keeps request
-    /// bodies from the filter is logged once per worker; every such request is counted.
-    pub fn first_stop_iteration_error(&self) -> bool {
-        !self.stop_iteration_error_logged.replace(true)
-    }
-
-    /// An upstream answer carried another prefix's `seen` upstream service time and not ours:
-    /// one error line per worker naming `envoy_header_prefix`, not one per request.
-    pub fn header_prefix_mismatch(&self, seen: &str) {
-        if !self.prefix_error_logged.replace(true) {
-            log::error!(
-                "{}",
-                crate::router_control::prefix_mismatch_line(&self.config.envoy_headers.prefix, seen)
-            );
-        }
-    }
-
-    /// Tells every worker that this record's outcome may be known, so that its waiters look.
-    pub fn broadcast(&self, scope: &ScopeId) {
-        // Read the registry now rather than trust the list cached at the last heartbeat: a
-        // worker that started since would otherwise miss this wake-up (and wait for a recheck).
-        if let Ok(names) = self.registry.live(self.host.now_ms()) {
-            self.set_peers(names);
-        }
-        let mut peers = self.peers.borrow_mut();
-        for (name, id) in peers.iter_mut() {
-            if id.is_none() {
-                *id = self.host.resolve_queue(name).ok().flatten();
-            }
-            if let Some(queue) = *id {
-                if let Err(e) = self.host.enqueue(queue, &scope.0) {
-                    log::debug!(
-                        "wake-up to {name} failed (host status {}); its waiters recheck on their own",
-                        e.0
-                    );
-                }
-            }
-        }
-    }
-
-    /// Puts this worker's queue in the registry before its first waiter parks (ticks do it
-    /// within 100 ms of start, but a request may come first). Returns true when it had to: a
-    /// completion that happened meanwhile could not have reached this queue, so the caller
-    /// rechecks at once instead of trusting a wake-up.
-    pub fn ensure_advertised(&self, now_ms: u64) -> bool {
-        if self.advertised.get() || self.queue_id.is_none() {
-            return false;
-        }
-        self.heartbeat(now_ms);
-        true
-    }
-
-    /// Beats in the wake registry (only roots that tick beat, so the short-lived canary VM's
-    /// queue is never advertised).
-    pub fn heartbeat(&self, now_ms: u64) {
-        if self.queue_id.is_none() {
-            return;
-        }
-        match self.registry.heartbeat(&self.queue_name, now_ms) {
-            Ok(names) => {
-                self.advertised.set(true);
-                self.set_peers(names);
-            }
-            Err(e) => log::warn!("wake registry heartbeat failed: {e}"),
-        }
-    }
-
-    /// Stops advertising a queue nobody will read.
-    pub fn withdraw(&self) {
-        let _ = self.registry.remove(&self.queue_name, self.host.now_ms());
-    }
-
-    /// Replaces the peer list, keeping the queue ids already resolved.
-    fn set_peers(&self, names: Vec<String>) {
-        let mut peers = self.peers.borrow_mut();
-        let known = std::mem::take(&mut *peers);
-        *peers = names
-            .into_iter()
-            .map(|n| {
-                let id = known.iter().find(|(k, _)| *k == n).and_then(|(_, id)| *id);
-                (n, id)
-            })
-            .collect();
     }
 
     /// True the first time any worker of this Envoy asks for this rule: the retry warning is
@@ -899,10 +581,6 @@ impl<H: Host> PluginState<H> {
 
 /// The host status of a call Envoy refused for its arguments (proxy-wasm's `BadArgument`).
 const BAD_ARGUMENT: u32 = 2;
-
-/// (field, cluster) pairs one worker says once each; past it, unknown clusters are only counted
-/// (the configuration names a bounded set, but a route's cluster is whatever Envoy's routes say).
-const MAX_UNKNOWN_CLUSTERS_LOGGED: usize = 64;
 
 /// What a call is for, when Envoy refuses it (`PluginState::callout_refused`).
 #[derive(Clone, Copy)]

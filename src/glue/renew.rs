@@ -52,7 +52,7 @@ pub(super) fn renewed<H: Host>(plugin: &PluginState<H>, renew: &Renew, kept: Res
             plugin.renewals.borrow_mut().answered(renew, Err(()))
         }
     };
-    plugin.count_renewals(outcome.kept, outcome.lost.len());
+    plugin.meter.count_renewals(outcome.kept, outcome.lost.len());
     for scope in &outcome.lost {
         log::warn!(
             "the claim of key {} was no longer its owner's when renewed: its lease ended before it could be \

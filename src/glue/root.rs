@@ -107,7 +107,7 @@ impl<H: Host> Root<H> {
     pub fn on_done(&mut self) -> bool {
         let Some(plugin) = &self.plugin else { return true };
         self.host.flush_metrics();
-        plugin.withdraw();
+        plugin.wakeups.withdraw();
         let left = plugin.calls.borrow().len();
         if left == 0 {
             return true;
@@ -162,12 +162,12 @@ impl<H: Host> Root<H> {
             match plugin.store.sweep(now_ms) {
                 Ok(0) => {}
                 Ok(n) => {
-                    plugin.count_swept(n);
+                    plugin.meter.count_swept(n);
                     log::debug!("swept {n} expired record(s)");
                 }
                 Err(e) => log::warn!("sweep failed: {e}"),
             }
-            plugin.heartbeat(now_ms);
+            plugin.wakeups.heartbeat(now_ms);
             tend_watch(&plugin, now_ms);
         }
         if counted {
@@ -298,7 +298,7 @@ impl<H: Host> Root<H> {
             at.map_or(0, |at| calls.shard_of.swap_remove(at).1)
         };
         if !answer.as_ref().is_ok_and(|a| a.succeeded()) {
-            plugin.count_call_failed(shard);
+            plugin.meter.count_call_failed(shard);
         }
         match (call, answer) {
             (RootCall::Begin(begin), Ok(answer)) => converse_begin(&plugin, begin, Some(answer)),

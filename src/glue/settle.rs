@@ -71,9 +71,9 @@ fn settled_at_once<H: Host>(
     plugin.renewals.borrow_mut().let_go(settlement.claim.owner);
     let (counter, wake) = settlement.result(settled);
     if let Some(scope) = wake {
-        plugin.broadcast(&scope);
+        plugin.wakeups.broadcast(&scope);
     }
-    plugin.count(counter, Some(&settlement.rule));
+    plugin.meter.count(counter, Some(&settlement.rule));
 }
 
 /// Makes a store conversation's call. Envoy's refusal (an unknown cluster, a full queue) is the
@@ -93,7 +93,7 @@ pub(super) fn call_store<H: Host>(plugin: &PluginState<H>, request: &Request) ->
             Ok(token)
         }
         Err(HostError(s)) => {
-            plugin.count_call_failed(request.shard);
+            plugin.meter.count_call_failed(request.shard);
             let why = plugin.callout_refused(CalloutOf::Store, &settings.cluster, s);
             Err(StoreError::Unavailable(why))
         }
@@ -174,14 +174,14 @@ pub(super) fn abandon<H: Host>(plugin: &PluginState<H>) {
         match call {
             RootCall::Settle(settle) => {
                 settlements += 1;
-                plugin.count(Counter::SettlementAbandoned, Some(&settle.settlement.rule));
+                plugin.meter.count(Counter::SettlementAbandoned, Some(&settle.settlement.rule));
             }
             // Envoy cancels the call with the root: its outcome is unknown, and its record
             // stays in flight until its lease ends.
             RootCall::Detached(call) => {
                 settlements += 1;
                 plugin.detached_done();
-                plugin.count(Counter::SettlementAbandoned, Some(&call.rule));
+                plugin.meter.count(Counter::SettlementAbandoned, Some(&call.rule));
             }
             // A lookup writes nothing: its record stays as it was, for the next retry's lookup. A
             // renewal left undone leaves its claims to end with their leases.
@@ -238,7 +238,7 @@ pub(super) fn finish_settlement<H: Host>(
                     call.settlement.rule.processing_timeout_ms
                 );
                 plugin.renewals.borrow_mut().let_go(owner);
-                plugin.count(Counter::SettlementAbandoned, Some(&call.settlement.rule));
+                plugin.meter.count(Counter::SettlementAbandoned, Some(&call.settlement.rule));
             }
         }
         return;
@@ -246,12 +246,12 @@ pub(super) fn finish_settlement<H: Host>(
     plugin.renewals.borrow_mut().let_go(owner);
     let (counter, wake) = call.settlement.result(settled);
     if let Some(scope) = wake {
-        plugin.broadcast(&scope);
+        plugin.wakeups.broadcast(&scope);
     }
-    plugin.count(counter, Some(&call.settlement.rule));
+    plugin.meter.count(counter, Some(&call.settlement.rule));
     // A held response's stream is still there: its access log can say how it ended.
     if call.holds_response && plugin.host.set_effective_context(call.settlement.context_id).is_ok() {
-        plugin.publish(counter, Some(&call.settlement.claim.scope));
+        plugin.meter.publish(counter, Some(&call.settlement.claim.scope));
     }
     resume_held_response(plugin, &mut call);
 }

@@ -123,9 +123,9 @@ fn a_request_ended_before_its_body_is_counted_each_time_and_logged_once_a_minute
     let h = host();
     let root = root(&h);
     let plugin = crate::glue::plugin::PluginState::configure_with(h.clone(), 1, None).unwrap();
-    assert!(plugin.body_never_received_log_due(1_000));
-    assert!(!plugin.body_never_received_log_due(60_999));
-    assert!(plugin.body_never_received_log_due(61_000));
+    assert!(plugin.meter.body_never_received_log_due(1_000));
+    assert!(!plugin.meter.body_never_received_log_due(60_999));
+    assert!(plugin.meter.body_never_received_log_due(61_000));
     // Through the stream's callbacks: held at its headers, ended without a body frame.
     for n in 0..3 {
         let mut http = root.http_context(2 + n);

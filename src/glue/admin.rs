@@ -11,9 +11,33 @@ use crate::admin::{self, AdminRequest, Answered, Progress, MAX_BODY};
 use crate::flow::Verdict;
 use crate::store::remote::Conversation;
 use crate::store::seam::Started;
+use std::rc::Rc;
 
 /// `response.code_details` of the admin API's replies.
 pub const DETAILS_ADMIN: &str = "idempotency_admin";
+
+/// An admin instance's stream: one request, answered by the module.
+pub struct AdminStream<H: Host> {
+    context_id: u32,
+    plugin: Rc<PluginState<H>>,
+    /// Its head, read at the headers.
+    head: Option<AdminHead>,
+}
+
+impl<H: Host> AdminStream<H> {
+    pub fn new(context_id: u32, plugin: Rc<PluginState<H>>) -> AdminStream<H> {
+        AdminStream { context_id, plugin, head: None }
+    }
+
+    pub fn on_request_headers(&mut self, end_of_stream: bool) -> Verdict {
+        self.head = head(&self.plugin);
+        on_headers(&self.plugin, self.context_id, self.head.as_ref(), end_of_stream)
+    }
+
+    pub fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
+        on_body(&self.plugin, self.context_id, self.head.as_ref(), size, end_of_stream)
+    }
+}
 
 /// What an admin request said in its headers, kept until its body has arrived.
 pub struct AdminHead {
@@ -23,7 +47,7 @@ pub struct AdminHead {
 }
 
 /// The request's head; None when the host cannot give it (answered 500 by the caller).
-pub fn head<H: Host>(plugin: &PluginState<H>) -> Option<AdminHead> {
+fn head<H: Host>(plugin: &PluginState<H>) -> Option<AdminHead> {
     let map = plugin.host.header_map(MAP_REQUEST_HEADERS).ok()?;
     let text = |name: &str| map.get(name).map(|v| String::from_utf8_lossy(v).into_owned());
     Some(AdminHead {
@@ -34,7 +58,7 @@ pub fn head<H: Host>(plugin: &PluginState<H>) -> Option<AdminHead> {
 }
 
 /// At the request's headers: answered now when it has no body, else held for it.
-pub fn on_headers<H: Host>(
+fn on_headers<H: Host>(
     plugin: &PluginState<H>,
     context_id: u32,
     head: Option<&AdminHead>,
@@ -54,7 +78,7 @@ pub fn on_headers<H: Host>(
 }
 
 /// At each piece of the body: answered with the last one (Envoy buffers the rest).
-pub fn on_body<H: Host>(
+fn on_body<H: Host>(
     plugin: &PluginState<H>,
     context_id: u32,
     head: Option<&AdminHead>,

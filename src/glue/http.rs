@@ -2,7 +2,7 @@
 //! is `flow::RequestFlow`'s; what remains here is which host call carries out which step, and
 //! how a failed host call is reported.
 
-use super::admin;
+use super::admin::AdminStream;
 use super::calls::FlowHandle;
 use super::carry::{self, At};
 use super::pairs::HeaderMap;
@@ -74,7 +74,91 @@ impl<H: Host> StreamFacts for Facts<'_, H> {
     }
 }
 
-pub struct Http<H: Host> {
+/// A stream's context, as the root created it for its plugin: a filter instance's (protected
+/// traffic, and everything else that passes through) or an admin instance's (the admin API,
+/// answered by the module itself). Envoy's callbacks are routed to the one it is. Nearly every
+/// stream is a filter's: boxing it to shrink the rare admin stream would cost an allocation per
+/// request.
+#[allow(clippy::large_enum_variant)]
+pub enum Http<H: Host> {
+    Filter(FilterStream<H>),
+    Admin(AdminStream<H>),
+}
+
+impl<H: Host> Http<H> {
+    /// The context of a stream of this plugin: an admin instance's when its configuration has
+    /// an `admin` section, else a filter's (without a configuration, nothing is ours).
+    pub fn new(context_id: u32, plugin: Option<Rc<PluginState<H>>>) -> Http<H> {
+        match plugin {
+            Some(plugin) if plugin.config.admin.is_some() => {
+                Http::Admin(AdminStream::new(context_id, plugin))
+            }
+            plugin => Http::Filter(FilterStream::new(context_id, plugin)),
+        }
+    }
+
+    pub fn on_request_headers(&mut self, end_of_stream: bool) -> Verdict {
+        match self {
+            Http::Filter(stream) => stream.on_request_headers(end_of_stream),
+            Http::Admin(stream) => stream.on_request_headers(end_of_stream),
+        }
+    }
+
+    pub fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
+        match self {
+            Http::Filter(stream) => stream.on_request_body(size, end_of_stream),
+            Http::Admin(stream) => stream.on_request_body(size, end_of_stream),
+        }
+    }
+
+    /// An admin request is answered by the module: nothing past its body is ours.
+    pub fn on_request_trailers(&mut self) -> Verdict {
+        match self {
+            Http::Filter(stream) => stream.on_request_trailers(),
+            Http::Admin(_) => Verdict::Continue,
+        }
+    }
+
+    pub fn on_response_headers(&mut self, end_of_stream: bool) -> Verdict {
+        match self {
+            Http::Filter(stream) => stream.on_response_headers(end_of_stream),
+            Http::Admin(_) => Verdict::Continue,
+        }
+    }
+
+    pub fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
+        match self {
+            Http::Filter(stream) => stream.on_response_body(size, end_of_stream),
+            Http::Admin(_) => Verdict::Continue,
+        }
+    }
+
+    pub fn on_response_trailers(&mut self) -> Verdict {
+        match self {
+            Http::Filter(stream) => stream.on_response_trailers(),
+            Http::Admin(_) => Verdict::Continue,
+        }
+    }
+
+    pub fn on_log(&mut self) {
+        if let Http::Filter(stream) = self {
+            stream.on_log();
+        }
+    }
+
+    /// True when the stream's later callbacks would do nothing (`FilterStream::inert`); an
+    /// admin stream is kept until its answer is sent.
+    pub fn inert(&self) -> bool {
+        match self {
+            Http::Filter(stream) => stream.inert(),
+            Http::Admin(_) => false,
+        }
+    }
+}
+
+/// A filter instance's stream: its request's flow, and what the glue keeps of it between
+/// callbacks.
+pub struct FilterStream<H: Host> {
     context_id: u32,
     plugin: Option<Rc<PluginState<H>>>,
     flow: RequestFlow,
@@ -86,20 +170,17 @@ pub struct Http<H: Host> {
     hold_response: bool,
     /// Bytes of the response body held in Envoy's buffer (remote store, while capturing).
     response_held: usize,
-    /// An admin instance's request (`glue::admin`): its head, read at the headers.
-    admin: Option<admin::AdminHead>,
 }
 
-impl<H: Host> Http<H> {
-    pub fn new(context_id: u32, plugin: Option<Rc<PluginState<H>>>) -> Http<H> {
-        Http {
+impl<H: Host> FilterStream<H> {
+    fn new(context_id: u32, plugin: Option<Rc<PluginState<H>>>) -> FilterStream<H> {
+        FilterStream {
             context_id,
             plugin,
             flow: RequestFlow::new(context_id),
             flow_handle: None,
             hold_response: false,
             response_held: 0,
-            admin: None,
         }
     }
 
@@ -129,11 +210,7 @@ impl<H: Host> Http<H> {
         verdict
     }
 
-    pub fn on_request_headers(&mut self, end_of_stream: bool) -> Verdict {
-        if let Some(plugin) = self.plugin.clone().filter(|p| p.config.admin.is_some()) {
-            self.admin = admin::head(&plugin);
-            return admin::on_headers(&plugin, self.context_id, self.admin.as_ref(), end_of_stream);
-        }
+    fn on_request_headers(&mut self, end_of_stream: bool) -> Verdict {
         self.callback(false, |flow, p, facts| flow.request_headers(&p.config, facts, end_of_stream))
     }
 
@@ -141,26 +218,23 @@ impl<H: Host> Http<H> {
     /// its headers and nothing of it is held or handed to the root. The module forgets such a
     /// stream (glue/abi.rs), so unprotected traffic, which a mesh-wide policy sends through the
     /// filter everywhere, costs its later callbacks nothing but Envoy's call into the module.
-    pub fn inert(&self) -> bool {
-        self.flow.inert() && self.flow_handle.is_none() && self.response_held == 0 && self.admin.is_none()
+    fn inert(&self) -> bool {
+        self.flow.inert() && self.flow_handle.is_none() && self.response_held == 0
     }
 
-    pub fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
-        if let Some(plugin) = self.plugin.clone().filter(|p| p.config.admin.is_some()) {
-            return admin::on_body(&plugin, self.context_id, self.admin.as_ref(), size, end_of_stream);
-        }
+    fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
         self.callback(false, |flow, p, facts| flow.request_body(&p.config, facts, size, end_of_stream))
     }
 
-    pub fn on_request_trailers(&mut self) -> Verdict {
+    fn on_request_trailers(&mut self) -> Verdict {
         self.callback(false, |flow, p, facts| flow.request_trailers(&p.config, facts))
     }
 
-    pub fn on_response_headers(&mut self, end_of_stream: bool) -> Verdict {
+    fn on_response_headers(&mut self, end_of_stream: bool) -> Verdict {
         self.callback(true, |flow, p, facts| flow.response_headers(&p.config, facts, end_of_stream))
     }
 
-    pub fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
+    fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
         let verdict = self.callback(true, |flow, _, facts| flow.response_body(facts, size, end_of_stream));
         // With a remote store the body is held while it is copied, and let go with the last
         // frame once the record is written (the root resumes it): a client that has the whole
@@ -175,11 +249,11 @@ impl<H: Host> Http<H> {
         verdict
     }
 
-    pub fn on_response_trailers(&mut self) -> Verdict {
+    fn on_response_trailers(&mut self) -> Verdict {
         self.callback(true, |flow, _, facts| flow.response_trailers(facts))
     }
 
-    pub fn on_log(&mut self) {
+    fn on_log(&mut self) {
         self.callback(false, |flow, _, facts| flow.stream_ended(facts));
         // Its flow is still the root's: a request held in the wait room stops being held (its
         // recheck, if under way, then finds its client gone).

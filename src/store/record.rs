@@ -322,6 +322,18 @@ fn capped(s: &str, max: usize) -> (&str, bool) {
     }
 }
 
+/// Appends `s` as a label part of at most `max` bytes; `marked`: one cut shorter ends with
+/// `LABEL_CUT`, else it is only cut.
+fn push_part(text: &mut Vec<u8>, s: &str, max: usize, marked: bool) {
+    match capped(s, max) {
+        (kept, true) if marked => {
+            text.extend_from_slice(kept.as_bytes());
+            text.extend_from_slice(LABEL_CUT.as_bytes());
+        }
+        _ => text.extend_from_slice(cut(s, max).as_bytes()),
+    }
+}
+
 /// The text a label keeps of `wanted` (a filter's value) at `max`: what it is compared with.
 pub fn label_part(wanted: &str, max: usize) -> std::borrow::Cow<'_, str> {
     match capped(wanted, max) {
@@ -339,51 +351,50 @@ impl Label {
         Label { created_at_ms: 0, text, lens: [route.len() as u8, key.len() as u8, 0, 0, 0, 0], scope: None }
     }
 
-    /// The label a request's record carries: its route and key, and its scope.
+    /// The label a request's record carries: its route and key, and its scope. Made for every
+    /// protected request at its admission (a replay's too): each part copied once into one
+    /// buffer, UTF-8 checked once (header values that are no UTF-8 are shown with U+FFFD).
     pub fn scoped(route: &str, key: &str, scope: &LabelScope) -> Label {
         // One tenant value (the usual case) as it is; several joined by commas.
-        let tenant: Option<std::borrow::Cow<[u8]>> = scope.tenant.map(|values| match values {
-            [one] => std::borrow::Cow::Borrowed(*one),
-            more => std::borrow::Cow::Owned(more.join(&b',')),
-        });
-        let parts = [
-            (route.as_bytes(), LABEL_ROUTE_MAX),
-            (key.as_bytes(), LABEL_KEY_MAX),
-            (scope.method.as_bytes(), LABEL_METHOD_MAX),
-            (scope.host, LABEL_HOST_MAX),
-            (scope.path.as_bytes(), LABEL_PATH_MAX),
-            (tenant.as_deref().unwrap_or_default(), LABEL_TENANT_MAX),
-        ];
-        // Header values may hold bytes that are no UTF-8: shown as U+FFFD (borrowed when valid).
-        let texts = parts.map(|(part, max)| (String::from_utf8_lossy(part), max));
-        // Each part as kept, and whether the cut marker follows. Route and key are bounded
-        // upstream (configuration, key parser): cut, never marked.
-        let mut kept = [("", false); PARTS];
-        for (i, ((text, max), k)) in texts.iter().zip(kept.iter_mut()).enumerate() {
-            *k = match capped(text, *max) {
-                (s, true) if i > 1 => (s, true),
-                _ => (cut(text, *max), false),
-            };
-        }
-        let marker = |cut: bool| if cut { LABEL_CUT.as_bytes() } else { &[] };
-        let len = |(s, cut): &(&str, bool)| s.len() + marker(*cut).len();
-        // Every part is at most 255 bytes (`LABEL_MAX`).
-        let lens = kept.map(|k| len(&k) as u8);
-        // One allocation, filled in place (the Rc is new: `get_mut` is always Some).
-        let mut text: std::rc::Rc<[u8]> = std::iter::repeat_n(0, kept.iter().map(len).sum()).collect();
-        if let Some(buf) = std::rc::Rc::get_mut(&mut text) {
-            let bytes = kept.iter().flat_map(|(s, cut)| s.bytes().chain(marker(*cut).iter().copied()));
-            for (to, b) in buf.iter_mut().zip(bytes) {
-                *to = b;
+        let joined: Vec<u8>;
+        let tenant: &[u8] = match scope.tenant {
+            None => &[],
+            Some([one]) => one,
+            Some(more) => {
+                joined = more.join(&b',');
+                &joined
             }
+        };
+        let parts: [&[u8]; PARTS] = [
+            route.as_bytes(),
+            key.as_bytes(),
+            scope.method.as_bytes(),
+            scope.host,
+            scope.path.as_bytes(),
+            tenant,
+        ];
+        let mut text: Vec<u8> = Vec::with_capacity(
+            parts.iter().zip(LABEL_MAX).map(|(p, max)| p.len().min(max)).sum::<usize>() + 12,
+        );
+        let mut lens = [0u8; PARTS];
+        for (i, (part, max)) in parts.into_iter().zip(LABEL_MAX).enumerate() {
+            let start = text.len();
+            // Route and key are bounded upstream (configuration, key parser): cut, never marked.
+            let marked = i > 1;
+            match std::str::from_utf8(part) {
+                Ok(s) => push_part(&mut text, s, max, marked),
+                Err(_) => push_part(&mut text, &String::from_utf8_lossy(part), max, marked),
+            }
+            // Every part is at most 255 bytes (`LABEL_MAX`).
+            lens[i] = (text.len() - start) as u8;
         }
         let mut principal = [0u8; LABEL_PRINCIPAL_BYTES];
         principal.copy_from_slice(&scope.principal[..LABEL_PRINCIPAL_BYTES]);
         Label {
             created_at_ms: 0,
-            text,
+            text: std::rc::Rc::from(text),
             lens,
-            scope: Some(LabelScopeBits { tenant: tenant.is_some(), principal }),
+            scope: Some(LabelScopeBits { tenant: scope.tenant.is_some(), principal }),
         }
     }
 
@@ -451,16 +462,19 @@ impl Label {
     fn write(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.created_at_ms.to_be_bytes());
         let parts = if self.scope.is_some() { PARTS } else { 2 };
-        for i in 0..parts {
-            let text = self.part(i);
+        // The parts' bytes as `text` holds them (checked UTF-8 when the label was made or read).
+        let mut start = 0;
+        for (i, &len) in self.lens.iter().enumerate().take(parts) {
+            let end = start + usize::from(len);
             match self.scope {
                 Some(s) if i == 5 && !s.tenant => out.push(NO_TENANT),
                 _ => {
                     // Every part is at most 255 bytes (`LABEL_MAX`).
-                    out.push(text.len() as u8);
-                    out.extend_from_slice(text.as_bytes());
+                    out.push(len);
+                    out.extend_from_slice(self.text.get(start..end).unwrap_or_default());
                 }
             }
+            start = end;
         }
         if let Some(s) = self.scope {
             out.extend_from_slice(&s.principal);

@@ -322,6 +322,12 @@ impl<H: Host> Root<H> {
         self.context_id
     }
 
+    /// Claims this worker keeps renewing (tests).
+    #[cfg(test)]
+    pub fn held_claims(&self) -> usize {
+        self.plugin.as_ref().map_or(0, |p| p.renewals.borrow().len())
+    }
+
     pub fn http_context(&self, context_id: u32) -> Http<H> {
         Http::new(context_id, self.plugin.clone())
     }

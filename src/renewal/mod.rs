@@ -23,6 +23,30 @@
 use crate::identity::scope::ScopeId;
 use crate::store::{Claim, Kept, Renew, Renewal, MAX_RENEWALS};
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// Owner tokens are already uniformly spread (`PluginState::owner_token` mixes them with
+/// SplitMix64, from a random per-root seed) and no client chooses one: the table uses the token
+/// itself as its hash instead of SipHash, whose cost every new key paid twice (hold, let go).
+#[derive(Default, Clone, Copy)]
+struct OwnerHasher(u64);
+
+impl Hasher for OwnerHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is used (the key is a u64); any other input still hashes.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+type ByOwner = HashMap<u64, Held, BuildHasherDefault<OwnerHasher>>;
 
 /// Claims one worker keeps renewing at most.
 pub const MAX_HELD: usize = 65_536;
@@ -75,7 +99,7 @@ pub struct Renewed {
 /// written in owner order, whatever the map's.)
 #[derive(Default, Clone)]
 pub struct Renewals {
-    held: HashMap<u64, Held>,
+    held: ByOwner,
 }
 
 impl std::fmt::Debug for Renewals {

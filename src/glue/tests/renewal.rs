@@ -127,3 +127,19 @@ fn a_request_answered_within_its_lease_costs_no_renewal() {
     let made: Vec<&str> = forwarded.keys().copied().collect();
     assert_eq!(made, ["buffer", "get_shared_data", "header_pairs", "now_ms", "set_shared_data"]);
 }
+
+#[test]
+fn a_settled_claim_leaves_nothing_held() {
+    let h = host();
+    let root = root(&h);
+    for (id, key) in [(2, "a"), (3, "b")] {
+        let mut http = root.http_context(id);
+        assert_eq!(post(&h, &mut http, "/orders", key), Verdict::Continue);
+        upstream_answers(&h, "201", b"{}");
+        http.on_response_headers(false);
+        http.on_response_body(2, true);
+        http.on_log();
+    }
+    assert_eq!(h.counter("stored"), 2);
+    assert_eq!(root.held_claims(), 0);
+}

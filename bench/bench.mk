@@ -139,6 +139,15 @@ bench-ab: build tools bench-bins bench-before-wasm
 	$(VENV_PY) -m bench.ab --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM) --loadgen $(BENCH_LOADGEN) \
 	  --before-wasm $(BENCH_BEFORE_WASM) --before-label $(BENCH_BEFORE) $(BENCH_AB_ARGS)
 
+# The module's own instructions per request (new key, replay, pass-through), this build and,
+# with BENCH_BEFORE, the build at that commit: tests/module-abi/examples/fuel.rs, the module run
+# in the emulated Envoy with wasmi counting every instruction. Exact, so a change too small for
+# bench-ab's noise shows; Envoy's side of each host call is not in it (bench-ab measures that).
+.PHONY: bench-fuel
+bench-fuel: build bench-before-wasm
+	$(CARGO) run --release -q -p module-abi --example fuel -- $(abspath $(DIST_WASM)) \
+	  $(if $(BENCH_BEFORE),$(abspath $(BENCH_BEFORE_WASM)))
+
 # Where the bytes of the module go (bench/module_size.py): the filter built with its function
 # names into target/size/, its code split by Rust module; written into BENCHMARKS.md.
 .PHONY: bench-size

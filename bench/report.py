@@ -429,6 +429,7 @@ class Report:
                  "then, over several fresh pairs of Envoys (one pair's own bias is about 1%)")
         L.append("- `make bench-size`: where the module's bytes go (a build with function names)")
         L.append("- `make bench-callout-floor`: one bare etcd callout per request next to the replays, at equal load")
+        L.append("- `make bench-fuel BENCH_BEFORE=<commit>`: the module's own instructions per request (new key, replay, pass-through), counted exactly in an emulated Envoy (wasmi's fuel): a change too small for bench-ab's noise shows, Envoy's side of the host calls does not")
         L.append("")
         L.append(f"The run above: {self.command}.")
         L.append("")

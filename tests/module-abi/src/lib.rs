@@ -16,7 +16,7 @@ pub mod wire;
 
 use host::{After, Callback, ClientResponse, Host, Stream};
 use std::path::PathBuf;
-use wasmi::{Engine, Error, Instance, Module, Store, Val};
+use wasmi::{Config, Engine, Error, Instance, Module, Store, Val};
 use wire::Pairs;
 
 /// `proxy_on_request_headers` and friends: go on with the stream.
@@ -51,6 +51,8 @@ pub struct Envoy {
     instance: Instance,
     pub root: u32,
     next_context: u32,
+    /// Fuel each export used, by name (`load_metered`).
+    pub fuel_by_export: std::collections::BTreeMap<String, u64>,
 }
 
 impl Envoy {
@@ -58,9 +60,29 @@ impl Envoy {
     /// this host lacks fails here, by name), its ABI version checked, then `_initialize` (a
     /// reactor) or `_start`.
     pub fn load(wasm: &[u8]) -> Result<Envoy, Error> {
-        let engine = Engine::default();
+        Envoy::load_on(Engine::default(), wasm)
+    }
+
+    /// `load`, with every instruction the module executes counted (wasmi's fuel: about one
+    /// unit per instruction; the host's own work, Envoy's side of each call, is not counted).
+    /// For `examples/fuel.rs`: what a path costs in the module, exactly, where the machine's
+    /// noise hides a few percent of CPU.
+    pub fn load_metered(wasm: &[u8]) -> Result<Envoy, Error> {
+        let mut config = Config::default();
+        config.consume_fuel(true);
+        Envoy::load_on(Engine::new(&config), wasm)
+    }
+
+    /// Fuel left (see `load_metered`); 0 on an engine that does not count.
+    pub fn fuel(&self) -> u64 {
+        self.store.get_fuel().unwrap_or(0)
+    }
+
+    fn load_on(engine: Engine, wasm: &[u8]) -> Result<Envoy, Error> {
         let module = Module::new(&engine, wasm)?;
         let mut store = Store::new(&engine, Host::new());
+        // Fails (and is not needed) on an engine that does not count fuel.
+        let _ = store.set_fuel(u64::MAX / 2);
         let linker = imports::linker(&engine)?;
         let instance = linker.instantiate_and_start(&mut store, &module)?;
         let versions = ["proxy_abi_version_0_2_1", "proxy_abi_version_0_2_0", "proxy_abi_version_0_1_0"];
@@ -74,7 +96,8 @@ impl Envoy {
             .or_else(|_| instance.get_typed_func::<i32, i32>(&store, "proxy_on_memory_allocate"))?;
         store.data_mut().memory = Some(memory);
         store.data_mut().malloc = Some(malloc);
-        let mut envoy = Envoy { store, instance, root: 0, next_context: 1 };
+        let mut envoy =
+            Envoy { store, instance, root: 0, next_context: 1, fuel_by_export: Default::default() };
         envoy.store.data_mut().initializing = true;
         let start = ["_initialize", "_start"]
             .into_iter()
@@ -124,7 +147,10 @@ impl Envoy {
         let args: Vec<Val> = args.iter().map(|a| Val::I32(*a as i32)).collect();
         let mut results = vec![Val::I32(0); func.ty(&self.store).results().len()];
         let saved = std::mem::replace(&mut self.store.data_mut().effective, context);
+        let fuel = self.fuel();
         let outcome = func.call(&mut self.store, &args, &mut results);
+        let used = fuel.saturating_sub(self.fuel());
+        *self.fuel_by_export.entry(name.to_string()).or_default() += used;
         self.store.data_mut().effective = saved;
         outcome?;
         Ok(results.first().and_then(Val::i32).map(|r| r as u32))

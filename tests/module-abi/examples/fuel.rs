@@ -1,0 +1,92 @@
+//! Instructions the module executes per request, by path, for one or more builds of it:
+//!
+//!     cargo run --release -p module-abi --example fuel -- A.wasm [B.wasm ...]
+//!
+//! Each build runs the same requests in an emulated Envoy (`Envoy::load_metered`): a warm-up,
+//! then N new keys (claimed, forwarded, answered 201 with 1 KiB, stored), N replays of a stored
+//! key, and N requests no rule matches, with the root's tick every 100 ms of the emulated
+//! clock. Deterministic: the count does not move with the machine's load, so a change of a
+//! fraction of a percent shows. It counts the module's work only (Envoy's side of each host
+//! call is not in it): `make bench-ab` is still what says what a request costs Envoy.
+//! With `FUEL_EXPORTS=1`, a new key's count split by the export (Envoy's callback) that ran it.
+
+use module_abi::{Envoy, CONTINUE};
+
+const CONFIG: &str = r#"{"store":{"type":"local","capacity":100000},"quota":{"per_tenant":100000,"per_principal":100000},"routes":[{"name":"orders","match":{"prefix":"/orders","methods":["POST"]},"require_key":true,"ttl":"24h"}]}"#;
+const N: u32 = 2000;
+const WARM: u32 = 200;
+
+fn head<'a>(path: &'a str, key: &'a str) -> [(&'a str, &'a str); 5] {
+    [
+        (":method", "POST"),
+        (":path", path),
+        (":authority", "shop.example"),
+        ("idempotency-key", key),
+        ("content-type", "application/json"),
+    ]
+}
+
+fn body() -> Vec<u8> {
+    let mut b = br#"{"item":"book","note":""#.to_vec();
+    b.resize(1022, b'x');
+    b.extend_from_slice(b"\"}");
+    b
+}
+
+/// One request through the module: a new key forwarded and answered (`answer`), else answered
+/// locally or passed through.
+fn request(envoy: &mut Envoy, path: &str, key: &str, answer: Option<&[u8]>) {
+    let id = envoy.new_stream();
+    envoy.request_headers(id, &head(path, key), false);
+    let action = envoy.request_body(id, &body(), true);
+    if let (Some(answer), Some(CONTINUE)) = (answer, action) {
+        envoy.upstream_responds(id, 201, &[("content-type", "application/json")], answer);
+    }
+    envoy.end_stream(id);
+}
+
+/// Fuel per request of `n` requests made by `each`, the clock moving 1 ms per request and the
+/// root ticking every 100.
+fn per_request(envoy: &mut Envoy, n: u32, mut each: impl FnMut(&mut Envoy, u32)) -> f64 {
+    let before = envoy.fuel();
+    for i in 0..n {
+        each(envoy, i);
+        envoy.advance_ms(1);
+        if i % 100 == 99 {
+            envoy.tick();
+        }
+    }
+    (before - envoy.fuel()) as f64 / f64::from(n)
+}
+
+fn main() {
+    // The emulator's calls nest deeper than the main thread's stack allows for thousands of
+    // streams in a row.
+    let run = std::thread::Builder::new().stack_size(1 << 30).spawn(measure);
+    if run.map(|t| t.join().is_err()).unwrap_or(true) {
+        std::process::exit(1);
+    }
+}
+
+fn measure() {
+    let answer = vec![b'a'; 1024];
+    println!("{:<56} {:>10} {:>10} {:>10}", "module", "new key", "replay", "pass");
+    for path in std::env::args().skip(1) {
+        let wasm = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let mut envoy = Envoy::load_metered(&wasm).unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert!(envoy.start(CONFIG), "{path}: configuration refused");
+        per_request(&mut envoy, WARM, |e, i| request(e, "/orders", &format!("warm-{i}"), Some(&answer)));
+        envoy.fuel_by_export.clear();
+        let new =
+            per_request(&mut envoy, N, |e, i| request(e, "/orders", &format!("new-{i}"), Some(&answer)));
+        if std::env::var("FUEL_EXPORTS").is_ok() {
+            for (name, fuel) in &envoy.fuel_by_export {
+                eprintln!("  new key {name:<32} {:>10.0}", *fuel as f64 / f64::from(N));
+            }
+        }
+        let replay =
+            per_request(&mut envoy, N, |e, i| request(e, "/orders", &format!("new-{}", i % 64), None));
+        let pass = per_request(&mut envoy, N, |e, _| request(e, "/other", "x", None));
+        println!("{path:<56} {new:>10.0} {replay:>10.0} {pass:>10.0}");
+    }
+}

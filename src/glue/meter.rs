@@ -14,7 +14,6 @@ use crate::metrics::{
 use crate::store::factory::remotes;
 use crate::store::seam::Store;
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::rc::Rc;
 
 /// The filter state a decided request's outcome is published under (Envoy prefixes `wasm.`).
@@ -33,7 +32,9 @@ const MAX_UNKNOWN_CLUSTERS_LOGGED: usize = 64;
 /// Counter ids: the outcomes per route rule (by the rule's name), the requests no rule matched,
 /// the sweep, the renewals, the store's failed calls by shard, an admin instance's requests.
 struct Ids {
-    routes: HashMap<String, Vec<Option<u32>>>,
+    /// Per configured rule (the same `Rc`s the configuration holds, in its order), its
+    /// outcomes' ids in `Counter::ALL` order.
+    routes: Vec<(Rc<Rule>, Vec<Option<u32>>)>,
     unmatched: Option<u32>,
     swept: Option<u32>,
     renewed: Option<u32>,
@@ -60,7 +61,7 @@ impl Ids {
                 .iter()
                 .map(|r| {
                     let ids = Counter::ALL.iter().map(|c| define(c.route_metric_name(&r.name))).collect();
-                    (r.name.clone(), ids)
+                    (Rc::clone(r), ids)
                 })
                 .collect(),
             unmatched: define(UNMATCHED_METRIC.to_string()),
@@ -157,8 +158,15 @@ impl<H: Host> Meter<H> {
     pub fn count(&self, counter: Counter, rule: Option<&Rule>) {
         let id = match rule {
             Some(rule) => {
-                let Some(index) = Counter::ALL.iter().position(|c| *c == counter) else { return };
-                self.ids.routes.get(&rule.name).and_then(|ids| ids.get(index).copied().flatten())
+                // Every request's rule is one of the configuration's: found by address, without
+                // hashing its name on every count (by name for any other).
+                let ids = self
+                    .ids
+                    .routes
+                    .iter()
+                    .find(|(r, _)| std::ptr::eq(Rc::as_ptr(r), rule))
+                    .or_else(|| self.ids.routes.iter().find(|(r, _)| r.name == rule.name));
+                ids.and_then(|(_, ids)| ids.get(counter.index()).copied().flatten())
             }
             None => self.ids.unmatched,
         };

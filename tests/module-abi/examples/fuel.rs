@@ -8,7 +8,7 @@
 //! clock. Deterministic: the count does not move with the machine's load, so a change of a
 //! fraction of a percent shows. It counts the module's work only (Envoy's side of each host
 //! call is not in it): `make bench-ab` is still what says what a request costs Envoy.
-//! With `FUEL_EXPORTS=1`, a new key's count split by the export (Envoy's callback) that ran it.
+//! With `FUEL_EXPORTS=1`, each path's count split by the export (Envoy's callback) that ran it.
 
 use module_abi::{Envoy, CONTINUE};
 
@@ -79,14 +79,23 @@ fn measure() {
         envoy.fuel_by_export.clear();
         let new =
             per_request(&mut envoy, N, |e, i| request(e, "/orders", &format!("new-{i}"), Some(&answer)));
-        if std::env::var("FUEL_EXPORTS").is_ok() {
-            for (name, fuel) in &envoy.fuel_by_export {
-                eprintln!("  new key {name:<32} {:>10.0}", *fuel as f64 / f64::from(N));
-            }
-        }
+        by_export(&mut envoy, "new key");
         let replay =
             per_request(&mut envoy, N, |e, i| request(e, "/orders", &format!("new-{}", i % 64), None));
+        by_export(&mut envoy, "replay");
         let pass = per_request(&mut envoy, N, |e, _| request(e, "/other", "x", None));
+        by_export(&mut envoy, "pass");
         println!("{path:<56} {new:>10.0} {replay:>10.0} {pass:>10.0}");
     }
+}
+
+/// With `FUEL_EXPORTS` set, what each export used per request since the last call (then the
+/// tally starts again).
+fn by_export(envoy: &mut Envoy, path: &str) {
+    if std::env::var("FUEL_EXPORTS").is_ok() {
+        for (name, fuel) in &envoy.fuel_by_export {
+            eprintln!("  {path:<8} {name:<32} {:>10.0}", *fuel as f64 / f64::from(N));
+        }
+    }
+    envoy.fuel_by_export.clear();
 }

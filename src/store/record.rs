@@ -760,7 +760,7 @@ impl<'a> Reader<'a> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::store::local::format::{decode_bucket, encode_bucket};
 
@@ -806,7 +806,8 @@ mod tests {
         );
     }
 
-    fn entry(position: u8, owner: u64) -> Entry {
+    /// A completed entry at `position` of `owner` (the local formats' tests use it too).
+    pub(crate) fn entry(position: u8, owner: u64) -> Entry {
         Entry {
             position,
             state: State::Succeeded,

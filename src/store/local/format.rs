@@ -211,26 +211,8 @@ pub fn encode_fill(count: u32) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::identity::fingerprint::Fingerprint;
-    use crate::identity::scope::ScopeId;
-    use crate::store::record::{State, FLAG_PRINCIPAL_CHARGED};
-
-    fn entry(position: u8, owner: u64) -> Entry {
-        Entry {
-            position,
-            state: State::Succeeded,
-            flags: FLAG_PRINCIPAL_CHARGED,
-            status: 201,
-            scope: ScopeId([position; 32]),
-            fingerprint: Fingerprint([7; 32]),
-            owner,
-            lease_deadline_ms: 10,
-            expires_at_ms: 99,
-            charged_at_ms: 1,
-            tenant_tag: 0,
-            principal_tag: 0xfeed,
-        }
-    }
+    use crate::store::record::tests::entry;
+    use crate::store::record::State;
 
     #[test]
     fn bucket_round_trip() {

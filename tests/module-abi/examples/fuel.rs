@@ -10,21 +10,11 @@
 //! call is not in it): `make bench-ab` is still what says what a request costs Envoy.
 //! With `FUEL_EXPORTS=1`, each path's count split by the export (Envoy's callback) that ran it.
 
-use module_abi::{Envoy, CONTINUE};
+use module_abi::{keyed_post, Envoy, CONTINUE};
 
 const CONFIG: &str = r#"{"store":{"type":"local","capacity":100000},"quota":{"per_tenant":100000,"per_principal":100000},"routes":[{"name":"orders","match":{"prefix":"/orders","methods":["POST"]},"require_key":true,"ttl":"24h"}]}"#;
 const N: u32 = 2000;
 const WARM: u32 = 200;
-
-fn head<'a>(path: &'a str, key: &'a str) -> [(&'a str, &'a str); 5] {
-    [
-        (":method", "POST"),
-        (":path", path),
-        (":authority", "shop.example"),
-        ("idempotency-key", key),
-        ("content-type", "application/json"),
-    ]
-}
 
 fn body() -> Vec<u8> {
     let mut b = br#"{"item":"book","note":""#.to_vec();
@@ -37,7 +27,7 @@ fn body() -> Vec<u8> {
 /// locally or passed through.
 fn request(envoy: &mut Envoy, path: &str, key: &str, answer: Option<&[u8]>) {
     let id = envoy.new_stream();
-    envoy.request_headers(id, &head(path, key), false);
+    envoy.request_headers(id, &keyed_post(path, key), false);
     let action = envoy.request_body(id, &body(), true);
     if let (Some(answer), Some(CONTINUE)) = (answer, action) {
         envoy.upstream_responds(id, 201, &[("content-type", "application/json")], answer);

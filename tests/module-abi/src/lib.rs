@@ -44,6 +44,18 @@ pub fn module_bytes() -> Vec<u8> {
     })
 }
 
+/// The head of a keyed JSON POST to `path` on `shop.example`, as the tests and
+/// `examples/fuel.rs` send it.
+pub fn keyed_post<'a>(path: &'a str, key: &'a str) -> [(&'a str, &'a str); 5] {
+    [
+        (":method", "POST"),
+        (":path", path),
+        (":authority", "shop.example"),
+        ("idempotency-key", key),
+        ("content-type", "application/json"),
+    ]
+}
+
 /// One VM: the module instantiated against the emulated host, with one root context (id 1)
 /// once `start` ran.
 pub struct Envoy {

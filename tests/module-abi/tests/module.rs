@@ -19,7 +19,7 @@
 //! id in a callback is logged or ignored, never a trap.
 
 use module_abi::host::{prop_key, LocalResponse, LOG_CRITICAL};
-use module_abi::{Envoy, CONTINUE, STOP};
+use module_abi::{keyed_post, Envoy, CONTINUE, STOP};
 
 const LOG_WARN: i32 = 3;
 
@@ -39,22 +39,12 @@ fn started() -> Envoy {
     envoy
 }
 
-fn head<'a>(path: &'a str, key: &'a str) -> [(&'a str, &'a str); 5] {
-    [
-        (":method", "POST"),
-        (":path", path),
-        (":authority", "shop.example"),
-        ("idempotency-key", key),
-        ("content-type", "application/json"),
-    ]
-}
-
 /// A keyed POST on a new stream, headers then its whole body in one frame: the stream and the
 /// answer of its body callback (None: Envoy never called it, the stream was answered).
 fn post(envoy: &mut Envoy, path: &str, key: &str) -> (u32, Option<u32>) {
     let id = envoy.new_stream();
     // Held at its headers: the decision needs the body's fingerprint.
-    assert_eq!(envoy.request_headers(id, &head(path, key), false), STOP);
+    assert_eq!(envoy.request_headers(id, &keyed_post(path, key), false), STOP);
     let body = envoy.request_body(id, BODY, true);
     (id, body)
 }
@@ -221,7 +211,7 @@ fn a_refused_configuration_is_one_critical_line_naming_the_field() {
         assert!(critical[0].contains(field), "{field:?} not in {:?}", critical[0]);
         // Nothing is served from a refused configuration: a stream passes untouched.
         let id = envoy.new_stream();
-        assert_eq!(envoy.request_headers(id, &head("/orders", "k"), false), CONTINUE);
+        assert_eq!(envoy.request_headers(id, &keyed_post("/orders", "k"), false), CONTINUE);
         assert!(envoy.stream(id).local_responses.is_empty());
         assert_clean(&envoy);
     }

@@ -36,9 +36,11 @@ use facts::verified_claims;
 use std::rc::Rc;
 
 mod detached;
+mod event;
 mod facts;
 mod lookup;
 mod response;
+pub use event::Event;
 pub use facts::{StreamFacts, Unreadable};
 use lookup::Found;
 pub use lookup::{LaterLookup, LeaseEnd};

@@ -7,6 +7,7 @@
 //! callback that arrives while its table is busy (a re-entrant call) is answered with a
 //! harmless default instead of a `RefCell` panic.
 
+use super::flows::ContextIds;
 use super::host::{self, AbiHost, HostLogger};
 use super::http::Http;
 use super::root::Root;
@@ -25,36 +26,6 @@ thread_local! {
     static ROOTS: RefCell<Vec<Root<AbiHost>>> = const { RefCell::new(Vec::new()) };
     static STREAMS: RefCell<HashMap<u32, Http<AbiHost>, ContextIds>> =
         const { RefCell::new(HashMap::with_hasher(ContextIds)) };
-}
-
-/// Hashes Envoy's context ids with one multiplication instead of SipHash: every callback of
-/// every stream looks its context up, and the ids are Envoy's own counter, not a client's
-/// input, so there is no flooding to resist.
-#[derive(Default, Clone, Copy)]
-struct ContextIds;
-
-impl std::hash::BuildHasher for ContextIds {
-    type Hasher = ContextIdHasher;
-    fn build_hasher(&self) -> ContextIdHasher {
-        ContextIdHasher(0)
-    }
-}
-
-struct ContextIdHasher(u64);
-
-impl std::hash::Hasher for ContextIdHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 << 8 | u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u32(&mut self, id: u32) {
-        // Fibonacci hashing: the high bits (hashbrown's tag) depend on every bit of the id.
-        self.0 = u64::from(id).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-    fn finish(&self) -> u64 {
-        self.0
-    }
 }
 
 extern "C" {

@@ -3,13 +3,13 @@
 //! plugin's state so that the stream's glue, the root and the admin glue all name them without
 //! importing one another.
 
+use super::flows::RootHold;
 use crate::admin::AdminTask;
 use crate::config::Rule;
-use crate::flow::{RequestFlow, Retry, Settlement};
+use crate::flow::{Retry, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::store::remote::Conversation;
 use crate::store::{Claim, Renew, StoreOp};
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
@@ -25,7 +25,7 @@ pub struct RootSettlement {
     pub retry: Option<Retry>,
     /// A detached request's flow: its client's reply (`RequestFlow::written`) goes out once the
     /// record is written, or at the store's first failure.
-    pub then_answer: Option<Box<HeldFlow>>,
+    pub then_answer: Option<RootHold>,
 }
 
 /// A claimed request the worker's root carries upstream itself (`execution: "detached"`): the
@@ -39,40 +39,22 @@ pub struct DetachedCall {
     /// Let go once Envoy has it (the call copies it).
     pub body: Vec<u8>,
     pub timeout_ms: u32,
-    /// The request's flow travels with the call (`RequestFlow::detached_answered`), and goes
-    /// back to its stream through `handle` (blank until the call is handed to the root).
-    pub flow: RequestFlow,
-    pub handle: FlowHandle,
-}
-
-/// Where the root gives a request's flow back once it is done with it (its `begin` or lookup
-/// answered, its wait over, its detached call answered); the stream takes it at its next
-/// callback.
-pub type FlowHandle = Rc<RefCell<Option<RequestFlow>>>;
-
-/// A request's flow the root holds, and where it goes back to its stream: a waiter's, in the
-/// wait room, or a detached request's while its outcome is written.
-pub struct HeldFlow {
-    pub flow: RequestFlow,
-    pub handle: FlowHandle,
+    /// The request's flow, the root's until the call is answered (`Event::DetachedAnswered`).
+    pub flow: RootHold,
 }
 
 /// A `begin` the root carries out for a paused request (its first, or a waiter's recheck): the
-/// request's flow travels with it, and the root answers, resumes or parks the request (or, if
+/// root holds the request's flow meanwhile, and answers, resumes or parks the request (or, if
 /// its stream is gone by then, gives back the claim it got).
 pub struct RootBegin {
-    pub context_id: u32,
     pub conversation: Box<dyn Conversation>,
-    pub flow: RequestFlow,
-    pub handle: FlowHandle,
+    pub flow: RootHold,
 }
 
-/// A paused request's lookup (`routes[].reconcile`), made by the root: its flow travels with it
-/// and goes back through `handle` once the root has carried out what the answer means.
+/// A paused request's lookup (`routes[].reconcile`), or a lease-end lookup, made by the root,
+/// which holds the request's flow until it has carried out what the answer means.
 pub struct RootLookup {
-    pub context_id: u32,
-    pub flow: RequestFlow,
-    pub handle: FlowHandle,
+    pub flow: RootHold,
     pub lookup: Lookup,
 }
 
@@ -87,7 +69,7 @@ pub const MAX_LEASE_END_LOOKUPS: usize = 1_024;
 pub struct LeaseEndLookup {
     pub due_ms: u64,
     /// Headless (`RequestFlow::lease_end`): it carries its call.
-    pub flow: RequestFlow,
+    pub flow: RootHold,
 }
 
 /// A lookup: the record, and the call (`started_ms`: when the gate let it start).
@@ -120,13 +102,13 @@ pub struct RootRenewal {
 pub enum RootCall {
     /// Boxed: it carries the request's task.
     Admin(Box<RootAdmin>),
-    /// Boxed: a flow is much larger than a settlement.
+    /// Boxed: it carries the conversation.
     Begin(Box<RootBegin>),
     /// Boxed: it carries the outcome and the claim (with the record the claim wrote).
     Settle(Box<RootSettlement>),
     /// Boxed: it carries the request.
     Detached(Box<DetachedCall>),
-    /// Boxed: it carries the flow.
+    /// Boxed: it carries the lookup's call.
     Lookup(Box<RootLookup>),
     /// Boxed: it carries its claims.
     Renew(Box<RootRenewal>),

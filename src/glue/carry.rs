@@ -6,9 +6,9 @@
 
 use super::admin;
 use super::calls::{
-    AdminAsk, AdminLater, DetachedCall, FlowHandle, HeldFlow, LeaseEndLookup, Lookup, RootAdmin, RootBegin,
-    RootCall, RootLookup,
+    AdminAsk, AdminLater, DetachedCall, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootLookup,
 };
+use super::flows::{FlowKey, RootHold};
 use super::plugin::{CalloutOf, PluginState};
 use super::renew::converse_renewal;
 use super::settle::{
@@ -22,8 +22,7 @@ use crate::admin::Progress;
 use crate::config::etcd::OnStoreError;
 use crate::detached;
 use crate::engine::{HeaderFix, Reply};
-use crate::flow::{Output, RequestFlow, Step, Verdict};
-use crate::identity::scope::ScopeId;
+use crate::flow::{Event, Output, RequestFlow, Step, Verdict};
 use crate::reconcile::{self, LookupAnswer};
 use crate::store::remote::{Answer, Next};
 use crate::store::seam::Started;
@@ -36,25 +35,24 @@ use std::rc::Rc;
 /// carried out as any paused request's (`begin_answered`): at once when the store answers at
 /// once, else when its callouts are answered, the waiter held in the room meanwhile (its
 /// flow travels with the conversation).
-pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<HeldFlow>) {
+pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<RootHold>) {
     let context_id = w.context_id;
     let now_ms = plugin.host.now_ms();
     let owner = plugin.owner_token(context_id);
     // Watched records wake their waiters: those poll only as a fallback.
     let watched = plugin.store.watch(&w.scope).is_some_and(|watch| watch.is_live(&w.scope));
-    let Some(HeldFlow { mut flow, handle }) = plugin.room.borrow_mut().start_check(Waiter { watched, ..w })
-    else {
+    let Some(flow) = plugin.room.borrow_mut().start_check(Waiter { watched, ..w }) else {
         return;
     };
-    let Some(op) = flow.recheck(&plugin.config, now_ms, owner) else {
+    let Some(op) = flow.with(|f| f.recheck(&plugin.config, now_ms, owner)).flatten() else {
         log::warn!("#{context_id} a held request's flow was not waiting; let go");
         plugin.room.borrow_mut().leave(context_id);
         return;
     };
     match plugin.start(op) {
-        Started::Answered(answer) => begin_answered(plugin, context_id, flow, handle, answer),
+        Started::Answered(answer) => begin_answered(plugin, flow, answer),
         Started::Conversation(conversation) => {
-            converse_begin(plugin, Box::new(RootBegin { context_id, conversation, flow, handle }), None)
+            converse_begin(plugin, Box::new(RootBegin { conversation, flow }), None)
         }
     }
 }
@@ -95,12 +93,11 @@ fn dispatch_detached<H: Host>(plugin: &PluginState<H>, mut call: Box<DetachedCal
             let why = plugin.callout_refused(CalloutOf::Detached(&call.rule), &call.cluster, s);
             plugin.detached_done();
             plugin.release_claim(call.context_id, call.claim, &call.rule);
-            let DetachedCall { context_id, mut flow, handle, .. } = *call;
+            let DetachedCall { context_id, flow, .. } = *call;
             if plugin.host.set_effective_context(context_id).is_err() {
-                flow.stream_gone();
+                flow.with(RequestFlow::stream_gone);
             }
-            let out = flow.detach_refused(&why);
-            carry_out_in_root(plugin, context_id, flow, handle, out);
+            handle_in_root(plugin, flow, Event::DetachRefused(why));
         }
     }
 }
@@ -146,14 +143,13 @@ pub(super) fn detached_answered<H: Host>(plugin: &PluginState<H>, call: Detached
         // An answer that cannot be read: what it said is unknown.
         None => detached::CallAnswer::Unknown { timed_out: false },
     };
-    let DetachedCall { context_id, claim, rule, mut flow, handle, .. } = call;
+    let DetachedCall { context_id, claim, rule, flow, .. } = call;
     log::debug!("#{context_id} detached call answered: key {}", claim.scope.log_tag());
     if host.set_effective_context(context_id).is_err() {
-        flow.stream_gone();
+        flow.with(RequestFlow::stream_gone);
     }
     let held_ms = plugin.store.held_past_lease_ms(rule.processing_timeout_ms);
-    let out = flow.detached_answered(answer, now_ms, held_ms);
-    carry_out_in_root(plugin, context_id, flow, handle, out);
+    handle_in_root(plugin, flow, Event::DetachedAnswered { answer, now_ms, held_ms });
 }
 
 /// Steps again every conversation that was waiting (for the etcd token): each goes on, waits
@@ -253,46 +249,41 @@ pub(super) fn converse_begin<H: Host>(
             Ok(token) => {
                 plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Begin(begin));
             }
-            Err(error) => begin_failed(plugin, begin, error, Sent::No),
+            Err(error) => begin_failed(plugin, *begin, error, Sent::No),
         },
         Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Begin(begin)),
         Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
-            begin_failed(plugin, begin, error, Sent::Yes)
+            begin_failed(plugin, *begin, error, Sent::Yes)
         }
-        Next::Done(answer) => {
-            let RootBegin { context_id, flow, handle, .. } = *begin;
-            begin_answered(plugin, context_id, flow, handle, answer);
-        }
+        Next::Done(answer) => begin_answered(plugin, begin.flow, answer),
     }
 }
 
 /// The store answered a paused request's `begin` (or a waiter's recheck): what it means is
 /// carried out for the request, if its stream is still there.
-fn begin_answered<H: Host>(
-    plugin: &PluginState<H>,
-    context_id: u32,
-    mut flow: RequestFlow,
-    handle: FlowHandle,
-    answer: StoreAnswer,
-) {
-    if !flow.headless() && !stream_there(plugin, context_id, &flow) {
+fn begin_answered<H: Host>(plugin: &PluginState<H>, flow: RootHold, answer: StoreAnswer) {
+    if !stream_there(plugin, &flow) {
         // The client went away while the store answered: nobody will forward the request, so a
         // claim it got is given back now instead of blocking retries until its lease ends.
-        if let Some(settlement) = flow.answered_without_stream(&answer) {
+        if let Some(settlement) = flow.with(|f| f.answered_without_stream(&answer)).flatten() {
             give_back(plugin, settlement);
         }
         return;
     }
-    let out = flow.store_answered(&plugin.config, answer);
-    carry_out_in_root(plugin, context_id, flow, handle, out);
+    handle_in_root(plugin, flow, Event::StoreAnswered(answer));
 }
 
 /// Whether the stream of a paused request's flow is still there (and now the effective
-/// context). A waiter's client that went away during its recheck also left the wait room;
-/// a waiter whose stream is gone leaves it now.
-fn stream_there<H: Host>(plugin: &PluginState<H>, context_id: u32, flow: &RequestFlow) -> bool {
+/// context); a lease-end lookup's, which has none, always is. A waiter's client that went away
+/// during its recheck also left the wait room; a waiter whose stream is gone leaves it now.
+fn stream_there<H: Host>(plugin: &PluginState<H>, flow: &RootHold) -> bool {
+    let (headless, rechecking) = flow.with(|f| (f.headless(), f.rechecking())).unwrap_or((false, false));
+    if headless {
+        return true;
+    }
+    let context_id = flow.context_id();
     let present = plugin.host.set_effective_context(context_id).is_ok();
-    if !flow.rechecking() {
+    if !rechecking {
         return present;
     }
     let held = plugin.room.borrow().checking(context_id);
@@ -307,369 +298,386 @@ fn stream_there<H: Host>(plugin: &PluginState<H>, context_id: u32, flow: &Reques
 /// A claim the store may hold although its answer was lost (`Sent::Yes`) is given back first.
 pub(super) fn begin_failed<H: Host>(
     plugin: &PluginState<H>,
-    begin: Box<RootBegin>,
+    begin: RootBegin,
     error: StoreError,
     sent: Sent,
 ) {
+    let RootBegin { conversation, flow } = begin;
     if sent == Sent::Yes && gives_back(plugin) {
-        if let Some(settlement) =
-            begin.conversation.unanswered_claim().and_then(|c| begin.flow.unanswered_claim(c))
-        {
+        let claim = conversation.unanswered_claim();
+        if let Some(settlement) = claim.and_then(|c| flow.with(|f| f.unanswered_claim(c)).flatten()) {
             give_back(plugin, settlement);
         }
     }
-    if !begin.flow.headless() && !stream_there(plugin, begin.context_id, &begin.flow) {
+    if !stream_there(plugin, &flow) {
         return; // its client went away, and no claim is known to exist
     }
     // A lease-end lookup acts on the record only through the store: nothing to forward.
-    let mode = if begin.flow.headless() { OnStoreError::FailClosed } else { on_store_error(plugin) };
+    let headless = flow.with(|f| f.headless()).unwrap_or(false);
+    let mode = if headless { OnStoreError::FailClosed } else { on_store_error(plugin) };
     if mode == OnStoreError::FailOpen && plugin.meter.bypass_log_due(plugin.host.now_ms()) {
         log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
     }
-    let RootBegin { context_id, mut flow, handle, .. } = *begin;
-    let out = flow.store_failed(&plugin.config, error, mode);
-    carry_out_in_root(plugin, context_id, flow, handle, out);
+    handle_in_root(plugin, flow, Event::StoreFailed { error, mode });
 }
 
 /// Where a flow's steps are carried out.
-pub(super) enum At<'h> {
+pub(super) enum At {
     /// In its stream's own callback. `hold_response`: a response callback, whose response waits
     /// for a settlement handed to the root.
     Stream { hold_response: bool },
-    /// By the root, for a paused request whose flow goes back to its stream through this handle,
-    /// or for a headless lease-end flow.
-    Root(&'h FlowHandle),
+    /// By the root, which holds the flow (a paused request's, or a headless lease-end lookup's).
+    Root(RootHold),
 }
 
 /// What carrying out a flow's steps leaves for whoever holds the flow.
 pub(super) struct Carried {
     pub(super) verdict: Verdict,
-    /// The flow went on without its holder (its `begin` or lookup is the root's now, or it is
-    /// parked in the wait room): a stream reads it back through this handle at its next
-    /// callback. `flow` is a blank one meanwhile.
-    pub(super) flow_went: Option<FlowHandle>,
-    /// The root's local reply to a paused request, sent once its flow is back in its handle
+    /// The root's hold on the flow, when the root carried out its steps and no work of the
+    /// root's took the hold on (a conversation, a lookup, a detached call, the wait room).
+    pub(super) hold: Option<RootHold>,
+    /// The root's local reply to a paused request, sent once the root lets its flow go
     /// (`carry_out_in_root`), so that its stream knows the reply as ours when it passes.
     pub(super) reply: Option<(Reply, &'static str)>,
 }
 
-/// Carries out a flow's steps in order, whoever holds the flow: the one place steps become host
-/// calls and store operations. What the store answers at once goes straight back to the flow,
-/// and the verdict is the flow's last word; a `begin` or a lookup that goes on as callouts takes
-/// the flow with it to the root (later steps, which no flow emits, are dropped and logged), and
-/// a request held in the wait room takes it there once its steps are carried out.
-pub(super) fn carry_out<H: Host>(
-    plugin: &PluginState<H>,
-    context_id: u32,
-    flow: &mut RequestFlow,
-    out: Output,
-    at: At,
-) -> Carried {
-    let host = &plugin.host;
-    let mut carried = Carried { verdict: out.verdict, flow_went: None, reply: None };
-    let mut response_held = false;
-    // The waiter to hold in the wait room, with the flow, once the steps are carried out.
-    let mut parking: Option<Waiter<HeldFlow>> = None;
-    let mut steps: VecDeque<Step> = out.steps.into();
-    // The flow leaves with its `begin` or lookup; the root's flow goes back through its handle.
-    let travel = |flow: &mut RequestFlow, steps: &VecDeque<Step>| {
-        if !steps.is_empty() {
-            log::warn!("#{context_id} {} step(s) after the flow left dropped", steps.len());
-        }
-        std::mem::replace(flow, RequestFlow::new(context_id))
+/// The hold the root's work on a flow takes: the executor's own (the root carries the flow's
+/// steps out), or a new one on a stream's flow.
+fn take_hold<H: Host>(plugin: &PluginState<H>, key: FlowKey, hold: &mut Option<RootHold>) -> RootHold {
+    hold.take().unwrap_or_else(|| RootHold::of(&plugin.flows, key))
+}
+
+/// The executor (raft-rs's `advance`): carries out a flow's steps in order, the one place steps
+/// become host calls and store operations, whoever runs it (a stream's callback, or the root).
+/// The flow stays in the worker's table (`flows.rs`) and is asked only between steps: what the
+/// store answers at once, and what a step's refusal means, are `Event`s fed to the flow once
+/// every step before them is carried out; the verdict is the flow's last word. The root's work
+/// (a `begin` or a lookup as callouts, a detached call, the wait room) takes a hold on the flow,
+/// which the stream's callbacks then leave alone until the root lets it go.
+pub(super) fn carry_out<H: Host>(plugin: &PluginState<H>, key: FlowKey, out: Output, at: At) -> Carried {
+    let (hold_response, at_root, hold) = match at {
+        At::Stream { hold_response } => (hold_response, false, None),
+        At::Root(hold) => (false, true, Some(hold)),
     };
-    while let Some(step) = steps.pop_front() {
-        let more = match step {
-            // A lease-end lookup's flow, or one whose stream went away: nothing to publish to or
-            // answer.
-            Step::Count(counter) if flow.streamless() => {
-                plugin.meter.count(counter, flow.rule());
-                None
-            }
-            Step::Count(counter) => {
-                plugin.meter.count_for_stream(counter, flow.rule(), flow.scope());
-                None
-            }
-            Step::Reply { .. } if flow.streamless() => None,
-            Step::Reply { reply, details } if matches!(at, At::Root(_)) => {
-                carried.reply = Some((reply, details));
-                None
-            }
-            Step::Reply { reply, details } => {
-                send_reply(plugin, context_id, &reply, details);
-                None
-            }
-            Step::Store(op) => {
-                let begin = matches!(op, StoreOp::Begin(_));
-                match (plugin.start(op), &at) {
-                    (Started::Answered(answer), _) => Some(flow.store_answered(&plugin.config, answer)),
-                    // A settlement from a stream: the root settles it, since the stream may end
-                    // before the store answers. In a response callback the response waits for
-                    // it (the root resumes it).
-                    (Started::Conversation(conversation), At::Stream { hold_response }) if !begin => {
-                        if let Some(settlement) = flow.hand_off_settlement() {
-                            let hold = *hold_response && carried.verdict == Verdict::Continue;
-                            plugin.settle_from_root(conversation, settlement, hold);
-                            response_held |= hold;
-                        }
-                        None
-                    }
-                    // The root carries it out, and answers or resumes the request; the flow
-                    // goes with it and comes back at the stream's next callback.
-                    (Started::Conversation(conversation), At::Stream { .. }) => {
-                        let flow = travel(flow, &steps);
-                        carried.flow_went = Some(plugin.begin_from_root(conversation, context_id, flow));
-                        break;
-                    }
-                    // A detached request's outcome: the root's carrier writes it (tried again like
-                    // any settlement), and the client's reply goes out once it is over.
-                    (Started::Conversation(conversation), At::Root(handle)) if flow.settling_detached() => {
-                        if let Some(settlement) = flow.hand_off_settlement() {
-                            let flow = travel(flow, &steps);
-                            let handle = Rc::clone(handle);
-                            carried.flow_went = Some(Rc::clone(&handle));
-                            let held = Box::new(HeldFlow { flow, handle });
-                            settle_then_answer(plugin, conversation, settlement, Some(held));
-                        }
-                        break;
-                    }
-                    (Started::Conversation(conversation), At::Root(handle)) => {
-                        let flow = travel(flow, &steps);
-                        let handle = Rc::clone(handle);
-                        carried.flow_went = Some(Rc::clone(&handle));
-                        converse_begin(
-                            plugin,
-                            Box::new(RootBegin { context_id, conversation, flow, handle }),
-                            None,
-                        );
-                        break;
-                    }
-                }
-            }
-            // Wait mode: the request stays paused in this worker's wait room.
-            Step::Park(plan) => {
-                let admitted = plugin.admit(context_id, &plan);
-                let held = admitted.as_ref().map(|_| ()).map_err(|not_held| *not_held);
-                parking = admitted.ok();
-                Some(flow.parked(&plugin.config, held))
-            }
-            // A waiter's recheck found the original still processing: held again, until its
-            // give-up time.
-            Step::Repark { lease_remaining_ms } => {
-                let now_ms = host.now_ms();
-                let again = plugin.room.borrow_mut().end_check(context_id);
-                parking = again.and_then(|w| w.again(now_ms, lease_remaining_ms));
-                let held = if parking.is_some() { Ok(()) } else { Err(NotHeld::GaveUp) };
-                Some(flow.parked(&plugin.config, held))
-            }
-            Step::Wake(scope) => {
-                plugin.wakeups.broadcast(&scope);
-                None
-            }
-            // Detached execution: the root makes the call, and the flow goes with it; its answer
-            // is the flow's (`detached_answered`), which goes back to its stream before its reply.
-            Step::Detach { claim, rule } => {
-                // Its lease-end lookup may be built once its client left: the route's cluster now.
-                if flow.wants_route_cluster() {
-                    if let Some(cluster) = plugin.route_cluster() {
-                        flow.keep_route_cluster(cluster);
-                    }
-                }
-                match plugin.detach(context_id, claim, &rule) {
-                    Ok(mut call) => {
-                        let handle: FlowHandle = match &at {
-                            At::Root(handle) => Rc::clone(handle),
-                            At::Stream { .. } => Rc::new(std::cell::RefCell::new(None)),
-                        };
-                        call.flow = travel(flow, &steps);
-                        call.handle = Rc::clone(&handle);
-                        carried.flow_went = Some(handle);
-                        plugin.hand_over_detached(call);
-                        break;
-                    }
-                    Err(why) => Some(flow.detach_refused(&why)),
-                }
-            }
-            // A lease-end lookup found its record unsettled: ask the upstream (unless a request
-            // on this Envoy is asking already: it settles it, or its client retries).
-            Step::Lookup { .. } if flow.headless() => {
-                let lookup = start_lease_end_lookup(plugin, flow);
-                let flow = travel(flow, &steps);
-                let handle: FlowHandle = match &at {
-                    At::Root(handle) => Rc::clone(handle),
-                    At::Stream { .. } => Rc::new(std::cell::RefCell::new(None)),
-                };
-                carried.flow_went = Some(Rc::clone(&handle));
-                if let Some(lookup) = lookup {
-                    dispatch_lookup(plugin, Box::new(RootLookup { context_id, flow, handle, lookup }));
-                }
-                break;
-            }
-            // Reconciliation: the root makes the lookup and carries out what its answer means;
-            // the flow goes with it and comes back at the stream's next callback.
-            Step::Lookup { rule, request } => {
-                match plugin.start_lookup(context_id, flow.scope().copied(), &rule, &request) {
-                    Ok(lookup) => {
-                        let flow = travel(flow, &steps);
-                        match &at {
-                            At::Stream { .. } => {
-                                let handle: FlowHandle = Rc::new(std::cell::RefCell::new(None));
-                                plugin.lookup_from_root(context_id, flow, &handle, lookup);
-                                carried.flow_went = Some(handle);
-                            }
-                            // Already in the root: made at once.
-                            At::Root(handle) => {
-                                let handle = Rc::clone(handle);
-                                carried.flow_went = Some(Rc::clone(&handle));
-                                dispatch_lookup(
-                                    plugin,
-                                    Box::new(RootLookup { context_id, flow, handle, lookup }),
-                                );
-                            }
-                        }
-                        break;
-                    }
-                    Err(retry_after_ms) => Some(flow.lookup_refused(retry_after_ms)),
-                }
-            }
-            // The owner holds its claim: renewed by the root while it is at work.
-            Step::Hold(hold) => {
-                if !plugin.renewals.borrow_mut().hold(hold) && plugin.meter.held_full_log_due(host.now_ms()) {
-                    log::warn!(
-                        "this worker already keeps {} claims alive: key {}'s ends with its lease",
-                        crate::renewal::MAX_HELD,
-                        hold.claim.scope.log_tag()
-                    );
-                }
-                None
-            }
-            Step::LetGo(owner) => {
-                plugin.renewals.borrow_mut().let_go(owner);
-                None
-            }
-            Step::LookUpAtLeaseEnd(later) => {
-                if let Some(lookup) = plugin.lease_end_lookup(context_id, *later) {
-                    plugin.look_up_at_lease_end(lookup);
-                }
-                None
-            }
-            Step::FixHeaders(fixes) => {
-                for fix in fixes {
-                    let result = match &fix {
-                        HeaderFix::Set(name, value) => host.set_header(MAP_RESPONSE_HEADERS, name, value),
-                        HeaderFix::Remove(name) => host.remove_header(MAP_RESPONSE_HEADERS, name),
-                    };
-                    if let Err(HostError(s)) = result {
-                        log::warn!(
-                            "#{context_id} could not restore a replayed header {fix:?} (host status {s})"
-                        );
-                    }
-                }
-                None
-            }
-            Step::RemoveRequestHeaders(names) => {
-                for name in names {
-                    if let Err(HostError(s)) = host.remove_header(MAP_REQUEST_HEADERS, &name) {
-                        log::warn!(
-                            "#{context_id} could not remove {name} from the request (host status {s})"
-                        );
-                    }
-                }
-                None
-            }
-            Step::LeaveWaitRoom => {
-                plugin.room.borrow_mut().leave(context_id);
-                None
-            }
-            Step::WarnRetried { rule, attempts } => {
-                if plugin.first_retry_warning(&rule) {
-                    log::warn!(
-                        "route rule {rule}: Envoy sent a protected request upstream {attempts} times under one \
-                         claim (route retry_policy, hedging or internal redirect); each attempt may execute: \
-                         disable Envoy retries on routes this filter protects"
-                    );
-                }
-                None
-            }
-            Step::ErrorHeaderPrefix { seen } => {
-                plugin.meter.header_prefix_mismatch(&plugin.config.envoy_headers.prefix, &seen);
-                None
-            }
-            Step::ErrorStopIterationMissing { rule, details, body_bytes } => {
-                if plugin.meter.first_stop_iteration_error() {
-                    log::error!("{}", stop_iteration_missing_line(&rule, details.as_deref(), body_bytes));
-                }
-                None
-            }
-            Step::WarnBodyNeverReceived { rule, details } => {
-                if plugin.meter.body_never_received_log_due(host.now_ms()) {
-                    log::warn!(
-                        "route rule {rule}: a request held for its body ended before any of it arrived \
-                         ({}); nothing was claimed or forwarded. If every protected request with a body \
-                         does this (counter body_never_received), the Wasm filter's config lacks \
-                         allow_on_headers_stop_iteration: true",
-                        details.as_deref().unwrap_or("no response details")
-                    );
-                }
-                None
-            }
-        };
-        if let Some(more) = more {
-            carried.verdict = more.verdict;
+    let mut run = Run {
+        key,
+        at_root,
+        hold_response,
+        hold,
+        verdict: out.verdict,
+        reply: None,
+        response_held: false,
+        parking: None,
+        answers: VecDeque::new(),
+    };
+    let mut steps: VecDeque<Step> = out.steps.into();
+    loop {
+        if let Some(step) = steps.pop_front() {
+            advance(plugin, &mut run, step);
+            continue;
+        }
+        // Every step is carried out: the next answer, if any, is the flow's.
+        let Some(answer) = run.answers.pop_front() else { break };
+        if let Some(more) = feed(plugin, key, answer) {
+            run.verdict = more.verdict;
             steps.extend(more.steps);
         }
     }
-    if response_held {
-        carried.verdict = Verdict::Pause;
+    if run.response_held {
+        run.verdict = Verdict::Pause;
     }
-    // Held: the flow waits in the room, and goes back to its stream through its handle.
-    if let Some(w) = parking {
-        let flow = travel(flow, &steps);
-        let handle: FlowHandle = match &at {
-            At::Root(handle) => Rc::clone(handle),
-            At::Stream { .. } => Rc::new(std::cell::RefCell::new(None)),
-        };
-        let held = HeldFlow { flow, handle: Rc::clone(&handle) };
+    // Held: the flow waits in the room, and goes back to its stream when the wait is over.
+    if let Some(w) = run.parking.take() {
+        let held = take_hold(plugin, key, &mut run.hold);
         plugin.room.borrow_mut().hold(Waiter { held: Some(held), ..w });
-        carried.flow_went = Some(handle);
     }
-    carried
+    Carried { verdict: run.verdict, hold: run.hold, reply: run.reply }
+}
+
+/// What the executor keeps while it carries out one flow's steps.
+struct Run {
+    key: FlowKey,
+    /// The root carries them out (else the flow's stream, in its callback).
+    at_root: bool,
+    /// A response callback, whose response waits for a settlement handed to the root.
+    hold_response: bool,
+    /// The root's hold on the flow, until its work takes it on.
+    hold: Option<RootHold>,
+    verdict: Verdict,
+    reply: Option<(Reply, &'static str)>,
+    response_held: bool,
+    /// The waiter to hold in the wait room, with the flow, once the steps are carried out.
+    parking: Option<Waiter<RootHold>>,
+    /// What the steps were answered at once, for the flow once every step is carried out.
+    answers: VecDeque<Answered>,
+}
+
+/// An answer a step got at once (the store's, the wait room's, a refusal), fed to the flow as
+/// its `Event` after the steps before it.
+enum Answered {
+    Store(StoreAnswer),
+    Parked(Result<(), NotHeld>),
+    DetachRefused(String),
+    LookupRefused(u64),
+}
+
+/// Feeds the flow one answer. Each arm names its event, so the flow's entry folds to the one
+/// transition it asks for.
+#[inline(never)]
+fn feed<H: Host>(plugin: &PluginState<H>, key: FlowKey, answer: Answered) -> Option<Output> {
+    let cfg = &plugin.config;
+    plugin.flows.with(key, |f| match answer {
+        Answered::Store(answer) => f.handle(cfg, Event::StoreAnswered(answer)),
+        Answered::Parked(held) => f.handle(cfg, Event::Parked(held)),
+        Answered::DetachRefused(why) => f.handle(cfg, Event::DetachRefused(why)),
+        Answered::LookupRefused(retry_after_ms) => f.handle(cfg, Event::LookupRefused { retry_after_ms }),
+    })
+}
+
+/// Carries out one step (raft-rs's `advance`): host calls, store operations, the root's work.
+#[inline(never)]
+fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
+    let host = &plugin.host;
+    let key = run.key;
+    let context_id = key.context_id();
+    let flow = |f: &mut dyn FnMut(&mut RequestFlow)| plugin.flows.with(key, |flow| f(flow));
+    match step {
+        Step::Count(counter) => {
+            // A lease-end lookup's flow, or one whose stream went away: nothing to publish to.
+            flow(&mut |f| match f.streamless() {
+                true => plugin.meter.count(counter, f.rule()),
+                false => plugin.meter.count_for_stream(counter, f.rule(), f.scope()),
+            });
+        }
+        Step::Reply { reply: r, details } => {
+            let streamless = plugin.flows.with(key, |f| f.streamless()).unwrap_or(true);
+            match (streamless, run.at_root) {
+                (true, _) => {}
+                (false, true) => run.reply = Some((r, details)),
+                (false, false) => send_reply(plugin, context_id, &r, details),
+            }
+        }
+        Step::Store(op) => {
+            let begin = matches!(op, StoreOp::Begin(_));
+            match (plugin.start(op), run.at_root) {
+                (Started::Answered(answer), _) => run.answers.push_back(Answered::Store(answer)),
+                // A settlement from a stream: the root settles it, since the stream may end
+                // before the store answers. In a response callback the response waits for
+                // it (the root resumes it).
+                (Started::Conversation(conversation), false) if !begin => {
+                    if let Some(settlement) =
+                        plugin.flows.with(key, RequestFlow::hand_off_settlement).flatten()
+                    {
+                        let held = run.hold_response && run.verdict == Verdict::Continue;
+                        plugin.settle_from_root(conversation, settlement, held);
+                        run.response_held |= held;
+                    }
+                }
+                // The root carries it out, and answers or resumes the request.
+                (Started::Conversation(conversation), false) => {
+                    plugin.begin_from_root(conversation, take_hold(plugin, key, &mut run.hold));
+                }
+                // A detached request's outcome: the root's carrier writes it (tried again like
+                // any settlement), and the client's reply goes out once it is over.
+                (Started::Conversation(conversation), true)
+                    if plugin.flows.with(key, |f| f.settling_detached()) == Some(true) =>
+                {
+                    if let Some(settlement) =
+                        plugin.flows.with(key, RequestFlow::hand_off_settlement).flatten()
+                    {
+                        let then_answer = Some(take_hold(plugin, key, &mut run.hold));
+                        settle_then_answer(plugin, conversation, settlement, then_answer);
+                    }
+                }
+                (Started::Conversation(conversation), true) => {
+                    let flow = take_hold(plugin, key, &mut run.hold);
+                    converse_begin(plugin, Box::new(RootBegin { conversation, flow }), None);
+                }
+            }
+        }
+        // Wait mode: the request stays paused in this worker's wait room.
+        Step::Park(plan) => {
+            let admitted = plugin.admit(context_id, &plan);
+            let held = admitted.as_ref().map(|_| ()).map_err(|not_held| *not_held);
+            run.parking = admitted.ok();
+            run.answers.push_back(Answered::Parked(held));
+        }
+        // A waiter's recheck found the original still processing: held again, until its
+        // give-up time.
+        Step::Repark { lease_remaining_ms } => {
+            let now_ms = host.now_ms();
+            let again = plugin.room.borrow_mut().end_check(context_id);
+            run.parking = again.and_then(|w| w.again(now_ms, lease_remaining_ms));
+            let held = if run.parking.is_some() { Ok(()) } else { Err(NotHeld::GaveUp) };
+            run.answers.push_back(Answered::Parked(held));
+        }
+        Step::Wake(scope) => plugin.wakeups.broadcast(&scope),
+        // Detached execution: the root makes the call, holding the flow; its answer is the
+        // flow's (`Event::DetachedAnswered`).
+        Step::Detach { claim, rule } => {
+            // Its lease-end lookup may be built once its client left: the route's cluster now.
+            if plugin.flows.with(key, |f| f.wants_route_cluster()) == Some(true) {
+                if let Some(cluster) = plugin.route_cluster() {
+                    flow(&mut |f| f.keep_route_cluster(cluster.clone()));
+                }
+            }
+            match plugin.detach(claim, &rule, take_hold(plugin, key, &mut run.hold)) {
+                Ok(call) => plugin.hand_over_detached(call),
+                Err((why, given_back)) => {
+                    if run.at_root {
+                        run.hold = Some(given_back);
+                    }
+                    run.answers.push_back(Answered::DetachRefused(why));
+                }
+            }
+        }
+        // A lease-end lookup found its record unsettled: ask the upstream (unless a request
+        // on this Envoy is asking already: it settles it, or its client retries, and this
+        // flow ends here).
+        Step::Lookup { .. } if plugin.flows.with(key, |f| f.headless()) == Some(true) => {
+            let lookup = start_lease_end_lookup(plugin, key);
+            let flow = take_hold(plugin, key, &mut run.hold);
+            if let Some(lookup) = lookup {
+                dispatch_lookup(plugin, Box::new(RootLookup { flow, lookup }));
+            }
+        }
+        // Reconciliation: the root makes the lookup and carries out what its answer means.
+        Step::Lookup { rule, request } => {
+            let scope = plugin.flows.with(key, |f| f.scope().copied()).flatten();
+            match plugin.start_lookup(context_id, scope, &rule, &request) {
+                Ok(lookup) => {
+                    let flow = take_hold(plugin, key, &mut run.hold);
+                    match run.at_root {
+                        false => plugin.lookup_from_root(flow, lookup),
+                        // Already in the root: made at once.
+                        true => dispatch_lookup(plugin, Box::new(RootLookup { flow, lookup })),
+                    }
+                }
+                Err(retry_after_ms) => run.answers.push_back(Answered::LookupRefused(retry_after_ms)),
+            }
+        }
+        // The owner holds its claim: renewed by the root while it is at work.
+        Step::Hold(hold) => {
+            if !plugin.renewals.borrow_mut().hold(hold) && plugin.meter.held_full_log_due(host.now_ms()) {
+                log::warn!(
+                    "this worker already keeps {} claims alive: key {}'s ends with its lease",
+                    crate::renewal::MAX_HELD,
+                    hold.claim.scope.log_tag()
+                );
+            }
+        }
+        Step::LetGo(owner) => {
+            plugin.renewals.borrow_mut().let_go(owner);
+        }
+        Step::LookUpAtLeaseEnd(later) => {
+            if let Some(lookup) = plugin.lease_end_lookup(context_id, *later) {
+                plugin.look_up_at_lease_end(lookup);
+            }
+        }
+        Step::FixHeaders(fixes) => {
+            for fix in fixes {
+                let result = match &fix {
+                    HeaderFix::Set(name, value) => host.set_header(MAP_RESPONSE_HEADERS, name, value),
+                    HeaderFix::Remove(name) => host.remove_header(MAP_RESPONSE_HEADERS, name),
+                };
+                if let Err(HostError(s)) = result {
+                    log::warn!("#{context_id} could not restore a replayed header {fix:?} (host status {s})");
+                }
+            }
+        }
+        Step::RemoveRequestHeaders(names) => {
+            for name in names {
+                if let Err(HostError(s)) = host.remove_header(MAP_REQUEST_HEADERS, &name) {
+                    log::warn!("#{context_id} could not remove {name} from the request (host status {s})");
+                }
+            }
+        }
+        Step::LeaveWaitRoom => {
+            plugin.room.borrow_mut().leave(context_id);
+        }
+        Step::WarnRetried { rule, attempts } => {
+            if plugin.first_retry_warning(&rule) {
+                log::warn!(
+                    "route rule {rule}: Envoy sent a protected request upstream {attempts} times under one \
+                     claim (route retry_policy, hedging or internal redirect); each attempt may execute: \
+                     disable Envoy retries on routes this filter protects"
+                );
+            }
+        }
+        Step::ErrorHeaderPrefix { seen } => {
+            plugin.meter.header_prefix_mismatch(&plugin.config.envoy_headers.prefix, &seen);
+        }
+        Step::ErrorStopIterationMissing { rule, details, body_bytes } => {
+            if plugin.meter.first_stop_iteration_error() {
+                log::error!("{}", stop_iteration_missing_line(&rule, details.as_deref(), body_bytes));
+            }
+        }
+        Step::WarnBodyNeverReceived { rule, details } => {
+            if plugin.meter.body_never_received_log_due(host.now_ms()) {
+                log::warn!(
+                    "route rule {rule}: a request held for its body ended before any of it arrived \
+                     ({}); nothing was claimed or forwarded. If every protected request with a body \
+                     does this (counter body_never_received), the Wasm filter's config lacks \
+                     allow_on_headers_stop_iteration: true",
+                    details.as_deref().unwrap_or("no response details")
+                );
+            }
+        }
+    }
+}
+
+/// An event the root brings a flow it holds (a store's answer, a lookup's, a detached call's,
+/// a refusal): the flow's steps for it carried out by the root. Inlined where it is called, so
+/// that the flow's entry folds to the one transition each caller's event asks for.
+#[inline(always)]
+fn handle_in_root<H: Host>(plugin: &PluginState<H>, flow: RootHold, event: Event) {
+    match flow.with(|f| f.handle(&plugin.config, event)) {
+        Some(out) => carry_out_in_root(plugin, flow, out),
+        None => log::warn!("#{} the flow the root held is gone; an event was dropped", flow.context_id()),
+    }
 }
 
 /// Carries out what the flow decided for its paused request (the effective context is the
-/// request's), then gives the flow back to its stream and answers or resumes it; unless the
-/// flow went on with a conversation or a lookup of the root's, or back to the wait room.
-fn carry_out_in_root<H: Host>(
-    plugin: &PluginState<H>,
-    context_id: u32,
-    mut flow: RequestFlow,
-    handle: FlowHandle,
-    out: Output,
-) {
-    let carried = carry_out(plugin, context_id, &mut flow, out, At::Root(&handle));
-    if carried.flow_went.is_none() {
-        if flow.headless() {
-            if flow.awaiting_lookup() {
-                look_up_again_later(plugin, flow);
+/// request's), then lets the flow go back to its stream and answers or resumes it; unless the
+/// root's work on it goes on (a conversation, a lookup, the wait room), or a lease-end lookup
+/// is to be asked again later.
+fn carry_out_in_root<H: Host>(plugin: &PluginState<H>, flow: RootHold, out: Output) {
+    let key = flow.key();
+    let context_id = key.context_id();
+    let carried = carry_out(plugin, key, out, At::Root(flow));
+    let went_on = carried.hold.is_none();
+    if let Some(hold) = carried.hold {
+        if hold.with(|f| f.headless()) == Some(true) {
+            if hold.with(|f| f.awaiting_lookup()) == Some(true) {
+                look_up_again_later(plugin, hold);
             }
             return;
         }
-        *handle.borrow_mut() = Some(flow);
+        // Resumed while the root still holds it, so that its flow is there to give back a
+        // claim if Envoy cannot resume the request.
+        if carried.verdict == Verdict::Continue && carried.reply.is_none() {
+            resume(plugin, key);
+        }
     }
     // After the flow is back: the reply passes its stream's encode callbacks as ours.
     if let Some((reply, details)) = carried.reply {
         send_reply(plugin, context_id, &reply, details);
+        if !went_on && carried.verdict == Verdict::Continue {
+            resume(plugin, key);
+        }
     }
-    if carried.flow_went.is_none() && carried.verdict == Verdict::Continue {
-        if let Err(HostError(s)) = plugin.host.resume_request() {
-            log::warn!(
-                "#{context_id} could not resume the request (host status {s}); a claim it holds is given back"
-            );
-            // Nobody will forward it: nothing was sent upstream.
-            let unused = handle.borrow_mut().as_mut().and_then(RequestFlow::not_resumed);
-            if let Some(settlement) = unused {
-                give_back(plugin, settlement);
-            }
+}
+
+/// Resumes a paused request; if Envoy cannot, nobody will forward it (nothing was sent
+/// upstream), so a claim it holds is given back.
+fn resume<H: Host>(plugin: &PluginState<H>, key: FlowKey) {
+    if let Err(HostError(s)) = plugin.host.resume_request() {
+        let context_id = key.context_id();
+        log::warn!(
+            "#{context_id} could not resume the request (host status {s}); a claim it holds is given back"
+        );
+        if let Some(settlement) = plugin.flows.with(key, RequestFlow::not_resumed).flatten() {
+            give_back(plugin, settlement);
         }
     }
 }
@@ -726,21 +734,22 @@ const LEASE_END_BACKOFF_MAX_MS: u64 = 60_000;
 /// there: a lookup writes nothing, so a client that left leaves the record as it was, for its
 /// retry's lookup), or for a lease-end lookup.
 fn answer_lookup<H: Host>(plugin: &PluginState<H>, call: RootLookup, answer: LookupAnswer) {
-    let host = &plugin.host;
-    let RootLookup { context_id, mut flow, handle, lookup } = call;
-    if !flow.headless() && host.set_effective_context(context_id).is_err() {
+    let RootLookup { flow, lookup } = call;
+    let headless = flow.with(|f| f.headless()).unwrap_or(false);
+    let context_id = flow.context_id();
+    if !headless && plugin.host.set_effective_context(context_id).is_err() {
         log::debug!("#{context_id} lookup of key {} answered after its client left", lookup.scope.log_tag());
         return;
     }
-    let out = flow.lookup_answered(answer, host.now_ms());
-    carry_out_in_root(plugin, context_id, flow, handle, out);
+    let now_ms = plugin.host.now_ms();
+    handle_in_root(plugin, flow, Event::LookupAnswered { answer, now_ms });
 }
 
 /// A lease-end lookup that settled nothing yet (the lookup failed, or the store still holds
 /// the claim's lease by its own clock): asked again later, backing off, `LEASE_END_TRIES` times.
-fn look_up_again_later<H: Host>(plugin: &PluginState<H>, mut flow: RequestFlow) {
-    let tries = flow.lease_end_tried();
-    let tag = flow.scope().map(ScopeId::log_tag).unwrap_or_default();
+fn look_up_again_later<H: Host>(plugin: &PluginState<H>, flow: RootHold) {
+    let tries = flow.with(RequestFlow::lease_end_tried).unwrap_or(LEASE_END_TRIES);
+    let tag = flow.with(|f| f.scope().map(|s| s.log_tag())).flatten().unwrap_or_default();
     if tries >= LEASE_END_TRIES {
         log::warn!("lookup of key {tag} settled nothing {tries} times; its record waits for a retry");
         return;
@@ -763,16 +772,18 @@ pub(super) fn start_lease_end_lookups<H: Host>(plugin: &PluginState<H>, now_ms: 
         *queue = later;
         due
     };
-    for LeaseEndLookup { mut flow, .. } in due {
-        let out = flow.lease_end_due(now_ms);
-        let handle: FlowHandle = Rc::new(std::cell::RefCell::new(None));
-        carry_out_in_root(plugin, 0, flow, handle, out);
+    for LeaseEndLookup { flow, .. } in due {
+        handle_in_root(plugin, flow, Event::LeaseEndDue { now_ms });
     }
 }
 
 /// The lookup of a lease-end flow's record, through this Envoy's gate. None when a lookup of the
 /// record is under way or was just made here: then a request is here for it.
-fn start_lease_end_lookup<H: Host>(plugin: &PluginState<H>, flow: &RequestFlow) -> Option<Lookup> {
+fn start_lease_end_lookup<H: Host>(plugin: &PluginState<H>, key: FlowKey) -> Option<Lookup> {
+    plugin.flows.with(key, |flow| lease_end_lookup(plugin, flow)).flatten()
+}
+
+fn lease_end_lookup<H: Host>(plugin: &PluginState<H>, flow: &RequestFlow) -> Option<Lookup> {
     let (call, rule) = flow.lease_end_call()?;
     let scope = flow.scope().copied()?;
     let now_ms = plugin.host.now_ms();

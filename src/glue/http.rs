@@ -3,14 +3,14 @@
 //! how a failed host call is reported.
 
 use super::admin::AdminStream;
-use super::calls::FlowHandle;
 use super::carry::{self, At};
+use super::flows::FlowKey;
 use super::pairs::HeaderMap;
 use super::plugin::PluginState;
 use super::{
     Host, HostError, BUFFER_REQUEST_BODY, BUFFER_RESPONSE_BODY, MAP_REQUEST_HEADERS, MAP_RESPONSE_HEADERS,
 };
-use crate::flow::{Output, RequestFlow, StreamFacts, Unreadable, Verdict};
+use crate::flow::{Event, Output, RequestFlow, StreamFacts, Unreadable, Verdict};
 use std::rc::Rc;
 
 /// The flow's reads, as host calls.
@@ -156,62 +156,51 @@ impl<H: Host> Http<H> {
     }
 }
 
-/// A filter instance's stream: its request's flow, and what the glue keeps of it between
-/// callbacks.
+/// A filter instance's stream: what the glue keeps of it between callbacks. Its request's flow
+/// is the worker's (`PluginState::flows`, under its context id).
 pub struct FilterStream<H: Host> {
     context_id: u32,
     plugin: Option<Rc<PluginState<H>>>,
-    flow: RequestFlow,
-    /// Set while the request is paused and its flow is the root's (its `begin` on the remote
-    /// store, a lookup, its detached call, or held in the wait room): where the root gives the
-    /// flow back.
-    flow_handle: Option<FlowHandle>,
-    /// Set during a response callback: a settlement handed to the root holds the response.
-    hold_response: bool,
     /// Bytes of the response body held in Envoy's buffer (remote store, while capturing).
     response_held: usize,
 }
 
 impl<H: Host> FilterStream<H> {
     fn new(context_id: u32, plugin: Option<Rc<PluginState<H>>>) -> FilterStream<H> {
-        FilterStream {
-            context_id,
-            plugin,
-            flow: RequestFlow::new(context_id),
-            flow_handle: None,
-            hold_response: false,
-            response_held: 0,
-        }
+        FilterStream { context_id, plugin, response_held: 0 }
     }
 
-    /// Runs one callback: without a configuration nothing is ours and the stream goes on.
-    /// `response`: a response callback, whose stream may be held until a settlement is written.
+    /// Runs one callback: its event goes to the stream's flow, and the executor carries out
+    /// what the flow says. Without a configuration nothing is ours and the stream goes on; while
+    /// the root holds the flow (its `begin` or lookup as callouts, its detached call, its wait)
+    /// the request is paused, and the callback leaves the flow alone (None).
+    /// `hold_response`: a response callback, whose stream may be held until a settlement is
+    /// written.
     fn callback(
         &mut self,
-        response: bool,
+        hold_response: bool,
         event: impl FnOnce(&mut RequestFlow, &PluginState<H>, &mut Facts<H>) -> Output,
-    ) -> Verdict {
-        let Some(plugin) = self.plugin.clone() else { return Verdict::Continue };
-        // The flow first, if the root gave it back.
-        if let Some(flow) = self.flow_handle.as_ref().and_then(|h| h.borrow_mut().take()) {
-            self.flow_handle = None;
-            self.flow = flow;
-        }
+    ) -> Option<Verdict> {
+        let Some(plugin) = self.plugin.clone() else { return Some(Verdict::Continue) };
         let mut facts = Facts {
             plugin: &plugin,
             context_id: self.context_id,
             response_start: self.response_held,
             request_map: None,
         };
-        let out = event(&mut self.flow, &plugin, &mut facts);
-        self.hold_response = response;
-        let verdict = self.perform(&plugin, out);
-        self.hold_response = false;
-        verdict
+        let out = plugin.flows.of_stream(self.context_id, |flow| event(flow, &plugin, &mut facts))?;
+        if out.steps.is_empty() {
+            return Some(out.verdict);
+        }
+        let at = At::Stream { hold_response };
+        Some(carry::carry_out(&plugin, FlowKey::stream(self.context_id), out, at).verdict)
     }
 
     fn on_request_headers(&mut self, end_of_stream: bool) -> Verdict {
-        self.callback(false, |flow, p, facts| flow.request_headers(&p.config, facts, end_of_stream))
+        self.callback(false, |flow, p, facts| {
+            flow.handle(&p.config, Event::RequestHeaders { facts, end_of_stream })
+        })
+        .unwrap_or(Verdict::Continue)
     }
 
     /// True when the stream's later callbacks would do nothing: its request passed through at
@@ -219,29 +208,39 @@ impl<H: Host> FilterStream<H> {
     /// stream (glue/abi.rs), so unprotected traffic, which a mesh-wide policy sends through the
     /// filter everywhere, costs its later callbacks nothing but Envoy's call into the module.
     fn inert(&self) -> bool {
-        self.flow.inert() && self.flow_handle.is_none() && self.response_held == 0
+        self.response_held == 0 && self.plugin.as_deref().is_none_or(|p| p.flows.inert(self.context_id))
     }
 
     fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
-        self.callback(false, |flow, p, facts| flow.request_body(&p.config, facts, size, end_of_stream))
+        self.callback(false, |flow, p, facts| {
+            flow.handle(&p.config, Event::RequestBody { facts, size, end_of_stream })
+        })
+        .unwrap_or(Verdict::Continue)
     }
 
     fn on_request_trailers(&mut self) -> Verdict {
-        self.callback(false, |flow, p, facts| flow.request_trailers(&p.config, facts))
+        self.callback(false, |flow, p, facts| flow.handle(&p.config, Event::RequestTrailers { facts }))
+            .unwrap_or(Verdict::Continue)
     }
 
     fn on_response_headers(&mut self, end_of_stream: bool) -> Verdict {
-        self.callback(true, |flow, p, facts| flow.response_headers(&p.config, facts, end_of_stream))
+        self.callback(true, |flow, p, facts| {
+            flow.handle(&p.config, Event::ResponseHeaders { facts, end_of_stream })
+        })
+        .unwrap_or(Verdict::Continue)
     }
 
     fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
-        let verdict = self.callback(true, |flow, _, facts| flow.response_body(facts, size, end_of_stream));
+        let verdict = self
+            .callback(true, |flow, p, facts| {
+                flow.handle(&p.config, Event::ResponseBody { facts, size, end_of_stream })
+            })
+            .unwrap_or(Verdict::Continue);
         // With a remote store the body is held while it is copied, and let go with the last
         // frame once the record is written (the root resumes it): a client that has the whole
         // response has a record a retry replays. Envoy's buffer holds at most
         // max_response_bytes (the flow stops copying past it, and then the body goes on).
-        let remote = self.plugin.as_deref().is_some_and(|p| p.store.remote().is_some());
-        if remote && verdict == Verdict::Continue && !end_of_stream && self.flow.capturing() {
+        if verdict == Verdict::Continue && !end_of_stream && self.remote_capturing() {
             self.response_held = size;
             return Verdict::Pause;
         }
@@ -249,29 +248,36 @@ impl<H: Host> FilterStream<H> {
         verdict
     }
 
+    /// True when a remote store's record is being copied from this stream's response.
+    fn remote_capturing(&self) -> bool {
+        let Some(plugin) = self.plugin.as_deref() else { return false };
+        plugin.store.remote().is_some()
+            && plugin.flows.with(FlowKey::stream(self.context_id), |f| f.capturing()) == Some(true)
+    }
+
     fn on_response_trailers(&mut self) -> Verdict {
-        self.callback(true, |flow, _, facts| flow.response_trailers(facts))
+        self.callback(true, |flow, p, facts| flow.handle(&p.config, Event::ResponseTrailers { facts }))
+            .unwrap_or(Verdict::Continue)
     }
 
     fn on_log(&mut self) {
-        self.callback(false, |flow, _, facts| flow.stream_ended(facts));
-        // Its flow is still the root's: a request held in the wait room stops being held (its
+        let ended =
+            self.callback(false, |flow, p, facts| flow.handle(&p.config, Event::StreamEnded { facts }));
+        // Its flow is the root's: a request held in the wait room stops being held (its
         // recheck, if under way, then finds its client gone).
-        if let (Some(plugin), Some(_)) = (&self.plugin, &self.flow_handle) {
+        if let (Some(plugin), None) = (&self.plugin, ended) {
             if plugin.room.borrow_mut().leave(self.context_id).is_some() {
                 log::debug!("#{} held request's client went away", self.context_id);
             }
         }
     }
+}
 
-    /// Carries out the flow's steps (`carry::carry_out`, the one place steps are carried out),
-    /// and keeps what they leave: the handle the request is held under, and where its flow went.
-    fn perform(&mut self, plugin: &PluginState<H>, out: Output) -> Verdict {
-        let at = At::Stream { hold_response: self.hold_response };
-        let carried = carry::carry_out(plugin, self.context_id, &mut self.flow, out, at);
-        if carried.flow_went.is_some() {
-            self.flow_handle = carried.flow_went;
+/// The stream's context is gone: its flow ends with it, or once the root lets it go.
+impl<H: Host> Drop for FilterStream<H> {
+    fn drop(&mut self) {
+        if let Some(plugin) = &self.plugin {
+            plugin.flows.stream_ended(self.context_id);
         }
-        carried.verdict
     }
 }

@@ -9,6 +9,7 @@
 pub mod admin;
 pub mod calls;
 mod carry;
+pub mod flows;
 pub mod http;
 pub mod meter;
 pub mod pairs;

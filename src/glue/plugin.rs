@@ -3,9 +3,10 @@
 //! statics, because after a config update the old and new root contexts share one VM.
 
 use super::calls::{
-    DetachedCall, FlowHandle, HeldFlow, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootCalls,
-    RootLookup, RootSettlement, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS,
+    DetachedCall, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootCalls, RootLookup,
+    RootSettlement, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS,
 };
+use super::flows::{Flows, RootHold};
 use super::meter::Meter;
 use super::wakeups::Wakeups;
 use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
@@ -37,17 +38,27 @@ fn random_u64(mix: u64) -> u64 {
 /// write).
 const RETIREMENT_CALLS_PER_TRY: u64 = 4;
 
+/// What a detached call sends: the request as Envoy holds it, to its cluster.
+struct DetachedRequest {
+    cluster: String,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+    timeout_ms: u32,
+}
+
 pub struct PluginState<H: Host> {
     pub host: H,
     pub config: Config,
     /// Where the records live: this Envoy's shared data, or a store the whole fleet shares.
     pub store: Box<dyn Store>,
     pub calls: RefCell<RootCalls>,
+    /// Every request's flow on this worker, keyed by its stream's context id.
+    pub flows: Rc<Flows>,
     /// Counters, published outcomes, and the warnings logged once per period or per worker.
     pub meter: Meter<H>,
     tokens: Cell<u64>,
     seed: u64,
-    pub room: RefCell<WaitRoom<HeldFlow>>,
+    pub room: RefCell<WaitRoom<RootHold>>,
     /// This worker's queue, the registry of every worker's, and the peers read there.
     pub wakeups: Wakeups<H>,
     /// Detached calls this worker carries (handed over, made, not yet answered).
@@ -118,6 +129,7 @@ impl<H: Host> PluginState<H> {
             config,
             store,
             calls: RefCell::new(RootCalls::default()),
+            flows: Rc::new(Flows::default()),
             tokens: Cell::new(0),
             seed,
             room,
@@ -195,7 +207,7 @@ impl<H: Host> PluginState<H> {
     /// out its steps. A waiter on a remote store polls it (its original may run on another
     /// Envoy, whose wake-ups never come here): first after `POLL_FIRST_MS`, doubling; on the
     /// local store it relies on wake-ups and the 1 s fallback.
-    pub fn admit(&self, context_id: u32, plan: &ParkPlan) -> Result<Waiter<HeldFlow>, NotHeld> {
+    pub fn admit(&self, context_id: u32, plan: &ParkPlan) -> Result<Waiter<RootHold>, NotHeld> {
         let just_advertised = self.wakeups.ensure_advertised(plan.now_ms);
         let remote = self.store.remote().is_some();
         let (recheck_at_ms, poll_ms) = match (remote, just_advertised) {
@@ -319,34 +331,39 @@ impl<H: Host> PluginState<H> {
         self.wakeups.wake_root("it goes on");
     }
 
-    /// Hands a paused request's `begin` (and its flow) to this worker's root.
-    pub fn begin_from_root(
-        &self,
-        conversation: Box<dyn Conversation>,
-        context_id: u32,
-        flow: RequestFlow,
-    ) -> FlowHandle {
-        let handle: FlowHandle = Rc::new(RefCell::new(None));
-        self.to_root(RootCall::Begin(Box::new(RootBegin {
-            context_id,
-            conversation,
-            flow,
-            handle: Rc::clone(&handle),
-        })));
-        handle
+    /// Hands a paused request's `begin` (and the hold on its flow) to this worker's root.
+    pub fn begin_from_root(&self, conversation: Box<dyn Conversation>, flow: RootHold) {
+        self.to_root(RootCall::Begin(Box::new(RootBegin { conversation, flow })));
     }
 
     /// The call a claimed request on a detached rule becomes (the effective context is the
-    /// request's: its head and body are read here), for `hand_over_detached` once its flow and
-    /// handle are in it. Refused, with the reason, when the worker carries `max_detached_calls`
-    /// already or the request cannot be sent: the claim is then given back here (nothing was
-    /// sent upstream).
-    pub fn detach(&self, context_id: u32, claim: Claim, rule: &Rc<Rule>) -> Result<DetachedCall, String> {
-        let call = self.detached_call(context_id, claim, rule);
-        if call.is_err() {
-            self.release_claim(context_id, claim, rule);
+    /// request's: its head and body are read here), holding its flow, for `hand_over_detached`.
+    /// Refused, with the reason and the hold given back, when the worker carries
+    /// `max_detached_calls` already or the request cannot be sent: the claim is then given back
+    /// here (nothing was sent upstream).
+    pub fn detach(
+        &self,
+        claim: Claim,
+        rule: &Rc<Rule>,
+        flow: RootHold,
+    ) -> Result<DetachedCall, (String, RootHold)> {
+        let context_id = flow.context_id();
+        match self.detached_call(rule) {
+            Ok(DetachedRequest { cluster, headers, body, timeout_ms }) => Ok(DetachedCall {
+                context_id,
+                claim,
+                rule: Rc::clone(rule),
+                cluster,
+                headers,
+                body,
+                timeout_ms,
+                flow,
+            }),
+            Err(why) => {
+                self.release_claim(context_id, claim, rule);
+                Err((why, flow))
+            }
         }
-        call
     }
 
     /// Hands a detached call to this worker's root, which makes it.
@@ -364,7 +381,7 @@ impl<H: Host> PluginState<H> {
     }
 
     /// The call `detach` makes, from the request as Envoy holds it.
-    fn detached_call(&self, context_id: u32, claim: Claim, rule: &Rc<Rule>) -> Result<DetachedCall, String> {
+    fn detached_call(&self, rule: &Rule) -> Result<DetachedRequest, String> {
         let Execution::Detached { cluster, upstream_timeout_ms, rewrite } = &rule.execution else {
             return Err("not a detached rule".into());
         };
@@ -388,16 +405,11 @@ impl<H: Host> PluginState<H> {
             .host
             .buffer(BUFFER_REQUEST_BODY, 0, usize::MAX)
             .map_err(|e| format!("the request body could not be read (host status {})", e.0))?;
-        Ok(DetachedCall {
-            context_id,
-            claim,
-            rule: Rc::clone(rule),
+        Ok(DetachedRequest {
             cluster,
             headers,
             body,
             timeout_ms: u32::try_from(*upstream_timeout_ms).unwrap_or(u32::MAX),
-            flow: RequestFlow::new(context_id),
-            handle: Rc::new(RefCell::new(None)),
         })
     }
 
@@ -488,7 +500,8 @@ impl<H: Host> PluginState<H> {
         let due_ms = lease_ends_ms.saturating_add(held_ms).saturating_add(LEASE_END_MARGIN_MS);
         let Lookup { cluster, headers, timeout_ms, .. } = lookup;
         let lease_end = LeaseEnd { cluster, headers, timeout_ms, attempt, tries: 0 };
-        Some(LeaseEndLookup { due_ms, flow: RequestFlow::lease_end(context_id, later, lease_end) })
+        let flow = RootHold::headless(&self.flows, RequestFlow::lease_end(context_id, later, lease_end));
+        Some(LeaseEndLookup { due_ms, flow })
     }
 
     /// Keeps a lease-end lookup for the root. At most `MAX_LEASE_END_LOOKUPS` per worker: past
@@ -502,15 +515,10 @@ impl<H: Host> PluginState<H> {
         queue.push(lookup);
     }
 
-    /// Hands a started lookup and its paused request's flow to this worker's root, which makes
-    /// the call and gives the flow back through `handle`.
-    pub fn lookup_from_root(&self, context_id: u32, flow: RequestFlow, handle: &FlowHandle, lookup: Lookup) {
-        self.to_root(RootCall::Lookup(Box::new(RootLookup {
-            context_id,
-            flow,
-            handle: Rc::clone(handle),
-            lookup,
-        })));
+    /// Hands a started lookup, holding its paused request's flow, to this worker's root, which
+    /// makes the call and lets the flow go once it has carried out what the answer means.
+    pub fn lookup_from_root(&self, flow: RootHold, lookup: Lookup) {
+        self.to_root(RootCall::Lookup(Box::new(RootLookup { flow, lookup })));
     }
 
     /// A detached call is over (answered, refused or abandoned).

@@ -44,6 +44,13 @@ pub struct Root<H: Host> {
 }
 
 impl<H: Host> Root<H> {
+    /// How many flows the worker keeps (`PluginState::flows`): a test's look for a flow that
+    /// outlived its stream and the root's work.
+    #[cfg(test)]
+    pub fn flows_kept(&self) -> usize {
+        self.plugin.as_ref().map_or(0, |p| p.flows.len())
+    }
+
     pub fn new(context_id: u32, host: H) -> Root<H> {
         Root {
             context_id,
@@ -302,7 +309,7 @@ impl<H: Host> Root<H> {
         }
         match (call, answer) {
             (RootCall::Begin(begin), Ok(answer)) => converse_begin(&plugin, begin, Some(answer)),
-            (RootCall::Begin(begin), Err(error)) => begin_failed(&plugin, begin, error, Sent::Yes),
+            (RootCall::Begin(begin), Err(error)) => begin_failed(&plugin, *begin, error, Sent::Yes),
             (RootCall::Settle(settle), Ok(answer)) => converse(&plugin, settle, Some(answer)),
             (RootCall::Settle(settle), Err(error)) => finish_settlement(&plugin, settle, Err(error)),
             (RootCall::Admin(call), Ok(answer)) => converse_admin(&plugin, call, Some(answer)),

@@ -3,13 +3,14 @@
 //! with backoff), the store calls every conversation makes, and the reply or held response that
 //! goes out once a settlement is written. Calls nothing above it (`carry.rs`, `root.rs`).
 
-use super::calls::{HeldFlow, RootCall, RootSettlement};
+use super::calls::{RootCall, RootSettlement};
+use super::flows::RootHold;
 use super::plugin::{CalloutOf, PluginState};
 use super::remote;
 use super::{Host, HostError};
 use crate::config::etcd::OnStoreError;
 use crate::engine::Reply;
-use crate::flow::{retry_window_end, Retry, Settlement};
+use crate::flow::{retry_window_end, RequestFlow, Retry, Settlement};
 use crate::metrics::Counter;
 use crate::store::remote::{Answer, Conversation, Next, Request};
 use crate::store::seam::Started;
@@ -55,7 +56,7 @@ pub(super) fn settle_then_answer<H: Host>(
     plugin: &PluginState<H>,
     conversation: Box<dyn Conversation>,
     settlement: Settlement,
-    then_answer: Option<Box<HeldFlow>>,
+    then_answer: Option<RootHold>,
 ) {
     let call = RootSettlement { conversation, settlement, holds_response: false, retry: None, then_answer };
     converse(plugin, Box::new(call), None);
@@ -116,11 +117,10 @@ pub(super) fn send_reply<H: Host>(plugin: &PluginState<H>, context_id: u32, repl
 /// A detached request's flow, once its record is written: given back to its stream, then its
 /// reply sent if its client is still there (its stream then knows the reply as ours, and does
 /// not take it for an upstream answer).
-fn answer_written<H: Host>(plugin: &PluginState<H>, context_id: u32, held: HeldFlow) {
-    let HeldFlow { mut flow, handle } = held;
-    let reply = flow.written();
+fn answer_written<H: Host>(plugin: &PluginState<H>, context_id: u32, flow: RootHold) {
+    let reply = flow.with(RequestFlow::written).flatten();
     let present = plugin.host.set_effective_context(context_id).is_ok();
-    *handle.borrow_mut() = Some(flow);
+    drop(flow);
     match reply {
         Some((reply, details)) if present => send_reply(plugin, context_id, &reply, details),
         // Its client went away: the outcome is recorded, nobody to tell.
@@ -268,10 +268,10 @@ fn resume_after_settling<H: Host>(
     plugin: &PluginState<H>,
     context_id: u32,
     holds_response: bool,
-    then_answer: Option<Box<HeldFlow>>,
+    then_answer: Option<RootHold>,
 ) {
-    if let Some(held) = then_answer {
-        answer_written(plugin, context_id, *held);
+    if let Some(flow) = then_answer {
+        answer_written(plugin, context_id, flow);
     }
     if holds_response && plugin.host.set_effective_context(context_id).is_ok() {
         if let Err(HostError(s)) = plugin.host.resume_response() {

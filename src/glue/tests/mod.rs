@@ -11,6 +11,7 @@ mod detached;
 mod detached_model;
 mod etcd_auth;
 mod etcd_messages;
+mod flows;
 mod local;
 mod reconcile;
 mod remote;

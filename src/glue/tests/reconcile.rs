@@ -268,6 +268,7 @@ fn with_no_retry_the_root_looks_up_at_the_leases_end_and_settles_the_record() {
     assert_eq!((verdict, sent[0].0, sent[0].2.as_slice()), (Verdict::Pause, 201, &b"{\"id\":4}"[..]));
     assert_eq!(header(&sent[0], "idempotent-reconciled"), Some(&b"true"[..]));
     assert_eq!(h.dispatches().len(), 1);
+    assert_eq!(root.flows_kept(), 0, "the lease-end lookup's flow ended with it");
 }
 
 #[test]
@@ -311,8 +312,10 @@ fn with_no_retry_a_failed_lookup_at_the_leases_end_is_tried_again_later() {
     root.on_tick();
     let dispatches = h.dispatches();
     assert_eq!(dispatches.len(), 2);
+    assert_eq!(root.flows_kept(), 1, "kept for its next try");
     lookup_answers(&h, &mut root, &dispatches[1], "200", b"{}");
     assert_eq!(h.counter("reconciled_found"), 1);
+    assert_eq!(root.flows_kept(), 0);
 }
 
 #[test]

@@ -356,9 +356,11 @@ fn a_claim_answered_after_the_client_left_is_released_at_once() {
     let token = begin(&h, &mut root, &mut http).expect("a callout");
     http.on_log(); // the client went away while the request was paused
     drop(http);
+    assert_eq!(root.flows_kept(), 1, "the root's begin holds the flow");
     h.fail("set_effective_context", 2);
     store_answers(&h, Some("200"), b"{}");
     root.on_http_call_response(token, 2);
+    assert_eq!(root.flows_kept(), 0, "the flow ended with the root's work");
     assert!(matches!(ops.borrow().last(), Some(StoreOp::Release(_))), "{:?}", ops.borrow());
     root.on_http_call_response(last_token(&h), 2);
     assert_eq!((h.counter("claimed"), h.counter("released")), (0, 1));

@@ -4,13 +4,15 @@
 //! by the root, as every callout), and the answer sent as a local reply; each request is counted
 //! and logged.
 
-use super::calls::{AdminAsk, AdminLine};
+use super::calls::{AdminAsk, AdminLater, AdminLine, RootAdmin, RootCall};
 use super::plugin::PluginState;
+use super::settle::call_store;
 use super::{Host, HostError, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
 use crate::admin::{self, AdminRequest, Answered, Progress, MAX_BODY};
 use crate::flow::Verdict;
-use crate::store::remote::Conversation;
+use crate::store::remote::{Answer, Conversation, Next};
 use crate::store::seam::Started;
+use crate::store::{StoreAnswer, StoreError};
 use std::rc::Rc;
 
 /// `response.code_details` of the admin API's replies.
@@ -192,5 +194,68 @@ fn send<H: Host>(plugin: &PluginState<H>, status: u16, body: &[u8]) {
     let headers = vec![("content-type".to_string(), b"application/json".to_vec())];
     if let Err(HostError(s)) = plugin.host.send_response(status, DETAILS_ADMIN, &headers, body) {
         log::warn!("admin: could not send the reply (host status {s})");
+    }
+}
+
+/// Takes an admin request's store operation one step: its next callout, or the store's answer
+/// for the request's task, which replies (if its stream is still there) or asks again.
+pub(super) fn converse_admin<H: Host>(
+    plugin: &PluginState<H>,
+    mut call: Box<RootAdmin>,
+    answer: Option<Answer>,
+) {
+    match call.conversation.step(answer, plugin.host.now_ms()) {
+        Next::Call(request) => match call_store(plugin, &request) {
+            Ok(token) => {
+                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Admin(call));
+            }
+            Err(error) => admin_failed(plugin, call, error),
+        },
+        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Admin(call)),
+        Next::Done(answer) => admin_answered(plugin, *call, answer),
+    }
+}
+
+pub(super) fn admin_failed<H: Host>(plugin: &PluginState<H>, call: Box<RootAdmin>, error: StoreError) {
+    let answer = StoreAnswer::failed(&call.ask.op, error);
+    admin_answered(plugin, *call, answer);
+}
+
+fn admin_answered<H: Host>(plugin: &PluginState<H>, call: RootAdmin, answer: StoreAnswer) {
+    if plugin.host.set_effective_context(call.context_id).is_err() {
+        // The operator's client left: a change already made stands, and is logged by nobody.
+        log::info!("admin #{}: the client left before the store answered", call.context_id);
+        return;
+    }
+    let RootAdmin { context_id, ask, .. } = call;
+    let progress = ask.task.answered(answer, plugin.host.now_ms());
+    admin_handed_off(plugin, context_id, advance(plugin, ask.line, progress));
+}
+
+/// Where the root takes an admin request on that did not end in its callback.
+fn admin_handed_off<H: Host>(plugin: &PluginState<H>, context_id: u32, handoff: Option<Handoff>) {
+    match handoff {
+        None => {}
+        Some(Handoff::Conversation(ask, conversation)) => {
+            converse_admin(plugin, Box::new(RootAdmin { context_id, conversation, ask }), None)
+        }
+        Some(Handoff::Later(ask)) => {
+            plugin.calls.borrow_mut().admin_later.push(AdminLater { context_id, ask });
+        }
+    }
+}
+
+/// At the root's tick: the admin requests whose store paused a scan ask again, each one bounded
+/// part more (`store::local::admin::SCAN_READS`), or are answered; one whose client left is
+/// dropped (a look changes nothing).
+pub(super) fn continue_admin<H: Host>(plugin: &PluginState<H>) {
+    let later = std::mem::take(&mut plugin.calls.borrow_mut().admin_later);
+    for AdminLater { context_id, ask } in later {
+        if plugin.host.set_effective_context(context_id).is_err() {
+            log::info!("admin #{context_id}: the client left before its list was read");
+            continue;
+        }
+        let AdminAsk { task, op, line } = ask;
+        admin_handed_off(plugin, context_id, advance(plugin, line, Progress::Ask(task, op)));
     }
 }

@@ -1,325 +1,23 @@
-//! What the root carries out for its streams, above its settlements (`settle.rs`): a paused
-//! request's flow (its `begin` conversation, the steps its answer leads to, its lookups and the
-//! lease-end lookups), a waiter's recheck (its flow's `begin` again, carried out the same way),
-//! detached calls, and admin asks. The root's callbacks (`root.rs`) call in here; nothing here
-//! calls them.
+//! The executor (raft-rs's `advance`): the one place a flow's steps become host calls, store
+//! operations and the root's work. A stream's callback runs it on what its flow said
+//! (`carry_out`, `At::Stream`); the root runs it on what the events its work brought said
+//! (`drain`, at the end of each of the root's callbacks). Neither feeds the flow in the middle
+//! of its steps, and the root's work never re-enters it: what a callout's answer, a refusal or a
+//! lease-end lookup's time means for a flow is posted (`PluginState::post`) and drained here.
 
-use super::admin;
-use super::calls::{
-    AdminAsk, AdminLater, DetachedCall, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootLookup,
-};
+use super::begin::converse_begin;
+use super::calls::{RootBegin, RootLookup};
 use super::flows::{FlowKey, RootHold};
-use super::plugin::{CalloutOf, PluginState};
-use super::renew::converse_renewal;
-use super::settle::{
-    call_store, converse, give_back, gives_back, on_store_error, send_reply, settle_then_answer, Sent,
-};
-use super::{
-    Host, HostError, BUFFER_HTTP_CALL_RESPONSE_BODY, MAP_HTTP_CALL_RESPONSE_HEADERS, MAP_REQUEST_HEADERS,
-    MAP_RESPONSE_HEADERS,
-};
-use crate::admin::Progress;
-use crate::config::etcd::OnStoreError;
-use crate::detached;
+use super::lookups::{dispatch_lookup, look_up_again_later, start_lease_end_lookup};
+use super::plugin::PluginState;
+use super::settle::{give_back, send_reply, settle_then_answer};
+use super::{Host, HostError, MAP_REQUEST_HEADERS, MAP_RESPONSE_HEADERS};
 use crate::engine::{HeaderFix, Reply};
 use crate::flow::{Event, Output, RequestFlow, Step, Verdict};
-use crate::reconcile::{self, LookupAnswer};
-use crate::store::remote::{Answer, Next};
 use crate::store::seam::Started;
-use crate::store::{StoreAnswer, StoreError, StoreOp};
+use crate::store::{StoreAnswer, StoreOp};
 use crate::wait::{NotHeld, Waiter};
 use std::collections::VecDeque;
-use std::rc::Rc;
-
-/// Looks at a waiter's record again: its flow asks a fresh `begin`, and the store's answer is
-/// carried out as any paused request's (`begin_answered`): at once when the store answers at
-/// once, else when its callouts are answered, the waiter held in the room meanwhile (its
-/// flow travels with the conversation).
-pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<RootHold>) {
-    let context_id = w.context_id;
-    let now_ms = plugin.host.now_ms();
-    let owner = plugin.owner_token(context_id);
-    // Watched records wake their waiters: those poll only as a fallback.
-    let watched = plugin.store.watch(&w.scope).is_some_and(|watch| watch.is_live(&w.scope));
-    let Some(flow) = plugin.room.borrow_mut().start_check(Waiter { watched, ..w }) else {
-        return;
-    };
-    let Some(op) = flow.with(|f| f.recheck(&plugin.config, now_ms, owner)).flatten() else {
-        log::warn!("#{context_id} a held request's flow was not waiting; let go");
-        plugin.room.borrow_mut().leave(context_id);
-        return;
-    };
-    match plugin.start(op) {
-        Started::Answered(answer) => begin_answered(plugin, flow, answer),
-        Started::Conversation(conversation) => {
-            converse_begin(plugin, Box::new(RootBegin { conversation, flow }), None)
-        }
-    }
-}
-
-/// Once a second: ends the watches no waiter of this worker needs any more, and opens the
-/// watch stream again when it is due.
-pub(super) fn tend_watch<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
-    for watch in plugin.store.watches() {
-        let cancels = {
-            let room = plugin.room.borrow();
-            watch.tidy(&|scope| room.waits_on(scope))
-        };
-        plugin.send_watch(watch, &cancels, now_ms);
-        plugin.open_watch(watch, now_ms);
-    }
-}
-
-/// Starts what streams handed over since the root last ran; from here on the root owns their
-/// callouts, so their answers come whether or not the stream is still there.
-pub(super) fn take_on_handed_over<H: Host>(plugin: &PluginState<H>) {
-    let queued = std::mem::take(&mut plugin.calls.borrow_mut().queued);
-    for call in queued {
-        take_on(plugin, call);
-    }
-}
-
-/// Makes a detached call from the root, so that it outlives the client's stream.
-fn dispatch_detached<H: Host>(plugin: &PluginState<H>, mut call: Box<DetachedCall>) {
-    let host = &plugin.host;
-    let headers: Vec<(&str, &[u8])> = call.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
-    match host.dispatch_http_call(&call.cluster, &headers, &call.body, call.timeout_ms) {
-        Ok(token) => {
-            // Envoy has its copy; the worker holds the answer next.
-            call.body = Vec::new();
-            plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Detached(call));
-        }
-        Err(HostError(s)) => {
-            let why = plugin.callout_refused(CalloutOf::Detached(&call.rule), &call.cluster, s);
-            plugin.detached_done();
-            plugin.release_claim(call.context_id, call.claim, &call.rule);
-            let DetachedCall { context_id, flow, .. } = *call;
-            if plugin.host.set_effective_context(context_id).is_err() {
-                flow.with(RequestFlow::stream_gone);
-            }
-            handle_in_root(plugin, flow, Event::DetachRefused(why));
-        }
-    }
-}
-
-/// The answer to a callout of the root's that is not the store's (a detached call, a lookup):
-/// its status (None: Envoy's failure report, no `:status`), headers and body. None when it
-/// cannot be read.
-type CalloutAnswer = (Option<u16>, Vec<(String, Vec<u8>)>, Vec<u8>);
-
-fn callout_answer<H: Host>(host: &H, body_size: usize) -> Option<CalloutAnswer> {
-    let status = match host.header_value(MAP_HTTP_CALL_RESPONSE_HEADERS, ":status") {
-        Ok(Some(v)) => std::str::from_utf8(&v).ok().and_then(|s| s.parse::<u16>().ok()),
-        Ok(None) | Err(_) => None,
-    };
-    let headers = host.header_pairs(MAP_HTTP_CALL_RESPONSE_HEADERS).ok()?;
-    let body = if body_size == 0 {
-        Vec::new()
-    } else {
-        host.buffer(BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size).ok()?
-    };
-    Some((status, headers, body))
-}
-
-/// A detached call's answer goes to the request's flow, which says what it means for the record
-/// (as an inline upstream answer would) and for its client, if still there: its steps are
-/// carried out as any flow's the root holds (with a remote store, the reply once the record is
-/// written).
-pub(super) fn detached_answered<H: Host>(plugin: &PluginState<H>, call: DetachedCall, body_size: usize) {
-    let host = &plugin.host;
-    plugin.detached_done();
-    let now_ms = host.now_ms();
-    let answer = match callout_answer(host, body_size) {
-        Some((status, headers, body)) => {
-            let envoy = &plugin.config.envoy_headers;
-            // Asked only of an answer without our mark (a local reply, or a prefix mismatch).
-            if !envoy.from_upstream(&headers) {
-                if let Some(seen) = envoy.foreign_service_time(&headers) {
-                    plugin.meter.header_prefix_mismatch(&plugin.config.envoy_headers.prefix, seen);
-                }
-            }
-            detached::answer_of(envoy, status, headers, body)
-        }
-        // An answer that cannot be read: what it said is unknown.
-        None => detached::CallAnswer::Unknown { timed_out: false },
-    };
-    let DetachedCall { context_id, claim, rule, flow, .. } = call;
-    log::debug!("#{context_id} detached call answered: key {}", claim.scope.log_tag());
-    if host.set_effective_context(context_id).is_err() {
-        flow.with(RequestFlow::stream_gone);
-    }
-    let held_ms = plugin.store.held_past_lease_ms(rule.processing_timeout_ms);
-    handle_in_root(plugin, flow, Event::DetachedAnswered { answer, now_ms, held_ms });
-}
-
-/// Steps again every conversation that was waiting (for the etcd token): each goes on, waits
-/// on, or ends with the wait's failure through its ordinary path (a stream's fail mode, a
-/// settlement counted, a client that left: nothing held).
-pub(super) fn resume_parked<H: Host>(plugin: &PluginState<H>) {
-    let parked = std::mem::take(&mut plugin.calls.borrow_mut().parked);
-    for call in parked {
-        take_on(plugin, call);
-    }
-}
-
-/// Takes a call handed over (or parked) one step: a store conversation's next step, or a
-/// detached call or a lookup made (neither waits for the store's token).
-fn take_on<H: Host>(plugin: &PluginState<H>, call: RootCall) {
-    match call {
-        RootCall::Begin(begin) => converse_begin(plugin, begin, None),
-        RootCall::Settle(settle) => converse(plugin, settle, None),
-        RootCall::Admin(call) => converse_admin(plugin, call, None),
-        RootCall::Detached(call) => dispatch_detached(plugin, call),
-        RootCall::Lookup(call) => dispatch_lookup(plugin, call),
-        RootCall::Renew(call) => converse_renewal(plugin, call, None),
-    }
-}
-
-/// Takes an admin request's store operation one step: its next callout, or the store's answer
-/// for the request's task, which replies (if its stream is still there) or asks again.
-pub(super) fn converse_admin<H: Host>(
-    plugin: &PluginState<H>,
-    mut call: Box<RootAdmin>,
-    answer: Option<Answer>,
-) {
-    match call.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match call_store(plugin, &request) {
-            Ok(token) => {
-                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Admin(call));
-            }
-            Err(error) => admin_failed(plugin, call, error),
-        },
-        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Admin(call)),
-        Next::Done(answer) => admin_answered(plugin, *call, answer),
-    }
-}
-
-pub(super) fn admin_failed<H: Host>(plugin: &PluginState<H>, call: Box<RootAdmin>, error: StoreError) {
-    let answer = StoreAnswer::failed(&call.ask.op, error);
-    admin_answered(plugin, *call, answer);
-}
-
-fn admin_answered<H: Host>(plugin: &PluginState<H>, call: RootAdmin, answer: StoreAnswer) {
-    if plugin.host.set_effective_context(call.context_id).is_err() {
-        // The operator's client left: a change already made stands, and is logged by nobody.
-        log::info!("admin #{}: the client left before the store answered", call.context_id);
-        return;
-    }
-    let RootAdmin { context_id, ask, .. } = call;
-    let progress = ask.task.answered(answer, plugin.host.now_ms());
-    admin_handed_off(plugin, context_id, admin::advance(plugin, ask.line, progress));
-}
-
-/// Where the root takes an admin request on that did not end in its callback.
-fn admin_handed_off<H: Host>(plugin: &PluginState<H>, context_id: u32, handoff: Option<admin::Handoff>) {
-    match handoff {
-        None => {}
-        Some(admin::Handoff::Conversation(ask, conversation)) => {
-            converse_admin(plugin, Box::new(RootAdmin { context_id, conversation, ask }), None)
-        }
-        Some(admin::Handoff::Later(ask)) => {
-            plugin.calls.borrow_mut().admin_later.push(AdminLater { context_id, ask });
-        }
-    }
-}
-
-/// At the root's tick: the admin requests whose store paused a scan ask again, each one bounded
-/// part more (`store::local::admin::SCAN_READS`), or are answered; one whose client left is
-/// dropped (a look changes nothing).
-pub(super) fn continue_admin<H: Host>(plugin: &PluginState<H>) {
-    let later = std::mem::take(&mut plugin.calls.borrow_mut().admin_later);
-    for AdminLater { context_id, ask } in later {
-        if plugin.host.set_effective_context(context_id).is_err() {
-            log::info!("admin #{context_id}: the client left before its list was read");
-            continue;
-        }
-        let AdminAsk { task, op, line } = ask;
-        admin_handed_off(plugin, context_id, admin::advance(plugin, line, Progress::Ask(task, op)));
-    }
-}
-
-/// Takes a paused request's `begin` one step: its next callout, or the answer for its flow.
-pub(super) fn converse_begin<H: Host>(
-    plugin: &PluginState<H>,
-    mut begin: Box<RootBegin>,
-    answer: Option<Answer>,
-) {
-    match begin.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match call_store(plugin, &request) {
-            Ok(token) => {
-                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Begin(begin));
-            }
-            Err(error) => begin_failed(plugin, *begin, error, Sent::No),
-        },
-        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Begin(begin)),
-        Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
-            begin_failed(plugin, *begin, error, Sent::Yes)
-        }
-        Next::Done(answer) => begin_answered(plugin, begin.flow, answer),
-    }
-}
-
-/// The store answered a paused request's `begin` (or a waiter's recheck): what it means is
-/// carried out for the request, if its stream is still there.
-fn begin_answered<H: Host>(plugin: &PluginState<H>, flow: RootHold, answer: StoreAnswer) {
-    if !stream_there(plugin, &flow) {
-        // The client went away while the store answered: nobody will forward the request, so a
-        // claim it got is given back now instead of blocking retries until its lease ends.
-        if let Some(settlement) = flow.with(|f| f.answered_without_stream(&answer)).flatten() {
-            give_back(plugin, settlement);
-        }
-        return;
-    }
-    handle_in_root(plugin, flow, Event::StoreAnswered(answer));
-}
-
-/// Whether the stream of a paused request's flow is still there (and now the effective
-/// context); a lease-end lookup's, which has none, always is. A waiter's client that went away
-/// during its recheck also left the wait room; a waiter whose stream is gone leaves it now.
-fn stream_there<H: Host>(plugin: &PluginState<H>, flow: &RootHold) -> bool {
-    let (headless, rechecking) = flow.with(|f| (f.headless(), f.rechecking())).unwrap_or((false, false));
-    if headless {
-        return true;
-    }
-    let context_id = flow.context_id();
-    let present = plugin.host.set_effective_context(context_id).is_ok();
-    if !rechecking {
-        return present;
-    }
-    let held = plugin.room.borrow().checking(context_id);
-    if held && !present {
-        plugin.room.borrow_mut().leave(context_id);
-    }
-    held && present
-}
-
-/// The store could not be used for a paused request's `begin`: the store's fail mode decides
-/// (a fail-open bypass is logged at most once a second per worker; it is counted every time).
-/// A claim the store may hold although its answer was lost (`Sent::Yes`) is given back first.
-pub(super) fn begin_failed<H: Host>(
-    plugin: &PluginState<H>,
-    begin: RootBegin,
-    error: StoreError,
-    sent: Sent,
-) {
-    let RootBegin { conversation, flow } = begin;
-    if sent == Sent::Yes && gives_back(plugin) {
-        let claim = conversation.unanswered_claim();
-        if let Some(settlement) = claim.and_then(|c| flow.with(|f| f.unanswered_claim(c)).flatten()) {
-            give_back(plugin, settlement);
-        }
-    }
-    if !stream_there(plugin, &flow) {
-        return; // its client went away, and no claim is known to exist
-    }
-    // A lease-end lookup acts on the record only through the store: nothing to forward.
-    let headless = flow.with(|f| f.headless()).unwrap_or(false);
-    let mode = if headless { OnStoreError::FailClosed } else { on_store_error(plugin) };
-    if mode == OnStoreError::FailOpen && plugin.meter.bypass_log_due(plugin.host.now_ms()) {
-        log::warn!("idempotency store unavailable ({error}): forwarding requests unprotected (fail_open)");
-    }
-    handle_in_root(plugin, flow, Event::StoreFailed { error, mode });
-}
 
 /// Where a flow's steps are carried out.
 pub(super) enum At {
@@ -409,12 +107,12 @@ struct Run {
     /// The waiter to hold in the wait room, with the flow, once the steps are carried out.
     parking: Option<Waiter<RootHold>>,
     /// What the steps were answered at once, for the flow once every step is carried out.
-    answers: VecDeque<Answered>,
+    answers: VecDeque<AtOnce>,
 }
 
 /// An answer a step got at once (the store's, the wait room's, a refusal), fed to the flow as
 /// its `Event` after the steps before it.
-enum Answered {
+enum AtOnce {
     Store(StoreAnswer),
     Parked(Result<(), NotHeld>),
     DetachRefused(String),
@@ -424,13 +122,13 @@ enum Answered {
 /// Feeds the flow one answer. Each arm names its event, so the flow's entry folds to the one
 /// transition it asks for.
 #[inline(never)]
-fn feed<H: Host>(plugin: &PluginState<H>, key: FlowKey, answer: Answered) -> Option<Output> {
+fn feed<H: Host>(plugin: &PluginState<H>, key: FlowKey, answer: AtOnce) -> Option<Output> {
     let cfg = &plugin.config;
     plugin.flows.with(key, |f| match answer {
-        Answered::Store(answer) => f.handle(cfg, Event::StoreAnswered(answer)),
-        Answered::Parked(held) => f.handle(cfg, Event::Parked(held)),
-        Answered::DetachRefused(why) => f.handle(cfg, Event::DetachRefused(why)),
-        Answered::LookupRefused(retry_after_ms) => f.handle(cfg, Event::LookupRefused { retry_after_ms }),
+        AtOnce::Store(answer) => f.handle(cfg, Event::StoreAnswered(answer)),
+        AtOnce::Parked(held) => f.handle(cfg, Event::Parked(held)),
+        AtOnce::DetachRefused(why) => f.handle(cfg, Event::DetachRefused(why)),
+        AtOnce::LookupRefused(retry_after_ms) => f.handle(cfg, Event::LookupRefused { retry_after_ms }),
     })
 }
 
@@ -460,7 +158,7 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
         Step::Store(op) => {
             let begin = matches!(op, StoreOp::Begin(_));
             match (plugin.start(op), run.at_root) {
-                (Started::Answered(answer), _) => run.answers.push_back(Answered::Store(answer)),
+                (Started::Answered(answer), _) => run.answers.push_back(AtOnce::Store(answer)),
                 // A settlement from a stream: the root settles it, since the stream may end
                 // before the store answers. In a response callback the response waits for
                 // it (the root resumes it).
@@ -500,7 +198,7 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
             let admitted = plugin.admit(context_id, &plan);
             let held = admitted.as_ref().map(|_| ()).map_err(|not_held| *not_held);
             run.parking = admitted.ok();
-            run.answers.push_back(Answered::Parked(held));
+            run.answers.push_back(AtOnce::Parked(held));
         }
         // A waiter's recheck found the original still processing: held again, until its
         // give-up time.
@@ -509,7 +207,7 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
             let again = plugin.room.borrow_mut().end_check(context_id);
             run.parking = again.and_then(|w| w.again(now_ms, lease_remaining_ms));
             let held = if run.parking.is_some() { Ok(()) } else { Err(NotHeld::GaveUp) };
-            run.answers.push_back(Answered::Parked(held));
+            run.answers.push_back(AtOnce::Parked(held));
         }
         Step::Wake(scope) => plugin.wakeups.broadcast(&scope),
         // Detached execution: the root makes the call, holding the flow; its answer is the
@@ -527,7 +225,7 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
                     if run.at_root {
                         run.hold = Some(given_back);
                     }
-                    run.answers.push_back(Answered::DetachRefused(why));
+                    run.answers.push_back(AtOnce::DetachRefused(why));
                 }
             }
         }
@@ -553,7 +251,7 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
                         true => dispatch_lookup(plugin, Box::new(RootLookup { flow, lookup })),
                     }
                 }
-                Err(retry_after_ms) => run.answers.push_back(Answered::LookupRefused(retry_after_ms)),
+                Err(retry_after_ms) => run.answers.push_back(AtOnce::LookupRefused(retry_after_ms)),
             }
         }
         // The owner holds its claim: renewed by the root while it is at work.
@@ -626,14 +324,19 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
     }
 }
 
-/// An event the root brings a flow it holds (a store's answer, a lookup's, a detached call's,
-/// a refusal): the flow's steps for it carried out by the root. Inlined where it is called, so
-/// that the flow's entry folds to the one transition each caller's event asks for.
-#[inline(always)]
-fn handle_in_root<H: Host>(plugin: &PluginState<H>, flow: RootHold, event: Event) {
-    match flow.with(|f| f.handle(&plugin.config, event)) {
-        Some(out) => carry_out_in_root(plugin, flow, out),
-        None => log::warn!("#{} the flow the root held is gone; an event was dropped", flow.context_id()),
+/// Carries out what the root's work brought the flows it holds, one event at a time, each in
+/// its stream's context (a stream gone meanwhile hears nothing). Called at the end of each of
+/// the root's callbacks; what an event's steps post in turn is carried out in the same loop.
+pub(super) fn drain<H: Host>(plugin: &PluginState<H>) {
+    while let Some((flow, event)) = plugin.next_posted() {
+        let headless = flow.with(|f| f.headless()).unwrap_or(false);
+        if !headless && plugin.host.set_effective_context(flow.context_id()).is_err() {
+            flow.with(RequestFlow::stream_gone);
+        }
+        match flow.with(|f| f.handle(&plugin.config, event)) {
+            Some(out) => carry_out_in_root(plugin, flow, out),
+            None => log::warn!("#{} the flow the root held is gone; an event was dropped", flow.context_id()),
+        }
     }
 }
 
@@ -694,109 +397,4 @@ pub fn stop_iteration_missing_line(rule: &str, details: Option<&str>, body_bytes
          and older ship an Envoy without it), and a WasmPlugin cannot set it. Logged once per worker.",
         details.unwrap_or("no response details")
     )
-}
-
-/// Makes a paused request's lookup from the root, so that its answer comes whether or not the
-/// stream is still there (a stream's callouts end with it).
-fn dispatch_lookup<H: Host>(plugin: &PluginState<H>, call: Box<RootLookup>) {
-    let l = &call.lookup;
-    let headers: Vec<(&str, &[u8])> = l.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
-    match plugin.host.dispatch_http_call(&l.cluster, &headers, &[], l.timeout_ms) {
-        Ok(token) => {
-            plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Lookup(call));
-        }
-        Err(HostError(s)) => {
-            let why = plugin.callout_refused(CalloutOf::Lookup(&l.rule), &l.cluster, s);
-            plugin.lookups.finished(&call.lookup.scope, call.lookup.started_ms, plugin.host.now_ms());
-            answer_lookup(plugin, *call, LookupAnswer::Failed(why));
-        }
-    }
-}
-
-/// The lookup's answer, read from the callout's.
-pub(super) fn lookup_answered<H: Host>(plugin: &PluginState<H>, call: RootLookup, body_size: usize) {
-    let host = &plugin.host;
-    plugin.lookups.finished(&call.lookup.scope, call.lookup.started_ms, host.now_ms());
-    let answer = match callout_answer(host, body_size) {
-        Some((status, headers, body)) => reconcile::answer_of(&call.lookup.rule, status, headers, body),
-        None => LookupAnswer::Failed("the lookup's answer could not be read".into()),
-    };
-    answer_lookup(plugin, call, answer);
-}
-
-/// Lease-end lookups tried this often settle nothing, then the record waits for a retry's.
-const LEASE_END_TRIES: u32 = 8;
-
-/// The longest pause between two tries of a lease-end lookup (from 2 s, doubling).
-const LEASE_END_BACKOFF_MAX_MS: u64 = 60_000;
-
-/// What the lookup's answer means, carried out for the request that asked (if it is still
-/// there: a lookup writes nothing, so a client that left leaves the record as it was, for its
-/// retry's lookup), or for a lease-end lookup.
-fn answer_lookup<H: Host>(plugin: &PluginState<H>, call: RootLookup, answer: LookupAnswer) {
-    let RootLookup { flow, lookup } = call;
-    let headless = flow.with(|f| f.headless()).unwrap_or(false);
-    let context_id = flow.context_id();
-    if !headless && plugin.host.set_effective_context(context_id).is_err() {
-        log::debug!("#{context_id} lookup of key {} answered after its client left", lookup.scope.log_tag());
-        return;
-    }
-    let now_ms = plugin.host.now_ms();
-    handle_in_root(plugin, flow, Event::LookupAnswered { answer, now_ms });
-}
-
-/// A lease-end lookup that settled nothing yet (the lookup failed, or the store still holds
-/// the claim's lease by its own clock): asked again later, backing off, `LEASE_END_TRIES` times.
-fn look_up_again_later<H: Host>(plugin: &PluginState<H>, flow: RootHold) {
-    let tries = flow.with(RequestFlow::lease_end_tried).unwrap_or(LEASE_END_TRIES);
-    let tag = flow.with(|f| f.scope().map(|s| s.log_tag())).flatten().unwrap_or_default();
-    if tries >= LEASE_END_TRIES {
-        log::warn!("lookup of key {tag} settled nothing {tries} times; its record waits for a retry");
-        return;
-    }
-    let backoff_ms = (1_000u64 << tries.min(16)).min(LEASE_END_BACKOFF_MAX_MS);
-    let due_ms = plugin.host.now_ms().saturating_add(backoff_ms);
-    log::debug!("lookup of key {tag} asked again in {backoff_ms} ms");
-    plugin.look_up_at_lease_end(LeaseEndLookup { due_ms, flow });
-}
-
-/// Starts the lease-end lookups that are due: each asks the store first, and looks its record
-/// up only if it is still unsettled.
-pub(super) fn start_lease_end_lookups<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
-    let due: Vec<LeaseEndLookup> = {
-        let mut queue = plugin.lease_end_lookups.borrow_mut();
-        if !queue.iter().any(|l| l.due_ms <= now_ms) {
-            return;
-        }
-        let (due, later) = std::mem::take(&mut *queue).into_iter().partition(|l| l.due_ms <= now_ms);
-        *queue = later;
-        due
-    };
-    for LeaseEndLookup { flow, .. } in due {
-        handle_in_root(plugin, flow, Event::LeaseEndDue { now_ms });
-    }
-}
-
-/// The lookup of a lease-end flow's record, through this Envoy's gate. None when a lookup of the
-/// record is under way or was just made here: then a request is here for it.
-fn start_lease_end_lookup<H: Host>(plugin: &PluginState<H>, key: FlowKey) -> Option<Lookup> {
-    plugin.flows.with(key, |flow| lease_end_lookup(plugin, flow)).flatten()
-}
-
-fn lease_end_lookup<H: Host>(plugin: &PluginState<H>, flow: &RequestFlow) -> Option<Lookup> {
-    let (call, rule) = flow.lease_end_call()?;
-    let scope = flow.scope().copied()?;
-    let now_ms = plugin.host.now_ms();
-    if plugin.lookups.start(&scope, now_ms, u64::from(call.timeout_ms)).is_err() {
-        log::debug!("lease-end lookup of key {} left to the request already asking", scope.log_tag());
-        return None;
-    }
-    Some(Lookup {
-        scope,
-        started_ms: now_ms,
-        rule: Rc::clone(rule),
-        cluster: call.cluster.clone(),
-        headers: call.headers.clone(),
-        timeout_ms: call.timeout_ms,
-    })
 }

@@ -7,10 +7,13 @@
 //! context id), both wasm32 only and without decisions of their own.
 
 pub mod admin;
+mod begin;
 pub mod calls;
 mod carry;
+mod detach;
 pub mod flows;
 pub mod http;
+mod lookups;
 pub mod meter;
 pub mod pairs;
 pub mod plugin;
@@ -18,6 +21,7 @@ pub mod remote;
 mod renew;
 pub mod root;
 mod settle;
+mod waiting;
 pub mod wakeups;
 
 #[cfg(target_arch = "wasm32")]

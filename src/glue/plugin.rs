@@ -2,20 +2,16 @@
 //! metric ids, the wait room and this worker's wake-up queue. Held by the root, never in
 //! statics, because after a config update the old and new root contexts share one VM.
 
-use super::calls::{
-    DetachedCall, LeaseEndLookup, Lookup, RootAdmin, RootBegin, RootCall, RootCalls, RootLookup,
-    RootSettlement, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS,
-};
+use super::calls::{LeaseEndLookup, RootAdmin, RootBegin, RootCall, RootCalls, RootSettlement};
 use super::flows::{Flows, RootHold};
 use super::meter::Meter;
 use super::wakeups::Wakeups;
-use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
+use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION};
 use crate::config::{self, Config, Execution, Rule};
-use crate::detached;
-use crate::flow::{LaterLookup, LeaseEnd, ParkPlan, RequestFlow, Settlement};
+use crate::flow::{Event, ParkPlan, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
-use crate::reconcile::{self, LookupGate};
+use crate::reconcile::LookupGate;
 use crate::renewal::Renewals;
 use crate::splitmix::splitmix64;
 use crate::store::factory::{remote_described, Opened};
@@ -24,6 +20,7 @@ use crate::store::seam::{Started, Store, Watch};
 use crate::store::{self, Claim, StoreAnswer, StoreOp};
 use crate::wait::{self, NotHeld, WaitRoom, Waiter};
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::hash::{BuildHasher, Hasher};
 use std::rc::Rc;
 
@@ -38,14 +35,6 @@ fn random_u64(mix: u64) -> u64 {
 /// write).
 const RETIREMENT_CALLS_PER_TRY: u64 = 4;
 
-/// What a detached call sends: the request as Envoy holds it, to its cluster.
-struct DetachedRequest {
-    cluster: String,
-    headers: Vec<(String, Vec<u8>)>,
-    body: Vec<u8>,
-    timeout_ms: u32,
-}
-
 pub struct PluginState<H: Host> {
     pub host: H,
     pub config: Config,
@@ -54,6 +43,9 @@ pub struct PluginState<H: Host> {
     pub calls: RefCell<RootCalls>,
     /// Every request's flow on this worker, keyed by its stream's context id.
     pub flows: Rc<Flows>,
+    /// What the root's work brought the flows it holds, for the executor to carry out at the
+    /// end of the root's callback (`carry::drain`).
+    inbox: RefCell<VecDeque<(RootHold, Event<'static>)>>,
     /// Counters, published outcomes, and the warnings logged once per period or per worker.
     pub meter: Meter<H>,
     tokens: Cell<u64>,
@@ -130,6 +122,7 @@ impl<H: Host> PluginState<H> {
             store,
             calls: RefCell::new(RootCalls::default()),
             flows: Rc::new(Flows::default()),
+            inbox: RefCell::new(VecDeque::new()),
             tokens: Cell::new(0),
             seed,
             room,
@@ -331,45 +324,21 @@ impl<H: Host> PluginState<H> {
         self.wakeups.wake_root("it goes on");
     }
 
+    /// Posts what the root's work brought a flow it holds (a callout's answer, a refusal, a
+    /// lease-end lookup's time): the executor carries it out at the end of the root's callback
+    /// (`carry::drain`), never inside the work that brought it.
+    pub fn post(&self, flow: RootHold, event: Event<'static>) {
+        self.inbox.borrow_mut().push_back((flow, event));
+    }
+
+    /// The next event posted, oldest first.
+    pub fn next_posted(&self) -> Option<(RootHold, Event<'static>)> {
+        self.inbox.borrow_mut().pop_front()
+    }
+
     /// Hands a paused request's `begin` (and the hold on its flow) to this worker's root.
     pub fn begin_from_root(&self, conversation: Box<dyn Conversation>, flow: RootHold) {
         self.to_root(RootCall::Begin(Box::new(RootBegin { conversation, flow })));
-    }
-
-    /// The call a claimed request on a detached rule becomes (the effective context is the
-    /// request's: its head and body are read here), holding its flow, for `hand_over_detached`.
-    /// Refused, with the reason and the hold given back, when the worker carries
-    /// `max_detached_calls` already or the request cannot be sent: the claim is then given back
-    /// here (nothing was sent upstream).
-    pub fn detach(
-        &self,
-        claim: Claim,
-        rule: &Rc<Rule>,
-        flow: RootHold,
-    ) -> Result<DetachedCall, (String, RootHold)> {
-        let context_id = flow.context_id();
-        match self.detached_call(rule) {
-            Ok(DetachedRequest { cluster, headers, body, timeout_ms }) => Ok(DetachedCall {
-                context_id,
-                claim,
-                rule: Rc::clone(rule),
-                cluster,
-                headers,
-                body,
-                timeout_ms,
-                flow,
-            }),
-            Err(why) => {
-                self.release_claim(context_id, claim, rule);
-                Err((why, flow))
-            }
-        }
-    }
-
-    /// Hands a detached call to this worker's root, which makes it.
-    pub fn hand_over_detached(&self, call: DetachedCall) {
-        self.detached_in_flight.set(self.detached_in_flight.get() + 1);
-        self.to_root(RootCall::Detached(Box::new(call)));
     }
 
     /// The cluster Envoy's route picked for the effective context's request.
@@ -378,152 +347,6 @@ impl<H: Host> PluginState<H> {
             Ok(Some(name)) if !name.is_empty() => Some(String::from_utf8_lossy(&name).into_owned()),
             _ => None,
         }
-    }
-
-    /// The call `detach` makes, from the request as Envoy holds it.
-    fn detached_call(&self, rule: &Rule) -> Result<DetachedRequest, String> {
-        let Execution::Detached { cluster, upstream_timeout_ms, rewrite } = &rule.execution else {
-            return Err("not a detached rule".into());
-        };
-        if self.detached_in_flight.get() >= self.config.max_detached_calls {
-            return Err(format!(
-                "this Envoy worker carries max_detached_calls ({}) already",
-                self.config.max_detached_calls
-            ));
-        }
-        let cluster = match cluster {
-            Some(c) => c.clone(),
-            None => self.route_cluster().ok_or("the route picked no cluster and the rule names none")?,
-        };
-        let headers = self
-            .host
-            .header_pairs(MAP_REQUEST_HEADERS)
-            .ok()
-            .and_then(|h| detached::call_headers(&rule.path, rewrite, &self.config.envoy_headers, h));
-        let Some(headers) = headers else { return Err("the request head could not be read".into()) };
-        let body = self
-            .host
-            .buffer(BUFFER_REQUEST_BODY, 0, usize::MAX)
-            .map_err(|e| format!("the request body could not be read (host status {})", e.0))?;
-        Ok(DetachedRequest {
-            cluster,
-            headers,
-            body,
-            timeout_ms: u32::try_from(*upstream_timeout_ms).unwrap_or(u32::MAX),
-        })
-    }
-
-    /// Starts the lookup of a paused request's record, made from `request` (its head as the
-    /// flow kept it). Refused, with when to try again, when this record's lookup is under way or
-    /// was made less than a second ago on this Envoy, or no lookup can be made.
-    pub fn start_lookup(
-        &self,
-        context_id: u32,
-        scope: Option<ScopeId>,
-        rule: &Rc<Rule>,
-        request: &[(String, Vec<u8>)],
-    ) -> Result<Lookup, u64> {
-        let Some(scope) = scope else { return Err(crate::engine::LOOKUP_SPACING_MS) };
-        let timeout_ms = rule.reconcile.as_ref().map_or(0, |r| r.timeout_ms);
-        let started_ms = self.host.now_ms();
-        self.lookups.start(&scope, started_ms, timeout_ms)?;
-        match self.lookup_of(context_id, scope, rule, request, None) {
-            Some(lookup) => Ok(Lookup { started_ms, ..lookup }),
-            None => {
-                self.lookups.finished(&scope, started_ms, started_ms);
-                Err(crate::engine::LOOKUP_SPACING_MS)
-            }
-        }
-    }
-
-    /// The lookup of `scope`, made from `request`, to the rule's cluster or (read from the
-    /// effective stream) the route's. None (logged) if it cannot be made.
-    fn lookup_of(
-        &self,
-        context_id: u32,
-        scope: ScopeId,
-        rule: &Rc<Rule>,
-        request: &[(String, Vec<u8>)],
-        route_cluster: Option<&str>,
-    ) -> Option<Lookup> {
-        let reconcile = rule.reconcile.as_ref()?;
-        let call = reconcile::lookup_call(&self.config, reconcile, request);
-        let cluster = match call.as_ref().map(|c| c.cluster.clone()) {
-            Some(Some(c)) => Some(c),
-            Some(None) => route_cluster.map(str::to_string).or_else(|| self.route_cluster()),
-            None => None,
-        };
-        let (Some(call), Some(cluster)) = (call, cluster) else {
-            log::warn!(
-                "#{context_id} no lookup for key {}: no cluster, or no key or authority",
-                scope.log_tag()
-            );
-            return None;
-        };
-        Some(Lookup {
-            scope,
-            started_ms: 0,
-            rule: Rc::clone(rule),
-            cluster,
-            headers: call.headers,
-            timeout_ms: call.timeout_ms,
-        })
-    }
-
-    /// What the root needs to look the stream's record up when its lease ends, with no request
-    /// waiting (`Step::LookUpAtLeaseEnd`): the lookup is built now (the route's cluster is the
-    /// stream's).
-    pub fn lease_end_lookup(&self, context_id: u32, later: LaterLookup) -> Option<LeaseEndLookup> {
-        let rule = Rc::clone(&later.pending.rule);
-        let lookup = self.lookup_of(
-            context_id,
-            later.pending.scope,
-            &rule,
-            &later.request,
-            later.route_cluster.as_deref(),
-        )?;
-        // While its owner held the claim its lease ran on: due where the last renewed lease ends.
-        let lease_ends_ms = self.renewals.borrow().lease_end(later.owner).unwrap_or(0).max(later.due_ms);
-        let owner = self.owner_token(context_id);
-        let attempt = crate::engine::claim_attempt(
-            &self.config,
-            &later.pending,
-            later.fingerprint,
-            lease_ends_ms,
-            owner,
-        );
-        // A margin past the lease: etcd ends a claim's lease key by its own clock, in whole
-        // seconds, and a retry at the lease's end is given the first word. A store that keeps
-        // the claim past its lease (etcd: its completion's retry window) keeps it from the lookup
-        // too: asked before, its begin would only find the claim in flight.
-        let held_ms = self.store.held_past_lease_ms(rule.processing_timeout_ms);
-        let due_ms = lease_ends_ms.saturating_add(held_ms).saturating_add(LEASE_END_MARGIN_MS);
-        let Lookup { cluster, headers, timeout_ms, .. } = lookup;
-        let lease_end = LeaseEnd { cluster, headers, timeout_ms, attempt, tries: 0 };
-        let flow = RootHold::headless(&self.flows, RequestFlow::lease_end(context_id, later, lease_end));
-        Some(LeaseEndLookup { due_ms, flow })
-    }
-
-    /// Keeps a lease-end lookup for the root. At most `MAX_LEASE_END_LOOKUPS` per worker: past
-    /// it, the record waits for a retry's lookup.
-    pub fn look_up_at_lease_end(&self, lookup: LeaseEndLookup) {
-        let mut queue = self.lease_end_lookups.borrow_mut();
-        if queue.len() >= MAX_LEASE_END_LOOKUPS {
-            log::debug!("lease-end lookups full; a record waits for a retry");
-            return;
-        }
-        queue.push(lookup);
-    }
-
-    /// Hands a started lookup, holding its paused request's flow, to this worker's root, which
-    /// makes the call and lets the flow go once it has carried out what the answer means.
-    pub fn lookup_from_root(&self, flow: RootHold, lookup: Lookup) {
-        self.to_root(RootCall::Lookup(Box::new(RootLookup { flow, lookup })));
-    }
-
-    /// A detached call is over (answered, refused or abandoned).
-    pub fn detached_done(&self) {
-        self.detached_in_flight.set(self.detached_in_flight.get().saturating_sub(1));
     }
 
     /// Gives back a claim nobody will use: at once where the store answers at once, else
@@ -545,7 +368,7 @@ impl<H: Host> PluginState<H> {
 
     /// The root runs what it is handed from its own callback: at once through its queue, else
     /// at its next tick.
-    fn to_root(&self, call: RootCall) {
+    pub(super) fn to_root(&self, call: RootCall) {
         self.calls.borrow_mut().queued.push(call);
         self.wakeups.wake_root("it settles");
     }

@@ -113,3 +113,22 @@ pub fn dispatch<H: Host>(host: &H, settings: &RemoteSettings, request: &Request)
     let timeout_ms = request.timeout_ms.unwrap_or(settings.timeout_ms);
     host.dispatch_http_call(&settings.cluster, &headers, &request.body, timeout_ms)
 }
+
+/// The answer to a callout of the root's that is not the store's (a detached call, a lookup):
+/// its status (None: Envoy's failure report, no `:status`), headers and body. None when it
+/// cannot be read.
+pub type CalloutAnswer = (Option<u16>, Vec<(String, Vec<u8>)>, Vec<u8>);
+
+pub fn callout_answer<H: Host>(host: &H, body_size: usize) -> Option<CalloutAnswer> {
+    let status = match host.header_value(MAP_HTTP_CALL_RESPONSE_HEADERS, ":status") {
+        Ok(Some(v)) => std::str::from_utf8(&v).ok().and_then(|s| s.parse::<u16>().ok()),
+        Ok(None) | Err(_) => None,
+    };
+    let headers = host.header_pairs(MAP_HTTP_CALL_RESPONSE_HEADERS).ok()?;
+    let body = if body_size == 0 {
+        Vec::new()
+    } else {
+        host.buffer(BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size).ok()?
+    };
+    Some((status, headers, body))
+}

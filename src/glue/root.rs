@@ -1,16 +1,18 @@
 //! Root context: configuration, the periodic sweep and heartbeat, and the waiters it wakes. One
 //! per plugin per thread (main and each worker).
 
+use super::admin::{admin_failed, continue_admin, converse_admin};
+use super::begin::{begin_failed, converse_begin};
 use super::calls::RootCall;
-use super::carry::{
-    admin_failed, begin_failed, continue_admin, converse_admin, converse_begin, detached_answered,
-    lookup_answered, recheck, resume_parked, start_lease_end_lookups, take_on_handed_over, tend_watch,
-};
+use super::carry::drain;
+use super::detach::{detached_answered, dispatch_detached};
 use super::http::Http;
+use super::lookups::{dispatch_lookup, lookup_answered, start_lease_end_lookups};
 use super::plugin::PluginState;
 use super::remote;
 use super::renew::{converse_renewal, renew_due, renewed};
 use super::settle::{abandon, converse, finish_settlement, retry_settlements, Sent};
+use super::waiting::{recheck, tend_watch};
 use super::{log_filter, Host, HostError, BUFFER_GRPC_RECEIVE};
 use crate::identity::scope::ScopeId;
 use crate::store::seam::Store;
@@ -127,6 +129,14 @@ impl<H: Host> Root<H> {
         false
     }
 
+    /// The end of each of the root's callbacks: the executor carries out what the callback's
+    /// work posted to the flows the root holds (`carry::drain`), then a retiring root may
+    /// finish.
+    fn end_callback(&mut self, plugin: &PluginState<H>) {
+        drain(plugin);
+        self.finish_retirement();
+    }
+
     /// A retiring root whose store operations are finished, or whose bound has passed, tells
     /// Envoy it is done; what is left then is counted and logged as abandoned.
     fn finish_retirement(&mut self) {
@@ -186,7 +196,7 @@ impl<H: Host> Root<H> {
         }
         continue_admin(&plugin);
         self.pace(&plugin);
-        self.finish_retirement();
+        self.end_callback(&plugin);
     }
 
     /// Ticks every `ADMIN_TICK_MS` while admin requests go on, else every `TICK_MS`.
@@ -221,7 +231,7 @@ impl<H: Host> Root<H> {
         }
         // An admin request handed over by its stream goes on at the next tick, soon.
         self.pace(&plugin);
-        self.finish_retirement();
+        self.end_callback(&plugin);
     }
 
     /// A message on the worker's watch stream: the records that changed wake their waiters.
@@ -258,7 +268,7 @@ impl<H: Host> Root<H> {
                 plugin.watch_ended(watch.closed(now_ms), now_ms);
             }
         }
-        self.finish_retirement();
+        self.end_callback(&plugin);
     }
 
     /// The watch stream ended (etcd, the connection, or Envoy): waiters poll until it opens
@@ -271,7 +281,7 @@ impl<H: Host> Root<H> {
         log::debug!("watch stream {token} closed (grpc-status {status}); waiters poll");
         let now_ms = self.host.now_ms();
         plugin.watch_ended(watch.closed(now_ms), now_ms);
-        self.finish_retirement();
+        self.end_callback(&plugin);
     }
 
     /// The answer to a callout the root dispatched: the next step of a stream's `begin` or of a
@@ -286,12 +296,12 @@ impl<H: Host> Root<H> {
         let call = match call {
             RootCall::Detached(call) => {
                 detached_answered(&plugin, *call, body_size);
-                self.finish_retirement();
+                self.end_callback(&plugin);
                 return;
             }
             RootCall::Lookup(call) => {
                 lookup_answered(&plugin, *call, body_size);
-                self.finish_retirement();
+                self.end_callback(&plugin);
                 return;
             }
             call => call,
@@ -321,7 +331,7 @@ impl<H: Host> Root<H> {
         if plugin.store.take_woken() {
             resume_parked(&plugin);
         }
-        self.finish_retirement();
+        self.end_callback(&plugin);
     }
 
     #[cfg_attr(not(target_arch = "wasm32"), allow(dead_code))]
@@ -337,5 +347,37 @@ impl<H: Host> Root<H> {
 
     pub fn http_context(&self, context_id: u32) -> Http<H> {
         Http::new(context_id, self.plugin.clone())
+    }
+}
+
+/// Starts what streams handed over since the root last ran; from here on the root owns their
+/// callouts, so their answers come whether or not the stream is still there.
+fn take_on_handed_over<H: Host>(plugin: &PluginState<H>) {
+    let queued = std::mem::take(&mut plugin.calls.borrow_mut().queued);
+    for call in queued {
+        take_on(plugin, call);
+    }
+}
+
+/// Steps again every conversation that was waiting (for the etcd token): each goes on, waits
+/// on, or ends with the wait's failure through its ordinary path (a stream's fail mode, a
+/// settlement counted, a client that left: nothing held).
+fn resume_parked<H: Host>(plugin: &PluginState<H>) {
+    let parked = std::mem::take(&mut plugin.calls.borrow_mut().parked);
+    for call in parked {
+        take_on(plugin, call);
+    }
+}
+
+/// Takes a call handed over (or parked) one step: a store conversation's next step, or a
+/// detached call or a lookup made (neither waits for the store's token).
+fn take_on<H: Host>(plugin: &PluginState<H>, call: RootCall) {
+    match call {
+        RootCall::Begin(begin) => converse_begin(plugin, begin, None),
+        RootCall::Settle(settle) => converse(plugin, settle, None),
+        RootCall::Admin(call) => converse_admin(plugin, call, None),
+        RootCall::Detached(call) => dispatch_detached(plugin, call),
+        RootCall::Lookup(call) => dispatch_lookup(plugin, call),
+        RootCall::Renew(call) => converse_renewal(plugin, call, None),
     }
 }

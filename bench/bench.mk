@@ -141,8 +141,9 @@ bench-ab: build tools bench-bins bench-before-wasm
 
 # The module's own instructions per request (new key, replay, pass-through), this build and,
 # with BENCH_BEFORE, the build at that commit: tests/module-abi/examples/fuel.rs, the module run
-# in the emulated Envoy with wasmi counting every instruction. Exact, so a change too small for
-# bench-ab's noise shows; Envoy's side of each host call is not in it (bench-ab measures that).
+# in the emulated Envoy with wasmi's fuel. Free of noise, so a change too small for bench-ab's
+# shows; but wasmi charges a block's instructions on entering it (code a branch skips inside the
+# block counts too), and Envoy's side of each host call is not in it: bench-ab is the measure.
 .PHONY: bench-fuel
 bench-fuel: build bench-before-wasm
 	$(CARGO) run --release -q -p module-abi --example fuel -- $(abspath $(DIST_WASM)) \

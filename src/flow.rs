@@ -1,7 +1,8 @@
-//! One request's life as a pure state machine: Envoy's callbacks come in as events, and what
-//! the glue must do goes out as data (`Step`s and a `Verdict`). The store is asked through
-//! `Step::Store` and answers through `store_answered`, in the same callback (the local store)
-//! or a later one (a store across the network); an answer that never comes is
+//! One request's life as a pure state machine: what happens to the request comes in as an
+//! `Event` (`RequestFlow::handle`, its one entry: Envoy's callbacks, and what the root brings
+//! back), and what the glue must do goes out as data (`Step`s and a `Verdict`). The store is
+//! asked through `Step::Store` and answers with `Event::StoreAnswered`, in the same callback (the
+//! local store) or a later one (a store across the network); an answer that never comes is
 //! `store_timed_out`, an ordinary transition that fails closed with 503.
 //!
 //! ```text
@@ -94,8 +95,8 @@ pub enum Step {
     ErrorStopIterationMissing { rule: String, details: Option<String>, body_bytes: u64 },
     /// Detached execution: the worker's root carries the claimed request upstream (read its
     /// head and body, make the call, record the answer, reply if the client is still there).
-    /// The request stays held, and its flow goes with the call; if no call can be made,
-    /// `detach_refused`. The call's answer is `detached_answered`.
+    /// The request stays held, and the root holds its flow until the call is answered; if no
+    /// call can be made, `detach_refused`. The call's answer is `detached_answered`.
     Detach { claim: Claim, rule: Rc<Rule> },
     /// `reconcile`: ask the upstream's lookup about this request's record (the glue builds the
     /// call from the rule and the held request), then hand its answer to `lookup_answered`;

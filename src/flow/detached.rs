@@ -1,5 +1,5 @@
 //! The flow's detached side (`routes[].execution: "detached"`): the worker's root carried the
-//! request upstream itself, its flow travelling with the call, and the call's answer becomes
+//! request upstream itself, holding its flow meanwhile, and the call's answer becomes
 //! the flow's steps as an inline upstream answer's does (`ending::plan_response`): the record
 //! completed or released, then the client's reply once the store has answered; or, when the
 //! outcome is unknown, what the rule's `unknown_outcome` says.

@@ -11,8 +11,8 @@ use crate::wait::Waiter;
 
 /// Looks at a waiter's record again: its flow asks a fresh `begin`, and the store's answer is
 /// carried out as any paused request's (`begin_answered`): at once when the store answers at
-/// once, else when its callouts are answered, the waiter held in the room meanwhile (its
-/// flow travels with the conversation).
+/// once, else when its callouts are answered, the waiter held in the room meanwhile (the
+/// conversation holds its flow).
 pub(super) fn recheck<H: Host>(plugin: &PluginState<H>, w: Waiter<RootHold>) {
     let context_id = w.context_id;
     let now_ms = plugin.host.now_ms();

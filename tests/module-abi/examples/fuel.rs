@@ -7,7 +7,9 @@
 //! key, and N requests no rule matches, with the root's tick every 100 ms of the emulated
 //! clock. Deterministic: the count does not move with the machine's load, so a change of a
 //! fraction of a percent shows. It counts the module's work only (Envoy's side of each host
-//! call is not in it): `make bench-ab` is still what says what a request costs Envoy.
+//! call is not in it), and wasmi charges a block's instructions as it enters the block (code a
+//! branch skips there counts too, so the code's layout moves the count): `make bench-ab` is
+//! still what says what a request costs Envoy.
 //! With `FUEL_EXPORTS=1`, each path's count split by the export (Envoy's callback) that ran it.
 
 use module_abi::{keyed_post, Envoy, CONTINUE};

@@ -75,10 +75,11 @@ impl Envoy {
         Envoy::load_on(Engine::default(), wasm)
     }
 
-    /// `load`, with every instruction the module executes counted (wasmi's fuel: about one
-    /// unit per instruction; the host's own work, Envoy's side of each call, is not counted).
-    /// For `examples/fuel.rs`: what a path costs in the module, exactly, where the machine's
-    /// noise hides a few percent of CPU.
+    /// `load`, with the module's instructions counted (wasmi's fuel: about one unit per
+    /// instruction, charged for a whole block as it is entered, so code a branch skips inside
+    /// the block counts too; the host's own work, Envoy's side of each call, is not counted).
+    /// For `examples/fuel.rs`: what a path costs in the module, free of the machine's noise,
+    /// which hides a few percent of CPU.
     pub fn load_metered(wasm: &[u8]) -> Result<Envoy, Error> {
         let mut config = Config::default();
         config.consume_fuel(true);

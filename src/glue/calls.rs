@@ -10,7 +10,6 @@ use crate::flow::{Retry, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::store::remote::Conversation;
 use crate::store::{Claim, Renew, StoreOp};
-use std::collections::HashMap;
 use std::rc::Rc;
 
 /// A `complete`/`release` the root carries out for a stream that may already be gone.
@@ -122,7 +121,7 @@ pub struct RootCalls {
     /// Handed over, not yet started (the root starts them in its next callback).
     pub queued: Vec<RootCall>,
     /// Waiting for the answer to the callout with this token.
-    pub in_flight: HashMap<u32, RootCall>,
+    pub in_flight: InFlight,
     /// The shard each store call in flight went to when not shard 0 (`Request::shard`), to
     /// count its failure: (token, shard).
     pub shard_of: Vec<(u32, u8)>,
@@ -167,12 +166,39 @@ impl RootCalls {
     /// Everything left, for a root that stops waiting for it.
     pub fn drain_all(&mut self) -> Vec<RootCall> {
         let mut all = std::mem::take(&mut self.queued);
-        all.extend(std::mem::take(&mut self.in_flight).into_values());
+        all.extend(std::mem::take(&mut self.in_flight).0.into_iter().map(|(_, call)| call));
         all.extend(std::mem::take(&mut self.retrying).into_iter().map(|s| RootCall::Settle(Box::new(s))));
         all.extend(std::mem::take(&mut self.parked));
         // An operator's look changes nothing: left unanswered (its client gives up).
         self.admin_later.clear();
         all
+    }
+}
+
+/// The root's callouts waiting for their answers, by token: a few per worker at a time (each
+/// paused request's store call, each settlement's, each detached call and lookup, every one
+/// answered within its timeout). A list searched from the newest costs a lookup little more than
+/// a hash table would, and the module none of a hash table's own code.
+#[derive(Default)]
+pub struct InFlight(Vec<(u32, RootCall)>);
+
+impl InFlight {
+    pub fn insert(&mut self, token: u32, call: RootCall) {
+        self.0.push((token, call));
+    }
+
+    /// The call whose callout has this token, no longer in flight.
+    pub fn remove(&mut self, token: &u32) -> Option<RootCall> {
+        let at = self.0.iter().rposition(|(t, _)| t == token)?;
+        Some(self.0.swap_remove(at).1)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
     }
 }
 

@@ -66,7 +66,7 @@ pub(super) fn carry_out<H: Host>(plugin: &PluginState<H>, key: FlowKey, out: Out
         reply: None,
         response_held: false,
         parking: None,
-        answers: VecDeque::new(),
+        answers: Vec::new(),
     };
     let mut steps: VecDeque<Step> = out.steps.into();
     loop {
@@ -75,8 +75,10 @@ pub(super) fn carry_out<H: Host>(plugin: &PluginState<H>, key: FlowKey, out: Out
             continue;
         }
         // Every step is carried out: the next answer, if any, is the flow's.
-        let Some(answer) = run.answers.pop_front() else { break };
-        if let Some(more) = feed(plugin, key, answer) {
+        if run.answers.is_empty() {
+            break;
+        }
+        if let Some(more) = feed(plugin, key, run.answers.remove(0)) {
             run.verdict = more.verdict;
             steps.extend(more.steps);
         }
@@ -107,7 +109,7 @@ struct Run {
     /// The waiter to hold in the wait room, with the flow, once the steps are carried out.
     parking: Option<Waiter<RootHold>>,
     /// What the steps were answered at once, for the flow once every step is carried out.
-    answers: VecDeque<AtOnce>,
+    answers: Vec<AtOnce>,
 }
 
 /// An answer a step got at once (the store's, the wait room's, a refusal), fed to the flow as
@@ -121,7 +123,6 @@ enum AtOnce {
 
 /// Feeds the flow one answer. Each arm names its event, so the flow's entry folds to the one
 /// transition it asks for.
-#[inline(never)]
 fn feed<H: Host>(plugin: &PluginState<H>, key: FlowKey, answer: AtOnce) -> Option<Output> {
     let cfg = &plugin.config;
     plugin.flows.with(key, |f| match answer {
@@ -158,7 +159,7 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
         Step::Store(op) => {
             let begin = matches!(op, StoreOp::Begin(_));
             match (plugin.start(op), run.at_root) {
-                (Started::Answered(answer), _) => run.answers.push_back(AtOnce::Store(answer)),
+                (Started::Answered(answer), _) => run.answers.push(AtOnce::Store(answer)),
                 // A settlement from a stream: the root settles it, since the stream may end
                 // before the store answers. In a response callback the response waits for
                 // it (the root resumes it).
@@ -198,7 +199,7 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
             let admitted = plugin.admit(context_id, &plan);
             let held = admitted.as_ref().map(|_| ()).map_err(|not_held| *not_held);
             run.parking = admitted.ok();
-            run.answers.push_back(AtOnce::Parked(held));
+            run.answers.push(AtOnce::Parked(held));
         }
         // A waiter's recheck found the original still processing: held again, until its
         // give-up time.
@@ -207,7 +208,7 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
             let again = plugin.room.borrow_mut().end_check(context_id);
             run.parking = again.and_then(|w| w.again(now_ms, lease_remaining_ms));
             let held = if run.parking.is_some() { Ok(()) } else { Err(NotHeld::GaveUp) };
-            run.answers.push_back(AtOnce::Parked(held));
+            run.answers.push(AtOnce::Parked(held));
         }
         Step::Wake(scope) => plugin.wakeups.broadcast(&scope),
         // Detached execution: the root makes the call, holding the flow; its answer is the
@@ -225,7 +226,7 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
                     if run.at_root {
                         run.hold = Some(given_back);
                     }
-                    run.answers.push_back(AtOnce::DetachRefused(why));
+                    run.answers.push(AtOnce::DetachRefused(why));
                 }
             }
         }
@@ -251,7 +252,7 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
                         true => dispatch_lookup(plugin, Box::new(RootLookup { flow, lookup })),
                     }
                 }
-                Err(retry_after_ms) => run.answers.push_back(AtOnce::LookupRefused(retry_after_ms)),
+                Err(retry_after_ms) => run.answers.push(AtOnce::LookupRefused(retry_after_ms)),
             }
         }
         // The owner holds its claim: renewed by the root while it is at work.
@@ -324,18 +325,22 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
     }
 }
 
-/// Carries out what the root's work brought the flows it holds, one event at a time, each in
-/// its stream's context (a stream gone meanwhile hears nothing). Called at the end of each of
-/// the root's callbacks; what an event's steps post in turn is carried out in the same loop.
+/// Carries out what the flows the root holds said of what its work brought them
+/// (`PluginState::post`), oldest first, each in its stream's context (a stream gone meanwhile
+/// hears nothing). Called at the end of each of the root's callbacks; what those steps post in
+/// turn is carried out in the same loop.
 pub(super) fn drain<H: Host>(plugin: &PluginState<H>) {
-    while let Some((flow, event)) = plugin.next_posted() {
-        let headless = flow.with(|f| f.headless()).unwrap_or(false);
-        if !headless && plugin.host.set_effective_context(flow.context_id()).is_err() {
-            flow.with(RequestFlow::stream_gone);
+    loop {
+        let posted = plugin.take_posted();
+        if posted.is_empty() {
+            return;
         }
-        match flow.with(|f| f.handle(&plugin.config, event)) {
-            Some(out) => carry_out_in_root(plugin, flow, out),
-            None => log::warn!("#{} the flow the root held is gone; an event was dropped", flow.context_id()),
+        for (flow, out) in posted {
+            let headless = flow.with(|f| f.headless()).unwrap_or(false);
+            if !headless && plugin.host.set_effective_context(flow.context_id()).is_err() {
+                flow.with(RequestFlow::stream_gone);
+            }
+            carry_out_in_root(plugin, flow, out);
         }
     }
 }

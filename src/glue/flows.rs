@@ -9,7 +9,7 @@
 //! (that it ended) is the root's to find out, through the effective context.
 
 use crate::flow::RequestFlow;
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, RefCell, RefMut};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::rc::Rc;
@@ -59,15 +59,13 @@ impl Flows {
     /// (None then, and when the table is busy, which a callback never finds it).
     pub fn of_stream<T>(&self, context_id: u32, f: impl FnOnce(&mut RequestFlow) -> T) -> Option<T> {
         let mut table = self.table.try_borrow_mut().ok()?;
-        let entry = table.entry(FlowKey::stream(context_id)).or_insert_with(|| Entry {
-            flow: RequestFlow::new(context_id),
-            stream: true,
-            held: 0,
-        });
-        if entry.held > 0 {
-            return None;
+        let key = FlowKey::stream(context_id);
+        if let Some(entry) = table.get_mut(&key) {
+            return (entry.held == 0).then(|| f(&mut entry.flow));
         }
-        Some(f(&mut entry.flow))
+        // Its first callback. (Not `entry()`: its code would be the module's only use of it.)
+        table.insert(key, Entry { flow: RequestFlow::new(context_id), stream: true, held: 0 });
+        table.get_mut(&key).map(|entry| f(&mut entry.flow))
     }
 
     /// True when the stream's flow is the stream's, and its later callbacks would do nothing
@@ -78,9 +76,17 @@ impl Flows {
     }
 
     /// `f` on the flow under `key`, whoever holds it (None if it is gone).
+    #[inline]
     pub fn with<T>(&self, key: FlowKey, f: impl FnOnce(&mut RequestFlow) -> T) -> Option<T> {
-        let mut table = self.table.try_borrow_mut().ok()?;
-        table.get_mut(&key).map(|e| f(&mut e.flow))
+        self.get(key).map(|mut flow| f(&mut flow))
+    }
+
+    /// The flow under `key`, borrowed until the result is dropped: the one lookup every `with`
+    /// shares, so that each of them is only its own few lines.
+    #[inline(never)]
+    fn get(&self, key: FlowKey) -> Option<RefMut<'_, RequestFlow>> {
+        let table = self.table.try_borrow_mut().ok()?;
+        RefMut::filter_map(table, |t| t.get_mut(&key).map(|e| &mut e.flow)).ok()
     }
 
     /// The stream's context is gone: its flow ends now, or when the root lets it go.

@@ -10,7 +10,7 @@ use super::plugin::PluginState;
 use super::{
     Host, HostError, BUFFER_REQUEST_BODY, BUFFER_RESPONSE_BODY, MAP_REQUEST_HEADERS, MAP_RESPONSE_HEADERS,
 };
-use crate::flow::{Event, Output, RequestFlow, StreamFacts, Unreadable, Verdict};
+use crate::flow::{Event, RequestFlow, StreamFacts, Unreadable, Verdict};
 use std::rc::Rc;
 
 /// The flow's reads, as host calls.
@@ -173,14 +173,10 @@ impl<H: Host> FilterStream<H> {
     /// Runs one callback: its event goes to the stream's flow, and the executor carries out
     /// what the flow says. Without a configuration nothing is ours and the stream goes on; while
     /// the root holds the flow (its `begin` or lookup as callouts, its detached call, its wait)
-    /// the request is paused, and the callback leaves the flow alone (None).
-    /// `hold_response`: a response callback, whose stream may be held until a settlement is
-    /// written.
-    fn callback(
-        &mut self,
-        hold_response: bool,
-        event: impl FnOnce(&mut RequestFlow, &PluginState<H>, &mut Facts<H>) -> Output,
-    ) -> Option<Verdict> {
+    /// the request is paused, and the callback leaves the flow alone (None). One function for
+    /// every callback, not one per callback: the module carries its code once.
+    #[inline(never)]
+    fn callback(&mut self, callback: Callback) -> Option<Verdict> {
         let Some(plugin) = self.plugin.clone() else { return Some(Verdict::Continue) };
         let mut facts = Facts {
             plugin: &plugin,
@@ -188,19 +184,17 @@ impl<H: Host> FilterStream<H> {
             response_start: self.response_held,
             request_map: None,
         };
-        let out = plugin.flows.of_stream(self.context_id, |flow| event(flow, &plugin, &mut facts))?;
+        let event = |flow: &mut RequestFlow| flow.handle(&plugin.config, callback.event(&mut facts));
+        let out = plugin.flows.of_stream(self.context_id, event)?;
         if out.steps.is_empty() {
             return Some(out.verdict);
         }
-        let at = At::Stream { hold_response };
+        let at = At::Stream { hold_response: callback.holds_response() };
         Some(carry::carry_out(&plugin, FlowKey::stream(self.context_id), out, at).verdict)
     }
 
     fn on_request_headers(&mut self, end_of_stream: bool) -> Verdict {
-        self.callback(false, |flow, p, facts| {
-            flow.handle(&p.config, Event::RequestHeaders { facts, end_of_stream })
-        })
-        .unwrap_or(Verdict::Continue)
+        self.callback(Callback::RequestHeaders { end_of_stream }).unwrap_or(Verdict::Continue)
     }
 
     /// True when the stream's later callbacks would do nothing: its request passed through at
@@ -212,30 +206,20 @@ impl<H: Host> FilterStream<H> {
     }
 
     fn on_request_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
-        self.callback(false, |flow, p, facts| {
-            flow.handle(&p.config, Event::RequestBody { facts, size, end_of_stream })
-        })
-        .unwrap_or(Verdict::Continue)
+        self.callback(Callback::RequestBody { size, end_of_stream }).unwrap_or(Verdict::Continue)
     }
 
     fn on_request_trailers(&mut self) -> Verdict {
-        self.callback(false, |flow, p, facts| flow.handle(&p.config, Event::RequestTrailers { facts }))
-            .unwrap_or(Verdict::Continue)
+        self.callback(Callback::RequestTrailers).unwrap_or(Verdict::Continue)
     }
 
     fn on_response_headers(&mut self, end_of_stream: bool) -> Verdict {
-        self.callback(true, |flow, p, facts| {
-            flow.handle(&p.config, Event::ResponseHeaders { facts, end_of_stream })
-        })
-        .unwrap_or(Verdict::Continue)
+        self.callback(Callback::ResponseHeaders { end_of_stream }).unwrap_or(Verdict::Continue)
     }
 
     fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> Verdict {
-        let verdict = self
-            .callback(true, |flow, p, facts| {
-                flow.handle(&p.config, Event::ResponseBody { facts, size, end_of_stream })
-            })
-            .unwrap_or(Verdict::Continue);
+        let verdict =
+            self.callback(Callback::ResponseBody { size, end_of_stream }).unwrap_or(Verdict::Continue);
         // With a remote store the body is held while it is copied, and let go with the last
         // frame once the record is written (the root resumes it): a client that has the whole
         // response has a record a retry replays. Envoy's buffer holds at most
@@ -256,13 +240,11 @@ impl<H: Host> FilterStream<H> {
     }
 
     fn on_response_trailers(&mut self) -> Verdict {
-        self.callback(true, |flow, p, facts| flow.handle(&p.config, Event::ResponseTrailers { facts }))
-            .unwrap_or(Verdict::Continue)
+        self.callback(Callback::ResponseTrailers).unwrap_or(Verdict::Continue)
     }
 
     fn on_log(&mut self) {
-        let ended =
-            self.callback(false, |flow, p, facts| flow.handle(&p.config, Event::StreamEnded { facts }));
+        let ended = self.callback(Callback::Log);
         // Its flow is the root's: a request held in the wait room stops being held (its
         // recheck, if under way, then finds its client gone).
         if let (Some(plugin), None) = (&self.plugin, ended) {
@@ -279,5 +261,44 @@ impl<H: Host> Drop for FilterStream<H> {
         if let Some(plugin) = &self.plugin {
             plugin.flows.stream_ended(self.context_id);
         }
+    }
+}
+
+/// Which of Envoy's callbacks a stream runs, with what Envoy said of it: its `Event`, once the
+/// callback has the stream's facts to read.
+#[derive(Clone, Copy)]
+enum Callback {
+    RequestHeaders { end_of_stream: bool },
+    RequestBody { size: usize, end_of_stream: bool },
+    RequestTrailers,
+    ResponseHeaders { end_of_stream: bool },
+    ResponseBody { size: usize, end_of_stream: bool },
+    ResponseTrailers,
+    Log,
+}
+
+impl Callback {
+    fn event(self, facts: &mut dyn StreamFacts) -> Event<'_> {
+        match self {
+            Callback::RequestHeaders { end_of_stream } => Event::RequestHeaders { facts, end_of_stream },
+            Callback::RequestBody { size, end_of_stream } => {
+                Event::RequestBody { facts, size, end_of_stream }
+            }
+            Callback::RequestTrailers => Event::RequestTrailers { facts },
+            Callback::ResponseHeaders { end_of_stream } => Event::ResponseHeaders { facts, end_of_stream },
+            Callback::ResponseBody { size, end_of_stream } => {
+                Event::ResponseBody { facts, size, end_of_stream }
+            }
+            Callback::ResponseTrailers => Event::ResponseTrailers { facts },
+            Callback::Log => Event::StreamEnded { facts },
+        }
+    }
+
+    /// A response callback: a settlement handed to the root holds its response until written.
+    fn holds_response(self) -> bool {
+        matches!(
+            self,
+            Callback::ResponseHeaders { .. } | Callback::ResponseBody { .. } | Callback::ResponseTrailers
+        )
     }
 }

@@ -8,7 +8,7 @@ use super::meter::Meter;
 use super::wakeups::Wakeups;
 use super::{Host, HostError, BUFFER_PLUGIN_CONFIGURATION};
 use crate::config::{self, Config, Execution, Rule};
-use crate::flow::{Event, ParkPlan, Settlement};
+use crate::flow::{Event, Output, ParkPlan, Settlement};
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
 use crate::reconcile::LookupGate;
@@ -20,11 +20,17 @@ use crate::store::seam::{Started, Store, Watch};
 use crate::store::{self, Claim, StoreAnswer, StoreOp};
 use crate::wait::{self, NotHeld, WaitRoom, Waiter};
 use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
 use std::hash::{BuildHasher, Hasher};
 use std::rc::Rc;
 
 /// A random value from the host's WASI random source (each RandomState is seeded from it).
+/// A flow the root holds is always in the table (its hold keeps it), and the table is never
+/// busy between two of its calls: this is said, never a panic, if either ever is not so.
+#[cold]
+fn lost_event(context_id: u32) {
+    log::warn!("#{context_id} the flow the root held was not found; an event was dropped");
+}
+
 fn random_u64(mix: u64) -> u64 {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(mix);
@@ -43,9 +49,9 @@ pub struct PluginState<H: Host> {
     pub calls: RefCell<RootCalls>,
     /// Every request's flow on this worker, keyed by its stream's context id.
     pub flows: Rc<Flows>,
-    /// What the root's work brought the flows it holds, for the executor to carry out at the
-    /// end of the root's callback (`carry::drain`).
-    inbox: RefCell<VecDeque<(RootHold, Event<'static>)>>,
+    /// What the flows the root holds said of what its work brought them, for the executor to
+    /// carry out at the end of the root's callback (`carry::drain`).
+    inbox: RefCell<Vec<(RootHold, Output)>>,
     /// Counters, published outcomes, and the warnings logged once per period or per worker.
     pub meter: Meter<H>,
     tokens: Cell<u64>,
@@ -122,7 +128,7 @@ impl<H: Host> PluginState<H> {
             store,
             calls: RefCell::new(RootCalls::default()),
             flows: Rc::new(Flows::default()),
-            inbox: RefCell::new(VecDeque::new()),
+            inbox: RefCell::new(Vec::new()),
             tokens: Cell::new(0),
             seed,
             room,
@@ -324,16 +330,20 @@ impl<H: Host> PluginState<H> {
         self.wakeups.wake_root("it goes on");
     }
 
-    /// Posts what the root's work brought a flow it holds (a callout's answer, a refusal, a
-    /// lease-end lookup's time): the executor carries it out at the end of the root's callback
-    /// (`carry::drain`), never inside the work that brought it.
+    /// Hands a flow the root holds what the root's work brought it (a callout's answer, a
+    /// refusal, a lease-end lookup's time), and posts what the flow says: the executor carries
+    /// it out at the end of the root's callback (`carry::drain`), never inside the work that
+    /// brought it.
     pub fn post(&self, flow: RootHold, event: Event<'static>) {
-        self.inbox.borrow_mut().push_back((flow, event));
+        match flow.with(|f| f.handle(&self.config, event)) {
+            Some(out) => self.inbox.borrow_mut().push((flow, out)),
+            None => lost_event(flow.context_id()),
+        }
     }
 
-    /// The next event posted, oldest first.
-    pub fn next_posted(&self) -> Option<(RootHold, Event<'static>)> {
-        self.inbox.borrow_mut().pop_front()
+    /// What was posted since the executor last drained it, oldest first.
+    pub fn take_posted(&self) -> Vec<(RootHold, Output)> {
+        std::mem::take(&mut *self.inbox.borrow_mut())
     }
 
     /// Hands a paused request's `begin` (and the hold on its flow) to this worker's root.

@@ -4,13 +4,13 @@
 //! by the root, as every callout), and the answer sent as a local reply; each request is counted
 //! and logged.
 
-use super::calls::{AdminAsk, AdminLater, AdminLine, RootAdmin, RootCall};
+use super::calls::{AdminAsk, AdminLater, AdminLine, RootAdmin};
 use super::plugin::PluginState;
-use super::settle::call_store;
+use super::settle::{step, Stepped};
 use super::{Host, HostError, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
 use crate::admin::{self, AdminRequest, Answered, Progress, MAX_BODY};
 use crate::flow::Verdict;
-use crate::store::remote::{Answer, Conversation, Next};
+use crate::store::remote::{Answer, Conversation};
 use crate::store::seam::Started;
 use crate::store::{StoreAnswer, StoreError};
 use std::rc::Rc;
@@ -199,20 +199,11 @@ fn send<H: Host>(plugin: &PluginState<H>, status: u16, body: &[u8]) {
 
 /// Takes an admin request's store operation one step: its next callout, or the store's answer
 /// for the request's task, which replies (if its stream is still there) or asks again.
-pub(super) fn converse_admin<H: Host>(
-    plugin: &PluginState<H>,
-    mut call: Box<RootAdmin>,
-    answer: Option<Answer>,
-) {
-    match call.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match call_store(plugin, &request) {
-            Ok(token) => {
-                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Admin(call));
-            }
-            Err(error) => admin_failed(plugin, call, error),
-        },
-        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Admin(call)),
-        Next::Done(answer) => admin_answered(plugin, *call, answer),
+pub(super) fn converse_admin<H: Host>(plugin: &PluginState<H>, call: Box<RootAdmin>, answer: Option<Answer>) {
+    match step(plugin, call, answer) {
+        Stepped::Kept => {}
+        Stepped::Failed(call, error) => admin_failed(plugin, call, error),
+        Stepped::Done(call, answer) => admin_answered(plugin, *call, answer),
     }
 }
 

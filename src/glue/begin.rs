@@ -3,34 +3,30 @@
 //! posted to its flow (`PluginState::post`); or, if the request's client left meanwhile, the
 //! claim it got given back at once.
 
-use super::calls::{RootBegin, RootCall};
+use super::calls::RootBegin;
 use super::flows::RootHold;
 use super::plugin::PluginState;
-use super::settle::{call_store, give_back, gives_back, on_store_error, Sent};
+use super::settle::{give_back, gives_back, on_store_error, step, Sent, Stepped};
 use super::Host;
 use crate::config::etcd::OnStoreError;
 use crate::flow::Event;
-use crate::store::remote::{Answer, Next};
+use crate::store::remote::Answer;
 use crate::store::{StoreAnswer, StoreError};
 
 /// Takes a paused request's `begin` one step: its next callout, or the answer for its flow.
 pub(super) fn converse_begin<H: Host>(
     plugin: &PluginState<H>,
-    mut begin: Box<RootBegin>,
+    begin: Box<RootBegin>,
     answer: Option<Answer>,
 ) {
-    match begin.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match call_store(plugin, &request) {
-            Ok(token) => {
-                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Begin(begin));
-            }
-            Err(error) => begin_failed(plugin, *begin, error, Sent::No),
-        },
-        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Begin(begin)),
-        Next::Done(StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut)))) => {
-            begin_failed(plugin, *begin, error, Sent::Yes)
-        }
-        Next::Done(answer) => begin_answered(plugin, begin.flow, answer),
+    match step(plugin, begin, answer) {
+        Stepped::Kept => {}
+        Stepped::Failed(begin, error) => begin_failed(plugin, *begin, error, Sent::No),
+        Stepped::Done(
+            begin,
+            StoreAnswer::Begun(Err(error @ (StoreError::Unavailable(_) | StoreError::TimedOut))),
+        ) => begin_failed(plugin, *begin, error, Sent::Yes),
+        Stepped::Done(begin, answer) => begin_answered(plugin, begin.flow, answer),
     }
 }
 

@@ -227,3 +227,27 @@ pub struct AdminAsk {
     pub op: StoreOp,
     pub line: AdminLine,
 }
+
+/// A store operation the root carries as a conversation: one of `RootCall`'s, which
+/// `settle::step` takes one step at a time.
+pub trait Conversing {
+    fn conversation(&mut self) -> &mut dyn Conversation;
+    /// The call, kept by the root while its callout is in flight or it waits.
+    fn into_call(self: Box<Self>) -> RootCall;
+}
+
+/// Each conversation's call, and the `RootCall` that keeps it.
+macro_rules! conversing {
+    ($($call:ty => $kept:ident),*) => {$(
+        impl Conversing for $call {
+            fn conversation(&mut self) -> &mut dyn Conversation {
+                self.conversation.as_mut()
+            }
+            fn into_call(self: Box<Self>) -> RootCall {
+                RootCall::$kept(self)
+            }
+        }
+    )*};
+}
+
+conversing!(RootAdmin => Admin, RootBegin => Begin, RootSettlement => Settle, RootRenewal => Renew);

@@ -3,11 +3,11 @@
 //! conversations beside its settlements (a remote store), and their answers go back to the
 //! worker's `Renewals`. Beside `settle.rs`, on the same footing: it calls nothing above it.
 
-use super::calls::{RootCall, RootRenewal};
+use super::calls::RootRenewal;
 use super::plugin::PluginState;
-use super::settle::call_store;
+use super::settle::{step, Stepped};
 use super::Host;
-use crate::store::remote::{Answer, Next};
+use crate::store::remote::Answer;
 use crate::store::seam::Started;
 use crate::store::{Kept, Renew, StoreError, StoreOp};
 
@@ -27,18 +27,13 @@ pub(super) fn renew_due<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
 /// Takes a renewal's conversation one step: its next callout, or its end.
 pub(super) fn converse_renewal<H: Host>(
     plugin: &PluginState<H>,
-    mut call: Box<RootRenewal>,
+    call: Box<RootRenewal>,
     answer: Option<Answer>,
 ) {
-    match call.conversation.step(answer, plugin.host.now_ms()) {
-        Next::Call(request) => match call_store(plugin, &request) {
-            Ok(token) => {
-                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Renew(call));
-            }
-            Err(error) => renewed(plugin, &call.renew, Err(error)),
-        },
-        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Renew(call)),
-        Next::Done(answer) => renewed(plugin, &call.renew, answer.into_renewed()),
+    match step(plugin, call, answer) {
+        Stepped::Kept => {}
+        Stepped::Failed(call, error) => renewed(plugin, &call.renew, Err(error)),
+        Stepped::Done(call, answer) => renewed(plugin, &call.renew, answer.into_renewed()),
     }
 }
 

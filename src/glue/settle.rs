@@ -3,7 +3,7 @@
 //! with backoff), the store calls every conversation makes, and the reply or held response that
 //! goes out once a settlement is written. Calls nothing above it (`carry.rs`, `root.rs`).
 
-use super::calls::{RootCall, RootSettlement};
+use super::calls::{Conversing, RootCall, RootSettlement};
 use super::flows::RootHold;
 use super::plugin::{CalloutOf, PluginState};
 use super::remote;
@@ -14,7 +14,7 @@ use crate::flow::{retry_window_end, RequestFlow, Retry, Settlement};
 use crate::metrics::Counter;
 use crate::store::remote::{Answer, Conversation, Next, Request};
 use crate::store::seam::Started;
-use crate::store::{Settled, StoreError, StoreOp};
+use crate::store::{Settled, StoreAnswer, StoreError, StoreOp};
 
 /// Settlements being tried again past which a claim whose answer was lost is no longer given
 /// back: so many failing means the store is struggling (slow, or failing every call), and
@@ -128,21 +128,47 @@ fn answer_written<H: Host>(plugin: &PluginState<H>, context_id: u32, flow: RootH
     }
 }
 
-/// Takes a settlement's conversation one step: its next callout, or its end.
-pub(super) fn converse<H: Host>(
+/// Where one step left a conversation the root carries.
+pub(super) enum Stepped<C> {
+    /// Its callout is in flight, or it waits for what another conversation fetches (the etcd
+    /// token): the root keeps the call.
+    Kept,
+    /// Its callout could not be made: nothing was sent.
+    Failed(Box<C>, StoreError),
+    /// It is over, with the store's answer.
+    Done(Box<C>, StoreAnswer),
+}
+
+/// Takes a conversation the root carries (a begin, a settlement, an admin ask, a renewal) one
+/// step: its next callout made and the call kept under its token, the call parked while it
+/// waits, or its end.
+pub(super) fn step<H: Host, C: Conversing>(
     plugin: &PluginState<H>,
-    mut call: Box<RootSettlement>,
+    mut call: Box<C>,
     answer: Option<Answer>,
-) {
-    match call.conversation.step(answer, plugin.host.now_ms()) {
+) -> Stepped<C> {
+    match call.conversation().step(answer, plugin.host.now_ms()) {
         Next::Call(request) => match call_store(plugin, &request) {
             Ok(token) => {
-                plugin.calls.borrow_mut().in_flight.insert(token, RootCall::Settle(call));
+                plugin.calls.borrow_mut().in_flight.insert(token, call.into_call());
+                Stepped::Kept
             }
-            Err(error) => finish_settlement(plugin, call, Err(error)),
+            Err(error) => Stepped::Failed(call, error),
         },
-        Next::Wait => plugin.calls.borrow_mut().parked.push(RootCall::Settle(call)),
-        Next::Done(answer) => finish_settlement(plugin, call, answer.into_settled()),
+        Next::Wait => {
+            plugin.calls.borrow_mut().parked.push(call.into_call());
+            Stepped::Kept
+        }
+        Next::Done(answer) => Stepped::Done(call, answer),
+    }
+}
+
+/// Takes a settlement's conversation one step: its next callout, or its end.
+pub(super) fn converse<H: Host>(plugin: &PluginState<H>, call: Box<RootSettlement>, answer: Option<Answer>) {
+    match step(plugin, call, answer) {
+        Stepped::Kept => {}
+        Stepped::Failed(call, error) => finish_settlement(plugin, call, Err(error)),
+        Stepped::Done(call, answer) => finish_settlement(plugin, call, answer.into_settled()),
     }
 }
 

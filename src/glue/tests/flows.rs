@@ -54,21 +54,3 @@ fn a_waiters_flow_stays_put_in_the_room_and_ends_when_both_its_stream_and_the_ro
     drop(original);
     assert_eq!((h.counter("stored"), root.flows_kept()), (1, 0));
 }
-
-#[test]
-fn a_waiters_flow_is_its_streams_again_once_the_replay_is_sent() {
-    let h = host();
-    let mut root = root(&h);
-    let (mut original, mut waiter) = original_and_waiter(&h, &root);
-    upstream_answers(&h, "201", b"ok");
-    original.on_response_headers(false);
-    original.on_response_body(2, true);
-    h.0.effective.set(3);
-    root.on_queue_ready(0);
-    assert_eq!(h.counter("replayed"), 1);
-    // The replay passes the waiter's encode callbacks: its flow knows it as ours.
-    assert_eq!(waiter.on_response_headers(true), Verdict::Continue);
-    assert_eq!(h.counter("stored"), 1, "the replay is not stored again");
-    drop((original, waiter));
-    assert_eq!(root.flows_kept(), 0);
-}

@@ -18,9 +18,12 @@ fn a_woken_waiter_is_answered_with_the_replay() {
     root.on_queue_ready(0);
     assert_eq!(h.replies(), vec![(3, 201, "idempotency_replay".to_string())]);
     assert_eq!(h.counter("replayed"), 1);
-    // The replay passes the waiter's encode callbacks: not captured as an upstream answer.
+    // The replay passes the waiter's encode callbacks: not captured as an upstream answer. The
+    // root let the waiter's flow go before it sent the reply, so the flow reads it as ours.
     assert_eq!(waiter.on_response_headers(true), Verdict::Continue);
     assert_eq!(h.counter("stored"), 1);
+    drop((original, waiter));
+    assert_eq!(root.flows_kept(), 0);
 }
 
 #[test]

@@ -177,14 +177,14 @@ enum Phase {
     /// Protected request held until its body is complete.
     Collecting(Pending),
     /// `begin` asked; the request stays held until the store answers.
-    AwaitingBegin { pending: Pending, fingerprint: Fingerprint, now_ms: u64, attempt: ClaimAttempt },
+    AwaitingBegin { now_ms: u64, attempt: ClaimAttempt },
     /// Wait mode: asked to be parked in the wait room (`again`: back, after a recheck).
-    Parking { pending: Pending, fingerprint: Fingerprint, lease_remaining_ms: u64, again: bool },
-    /// Held in the wait room, with its fingerprint (its body stays in Envoy's buffer, never read
-    /// again); the root looks at its record again (`recheck`).
-    Waiting { pending: Pending, fingerprint: Fingerprint },
+    Parking { lease_remaining_ms: u64, again: bool },
+    /// Held in the wait room (its body stays in Envoy's buffer, never read again: its
+    /// fingerprint is `Admitted`'s); the root looks at its record again (`recheck`).
+    Waiting,
     /// A waiter's `begin` asked again (at `now_ms`); its answer is the waiter's fate.
-    Rechecking { pending: Pending, fingerprint: Fingerprint, now_ms: u64 },
+    Rechecking { now_ms: u64 },
     /// We answered locally; our own reply comes back through the encode callbacks and must be
     /// left alone (never snapshotted), except that a replay's framing headers are put back.
     Answered { replay_shape: Option<ReplayShape> },
@@ -203,18 +203,31 @@ enum Phase {
     /// `complete` or `release` asked; the answer only decides what is counted and who is woken.
     Settling { claim: Claim, rule: Rc<Rule>, done: Counter },
     /// `reconcile`: the record's lease ended without an outcome; the upstream's lookup is asked.
-    Reconciling { pending: Pending, fingerprint: Fingerprint, attempt: ClaimAttempt },
+    Reconciling { attempt: ClaimAttempt },
     /// The lookup found the answer: the record is taken over (`begin` asked again) so that the
     /// answer becomes its outcome.
-    Adopting { pending: Pending, fingerprint: Fingerprint, now_ms: u64, found: Found },
+    Adopting { now_ms: u64, found: Found },
     /// The lookup's answer is being written as the record's outcome; the request gets it then.
-    SettlingFound { pending: Pending, claim: Claim, found: Found },
+    SettlingFound { claim: Claim, found: Found },
+}
+
+/// What admission decided once for a protected request, read by every phase that asks the
+/// store about its record (`AwaitingBegin` to `SettlingFound`): its rule, record, caller and
+/// head (`engine::Pending`) and its body's fingerprint. Shared, so that a phase reads it while
+/// the flow moves to the next one; the phases carry only their own data.
+#[derive(Debug)]
+struct Admitted {
+    pending: Pending,
+    fingerprint: Fingerprint,
 }
 
 /// One request's state. `context_id` only names it in logs.
 #[derive(Debug)]
 pub struct RequestFlow {
     context_id: u32,
+    /// What admission decided once, for the phases that ask the store about the record (set
+    /// when the body is in; let go once the request is forwarded).
+    admitted: Option<Rc<Admitted>>,
     phase: Phase,
     /// The rule of a request that went upstream under a claim, until its stream ends: the
     /// router's attempt count is only final then.
@@ -241,6 +254,7 @@ impl RequestFlow {
     pub fn new(context_id: u32) -> RequestFlow {
         RequestFlow {
             context_id,
+            admitted: None,
             phase: Phase::Idle,
             forwarded_rule: None,
             rule: None,
@@ -302,7 +316,7 @@ impl RequestFlow {
 
     /// True while the request is held in the wait room.
     pub fn waiting(&self) -> bool {
-        matches!(self.phase, Phase::Waiting { .. })
+        matches!(self.phase, Phase::Waiting)
     }
 
     /// True while a waiter's look at its record is under way (`recheck`).
@@ -456,35 +470,36 @@ impl RequestFlow {
         let owner = facts.owner_token();
         self.scope = Some(pending.scope);
         let attempt = engine::claim_attempt(cfg, &pending, fingerprint, now_ms, owner);
-        self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt: attempt.clone() };
+        self.admitted = Some(Rc::new(Admitted { pending, fingerprint }));
+        self.phase = Phase::AwaitingBegin { now_ms, attempt: attempt.clone() };
         Output::hold(vec![Step::Store(StoreOp::Begin(attempt))])
     }
 
     /// The store answered the operation this flow asked for.
     pub fn store_answered(&mut self, cfg: &Config, answer: StoreAnswer) -> Output {
-        match (std::mem::replace(&mut self.phase, Phase::Idle), answer) {
-            (
-                Phase::AwaitingBegin { pending, fingerprint, attempt, .. },
-                StoreAnswer::Begun(Ok(Begin::Unsettled)),
-            ) if pending.rule.reconcile.is_some() => {
+        let admitted = self.admitted.clone();
+        match (std::mem::replace(&mut self.phase, Phase::Idle), answer, admitted) {
+            (Phase::AwaitingBegin { attempt, .. }, StoreAnswer::Begun(Ok(Begin::Unsettled)), Some(a))
+                if a.pending.rule.reconcile.is_some() =>
+            {
                 log::debug!(
                     "#{} lease ended unsettled; asking the upstream about key {}",
                     self.context_id,
-                    pending.scope.log_tag()
+                    a.pending.scope.log_tag()
                 );
-                let rule = Rc::clone(&pending.rule);
-                self.phase = Phase::Reconciling { pending, fingerprint, attempt };
+                let rule = Rc::clone(&a.pending.rule);
+                self.phase = Phase::Reconciling { attempt };
                 Output::hold(vec![Step::Lookup { rule, request: self.lookup_request.clone() }])
             }
-            (Phase::AwaitingBegin { pending, fingerprint, now_ms, .. }, StoreAnswer::Begun(begun)) => {
-                let decision = engine::decision_of(cfg, &pending, begun);
-                self.decided(pending, fingerprint, now_ms, decision)
+            (Phase::AwaitingBegin { now_ms, .. }, StoreAnswer::Begun(begun), Some(a)) => {
+                let decision = engine::decision_of(cfg, &a.pending, begun);
+                self.decided(&a, now_ms, decision)
             }
-            (Phase::Rechecking { pending, fingerprint, now_ms }, StoreAnswer::Begun(begun)) => {
-                let decision = engine::decision_of(cfg, &pending, begun);
-                self.rechecked(pending, fingerprint, now_ms, decision)
+            (Phase::Rechecking { now_ms }, StoreAnswer::Begun(begun), Some(a)) => {
+                let decision = engine::decision_of(cfg, &a.pending, begun);
+                self.rechecked(&a, now_ms, decision)
             }
-            (Phase::Adopting { pending, fingerprint, now_ms, found }, StoreAnswer::Begun(begun)) => {
+            (Phase::Adopting { now_ms, found }, StoreAnswer::Begun(begun), Some(a)) => {
                 match begun {
                     // The record is this request's now: the lookup's answer becomes its outcome.
                     Ok(Begin::Claimed(claim) | Begin::TookOver(claim)) => {
@@ -493,30 +508,30 @@ impl RequestFlow {
                             status: found.status,
                             snapshot: found.snapshot.clone(),
                             now_ms,
-                            ttl_ms: pending.rule.ttl_ms,
+                            ttl_ms: a.pending.rule.ttl_ms,
                         };
-                        self.phase = Phase::SettlingFound { pending, claim, found };
+                        self.phase = Phase::SettlingFound { claim, found };
                         Output::hold(vec![Step::Store(StoreOp::Complete { claim, completion })])
                     }
                     // Settled by someone else meanwhile (a replay, a request in flight, ...).
                     begun => {
-                        let decision = engine::decision_of(cfg, &pending, begun);
-                        self.decided(pending, fingerprint, now_ms, decision)
+                        let decision = engine::decision_of(cfg, &a.pending, begun);
+                        self.decided(&a, now_ms, decision)
                     }
                 }
             }
-            (Phase::SettlingFound { pending, claim, found }, StoreAnswer::Settled(settled)) => {
-                self.found_settled(cfg, pending, claim, found, settled)
+            (Phase::SettlingFound { claim, found }, StoreAnswer::Settled(settled), Some(a)) => {
+                self.found_settled(cfg, &a, claim, found, settled)
             }
-            (Phase::Settling { claim, rule, done }, StoreAnswer::Settled(settled)) => {
+            (Phase::Settling { claim, rule, done }, StoreAnswer::Settled(settled), _) => {
                 let settlement = Settlement { context_id: self.context_id, claim, rule, done };
                 Output::go(settlement.answered(settled))
             }
-            (Phase::SettlingDetached { settlement, reply }, StoreAnswer::Settled(settled)) => {
+            (Phase::SettlingDetached { settlement, reply }, StoreAnswer::Settled(settled), _) => {
                 let steps = settlement.answered(settled);
                 self.answer(reply, crate::detached::DETAILS_DETACHED, steps)
             }
-            (phase, _) => {
+            (phase, _, _) => {
                 // An answer nobody here asked for (a late one after a timeout): nothing to do.
                 log::debug!("#{} ignored a store answer nobody was waiting for", self.context_id);
                 self.phase = phase;
@@ -545,20 +560,20 @@ impl RequestFlow {
     /// is counted as a store error either way (the response is already on its way).
     pub fn store_failed(&mut self, cfg: &Config, error: StoreError, mode: OnStoreError) -> Output {
         match (&self.phase, mode) {
-            (Phase::AwaitingBegin { pending, .. }, OnStoreError::FailOpen) => {
+            (Phase::AwaitingBegin { .. }, OnStoreError::FailOpen) => {
                 log::debug!(
                     "#{} store unavailable ({error}); forwarding key {} unprotected",
                     self.context_id,
-                    pending.scope.log_tag()
+                    self.scope.map(|s| s.log_tag()).unwrap_or_default()
                 );
                 self.phase = Phase::Idle;
                 Output::go(vec![Step::Count(Counter::StoreBypassed)])
             }
-            (Phase::Rechecking { pending, .. }, OnStoreError::FailOpen) => {
+            (Phase::Rechecking { .. }, OnStoreError::FailOpen) => {
                 log::debug!(
                     "#{} store unavailable ({error}); forwarding waiter on key {} unprotected",
                     self.context_id,
-                    pending.scope.log_tag()
+                    self.scope.map(|s| s.log_tag()).unwrap_or_default()
                 );
                 self.phase = Phase::Idle;
                 Output::go(vec![Step::LeaveWaitRoom, Step::Count(Counter::StoreBypassed)])
@@ -579,11 +594,12 @@ impl RequestFlow {
     /// so a claim it got is given back at once (the release to perform, and what to count when
     /// it is answered) rather than left to block retries until its lease ends.
     pub fn answered_without_stream(&mut self, answer: &StoreAnswer) -> Option<Settlement> {
-        let (Phase::AwaitingBegin { pending, .. } | Phase::Rechecking { pending, .. }) =
+        let (Phase::AwaitingBegin { .. } | Phase::Rechecking { .. }) =
             std::mem::replace(&mut self.phase, Phase::Idle)
         else {
             return None;
         };
+        let rule = Rc::clone(&self.admitted.as_ref()?.pending.rule);
         match answer {
             StoreAnswer::Begun(Ok(Begin::Claimed(claim) | Begin::TookOver(claim))) => {
                 log::debug!(
@@ -591,12 +607,8 @@ impl RequestFlow {
                     self.context_id,
                     claim.scope.log_tag()
                 );
-                let settlement = Settlement {
-                    context_id: self.context_id,
-                    claim: *claim,
-                    rule: pending.rule,
-                    done: Counter::Released,
-                };
+                let settlement =
+                    Settlement { context_id: self.context_id, claim: *claim, rule, done: Counter::Released };
                 Some(settlement)
             }
             _ => None,
@@ -607,9 +619,10 @@ impl RequestFlow {
     /// may have landed: nobody will forward the request, so the claim is given back (what to
     /// count when the release is answered), and the flow goes on to its fail mode.
     pub fn unanswered_claim(&self, claim: Claim) -> Option<Settlement> {
-        let (Phase::AwaitingBegin { pending, .. } | Phase::Rechecking { pending, .. }) = &self.phase else {
+        let (Phase::AwaitingBegin { .. } | Phase::Rechecking { .. }) = &self.phase else {
             return None;
         };
+        let pending = &self.admitted.as_ref()?.pending;
         log::debug!("#{} claim of key {} unanswered; giving it back", self.context_id, claim.scope.log_tag());
         Some(Settlement {
             context_id: self.context_id,
@@ -637,13 +650,8 @@ impl RequestFlow {
         }
     }
 
-    fn decided(
-        &mut self,
-        pending: Pending,
-        fingerprint: Fingerprint,
-        now_ms: u64,
-        decision: Decision,
-    ) -> Output {
+    fn decided(&mut self, admitted: &Admitted, now_ms: u64, decision: Decision) -> Output {
+        let Admitted { pending, fingerprint } = admitted;
         if let Some(lease_end) = &self.lease_end {
             let attempt = lease_end.attempt.clone();
             return match decision {
@@ -655,14 +663,15 @@ impl RequestFlow {
                         self.context_id,
                         claim.scope.log_tag()
                     );
-                    self.phase = Phase::Settling { claim, rule: pending.rule, done: Counter::Released };
+                    self.phase =
+                        Phase::Settling { claim, rule: Rc::clone(&pending.rule), done: Counter::Released };
                     Output::go(vec![Step::Store(StoreOp::Release(claim))])
                 }
                 // Still in flight by the store's clock (etcd ends a lease key by its own, a few
                 // seconds late), or the store failed: asked again later.
                 Decision::Respond { counter: Counter::InFlight | Counter::StoreError, .. }
                 | Decision::Wait { .. } => {
-                    self.phase = Phase::Reconciling { pending, fingerprint, attempt };
+                    self.phase = Phase::Reconciling { attempt };
                     Output::go(Vec::new())
                 }
                 // Settled by someone else meanwhile: nothing to do.
@@ -676,7 +685,7 @@ impl RequestFlow {
                     let request = std::mem::take(&mut self.lookup_request);
                     let later = LaterLookup {
                         pending: pending.clone(),
-                        fingerprint,
+                        fingerprint: *fingerprint,
                         request,
                         due_ms,
                         route_cluster: None,
@@ -686,15 +695,15 @@ impl RequestFlow {
                 }
                 self.forward(pending, claim, counter, now_ms)
             }
-            Decision::Respond { reply, counter } => self.respond(&pending, reply, counter),
+            Decision::Respond { reply, counter } => self.respond(pending, reply, counter),
             Decision::Wait { lease_remaining_ms } => {
                 let plan = ParkPlan {
-                    give_up_at_ms: wait::give_up_at(&pending, now_ms),
+                    give_up_at_ms: wait::give_up_at(pending, now_ms),
                     scope: pending.scope,
                     lease_remaining_ms,
                     now_ms,
                 };
-                self.phase = Phase::Parking { pending, fingerprint, lease_remaining_ms, again: false };
+                self.phase = Phase::Parking { lease_remaining_ms, again: false };
                 Output::hold(vec![Step::Park(plan)])
             }
         }
@@ -702,7 +711,7 @@ impl RequestFlow {
 
     /// The request owns the record: forwarded upstream through Envoy, or carried by the root on
     /// a detached rule. Its claim, made at `now_ms`, is held (renewed) while it is at work.
-    fn forward(&mut self, pending: Pending, claim: Claim, counter: Counter, now_ms: u64) -> Output {
+    fn forward(&mut self, pending: &Pending, claim: Claim, counter: Counter, now_ms: u64) -> Output {
         log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
         let rule = &pending.rule;
         let hold = Step::Hold(Hold {
@@ -711,16 +720,18 @@ impl RequestFlow {
             lease_end_ms: now_ms.saturating_add(rule.processing_timeout_ms),
             expires_at_ms: now_ms.saturating_add(rule.ttl_ms),
         });
+        // Nothing asks the store about the record again: what admission decided goes.
+        self.admitted = None;
         if matches!(pending.rule.execution, Execution::Detached { .. }) {
             self.phase = Phase::Detached { claim, rule: Rc::clone(&pending.rule) };
             return Output::hold(vec![
                 Step::Count(counter),
                 hold,
-                Step::Detach { claim, rule: pending.rule },
+                Step::Detach { claim, rule: Rc::clone(&pending.rule) },
             ]);
         }
         self.forwarded_rule = Some(Rc::clone(&pending.rule));
-        self.phase = Phase::Forwarded { claim, rule: pending.rule };
+        self.phase = Phase::Forwarded { claim, rule: Rc::clone(&pending.rule) };
         Output::go(vec![Step::Count(counter), hold])
     }
 
@@ -733,24 +744,20 @@ impl RequestFlow {
     /// Whether the wait room holds the request: admitted (or, after a recheck, held again), or
     /// not: refused by its bounds, or its wait is over (409 either way, counted apart).
     pub fn parked(&mut self, cfg: &Config, held: Result<(), NotHeld>) -> Output {
-        let Phase::Parking { pending, fingerprint, lease_remaining_ms, again } =
-            std::mem::replace(&mut self.phase, Phase::Idle)
+        let Phase::Parking { lease_remaining_ms, again } = std::mem::replace(&mut self.phase, Phase::Idle)
         else {
             return Output::go(Vec::new());
         };
+        let tag = self.scope.map(|s| s.log_tag()).unwrap_or_default();
         match held {
             Ok(()) => {
-                log::debug!("#{} waiting for key {}", self.context_id, pending.scope.log_tag());
-                self.phase = Phase::Waiting { pending, fingerprint };
+                log::debug!("#{} waiting for key {tag}", self.context_id);
+                self.phase = Phase::Waiting;
                 let steps = if again { Vec::new() } else { vec![Step::Count(Counter::Waiting)] };
                 Output::hold(steps)
             }
             Err(not_held) => {
-                log::debug!(
-                    "#{} not held ({not_held:?}) for key {}",
-                    self.context_id,
-                    pending.scope.log_tag()
-                );
+                log::debug!("#{} not held ({not_held:?}) for key {tag}", self.context_id);
                 let counter = match not_held {
                     NotHeld::GaveUp => Counter::WaitTimedOut,
                     NotHeld::PerKey | NotHeld::Total => Counter::WaitRefused,
@@ -765,13 +772,13 @@ impl RequestFlow {
     /// to ask, as fresh as its first (None: not waiting). Its answer (`store_answered`) is the
     /// waiter's fate.
     pub fn recheck(&mut self, cfg: &Config, now_ms: u64, owner: u64) -> Option<StoreOp> {
-        match std::mem::replace(&mut self.phase, Phase::Idle) {
-            Phase::Waiting { pending, fingerprint } => {
-                let attempt = engine::claim_attempt(cfg, &pending, fingerprint, now_ms, owner);
-                self.phase = Phase::Rechecking { pending, fingerprint, now_ms };
+        match (std::mem::replace(&mut self.phase, Phase::Idle), self.admitted.clone()) {
+            (Phase::Waiting, Some(a)) => {
+                let attempt = engine::claim_attempt(cfg, &a.pending, a.fingerprint, now_ms, owner);
+                self.phase = Phase::Rechecking { now_ms };
                 Some(StoreOp::Begin(attempt))
             }
-            phase => {
+            (phase, _) => {
                 self.phase = phase;
                 None
             }
@@ -781,20 +788,14 @@ impl RequestFlow {
     /// A waiter's fate, from what its look at the record found: the `Decision` any request's
     /// `begin` leads to, carried out the same way (it leaves the wait room to be forwarded or
     /// answered), except that "wait" holds it in the room again.
-    fn rechecked(
-        &mut self,
-        pending: Pending,
-        fingerprint: Fingerprint,
-        now_ms: u64,
-        decision: Decision,
-    ) -> Output {
+    fn rechecked(&mut self, admitted: &Admitted, now_ms: u64, decision: Decision) -> Output {
         let out = match decision {
             Decision::Wait { lease_remaining_ms } => {
-                self.phase = Phase::Parking { pending, fingerprint, lease_remaining_ms, again: true };
+                self.phase = Phase::Parking { lease_remaining_ms, again: true };
                 return Output::hold(vec![Step::Repark { lease_remaining_ms }]);
             }
-            Decision::Forward { claim, counter } => self.forward(pending, claim, counter, now_ms),
-            Decision::Respond { reply, counter } => self.respond(&pending, reply, counter),
+            Decision::Forward { claim, counter } => self.forward(&admitted.pending, claim, counter, now_ms),
+            Decision::Respond { reply, counter } => self.respond(&admitted.pending, reply, counter),
         };
         let mut steps = vec![Step::LeaveWaitRoom];
         steps.extend(out.steps);

@@ -2,7 +2,7 @@
 //! when its record's lease ended unsettled, what the upstream's answer does to the record, and
 //! the headless flow the root keeps to look a record up itself when its lease ends.
 
-use super::{Output, Phase, RequestFlow, Step, DETAILS_PROBLEM, DETAILS_REPLAY};
+use super::{Admitted, Output, Phase, RequestFlow, Step, DETAILS_PROBLEM, DETAILS_REPLAY};
 use crate::config::{Concurrency, Config, Rule};
 use crate::engine::{self, Decision, Pending, Reply};
 use crate::identity::fingerprint::Fingerprint;
@@ -63,7 +63,8 @@ impl RequestFlow {
             lookup_request: request,
             lease_end: Some(Box::new(lease_end)),
             stream_gone: false,
-            phase: Phase::Reconciling { pending, fingerprint, attempt },
+            admitted: Some(Rc::new(Admitted { pending, fingerprint })),
+            phase: Phase::Reconciling { attempt },
         }
     }
 
@@ -76,17 +77,15 @@ impl RequestFlow {
     /// only while it is unsettled (`Begin::Unsettled`); in flight (etcd keeps a claim's lease by
     /// its own clock, a few seconds late) it is asked again later; settled, it is done.
     pub fn lease_end_due(&mut self, now_ms: u64) -> Output {
-        let Phase::Reconciling { pending, fingerprint, attempt } =
-            std::mem::replace(&mut self.phase, Phase::Idle)
-        else {
+        let Phase::Reconciling { attempt } = std::mem::replace(&mut self.phase, Phase::Idle) else {
             return Output::go(Vec::new());
         };
         if !self.headless() {
-            self.phase = Phase::Reconciling { pending, fingerprint, attempt };
+            self.phase = Phase::Reconciling { attempt };
             return Output::go(Vec::new());
         }
         let attempt = ClaimAttempt { now_ms, ..attempt };
-        self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt: attempt.clone() };
+        self.phase = Phase::AwaitingBegin { now_ms, attempt: attempt.clone() };
         Output::go(vec![Step::Store(StoreOp::Begin(attempt))])
     }
 
@@ -108,12 +107,10 @@ impl RequestFlow {
 
     /// The upstream's lookup answered (`Step::Lookup`).
     pub fn lookup_answered(&mut self, answer: LookupAnswer, now_ms: u64) -> Output {
-        let Phase::Reconciling { pending, fingerprint, attempt } =
-            std::mem::replace(&mut self.phase, Phase::Idle)
-        else {
+        let Phase::Reconciling { attempt } = std::mem::replace(&mut self.phase, Phase::Idle) else {
             return Output::go(Vec::new());
         };
-        let tag = pending.scope.log_tag();
+        let tag = self.scope.map(|s| s.log_tag()).unwrap_or_default();
         // Acting on a final answer takes the record over; a lookup that settled nothing leaves
         // the attempt as it was (a lease-end lookup asks again with it: it must never take over).
         let (attempt, unsettled) = (attempt.clone().after_lookup(now_ms), attempt);
@@ -123,15 +120,14 @@ impl RequestFlow {
                     "#{} the upstream executed key {tag} ({status}): adopting its answer",
                     self.context_id
                 );
-                self.phase =
-                    Phase::Adopting { pending, fingerprint, now_ms, found: Found { status, snapshot } };
+                self.phase = Phase::Adopting { now_ms, found: Found { status, snapshot } };
                 Output::hold(vec![Step::Store(StoreOp::Begin(attempt))])
             }
             LookupAnswer::NotFound => {
                 // Never executed: this request executes now, as a takeover, so that no other
                 // retry runs beside it.
                 log::debug!("#{} the upstream never executed key {tag}: executing it", self.context_id);
-                self.phase = Phase::AwaitingBegin { pending, fingerprint, now_ms, attempt: attempt.clone() };
+                self.phase = Phase::AwaitingBegin { now_ms, attempt: attempt.clone() };
                 Output::hold(vec![
                     Step::Count(Counter::ReconciledNotFound),
                     Step::Store(StoreOp::Begin(attempt)),
@@ -141,7 +137,7 @@ impl RequestFlow {
                 log::debug!("#{} lookup of key {tag} settled nothing: {why}", self.context_id);
                 if self.headless() {
                     // Asked again later by the root.
-                    self.phase = Phase::Reconciling { pending, fingerprint, attempt: unsettled };
+                    self.phase = Phase::Reconciling { attempt: unsettled };
                     return Output::go(vec![Step::Count(Counter::ReconcileFailed)]);
                 }
                 let reply = Reply::problem(&engine::unsettled(engine::LOOKUP_SPACING_MS));
@@ -153,15 +149,15 @@ impl RequestFlow {
     /// No lookup settled the record now (it failed, or one is under way or was made less than
     /// `retry_after_ms` ago): 503 `outcome-unknown` with `retry-after`; the next retry asks again.
     pub fn lookup_refused(&mut self, retry_after_ms: u64) -> Output {
-        let Phase::Reconciling { pending, fingerprint, attempt } =
-            std::mem::replace(&mut self.phase, Phase::Idle)
+        let (Phase::Reconciling { attempt }, Some(admitted)) =
+            (std::mem::replace(&mut self.phase, Phase::Idle), self.admitted.clone())
         else {
             return Output::go(Vec::new());
         };
-        if matches!(pending.rule.concurrency, Concurrency::Wait { .. }) {
+        if matches!(admitted.pending.rule.concurrency, Concurrency::Wait { .. }) {
             // Another lookup of the record is under way: wait for it as for any original.
             let decision = Decision::Wait { lease_remaining_ms: retry_after_ms };
-            return self.decided(pending, fingerprint, attempt.now_ms, decision);
+            return self.decided(&admitted, attempt.now_ms, decision);
         }
         let reply = Reply::problem(&engine::unsettled(retry_after_ms));
         self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::ReconcileFailed)])
@@ -171,7 +167,7 @@ impl RequestFlow {
     pub(super) fn found_settled(
         &mut self,
         cfg: &Config,
-        pending: Pending,
+        admitted: &Admitted,
         claim: Claim,
         found: Found,
         settled: Result<Settled, StoreError>,
@@ -183,6 +179,7 @@ impl RequestFlow {
                     Some(snapshot) => Begin::Replay(snapshot),
                     None => Begin::NotStored { status: found.status },
                 };
+                let pending = &admitted.pending;
                 let mut steps = vec![Step::Count(Counter::ReconciledFound)];
                 if matches!(pending.rule.concurrency, Concurrency::Wait { .. }) {
                     steps.push(Step::Wake(claim.scope));
@@ -190,7 +187,7 @@ impl RequestFlow {
                 if self.headless() {
                     return Output::go(steps);
                 }
-                match engine::decision_of(cfg, &pending, Ok(begun)) {
+                match engine::decision_of(cfg, pending, Ok(begun)) {
                     Decision::Respond { reply, .. } => self.answer(reply, details, steps),
                     // A replay or "not stored" is always an answer.
                     _ => Output::go(steps),

@@ -244,7 +244,7 @@ impl RequestFlow {
                 self.phase = Phase::Capturing(Capture { overflowed: true, body: Vec::new(), ..c });
                 steps.extend(self.finish_capture(facts));
             }
-            Phase::Waiting { .. } => {
+            Phase::Waiting => {
                 // The client left while held: nothing was claimed, just stop holding it.
                 log::debug!("#{} held request's client went away", self.context_id);
                 steps.push(Step::LeaveWaitRoom);

@@ -1,9 +1,10 @@
 //! The executor (raft-rs's `advance`): the one place a flow's steps become host calls, store
 //! operations and the root's work. A stream's callback runs it on what its flow said
-//! (`carry_out`, `At::Stream`); the root runs it on what the events its work brought said
-//! (`drain`, at the end of each of the root's callbacks). Neither feeds the flow in the middle
-//! of its steps, and the root's work never re-enters it: what a callout's answer, a refusal or a
-//! lease-end lookup's time means for a flow is posted (`PluginState::post`) and drained here.
+//! (`carry_out`, `At::Stream`); the root runs it on what its flows said of the events its work
+//! brought them (`drain`, at the end of each of the root's callbacks). Neither feeds the flow in
+//! the middle of its steps, and the root's work never re-enters it: a callout's answer, a
+//! refusal or a lease-end lookup's time is handed to the flow where it comes, and what the flow
+//! says is posted (`PluginState::post`) and drained here.
 
 use super::begin::converse_begin;
 use super::calls::{RootBegin, RootLookup};

@@ -41,7 +41,7 @@ mod event;
 mod facts;
 mod lookup;
 mod response;
-pub use event::Event;
+pub use event::{Callback, Event};
 pub use facts::{StreamFacts, Unreadable};
 use lookup::Found;
 pub use lookup::{LaterLookup, LeaseEnd};

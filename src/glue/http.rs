@@ -10,7 +10,7 @@ use super::plugin::PluginState;
 use super::{
     Host, HostError, BUFFER_REQUEST_BODY, BUFFER_RESPONSE_BODY, MAP_REQUEST_HEADERS, MAP_RESPONSE_HEADERS,
 };
-use crate::flow::{Event, RequestFlow, StreamFacts, Unreadable, Verdict};
+use crate::flow::{Callback, Event, RequestFlow, StreamFacts, Unreadable, Verdict};
 use std::rc::Rc;
 
 /// The flow's reads, as host calls.
@@ -184,12 +184,14 @@ impl<H: Host> FilterStream<H> {
             response_start: self.response_held,
             request_map: None,
         };
-        let event = |flow: &mut RequestFlow| flow.handle(&plugin.config, callback.event(&mut facts));
+        let event = |flow: &mut RequestFlow| {
+            flow.handle(&plugin.config, Event::Stream { callback, facts: &mut facts })
+        };
         let out = plugin.flows.of_stream(self.context_id, event)?;
         if out.steps.is_empty() {
             return Some(out.verdict);
         }
-        let at = At::Stream { hold_response: callback.holds_response() };
+        let at = At::Stream { hold_response: callback.is_response() };
         Some(carry::carry_out(&plugin, FlowKey::stream(self.context_id), out, at).verdict)
     }
 
@@ -261,44 +263,5 @@ impl<H: Host> Drop for FilterStream<H> {
         if let Some(plugin) = &self.plugin {
             plugin.flows.stream_ended(self.context_id);
         }
-    }
-}
-
-/// Which of Envoy's callbacks a stream runs, with what Envoy said of it: its `Event`, once the
-/// callback has the stream's facts to read.
-#[derive(Clone, Copy)]
-enum Callback {
-    RequestHeaders { end_of_stream: bool },
-    RequestBody { size: usize, end_of_stream: bool },
-    RequestTrailers,
-    ResponseHeaders { end_of_stream: bool },
-    ResponseBody { size: usize, end_of_stream: bool },
-    ResponseTrailers,
-    Log,
-}
-
-impl Callback {
-    fn event(self, facts: &mut dyn StreamFacts) -> Event<'_> {
-        match self {
-            Callback::RequestHeaders { end_of_stream } => Event::RequestHeaders { facts, end_of_stream },
-            Callback::RequestBody { size, end_of_stream } => {
-                Event::RequestBody { facts, size, end_of_stream }
-            }
-            Callback::RequestTrailers => Event::RequestTrailers { facts },
-            Callback::ResponseHeaders { end_of_stream } => Event::ResponseHeaders { facts, end_of_stream },
-            Callback::ResponseBody { size, end_of_stream } => {
-                Event::ResponseBody { facts, size, end_of_stream }
-            }
-            Callback::ResponseTrailers => Event::ResponseTrailers { facts },
-            Callback::Log => Event::StreamEnded { facts },
-        }
-    }
-
-    /// A response callback: a settlement handed to the root holds its response until written.
-    fn holds_response(self) -> bool {
-        matches!(
-            self,
-            Callback::ResponseHeaders { .. } | Callback::ResponseBody { .. } | Callback::ResponseTrailers
-        )
     }
 }

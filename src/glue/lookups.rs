@@ -99,25 +99,28 @@ pub(super) fn start_lease_end_lookups<H: Host>(plugin: &PluginState<H>, now_ms: 
 /// The lookup of a lease-end flow's record, through this Envoy's gate. None when a lookup of the
 /// record is under way or was just made here: then a request is here for it.
 pub(super) fn start_lease_end_lookup<H: Host>(plugin: &PluginState<H>, key: FlowKey) -> Option<Lookup> {
-    plugin.flows.with(key, |flow| gated_lease_end_lookup(plugin, flow)).flatten()
-}
-
-fn gated_lease_end_lookup<H: Host>(plugin: &PluginState<H>, flow: &RequestFlow) -> Option<Lookup> {
-    let (call, rule) = flow.lease_end_call()?;
-    let scope = flow.scope().copied()?;
+    let (lookup, scope) = plugin
+        .flows
+        .with(key, |flow| {
+            let (call, rule) = flow.lease_end_call()?;
+            let scope = flow.scope().copied()?;
+            let lookup = Lookup {
+                scope,
+                started_ms: 0,
+                rule: Rc::clone(rule),
+                cluster: call.cluster.clone(),
+                headers: call.headers.clone(),
+                timeout_ms: call.timeout_ms,
+            };
+            Some((lookup, scope))
+        })
+        .flatten()?;
     let now_ms = plugin.host.now_ms();
-    if plugin.lookups.start(&scope, now_ms, u64::from(call.timeout_ms)).is_err() {
+    if plugin.lookups.start(&scope, now_ms, u64::from(lookup.timeout_ms)).is_err() {
         log::debug!("lease-end lookup of key {} left to the request already asking", scope.log_tag());
         return None;
     }
-    Some(Lookup {
-        scope,
-        started_ms: now_ms,
-        rule: Rc::clone(rule),
-        cluster: call.cluster.clone(),
-        headers: call.headers.clone(),
-        timeout_ms: call.timeout_ms,
-    })
+    Some(Lookup { started_ms: now_ms, ..lookup })
 }
 
 /// The lookups a worker makes.

@@ -329,7 +329,7 @@ module-test: build
 	FILTER_WASM=$(DIST_WASM) $(CARGO) test -p module-abi
 
 # Formatting, and clippy on both builds: the native one (engine + tests) and the wasm32 one
-# (which alone compiles the glue). unwrap/expect/panic are denied outside tests (Cargo.toml).
+# (which alone compiles the raw ABI, `src/glue/`). unwrap/expect/panic are denied outside tests (Cargo.toml).
 lint: wasm-target
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets --features etcd-conformance -- -D warnings

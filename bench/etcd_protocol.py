@@ -13,7 +13,7 @@ directory, stopped at the end) and sends it the same three operations both ways:
 
 (a) JSON gateway: HTTP/1.1 POST /v3/kv/txn, /v3/kv/range, /v3/lease/grant with the bodies the
 filter sends (src/store/etcd/wire/json.rs: base64 keys and values, int64 as strings) and the headers
-its glue sends, one keep-alive connection per concurrent caller (as Envoy's HTTP/1.1 pool).
+its worker sends, one keep-alive connection per concurrent caller (as Envoy's HTTP/1.1 pool).
 (b) gRPC: HTTP/2, one connection multiplexing every caller (as Envoy's HTTP/2 pool), generic
 unary calls on /etcdserverpb.KV/Txn, /etcdserverpb.KV/Range, /etcdserverpb.Lease/LeaseGrant
 with hand-encoded protobuf, as a module without a protobuf library would have to send them.
@@ -201,7 +201,7 @@ def percentile(sorted_ns: list[int], p: float) -> float:
 
 
 class Http1:
-    """A keep-alive HTTP/1.1 connection sending the filter's callouts (headers as the glue sets
+    """A keep-alive HTTP/1.1 connection sending the filter's callouts (headers as the worker sets
     them; Envoy adds a few of its own on the way)."""
 
     def __init__(self, port: int):

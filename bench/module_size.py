@@ -26,7 +26,7 @@ from idemkit import REPO_ROOT as REPO
 
 CRATE = "idempotency_filter"
 # Modules of the crate shown one level deeper (their submodules are big enough to matter).
-SPLIT = ("store", "glue", "identity")
+SPLIT = ("store", "worker", "identity")
 
 
 def sections(data: bytes) -> list[tuple[int, int, int]]:
@@ -107,13 +107,13 @@ def owner(symbol: str) -> str:
         depth = 3 if len(path) > 3 and path[1] in SPLIT else 2
         return "::".join(path[:depth])
     if path[:3] == ["std", "thread", "local"]:
-        # The glue's thread-local state: Envoy's callbacks are inlined into these closures.
+        # The module's thread-local state (glue/abi.rs): Envoy's callbacks are inlined into these closures.
         return "std::thread::local (the glue's callbacks, inlined)"
     if path and path[0] in ("core", "alloc", "std") and len(path) > 1:
         return "::".join(path[:2])
     # Trait impls and v0-mangled names: the first known crate named in them.
     for crate, shown in ((CRATE + "..store..etcd", f"{CRATE}::store::etcd"), (CRATE + "..store..local", f"{CRATE}::store::local"),
-                         (CRATE + "..glue", f"{CRATE}::glue (impls)"), (CRATE, f"{CRATE} (impls)"),
+                         (CRATE + "..worker", f"{CRATE}::worker (impls)"), (CRATE, f"{CRATE} (impls)"),
                          ("sha2", "sha2, digest"), ("digest", "sha2, digest"), ("block_buffer", "sha2, digest"),
                          ("hashbrown", "hashbrown (HashMap)"), ("core", "Rust std: formatting, panics, impls for the crate's types"),
                          ("alloc", "Rust std: formatting, panics, impls for the crate's types"), ("std", "Rust std: formatting, panics, impls for the crate's types")):

@@ -126,12 +126,12 @@ def profile_once(s: Profiled, lg: Loadgen, seconds: float, run: int) -> None:
 NAIVE_HOST_CALLS = {"header_value": 1, "buffer": 2, "get_shared_data": 1, "set_shared_data": 2, "header_pairs": 1}
 
 
-HOST_CALL_TEST = "glue::tests::costs::host_calls_per_new_key_and_per_replay"
+HOST_CALL_TEST = "worker::tests::costs::host_calls_per_new_key_and_per_replay"
 
 
 def host_calls() -> dict[str, dict[str, tuple[int, int]]]:
     """The filter's host calls per new key and per replay, by kind (calls, bytes copied), as the
-    glue makes them against the fake host (the `host_calls_per_new_key_and_per_replay` tests)."""
+    worker makes them against the fake host (the `host_calls_per_new_key_and_per_replay` tests)."""
     # The one test with the bench's quota, alone: its sibling without a quota prints the same
     # lines, and two tests printing at once interleave them.
     p = subprocess.run(["cargo", "test", "--quiet", "--lib", HOST_CALL_TEST, "--", "--exact", "--nocapture"],
@@ -155,7 +155,7 @@ def host_calls() -> dict[str, dict[str, tuple[int, int]]]:
 def host_call_markdown(calls: dict[str, dict[str, tuple[int, int]]]) -> list[str]:
     new = calls["new key"]
     kinds = sorted(set(new) | set(NAIVE_HOST_CALLS), key=lambda k: -new.get(k, (0, 0))[0])
-    L = ["Host calls per new key, by kind: the filter's as its glue makes them against the fake host, with "
+    L = ["Host calls per new key, by kind: the filter's as its worker makes them against the fake host, with "
          "the bench's tenant and caller quota (`cargo test --lib "
          f"{HOST_CALL_TEST} -- --exact --nocapture`; without a quota a new key makes two "
          "calls fewer), the naive filter's read off its source:", "",

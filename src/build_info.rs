@@ -1,5 +1,5 @@
 //! Which module this is: the crate's version (Cargo.toml, `env!("CARGO_PKG_VERSION")`), said
-//! once when a root context starts, never on a request's path (glue/root.rs, `on_vm_start`):
+//! once when a root context starts, never on a request's path (worker/root.rs, `on_vm_start`):
 //!
 //! - one log line at info level, `idempotency-filter <version> started`, written by the first
 //!   root of an Envoy (of its vm_id) to start this version: the shared-data key `ANNOUNCED_KEY`

@@ -86,7 +86,7 @@ pub enum ResponsePlan {
     CompleteUnknown,
 }
 
-/// What Envoy reports about a stream's end, as the glue read it.
+/// What Envoy reports about a stream's end, as the worker read it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamReport<'a> {
     pub details: Option<&'a str>,

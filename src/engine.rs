@@ -1,4 +1,4 @@
-//! The decision engine: from a request's head and body to a decision, as data. Pure: the glue
+//! The decision engine: from a request's head and body to a decision, as data. Pure: the worker
 //! hands it header values and bytes, a store and the time, and turns its answers into host calls.
 //!
 //! A protected request goes through two steps:
@@ -26,7 +26,7 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// Header carrying the original status when the original body was not stored.
 pub const ORIGINAL_STATUS_HEADER: &str = "idempotent-original-status";
 
-/// The request as the glue read it: lowercase header names (pseudo-headers included), raw values.
+/// The request as the worker read it: lowercase header names (pseudo-headers included), raw values.
 pub struct RequestHead<'a> {
     pub method: &'a str,
     /// `:path` as received, with the query.
@@ -75,14 +75,14 @@ pub enum Admission {
     Collect(Pending),
 }
 
-/// A complete reply the glue sends as is.
+/// A complete reply the worker sends as is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reply {
     pub status: u16,
     pub headers: Vec<(String, Vec<u8>)>,
     pub body: Vec<u8>,
     /// For a replay: the framing headers the stored response had, which Envoy's local-reply
-    /// path may drop or invent; the glue restores them when the reply passes its own encode
+    /// path may drop or invent; the worker restores them when the reply passes its own encode
     /// callback (`replay_header_fixes`).
     pub replay_shape: Option<ReplayShape>,
 }
@@ -107,7 +107,7 @@ pub struct ReplayShape {
     pub content_length: Option<Vec<u8>>,
 }
 
-/// A change the glue makes to a replay's headers on their way out.
+/// A change the worker makes to a replay's headers on their way out.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HeaderFix {
     Set(&'static str, Vec<u8>),

@@ -1,4 +1,4 @@
-//! The filter's own error replies: RFC 9457 `application/problem+json`, as data the glue sends.
+//! The filter's own error replies: RFC 9457 `application/problem+json`, as data the worker sends.
 
 use crate::identity::key::KeyError;
 use crate::json::emit_string;

@@ -1,5 +1,5 @@
 //! SplitMix64 (Steele, Lea and Flood, 2014): the one mixer the crate uses where it needs well-spread
-//! bits without a cryptographic hash — owner tokens in the glue, and the seeded draws of the
+//! bits without a cryptographic hash — owner tokens in the worker, and the seeded draws of the
 //! placement tests and `examples/store_io.rs`, which must repeat from run to run.
 
 /// One SplitMix64 step: `z` advanced by the golden-ratio increment, then mixed.

@@ -10,19 +10,19 @@
 //!   executed again: after its lease its scope answers 502 `outcome-unknown` until the ttl, and
 //!   nothing is ever taken over. The model runs with both values;
 //! - a claim lives as long as its owner (C25): each worker's root renews the claims its owners
-//!   hold at every 100 ms tick, as the glue does (`renewal::Renewals`), so an owner whose
+//!   hold at every 100 ms tick, as the worker does (`renewal::Renewals`), so an owner whose
 //!   upstream takes several leases is never taken over, refused or evicted while it waits; an
 //!   owner that dies (its claim left) ends its claim a lease after its last renewal at most.
 
 #![allow(clippy::unwrap_used, clippy::panic)]
 
 use idempotency_filter::config::{parse, Config};
-use idempotency_filter::flow::{Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict};
 use idempotency_filter::metrics::Counter;
 use idempotency_filter::renewal::Renewals;
 use idempotency_filter::store::fake::FakeSharedData;
 use idempotency_filter::store::local::LocalStore;
 use idempotency_filter::store::{RecordStore, StoreOp};
+use idempotency_filter::worker::flow::{Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict};
 use std::collections::HashMap;
 
 const LEASE_MS: u64 = 1_000;
@@ -143,7 +143,7 @@ impl StreamFacts for Stream {
     }
 }
 
-/// Carries out the flow's steps as the glue does with the local store (a store operation is
+/// Carries out the flow's steps as the worker does with the local store (a store operation is
 /// answered at once and its answer goes back to the flow; a claim held or let go is the
 /// worker's `renewals`'): the counters and the reply, if any.
 fn carry_out(
@@ -357,7 +357,7 @@ fn run(
             }
             _ => {
                 // Time passes; every worker's root ticks each 100 ms and renews its owners'
-                // claims that are due, as the glue does.
+                // claims that are due, as the worker does.
                 let until = now + rng.below(LEASE_MS / 2);
                 while now < until {
                     now = (now + 100).min(until);

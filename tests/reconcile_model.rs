@@ -13,14 +13,12 @@ use idempotency_filter::config::{parse, Config};
 use idempotency_filter::engine::{
     admit, claim_attempt, fingerprint_body, Admission, RequestHead, REPLAYED_HEADER,
 };
-use idempotency_filter::flow::{
-    LaterLookup, LeaseEnd, Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict,
-};
-use idempotency_filter::reconcile::{answer_of, LookupAnswer, LookupGate};
 use idempotency_filter::store::fake::permutations;
 use idempotency_filter::store::fake::FakeSharedData;
 use idempotency_filter::store::local::LocalStore;
 use idempotency_filter::store::{Begin, ClaimAttempt, RecordStore, Settled, StoreAnswer, StoreOp};
+use idempotency_filter::worker::flow::{Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict};
+use idempotency_filter::worker::reconcile::{answer_of, LaterLookup, LeaseEnd, LookupAnswer, LookupGate};
 
 const LEASE_MS: u64 = 1_000;
 const CONFIG: &str = r#"{"routes":[{"name":"pay","match":{"prefix":"/pay"},"require_key":true,
@@ -140,7 +138,7 @@ impl World<'_> {
         }
     }
 
-    /// Carries out a flow's steps as the glue does: store operations at once, a lookup through
+    /// Carries out a flow's steps as the worker does: store operations at once, a lookup through
     /// Envoy `envoy`'s gate, a forwarded request executed by the upstream and answered 201.
     fn drive(&mut self, envoy: usize, flow: &mut RequestFlow, stream: &mut Stream, out: Output) {
         let mut verdict = out.verdict;

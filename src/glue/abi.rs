@@ -7,11 +7,11 @@
 //! callback that arrives while its table is busy (a re-entrant call) is answered with a
 //! harmless default instead of a `RefCell` panic.
 
-use super::flows::ContextIds;
 use super::host::{self, AbiHost, HostLogger};
-use super::http::Http;
-use super::root::Root;
-use crate::flow::Verdict;
+use crate::worker::flow::Verdict;
+use crate::worker::flows::ContextIds;
+use crate::worker::http::Http;
+use crate::worker::root::Root;
 use std::cell::RefCell;
 use std::collections::HashMap;
 

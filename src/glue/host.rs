@@ -3,8 +3,8 @@
 //! UTF-8 in header maps, and a panic kills the VM for every request on the worker. `AbiHost`
 //! offers them to the rest of the glue as the `Host` trait.
 
-use super::pairs::{encode_pairs, HeaderMap};
-use super::{Host, HostError, MetricBatch, LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_WARN};
+use crate::host::pairs::{encode_pairs, HeaderMap};
+use crate::host::{Host, HostError, MetricBatch, LOG_DEBUG, LOG_ERROR, LOG_INFO, LOG_WARN};
 
 /// Always logged, whatever the level: a refused configuration, a panic.
 pub const LOG_CRITICAL: u32 = 5;

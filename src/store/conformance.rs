@@ -149,7 +149,7 @@ pub fn done(tag: &str, now_ms: u64) -> Completion {
     Completion { state: State::Succeeded, status: 201, snapshot: Some(snapshot(tag)), now_ms, ttl_ms: TTL }
 }
 
-/// Renews `claims` for another `LEASE` from `now_ms` as the glue does: each shard's parts in a
+/// Renews `claims` for another `LEASE` from `now_ms` as the worker does: each shard's parts in a
 /// renewal of their own. Per claim: renewed on every part, or what a part found instead.
 pub fn renew_all(w: &dyn RecordStore, claims: &[&Claim], now_ms: u64) -> Vec<Kept> {
     let parts: Vec<(usize, crate::store::Renewal)> =

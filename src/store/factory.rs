@@ -1,5 +1,5 @@
 //! The one place a store is built from its configuration, as Envoy's cache filter asks its
-//! `HttpCacheFactory` for a cache: the glue asks for the configured store on the one seam
+//! `HttpCacheFactory` for a cache: the worker asks for the configured store on the one seam
 //! (`seam::Store`) and never names a backend.
 
 use crate::config::StoreConfig;
@@ -16,7 +16,7 @@ use crate::store::OnLeaseEnd;
 pub struct Opened {
     pub store: Box<dyn Store>,
     /// "local store: <capacity> records in <n> buckets (<n> keys created)" or "remote store on
-    /// cluster(s) <names>", after "configured <n> route rule(s); " in the glue's start-up line.
+    /// cluster(s) <names>", after "configured <n> route rule(s); " in the worker's start-up line.
     pub described: String,
 }
 

@@ -512,7 +512,7 @@ pub trait RecordStore {
     ) -> Result<Result<(), Refusal>, StoreError>;
 }
 
-/// One conversation with the store, as data: the engine says what to perform, the glue performs
+/// One conversation with the store, as data: the engine says what to perform, the worker performs
 /// it (the local store at once on shared data; a remote store as a callout while the request
 /// stays paused) and hands back the `StoreAnswer`.
 #[derive(Debug, Clone, PartialEq, Eq)]

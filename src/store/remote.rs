@@ -1,6 +1,6 @@
 //! A store across the network, as the store layer speaks it: every operation is a
 //! conversation of HTTP calls that the store's own state machine drives, pure, from the answers
-//! it is handed. The glue (`glue/remote.rs`) makes the calls as Envoy callouts; the etcd store
+//! it is handed. The worker (`worker/remote.rs`) makes the calls as Envoy callouts; the etcd store
 //! starts its conversations through the one storage interface (`store::seam`); a blocking
 //! client drives the same conversations in the conformance tests.
 
@@ -31,7 +31,7 @@ pub struct Answer {
     pub grpc: Option<GrpcStatus>,
     /// Envoy made this answer itself: the store's own never reached it (no connection, a reset
     /// before its headers, no healthy host). Only told for an answer that did not succeed
-    /// (`glue::remote::read_answer`).
+    /// (`worker::remote::read_answer`).
     pub from_envoy: bool,
 }
 

@@ -1,11 +1,11 @@
-//! The one storage interface the glue speaks, whatever the backend: an operation is started,
+//! The one storage interface the worker speaks, whatever the backend: an operation is started,
 //! and either answered at once or carried on as a conversation of callouts. Shaped after
 //! Envoy's HTTP cache filter, whose one asynchronous lookup interface has an in-memory backend
 //! that simply answers at once: here the local store (Envoy's shared data) always answers at
-//! once, and the etcd store answers at once only from its replay cache. So the glue has one
+//! once, and the etcd store answers at once only from its replay cache. So the worker has one
 //! path for both, and hands a request to its worker's root only when the first step is a call.
 //!
-//! A store that waiters can watch (etcd over gRPC) offers a `Watch`; the glue sees only this
+//! A store that waiters can watch (etcd over gRPC) offers a `Watch`; the worker sees only this
 //! trait, never the backend's type.
 
 use crate::identity::scope::ScopeId;

@@ -5,7 +5,8 @@ a `use` (or a path in the code) of A's non-test part names `crate::`, `super::` 
 that resolve to B's file, B being neither A's ancestor nor its descendant: a child uses its
 parent's types and a parent declares its children, which is nesting, not a circle. Test code
 (`#[cfg(test)]` onwards, `tests/` directories, `*_tests.rs`) and the `testing` kit are left out:
-they may import anything. A circle among the rest is refused, with the modules in it."""
+they may import anything. A circle among the rest is refused, with the modules in it; so is an import that runs up a
+layer (`layer_of`: a feature's plan below the flow, the flow below the worker's runtime)."""
 
 from __future__ import annotations
 
@@ -103,6 +104,61 @@ def test_no_import_circle_among_the_rust_modules():
     assert circles(imports()) == []
 
 
+FEATURES = ("admin", "detached", "reconcile", "wait")
+
+
+def layer_of(module: tuple[str, ...]) -> int:
+    """The layers, from the ground up (ARCHITECTURE.md, "Imports run one way"):
+    0: the engine's pure modules and the host seam (`host`);
+    1: a feature's plan (`worker/<feature>/`, but for its `flow.rs` and `root.rs`);
+    2: the request's flow (`worker/flow/`) and each feature's part of it (`<feature>/flow.rs`);
+    3: the worker's runtime (`worker/*.rs`) and each feature's root part (`<feature>/root.rs`);
+    4: the raw ABI (`glue`)."""
+    if module[:1] == ("glue",):
+        return 4
+    if module[:1] != ("worker",) or len(module) < 2:
+        return 0
+    if module[1] == "flow":
+        return 2
+    if module[1] in FEATURES:
+        part = module[2] if len(module) > 2 else ""
+        return {"flow": 2, "root": 3}.get(part, 1)
+    return 3
+
+
+def imports_that_run_up(graph: dict[tuple[str, ...], set[tuple[str, ...]]]) -> list[str]:
+    """Each import of a module on a higher layer, as `from -> to`."""
+    return sorted(
+        f"{'/'.join(a)} -> {'/'.join(b)}"
+        for a, deps in graph.items()
+        for b in deps
+        if layer_of(b) > layer_of(a)
+    )
+
+
+def test_no_import_runs_up_a_layer():
+    assert imports_that_run_up(imports()) == []
+
+
+def test_the_check_finds_an_import_that_runs_up(tmp_path):
+    """The check itself: a feature's plan that reads the flow, and a flow part that reaches
+    for the root's, run up; the flow reading a plan does not."""
+    worker = tmp_path / "worker"
+    for d in (worker / "flow", worker / "wait"):
+        d.mkdir(parents=True)
+    (tmp_path / "lib.rs").write_text("pub mod worker;\n")
+    (worker / "mod.rs").write_text("pub mod flow;\npub mod wait;\nmod plugin;\n")
+    (worker / "plugin.rs").write_text("use super::wait::Room;\n")
+    (worker / "flow" / "mod.rs").write_text("use crate::worker::wait::Room;\npub struct Flow;\n")
+    (worker / "wait" / "mod.rs").write_text("mod flow;\nmod root;\npub struct Room;\n")
+    (worker / "wait" / "flow.rs").write_text("use crate::worker::flow::Flow;\n")
+    (worker / "wait" / "root.rs").write_text("use crate::worker::plugin::State;\n")
+    assert imports_that_run_up(imports(tmp_path)) == []
+    (worker / "wait" / "mod.rs").write_text("mod flow;\nmod root;\nuse crate::worker::flow::Flow;\n")
+    (worker / "wait" / "flow.rs").write_text("use crate::worker::plugin::State;\n")
+    assert imports_that_run_up(imports(tmp_path)) == ["worker/wait -> worker/flow", "worker/wait/flow -> worker/plugin"]
+
+
 def test_the_check_finds_a_circle(tmp_path):
     """The check itself: two sibling modules that import each other are a circle, a child
     importing its parent is not."""
@@ -121,14 +177,20 @@ def main() -> int:
     import tempfile
 
     failed = 0
-    for test in (test_no_import_circle_among_the_rust_modules, test_the_check_finds_a_circle):
+    tests = (
+        test_no_import_circle_among_the_rust_modules,
+        test_the_check_finds_a_circle,
+        test_no_import_runs_up_a_layer,
+        test_the_check_finds_an_import_that_runs_up,
+    )
+    for test in tests:
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                test(*([Path(tmp)] if test is test_the_check_finds_a_circle else []))
+                test(*([Path(tmp)] if test.__name__.startswith("test_the_check") else []))
         except AssertionError as e:
             failed += 1
             print(f"FAILED {test.__name__}: {e}")
-    print(f"tests/deploy/test_rust_imports.py: {2 - failed} passed, {failed} failed")
+    print(f"tests/deploy/test_rust_imports.py: {len(tests) - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 

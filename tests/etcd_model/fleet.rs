@@ -6,7 +6,7 @@
 //! Real: everything the store decides (the calls, their guards, what each answer means, the
 //! lease caches of each worker, the give-back of an unanswered claim), and which claims an
 //! owner still at work renews, and when (`renewal::Renewals`, the product's own, with its
-//! `StoreOp::Renew` conversations). Modelled, after the glue (which builds for wasm32 and the
+//! `StoreOp::Renew` conversations). Modelled, after the worker (which builds for wasm32 and the
 //! crate's own unit tests only): what an Envoy does with a store answer (forward on a claim,
 //! retry a failed completion as the root does (`flow::Retry`, the product's own, its window
 //! following the claim's renewals), give back a claim whose answer was lost, look up an
@@ -16,7 +16,6 @@
 use crate::etcd::Etcd;
 use idempotency_filter::config::UnknownOutcome;
 use idempotency_filter::engine::on_lease_end;
-use idempotency_filter::flow::{retry_window_end, Retry};
 use idempotency_filter::identity::fingerprint::Fingerprint;
 use idempotency_filter::identity::scope::ScopeId;
 use idempotency_filter::renewal::{Hold, Renewals};
@@ -28,6 +27,7 @@ use idempotency_filter::store::remote::{Answer, Next, Request};
 use idempotency_filter::store::{
     Begin, Claim, ClaimAttempt, Completion, Renew, Settled, StoreAnswer, StoreError, StoreOp,
 };
+use idempotency_filter::worker::flow::{retry_window_end, Retry};
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
 
@@ -537,7 +537,7 @@ impl Fleet {
             StoreOp::Complete { claim, .. } | StoreOp::Release(claim) => Some(claim.owner),
             _ => None,
         };
-        // Held (renewed) while the root writes it, as the glue does: let go once it is over.
+        // Held (renewed) while the root writes it, as the worker does: let go once it is over.
         let renewals = &mut state.envoys[envoy].renewals.0;
         let held = owner.and_then(|o| renewals.lease_end(o)).map_or(0, |end| end + self.lease_ms);
         let over =
@@ -547,7 +547,7 @@ impl Fleet {
         }
         match answer.into_settled() {
             Err(StoreError::Unavailable(_) | StoreError::TimedOut) => {
-                // The glue's own retry (`flow::Retry`), as the root carries it: until a lease past
+                // The worker's own retry (`flow::Retry`), as the root carries it: until a lease past
                 // the claim's, or past the lease it last renewed.
                 let retry = match (s.retry, &s.op.0) {
                     (None, StoreOp::Complete { claim, .. } | StoreOp::Release(claim)) => {
@@ -700,7 +700,7 @@ impl Fleet {
             }
             Err(error) => {
                 // The fail mode answers (503); a claim etcd may hold is given back first (the
-                // glue's begin_failed, for a store that failed or timed out).
+                // worker's begin_failed, for a store that failed or timed out).
                 let in_doubt = matches!(error, StoreError::Unavailable(_) | StoreError::TimedOut);
                 if let Some(claim) = conversation_claim.filter(|_| in_doubt) {
                     log.push_str(&format!("; gives back claim {}", claim.owner));

@@ -172,7 +172,7 @@ fn begun(answer: StoreAnswer) -> Result<Begin, StoreError> {
 /// (`testing`) A `RecordStore` over any store on the one storage interface (`seam::Store`), its
 /// calls made to the etcd of their shard (`Request::shard`, an index into `addrs`) with the
 /// HTTP/1.1 client above: the conformance suite runs against a store in shards (and one whose
-/// shard list is changing) exactly as the glue drives it.
+/// shard list is changing) exactly as the worker drives it.
 pub struct BlockingSeam {
     pub addrs: Vec<SocketAddr>,
     store: Box<dyn crate::store::seam::Store>,

@@ -576,7 +576,7 @@ impl EtcdConversation {
         // revision means it was taken over, completed, released or replaced.
         let Some(kv) = found.kvs.first() else { return Ok(Move::Settled(Settled::Lost)) };
         if u64::try_from(kv.mod_revision).ok() != Some(claim.locator) {
-            // A completion sent again (the glue retries one whose answer never came) may find
+            // A completion sent again (the worker retries one whose answer never came) may find
             // its own earlier write.
             let landed = holds_own_outcome(&self.op, &kv.value);
             return Ok(Move::Settled(if landed { Settled::Done } else { Settled::Lost }));

@@ -41,7 +41,7 @@ fn claim_lease_reuse_ms(lease_ms: u64) -> u64 {
 
 /// How long past its lease a claim stays its owner's: its completion's retry window, one
 /// processing lease (`flow::retry_window_end`). The lease key covers it (`claim_lease_ttl_s`),
-/// and the glue waits it out before its own lookup (`Store::held_past_lease_ms`).
+/// and the worker waits it out before its own lookup (`Store::held_past_lease_ms`).
 pub(super) fn held_past_lease_ms(lease_ms: u64) -> u64 {
     lease_ms
 }

@@ -1,7 +1,7 @@
 //! The etcd backend: one store shared by a fleet of Envoys, reached through etcd's v3 API (its
 //! JSON gateway or its gRPC API, `store.protocol`: `wire/`) by HTTP callouts. This module is pure (no host calls, no sockets): `EtcdStore::start`
 //! turns a `StoreOp` into an `EtcdConversation`, a state machine that asks for HTTP calls
-//! (`Next::Call`, in the `store::remote` vocabulary) and is fed their answers until it is `Done`. The glue performs the
+//! (`Next::Call`, in the `store::remote` vocabulary) and is fed their answers until it is `Done`. The worker performs the
 //! calls as Envoy callouts; `blocking` (tests only) performs them over std::net. It answers
 //! exactly as the local store does (the conformance suite runs against a real etcd), except
 //! that it has no capacity bound (never `Full`) and `sweep` has nothing to do.

@@ -1,6 +1,6 @@
 //! The etcd store behind the one storage interface (`store::seam`): each store operation is an
 //! `EtcdConversation`, which already speaks the remote-store vocabulary (`store::remote`); this only
-//! keeps the store the conversations share and the settings the glue needs to make their calls.
+//! keeps the store the conversations share and the settings the worker needs to make their calls.
 
 use super::watch::RecordWatch;
 use super::{EtcdConversation, EtcdStore};

@@ -138,7 +138,7 @@ impl Store for EtcdShards {
                 };
             }
             // A renewal's claims are one shard's (a moving claim's old home is a claim of its own,
-            // on the old home's shard): the glue groups them so.
+            // on the old home's shard): the worker groups them so.
             StoreOp::Renew(renew) => {
                 let shard = renew.claims.first().map_or(0, |c| c.shard);
                 return self.on(shard, op, now);

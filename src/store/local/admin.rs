@@ -1,4 +1,4 @@
-//! What an operator does to records (the admin API, `crate::admin`): list them, look one up,
+//! What an operator does to records (the admin API, `worker/admin/`): list them, look one up,
 //! release it, or settle it with the upstream's real answer. Apart from the request path because
 //! none of it runs there: it scans buckets, and it changes records no claim of its own owns, by
 //! the same commit rules (slot first, by CAS; then the bucket) that every writer follows.
@@ -15,7 +15,7 @@ use crate::store::{Settled, StoreError};
 /// take a bucket's entries. A list, or a look-up by tag, over a large store reads every bucket
 /// and many slots: on the worker that serves it, that is time no request gets. So such a scan
 /// goes in parts: a call stops at this bound with `RecordPage::paused` and where it stopped, and
-/// the admin API asks again for the rest in a later callback (`crate::admin`), so the worker
+/// the admin API asks again for the rest in a later callback (`worker/admin/`), so the worker
 /// serves its requests in between. Measured (docs/OPERATIONS.md, "An outcome_unknown alert
 /// fired"): about 1 ms of one worker per call.
 pub const SCAN_READS: usize = 256;

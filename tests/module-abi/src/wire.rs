@@ -1,7 +1,7 @@
 //! proxy-wasm's header map serialization, as Envoy writes it into the module and reads it out:
 //! a little-endian u32 count, then a (name length, value length) pair of u32 per entry, then
 //! each name and each value followed by a NUL byte. Written here from the ABI's description, not
-//! shared with the module's own `glue/pairs.rs`, so that a mistake in one is not in both.
+//! shared with the module's own `host/pairs.rs`, so that a mistake in one is not in both.
 
 pub type Pairs = Vec<(String, Vec<u8>)>;
 

@@ -1,7 +1,7 @@
 //! The conversations against canned etcd answers, in the exact JSON etcd 3.4.23's gateway emits
 //! (captured from a real etcd): call sequences, decisions, and every kind of bad answer. One
 //! file per subject, as the store's code is split; here, what they share: etcd's answers, a
-//! store's settings (also the watch tests' and the glue's remote wait tests'), a claim attempt
+//! store's settings (also the watch tests' and the worker's remote wait tests'), a claim attempt
 //! and the records it writes, and `run`, which drives one conversation through canned answers.
 
 // Test code: a failed expectation is the test's failure.
@@ -107,7 +107,7 @@ fn error_body(message: &str, code: i64) -> String {
     format!(r#"{{"error":"{message}","message":"{message}","code":{code}}}"#)
 }
 
-/// An answer as the glue hands it over: status (None: the callout failed) and body.
+/// An answer as the worker hands it over: status (None: the callout failed) and body.
 type Canned = (Option<u16>, Vec<u8>);
 
 fn ok(body: String) -> Canned {
@@ -115,7 +115,7 @@ fn ok(body: String) -> Canned {
 }
 
 /// A store's settings as these tests use them (cluster `etcd`, keys under `/idem/`); also the
-/// watch tests' and the glue's remote wait tests'.
+/// watch tests' and the worker's remote wait tests'.
 pub(crate) fn settings(auth: Option<EtcdAuth>) -> EtcdSettings {
     EtcdSettings {
         cluster: "etcd".into(),

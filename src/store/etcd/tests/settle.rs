@@ -149,7 +149,7 @@ fn a_stale_index_key_that_is_also_fresh_is_named_once() {
 #[test]
 fn a_completion_sent_again_after_its_write_landed_is_done_not_lost() {
     // The first try's guarded write landed but its answer never came (Envoy timed the callout
-    // out): the glue starts the completion again. The record now holds this claim's outcome
+    // out): the worker starts the completion again. The record now holds this claim's outcome
     // under a newer revision; that is this completion done, not a lost claim.
     let key = record_key();
     let claim = Claim { scope: scope(1), owner: 11, locator: 4, written: None, shard: 0, old_home: None };

@@ -141,7 +141,7 @@ fn only_a_sent_claim_without_an_answer_is_in_doubt() {
 
 #[test]
 fn a_claim_whose_call_is_given_up_on_is_in_doubt() {
-    // The glue never hands Envoy's timeout to the conversation: it gives up on it with the claim's
+    // The worker never hands Envoy's timeout to the conversation: it gives up on it with the claim's
     // call out.
     let store = warm_store(0);
     let mut conversation = store.start(StoreOp::Begin(attempt(0)));

@@ -1,0 +1,238 @@
+//! Reconciliation (`routes[].reconcile`), pure: the lookup that asks the upstream whether it
+//! executed a request whose outcome the filter could not know, and what its answer means.
+//!
+//! Why it exists: an unknown outcome (Envoy's route timeout while the upstream still worked, a
+//! reset after the request was sent, a client gone, a detached call past `upstream_timeout`, an
+//! Envoy that died holding the claim) may not be executed twice, and without a lookup nobody can
+//! tell the client what happened. A rule with `reconcile` keeps such a record in flight until its
+//! lease ends (the upstream may still be working), and then a retry's lookup decides
+//! (flow.rs, `Phase::Reconciling`):
+//! - a final 2xx (not 202): it executed, and that answer becomes the record's outcome, replayed
+//!   with `idempotent-reconciled: true` to this retry and every later one;
+//! - 404: it never executed and never will: the retry executes, as a takeover of the record;
+//! - anything else settles nothing: 503 `outcome-unknown` with `retry-after`.
+//!
+//! The lookup is a read: it writes nothing, so two lookups of one record may run on two Envoys at
+//! once. Only acting on its answer takes the record over, atomically, as any takeover does.
+
+use crate::codec::percent_encode;
+use crate::config::{Config, Reconcile, Rule};
+use crate::engine;
+use crate::engine::Pending;
+use crate::identity::fingerprint::Fingerprint;
+use crate::identity::key::parse_key;
+use crate::store::record::Snapshot;
+use crate::store::ClaimAttempt;
+
+mod flow;
+mod gate;
+pub(crate) mod root;
+pub use gate::LookupGate;
+
+/// Marks a replay whose response came from the upstream's lookup, not from the request's own
+/// execution: the client can tell that the first attempt did execute.
+pub const RECONCILED_HEADER: &str = "idempotent-reconciled";
+
+/// The lookup as the worker makes it: a callout to `cluster` (None: the route's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LookupCall {
+    pub cluster: Option<String>,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub timeout_ms: u32,
+}
+
+/// What the lookup said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LookupAnswer {
+    /// It executed, and answered `status`; `snapshot` is None when the answer is larger than the
+    /// rule keeps (then the record keeps the status alone, as an inline answer would).
+    Found { status: u16, snapshot: Option<Snapshot> },
+    /// It never executed, and never will.
+    NotFound,
+    /// Nothing is settled: why, for the log.
+    Failed(String),
+}
+
+/// The lookup for the request whose headers (as Envoy holds them) are `request`: `:method` and
+/// `:path` from the rule's `reconcile`, with `{key}` the request's Idempotency-Key,
+/// percent-encoded; the request's `:authority`; the key header; and the headers `reconcile`
+/// copies (never a router control header: config refuses them). None when the request has no
+/// usable key or `:authority` (it could not have been admitted).
+pub fn lookup_call(cfg: &Config, reconcile: &Reconcile, request: &[(String, Vec<u8>)]) -> Option<LookupCall> {
+    fn values<'r>(request: &'r [(String, Vec<u8>)], name: &'r str) -> impl Iterator<Item = &'r [u8]> + 'r {
+        request.iter().filter(move |(n, _)| n == name).map(|(_, v)| v.as_slice())
+    }
+    let key_values: Vec<&[u8]> = values(request, &cfg.key_header).collect();
+    let key = parse_key(&key_values).ok()?;
+    let authority = values(request, ":authority").next()?.to_vec();
+    let path = reconcile.path.replace("{key}", &percent_encode(key.as_str()));
+    let mut headers = vec![
+        (":method".to_string(), reconcile.method.as_bytes().to_vec()),
+        (":path".to_string(), path.into_bytes()),
+        (":authority".to_string(), authority),
+        (cfg.key_header.clone(), key_values.first().map(|v| v.to_vec()).unwrap_or_default()),
+    ];
+    for name in reconcile.headers.iter().filter(|n| **n != cfg.key_header) {
+        headers.extend(values(request, name).map(|v| (name.clone(), v.to_vec())));
+    }
+    let timeout_ms = u32::try_from(reconcile.timeout_ms).unwrap_or(u32::MAX);
+    Some(LookupCall { cluster: reconcile.cluster.clone(), headers, timeout_ms })
+}
+
+/// The part of a request's head its lookup is made from (`lookup_call`): `:authority`, the key
+/// header and the headers `reconcile` copies. Kept from admission: Envoy hands the filter the
+/// request's head only while the request is being decoded (and again at its log).
+pub fn lookup_request(
+    cfg: &Config,
+    reconcile: &Reconcile,
+    request: &[(String, Vec<u8>)],
+) -> Vec<(String, Vec<u8>)> {
+    request
+        .iter()
+        .filter(|(n, _)| n == ":authority" || *n == cfg.key_header || reconcile.headers.contains(n))
+        .cloned()
+        .collect()
+}
+
+/// What the lookup's answer means. `status` None: Envoy gave no answer (no connection, the
+/// call's timeout, a reset). 202 says "accepted, not final", and every status outside 2xx but
+/// 404 (a 409 or 425 "still processing", a 5xx) says nothing final either.
+pub fn answer_of(
+    rule: &Rule,
+    status: Option<u16>,
+    headers: Vec<(String, Vec<u8>)>,
+    body: Vec<u8>,
+) -> LookupAnswer {
+    match status {
+        Some(404) => LookupAnswer::NotFound,
+        Some(s @ 200..=299) if s != 202 => {
+            let snapshot = (body.len() as u64 <= rule.max_response_bytes).then(|| {
+                let mut headers = engine::snapshot_headers(headers, &rule.replay_exclude_headers);
+                headers.retain(|(n, _)| n != RECONCILED_HEADER);
+                headers.push((RECONCILED_HEADER.to_string(), b"true".to_vec()));
+                Snapshot { status: s, headers, body }
+            });
+            LookupAnswer::Found { status: s, snapshot }
+        }
+        Some(s) => LookupAnswer::Failed(format!("the lookup answered {s}, which settles nothing")),
+        None => LookupAnswer::Failed("the lookup got no answer (no connection, or its timeout)".into()),
+    }
+}
+
+/// What the root needs to look a record up when its lease ends, with no request waiting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaterLookup {
+    pub pending: Pending,
+    pub fingerprint: Fingerprint,
+    /// The request's head as the lookup needs it (`reconcile::lookup_request`).
+    pub request: Vec<(String, Vec<u8>)>,
+    /// When the claim's lease ends.
+    pub due_ms: u64,
+    /// The route's cluster, kept for a lookup built when it can no longer be read (a detached
+    /// request's client gone: `RequestFlow::keep_route_cluster`).
+    pub route_cluster: Option<String>,
+    /// The claim's owner token: while its owner held it, its lease ran on (`renewal`), and the
+    /// lookup is due when the lease it last renewed ends.
+    pub owner: u64,
+}
+
+/// What the upstream's lookup answered for an executed request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Found {
+    pub status: u16,
+    pub snapshot: Option<Snapshot>,
+}
+
+/// A lease-end lookup's call (built while its stream was there) and what acting on its answer
+/// asks the store; `tries`: lookups made that settled nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseEnd {
+    pub cluster: String,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub timeout_ms: u32,
+    pub attempt: ClaimAttempt,
+    pub tries: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse;
+
+    fn cfg(reconcile: &str) -> Config {
+        let json = format!(
+            r#"{{"tenant_header":"x-tenant","routes":[{{"name":"pay","match":{{"prefix":"/pay"}},
+            "max_response_bytes":16,"replay_exclude_headers":["set-cookie"],"reconcile":{reconcile}}}]}}"#
+        );
+        parse(json.as_bytes()).unwrap()
+    }
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+        list.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
+    }
+
+    #[test]
+    fn the_lookup_carries_the_encoded_key_and_only_the_callers_identity() {
+        let c = cfg(r#"{"path":"/payments/by-key/{key}"}"#);
+        let reconcile = c.rules[0].reconcile.as_ref().unwrap();
+        let request = pairs(&[
+            (":method", "POST"),
+            (":path", "/pay/42?x=1"),
+            (":authority", "api.example"),
+            ("idempotency-key", "a/b+%?"),
+            ("authorization", "Bearer t"),
+            ("x-tenant", "acme"),
+            ("x-envoy-retry-on", "5xx"),
+            ("content-type", "application/json"),
+        ]);
+        let call = lookup_call(&c, reconcile, &request).unwrap();
+        assert_eq!(call.cluster, None);
+        assert_eq!(call.timeout_ms, 2_000);
+        assert_eq!(
+            call.headers,
+            pairs(&[
+                (":method", "GET"),
+                (":path", "/payments/by-key/a%2Fb%2B%25%3F"),
+                (":authority", "api.example"),
+                ("idempotency-key", "a/b+%?"),
+                ("authorization", "Bearer t"),
+                ("x-tenant", "acme"),
+            ])
+        );
+        // A quoted key is the same key: its unquoted form goes in the path.
+        let quoted = pairs(&[(":authority", "h"), ("idempotency-key", "\"k1\"")]);
+        let call = lookup_call(&c, reconcile, &quoted).unwrap();
+        assert_eq!(call.headers[1].1, b"/payments/by-key/k1".to_vec());
+        // No key, or no authority: no lookup.
+        assert_eq!(lookup_call(&c, reconcile, &pairs(&[(":authority", "h")])), None);
+        assert_eq!(lookup_call(&c, reconcile, &pairs(&[("idempotency-key", "k")])), None);
+    }
+
+    #[test]
+    fn only_a_final_2xx_is_found_and_only_404_is_not_found() {
+        let c = cfg(r#"{"path":"/p/{key}"}"#);
+        let rule = &c.rules[0];
+        // An upstream's own marker is not taken for the filter's.
+        let headers = pairs(&[
+            ("content-type", "application/json"),
+            ("set-cookie", "s=1"),
+            ("connection", "close"),
+            (RECONCILED_HEADER, "false"),
+        ]);
+        let found = answer_of(rule, Some(201), headers.clone(), b"{\"id\":1}".to_vec());
+        let snapshot = Snapshot {
+            status: 201,
+            headers: pairs(&[("content-type", "application/json"), (RECONCILED_HEADER, "true")]),
+            body: b"{\"id\":1}".to_vec(),
+        };
+        assert_eq!(found, LookupAnswer::Found { status: 201, snapshot: Some(snapshot) });
+        // Larger than max_response_bytes: the status alone.
+        let big = answer_of(rule, Some(200), headers.clone(), vec![b'x'; 17]);
+        assert_eq!(big, LookupAnswer::Found { status: 200, snapshot: None });
+        assert_eq!(answer_of(rule, Some(404), headers.clone(), Vec::new()), LookupAnswer::NotFound);
+        for status in [Some(202), Some(409), Some(425), Some(500), Some(503), Some(504), Some(301), None] {
+            let answer = answer_of(rule, status, headers.clone(), Vec::new());
+            assert!(matches!(answer, LookupAnswer::Failed(_)), "{status:?}: {answer:?}");
+        }
+    }
+}

@@ -163,6 +163,10 @@ pub fn advance<H: Host>(plugin: &PluginState<H>, line: AdminLine, mut progress: 
 fn reply<H: Host>(plugin: &PluginState<H>, line: &AdminLine, answered: &Answered) {
     plugin.meter.count_admin(answered.action);
     log::info!("{}", audit_line(line, answered));
+    if let Some(scope) = &answered.changed {
+        // The requests waiting for this record look now, not at their next recheck.
+        plugin.wakeups.broadcast(scope);
+    }
     let r = &answered.reply;
     if let Err(HostError(s)) = plugin.host.send_response(r.status, DETAILS_ADMIN, &r.headers, &r.body) {
         log::warn!("admin: could not send the reply (host status {s})");

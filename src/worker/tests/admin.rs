@@ -154,4 +154,10 @@ fn every_action_is_audited_with_the_records_tag_route_and_tenant_and_a_digest_of
     );
     // Nothing of the token itself, not even its first characters.
     assert!(lines.iter().all(|l| !l.contains(&TOKEN[..6])), "{lines:?}");
+    // The records released or resolved are announced to every worker's queue, so that the
+    // requests waiting for them look now; the refused one is not.
+    // (A queue also carries the root's own wake-ups, which name no record.)
+    let woken: Vec<Vec<u8>> =
+        h.0.queues.borrow().iter().flat_map(|(_, q)| q.iter().cloned()).filter(|m| m.len() == 32).collect();
+    assert_eq!(woken, [scope(1).0.to_vec(), scope(2).0.to_vec()]);
 }

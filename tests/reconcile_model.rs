@@ -16,7 +16,7 @@ use idempotency_filter::engine::{
 use idempotency_filter::store::fake::permutations;
 use idempotency_filter::store::fake::FakeSharedData;
 use idempotency_filter::store::local::LocalStore;
-use idempotency_filter::store::{Begin, ClaimAttempt, RecordStore, Settled, StoreAnswer, StoreOp};
+use idempotency_filter::store::{Begin, ClaimAttempt, Settled, StoreAnswer, StoreOp};
 use idempotency_filter::worker::flow::{Output, RequestFlow, Step, StreamFacts, Unreadable, Verdict};
 use idempotency_filter::worker::reconcile::{answer_of, LaterLookup, LeaseEnd, LookupAnswer, LookupGate};
 

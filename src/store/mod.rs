@@ -1,8 +1,10 @@
-//! The record store interface the engine decides against. Every backend implements it and passes
-//! the same conformance suite (`store/conformance.rs`): `local` (Envoy's shared data: one Envoy,
-//! all its workers) and `etcd` (one etcd cluster: a fleet of Envoys). The etcd store is reached
-//! by callouts, so the filter drives it as `etcd::EtcdConversation`s; it implements `RecordStore` only
-//! through a driver (`etcd::blocking`, tests), never with blocking I/O inside the filter.
+//! The record store's operations and answers, as data (`StoreOp`, `StoreAnswer`), which every
+//! backend carries out behind the one seam (`seam::Store`) and which the same conformance suite
+//! (`store/conformance.rs`) holds every backend to: `local` (Envoy's shared data: one Envoy, all
+//! its workers) and `etcd` (one etcd cluster, or several shards: a fleet of Envoys). The etcd
+//! store is reached by callouts, so the filter drives it as `etcd::EtcdConversation`s; the tests
+//! drive both through `RecordStore` (`testing`: one operation answered per call; etcd's through a
+//! blocking driver, `etcd::blocking`), never with blocking I/O inside the filter.
 //!
 //! Contract, per scope (tenant, principal, method, path, key):
 //! - at most one live record; `begin` either claims it for exactly one caller or reports what
@@ -331,7 +333,7 @@ pub struct Claim {
 }
 
 impl Claim {
-    /// What renews this claim (`RecordStore::renew`): its record on its shard, and while its
+    /// What renews this claim (`StoreOp::Renew`): its record on its shard, and while its
     /// shard changes its part on its old home too, each renewed on its own shard.
     pub fn renewals(&self) -> impl Iterator<Item = Renewal> + '_ {
         let home = Renewal { scope: self.scope, owner: self.owner, locator: self.locator, shard: self.shard };
@@ -350,7 +352,7 @@ pub struct ShardClaim {
 }
 
 /// One claim its owner is still working on (its request is waiting for the upstream's answer, or
-/// its completion is under way), to be kept for another lease (`RecordStore::renew`): where its
+/// its completion is under way), to be kept for another lease (`StoreOp::Renew`): where its
 /// record is, as the claim knows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Renewal {
@@ -489,6 +491,12 @@ impl std::fmt::Display for StoreError {
     }
 }
 
+/// (`testing`) The store's operations one at a time, each answered before the call returns: the
+/// adapter through which the conformance suite, the model checkers and the engine's and flow's
+/// tests drive every backend (the local store as it is, etcd through a blocking driver:
+/// `etcd/blocking.rs`). The filter speaks only the seam (`seam::Store`), where an operation is
+/// started and answered in place or as a conversation.
+#[cfg(feature = "testing")]
 pub trait RecordStore {
     fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError>;
     fn complete(&self, claim: &Claim, completion: &Completion) -> Result<Settled, StoreError>;
@@ -557,6 +565,7 @@ impl StoreAnswer {
     }
 
     /// A begin's answer; any other kind is an error (`unexpected`).
+    #[cfg(feature = "testing")]
     pub fn into_begun(self) -> Result<Begin, StoreError> {
         match self {
             StoreAnswer::Begun(begun) => begun,
@@ -581,6 +590,7 @@ impl StoreAnswer {
     }
 
     /// A list's answer; any other kind is an error.
+    #[cfg(feature = "testing")]
     pub fn into_records(self) -> Result<RecordPage, StoreError> {
         match self {
             StoreAnswer::Records(page) => page,
@@ -589,6 +599,7 @@ impl StoreAnswer {
     }
 
     /// An amendment's answer; any other kind is an error.
+    #[cfg(feature = "testing")]
     pub fn into_amended(self) -> Result<Result<(), Refusal>, StoreError> {
         match self {
             StoreAnswer::Amended(done) => done,
@@ -610,8 +621,9 @@ impl StoreAnswer {
     }
 }
 
+#[cfg(feature = "testing")]
 impl StoreOp {
-    /// Performs the operation on a store that answers synchronously.
+    /// Performs the operation through the test adapter.
     pub fn perform(&self, store: &dyn RecordStore) -> StoreAnswer {
         match self {
             StoreOp::Begin(attempt) => StoreAnswer::Begun(store.begin(attempt)),

@@ -8,7 +8,7 @@ use super::{LocalStore, CAS_ATTEMPTS};
 use crate::identity::scope::ScopeId;
 use crate::store::record::{self, Entry, SlotValue, FLAG_BODY_NOT_STORED};
 use crate::store::shared_data::SharedData;
-use crate::store::{Amendment, Claim, RecordId, RecordPage, RecordQuery, RecordStore, RecordView, Refusal};
+use crate::store::{Amendment, Claim, RecordId, RecordPage, RecordQuery, RecordView, Refusal};
 use crate::store::{Settled, StoreError};
 
 /// Host reads (a bucket's or a slot's) one look at records makes at most in one call, give or
@@ -21,7 +21,7 @@ use crate::store::{Settled, StoreError};
 pub const SCAN_READS: usize = 256;
 
 impl<S: SharedData> LocalStore<S> {
-    /// `RecordStore::records`: one record's id (a scope: its two buckets; a tag: every record
+    /// `StoreOp::Records`: one record's id (a scope: its two buckets; a tag: every record
     /// whose scope starts with it, in bucket order), or a list in bucket order, each record as
     /// it really stands (its slot read when its bucket entry may lag). The cursor is the locator
     /// of the last record a page showed (or the last bucket a paused call read whole: position
@@ -98,7 +98,7 @@ impl<S: SharedData> LocalStore<S> {
         Ok(found)
     }
 
-    /// `RecordStore::amend`.
+    /// `StoreOp::Amend`.
     pub(super) fn amend_record(
         &self,
         view: &RecordView,

@@ -42,7 +42,7 @@
 //! CAS and sees it lost; an owner whose outcome landed first wins, and the fencer puts the
 //! completed record back (`restore`).
 //!
-//! Files, one idea each: this one has the handle and the `RecordStore` operations; `format` the
+//! Files, one idea each: this one has the handle and the operations the seam starts (`Store::start`); `format` the
 //! byte formats only this store writes (buckets, quota counters, the layout registry, fill
 //! counts; the entry and the slot are `store/record.rs`'s); `layout` the data keys, the
 //! namespace registry and the placement secret; `placement` where a new record goes and the fill
@@ -50,10 +50,11 @@
 //! and namespace retirement. The unit tests are in `tests`.
 
 use crate::store::record::{self, Entry, State, FLAG_BODY_NOT_STORED};
+use crate::store::seam::{Started, Store};
 use crate::store::shared_data::{SharedData, SharedDataError};
 use crate::store::{
-    Begin, Claim, ClaimAttempt, Completion, Kept, OnLeaseEnd, RecordStore, Renew, Renewal, Settled,
-    StoreError,
+    Begin, Claim, ClaimAttempt, Completion, Kept, OnLeaseEnd, Renew, Renewal, Settled, StoreAnswer,
+    StoreError, StoreOp,
 };
 use commit::SLOT_ATTEMPTS;
 use format::LAYOUT_V3;
@@ -182,7 +183,7 @@ impl<S: SharedData> LocalStore<S> {
 }
 
 impl<S: SharedData> LocalStore<S> {
-    /// `RecordStore::complete`; `lease_over`: the completion of a claim nobody executes under (a
+    /// `complete`; `lease_over`: the completion of a claim nobody executes under (a
     /// lease end refused as outcome unknown), whose record says its lease ended at once.
     fn complete_as(&self, claim: &Claim, c: &Completion, lease_over: bool) -> Result<Settled, StoreError> {
         if c.state == State::Processing {
@@ -334,17 +335,31 @@ impl<S: SharedData> LocalStore<S> {
 
 /// The local store on the one storage interface: shared data answers in place, so every
 /// operation is answered as it starts.
-impl<S: SharedData> crate::store::seam::Store for LocalStore<S> {
-    fn start(&self, op: crate::store::StoreOp, _now: &dyn Fn() -> u64) -> crate::store::seam::Started {
-        crate::store::seam::Started::Answered(op.perform(self))
+impl<S: SharedData> Store for LocalStore<S> {
+    fn start(&self, op: StoreOp, _now: &dyn Fn() -> u64) -> Started {
+        Started::Answered(match op {
+            StoreOp::Begin(attempt) => StoreAnswer::Begun(self.begin(&attempt)),
+            StoreOp::Complete { claim, completion } => {
+                StoreAnswer::Settled(self.complete(&claim, &completion))
+            }
+            StoreOp::Release(claim) => StoreAnswer::Settled(self.release_claim(&claim)),
+            StoreOp::Renew(renew) => StoreAnswer::Renewed(self.renew(&renew)),
+            StoreOp::Records(query) => StoreAnswer::Records(self.query_records(&query)),
+            StoreOp::Amend { view, change, now_ms } => {
+                StoreAnswer::Amended(self.amend_record(&view, &change, now_ms))
+            }
+        })
     }
     fn sweep(&self, now_ms: u64) -> Result<u32, StoreError> {
-        RecordStore::sweep(self, now_ms)
+        self.sweep_shard(now_ms)
     }
 }
 
-impl<S: SharedData> RecordStore for LocalStore<S> {
-    fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
+/// The operations the seam starts (`start`, above), each answered in place.
+impl<S: SharedData> LocalStore<S> {
+    /// Claims the record, or says what holds it (`Begin`); a lease that ended is dealt with as
+    /// the attempt's `on_lease_end` says.
+    pub fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
         for _ in 0..CAS_ATTEMPTS {
             match self.begin_once(attempt)? {
                 Some(Begin::TookOver(claim)) => match attempt.on_lease_end {
@@ -373,16 +388,31 @@ impl<S: SharedData> RecordStore for LocalStore<S> {
         Err(StoreError::Contention)
     }
 
-    fn complete(&self, claim: &Claim, c: &Completion) -> Result<Settled, StoreError> {
+    /// Writes the outcome of a claim its owner executed.
+    pub fn complete(&self, claim: &Claim, c: &Completion) -> Result<Settled, StoreError> {
         self.complete_as(claim, c, false)
     }
 
+    /// Keeps each claim of `renew` for another lease, in order.
+    pub fn renew(&self, renew: &Renew) -> Result<Vec<Kept>, StoreError> {
+        let until_ms = renew.now_ms.saturating_add(renew.lease_ms);
+        renew.claims.iter().map(|r| self.renew_one(r, until_ms)).collect()
+    }
+}
+
+#[cfg(feature = "testing")]
+impl<S: SharedData> crate::store::RecordStore for LocalStore<S> {
+    fn begin(&self, attempt: &ClaimAttempt) -> Result<Begin, StoreError> {
+        LocalStore::begin(self, attempt)
+    }
+    fn complete(&self, claim: &Claim, c: &Completion) -> Result<Settled, StoreError> {
+        LocalStore::complete(self, claim, c)
+    }
     fn release(&self, claim: &Claim) -> Result<Settled, StoreError> {
         self.release_claim(claim)
     }
     fn renew(&self, renew: &Renew) -> Result<Vec<Kept>, StoreError> {
-        let until_ms = renew.now_ms.saturating_add(renew.lease_ms);
-        renew.claims.iter().map(|r| self.renew_one(r, until_ms)).collect()
+        LocalStore::renew(self, renew)
     }
 
     fn records(&self, query: &crate::store::RecordQuery) -> Result<crate::store::RecordPage, StoreError> {

@@ -1,4 +1,4 @@
-//! Housekeeping, run by the root's tick through `RecordStore::sweep`: one fill shard's buckets
+//! Housekeeping, run by the root's tick through `Store::sweep`: one fill shard's buckets
 //! per call (expired records dropped, abandoned claims discharged, the fill count recounted) and
 //! the retirement of namespaces left behind by a capacity change. Apart because it is the only
 //! code that walks many buckets, and none of it answers a request.
@@ -21,7 +21,7 @@ const RETIRE_BATCH: u32 = 16;
 pub const RETIRE_AFTER_MS: u64 = 30_000;
 
 impl<S: SharedData> LocalStore<S> {
-    /// `RecordStore::sweep` (mod.rs): the next fill shard by the shared cursor, and housekeeping.
+    /// `Store::sweep` (mod.rs): the next fill shard by the shared cursor, and housekeeping.
     pub(super) fn sweep_shard(&self, now_ms: u64) -> Result<u32, StoreError> {
         let housekeeping = self.housekeep(now_ms);
         let cursor_key = self.cursor_key();

@@ -9,6 +9,7 @@ use crate::splitmix::SeededRng;
 use crate::store::conformance::{attempt, charged, claimed, done, snapshot, Backend, LEASE, TTL};
 use crate::store::fake::{FakeSharedData, Interleave};
 use crate::store::record::{SlotValue, Snapshot};
+use crate::store::RecordStore;
 
 struct Local {
     data: FakeSharedData,
@@ -679,7 +680,7 @@ fn a_namespace_of_the_previous_placement_is_retired_too() {
     let mut now = 0;
     for _ in 0..(RETIRE_AFTER_MS / 1_000 + 4) {
         now += 1_000;
-        store.sweep(now).unwrap();
+        store.sweep_shard(now).unwrap();
     }
     for k in &keys {
         assert_eq!(data.get(k).unwrap().value, None, "{k}");
@@ -704,8 +705,8 @@ fn a_retired_namespace_is_emptied_while_a_live_one_is_left_alone() {
     let mut now = 1_000;
     for _ in 0..60 {
         now += 1_000;
-        a.sweep(now).unwrap();
-        b.sweep(now).unwrap();
+        a.sweep_shard(now).unwrap();
+        b.sweep_shard(now).unwrap();
     }
     assert!(data.value_bytes() >= a_bytes, "a beating namespace is never touched");
     assert_eq!(a.begin(&attempt(0, 1, 99, now)).unwrap(), Begin::Replay(snapshot("a")));
@@ -713,7 +714,7 @@ fn a_retired_namespace_is_emptied_while_a_live_one_is_left_alone() {
     let keys = data.key_count();
     for _ in 0..(RETIRE_AFTER_MS / 1_000 + 8) {
         now += 1_000;
-        b.sweep(now).unwrap();
+        b.sweep_shard(now).unwrap();
     }
     let prefix = prefix_of(64);
     assert_eq!(data.get(&fill_key_in(&prefix, 0)).unwrap().value, None);

@@ -6,7 +6,7 @@ use crate::json::read;
 use crate::store::conformance::{attempt, claimed, done, scope, snapshot, LEASE};
 use crate::store::fake::FakeSharedData;
 use crate::store::local::LocalStore;
-use crate::store::{Begin, ClaimAttempt, OnLeaseEnd, RecordStore};
+use crate::store::{Begin, ClaimAttempt, OnLeaseEnd};
 
 /// What the worker does on the local store: each operation the request asks for, performed at once.
 fn answer(cfg: &AdminConfig, s: &LocalStore<&FakeSharedData>, req: &AdminRequest) -> Answered {

@@ -10,7 +10,6 @@ use super::{capture_logs, logged, pairs};
 use crate::host::fake::FakeHost;
 use crate::store::conformance::{attempt, claimed, scope};
 use crate::store::local::LocalStore;
-use crate::store::RecordStore;
 use crate::worker::flow::Verdict;
 use crate::worker::root::{Root, ADMIN_TICK_MS, TICK_MS};
 

@@ -1,4 +1,4 @@
-//! The contract's operator side (`RecordStore::records` and `amend`, the admin API), run
+//! The contract's operator side (`StoreOp::Records` and `Amend`, the admin API), run
 //! against every backend by `conformance_suite!` like the rest of the suite.
 
 // A failing assertion is the suite's job; it never runs inside Envoy.

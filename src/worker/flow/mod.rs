@@ -33,7 +33,7 @@ use crate::problem::{Kind, Problem};
 use crate::renewal::Hold;
 use crate::store::record::State;
 use crate::store::{Begin, Claim, ClaimAttempt, Completion, StoreAnswer, StoreError, StoreOp};
-use crate::worker::reconcile::{Found, LaterLookup, LeaseEnd};
+use crate::worker::reconcile::{Found, LaterLookup, LeaseEndLookup};
 use crate::worker::wait;
 use facts::verified_claims;
 use std::rc::Rc;
@@ -207,6 +207,8 @@ pub(super) enum Phase {
     Adopting { now_ms: u64, found: Found },
     /// The lookup's answer is being written as the record's outcome; the request gets it then.
     SettlingFound { claim: Claim, found: Found },
+    /// The root's own lookup when a lease ends (`lease_end`), for no stream: its whole life.
+    LeaseEnd(Box<LeaseEndLookup>),
 }
 
 /// What admission decided once for a protected request, read by every phase that asks the
@@ -241,9 +243,6 @@ pub struct RequestFlow {
     pub(super) later: Option<Box<LaterLookup>>,
     /// `reconcile`: the request's head as a lookup needs it, kept from admission.
     pub(super) lookup_request: Vec<(String, Vec<u8>)>,
-    /// A lookup the root makes when a lease ends, for no stream (`lease_end`): it replies to
-    /// nobody, and an upstream that never executed gets the record released, not executed.
-    pub(super) lease_end: Option<Box<LeaseEnd>>,
     /// Its stream went away while the root carried the flow (`stream_gone`).
     pub(super) stream_gone: bool,
 }
@@ -260,14 +259,13 @@ impl RequestFlow {
             scope: None,
             later: None,
             lookup_request: Vec::new(),
-            lease_end: None,
             stream_gone: false,
         }
     }
 
     /// A lease-end lookup's flow (`lease_end`): no stream to answer or resume.
     pub fn headless(&self) -> bool {
-        self.lease_end.is_some()
+        matches!(self.phase, Phase::LeaseEnd(_))
     }
 
     /// True when no stream hears what this flow says: a lease-end lookup's, or one whose stream
@@ -466,6 +464,9 @@ impl RequestFlow {
 
     /// The store answered the operation this flow asked for.
     pub fn store_answered(&mut self, cfg: &Config, answer: StoreAnswer) -> Output {
+        if let Phase::LeaseEnd(lookup) = &mut self.phase {
+            return lookup.store_answered(cfg, answer);
+        }
         let admitted = self.admitted.clone();
         match (std::mem::replace(&mut self.phase, Phase::Idle), answer, admitted) {
             (Phase::AwaitingBegin { attempt, .. }, StoreAnswer::Begun(Ok(Begin::Unsettled)), Some(a))
@@ -533,7 +534,9 @@ impl RequestFlow {
     /// for its claim, `mode` decides: fail closed (503) or forward unprotected. A settlement
     /// is counted as a store error either way (the response is already on its way).
     pub fn store_failed(&mut self, cfg: &Config, error: StoreError, mode: OnStoreError) -> Output {
-        match (&self.phase, mode) {
+        match (&mut self.phase, mode) {
+            // Nothing of it is ever forwarded: whatever the fail mode, as the store's failure.
+            (Phase::LeaseEnd(lookup), _) => lookup.store_failed(cfg, error),
             (Phase::AwaitingBegin { .. }, OnStoreError::FailOpen) => {
                 log::debug!(
                     "#{} store unavailable ({error}); forwarding key {} unprotected",
@@ -593,6 +596,9 @@ impl RequestFlow {
     /// may have landed: nobody will forward the request, so the claim is given back (what to
     /// count when the release is answered), and the flow goes on to its fail mode.
     pub fn unanswered_claim(&self, claim: Claim) -> Option<Settlement> {
+        if let Phase::LeaseEnd(lookup) = &self.phase {
+            return lookup.unanswered_claim(claim);
+        }
         let (Phase::AwaitingBegin { .. } | Phase::Rechecking { .. }) = &self.phase else {
             return None;
         };
@@ -626,32 +632,6 @@ impl RequestFlow {
 
     pub(super) fn decided(&mut self, admitted: &Admitted, now_ms: u64, decision: Decision) -> Output {
         let Admitted { pending, fingerprint } = admitted;
-        if let Some(lease_end) = &self.lease_end {
-            let attempt = lease_end.attempt.clone();
-            return match decision {
-                // The upstream never executed it and no request is here to: the record goes,
-                // so the client's retry executes.
-                Decision::Forward { claim, .. } => {
-                    log::debug!(
-                        "#{} releasing key {}: never executed",
-                        self.context_id,
-                        claim.scope.log_tag()
-                    );
-                    self.phase =
-                        Phase::Settling { claim, rule: Rc::clone(&pending.rule), done: Counter::Released };
-                    Output::go(vec![Step::Store(StoreOp::Release(claim))])
-                }
-                // Still in flight by the store's clock (etcd ends a lease key by its own, a few
-                // seconds late), or the store failed: asked again later.
-                Decision::Respond { counter: Counter::InFlight | Counter::StoreError, .. }
-                | Decision::Wait { .. } => {
-                    self.phase = Phase::Reconciling { attempt };
-                    Output::go(Vec::new())
-                }
-                // Settled by someone else meanwhile: nothing to do.
-                Decision::Respond { .. } => Output::go(Vec::new()),
-            };
-        }
         match decision {
             Decision::Forward { claim, counter } => {
                 if pending.rule.reconcile.is_some() {

@@ -22,7 +22,8 @@ use crate::engine::Pending;
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::key::parse_key;
 use crate::store::record::Snapshot;
-use crate::store::ClaimAttempt;
+use crate::store::{Claim, ClaimAttempt};
+use std::rc::Rc;
 
 mod flow;
 mod gate;
@@ -152,6 +153,63 @@ pub struct LeaseEnd {
     pub timeout_ms: u32,
     pub attempt: ClaimAttempt,
     pub tries: u32,
+}
+
+/// The root's own lookup of a record whose lease ended after an unknown outcome it saw
+/// (`Step::LookUpAtLeaseEnd`): no stream and no client, so nothing to answer and nothing to
+/// forward; it settles the record through the store or leaves it for a retry's lookup. Its
+/// transitions are the flow's part (`flow.rs`); a flow in the table carries it as its one phase
+/// (`RequestFlow::lease_end`), so the root's executor holds it like any other.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseEndLookup {
+    /// The stream it came from, for the log.
+    context_id: u32,
+    /// The record's rule and scope, as the request that saw the unknown outcome was admitted.
+    pending: Pending,
+    /// The lookup's call, the attempt acting on its answer asks the store, and the tries made.
+    call: LeaseEnd,
+    state: LeaseEndState,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum LeaseEndState {
+    /// Waiting for its time: first, or again after a lookup that settled nothing.
+    Due,
+    /// Asking the store whether the record is still unsettled (`attempt`), or taking over one
+    /// the upstream never executed (then released).
+    Asking { attempt: ClaimAttempt },
+    /// The upstream's lookup is under way; `attempt` is what was asked of the store.
+    LookingUp { attempt: ClaimAttempt },
+    /// The upstream executed it: taking the record over to write `found` as its outcome.
+    Adopting { now_ms: u64, found: Found },
+    /// Writing `found` under the record's `claim`.
+    Writing { claim: Claim, found: Found },
+    /// Releasing a record the upstream never executed, so that the client's retry executes.
+    Releasing { claim: Claim },
+    /// Settled, or left to a retry's lookup.
+    Done,
+}
+
+impl LeaseEndLookup {
+    pub fn new(context_id: u32, later: LaterLookup, call: LeaseEnd) -> LeaseEndLookup {
+        LeaseEndLookup { context_id, pending: later.pending, call, state: LeaseEndState::Due }
+    }
+
+    /// Its call, and its rule.
+    pub fn call(&self) -> (&LeaseEnd, &Rc<Rule>) {
+        (&self.call, &self.pending.rule)
+    }
+
+    /// True while the upstream's lookup is to be asked (or asked again).
+    pub fn awaiting_lookup(&self) -> bool {
+        matches!(self.state, LeaseEndState::Due | LeaseEndState::LookingUp { .. })
+    }
+
+    /// A lookup settled nothing once more: how often now.
+    pub fn tried(&mut self) -> u32 {
+        self.call.tries = self.call.tries.saturating_add(1);
+        self.call.tries
+    }
 }
 
 #[cfg(test)]

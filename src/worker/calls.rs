@@ -65,9 +65,9 @@ pub const MAX_LEASE_END_LOOKUPS: usize = 1_024;
 
 /// A record whose lease ends after an unknown outcome this worker saw: the root looks it up
 /// itself at `due_ms` (and again, backing off, while the lookup settles nothing).
-pub struct LeaseEndLookup {
+pub struct DueLookup {
     pub due_ms: u64,
-    /// Headless (`RequestFlow::lease_end`): it carries its call.
+    /// Its flow, whose one phase is the `LeaseEndLookup` (`RequestFlow::lease_end`).
     pub flow: RootHold,
 }
 

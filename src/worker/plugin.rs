@@ -2,7 +2,7 @@
 //! metric ids, the wait room and this worker's wake-up queue. Held by the root, never in
 //! statics, because after a config update the old and new root contexts share one VM.
 
-use super::calls::{LeaseEndLookup, RootAdmin, RootBegin, RootCall, RootCalls, RootSettlement};
+use super::calls::{DueLookup, RootAdmin, RootBegin, RootCall, RootCalls, RootSettlement};
 use super::flows::{Flows, RootHold};
 use super::meter::Meter;
 use super::wakeups::Wakeups;
@@ -64,7 +64,7 @@ pub struct PluginState<H: Host> {
     /// This Envoy's lookups (`routes[].reconcile`): one at a time and one a second per record.
     pub lookups: LookupGate<H>,
     /// Records this worker looks up itself when their leases end.
-    pub lease_end_lookups: RefCell<Vec<LeaseEndLookup>>,
+    pub lease_end_lookups: RefCell<Vec<DueLookup>>,
     /// The claims this worker's owners hold, renewed by the root while they are at work.
     pub renewals: RefCell<Renewals>,
 }

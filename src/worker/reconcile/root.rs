@@ -7,7 +7,7 @@ use crate::config::Rule;
 use crate::host::{Host, HostError};
 use crate::identity::scope::ScopeId;
 use crate::worker::calls::{
-    LeaseEndLookup, Lookup, RootCall, RootLookup, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS,
+    DueLookup, Lookup, RootCall, RootLookup, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS,
 };
 use crate::worker::flow::{Event, RequestFlow};
 use crate::worker::flows::{FlowKey, RootHold};
@@ -81,13 +81,13 @@ pub(in crate::worker) fn look_up_again_later<H: Host>(plugin: &PluginState<H>, f
     let backoff_ms = (1_000u64 << tries.min(16)).min(LEASE_END_BACKOFF_MAX_MS);
     let due_ms = plugin.host.now_ms().saturating_add(backoff_ms);
     log::debug!("lookup of key {tag} asked again in {backoff_ms} ms");
-    plugin.look_up_at_lease_end(LeaseEndLookup { due_ms, flow });
+    plugin.look_up_at_lease_end(DueLookup { due_ms, flow });
 }
 
 /// Starts the lease-end lookups that are due: each asks the store first, and looks its record
 /// up only if it is still unsettled.
 pub(in crate::worker) fn start_lease_end_lookups<H: Host>(plugin: &PluginState<H>, now_ms: u64) {
-    let due: Vec<LeaseEndLookup> = {
+    let due: Vec<DueLookup> = {
         let mut queue = plugin.lease_end_lookups.borrow_mut();
         if !queue.iter().any(|l| l.due_ms <= now_ms) {
             return;
@@ -96,7 +96,7 @@ pub(in crate::worker) fn start_lease_end_lookups<H: Host>(plugin: &PluginState<H
         *queue = later;
         due
     };
-    for LeaseEndLookup { flow, .. } in due {
+    for DueLookup { flow, .. } in due {
         plugin.post(flow, Event::LeaseEndDue { now_ms });
     }
 }
@@ -193,7 +193,7 @@ impl<H: Host> PluginState<H> {
     /// What the root needs to look the stream's record up when its lease ends, with no request
     /// waiting (`Step::LookUpAtLeaseEnd`): the lookup is built now (the route's cluster is the
     /// stream's).
-    pub fn lease_end_lookup(&self, context_id: u32, later: LaterLookup) -> Option<LeaseEndLookup> {
+    pub fn lease_end_lookup(&self, context_id: u32, later: LaterLookup) -> Option<DueLookup> {
         let rule = Rc::clone(&later.pending.rule);
         let lookup = self.lookup_of(
             context_id,
@@ -221,12 +221,12 @@ impl<H: Host> PluginState<H> {
         let Lookup { cluster, headers, timeout_ms, .. } = lookup;
         let lease_end = LeaseEnd { cluster, headers, timeout_ms, attempt, tries: 0 };
         let flow = RootHold::headless(&self.flows, RequestFlow::lease_end(context_id, later, lease_end));
-        Some(LeaseEndLookup { due_ms, flow })
+        Some(DueLookup { due_ms, flow })
     }
 
     /// Keeps a lease-end lookup for the root. At most `MAX_LEASE_END_LOOKUPS` per worker: past
     /// it, the record waits for a retry's lookup.
-    pub fn look_up_at_lease_end(&self, lookup: LeaseEndLookup) {
+    pub fn look_up_at_lease_end(&self, lookup: DueLookup) {
         let mut queue = self.lease_end_lookups.borrow_mut();
         if queue.len() >= MAX_LEASE_END_LOOKUPS {
             log::debug!("lease-end lookups full; a record waits for a retry");

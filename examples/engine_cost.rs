@@ -50,7 +50,13 @@ fn main() {
         ];
         let Admission::Collect(p) = admit(
             &cfg,
-            &RequestHead { method: "POST", path: "/orders", headers: &headers, verified_claims: None },
+            &RequestHead {
+                method: "POST",
+                path: "/orders",
+                headers: &headers,
+                verified_claims: None,
+                cluster: None,
+            },
         ) else {
             continue;
         };

@@ -9,16 +9,18 @@
 //!    `claim_attempt` for one atomic `begin` on the store, whose answer `decision_of` turns into
 //!    forward-with-claim, replay, wait, or a problem reply.
 
-use crate::config::{Concurrency, Config, Rule, UnknownOutcome};
+use crate::config::{Concurrency, Config, Rule, ScopeHost, UnknownOutcome};
 use crate::identity::fingerprint::{self, Fingerprint, FingerprintInput};
 use crate::identity::key::{parse_key, KeyError};
 use crate::identity::scope::{
-    jwt_principal_digest, normalize_authority, principal_digest, scope_id, tenant_digest, ScopeId, ScopeParts,
+    cluster_host, jwt_principal_digest, normalize_authority, principal_digest, scope_id, tenant_digest,
+    ScopeId, ScopeParts,
 };
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
 use crate::store::record::{Label, LabelScope, Snapshot};
 use crate::store::{Begin, Claim, ClaimAttempt, OnLeaseEnd, QuotaCharge, StoreError};
+use std::borrow::Cow;
 use std::rc::Rc;
 
 /// Header added to every replayed response.
@@ -35,6 +37,8 @@ pub struct RequestHead<'a> {
     /// The values of `Config::jwt_principal`'s claims, in its order, from the payload a JWT
     /// filter in front verified; `None` when no verified payload exists for this request.
     pub verified_claims: Option<&'a [Option<Vec<u8>>]>,
+    /// The upstream cluster Envoy routed the request to, read only for `scope_host: "cluster"`.
+    pub cluster: Option<&'a [u8]>,
 }
 
 impl RequestHead<'_> {
@@ -223,7 +227,12 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
         Ok(principal) => principal,
         Err(problem) => return Admission::Reject(problem),
     };
-    let authority = normalize_authority(head.first(":authority"), head.first(":scheme"));
+    let authority = match (cfg.scope_host, head.cluster) {
+        (ScopeHost::None, _) => Cow::Borrowed(&[][..]),
+        (ScopeHost::Cluster, Some(cluster)) => Cow::Owned(cluster_host(cluster)),
+        // Routed to no cluster (Envoy answers it itself: nothing executes), or the default.
+        _ => normalize_authority(head.first(":authority"), head.first(":scheme")),
+    };
     let scope = scope_id(&ScopeParts {
         tenant: tenant_values.as_deref(),
         principal,
@@ -620,7 +629,7 @@ pub(crate) mod tests {
 
     fn admit_with(method: &str, path: &str, pairs: &[(&str, &str)]) -> Admission {
         let h = headers(pairs);
-        admit(&cfg(), &RequestHead { method, path, headers: &h, verified_claims: None })
+        admit(&cfg(), &RequestHead { method, path, headers: &h, verified_claims: None, cluster: None })
     }
 
     fn pending(pairs: &[(&str, &str)]) -> Pending {
@@ -700,7 +709,10 @@ pub(crate) mod tests {
     fn key_problems_use_the_configured_status() {
         let cfg = parse(br#"{"problem_statuses":{"invalid_key":422},"routes":[{"name":"a","match":{"prefix":"/"},"require_key":true}]}"#).unwrap();
         let h = headers(&[]);
-        match admit(&cfg, &RequestHead { method: "POST", path: "/", headers: &h, verified_claims: None }) {
+        match admit(
+            &cfg,
+            &RequestHead { method: "POST", path: "/", headers: &h, verified_claims: None, cluster: None },
+        ) {
             Admission::Reject(p) => assert_eq!(p.status, 422),
             other => panic!("{other:?}"),
         }
@@ -1002,6 +1014,51 @@ pub(crate) mod tests {
         assert_ne!(at("a.example"), at("a.example:8080"));
     }
 
+    /// A mesh's service answers to many names; `scope_host` says which makes the
+    /// record: the authority as written (normalized), the cluster Envoy routed to, or none.
+    #[test]
+    fn scope_host_names_the_service_by_its_authority_its_cluster_or_not_at_all() {
+        let scope = |mode: &str, authority: &str, cluster: Option<&str>| {
+            let cfg = parse(
+                format!(r#"{{"scope_host":"{mode}","routes":[{{"name":"a","match":{{"prefix":"/"}}}}]}}"#)
+                    .as_bytes(),
+            )
+            .unwrap();
+            let h = headers(&[("idempotency-key", "k"), (":authority", authority), (":scheme", "http")]);
+            let head = RequestHead {
+                method: "POST",
+                path: "/pay",
+                headers: &h,
+                verified_claims: None,
+                cluster: cluster.map(str::as_bytes),
+            };
+            match admit(&cfg, &head) {
+                Admission::Collect(p) => (p.scope, p.label.host().map(str::to_string)),
+                other => panic!("{other:?}"),
+            }
+        };
+        let long = "payments.prod.svc.cluster.local:8080";
+        // The default: one record per spelling of the host, as every build before the field.
+        assert_ne!(
+            scope("authority", "payments", Some("payments")).0,
+            scope("authority", long, Some("payments")).0
+        );
+        assert_eq!(scope("authority", "payments", None), scope("authority", "Payments:80", None));
+        // One cluster, one record, whatever the name; two clusters, two records.
+        assert_eq!(
+            scope("cluster", "payments", Some("outbound|8080||payments")).0,
+            scope("cluster", long, Some("outbound|8080||payments")).0
+        );
+        assert_ne!(scope("cluster", "payments", Some("a")).0, scope("cluster", "payments", Some("b")).0);
+        // A cluster's scope is never a host's of the same name, and the label says which it is.
+        assert_ne!(scope("cluster", "x", Some("payments")).0, scope("authority", "payments", None).0);
+        assert_eq!(scope("cluster", "x", Some("payments")).1.as_deref(), Some("cluster payments"));
+        // Routed to no cluster (Envoy answers it itself): the authority, as by default.
+        assert_eq!(scope("cluster", "payments", None), scope("authority", "payments", None));
+        // No host: every name is one API.
+        assert_eq!(scope("none", "payments", Some("a")).0, scope("none", long, Some("b")).0);
+    }
+
     #[test]
     fn repeated_tenant_headers_are_not_one_joined_header() {
         let joined = pending(&[("idempotency-key", "k"), ("x-tenant-id", "a,b")]);
@@ -1022,7 +1079,13 @@ pub(crate) mod tests {
             let h = headers(&[("idempotency-key", "k"), ("authorization", auth)]);
             match admit(
                 &cfg,
-                &RequestHead { method: "POST", path: "/", headers: &h, verified_claims: claims },
+                &RequestHead {
+                    method: "POST",
+                    path: "/",
+                    headers: &h,
+                    verified_claims: claims,
+                    cluster: None,
+                },
             ) {
                 Admission::Collect(p) => p,
                 other => panic!("{other:?}"),
@@ -1053,7 +1116,13 @@ pub(crate) mod tests {
             let h = headers(&[("idempotency-key", "k"), ("authorization", auth)]);
             admit(
                 &cfg,
-                &RequestHead { method: "POST", path: "/", headers: &h, verified_claims: Some(claims) },
+                &RequestHead {
+                    method: "POST",
+                    path: "/",
+                    headers: &h,
+                    verified_claims: Some(claims),
+                    cluster: None,
+                },
             )
         };
         let no_sub = [Some(b"iss".to_vec()), None];
@@ -1140,7 +1209,13 @@ pub(crate) mod tests {
         let h = headers(&[("idempotency-key", "k")]);
         let Admission::Collect(q) = admit(
             &no_tenant,
-            &RequestHead { method: "POST", path: "/orders", headers: &h, verified_claims: None },
+            &RequestHead {
+                method: "POST",
+                path: "/orders",
+                headers: &h,
+                verified_claims: None,
+                cluster: None,
+            },
         ) else {
             unreachable!()
         };

@@ -269,7 +269,8 @@ fn run(upstream: Upstream, order: &[Event]) {
     // so the record stays in flight and Envoy A keeps its lookup for the lease's end.
     let cfg = w.cfg.clone();
     let headers = Stream::new(1, 1).headers;
-    let head = RequestHead { method: "POST", path: "/pay", headers: &headers, verified_claims: None };
+    let head =
+        RequestHead { method: "POST", path: "/pay", headers: &headers, verified_claims: None, cluster: None };
     let Admission::Collect(pending) = admit(&cfg, &head) else { panic!("not admitted") };
     let fingerprint = fingerprint_body(&pending, b"{}").unwrap();
     let attempt = claim_attempt(&cfg, &pending, fingerprint, 1, 1);

@@ -25,8 +25,8 @@ mod tests;
 
 pub use model::{
     AdminConfig, Concurrency, Config, ConfigError, Disposition, Execution, JwtPrincipal, PathMatch,
-    ProblemStatuses, Quota, Reconcile, Rule, StatusPattern, StatusPolicy, StoreConfig, UnknownOutcome,
-    UpstreamRewrite,
+    ProblemStatuses, Quota, Reconcile, Rule, ScopeHost, StatusPattern, StatusPolicy, StoreConfig,
+    UnknownOutcome, UpstreamRewrite,
 };
 
 // ---- rule resolution: which rule, if any, protects a request ----
@@ -154,6 +154,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
             "publish_outcome",
             "admin",
             "envoy_header_prefix",
+            "scope_host",
         ],
     )?;
     let key_header =
@@ -177,6 +178,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let jwt_principal = optional(top, "", "principal", jwt_principal)?;
     let quota = optional(top, "", "quota", quota)?.unwrap_or_default();
     let publish_outcome = optional(top, "", "publish_outcome", boolean)?.unwrap_or(false);
+    let scope_host = optional(top, "", "scope_host", scope_host)?.unwrap_or(ScopeHost::Authority);
     let envoy_headers = match optional(top, "", "envoy_header_prefix", envoy_header_prefix)? {
         Some(prefix) => EnvoyHeaders::new(&prefix),
         None => EnvoyHeaders::default(),
@@ -231,9 +233,20 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         quota,
         max_detached_calls,
         publish_outcome,
+        scope_host,
         admin,
         envoy_headers,
     })
+}
+
+/// `scope_host`: which name of the service a record's scope holds.
+fn scope_host(v: &Value, path: &str) -> Res<ScopeHost> {
+    match string(v, path)? {
+        "authority" => Ok(ScopeHost::Authority),
+        "cluster" => Ok(ScopeHost::Cluster),
+        "none" => Ok(ScopeHost::None),
+        other => Err(err(path, format!("{other:?}: expected \"authority\", \"cluster\" or \"none\""))),
+    }
 }
 
 /// `envoy_header_prefix`: the bootstrap `header_prefix` of the Envoy the filter runs in. Envoy

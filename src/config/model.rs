@@ -36,11 +36,28 @@ pub struct Config {
     /// Each protected request's outcome as its filter state `wasm.idempotency.outcome`, for
     /// access logs. Off by default: one host call per outcome counted.
     pub publish_outcome: bool,
+    /// Which name of the service a record's scope holds (`scope_host`).
+    pub scope_host: ScopeHost,
     /// This instance serves the admin API (and protects no routes: `rules` is empty).
     pub admin: Option<AdminConfig>,
     /// Envoy's own header names by `envoy_header_prefix` (its bootstrap's `header_prefix`):
     /// the router control headers a protected request loses, and the mark of an upstream answer.
     pub envoy_headers: EnvoyHeaders,
+}
+
+/// `scope_host`: the host part of a record's scope. One service answers to several names in a
+/// mesh (`payments`, `payments.prod`, `payments.prod.svc.cluster.local`, with or without a port),
+/// and a scope that holds the name as the caller wrote it is one record per spelling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScopeHost {
+    /// The request's `:authority`, normalized (the default, and every build's before the field).
+    Authority,
+    /// The upstream cluster Envoy routed the request to (`xds.cluster_name`): one service, one
+    /// scope, whatever name the caller used. A request Envoy routed to no cluster keeps its
+    /// authority (Envoy answers it itself: nothing executes).
+    Cluster,
+    /// No host at all: every host behind this filter is one API (a single-API gateway).
+    None,
 }
 
 /// `admin` in the configuration.

@@ -126,6 +126,8 @@ fn rejects_bad_configs_naming_the_field() {
         ),
         ("detached calls zero", top(r#""max_detached_calls":0"#), "max_detached_calls"),
         ("publish_outcome not a boolean", top(r#""publish_outcome":"yes""#), "publish_outcome"),
+        ("scope_host unknown", top(r#""scope_host":"host""#), "scope_host"),
+        ("scope_host not a string", top(r#""scope_host":true"#), "scope_host"),
         // Envoy's bootstrap header_prefix, as Envoy holds it: a lowercase token.
         ("envoy_header_prefix uppercase", top(r#""envoy_header_prefix":"X-Acme""#), "envoy_header_prefix"),
         ("envoy_header_prefix empty", top(r#""envoy_header_prefix":"""#), "envoy_header_prefix"),
@@ -327,6 +329,7 @@ fn full_example_parses_exactly() {
       "principal": {"jwt_payload": "jwt_payload", "claims": ["iss", "sub"]},
       "quota": {"per_tenant": 5000, "per_principal": 100},
       "publish_outcome": true,
+      "scope_host": "cluster",
       "envoy_header_prefix": "x-acme"
     }"#;
     let expected = Config {
@@ -356,6 +359,7 @@ fn full_example_parses_exactly() {
         quota: Quota { per_tenant: Some(5000), per_principal: Some(100) },
         max_detached_calls: 1_000,
         publish_outcome: true,
+        scope_host: ScopeHost::Cluster,
         admin: None,
         envoy_headers: EnvoyHeaders::new("x-acme"),
     };
@@ -435,6 +439,8 @@ fn minimal_config_yields_all_defaults() {
         quota: Quota { per_tenant: None, per_principal: None },
         max_detached_calls: 1_000,
         publish_outcome: false,
+        // The host as the caller wrote it, normalized: every build's scope before the field.
+        scope_host: ScopeHost::Authority,
         admin: None,
         // Envoy's own names, x-envoy-*: its bootstrap header_prefix unset.
         envoy_headers: EnvoyHeaders::new("x-envoy"),

@@ -90,6 +90,12 @@ pub fn tenant_digest(values: &[&[u8]]) -> [u8; 32] {
     h.finalize().into()
 }
 
+/// A cluster's name as the host part of a scope (`scope_host: "cluster"`): behind a prefix no
+/// authority can hold (a space), so that a cluster's scope is never a host's of the same name.
+pub fn cluster_host(cluster: &[u8]) -> Vec<u8> {
+    [&b"cluster "[..], cluster].concat()
+}
+
 /// The authority as a scope part, so that every spelling of one host is one scope: the host
 /// lower-cased (host names are case-insensitive) and without the trailing dot of a fully
 /// qualified name (`api.example.` is `api.example`), the port without leading zeros, and no port

@@ -24,7 +24,7 @@
 //! worker never reads (pays a host call for) what no decision looks at.
 
 use crate::config::etcd::OnStoreError;
-use crate::config::{Config, Execution, Rule};
+use crate::config::{Config, Execution, Rule, ScopeHost};
 use crate::engine::{self, Admission, Decision, HeaderFix, Pending, ReplayShape, Reply, RequestHead};
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
@@ -351,11 +351,17 @@ impl RequestFlow {
         self.rule = Some(Rc::clone(rule));
         let verified_claims =
             cfg.jwt_principal.as_ref().and_then(|jwt| verified_claims(facts, &jwt.payload, &jwt.claims));
+        // One host call more, and only where the configuration names the service by its cluster.
+        let cluster = match cfg.scope_host {
+            ScopeHost::Cluster => facts.property(&["xds", "cluster_name"]).ok().flatten(),
+            ScopeHost::Authority | ScopeHost::None => None,
+        };
         let head = RequestHead {
             method: &method,
             path: &path,
             headers: &headers,
             verified_claims: verified_claims.as_deref(),
+            cluster: cluster.as_deref(),
         };
         match engine::admit(cfg, &head) {
             Admission::PassThrough => passed(),

@@ -315,3 +315,33 @@ fn an_inline_answer_under_another_header_prefix_is_captured_and_logged_once() {
     executed(&fresh, &plain, 2, "k", b"{}");
     assert!(logged(log::Level::Error).is_empty());
 }
+
+/// `scope_host: "cluster"`: the record is the routed cluster's, whatever name the caller gave
+/// the service; the cluster is read (one host call) only where the configuration asks for it.
+#[test]
+fn one_record_per_cluster_whatever_name_the_caller_used() {
+    let config = |mode: &str| {
+        format!(r#"{{"scope_host":"{mode}","routes":[{{"name":"orders","match":{{"prefix":"/orders"}}}}]}}"#)
+    };
+    for (mode, replayed) in [("cluster", true), ("authority", false)] {
+        let h = super::host_with(&config(mode));
+        let root = root(&h);
+        h.0.properties.borrow_mut().insert("xds.cluster_name".into(), b"outbound|8080||payments".to_vec());
+        executed(&h, &root, 2, "k", b"{}");
+        let mut retry = root.http_context(3);
+        *h.0.request_headers.borrow_mut() = pairs(&[
+            (":method", "POST"),
+            (":path", "/orders"),
+            (":authority", "payments.prod.svc.cluster.local:8080"),
+            ("idempotency-key", "k"),
+            ("content-type", "application/json"),
+        ]);
+        *h.0.request_body.borrow_mut() = b"{}".to_vec();
+        let _ = h.take_tally();
+        assert_eq!(retry.on_request_headers(false), Verdict::Pause);
+        let read_cluster = h.take_tally().contains_key("property");
+        assert_eq!(read_cluster, mode == "cluster", "{mode}");
+        let verdict = retry.on_request_body(2, true);
+        assert_eq!(verdict == Verdict::Pause && h.replies().len() == 1, replayed, "{mode}");
+    }
+}

@@ -228,7 +228,10 @@ mod tests {
 
     fn pending(cfg: &Config, key: &str) -> Pending {
         let h = vec![("idempotency-key".to_string(), key.as_bytes().to_vec())];
-        match admit(cfg, &RequestHead { method: "POST", path: "/", headers: &h, verified_claims: None }) {
+        match admit(
+            cfg,
+            &RequestHead { method: "POST", path: "/", headers: &h, verified_claims: None, cluster: None },
+        ) {
             Admission::Collect(p) => p,
             other => panic!("{other:?}"),
         }

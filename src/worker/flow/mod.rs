@@ -32,7 +32,7 @@ use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
 use crate::renewal::Hold;
 use crate::store::record::State;
-use crate::store::{Begin, Claim, ClaimAttempt, Completion, StoreAnswer, StoreError, StoreOp};
+use crate::store::{Begin, Claim, ClaimAttempt, StoreAnswer, StoreError, StoreOp};
 use crate::worker::reconcile::{Found, LaterLookup, LeaseEndLookup};
 use crate::worker::wait;
 use facts::verified_claims;
@@ -499,13 +499,7 @@ impl RequestFlow {
                 match begun {
                     // The record is this request's now: the lookup's answer becomes its outcome.
                     Ok(Begin::Claimed(claim) | Begin::TookOver(claim)) => {
-                        let completion = Completion {
-                            state: State::Succeeded,
-                            status: found.status,
-                            snapshot: found.snapshot.clone(),
-                            now_ms,
-                            ttl_ms: a.pending.rule.ttl_ms,
-                        };
+                        let completion = found.completion(now_ms, a.pending.rule.ttl_ms);
                         self.phase = Phase::SettlingFound { claim, found };
                         Output::hold(vec![Step::Store(StoreOp::Complete { claim, completion })])
                     }
@@ -731,6 +725,7 @@ mod tests {
     use crate::config::parse;
     use crate::store::fake::FakeSharedData;
     use crate::store::local::LocalStore;
+    use crate::store::Completion;
     use crate::store::RecordStore;
     use crate::store::Settled;
     use crate::worker::wait::NotHeld;

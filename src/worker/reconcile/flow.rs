@@ -6,8 +6,7 @@ use super::{Found, LaterLookup, LeaseEnd, LeaseEndLookup, LeaseEndState, LookupA
 use crate::config::{Concurrency, Config, Rule};
 use crate::engine::{self, Decision, Reply};
 use crate::metrics::Counter;
-use crate::store::record::State;
-use crate::store::{Begin, Claim, ClaimAttempt, Completion, Settled, StoreAnswer, StoreError, StoreOp};
+use crate::store::{Begin, Claim, ClaimAttempt, Settled, StoreAnswer, StoreError, StoreOp};
 use crate::worker::flow::{
     Admitted, Output, Phase, RequestFlow, Settlement, Step, DETAILS_PROBLEM, DETAILS_REPLAY,
 };
@@ -196,13 +195,7 @@ impl LeaseEndLookup {
             (LeaseEndState::Adopting { now_ms, found }, StoreAnswer::Begun(begun)) => match begun {
                 // The record is this lookup's now: the upstream's answer becomes its outcome.
                 Ok(Begin::Claimed(claim) | Begin::TookOver(claim)) => {
-                    let completion = Completion {
-                        state: State::Succeeded,
-                        status: found.status,
-                        snapshot: found.snapshot.clone(),
-                        now_ms,
-                        ttl_ms: self.pending.rule.ttl_ms,
-                    };
+                    let completion = found.completion(now_ms, self.pending.rule.ttl_ms);
                     self.state = LeaseEndState::Writing { claim, found };
                     Output::hold(vec![Step::Store(StoreOp::Complete { claim, completion })])
                 }

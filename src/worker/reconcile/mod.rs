@@ -21,8 +21,8 @@ use crate::engine;
 use crate::engine::Pending;
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::key::parse_key;
-use crate::store::record::Snapshot;
-use crate::store::{Claim, ClaimAttempt};
+use crate::store::record::{Snapshot, State};
+use crate::store::{Claim, ClaimAttempt, Completion};
 use std::rc::Rc;
 
 mod flow;
@@ -142,6 +142,19 @@ pub struct LaterLookup {
 pub struct Found {
     pub status: u16,
     pub snapshot: Option<Snapshot>,
+}
+
+impl Found {
+    /// What writing it as the record's outcome asks the store (at `now_ms`, kept `ttl_ms`).
+    pub fn completion(&self, now_ms: u64, ttl_ms: u64) -> Completion {
+        Completion {
+            state: State::Succeeded,
+            status: self.status,
+            snapshot: self.snapshot.clone(),
+            now_ms,
+            ttl_ms,
+        }
+    }
 }
 
 /// A lease-end lookup's call (built while its stream was there) and what acting on its answer

@@ -105,6 +105,21 @@ def test_images_are_pinned_to_what_the_tests_run(compose):
     assert re.fullmatch(r"python:3\.\d+\.\d+-slim-\w+", services["orders"]["image"]), services["orders"]["image"]
 
 
+def _etcd_tuning(compose) -> list[str]:
+    """The compose etcd's flags other than its name, addresses and data directory."""
+    cmd = compose["services"]["etcd"]["command"]
+    return [a for a in cmd[1:] if not a.startswith(("--name", "--data-dir", "--listen-", "--advertise-"))]
+
+
+def test_etcd_compacts_as_the_etcd_doc_asks(compose):
+    """docs/ETCD.md: periodic compaction on every member, or every revision of every record
+    stays. The flags also run for real below, on the compose file's etcd release."""
+    tuning = _etcd_tuning(compose)
+    assert "--auto-compaction-mode=periodic" in tuning and "--auto-compaction-retention=1h" in tuning, tuning
+    doc = (REPO_ROOT / "docs" / "ETCD.md").read_text()
+    assert "`--auto-compaction-mode periodic --auto-compaction-retention 1h`" in doc
+
+
 def test_every_mount_exists(compose):
     declared = set(compose.get("volumes") or {})
     for name, svc in compose["services"].items():
@@ -279,7 +294,8 @@ def test_the_deployment_doc_curl_lines_replay_on_the_other_replica(compose, envo
     published = {name: int(p.split(":")[1]) for name in ENVOY_SERVICES
                  for p in compose["services"][name]["ports"] if p.endswith(":10000")}
     up = Upstream("compose-orders").start()
-    etcd = Etcd("compose-etcd", binary=current_etcd()).start()  # the compose file's release
+    # The compose file's release, with its flags.
+    etcd = Etcd("compose-etcd", binary=current_etcd(), extra_args=_etcd_tuning(compose)).start()
     replicas = {}
     try:
         native = _native(cfg, up.port, etcd.client_port, filter_wasm)

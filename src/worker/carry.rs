@@ -276,12 +276,14 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
         }
         Step::FixHeaders(fixes) => {
             for fix in fixes {
-                let result = match &fix {
-                    HeaderFix::Set(name, value) => host.set_header(MAP_RESPONSE_HEADERS, name, value),
-                    HeaderFix::Remove(name) => host.remove_header(MAP_RESPONSE_HEADERS, name),
+                let (name, result) = match &fix {
+                    HeaderFix::Set(name, value) => (name, host.set_header(MAP_RESPONSE_HEADERS, name, value)),
+                    HeaderFix::Remove(name) => (name, host.remove_header(MAP_RESPONSE_HEADERS, name)),
                 };
                 if let Err(HostError(s)) = result {
-                    log::warn!("#{context_id} could not restore a replayed header {fix:?} (host status {s})");
+                    log::warn!(
+                        "#{context_id} could not restore the replayed header {name} (host status {s})"
+                    );
                 }
             }
         }

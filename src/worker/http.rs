@@ -10,7 +10,7 @@ use crate::host::pairs::HeaderMap;
 use crate::host::{
     Host, HostError, BUFFER_REQUEST_BODY, BUFFER_RESPONSE_BODY, MAP_REQUEST_HEADERS, MAP_RESPONSE_HEADERS,
 };
-use crate::worker::flow::{Callback, Event, RequestFlow, StreamFacts, Unreadable, Verdict};
+use crate::worker::flow::{said, Callback, Event, RequestFlow, StreamFacts, Unreadable, Verdict};
 use std::rc::Rc;
 
 /// The flow's reads, as host calls.
@@ -251,7 +251,7 @@ impl<H: Host> FilterStream<H> {
         // recheck, if under way, then finds its client gone).
         if let (Some(plugin), None) = (&self.plugin, ended) {
             if plugin.room.borrow_mut().leave(self.context_id).is_some() {
-                log::debug!("#{} held request's client went away", self.context_id);
+                said(self.context_id, "held request's client went away", None);
             }
         }
     }

@@ -7,7 +7,7 @@ use crate::host::{Host, HostError, BUFFER_REQUEST_BODY, MAP_REQUEST_HEADERS};
 use crate::store::Claim;
 use crate::worker::calls::{DetachedCall, RootCall};
 use crate::worker::detached;
-use crate::worker::flow::Event;
+use crate::worker::flow::{said, Event};
 use crate::worker::flows::RootHold;
 use crate::worker::plugin::{CalloutOf, PluginState};
 use crate::worker::remote::callout_answer;
@@ -60,7 +60,7 @@ pub(in crate::worker) fn detached_answered<H: Host>(
         None => detached::CallAnswer::Unknown { timed_out: false },
     };
     let DetachedCall { context_id, claim, rule, flow, .. } = call;
-    log::debug!("#{context_id} detached call answered: key {}", claim.scope.log_tag());
+    said(context_id, "detached call answered:", Some(&claim.scope));
     let held_ms = plugin.store.held_past_lease_ms(rule.processing_timeout_ms);
     plugin.post(flow, Event::DetachedAnswered { answer, now_ms, held_ms });
 }

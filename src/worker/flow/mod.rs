@@ -47,6 +47,17 @@ pub use response::{retry_window_end, Retry, Settlement};
 
 pub use crate::engine::{DETAILS_PROBLEM, DETAILS_REPLAY};
 
+/// A debug line about a request, `#<context> <what>`, and its record's `key <tag>` when there
+/// is one: one function formats them all, so that each such line costs the module a call, not
+/// formatting code of its own (the tag is only computed when debug lines are on).
+#[inline(never)]
+pub(crate) fn said(context_id: u32, what: &str, scope: Option<&ScopeId>) {
+    match scope {
+        Some(scope) => log::debug!("#{context_id} {what} key {}", scope.log_tag()),
+        None => log::debug!("#{context_id} {what}"),
+    }
+}
+
 /// What the worker does, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
@@ -478,10 +489,10 @@ impl RequestFlow {
             (Phase::AwaitingBegin { attempt, .. }, StoreAnswer::Begun(Ok(Begin::Unsettled)), Some(a))
                 if a.pending.rule.reconcile.is_some() =>
             {
-                log::debug!(
-                    "#{} lease ended unsettled; asking the upstream about key {}",
+                said(
                     self.context_id,
-                    a.pending.scope.log_tag()
+                    "lease ended unsettled; asking the upstream about",
+                    Some(&a.pending.scope),
                 );
                 let rule = Rc::clone(&a.pending.rule);
                 self.phase = Phase::Reconciling { attempt };
@@ -523,7 +534,7 @@ impl RequestFlow {
             }
             (phase, _, _) => {
                 // An answer nobody here asked for (a late one after a timeout): nothing to do.
-                log::debug!("#{} ignored a store answer nobody was waiting for", self.context_id);
+                said(self.context_id, "ignored a store answer nobody was waiting for", None);
                 self.phase = phase;
                 Output::go(Vec::new())
             }
@@ -579,11 +590,7 @@ impl RequestFlow {
         let rule = Rc::clone(&self.admitted.as_ref()?.pending.rule);
         match answer {
             StoreAnswer::Begun(Ok(Begin::Claimed(claim) | Begin::TookOver(claim))) => {
-                log::debug!(
-                    "#{} client gone before its claim; releasing key {}",
-                    self.context_id,
-                    claim.scope.log_tag()
-                );
+                said(self.context_id, "client gone before its claim; releasing", Some(&claim.scope));
                 let settlement =
                     Settlement { context_id: self.context_id, claim: *claim, rule, done: Counter::Released };
                 Some(settlement)
@@ -603,7 +610,7 @@ impl RequestFlow {
             return None;
         };
         let pending = &self.admitted.as_ref()?.pending;
-        log::debug!("#{} claim of key {} unanswered; giving it back", self.context_id, claim.scope.log_tag());
+        said(self.context_id, "claim unanswered; giving back", Some(&claim.scope));
         Some(Settlement {
             context_id: self.context_id,
             claim,
@@ -672,7 +679,7 @@ impl RequestFlow {
         counter: Counter,
         now_ms: u64,
     ) -> Output {
-        log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
+        said(self.context_id, counter.name(), Some(&pending.scope));
         let rule = &pending.rule;
         let hold = Step::Hold(Hold {
             claim,
@@ -697,7 +704,7 @@ impl RequestFlow {
 
     /// Answered locally: a replay or a problem.
     pub(super) fn respond(&mut self, pending: &Pending, reply: Reply, counter: Counter) -> Output {
-        log::debug!("#{} {} key {}", self.context_id, counter.name(), pending.scope.log_tag());
+        said(self.context_id, counter.name(), Some(&pending.scope));
         self.answer(reply, engine::reply_details(counter), vec![Step::Count(counter)])
     }
 
@@ -707,7 +714,7 @@ impl RequestFlow {
     pub fn not_resumed(&mut self) -> Option<Settlement> {
         match std::mem::replace(&mut self.phase, Phase::Idle) {
             Phase::Forwarded { claim, rule } => {
-                log::debug!("#{} not resumed; releasing key {}", self.context_id, claim.scope.log_tag());
+                said(self.context_id, "not resumed; releasing", Some(&claim.scope));
                 self.forwarded_rule = None;
                 Some(Settlement { context_id: self.context_id, claim, rule, done: Counter::Released })
             }

@@ -94,7 +94,7 @@ impl Settlement {
                 (Counter::StoreError, None)
             }
         };
-        log::debug!("#{} {} key {}", self.context_id, counter.name(), self.claim.scope.log_tag());
+        super::said(self.context_id, counter.name(), Some(&self.claim.scope));
         (counter, wake)
     }
 
@@ -235,13 +235,13 @@ impl RequestFlow {
                 // The upstream answered with a status worth keeping, so it executed; only its
                 // body never arrived whole (upstream reset mid-body, client gone). Keep the
                 // outcome without the body: a retry gets 410, never a second execution.
-                log::debug!("#{} upstream answer cut mid-body: kept without its body", self.context_id);
+                super::said(self.context_id, "upstream answer cut mid-body: kept without its body", None);
                 self.phase = Phase::Capturing(Capture { overflowed: true, body: Vec::new(), ..c });
                 steps.extend(self.finish_capture(facts));
             }
             Phase::Waiting => {
                 // The client left while held: nothing was claimed, just stop holding it.
-                log::debug!("#{} held request's client went away", self.context_id);
+                super::said(self.context_id, "held request's client went away", None);
                 steps.push(Step::LeaveWaitRoom);
             }
             Phase::Collecting(pending) if !self.body_seen => {
@@ -277,7 +277,13 @@ impl RequestFlow {
         rule: Rc<Rule>,
         facts: &mut dyn StreamFacts,
     ) -> Vec<Step> {
-        log::debug!("#{} settled {:?} key {}", self.context_id, plan, claim.scope.log_tag());
+        let what = match plan {
+            ResponsePlan::Capture { .. } => "capturing the answer of",
+            ResponsePlan::Release => "releasing",
+            ResponsePlan::Keep => "keeping in flight",
+            ResponsePlan::CompleteUnknown => "completing as outcome unknown",
+        };
+        super::said(self.context_id, what, Some(&claim.scope));
         match plan {
             ResponsePlan::CompleteUnknown => {
                 // Written like any completion (the local store at once, a remote one by the

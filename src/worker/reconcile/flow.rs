@@ -8,7 +8,7 @@ use crate::engine::{self, Decision, Reply};
 use crate::metrics::Counter;
 use crate::store::{Begin, Claim, ClaimAttempt, Settled, StoreAnswer, StoreError, StoreOp};
 use crate::worker::flow::{
-    Admitted, Output, Phase, RequestFlow, Settlement, Step, DETAILS_PROBLEM, DETAILS_REPLAY,
+    said, Admitted, Output, Phase, RequestFlow, Settlement, Step, DETAILS_PROBLEM, DETAILS_REPLAY,
 };
 use std::rc::Rc;
 
@@ -68,14 +68,14 @@ impl RequestFlow {
         let Phase::Reconciling { attempt } = std::mem::replace(&mut self.phase, Phase::Idle) else {
             return Output::go(Vec::new());
         };
-        let tag = self.scope.map(|s| s.log_tag()).unwrap_or_default();
         // Acting on a final answer takes the record over.
         let attempt = attempt.after_lookup(now_ms);
         match answer {
             LookupAnswer::Found { status, snapshot } => {
-                log::debug!(
-                    "#{} the upstream executed key {tag} ({status}): adopting its answer",
-                    self.context_id
+                said(
+                    self.context_id,
+                    "the upstream executed it: adopting its answer for",
+                    self.scope.as_ref(),
                 );
                 self.phase = Phase::Adopting { now_ms, found: Found { status, snapshot } };
                 Output::hold(vec![Step::Store(StoreOp::Begin(attempt))])
@@ -83,7 +83,7 @@ impl RequestFlow {
             LookupAnswer::NotFound => {
                 // Never executed: this request executes now, as a takeover, so that no other
                 // retry runs beside it.
-                log::debug!("#{} the upstream never executed key {tag}: executing it", self.context_id);
+                said(self.context_id, "the upstream never executed it: executing", self.scope.as_ref());
                 self.phase = Phase::AwaitingBegin { now_ms, attempt: attempt.clone() };
                 Output::hold(vec![
                     Step::Count(Counter::ReconciledNotFound),
@@ -91,7 +91,8 @@ impl RequestFlow {
                 ])
             }
             LookupAnswer::Failed(why) => {
-                log::debug!("#{} lookup of key {tag} settled nothing: {why}", self.context_id);
+                let tag = || self.scope.map(|s| s.log_tag()).unwrap_or_default();
+                log::debug!("#{} lookup of key {} settled nothing: {why}", self.context_id, tag());
                 let reply = Reply::problem(&engine::unsettled(engine::LOOKUP_SPACING_MS));
                 self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::ReconcileFailed)])
             }
@@ -180,10 +181,10 @@ impl LeaseEndLookup {
             (LeaseEndState::Asking { attempt }, StoreAnswer::Begun(Ok(Begin::Unsettled)))
                 if self.pending.rule.reconcile.is_some() =>
             {
-                log::debug!(
-                    "#{} lease ended unsettled; asking the upstream about key {}",
+                said(
                     self.context_id,
-                    self.pending.scope.log_tag()
+                    "lease ended unsettled; asking the upstream about",
+                    Some(&self.pending.scope),
                 );
                 self.state = LeaseEndState::LookingUp { attempt };
                 let rule = Rc::clone(&self.pending.rule);
@@ -212,7 +213,7 @@ impl LeaseEndLookup {
                 Output::go(settlement.answered(settled))
             }
             (state, _) => {
-                log::debug!("#{} ignored a store answer nobody was waiting for", self.context_id);
+                said(self.context_id, "ignored a store answer nobody was waiting for", None);
                 self.state = state;
                 Output::go(Vec::new())
             }
@@ -237,7 +238,7 @@ impl LeaseEndLookup {
             // The upstream never executed it and no request is here to: the record goes, so
             // the client's retry executes.
             Decision::Forward { claim, .. } => {
-                log::debug!("#{} releasing key {}: never executed", self.context_id, claim.scope.log_tag());
+                said(self.context_id, "never executed: releasing", Some(&claim.scope));
                 self.state = LeaseEndState::Releasing { claim };
                 Output::go(vec![Step::Store(StoreOp::Release(claim))])
             }
@@ -259,21 +260,21 @@ impl LeaseEndLookup {
         else {
             return Output::go(Vec::new());
         };
-        let tag = self.pending.scope.log_tag();
         // Acting on a final answer takes the record over; a lookup that settled nothing leaves
         // the record as it is (asked again later: it must never take over then).
         let taking_over = attempt.after_lookup(now_ms);
         match answer {
             LookupAnswer::Found { status, snapshot } => {
-                log::debug!(
-                    "#{} the upstream executed key {tag} ({status}): adopting its answer",
-                    self.context_id
+                said(
+                    self.context_id,
+                    "the upstream executed it: adopting its answer for",
+                    Some(&self.pending.scope),
                 );
                 self.state = LeaseEndState::Adopting { now_ms, found: Found { status, snapshot } };
                 Output::hold(vec![Step::Store(StoreOp::Begin(taking_over))])
             }
             LookupAnswer::NotFound => {
-                log::debug!("#{} the upstream never executed key {tag}: releasing it", self.context_id);
+                said(self.context_id, "the upstream never executed it: releasing", Some(&self.pending.scope));
                 self.state = LeaseEndState::Asking { attempt: taking_over.clone() };
                 Output::hold(vec![
                     Step::Count(Counter::ReconciledNotFound),
@@ -281,7 +282,11 @@ impl LeaseEndLookup {
                 ])
             }
             LookupAnswer::Failed(why) => {
-                log::debug!("#{} lookup of key {tag} settled nothing: {why}", self.context_id);
+                log::debug!(
+                    "#{} lookup of key {} settled nothing: {why}",
+                    self.context_id,
+                    self.pending.scope.log_tag()
+                );
                 self.state = LeaseEndState::Due;
                 Output::go(vec![Step::Count(Counter::ReconcileFailed)])
             }
@@ -326,7 +331,7 @@ impl LeaseEndLookup {
         let LeaseEndState::Asking { .. } = self.state else {
             return None;
         };
-        log::debug!("#{} claim of key {} unanswered; giving it back", self.context_id, claim.scope.log_tag());
+        said(self.context_id, "claim unanswered; giving back", Some(&claim.scope));
         let rule = Rc::clone(&self.pending.rule);
         Some(Settlement { context_id: self.context_id, claim, rule, done: Counter::Released })
     }

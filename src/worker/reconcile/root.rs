@@ -9,7 +9,7 @@ use crate::identity::scope::ScopeId;
 use crate::worker::calls::{
     DueLookup, Lookup, RootCall, RootLookup, LEASE_END_MARGIN_MS, MAX_LEASE_END_LOOKUPS,
 };
-use crate::worker::flow::{Event, RequestFlow};
+use crate::worker::flow::{said, Event, RequestFlow};
 use crate::worker::flows::{FlowKey, RootHold};
 use crate::worker::plugin::{CalloutOf, PluginState};
 use crate::worker::reconcile::{self, LookupAnswer};
@@ -62,7 +62,7 @@ fn answer_lookup<H: Host>(plugin: &PluginState<H>, call: RootLookup, answer: Loo
     let headless = flow.with(|f| f.headless()).unwrap_or(false);
     let context_id = flow.context_id();
     if !headless && plugin.host.set_effective_context(context_id).is_err() {
-        log::debug!("#{context_id} lookup of key {} answered after its client left", lookup.scope.log_tag());
+        said(context_id, "lookup answered after its client left:", Some(&lookup.scope));
         return;
     }
     let now_ms = plugin.host.now_ms();
@@ -125,7 +125,7 @@ pub(in crate::worker) fn start_lease_end_lookup<H: Host>(
         .flatten()?;
     let now_ms = plugin.host.now_ms();
     if plugin.lookups.start(&scope, now_ms, u64::from(lookup.timeout_ms)).is_err() {
-        log::debug!("lease-end lookup of key {} left to the request already asking", scope.log_tag());
+        said(key.context_id(), "lease-end lookup left to the request already asking about", Some(&scope));
         return None;
     }
     Some(Lookup { started_ms: now_ms, ..lookup })

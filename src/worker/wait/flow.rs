@@ -7,7 +7,7 @@ use crate::config::Config;
 use crate::engine::{self, Decision};
 use crate::metrics::Counter;
 use crate::store::StoreOp;
-use crate::worker::flow::{Admitted, Output, Phase, RequestFlow, Step, DETAILS_PROBLEM};
+use crate::worker::flow::{said, Admitted, Output, Phase, RequestFlow, Step, DETAILS_PROBLEM};
 
 impl RequestFlow {
     /// True while the request is held in the wait room.
@@ -28,20 +28,20 @@ impl RequestFlow {
         else {
             return Output::go(Vec::new());
         };
-        let tag = self.scope.map(|s| s.log_tag()).unwrap_or_default();
         match held {
             Ok(()) => {
-                log::debug!("#{} waiting for key {tag}", self.context_id);
+                said(self.context_id, "waiting for", self.scope.as_ref());
                 self.phase = Phase::Waiting;
                 let steps = if again { Vec::new() } else { vec![Step::Count(Counter::Waiting)] };
                 Output::hold(steps)
             }
             Err(not_held) => {
-                log::debug!("#{} not held ({not_held:?}) for key {tag}", self.context_id);
-                let counter = match not_held {
-                    NotHeld::GaveUp => Counter::WaitTimedOut,
-                    NotHeld::PerKey | NotHeld::Total => Counter::WaitRefused,
+                let (counter, why) = match not_held {
+                    NotHeld::GaveUp => (Counter::WaitTimedOut, "gave up waiting for"),
+                    NotHeld::PerKey => (Counter::WaitRefused, "not held (the bound per key) for"),
+                    NotHeld::Total => (Counter::WaitRefused, "not held (the bound of the worker) for"),
                 };
+                said(self.context_id, why, self.scope.as_ref());
                 let reply = engine::in_flight_reply(cfg, lease_remaining_ms);
                 self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(counter)])
             }

@@ -91,8 +91,11 @@ impl RequestFlow {
                 ])
             }
             LookupAnswer::Failed(why) => {
-                let tag = || self.scope.map(|s| s.log_tag()).unwrap_or_default();
-                log::debug!("#{} lookup of key {} settled nothing: {why}", self.context_id, tag());
+                log::debug!(
+                    "#{} lookup of key {} settled nothing: {why}",
+                    self.context_id,
+                    self.scope.map(|s| s.log_tag()).unwrap_or_default()
+                );
                 let reply = Reply::problem(&engine::unsettled(engine::LOOKUP_SPACING_MS));
                 self.answer(reply, DETAILS_PROBLEM, vec![Step::Count(Counter::ReconcileFailed)])
             }

@@ -107,25 +107,25 @@ pub(in crate::worker) fn start_lease_end_lookup<H: Host>(
     plugin: &PluginState<H>,
     key: FlowKey,
 ) -> Option<Lookup> {
-    let (lookup, scope) = plugin
+    // The stream it came from names it in the log (its own key names no context).
+    let (lookup, context_id) = plugin
         .flows
         .with(key, |flow| {
             let (call, rule) = flow.lease_end_call()?;
-            let scope = flow.scope().copied()?;
             let lookup = Lookup {
-                scope,
+                scope: flow.scope().copied()?,
                 started_ms: 0,
                 rule: Rc::clone(rule),
                 cluster: call.cluster.clone(),
                 headers: call.headers.clone(),
                 timeout_ms: call.timeout_ms,
             };
-            Some((lookup, scope))
+            Some((lookup, flow.context_id))
         })
         .flatten()?;
     let now_ms = plugin.host.now_ms();
-    if plugin.lookups.start(&scope, now_ms, u64::from(lookup.timeout_ms)).is_err() {
-        said(key.context_id(), "lease-end lookup left to the request already asking about", Some(&scope));
+    if plugin.lookups.start(&lookup.scope, now_ms, u64::from(lookup.timeout_ms)).is_err() {
+        said(context_id, "lease-end lookup left to the request already asking about", Some(&lookup.scope));
         return None;
     }
     Some(Lookup { started_ms: now_ms, ..lookup })

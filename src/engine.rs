@@ -9,13 +9,15 @@
 //!    `claim_attempt` for one atomic `begin` on the store, whose answer `decision_of` turns into
 //!    forward-with-claim, replay, wait, or a problem reply.
 
-use crate::config::{Concurrency, Config, Rule, ScopeHost, UnknownOutcome};
+use crate::config::{Concurrency, Config, KeySource, Rule, ScopeHost, UnknownOutcome};
+use crate::identity::canonical::MAX_DEPTH;
 use crate::identity::fingerprint::{self, Fingerprint, FingerprintInput};
-use crate::identity::key::{parse_key, KeyError};
+use crate::identity::key::{key_from_json, parse_key, IdempotencyKey, KeyError};
 use crate::identity::scope::{
     cluster_host, jwt_principal_digest, normalize_authority, principal_digest, scope_id, tenant_digest,
     ScopeId, ScopeParts,
 };
+use crate::json::MemberOrder;
 use crate::metrics::Counter;
 use crate::problem::{Kind, Problem};
 use crate::store::record::{Label, LabelScope, Snapshot};
@@ -58,10 +60,15 @@ pub struct Pending {
     /// The rule it matched, resolved once at admission: it holds for the request's whole life,
     /// even across a configuration update.
     pub rule: Rc<Rule>,
+    /// For a key in the body (`KeySource::in_body`), set by `key_body` when the body is whole:
+    /// nothing reads it before.
     pub scope: ScopeId,
     /// The rule's name and the Idempotency-Key, kept with the record for operators: built once
-    /// here, so that every attempt of this request shares it.
+    /// here, so that every attempt of this request shares it (for a key in the body, by
+    /// `key_body`).
     label: Label,
+    /// What the scope is made of besides the key, kept only while the key is in the body.
+    unkeyed: Option<Box<Unkeyed>>,
     /// Digest of the tenant's header values (None: no tenant header configured).
     tenant: Option<[u8; 32]>,
     principal: [u8; 32],
@@ -72,7 +79,26 @@ pub struct Pending {
     content_type: Option<String>,
 }
 
+/// The scope's parts a request with its key in its body keeps until the body is whole.
 #[derive(Debug, Clone, PartialEq, Eq)]
+struct Unkeyed {
+    authority: Vec<u8>,
+    tenant: Option<Vec<Vec<u8>>>,
+}
+
+/// What the body said about a request whose key is in it (`key_body`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unprotected {
+    /// No key, and the rule does not require one: forwarded without a claim, as a request
+    /// without a key header is.
+    PassThrough,
+    Reject(Problem),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+// Made once per request and moved once into the flow: boxing the pending request would cost
+// every protected request an allocation to save a copy of a few hundred bytes.
+#[allow(clippy::large_enum_variant)]
 pub enum Admission {
     PassThrough,
     Reject(Problem),
@@ -211,10 +237,16 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
     let Some(rule) = cfg.rule_for(head.method, path) else {
         return Admission::PassThrough;
     };
-    let key = match parse_key(&head.values(&cfg.key_header)) {
-        Ok(key) => key,
-        Err(KeyError::Missing) if !rule.require_key => return Admission::PassThrough,
-        Err(e) => return Admission::Reject(Problem::for_key_error(e, cfg.problem_statuses.invalid_key)),
+    let key = match &rule.key {
+        KeySource::Header { name, own } => match parse_key(&head.values(name)) {
+            Ok(key) => Some(key),
+            Err(KeyError::Missing) if !rule.require_key => return Admission::PassThrough,
+            Err(e) if *own => {
+                return Admission::Reject(key_problem(e, &format!("in the header {name}"), cfg))
+            }
+            Err(e) => return Admission::Reject(Problem::for_key_error(e, cfg.problem_statuses.invalid_key)),
+        },
+        KeySource::Json { .. } | KeySource::Fingerprint => None,
     };
     if let Some(problem) = content_length_problem(rule, head) {
         return Admission::Reject(problem);
@@ -233,28 +265,33 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
         // Routed to no cluster (Envoy answers it itself: nothing executes), or the default.
         _ => normalize_authority(head.first(":authority"), head.first(":scheme")),
     };
-    let scope = scope_id(&ScopeParts {
+    let parts = KeyedParts {
         tenant: tenant_values.as_deref(),
         principal,
         authority: &authority,
         method: head.method,
         path,
-        key: key.as_str(),
-    });
+    };
+    let (scope, label, unkeyed) = match &key {
+        Some(key) => {
+            let (scope, label) = parts.keyed(rule, key);
+            (scope, label, None)
+        }
+        // Placeholders until the body gives the key (`key_body`).
+        None => (
+            ScopeId::default(),
+            parts.label(rule, ""),
+            Some(Box::new(Unkeyed {
+                authority: authority.to_vec(),
+                tenant: tenant_values.as_ref().map(|vs| vs.iter().map(|v| v.to_vec()).collect()),
+            })),
+        ),
+    };
     Admission::Collect(Pending {
         rule: Rc::clone(rule),
         scope,
-        label: Label::scoped(
-            &rule.name,
-            key.as_str(),
-            &LabelScope {
-                method: head.method,
-                host: &authority,
-                path,
-                tenant: tenant_values.as_deref(),
-                principal: &principal,
-            },
-        ),
+        label,
+        unkeyed,
         tenant: tenant_values.as_deref().map(tenant_digest),
         principal,
         method: head.method.to_string(),
@@ -267,6 +304,108 @@ pub fn admit(cfg: &Config, head: &RequestHead) -> Admission {
             .collect(),
         content_type: first_str(&head.values("content-type")),
     })
+}
+
+/// A key error from a rule's own source: its place named, the configured status.
+fn key_problem(e: KeyError, place: &str, cfg: &Config) -> Problem {
+    let kind = if e == KeyError::Missing { Kind::MissingKey } else { Kind::InvalidKey };
+    Problem::new(kind, cfg.problem_statuses.invalid_key, e.detail_at(place))
+}
+
+/// What a record's scope holds besides its key.
+struct KeyedParts<'a> {
+    tenant: Option<&'a [&'a [u8]]>,
+    principal: [u8; 32],
+    authority: &'a [u8],
+    method: &'a str,
+    path: &'a str,
+}
+
+impl KeyedParts<'_> {
+    fn keyed(&self, rule: &Rule, key: &IdempotencyKey) -> (ScopeId, Label) {
+        let scope = scope_id(&ScopeParts {
+            tenant: self.tenant,
+            principal: self.principal,
+            authority: self.authority,
+            method: self.method,
+            path: self.path,
+            key: &scope_key(&rule.key, key.as_str()),
+        });
+        (scope, self.label(rule, key.as_str()))
+    }
+
+    fn label(&self, rule: &Rule, key: &str) -> Label {
+        Label::scoped(
+            &rule.name,
+            key,
+            &LabelScope {
+                method: self.method,
+                host: self.authority,
+                path: self.path,
+                tenant: self.tenant,
+                principal: &self.principal,
+            },
+        )
+    }
+}
+
+/// The key as the scope holds it: `key_header`'s as it is (every build's scope before
+/// `routes[].key`), any other source's named before it. A key never holds a space, so no key
+/// from one source is ever another's: the header value "42" and the body value 42 are two
+/// records.
+fn scope_key<'k>(source: &KeySource, key: &'k str) -> Cow<'k, str> {
+    match source {
+        KeySource::Header { own: false, .. } => Cow::Borrowed(key),
+        KeySource::Header { name, own: true } => Cow::Owned(format!("header {name} {key}")),
+        KeySource::Json { pointer, .. } => Cow::Owned(format!("json {pointer} {key}")),
+        KeySource::Fingerprint => Cow::Owned(format!("fingerprint {key}")),
+    }
+}
+
+/// For a rule whose key is in the body (`KeySource::in_body`), the whole body's key: its scope
+/// and label are set here. `fingerprint` is the request's, already computed: with
+/// `KeySource::Fingerprint` it is the key. A body that is not JSON or lacks the field has no key.
+pub fn key_body(
+    cfg: &Config,
+    pending: &mut Pending,
+    body: &[u8],
+    fingerprint: &Fingerprint,
+) -> Result<(), Unprotected> {
+    let Some(unkeyed) = pending.unkeyed.take() else { return Ok(()) };
+    let rule = Rc::clone(&pending.rule);
+    let key = match &rule.key {
+        KeySource::Json { pointer, tokens } => {
+            let doc = crate::json::read(body, MAX_DEPTH, MemberOrder::Document);
+            match key_from_json(doc.as_ref().ok().and_then(|d| d.at(tokens))) {
+                Ok(key) => key,
+                Err(KeyError::Missing) if !rule.require_key => return Err(Unprotected::PassThrough),
+                Err(e) => {
+                    return Err(Unprotected::Reject(key_problem(
+                        e,
+                        &format!("at {pointer} in the JSON body"),
+                        cfg,
+                    )))
+                }
+            }
+        }
+        KeySource::Fingerprint => match parse_key(&[fingerprint.to_hex().as_bytes()]) {
+            Ok(key) => key,
+            Err(_) => return Err(Unprotected::PassThrough),
+        },
+        KeySource::Header { .. } => return Ok(()),
+    };
+    let tenant: Option<Vec<&[u8]>> = unkeyed.tenant.as_ref().map(|vs| vs.iter().map(Vec::as_slice).collect());
+    let parts = KeyedParts {
+        tenant: tenant.as_deref(),
+        principal: pending.principal,
+        authority: &unkeyed.authority,
+        method: &pending.method,
+        path: &pending.path,
+    };
+    let (scope, label) = parts.keyed(&rule, &key);
+    pending.scope = scope;
+    pending.label = label;
+    Ok(())
 }
 
 /// The caller: the verified claims when a JWT filter in front verified a token (stable across

@@ -40,13 +40,51 @@ pub fn config(data: &[u8]) {
 }
 
 /// Canonical JSON: total, bounded, and canonical output is a fixed point (canonicalizing it
-/// again gives the same bytes), so equal payloads cannot hash differently across retries.
+/// again gives the same bytes), so equal payloads cannot hash differently across retries. And
+/// the key a body gives (`routes[].key.json`, `json_key`) is its canonical form's too.
 pub fn canonical_json(data: &[u8]) {
     let mut out = Vec::new();
     if canonicalize(data, &[], &mut out).is_ok() {
         let mut again = Vec::new();
         assert!(canonicalize(&out, &[], &mut again).is_ok(), "canonical output must parse");
         assert_eq!(out, again, "canonical form must be a fixed point");
+        json_key(data, Some(&out));
+    } else {
+        json_key(data, None);
+    }
+}
+
+/// JSON key extraction: total at every pointer along the document's first members; an accepted
+/// key has the header key's bounds; and the canonical form (`canonical`, when the body has one)
+/// gives the same answer at the same pointer, so one intent reformatted is one key.
+fn json_key(data: &[u8], canonical: Option<&[u8]>) {
+    use crate::identity::canonical::MAX_DEPTH;
+    use crate::identity::key::{key_from_json, MAX_KEY_LEN};
+    use crate::json::{read, JsonValue, MemberOrder};
+    let Ok(doc) = read(data, MAX_DEPTH, MemberOrder::Document) else { return };
+    let canonical = canonical.and_then(|c| read(c, MAX_DEPTH, MemberOrder::Document).ok());
+    let mut tokens: Vec<String> = Vec::new();
+    let mut at = Some(&doc);
+    while let Some(value) = at {
+        let key = key_from_json(doc.at(&tokens)).map(|k| k.as_str().to_string());
+        if let Ok(k) = &key {
+            assert!(!k.is_empty() && k.len() <= MAX_KEY_LEN && k.bytes().all(|b| (0x21..=0x7e).contains(&b)));
+        }
+        if let Some(c) = &canonical {
+            assert_eq!(key, key_from_json(c.at(&tokens)).map(|k| k.as_str().to_string()), "{tokens:?}");
+        }
+        let next = match value {
+            JsonValue::Object(members) => members.first().map(|(n, v)| (n.to_string(), v)),
+            JsonValue::Array(items) => items.first().map(|v| ("0".to_string(), v)),
+            _ => None,
+        };
+        at = next.map(|(token, v)| {
+            tokens.push(token);
+            v
+        });
+        if tokens.len() > 8 {
+            break;
+        }
     }
 }
 

@@ -74,6 +74,26 @@ impl<'a> JsonValue<'a> {
             _ => None,
         }
     }
+
+    /// The value an RFC 6901 pointer names, given as its reference tokens (unescaped): a
+    /// member by name, an array element by its index (`0`, or digits without a leading zero).
+    pub fn at(&self, tokens: &[String]) -> Option<&JsonValue<'a>> {
+        tokens.iter().try_fold(self, |value, token| match value {
+            JsonValue::Object(_) => value.get(token),
+            JsonValue::Array(items) => {
+                let index_like = token == "0"
+                    || (!token.starts_with('0')
+                        && !token.is_empty()
+                        && token.bytes().all(|b| b.is_ascii_digit()));
+                if index_like {
+                    token.parse::<usize>().ok().and_then(|i| items.get(i))
+                } else {
+                    None
+                }
+            }
+            _ => None,
+        })
+    }
 }
 
 /// How object members are kept.
@@ -453,6 +473,27 @@ mod tests {
 
     fn nested(depth: usize, open: &str, close: &str) -> String {
         format!("{}1{}", open.repeat(depth), close.repeat(depth))
+    }
+
+    #[test]
+    fn a_pointer_names_members_and_array_elements() {
+        let doc = read_doc(br#"{"a":{"b/c":[10,{"id":"x"}]},"":1}"#).unwrap();
+        let at = |tokens: &[&str]| {
+            let tokens: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
+            doc.at(&tokens).cloned()
+        };
+        assert_eq!(at(&["a", "b/c", "0"]), Some(JsonValue::Number("10")));
+        assert_eq!(at(&["a", "b/c", "1", "id"]), Some(JsonValue::String("x".into())));
+        assert_eq!(at(&[""]), Some(JsonValue::Number("1")));
+        for absent in [
+            &["a", "b/c", "2"][..],
+            &["a", "b/c", "01"],
+            &["a", "b/c", "-"],
+            &["a", "x"],
+            &["a", "b/c", "0", "y"],
+        ] {
+            assert_eq!(at(absent), None, "{absent:?}");
+        }
     }
 
     #[test]

@@ -130,6 +130,13 @@ pub enum Counter {
     /// a lookup already under way or made less than a second ago): 503 `outcome-unknown` with
     /// `retry-after`; the next retry asks again.
     ReconcileFailed,
+    /// The request's key came from its rule's own header (`routes[].key.header`), not from
+    /// `key_header`: counted beside its outcome, once per request that had one.
+    KeyFromHeader,
+    /// The request's key came from its JSON body (`routes[].key.json`).
+    KeyFromJson,
+    /// The request's fingerprint was its key (`routes[].key.fingerprint`).
+    KeyFromFingerprint,
 }
 
 impl Counter {
@@ -139,7 +146,7 @@ impl Counter {
         self as usize
     }
 
-    pub const ALL: [Counter; 34] = [
+    pub const ALL: [Counter; 37] = [
         Counter::PassedThrough,
         Counter::Claimed,
         Counter::TakenOver,
@@ -174,6 +181,9 @@ impl Counter {
         Counter::ReconciledFound,
         Counter::ReconciledNotFound,
         Counter::ReconcileFailed,
+        Counter::KeyFromHeader,
+        Counter::KeyFromJson,
+        Counter::KeyFromFingerprint,
     ];
 
     /// What happened to one protected request, as its access log may say it: not traffic the
@@ -186,6 +196,9 @@ impl Counter {
                 | Counter::BodyNeverReceived
                 | Counter::SettlementAbandoned
                 | Counter::RouterControlsRemoved
+                | Counter::KeyFromHeader
+                | Counter::KeyFromJson
+                | Counter::KeyFromFingerprint
         )
     }
 
@@ -225,6 +238,9 @@ impl Counter {
             Counter::ReconciledFound => "reconciled_found",
             Counter::ReconciledNotFound => "reconciled_not_found",
             Counter::ReconcileFailed => "reconcile_failed",
+            Counter::KeyFromHeader => "key_from_header",
+            Counter::KeyFromJson => "key_from_json",
+            Counter::KeyFromFingerprint => "key_from_fingerprint",
         }
     }
 

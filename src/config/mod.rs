@@ -24,8 +24,8 @@ mod model;
 mod tests;
 
 pub use model::{
-    AdminConfig, Concurrency, Config, ConfigError, Disposition, Execution, JwtPrincipal, PathMatch,
-    ProblemStatuses, Quota, Reconcile, Rule, ScopeHost, StatusPattern, StatusPolicy, StoreConfig,
+    AdminConfig, Concurrency, Config, ConfigError, Disposition, Execution, JwtPrincipal, KeySource,
+    PathMatch, ProblemStatuses, Quota, Reconcile, Rule, ScopeHost, StatusPattern, StatusPolicy, StoreConfig,
     UnknownOutcome, UpstreamRewrite,
 };
 
@@ -35,6 +35,15 @@ impl Rule {
     pub fn matches(&self, method: &str, path_without_query: &str) -> bool {
         // Methods are case-sensitive (RFC 9110 §9.1); the configured ones are already uppercase.
         self.methods.iter().any(|m| m == method) && self.matches_path(path_without_query)
+    }
+
+    /// The header the key is read from (`key_header`, or the rule's own); None when the key is
+    /// in the body. A rule with `reconcile` always has one (config).
+    pub fn key_header(&self) -> Option<&str> {
+        match &self.key {
+            KeySource::Header { name, .. } => Some(name),
+            KeySource::Json { .. } | KeySource::Fingerprint => None,
+        }
     }
 
     pub fn matches_path(&self, path_without_query: &str) -> bool {
@@ -208,7 +217,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let mut rules: Vec<Rc<Rule>> = Vec::with_capacity(routes.len());
     for (i, v) in routes.iter().enumerate() {
         let path = index("routes", i);
-        let r = rule(v, &path, &lookup_headers, &envoy_headers)?;
+        let r = rule(v, &path, &key_header, &lookup_headers, &envoy_headers)?;
         // Names label metrics and logs; a duplicate would silently merge two routes' numbers.
         if rules.iter().any(|x| x.name == r.name) {
             return Err(err(&key(&path, "name"), format!("duplicate route name {:?}", r.name)));
@@ -431,7 +440,13 @@ fn problem_statuses(v: &Value, path: &str) -> Res<ProblemStatuses> {
     })
 }
 
-fn rule(v: &Value, path: &str, lookup_headers: &[String], envoy: &EnvoyHeaders) -> Res<Rule> {
+fn rule(
+    v: &Value,
+    path: &str,
+    key_header: &str,
+    lookup_headers: &[String],
+    envoy: &EnvoyHeaders,
+) -> Res<Rule> {
     let o = object(
         v,
         path,
@@ -455,14 +470,31 @@ fn rule(v: &Value, path: &str, lookup_headers: &[String], envoy: &EnvoyHeaders) 
             "upstream_rewrite",
             "unknown_outcome",
             "reconcile",
+            "key",
         ],
     )?;
     let name = required(o, path, "name", rule_name)?;
     let (path_match, methods) = required(o, path, "match", rule_match)?;
     let require_key = optional(o, path, "require_key", boolean)?.unwrap_or(false);
-    let ttl_ms = optional(o, path, "ttl", duration_ms)?.unwrap_or(DEFAULT_TTL_MS);
+    let (key_source, window_ms) = optional(o, path, "key", |v, f| key_source(v, f, key_header))?
+        .unwrap_or_else(|| (KeySource::Header { name: key_header.to_owned(), own: false }, None));
+    let ttl_ms = match (window_ms, optional(o, path, "ttl", duration_ms)?) {
+        (Some(_), Some(_)) => {
+            return Err(err(
+                &key(path, "ttl"),
+                "must be left out with key.fingerprint: its window is the record's ttl",
+            ))
+        }
+        (Some(window), None) => window,
+        (None, ttl) => ttl.unwrap_or(DEFAULT_TTL_MS),
+    };
+    // A fingerprint's window may be seconds: its lease fits in it unless one is given.
+    let default_lease = match window_ms {
+        Some(window) => DEFAULT_PROCESSING_TIMEOUT_MS.min(window),
+        None => DEFAULT_PROCESSING_TIMEOUT_MS,
+    };
     let processing_timeout_ms =
-        optional(o, path, "processing_timeout", duration_ms)?.unwrap_or(DEFAULT_PROCESSING_TIMEOUT_MS);
+        optional(o, path, "processing_timeout", duration_ms)?.unwrap_or(default_lease);
     // A claim that outlives its record would let a retry find neither and execute twice.
     if processing_timeout_ms > ttl_ms {
         return Err(err(
@@ -514,6 +546,12 @@ fn rule(v: &Value, path: &str, lookup_headers: &[String], envoy: &EnvoyHeaders) 
     let execution = execution(o, path, processing_timeout_ms)?;
     let reconcile =
         optional(o, path, "reconcile", |v, f| reconcile(v, f, processing_timeout_ms, lookup_headers, envoy))?;
+    if reconcile.is_some() && key_source.in_body() {
+        return Err(err(
+            &key(path, "reconcile"),
+            "needs a key from a header (key_header or key.header): the upstream's lookup is asked by that key",
+        ));
+    }
     let unknown_outcome =
         match optional(o, path, "unknown_outcome", |v, f| string(v, f).map(str::to_owned))?.as_deref() {
             // Keeping the record in flight for the lookup is the only policy a lookup can follow.
@@ -538,6 +576,7 @@ fn rule(v: &Value, path: &str, lookup_headers: &[String], envoy: &EnvoyHeaders) 
         path: path_match,
         methods,
         require_key,
+        key: key_source,
         ttl_ms,
         processing_timeout_ms,
         max_request_bytes,
@@ -744,6 +783,31 @@ fn method(v: &Value, path: &str) -> Res<String> {
 /// RFC 9110 §5.6.2 `token = 1*tchar`.
 fn is_token(s: &str) -> bool {
     !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+/// `routes[].key`: exactly one of `{"header": name}`, `{"json": pointer}` and
+/// `{"fingerprint": {"window": duration}}`; the window, when it is the fingerprint.
+fn key_source(v: &Value, path: &str, key_header: &str) -> Res<(KeySource, Option<u64>)> {
+    let o = object(v, path, &["header", "json", "fingerprint"])?;
+    if o.len() != 1 {
+        return Err(err(path, "expected exactly one of \"header\", \"json\" and \"fingerprint\""));
+    }
+    if let Some(name) = optional(o, path, "header", header_name)? {
+        let own = name != key_header;
+        return Ok((KeySource::Header { name, own }, None));
+    }
+    if let Some(tokens) = optional(o, path, "json", json_pointer)? {
+        let pointer = get(o, "json").and_then(|v| match v {
+            Value::String(s) => Some(s.to_string()),
+            _ => None,
+        });
+        return Ok((KeySource::Json { pointer: pointer.unwrap_or_default(), tokens }, None));
+    }
+    let window = required(o, path, "fingerprint", |v, f| {
+        let w = object(v, f, &["window"])?;
+        required(w, f, "window", duration_ms)
+    })?;
+    Ok((KeySource::Fingerprint, Some(window)))
 }
 
 /// RFC 6901, decoded into reference tokens. The empty pointer is refused: it names the whole

@@ -224,6 +224,9 @@ pub struct Rule {
     /// Uppercase method names.
     pub methods: Vec<String>,
     pub require_key: bool,
+    /// Where the request's key comes from (`routes[].key`).
+    pub key: KeySource,
+    /// With `KeySource::Fingerprint`, its `window`.
     pub ttl_ms: u64,
     pub processing_timeout_ms: u64,
     pub max_request_bytes: u64,
@@ -241,6 +244,34 @@ pub struct Rule {
     /// `Reconcile` exactly when `reconcile` is set.
     pub unknown_outcome: UnknownOutcome,
     pub reconcile: Option<Reconcile>,
+}
+
+/// `routes[].key`: where a rule reads the key that names one intent. The source is part of the
+/// record's scope (`KeySource::scope_key`), so the header value "42" and the body value 42
+/// are never one record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    /// A request header: `key_header` (the default, `own` false), or the rule's own
+    /// (`{"header": ...}`, `own` true when it is not `key_header`).
+    Header { name: String, own: bool },
+    /// The value at a JSON Pointer in the request body (`{"json": "/order_id"}`): the business
+    /// number the body already carries. Read once the body is whole.
+    Json {
+        /// As written in the configuration, for the scope and the problems' details.
+        pointer: String,
+        /// Its reference tokens, unescaped.
+        tokens: Vec<String>,
+    },
+    /// No key: the request's fingerprint is its key (`{"fingerprint": {"window": ...}}`), and
+    /// the record lives `window` (the rule's ttl). For clients that cannot send one.
+    Fingerprint,
+}
+
+impl KeySource {
+    /// Read at the end of the body, not at the headers.
+    pub fn in_body(&self) -> bool {
+        !matches!(self, KeySource::Header { .. })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

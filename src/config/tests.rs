@@ -37,6 +37,7 @@ fn default_rule(name: &str, path: PathMatch) -> Rule {
         path,
         methods: vec!["POST".into(), "PATCH".into()],
         require_key: false,
+        key: KeySource::Header { name: "idempotency-key".into(), own: false },
         ttl_ms: 86_400_000,
         processing_timeout_ms: 30_000,
         max_request_bytes: 1_048_576,
@@ -53,6 +54,33 @@ fn default_rule(name: &str, path: PathMatch) -> Rule {
         unknown_outcome: UnknownOutcome::Refuse,
         reconcile: None,
     }
+}
+
+#[test]
+fn a_rule_s_key_source() {
+    let header = |own: bool, name: &str| KeySource::Header { name: name.into(), own };
+    let cases: &[(&str, KeySource, u64, u64)] = &[
+        ("", header(false, "idempotency-key"), 86_400_000, 30_000),
+        (r#","key":{"header":"X-Request-ID"}"#, header(true, "x-request-id"), 86_400_000, 30_000),
+        // key_header's own name is key_header's key: one record, as without `key`.
+        (r#","key":{"header":"Idempotency-Key"}"#, header(false, "idempotency-key"), 86_400_000, 30_000),
+        (
+            r#","key":{"json":"/order/id~1x"}"#,
+            KeySource::Json { pointer: "/order/id~1x".into(), tokens: vec!["order".into(), "id/x".into()] },
+            86_400_000,
+            30_000,
+        ),
+        // The window is the ttl, and the default lease fits in it.
+        (r#","key":{"fingerprint":{"window":"3s"}}"#, KeySource::Fingerprint, 3_000, 3_000),
+        (r#","key":{"fingerprint":{"window":"10m"}}"#, KeySource::Fingerprint, 600_000, 30_000),
+    ];
+    for (extra, source, ttl_ms, lease_ms) in cases {
+        let r = only_rule(&format!(r#"{{"routes":[{{"name":"a","match":{{"prefix":"/"}}{extra}}}]}}"#));
+        assert_eq!((&r.key, r.ttl_ms, r.processing_timeout_ms), (source, *ttl_ms, *lease_ms), "{extra}");
+    }
+    let own =
+        r#"{"key_header":"x-key","routes":[{"name":"a","match":{"prefix":"/"},"key":{"header":"x-key"}}]}"#;
+    assert_eq!(only_rule(own).key, header(false, "x-key"));
 }
 
 #[test]
@@ -126,6 +154,23 @@ fn rejects_bad_configs_naming_the_field() {
         ),
         ("detached calls zero", top(r#""max_detached_calls":0"#), "max_detached_calls"),
         ("publish_outcome not a boolean", top(r#""publish_outcome":"yes""#), "publish_outcome"),
+        // routes[].key: one source, each checked as the field it replaces
+        ("key empty", rule_json(r#""key":{}"#), "routes[0].key"),
+        ("key two sources", rule_json(r#""key":{"header":"x-a","json":"/a"}"#), "routes[0].key"),
+        ("key unknown source", rule_json(r#""key":{"query":"id"}"#), "routes[0].key.query"),
+        ("key not an object", rule_json(r#""key":"x-request-id""#), "routes[0].key"),
+        ("key header pseudo", rule_json(r#""key":{"header":":path"}"#), "routes[0].key.header"),
+        ("key header not a token", rule_json(r#""key":{"header":"x a"}"#), "routes[0].key.header"),
+        ("key json not a pointer", rule_json(r#""key":{"json":"order_id"}"#), "routes[0].key.json"),
+        ("key json bad escape", rule_json(r#""key":{"json":"/a~2"}"#), "routes[0].key.json"),
+        ("key json the whole body", rule_json(r#""key":{"json":""}"#), "routes[0].key.json"),
+        ("key fingerprint no window", rule_json(r#""key":{"fingerprint":{}}"#), "routes[0].key.fingerprint.window"),
+        ("key fingerprint bad window", rule_json(r#""key":{"fingerprint":{"window":"soon"}}"#), "routes[0].key.fingerprint.window"),
+        ("key fingerprint extra", rule_json(r#""key":{"fingerprint":{"window":"1m","ttl":"1h"}}"#), "routes[0].key.fingerprint.ttl"),
+        ("key fingerprint beside ttl", rule_json(r#""key":{"fingerprint":{"window":"1m"}},"ttl":"1h""#), "routes[0].ttl"),
+        ("key fingerprint lease past window", rule_json(r#""key":{"fingerprint":{"window":"5s"}},"processing_timeout":"10s""#), "routes[0].processing_timeout"),
+        ("key json with reconcile", rule_json(r#""key":{"json":"/id"},"reconcile":{"path":"/p/{key}"}"#), "routes[0].reconcile"),
+        ("key fingerprint with reconcile", rule_json(r#""key":{"fingerprint":{"window":"1m"}},"reconcile":{"path":"/p/{key}"}"#), "routes[0].reconcile"),
         ("scope_host unknown", top(r#""scope_host":"host""#), "scope_host"),
         ("scope_host not a string", top(r#""scope_host":true"#), "scope_host"),
         // Envoy's bootstrap header_prefix, as Envoy holds it: a lowercase token.

@@ -3,7 +3,7 @@
 //! the warnings that may come with every request but are logged once per period or once per
 //! worker. One service of `PluginState`, held beside the store, the wait room and the wake-ups.
 
-use crate::config::Rule;
+use crate::config::{KeySource, Rule};
 use crate::host::{Host, HostError};
 use crate::identity::scope::ScopeId;
 use crate::metrics::{
@@ -179,20 +179,27 @@ impl<H: Host> Meter<H> {
     /// access log (`publish`).
     pub fn count_for_stream(&self, counter: Counter, rule: Option<&Rule>, scope: Option<&ScopeId>) {
         self.count(counter, rule);
-        self.publish(counter, scope);
+        self.publish(counter, rule, scope);
     }
 
     /// With `publish_outcome`, what just happened to the effective context's protected request
     /// (`<outcome> <scope tag>`, the tag the filter's logs use too) as its filter state
     /// `wasm.idempotency.outcome`, for access logs (`%FILTER_STATE(wasm.idempotency.outcome:PLAIN)%`).
     /// Written at each outcome counted while the stream is there, so the last one stands (a new
-    /// key: `claimed`, then `stored`): one host call each, none when not configured.
-    pub fn publish(&self, counter: Counter, scope: Option<&ScopeId>) {
+    /// key: `claimed`, then `stored`): one host call each, none when not configured. A key from
+    /// anywhere but `key_header` is named after the tag (`claimed 1a2b3c4d5e6f key=json`).
+    pub fn publish(&self, counter: Counter, rule: Option<&Rule>, scope: Option<&ScopeId>) {
         if !self.publish_outcome || !counter.is_request_outcome() {
             return;
         }
         let tag = scope.map_or_else(|| "-".to_string(), ScopeId::log_tag);
-        let value = format!("{} {tag}", counter.name());
+        let source = match rule.map(|r| &r.key) {
+            Some(KeySource::Header { own: true, .. }) => " key=header",
+            Some(KeySource::Json { .. }) => " key=json",
+            Some(KeySource::Fingerprint) => " key=fingerprint",
+            Some(KeySource::Header { own: false, .. }) | None => "",
+        };
+        let value = format!("{} {tag}{source}", counter.name());
         if let Err(HostError(s)) = self.host.set_property(OUTCOME_PROPERTY, value.as_bytes()) {
             log::debug!("cannot publish the outcome {value} (host status {s})");
         }

@@ -277,7 +277,7 @@ pub(super) fn finish_settlement<H: Host>(
     plugin.meter.count(counter, Some(&call.settlement.rule));
     // A held response's stream is still there: its access log can say how it ended.
     if call.holds_response && plugin.host.set_effective_context(call.settlement.context_id).is_ok() {
-        plugin.meter.publish(counter, Some(&call.settlement.claim.scope));
+        plugin.meter.publish(counter, Some(&call.settlement.rule), Some(&call.settlement.claim.scope));
     }
     resume_held_response(plugin, &mut call);
 }

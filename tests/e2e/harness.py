@@ -94,6 +94,9 @@ OUTCOMES = (
     "reconciled_found",
     "reconciled_not_found",
     "reconcile_failed",
+    "key_from_header",
+    "key_from_json",
+    "key_from_fingerprint",
 )
 PROBLEM_TYPE = "urn:idempotency-filter:%s"
 

@@ -24,8 +24,10 @@
 //! worker never reads (pays a host call for) what no decision looks at.
 
 use crate::config::etcd::OnStoreError;
-use crate::config::{Config, Execution, Rule, ScopeHost};
-use crate::engine::{self, Admission, Decision, HeaderFix, Pending, ReplayShape, Reply, RequestHead};
+use crate::config::{Config, Execution, KeySource, Rule, ScopeHost};
+use crate::engine::{
+    self, Admission, Decision, HeaderFix, Pending, ReplayShape, Reply, RequestHead, Unprotected,
+};
 use crate::identity::fingerprint::Fingerprint;
 use crate::identity::scope::ScopeId;
 use crate::metrics::Counter;
@@ -382,8 +384,10 @@ impl RequestFlow {
             }
             Admission::Collect(pending) => {
                 if let Some(reconcile) = &pending.rule.reconcile {
-                    self.lookup_request = crate::worker::reconcile::lookup_request(cfg, reconcile, &headers);
+                    self.lookup_request =
+                        crate::worker::reconcile::lookup_request(&pending.rule, reconcile, &headers);
                 }
+                let own_key = matches!(pending.rule.key, KeySource::Header { own: true, .. });
                 // A protected request's retries and deadlines are the configuration's, never
                 // its caller's: whatever carries it upstream, it goes without them.
                 let controls = cfg.envoy_headers.present(&headers);
@@ -397,6 +401,9 @@ impl RequestFlow {
                     let removed =
                         [Step::RemoveRequestHeaders(controls), Step::Count(Counter::RouterControlsRemoved)];
                     out.steps.splice(0..0, removed);
+                }
+                if own_key {
+                    out.steps.insert(0, Step::Count(Counter::KeyFromHeader));
                 }
                 out
             }
@@ -470,13 +477,37 @@ impl RequestFlow {
             Ok(fingerprint) => fingerprint,
             Err(problem) => return self.refuse(&problem),
         };
+        let mut pending = pending;
+        let source = match pending.rule.key {
+            KeySource::Json { .. } => Counter::KeyFromJson,
+            KeySource::Fingerprint => Counter::KeyFromFingerprint,
+            KeySource::Header { .. } => return self.claim(cfg, pending, fingerprint, facts, Vec::new()),
+        };
+        match engine::key_body(cfg, &mut pending, &body, &fingerprint) {
+            Ok(()) => self.claim(cfg, pending, fingerprint, facts, vec![Step::Count(source)]),
+            // Forwarded as it came, without a claim: the body held is let go with it.
+            Err(Unprotected::PassThrough) => Output::go(vec![Step::Count(Counter::PassedThrough)]),
+            Err(Unprotected::Reject(problem)) => self.refuse(&problem),
+        }
+    }
+
+    /// The key and fingerprint are known: ask the store for the claim (`steps` go first).
+    fn claim(
+        &mut self,
+        cfg: &Config,
+        pending: Pending,
+        fingerprint: Fingerprint,
+        facts: &mut dyn StreamFacts,
+        mut steps: Vec<Step>,
+    ) -> Output {
         let now_ms = facts.now_ms();
         let owner = facts.owner_token();
         self.scope = Some(pending.scope);
         let attempt = engine::claim_attempt(cfg, &pending, fingerprint, now_ms, owner);
         self.admitted = Some(Rc::new(Admitted { pending, fingerprint }));
         self.phase = Phase::AwaitingBegin { now_ms, attempt: attempt.clone() };
-        Output::hold(vec![Step::Store(StoreOp::Begin(attempt))])
+        steps.push(Step::Store(StoreOp::Begin(attempt)));
+        Output::hold(steps)
     }
 
     /// The store answered the operation this flow asked for.

@@ -16,7 +16,7 @@
 //! once. Only acting on its answer takes the record over, atomically, as any takeover does.
 
 use crate::codec::percent_encode;
-use crate::config::{Config, Reconcile, Rule};
+use crate::config::{Reconcile, Rule};
 use crate::engine;
 use crate::engine::Pending;
 use crate::identity::fingerprint::Fingerprint;
@@ -59,11 +59,12 @@ pub enum LookupAnswer {
 /// percent-encoded; the request's `:authority`; the key header; and the headers `reconcile`
 /// copies (never a router control header: config refuses them). None when the request has no
 /// usable key or `:authority` (it could not have been admitted).
-pub fn lookup_call(cfg: &Config, reconcile: &Reconcile, request: &[(String, Vec<u8>)]) -> Option<LookupCall> {
+pub fn lookup_call(rule: &Rule, reconcile: &Reconcile, request: &[(String, Vec<u8>)]) -> Option<LookupCall> {
     fn values<'r>(request: &'r [(String, Vec<u8>)], name: &'r str) -> impl Iterator<Item = &'r [u8]> + 'r {
         request.iter().filter(move |(n, _)| n == name).map(|(_, v)| v.as_slice())
     }
-    let key_values: Vec<&[u8]> = values(request, &cfg.key_header).collect();
+    let key_header = rule.key_header()?;
+    let key_values: Vec<&[u8]> = values(request, key_header).collect();
     let key = parse_key(&key_values).ok()?;
     let authority = values(request, ":authority").next()?.to_vec();
     let path = reconcile.path.replace("{key}", &percent_encode(key.as_str()));
@@ -71,9 +72,9 @@ pub fn lookup_call(cfg: &Config, reconcile: &Reconcile, request: &[(String, Vec<
         (":method".to_string(), reconcile.method.as_bytes().to_vec()),
         (":path".to_string(), path.into_bytes()),
         (":authority".to_string(), authority),
-        (cfg.key_header.clone(), key_values.first().map(|v| v.to_vec()).unwrap_or_default()),
+        (key_header.to_string(), key_values.first().map(|v| v.to_vec()).unwrap_or_default()),
     ];
-    for name in reconcile.headers.iter().filter(|n| **n != cfg.key_header) {
+    for name in reconcile.headers.iter().filter(|n| *n != key_header) {
         headers.extend(values(request, name).map(|v| (name.clone(), v.to_vec())));
     }
     let timeout_ms = u32::try_from(reconcile.timeout_ms).unwrap_or(u32::MAX);
@@ -84,13 +85,14 @@ pub fn lookup_call(cfg: &Config, reconcile: &Reconcile, request: &[(String, Vec<
 /// header and the headers `reconcile` copies. Kept from admission: Envoy hands the filter the
 /// request's head only while the request is being decoded (and again at its log).
 pub fn lookup_request(
-    cfg: &Config,
+    rule: &Rule,
     reconcile: &Reconcile,
     request: &[(String, Vec<u8>)],
 ) -> Vec<(String, Vec<u8>)> {
+    let key_header = rule.key_header().unwrap_or_default();
     request
         .iter()
-        .filter(|(n, _)| n == ":authority" || *n == cfg.key_header || reconcile.headers.contains(n))
+        .filter(|(n, _)| n == ":authority" || n == key_header || reconcile.headers.contains(n))
         .cloned()
         .collect()
 }
@@ -228,7 +230,7 @@ impl LeaseEndLookup {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::parse;
+    use crate::config::{parse, Config};
 
     fn cfg(reconcile: &str) -> Config {
         let json = format!(
@@ -256,7 +258,7 @@ mod tests {
             ("x-envoy-retry-on", "5xx"),
             ("content-type", "application/json"),
         ]);
-        let call = lookup_call(&c, reconcile, &request).unwrap();
+        let call = lookup_call(&c.rules[0], reconcile, &request).unwrap();
         assert_eq!(call.cluster, None);
         assert_eq!(call.timeout_ms, 2_000);
         assert_eq!(
@@ -272,11 +274,25 @@ mod tests {
         );
         // A quoted key is the same key: its unquoted form goes in the path.
         let quoted = pairs(&[(":authority", "h"), ("idempotency-key", "\"k1\"")]);
-        let call = lookup_call(&c, reconcile, &quoted).unwrap();
+        let call = lookup_call(&c.rules[0], reconcile, &quoted).unwrap();
         assert_eq!(call.headers[1].1, b"/payments/by-key/k1".to_vec());
         // No key, or no authority: no lookup.
-        assert_eq!(lookup_call(&c, reconcile, &pairs(&[(":authority", "h")])), None);
-        assert_eq!(lookup_call(&c, reconcile, &pairs(&[("idempotency-key", "k")])), None);
+        assert_eq!(lookup_call(&c.rules[0], reconcile, &pairs(&[(":authority", "h")])), None);
+        assert_eq!(lookup_call(&c.rules[0], reconcile, &pairs(&[("idempotency-key", "k")])), None);
+    }
+
+    #[test]
+    fn a_rule_s_own_key_header_is_the_lookup_s_key() {
+        let json = r#"{"routes":[{"name":"pay","match":{"prefix":"/pay"},"key":{"header":"x-request-id"},
+            "reconcile":{"path":"/p/{key}"}}]}"#;
+        let c = parse(json.as_bytes()).unwrap();
+        let (rule, reconcile) = (&c.rules[0], c.rules[0].reconcile.as_ref().unwrap());
+        let request = pairs(&[(":authority", "h"), ("idempotency-key", "other"), ("x-request-id", "r1")]);
+        let kept = lookup_request(rule, reconcile, &request);
+        assert_eq!(kept, pairs(&[(":authority", "h"), ("x-request-id", "r1")]));
+        let call = lookup_call(rule, reconcile, &kept).unwrap();
+        assert_eq!(call.headers[1].1, b"/p/r1".to_vec());
+        assert_eq!(call.headers[3], ("x-request-id".to_string(), b"r1".to_vec()));
     }
 
     #[test]

@@ -167,7 +167,7 @@ impl<H: Host> PluginState<H> {
         route_cluster: Option<&str>,
     ) -> Option<Lookup> {
         let reconcile = rule.reconcile.as_ref()?;
-        let call = reconcile::lookup_call(&self.config, reconcile, request);
+        let call = reconcile::lookup_call(rule, reconcile, request);
         let cluster = match call.as_ref().map(|c| c.cluster.clone()) {
             Some(Some(c)) => Some(c),
             Some(None) => route_cluster.map(str::to_string).or_else(|| self.route_cluster()),

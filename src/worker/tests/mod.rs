@@ -12,6 +12,7 @@ mod detached_model;
 mod etcd_auth;
 mod etcd_messages;
 mod flows;
+mod key_sources;
 mod local;
 mod reconcile;
 mod remote;

@@ -511,13 +511,16 @@ def orders_proxy(
     return config
 
 
-def admin_listener(admin_config: dict | str, wasm_path: Path | str, port: int = 0) -> dict:
+def admin_listener(admin_config: dict | str, wasm_path: Path | str, port: int = 0,
+                   access_log: Sequence[dict] = ()) -> dict:
     """A listener (named `idempotency_admin`) whose only filter is the idempotency filter with
     an admin configuration (`{"admin": {...}}`): the same module, vm_id and root_id as the
-    proxy's filter, so it reads the same shared data, as the shipped envoy/envoy.yaml has it."""
+    proxy's filter, so it reads the same shared data, as the shipped envoy/envoy.yaml has it.
+    `access_log`: its access loggers (the shipped one prints each request's audit entry)."""
     hcm = http_connection_manager(
         [{"match": {"prefix": "/"}, "direct_response": {"status": 404}}],
         [filter_http_filter(admin_config, wasm_path)],
         "idempotency_admin",
+        access_log=access_log,
     )
     return {"name": "idempotency_admin", "address": socket_address(port), "filter_chains": [{"filters": [hcm]}]}

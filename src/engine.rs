@@ -488,6 +488,11 @@ pub fn too_large(rule: &Rule) -> Problem {
 }
 
 impl Pending {
+    /// The record's label: route, key and scope as operators see them.
+    pub fn label(&self) -> &Label {
+        &self.label
+    }
+
     pub fn fingerprint(&self, body: &[u8]) -> Fingerprint {
         let header_values: Vec<(&str, Vec<&[u8]>)> = self
             .fingerprint_headers

@@ -161,6 +161,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
             "quota",
             "max_detached_calls",
             "publish_outcome",
+            "audit",
             "admin",
             "envoy_header_prefix",
             "scope_host",
@@ -187,6 +188,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let jwt_principal = optional(top, "", "principal", jwt_principal)?;
     let quota = optional(top, "", "quota", quota)?.unwrap_or_default();
     let publish_outcome = optional(top, "", "publish_outcome", boolean)?.unwrap_or(false);
+    let audit = optional(top, "", "audit", boolean)?.unwrap_or(false);
     let scope_host = optional(top, "", "scope_host", scope_host)?.unwrap_or(ScopeHost::Authority);
     let envoy_headers = match optional(top, "", "envoy_header_prefix", envoy_header_prefix)? {
         Some(prefix) => EnvoyHeaders::new(&prefix),
@@ -242,6 +244,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         quota,
         max_detached_calls,
         publish_outcome,
+        audit,
         scope_host,
         admin,
         envoy_headers,

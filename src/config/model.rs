@@ -36,6 +36,10 @@ pub struct Config {
     /// Each protected request's outcome as its filter state `wasm.idempotency.outcome`, for
     /// access logs. Off by default: one host call per outcome counted.
     pub publish_outcome: bool,
+    /// Each change a protected request makes to a record as its filter state
+    /// `wasm.idempotency.audit` (a JSON entry), for access logs: the audit trail. Off by
+    /// default: one host call per changed record.
+    pub audit: bool,
     /// Which name of the service a record's scope holds (`scope_host`).
     pub scope_host: ScopeHost,
     /// This instance serves the admin API (and protects no routes: `rules` is empty).

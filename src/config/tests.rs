@@ -154,6 +154,7 @@ fn rejects_bad_configs_naming_the_field() {
         ),
         ("detached calls zero", top(r#""max_detached_calls":0"#), "max_detached_calls"),
         ("publish_outcome not a boolean", top(r#""publish_outcome":"yes""#), "publish_outcome"),
+        ("audit not a boolean", top(r#""audit":1"#), "audit"),
         // routes[].key: one source, each checked as the field it replaces
         ("key empty", rule_json(r#""key":{}"#), "routes[0].key"),
         ("key two sources", rule_json(r#""key":{"header":"x-a","json":"/a"}"#), "routes[0].key"),
@@ -374,6 +375,7 @@ fn full_example_parses_exactly() {
       "principal": {"jwt_payload": "jwt_payload", "claims": ["iss", "sub"]},
       "quota": {"per_tenant": 5000, "per_principal": 100},
       "publish_outcome": true,
+      "audit": true,
       "scope_host": "cluster",
       "envoy_header_prefix": "x-acme"
     }"#;
@@ -404,6 +406,7 @@ fn full_example_parses_exactly() {
         quota: Quota { per_tenant: Some(5000), per_principal: Some(100) },
         max_detached_calls: 1_000,
         publish_outcome: true,
+        audit: true,
         scope_host: ScopeHost::Cluster,
         admin: None,
         envoy_headers: EnvoyHeaders::new("x-acme"),
@@ -484,6 +487,7 @@ fn minimal_config_yields_all_defaults() {
         quota: Quota { per_tenant: None, per_principal: None },
         max_detached_calls: 1_000,
         publish_outcome: false,
+        audit: false,
         // The host as the caller wrote it, normalized: every build's scope before the field.
         scope_host: ScopeHost::Authority,
         admin: None,

@@ -146,7 +146,12 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
             // A lease-end lookup's flow, or one whose stream went away: nothing to publish to.
             flow(&mut |f| match f.streamless() {
                 true => plugin.meter.count(counter, f.rule()),
-                false => plugin.meter.count_for_stream(counter, f.rule(), f.scope()),
+                false => {
+                    plugin.meter.count_for_stream(counter, f.rule(), f.scope());
+                    if let Some(entry) = f.audit_entry(counter, || host.now_ms()) {
+                        plugin.meter.audit(&entry);
+                    }
+                }
             });
         }
         Step::Reply { reply: r, details } => {

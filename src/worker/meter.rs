@@ -13,6 +13,7 @@ use crate::metrics::{
 use crate::store::factory::remotes;
 use crate::store::seam::Store;
 use crate::worker::admin::Action;
+use crate::worker::audit::AUDIT_PROPERTY;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
@@ -202,6 +203,14 @@ impl<H: Host> Meter<H> {
         let value = format!("{} {tag}{source}", counter.name());
         if let Err(HostError(s)) = self.host.set_property(OUTCOME_PROPERTY, value.as_bytes()) {
             log::debug!("cannot publish the outcome {value} (host status {s})");
+        }
+    }
+
+    /// An audit entry (`audit`, `admin`) as the effective context's filter state
+    /// `wasm.idempotency.audit`, for its access log: one host call.
+    pub fn audit(&self, entry: &[u8]) {
+        if let Err(HostError(s)) = self.host.set_property(AUDIT_PROPERTY, entry) {
+            log::debug!("cannot publish an audit entry (host status {s})");
         }
     }
 

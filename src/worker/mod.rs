@@ -12,6 +12,7 @@
 //! `wait/`, `admin/` (no flow: the admin API's stream is its own).
 
 pub mod admin;
+pub mod audit;
 pub mod detached;
 pub mod flow;
 pub mod reconcile;

@@ -278,6 +278,11 @@ pub(super) fn finish_settlement<H: Host>(
     // A held response's stream is still there: its access log can say how it ended.
     if call.holds_response && plugin.host.set_effective_context(call.settlement.context_id).is_ok() {
         plugin.meter.publish(counter, Some(&call.settlement.rule), Some(&call.settlement.claim.scope));
+        let context_id = call.settlement.context_id;
+        let entry = plugin.flows.of_stream(context_id, |f| f.audit_entry(counter, || plugin.host.now_ms()));
+        if let Some(entry) = entry.flatten() {
+            plugin.meter.audit(&entry);
+        }
     }
     resume_held_response(plugin, &mut call);
 }

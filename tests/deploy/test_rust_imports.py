@@ -104,7 +104,7 @@ def test_no_import_circle_among_the_rust_modules():
     assert circles(imports()) == []
 
 
-FEATURES = ("admin", "detached", "reconcile", "wait")
+FEATURES = ("admin", "audit", "detached", "reconcile", "wait")
 
 
 def layer_of(module: tuple[str, ...]) -> int:

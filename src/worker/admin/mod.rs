@@ -24,6 +24,7 @@ use crate::problem::{Kind, Problem};
 use crate::store::record::{Label, Snapshot};
 use crate::store::{Amendment, RecordId, RecordPage, RecordQuery, RecordView, Refusal, StateFilter};
 use crate::store::{StoreAnswer, StoreError, StoreOp};
+use crate::worker::audit::AuditEntry;
 use sha2::{Digest, Sha256};
 
 /// Records a list shows by default, and at most (`limit`).
@@ -93,6 +94,9 @@ pub struct Subject {
     pub tag: String,
     pub route: Option<String>,
     pub tenant: Option<String>,
+    pub key: Option<String>,
+    /// As the record stood when the request found it (`view_state`).
+    pub state: &'static str,
 }
 
 impl Subject {
@@ -102,7 +106,50 @@ impl Subject {
             tag: view.scope.log_tag(),
             route: label.map(|l| l.route().to_string()),
             tenant: label.and_then(Label::tenant).map(str::to_string),
+            key: label.map(|l| l.key().to_string()),
+            state: view_state(&view.entry),
         }
+    }
+}
+
+impl Answered {
+    /// The admin request's audit entry, published on its own stream for the admin listener's
+    /// access log (always: an operator's action is never unaudited): what was done to which
+    /// record, whose it is, its state before and after, which token (a digest prefix, never the
+    /// token's), from where (`peer`), and the request (`method`, `path` without its query).
+    pub fn audit_entry(&self, method: &str, path: &str, peer: Option<&str>) -> Vec<u8> {
+        let r = self.record.as_ref();
+        let after = match self.action {
+            Action::Released => Some("released"),
+            Action::Resolved => Some("completed"),
+            Action::LookedUp | Action::Refused => r.map(|r| r.state),
+            Action::Listed | Action::Unauthorized => None,
+        };
+        let token = (self.who != "-").then(|| format!("sha256:{}", self.who));
+        let mut e = AuditEntry::new("admin");
+        e.text("action", Some(self.action.name()));
+        e.text("record", r.map(|r| r.tag.as_str()));
+        e.text("route", r.and_then(|r| r.route.as_deref()));
+        e.text("tenant", r.and_then(|r| r.tenant.as_deref()));
+        e.text("key", r.and_then(|r| r.key.as_deref()));
+        e.text("state_before", r.map(|r| r.state));
+        e.text("state_after", after);
+        e.text("token", token.as_deref());
+        e.text("peer", peer);
+        e.text("request", Some(&format!("{method} {path}")));
+        e.number("status", Some(u64::from(self.reply.status)));
+        e.finish()
+    }
+}
+
+/// A record's state as the admin API names it.
+fn view_state(e: &crate::store::record::Entry) -> &'static str {
+    if e.outcome_unknown() {
+        "outcome_unknown"
+    } else if e.is_completed() {
+        "completed"
+    } else {
+        "processing"
     }
 }
 
@@ -494,13 +541,7 @@ fn view_json(v: &RecordView, detail: bool, now_ms: u64) -> Vec<u8> {
             None => out.extend_from_slice(b"null"),
         }
     }
-    let state = if e.outcome_unknown() {
-        "outcome_unknown"
-    } else if e.is_completed() {
-        "completed"
-    } else {
-        "processing"
-    };
+    let state = view_state(e);
     out.extend_from_slice(format!(",\"state\":\"{state}\"").as_bytes());
     if e.is_completed() && !e.outcome_unknown() {
         out.extend_from_slice(format!(",\"status\":{}", e.status).as_bytes());

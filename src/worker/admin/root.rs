@@ -163,6 +163,10 @@ pub fn advance<H: Host>(plugin: &PluginState<H>, line: AdminLine, mut progress: 
 fn reply<H: Host>(plugin: &PluginState<H>, line: &AdminLine, answered: &Answered) {
     plugin.meter.count_admin(answered.action);
     log::info!("{}", audit_line(line, answered));
+    // The stream is the effective context here: its peer, and its access log's entry.
+    let peer = plugin.host.property(&["source", "address"]).ok().flatten();
+    let peer = peer.as_deref().map(String::from_utf8_lossy);
+    plugin.meter.audit(&answered.audit_entry(&line.method, &line.path, peer.as_deref()));
     if let Some(scope) = &answered.changed {
         // The requests waiting for this record look now, not at their next recheck.
         plugin.wakeups.broadcast(scope);

@@ -51,6 +51,7 @@ impl RequestFlow {
                     body,
                 });
                 let done = if fits { Counter::Stored } else { Counter::ResponseNotStored };
+                self.audit_outcome(state, status);
                 let completion = Completion { state, status, snapshot, now_ms, ttl_ms: rule.ttl_ms };
                 self.settle_detached(StoreOp::Complete { claim, completion }, claim, rule, done, reply)
             }

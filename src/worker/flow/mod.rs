@@ -35,6 +35,7 @@ use crate::problem::{Kind, Problem};
 use crate::renewal::Hold;
 use crate::store::record::State;
 use crate::store::{Begin, Claim, ClaimAttempt, StoreAnswer, StoreError, StoreOp};
+use crate::worker::audit::AuditRecord;
 use crate::worker::reconcile::{Found, LaterLookup, LeaseEndLookup};
 use crate::worker::wait;
 use facts::verified_claims;
@@ -242,6 +243,8 @@ pub struct RequestFlow {
     /// when the body is in; let go once the request is forwarded).
     pub(super) admitted: Option<Rc<Admitted>>,
     pub(super) phase: Phase,
+    /// With `audit`: what this request's record is, for the entries its changes publish.
+    pub(super) audit: Option<Box<AuditRecord>>,
     /// The rule of a request that went upstream under a claim, until its stream ends: the
     /// router's attempt count is only final then.
     pub(super) forwarded_rule: Option<Rc<Rule>>,
@@ -272,6 +275,7 @@ impl RequestFlow {
             scope: None,
             later: None,
             lookup_request: Vec::new(),
+            audit: None,
             stream_gone: false,
         }
     }
@@ -503,6 +507,9 @@ impl RequestFlow {
         let now_ms = facts.now_ms();
         let owner = facts.owner_token();
         self.scope = Some(pending.scope);
+        if cfg.audit {
+            self.audit = Some(Box::new(AuditRecord::new(&pending, &fingerprint, now_ms)));
+        }
         let attempt = engine::claim_attempt(cfg, &pending, fingerprint, now_ms, owner);
         self.admitted = Some(Rc::new(Admitted { pending, fingerprint }));
         self.phase = Phase::AwaitingBegin { now_ms, attempt: attempt.clone() };
@@ -542,6 +549,7 @@ impl RequestFlow {
                     // The record is this request's now: the lookup's answer becomes its outcome.
                     Ok(Begin::Claimed(claim) | Begin::TookOver(claim)) => {
                         let completion = found.completion(now_ms, a.pending.rule.ttl_ms);
+                        self.audit_outcome(completion.state, completion.status);
                         self.phase = Phase::SettlingFound { claim, found };
                         Output::hold(vec![Step::Store(StoreOp::Complete { claim, completion })])
                     }

@@ -328,6 +328,7 @@ impl RequestFlow {
             ttl_ms: c.rule.ttl_ms,
         };
         let done = if c.overflowed { Counter::ResponseNotStored } else { Counter::Stored };
+        self.audit_outcome(c.state, c.status);
         self.phase = Phase::Settling { claim: c.claim, rule: c.rule, done };
         vec![Step::Store(StoreOp::Complete { claim: c.claim, completion })]
     }

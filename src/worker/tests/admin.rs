@@ -110,6 +110,7 @@ fn every_action_is_audited_with_the_records_tag_route_and_tenant_and_a_digest_of
     use sha2::{Digest, Sha256};
     capture_logs();
     let (h, mut root) = admin_root(0);
+    h.0.properties.borrow_mut().insert("source.address".into(), b"10.0.0.7:51234".to_vec());
     let store = LocalStore::open(&h.0.data, 4_000, [9; 32], 1_000).unwrap();
     // Two records of tenant acme whose outcome is unknown, and a live claim of no tenant.
     for n in [1, 2] {
@@ -153,6 +154,43 @@ fn every_action_is_audited_with_the_records_tag_route_and_tenant_and_a_digest_of
     );
     // Nothing of the token itself, not even its first characters.
     assert!(lines.iter().all(|l| !l.contains(&TOKEN[..6])), "{lines:?}");
+    // The same, as JSON in each admin stream's filter state for its access log, with the
+    // states before and after and the peer.
+    let entries: Vec<(u32, String)> =
+        h.0.calls
+            .borrow()
+            .iter()
+            .filter_map(|c| match c {
+                crate::host::fake::HostCall::SetProperty { context, name, value }
+                    if name == "idempotency.audit" =>
+                {
+                    Some((*context, value.clone()))
+                }
+                _ => None,
+            })
+            .collect();
+    let request = |tag: &str, verb: &str| format!("POST /idempotency/records/{tag}/{verb}");
+    let entry = |action: &str,
+                 tag: &str,
+                 tenant: &str,
+                 key: &str,
+                 before: &str,
+                 after: &str,
+                 verb: &str,
+                 status: u16| {
+        format!(
+            r#"{{"event":"admin","action":"{action}","record":"{tag}","route":"orders","tenant":{tenant},"key":"{key}","state_before":"{before}","state_after":"{after}","token":"{token}","peer":"10.0.0.7:51234","request":"{}","status":{status}}}"#,
+            request(tag, verb)
+        )
+    };
+    assert_eq!(
+        entries,
+        [
+            (7, entry("released", &one, r#""acme""#, "k", "outcome_unknown", "released", "release", 200)),
+            (8, entry("resolved", &two, r#""acme""#, "k", "outcome_unknown", "completed", "resolve", 200)),
+            (9, entry("refused", &three, "null", "j", "processing", "processing", "release", 409)),
+        ]
+    );
     // The records released or resolved are announced to every worker's queue, so that the
     // requests waiting for them look now; the refused one is not.
     // (A queue also carries the root's own wake-ups, which name no record.)

@@ -5,6 +5,7 @@
 //! mode), a keyed POST and an upstream's answer on it, and readers of the calls made.
 
 mod admin;
+mod audit;
 mod build_info;
 mod costs;
 mod detached;

@@ -137,6 +137,21 @@ pub enum Counter {
     KeyFromJson,
     /// The request's fingerprint was its key (`routes[].key.fingerprint`).
     KeyFromFingerprint,
+    // `mode: "shadow"`: what the filter would have answered, and did not: the request was
+    // forwarded (without a claim). Defined only in shadow mode.
+    ShadowReplayed,
+    ShadowNotReplayable,
+    ShadowMismatch,
+    ShadowInFlight,
+    ShadowMissingKey,
+    ShadowInvalidKey,
+    ShadowTooLarge,
+    ShadowStoreFull,
+    ShadowStoreError,
+    ShadowQuotaExceeded,
+    ShadowGrpcRefused,
+    ShadowPrincipalIncomplete,
+    ShadowUnknownRefused,
 }
 
 impl Counter {
@@ -146,7 +161,7 @@ impl Counter {
         self as usize
     }
 
-    pub const ALL: [Counter; 37] = [
+    pub const ALL: [Counter; 50] = [
         Counter::PassedThrough,
         Counter::Claimed,
         Counter::TakenOver,
@@ -184,7 +199,46 @@ impl Counter {
         Counter::KeyFromHeader,
         Counter::KeyFromJson,
         Counter::KeyFromFingerprint,
+        Counter::ShadowReplayed,
+        Counter::ShadowNotReplayable,
+        Counter::ShadowMismatch,
+        Counter::ShadowInFlight,
+        Counter::ShadowMissingKey,
+        Counter::ShadowInvalidKey,
+        Counter::ShadowTooLarge,
+        Counter::ShadowStoreFull,
+        Counter::ShadowStoreError,
+        Counter::ShadowQuotaExceeded,
+        Counter::ShadowGrpcRefused,
+        Counter::ShadowPrincipalIncomplete,
+        Counter::ShadowUnknownRefused,
     ];
+
+    /// What shadow mode counts instead of answering with this (`mode: "shadow"`): None for an
+    /// outcome that is no local answer (the request goes upstream in either mode).
+    pub fn shadow(self) -> Option<Counter> {
+        Some(match self {
+            Counter::Replayed => Counter::ShadowReplayed,
+            Counter::NotReplayable => Counter::ShadowNotReplayable,
+            Counter::Mismatch => Counter::ShadowMismatch,
+            Counter::InFlight | Counter::WaitRefused | Counter::WaitTimedOut => Counter::ShadowInFlight,
+            Counter::MissingKey => Counter::ShadowMissingKey,
+            Counter::InvalidKey => Counter::ShadowInvalidKey,
+            Counter::TooLarge => Counter::ShadowTooLarge,
+            Counter::StoreFull => Counter::ShadowStoreFull,
+            Counter::StoreError => Counter::ShadowStoreError,
+            Counter::QuotaExceeded => Counter::ShadowQuotaExceeded,
+            Counter::GrpcRefused => Counter::ShadowGrpcRefused,
+            Counter::PrincipalIncomplete => Counter::ShadowPrincipalIncomplete,
+            Counter::UnknownRefused | Counter::ReconcileFailed => Counter::ShadowUnknownRefused,
+            _ => return None,
+        })
+    }
+
+    /// Counted only in shadow mode (and defined only there).
+    pub fn is_shadow(self) -> bool {
+        Counter::ALL.iter().any(|c| c.shadow() == Some(self))
+    }
 
     /// What happened to one protected request, as its access log may say it: not traffic the
     /// filter lets pass, nor warnings about the stream or the root.
@@ -241,6 +295,19 @@ impl Counter {
             Counter::KeyFromHeader => "key_from_header",
             Counter::KeyFromJson => "key_from_json",
             Counter::KeyFromFingerprint => "key_from_fingerprint",
+            Counter::ShadowReplayed => "shadow_replayed",
+            Counter::ShadowNotReplayable => "shadow_not_replayable",
+            Counter::ShadowMismatch => "shadow_mismatch",
+            Counter::ShadowInFlight => "shadow_in_flight",
+            Counter::ShadowMissingKey => "shadow_missing_key",
+            Counter::ShadowInvalidKey => "shadow_invalid_key",
+            Counter::ShadowTooLarge => "shadow_too_large",
+            Counter::ShadowStoreFull => "shadow_store_full",
+            Counter::ShadowStoreError => "shadow_store_error",
+            Counter::ShadowQuotaExceeded => "shadow_quota_exceeded",
+            Counter::ShadowGrpcRefused => "shadow_grpc_refused",
+            Counter::ShadowPrincipalIncomplete => "shadow_principal_incomplete",
+            Counter::ShadowUnknownRefused => "shadow_unknown_refused",
         }
     }
 

@@ -162,6 +162,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
             "max_detached_calls",
             "publish_outcome",
             "audit",
+            "mode",
             "admin",
             "envoy_header_prefix",
             "scope_host",
@@ -189,6 +190,11 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let quota = optional(top, "", "quota", quota)?.unwrap_or_default();
     let publish_outcome = optional(top, "", "publish_outcome", boolean)?.unwrap_or(false);
     let audit = optional(top, "", "audit", boolean)?.unwrap_or(false);
+    let shadow = match optional(top, "", "mode", |v, f| string(v, f).map(str::to_owned))?.as_deref() {
+        None | Some("enforce") => false,
+        Some("shadow") => true,
+        Some(other) => return Err(err("mode", format!("{other:?}: expected \"enforce\" or \"shadow\""))),
+    };
     let scope_host = optional(top, "", "scope_host", scope_host)?.unwrap_or(ScopeHost::Authority);
     let envoy_headers = match optional(top, "", "envoy_header_prefix", envoy_header_prefix)? {
         Some(prefix) => EnvoyHeaders::new(&prefix),
@@ -245,6 +251,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         max_detached_calls,
         publish_outcome,
         audit,
+        shadow,
         scope_host,
         admin,
         envoy_headers,

@@ -40,6 +40,11 @@ pub struct Config {
     /// `wasm.idempotency.audit` (a JSON entry), for access logs: the audit trail. Off by
     /// default: one host call per changed record.
     pub audit: bool,
+    /// `mode: "shadow"`: claim, fingerprint and record as usual, but never answer for the
+    /// upstream: whatever would have been a local answer (a replay, a refusal, a wait) is
+    /// forwarded without a claim and counted as `shadow_<outcome>`. For watching the filter in
+    /// front of an API before it enforces anything.
+    pub shadow: bool,
     /// Which name of the service a record's scope holds (`scope_host`).
     pub scope_host: ScopeHost,
     /// This instance serves the admin API (and protects no routes: `rules` is empty).

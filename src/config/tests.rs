@@ -155,6 +155,8 @@ fn rejects_bad_configs_naming_the_field() {
         ("detached calls zero", top(r#""max_detached_calls":0"#), "max_detached_calls"),
         ("publish_outcome not a boolean", top(r#""publish_outcome":"yes""#), "publish_outcome"),
         ("audit not a boolean", top(r#""audit":1"#), "audit"),
+        ("mode unknown", top(r#""mode":"observe""#), "mode"),
+        ("mode not a string", top(r#""mode":true"#), "mode"),
         // routes[].key: one source, each checked as the field it replaces
         ("key empty", rule_json(r#""key":{}"#), "routes[0].key"),
         ("key two sources", rule_json(r#""key":{"header":"x-a","json":"/a"}"#), "routes[0].key"),
@@ -376,6 +378,7 @@ fn full_example_parses_exactly() {
       "quota": {"per_tenant": 5000, "per_principal": 100},
       "publish_outcome": true,
       "audit": true,
+      "mode": "shadow",
       "scope_host": "cluster",
       "envoy_header_prefix": "x-acme"
     }"#;
@@ -407,6 +410,7 @@ fn full_example_parses_exactly() {
         max_detached_calls: 1_000,
         publish_outcome: true,
         audit: true,
+        shadow: true,
         scope_host: ScopeHost::Cluster,
         admin: None,
         envoy_headers: EnvoyHeaders::new("x-acme"),
@@ -488,6 +492,7 @@ fn minimal_config_yields_all_defaults() {
         max_detached_calls: 1_000,
         publish_outcome: false,
         audit: false,
+        shadow: false,
         // The host as the caller wrote it, normalized: every build's scope before the field.
         scope_host: ScopeHost::Authority,
         admin: None,

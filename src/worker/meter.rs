@@ -49,7 +49,7 @@ struct Ids {
 }
 
 impl Ids {
-    fn define<H: Host>(host: &H, rules: &[Rc<Rule>], admin: bool, store: &dyn Store) -> Ids {
+    fn define<H: Host>(host: &H, rules: &[Rc<Rule>], admin: bool, shadow: bool, store: &dyn Store) -> Ids {
         let define = |name: String| match host.define_counter(&name) {
             Ok(id) => Some(id),
             Err(e) => {
@@ -61,7 +61,13 @@ impl Ids {
             routes: rules
                 .iter()
                 .map(|r| {
-                    let ids = Counter::ALL.iter().map(|c| define(c.route_metric_name(&r.name))).collect();
+                    // The shadow outcomes only where they can happen: 13 series a rule fewer.
+                    let ids = Counter::ALL
+                        .iter()
+                        .map(|c| {
+                            (shadow || !c.is_shadow()).then(|| define(c.route_metric_name(&r.name))).flatten()
+                        })
+                        .collect();
                     (Rc::clone(r), ids)
                 })
                 .collect(),
@@ -140,9 +146,10 @@ impl<H: Host> Meter<H> {
         admin: bool,
         store: &dyn Store,
         publish_outcome: bool,
+        shadow: bool,
     ) -> Meter<H> {
         Meter {
-            ids: Ids::define(&host, rules, admin, store),
+            ids: Ids::define(&host, rules, admin, shadow, store),
             host,
             publish_outcome,
             bypass_log: LogEvery::new(BYPASS_LOG_EVERY_MS),

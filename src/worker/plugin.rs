@@ -122,6 +122,7 @@ impl<H: Host> PluginState<H> {
                 config.admin.is_some(),
                 store.as_ref(),
                 config.publish_outcome,
+                config.shadow,
             ),
             host,
             config,

@@ -245,6 +245,8 @@ pub struct RequestFlow {
     pub(super) phase: Phase,
     /// With `audit`: what this request's record is, for the entries its changes publish.
     pub(super) audit: Option<Box<AuditRecord>>,
+    /// `mode: "shadow"`: every local answer becomes a forward, counted (`shadowed`).
+    pub(super) shadow: bool,
     /// The rule of a request that went upstream under a claim, until its stream ends: the
     /// router's attempt count is only final then.
     pub(super) forwarded_rule: Option<Rc<Rule>>,
@@ -276,6 +278,7 @@ impl RequestFlow {
             later: None,
             lookup_request: Vec::new(),
             audit: None,
+            shadow: false,
             stream_gone: false,
         }
     }
@@ -336,7 +339,20 @@ impl RequestFlow {
 
     fn refuse(&mut self, problem: &Problem) -> Output {
         let counter = Counter::of_problem(problem.kind);
+        if let Some(shadowed) = self.shadowed(counter) {
+            return shadowed;
+        }
         self.answer(Reply::problem(problem), DETAILS_PROBLEM, vec![Step::Count(counter)])
+    }
+
+    /// Shadow mode (`mode: "shadow"`): the local answer counted as `counter` is not given; the
+    /// request is forwarded as it came, without a claim (none was granted: a replay, a refusal,
+    /// a record in flight), and counted as what it would have been. None: enforce it.
+    pub(super) fn shadowed(&mut self, counter: Counter) -> Option<Output> {
+        let shadow = counter.shadow().filter(|_| self.shadow)?;
+        said(self.context_id, shadow.name(), self.scope.as_ref());
+        self.phase = Phase::Idle;
+        Some(Output::go(vec![Step::Count(shadow)]))
     }
 
     /// Request headers. A host call that returns data costs Envoy about as much as a small
@@ -366,6 +382,7 @@ impl RequestFlow {
         let method = String::from_utf8_lossy(method);
         let Some(rule) = cfg.rule_for(&method, path_only) else { return passed() };
         self.rule = Some(Rc::clone(rule));
+        self.shadow = cfg.shadow;
         let verified_claims =
             cfg.jwt_principal.as_ref().and_then(|jwt| verified_claims(facts, &jwt.payload, &jwt.claims));
         // One host call more, and only where the configuration names the service by its cluster.
@@ -468,6 +485,9 @@ impl RequestFlow {
     ) -> Output {
         let Ok(body) = body else {
             log::warn!("#{} cannot read the request body", self.context_id);
+            if let Some(shadowed) = self.shadowed(Counter::StoreError) {
+                return shadowed;
+            }
             let problem =
                 Problem::new(Kind::StoreUnavailable, 503, "the request body could not be read; retry later")
                     .retry_after_ms(1000);
@@ -525,7 +545,7 @@ impl RequestFlow {
         let admitted = self.admitted.clone();
         match (std::mem::replace(&mut self.phase, Phase::Idle), answer, admitted) {
             (Phase::AwaitingBegin { attempt, .. }, StoreAnswer::Begun(Ok(Begin::Unsettled)), Some(a))
-                if a.pending.rule.reconcile.is_some() =>
+                if a.pending.rule.reconcile.is_some() && !self.shadow =>
             {
                 said(
                     self.context_id,
@@ -696,6 +716,9 @@ impl RequestFlow {
                 self.forward(pending, claim, counter, now_ms)
             }
             Decision::Respond { reply, counter } => self.respond(pending, reply, counter),
+            Decision::Wait { .. } if self.shadow => {
+                self.shadowed(Counter::InFlight).unwrap_or_else(|| Output::go(Vec::new()))
+            }
             Decision::Wait { lease_remaining_ms } => {
                 let plan = ParkPlan {
                     give_up_at_ms: wait::give_up_at(pending, now_ms),
@@ -728,7 +751,9 @@ impl RequestFlow {
         });
         // Nothing asks the store about the record again: what admission decided goes.
         self.admitted = None;
-        if matches!(pending.rule.execution, Execution::Detached { .. }) {
+        // In shadow mode the route's own router carries it: a detached call would be the filter
+        // answering the client in the upstream's stead.
+        if matches!(pending.rule.execution, Execution::Detached { .. }) && !self.shadow {
             self.phase = Phase::Detached { claim, rule: Rc::clone(&pending.rule) };
             return Output::hold(vec![
                 Step::Count(counter),
@@ -743,6 +768,9 @@ impl RequestFlow {
 
     /// Answered locally: a replay or a problem.
     pub(super) fn respond(&mut self, pending: &Pending, reply: Reply, counter: Counter) -> Output {
+        if let Some(shadowed) = self.shadowed(counter) {
+            return shadowed;
+        }
         said(self.context_id, counter.name(), Some(&pending.scope));
         self.answer(reply, engine::reply_details(counter), vec![Step::Count(counter)])
     }

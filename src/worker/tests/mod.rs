@@ -20,6 +20,7 @@ mod remote;
 mod remote_grpc;
 mod remote_wait;
 mod renewal;
+mod shadow;
 mod shards;
 mod unknown_cluster;
 mod wait;

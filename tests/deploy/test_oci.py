@@ -201,3 +201,38 @@ def test_pin_check_fails_on_a_stale_pin_and_pin_mends_it(oci_layout, tmp_path):
     for path in pin.manifests(istio):
         original = (ISTIO_DIR / path.relative_to(istio)).read_text()
         assert path.read_text() == pin.pinned_text(original, tag, digest), path
+
+
+def _layout(root: Path, tag: str, digest: str) -> Path:
+    """A stand-in for the layout `make oci` writes: only its index, which pin.py reads."""
+    root.mkdir(parents=True)
+    entry = {"digest": digest, "annotations": {"org.opencontainers.image.ref.name": tag}}
+    (root / "index.json").write_text(json.dumps({"manifests": [entry]}))
+    return root
+
+
+def test_a_released_tag_is_never_pinned_to_another_digest(tmp_path, capsys):
+    """Issue 47: `:0.2.0` was re-pinned to a dozen digests. A version CHANGELOG.md dates is final:
+    `make pin` refuses to move it, and says to take the next pre-release; a pre-release moves
+    freely, and a first pin of a release (from its pre-release) is the release."""
+    old, new = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    changelog = tmp_path / "CHANGELOG.md"
+    changelog.write_text("# Changelog\n\n## [Unreleased]\n\n## [0.2.0] - 2026-12-05\n\n### Added\n\n- x\n")
+    manifest = tmp_path / "istio" / "mesh" / "plugin.yaml"
+    manifest.parent.mkdir(parents=True)
+
+    layouts = iter(range(100))
+
+    def pin_with(tag: str, pinned: str) -> int:
+        """`make pin` of an image tagged `tag` (digest `new`) over a manifest pinning `pinned`."""
+        manifest.write_text("url: oci://r.example/f/idempotency-filter:%s\n" % pinned)
+        layout = _layout(tmp_path / ("layout-%d" % next(layouts)), tag, new)
+        return pin.main(["--layout", str(layout), "--istio", str(tmp_path / "istio"), "--changelog", str(changelog)])
+
+    assert pin_with("0.2.0", "0.2.0@" + old) == 1
+    assert "0.2.0@" + old in manifest.read_text()
+    assert "0.3.0-dev" in capsys.readouterr().err
+    assert pin_with("0.3.0-dev", "0.3.0-dev@" + old) == 0
+    assert manifest.read_text() == "url: oci://r.example/f/idempotency-filter:0.3.0-dev@%s\n" % new
+    assert pin_with("0.2.0", "0.2.0-dev@" + old) == 0
+    assert pin_with("0.2.0", "0.2.0@" + new) == 0

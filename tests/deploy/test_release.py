@@ -60,7 +60,15 @@ def test_the_changelog_is_in_keep_a_changelog_form():
 
 def test_one_version_everywhere(oci_layout):
     version = crate_version()
-    assert _releases()[0][0] == version, "Cargo.toml's version is not CHANGELOG.md's newest release"
+    newest = _releases()[0][0]
+    # A release, or between releases the next one's pre-release: a build of unreleased changes
+    # never reports a released version (issue 47).
+    dev = re.fullmatch(SEMVER + r"-dev", version)
+    assert version == newest or (dev and tuple(int(g) for g in dev.groups()) > _key(newest)), \
+        "Cargo.toml's version %s is neither CHANGELOG.md's newest release %s nor a later -dev" % (version, newest)
+    if dev:
+        unreleased = CHANGELOG.read_text().split("## [Unreleased]", 1)[1].split("\n## [", 1)[0]
+        assert re.search(r"^- ", unreleased, re.M), "a -dev version with nothing under [Unreleased]"
     # Cargo.lock and the fuzz workspace's lock record the same version of the package.
     for lock in ("Cargo.lock", "fuzz/Cargo.lock"):
         m = re.search(r'name = "idempotency-filter"\nversion = "([^"]+)"', (REPO_ROOT / lock).read_text())
@@ -72,11 +80,11 @@ def test_one_version_everywhere(oci_layout):
     for path in sorted(ISTIO_DIR.glob("*/*.yaml")):
         tags = re.findall(r"oci://\S*?/idempotency-filter:([^@\s]+)@sha256:", path.read_text())
         assert tags == [version], (path, tags)
-    # What the docs tell to build and push.
+    # What the docs tell to build and push: the newest release (from its tag's checkout).
     for doc in ("docs/DEPLOYMENT.md", "deploy/oci/build.py"):
         text = (REPO_ROOT / doc).read_text()
-        named = re.findall(r"(?:oci:dist/oci:|idempotency-filter:)(%s)\b" % SEMVER.replace("(", "(?:"), text)
-        assert named and set(named) == {version}, (doc, named)
+        named = re.findall(r"(?:oci:dist/oci:|idempotency-filter:)(%s)(?![\w.-])" % SEMVER.replace("(", "(?:"), text)
+        assert named and set(named) == {newest}, (doc, named)
     # The module reports the version it was built as.
     source = (REPO_ROOT / "src" / "build_info.rs").read_text()
     assert 'pub const VERSION: &str = env!("CARGO_PKG_VERSION");' in source

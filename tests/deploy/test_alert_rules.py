@@ -28,6 +28,11 @@ EXPECTED = {
     "IdempotencyReconcileFailing": "reconcile_failed",
     # Issue 45: a worker's counter of its own, not a request's outcome.
     "IdempotencyClaimLost": "idempotency_claims_lost_total",
+    # Issue 47: burn rates of new keys refused, and the module's own presence and version.
+    "IdempotencyNewKeysFailingFast": "store_error|store_full|detached_refused",
+    "IdempotencyNewKeysFailingSlow": "store_error|store_full|detached_refused",
+    "IdempotencyMetricsAbsent": "idempotency_build_info",
+    "IdempotencyVersionSkew": "idempotency_build_info",
 }
 
 
@@ -89,3 +94,94 @@ def test_every_alert_has_a_case_where_it_fires_and_one_where_it_stays_silent():
                 assert alert["exp_labels"]["severity"] == rule["labels"]["severity"], name
                 assert alert["exp_annotations"]["runbook_url"] == rule["annotations"]["runbook_url"], name
     assert {c["alertname"] for c in cases} == set(_rules())
+
+
+# ---- for the Prometheus Operator (issue 47) ------------------------------------------------
+
+PROMETHEUS_RULE = REPO_ROOT / "deploy" / "prometheus" / "prometheusrule.yaml"
+POD_MONITOR = REPO_ROOT / "deploy" / "prometheus" / "podmonitor.yaml"
+# The Prometheus Operator's duration pattern (its CRDs' `for`, `interval`, `scrapeTimeout`).
+DURATION = re.compile(r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$")
+
+
+def _string_map(value, where: str) -> None:
+    assert isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()), where
+
+
+def prometheus_rule_problems(doc: dict) -> list[str]:
+    """What the PrometheusRule CRD (monitoring.coreos.com/v1) refuses in `doc`, for the fields it
+    defines: spec required; each group a name (non-empty); each rule an expr (string or
+    integer), at most one of alert and record, `for` a duration, labels and annotations maps of
+    strings; group names unique (a list-map keyed by name)."""
+    problems = []
+    if (doc.get("apiVersion"), doc.get("kind")) != ("monitoring.coreos.com/v1", "PrometheusRule"):
+        problems.append("not a monitoring.coreos.com/v1 PrometheusRule")
+    spec = doc.get("spec")
+    if not isinstance(spec, dict):
+        return problems + ["spec: required"]
+    names = [g.get("name") for g in spec.get("groups", [])]
+    if len(names) != len(set(names)):
+        problems.append("groups: names must be unique")
+    for g in spec.get("groups", []):
+        if not isinstance(g.get("name"), str) or not g["name"]:
+            problems.append("group without a name")
+        for r in g.get("rules", []):
+            if not isinstance(r.get("expr"), (str, int)):
+                problems.append("rule without expr: %s" % r)
+            if ("alert" in r) == ("record" in r):
+                problems.append("a rule is an alert or a record: %s" % r)
+            if "for" in r and not (isinstance(r["for"], str) and DURATION.match(r["for"])):
+                problems.append("for: %r" % r["for"])
+            for field in ("labels", "annotations"):
+                try:
+                    _string_map(r.get(field, {}), field)
+                except AssertionError:
+                    problems.append("%s: not a map of strings in %s" % (field, r.get("alert")))
+    return problems
+
+
+def pod_monitor_problems(doc: dict) -> list[str]:
+    """What the PodMonitor CRD refuses in `doc`, for the fields used: spec.selector required,
+    each endpoint's port a string, path a string, interval a duration."""
+    problems = []
+    if (doc.get("apiVersion"), doc.get("kind")) != ("monitoring.coreos.com/v1", "PodMonitor"):
+        problems.append("not a monitoring.coreos.com/v1 PodMonitor")
+    spec = doc.get("spec") or {}
+    if not isinstance(spec.get("selector"), dict):
+        problems.append("spec.selector: required")
+    for e in spec.get("podMetricsEndpoints", []):
+        if not isinstance(e.get("port"), str) or not isinstance(e.get("path", ""), str):
+            problems.append("endpoint port and path are strings: %s" % e)
+        if "interval" in e and not DURATION.match(e["interval"]):
+            problems.append("interval: %r" % e["interval"])
+    return problems
+
+
+def test_the_prometheus_rule_holds_the_shipped_alerts():
+    doc = yaml.safe_load(PROMETHEUS_RULE.read_text())
+    assert prometheus_rule_problems(doc) == []
+    assert doc["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"], \
+        "prometheusrule.yaml is not alerts.yaml: run python3 deploy/prometheus/operator_manifests.py"
+
+
+def test_the_pod_monitor_scrapes_the_sidecars_the_istio_manifests_select():
+    doc = yaml.safe_load(POD_MONITOR.read_text())
+    assert pod_monitor_problems(doc) == []
+    istio = yaml.safe_load((REPO_ROOT / "istio" / "mesh" / "envoyfilter.yaml").read_text())
+    assert doc["spec"]["selector"]["matchLabels"] == istio["spec"]["workloadSelector"]["labels"]
+    [endpoint] = doc["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http-envoy-prom", "/stats/prometheus")
+
+
+def test_the_schema_checks_refuse_what_the_crds_refuse():
+    """The checks themselves: a rule without expr, a `for` that is no duration, an alert that is
+    also a record, a PodMonitor without a selector."""
+    good = yaml.safe_load(PROMETHEUS_RULE.read_text())
+    for breaks in ({"for": "ten minutes"}, {"record": "x"}, {"expr": None}, {"labels": {"severity": 1}}):
+        doc = yaml.safe_load(PROMETHEUS_RULE.read_text())
+        doc["spec"]["groups"][0]["rules"][0].update(breaks)
+        assert prometheus_rule_problems(doc), breaks
+    assert prometheus_rule_problems(good) == []
+    monitor = yaml.safe_load(POD_MONITOR.read_text())
+    del monitor["spec"]["selector"]
+    assert pod_monitor_problems(monitor)

@@ -13,6 +13,7 @@ idempotency_requests_total{route,outcome} and idempotency_build_info{version}.""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import time
@@ -26,6 +27,7 @@ import pytest
 import istio_bootstrap
 from conftest import envoy_validate
 from idemkit import REPO_ROOT, bootstrap
+from idemkit.client import request
 from idemkit.envoy import Envoy
 from idemkit.etcd import Etcd
 from idemkit.process import ClosedPort, Upstream
@@ -43,8 +45,14 @@ def _doc(rel: str) -> dict:
     return docs[0]
 
 
-def _extension_config(doc: dict) -> dict:
-    patches = [p for p in doc["spec"]["configPatches"] if p["applyTo"] == "EXTENSION_CONFIG"]
+ADMIN_EXTENSION = "istio-system.idempotency-admin"
+
+
+def _extension_config(doc: dict, name: str | None = None) -> dict:
+    """The EXTENSION_CONFIG patch's value named `name`; without one, the data plane's (the one
+    that is not the admin API's, mesh/envoyfilter.yaml)."""
+    patches = [p for p in doc["spec"]["configPatches"] if p["applyTo"] == "EXTENSION_CONFIG"
+               and (p["patch"]["value"]["name"] == name if name else p["patch"]["value"]["name"] != ADMIN_EXTENSION)]
     assert len(patches) == 1 and patches[0]["patch"]["operation"] == "ADD"
     return patches[0]["patch"]["value"]
 
@@ -185,6 +193,76 @@ def test_envoyfilter_typed_config_validates(rel, envoy_bin, filter_wasm, tmp_pat
     proc = envoy_validate(envoy_bin, path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "OK" in proc.stdout + proc.stderr
+
+
+def _admin_listener(wasm: Path) -> dict:
+    """mesh/envoyfilter.yaml's admin listener as Envoy gets it: its ECDS filter given the admin
+    EXTENSION_CONFIG inline, the module as a local file, on a free port."""
+    doc = _doc("mesh/envoyfilter.yaml")
+    [patch] = [p for p in doc["spec"]["configPatches"] if p["applyTo"] == "LISTENER"]
+    listener = copy.deepcopy(patch["patch"]["value"])
+    ext = copy.deepcopy(_extension_config(doc, ADMIN_EXTENSION))
+    ext["typed_config"]["config"]["vm_config"]["code"] = {"local": {"filename": str(wasm)}}
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"][0] = {"name": ext["name"], "typed_config": ext["typed_config"]}
+    listener["address"]["socket_address"]["port_value"] = 0
+    return listener
+
+
+def test_the_mesh_ships_the_admin_api_in_every_sidecar():
+    """Issue 47: the admin listener in the sidecar, on its loopback, the same module, vm_id and
+    root_id as the data plane (so it reads the same records), the same store, a token required."""
+    doc = _doc("mesh/envoyfilter.yaml")
+    [patch] = [p for p in doc["spec"]["configPatches"] if p["applyTo"] == "LISTENER"]
+    assert patch["patch"]["operation"] == "ADD" and patch["match"]["context"] == "SIDECAR_OUTBOUND"
+    listener = patch["patch"]["value"]
+    assert listener["address"]["socket_address"]["address"] == "127.0.0.1"
+    admin, data = _extension_config(doc, ADMIN_EXTENSION)["typed_config"]["config"], _extension_config(doc)["typed_config"]["config"]
+    for field in ("name", "root_id", "failure_policy"):
+        assert admin[field] == data[field], field
+    assert admin["vm_config"] == data["vm_config"]
+    admin_cfg, data_cfg = (json.loads(c["configuration"]["value"]) for c in (admin, data))
+    assert admin_cfg["store"] == data_cfg["store"]
+    assert re.fullmatch(r"[0-9a-f]{64}", admin_cfg["admin"]["token_sha256"])
+    [hcm] = listener["filter_chains"][0]["filters"]
+    first = hcm["typed_config"]["http_filters"][0]
+    assert first["name"] == ADMIN_EXTENSION
+    assert first["config_discovery"]["type_urls"] == [WASM_TYPE, RBAC_TYPE]
+    assert "wasm.idempotency.audit" in json.dumps(hcm["typed_config"]["access_log"])
+
+
+def test_the_sidecar_admin_api_reads_the_fleets_records(envoy_bin, filter_wasm, check_config, tmp_path):
+    """The admin listener, as the mesh manifest ships it, beside the data plane on one Envoy over
+    etcd: a record the data plane wrote is listed by key with the token, and refused without."""
+    admin_cfg = _extension_config(_doc("mesh/envoyfilter.yaml"), ADMIN_EXTENSION)["typed_config"]["config"]
+    results = check_configs(check_config, {"admin": admin_cfg["configuration"]["value"]}, tmp_path)
+    assert results["admin"].startswith("ok "), results
+    token = "t-" + uuid.uuid4().hex
+    up = Upstream("istio-admin-orders").start()
+    etcd = Etcd("istio-admin-etcd").start()
+    proxy = None
+    try:
+        cfg = _bootstrap("mesh/envoyfilter.yaml", filter_wasm, up.port, etcd.client_port)
+        listener = _admin_listener(filter_wasm)
+        wasm_cfg = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0]["typed_config"]["config"]
+        value = json.loads(wasm_cfg["configuration"]["value"])
+        value["admin"]["token_sha256"] = hashlib.sha256(token.encode()).hexdigest()
+        wasm_cfg["configuration"]["value"] = json.dumps(value)
+        cfg["static_resources"]["listeners"].append(listener)
+        proxy = Envoy(envoy_bin, cfg, name="istio-admin", log_level="warn", component_log_level="wasm:info").start()
+        key = "istio-" + uuid.uuid4().hex
+        headers = {"idempotency-key": key, "content-type": "application/json"}
+        assert proxy.post("/orders", b'{"item":"book"}', headers).status == 201
+        port = proxy.listener_ports["idempotency_admin"]
+        listed = request(port, "GET", "/idempotency/records?key=" + key, None, {"authorization": "Bearer " + token})
+        assert listed.status == 200, listed
+        assert [r["key"] for r in json.loads(listed.body)["records"]] == [key]
+        assert request(port, "GET", "/idempotency/records?key=" + key, None, {}).status == 401
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        etcd.stop()
+        up.stop()
 
 
 def test_envoyfilter_typed_config_serves_a_replay(envoy_bin, filter_wasm):
@@ -365,7 +443,7 @@ def test_on_istios_stats_config_the_override_gives_the_labels(envoy_bin, filter_
                     assert "idempotency_route_payments_v2_requests_total_claimed{} 1" in lines, lines
                     assert not any(line.startswith("idempotency_requests_total") for line in lines)
                     # The version in the name, dots made underscores.
-                    assert "idempotency_build_info_version_%s{} 1" % crate_version().replace(".", "_") in lines, lines
+                    assert "idempotency_build_info_version_%s{} 1" % re.sub(r"[^A-Za-z0-9]", "_", crate_version()) in lines, lines
                     assert not any(line.startswith("idempotency_build_info{") for line in lines)
                 else:
                     assert 'idempotency_requests_total{route="orders",outcome="replayed"} 1' in lines, lines

@@ -65,7 +65,8 @@ def test_counters_count_and_prometheus_names(envoy, upstream):
     assert re.search(r"^idempotency_claims_renewed_total(?:\{\})? 0$", text, re.M)
     assert re.search(r"^idempotency_claims_lost_total(?:\{\})? 0$", text, re.M)
     # The version in the name, its dots made underscores, as a gauge.
-    gauge = "idempotency_build_info_version_" + VERSION.replace(".", "_")
+    # Envoy's Prometheus names keep letters, digits and _ (0.3.0-dev: 0_3_0_dev).
+    gauge = "idempotency_build_info_version_" + re.sub(r"[^A-Za-z0-9]", "_", VERSION)
     assert re.search(r"^# TYPE %s gauge$" % gauge, text, re.M)
     assert re.search(r"^%s(?:\{\})? 1$" % gauge, text, re.M)
     assert "wasmcustom" not in text

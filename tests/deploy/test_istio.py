@@ -74,7 +74,8 @@ def _configurations() -> dict[str, str]:
 
 def test_the_manifests_parse():
     assert FILES == ["gateway/envoyfilter.yaml", "gateway/wasmplugin.yaml",
-                     "mesh/envoyfilter.yaml", "mesh/wasmplugin.yaml"]
+                     "mesh/envoyfilter.yaml", "mesh/wasmplugin.yaml",
+                     "workloads/namespace-envoyfilter.yaml", "workloads/payments-envoyfilter.yaml"]
     for rel in FILES:
         doc = _doc(rel)
         expected = {"WasmPlugin": "extensions.istio.io/v1alpha1",
@@ -117,7 +118,8 @@ def test_wasmplugin(rel):
 @pytest.mark.parametrize("rel", [f for f in FILES if f.endswith("envoyfilter.yaml")])
 def test_envoyfilter_sets_what_a_wasmplugin_cannot(rel):
     spec = _doc(rel)["spec"]
-    assert spec["workloadSelector"]["labels"]
+    # A namespace-wide rollout selects every workload of its namespace: no selector.
+    assert spec.get("workloadSelector", {}).get("labels") or rel == "workloads/namespace-envoyfilter.yaml"
     ext = _extension_config(_doc(rel))
     assert ext["typed_config"]["@type"] == WASM_TYPE
     config = ext["typed_config"]["config"]
@@ -463,3 +465,31 @@ def test_on_istios_stats_config_the_override_gives_the_labels(envoy_bin, filter_
     finally:
         closed.close()
         up.stop()
+
+
+def test_per_workload_rules_and_a_namespace_wide_rollout():
+    """Issue 47: one root-namespace EnvoyFilter carries one routes list for every selected
+    workload. istio/workloads/ shows the two other shapes: one workload's own rules in its own
+    namespace, selected by its labels, and a whole namespace (no selector), here in shadow mode.
+    Each is the mesh form's filter (same module, vm_id, root_id, store) with its own ECDS name
+    and its own rules, and no ECDS name is used twice in istio/."""
+    mesh = _extension_config(_doc("mesh/envoyfilter.yaml"))["typed_config"]["config"]
+    mesh_cfg = json.loads(mesh["configuration"]["value"])
+    names = []
+    for rel in FILES:
+        doc = _doc(rel)
+        if doc["kind"] == "EnvoyFilter":
+            names += [p["patch"]["value"]["name"] for p in doc["spec"]["configPatches"] if p["applyTo"] == "EXTENSION_CONFIG"]
+    assert len(names) == len(set(names)), names
+    payments, namespace = _doc("workloads/payments-envoyfilter.yaml"), _doc("workloads/namespace-envoyfilter.yaml")
+    assert payments["metadata"]["namespace"] == "payments" and payments["spec"]["workloadSelector"]["labels"] == {"app": "payments"}
+    assert namespace["metadata"]["namespace"] == "orders" and "workloadSelector" not in namespace["spec"]
+    for doc in (payments, namespace):
+        ext = _extension_config(doc)
+        assert ext["name"].startswith(doc["metadata"]["namespace"] + ".")
+        config = ext["typed_config"]["config"]
+        assert {k: v for k, v in config.items() if k != "configuration"} == {k: v for k, v in mesh.items() if k != "configuration"}
+        cfg = json.loads(config["configuration"]["value"])
+        assert cfg["store"] == mesh_cfg["store"] and cfg["scope_host"] == "cluster"
+        assert cfg["routes"] != mesh_cfg["routes"]
+    assert json.loads(_extension_config(namespace)["typed_config"]["config"]["configuration"]["value"])["mode"] == "shadow"

@@ -156,7 +156,8 @@ def test_the_istio_manifests_pin_the_digest_make_oci_builds(oci_layout):
     module = manifest["annotations"]["io.github.idempotency-filter.module.digest"]
     pinned = _pinned()
     assert sorted(pinned) == ["gateway/envoyfilter.yaml", "gateway/wasmplugin.yaml",
-                              "mesh/envoyfilter.yaml", "mesh/wasmplugin.yaml"]
+                              "mesh/envoyfilter.yaml", "mesh/wasmplugin.yaml",
+                              "workloads/namespace-envoyfilter.yaml", "workloads/payments-envoyfilter.yaml"]
     stale = {rel: refs for rel, refs in pinned.items()
              if not refs or any(r[1:] != (crate_version(), built) for r in refs)}
     assert not stale, (

@@ -59,7 +59,7 @@ ENVOY_CONFIGS := $(wildcard envoy/*.yaml)
 PYTEST_ARGS ?=
 
 .PHONY: help tools build validate run unit lint contract-check check e2e test versions clean distclean fuzz fuzz-smoke \
-	wasm-target nightly etcd etcd-conformance run-etcd skopeo oci deploy-test node sdk-test compat promtool alerts-test \
+	wasm-target nightly etcd etcd-conformance run-etcd skopeo oci sbom deploy-test node sdk-test compat promtool alerts-test \
 	module-test
 
 help:
@@ -201,6 +201,12 @@ oci: build
 	  fi
 	$(PYTHON) deploy/oci/build.py --wasm $(DIST_WASM) --out $(OCI_DIR) --tag $(OCI_TAG) \
 	  $(if $(OCI_REVISION),--revision $(OCI_REVISION))
+	$(PYTHON) deploy/oci/sbom.py --wasm $(DIST_WASM)
+
+# The module's SBOM beside the image (deploy/oci/sbom.py): dist/idempotency_filter.cdx.json,
+# CycloneDX, the crates compiled into the module as Cargo.lock pins them. `make oci` writes it too.
+sbom: build
+	$(PYTHON) deploy/oci/sbom.py --wasm $(DIST_WASM)
 
 # The Istio manifests name the image by its manifest digest (istio-agent caches any tag but
 # `latest`: a tag rebuilt in place would leave pods on the old module). The digest follows the

@@ -75,10 +75,13 @@ mod tests {
 
     #[test]
     fn the_version_is_semver_the_stats_tag_can_take_whole() {
-        // MAJOR.MINOR.PATCH, digits only: the tag's regex takes everything after `version.`,
-        // and Envoy keeps these characters in a stat name.
-        let parts: Vec<&str> = VERSION.split('.').collect();
+        // MAJOR.MINOR.PATCH, digits only, between releases with a pre-release (`-dev`, letters):
+        // the tag's regex takes everything after `version.`, and Envoy keeps these characters in
+        // a stat name (its Prometheus output turns `.` and `-` into `_` only without the tag).
+        let (release, pre) = VERSION.split_once('-').unwrap_or((VERSION, ""));
+        let parts: Vec<&str> = release.split('.').collect();
         assert_eq!(parts.len(), 3, "{VERSION}");
         assert!(parts.iter().all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())), "{VERSION}");
+        assert!(pre.bytes().all(|b| b.is_ascii_lowercase()), "{VERSION}");
     }
 }

@@ -2,19 +2,12 @@
 //! one JSON entry in its stream's filter state `wasm.idempotency.audit`, for its access log;
 //! a replay changes nothing and publishes nothing, and without `audit` nothing is published.
 
-use super::{executed, host_with, post, upstream_answers};
-use crate::host::fake::{FakeHost, HostCall};
+use super::{executed, filter_states, host_with, post, upstream_answers};
+use crate::host::fake::FakeHost;
 use crate::worker::flow::Verdict;
 
 fn entries(h: &FakeHost) -> Vec<String> {
-    h.0.calls
-        .borrow()
-        .iter()
-        .filter_map(|c| match c {
-            HostCall::SetProperty { name, value, .. } if name == "idempotency.audit" => Some(value.clone()),
-            _ => None,
-        })
-        .collect()
+    filter_states(h, "idempotency.audit")
 }
 
 const AUDITED: &str = r#"{"audit":true,"tenant_header":"x-tenant","routes":[

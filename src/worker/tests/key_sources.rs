@@ -54,14 +54,7 @@ fn send(
 }
 
 fn published(h: &FakeHost) -> Vec<String> {
-    h.0.calls
-        .borrow()
-        .iter()
-        .filter_map(|c| match c {
-            HostCall::SetProperty { name, value, .. } if name == "idempotency.outcome" => Some(value.clone()),
-            _ => None,
-        })
-        .collect()
+    super::filter_states(h, "idempotency.outcome")
 }
 
 /// The body of the reply the filter sent on `context` (kept by `send`).

@@ -147,6 +147,19 @@ fn original_and_waiter(h: &FakeHost, root: &Root<FakeHost>) -> (Http<FakeHost>, 
     (original, waiter)
 }
 
+/// Every value the filter set as the filter state `name` (`idempotency.outcome`,
+/// `idempotency.audit`), in order, whatever the stream.
+fn filter_states(h: &FakeHost, name: &str) -> Vec<String> {
+    h.0.calls
+        .borrow()
+        .iter()
+        .filter_map(|c| match c {
+            HostCall::SetProperty { name: n, value, .. } if n == name => Some(value.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 type Sent = (u16, Vec<(String, Vec<u8>)>, Vec<u8>);
 
 /// Every local reply sent on stream `context`, in order.

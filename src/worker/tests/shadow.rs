@@ -53,19 +53,8 @@ fn what_would_be_answered_locally_is_forwarded_and_counted() {
     assert_eq!(post(&h, &mut duplicate, "/wait", "w"), Verdict::Continue);
     assert_eq!((h.counter("shadow_in_flight"), h.counter("waiting")), (1, 0));
     assert_eq!(replies(&h), 0, "the filter answered nothing itself");
-    let published: Vec<String> = h
-        .0
-        .calls
-        .borrow()
-        .iter()
-        .filter_map(|c| match c {
-            crate::host::fake::HostCall::SetProperty { name, value, .. } if name == "idempotency.outcome" => {
-                Some(value.split(' ').next().unwrap_or_default().to_string())
-            }
-            _ => None,
-        })
-        .collect();
-    assert!(published.contains(&"shadow_replayed".to_string()), "{published:?}");
+    let published = super::filter_states(&h, "idempotency.outcome");
+    assert!(published.iter().any(|v| v.starts_with("shadow_replayed ")), "{published:?}");
 }
 
 #[test]

@@ -22,7 +22,7 @@ from idemkit import REPO_ROOT
 from idemkit.client import Response, request
 from idemkit.envoy import Envoy
 from idemkit.etcd import Etcd, etcd_binary
-from idemkit.process import Upstream
+from idemkit.process import ClosedPort, Upstream
 from manifests import COMPOSE_FILE, envoy_version, load, walk
 
 COMPOSE_DIR = COMPOSE_FILE.parent
@@ -274,6 +274,25 @@ def _curl(line: str, ports: dict[int, int]) -> Response:
     return request(ports[parts.port], "POST" if body is not None else "GET", path, body, headers)
 
 
+def _health(service: dict, admin_port: int) -> int:
+    """The exit status of the service's Docker health check, run here with bash against a local
+    Envoy whose admin listens on `admin_port` (the compose config's 9901)."""
+    test = service["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "bash", "-c"], test
+    script = test[3].replace("/dev/tcp/127.0.0.1/9901", "/dev/tcp/127.0.0.1/%d" % admin_port)
+    assert script != test[3], "the health check asks another port than the admin's 9901"
+    return subprocess.run(["bash", "-c", script], timeout=10).returncode
+
+
+def test_the_envoy_health_check_fails_where_no_envoy_answers(compose):
+    closed = ClosedPort()
+    try:
+        for name in ENVOY_SERVICES:
+            assert _health(compose["services"][name], closed.port) != 0, name
+    finally:
+        closed.close()
+
+
 # What the recipe's executions line answers, as docs/DEPLOYMENT.md and the compose file say it.
 PROMISED_EXECUTIONS = '{"key": "k-1", "count": 1}'
 
@@ -303,6 +322,9 @@ def test_the_deployment_doc_curl_lines_replay_on_the_other_replica(compose, envo
             replicas[name] = Envoy(envoy_bin, native, name=name, log_level="warn",
                                    component_log_level="wasm:info").start()
         ports = {published[name]: replicas[name].port for name in ENVOY_SERVICES}
+        # Each replica is healthy by the compose file's own health check (its admin port here).
+        for name in ENVOY_SERVICES:
+            assert _health(compose["services"][name], replicas[name].admin_port) == 0, name
         first_line, retry_line, executions_line = _doc_compose_curls()
         first = _curl(first_line, ports)
         assert first.status == 201 and not first.replayed, first

@@ -9,8 +9,10 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-# Labels Prometheus adds to every scraped series itself (not in Envoy's output).
-TARGET_LABELS = {"instance", "job"}
+# Labels Prometheus adds to every scraped series itself (not in Envoy's output): `instance` and
+# `job` always, `namespace` and `pod` where the Prometheus Operator's PodMonitor scrapes a pod
+# (deploy/prometheus/podmonitor.yaml); a `by` over them keeps them where they exist.
+TARGET_LABELS = {"instance", "job", "namespace", "pod"}
 
 _SELECTOR = re.compile(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(\{[^}]*\})?\s*(\[[^\]]*\])?")
 _MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')

@@ -128,15 +128,19 @@ class Envoy(_envoy.OrdersProxy):
 
 
 @contextlib.contextmanager
-def envoy_on_store(kind: str, name: str, envoy_bin, filter_wasm, upstream, filter_config, **options):
+def envoy_on_store(kind: str, name: str, envoy_bin, filter_wasm, upstream, filter_config,
+                   listeners_for=None, **options):
     """An Envoy whose filter configuration is `filter_config(store)`, with `kind` "local" (the
-    local store) or "etcd" (a real etcd started here, its cluster added); both stopped after."""
+    local store) or "etcd" (a real etcd started here, its cluster added); both stopped after.
+    `listeners_for(store)`: more listeners that name the same store (an admin listener's)."""
     etcd = None
     store = {"type": "local", "capacity": 1000}
     if kind == "etcd":
         etcd = Etcd("etcd-" + name).start()
         store = etcd_store(prefix="/e2e-%s/" % name)
         options["extra_clusters"] = [etcd_cluster([etcd.client_port])]
+    if listeners_for is not None:
+        options["extra_listeners"] = listeners_for(store)
     proxy = Envoy(envoy_bin, upstream.port, filter_config(store), wasm_path=filter_wasm,
                   name="%s-%s" % (name, kind), **options)
     try:

@@ -46,24 +46,17 @@ def envoy(request, envoy_bin, filter_wasm, upstream):
     LOGS.mkdir(parents=True, exist_ok=True)
     for log in (DATA_LOG, ADMIN_LOG):
         log.unlink(missing_ok=True)
-    etcd, options, store = None, {}, STORE
-    if request.param == "etcd":
-        etcd = harness.Etcd("etcd-audit").start()
-        store = harness.etcd_store(prefix="/e2e-audit/")
-        options["extra_clusters"] = [harness.etcd_cluster([etcd.client_port])]
-    admin_config = dict(ADMIN_CONFIG, store=store)
-    admin = admin_listener(admin_config, filter_wasm, access_log=[harness.text_file_access_log(ADMIN_LOG, ADMIN_LINE)])
-    proxy = harness.Envoy(envoy_bin, upstream.port, dict(FILTER_CONFIG, store=store), wasm_path=filter_wasm,
-                          name="audit-" + request.param, route_timeout="1s",
-                          access_log=[harness.text_file_access_log(DATA_LOG, LINE)], extra_listeners=[admin],
-                          **options)
-    proxy.kind = request.param
-    try:
-        yield proxy.start()
-    finally:
-        proxy.stop()
-        if etcd is not None:
-            etcd.stop()
+
+    def admin(store: dict) -> list[dict]:
+        log = [harness.text_file_access_log(ADMIN_LOG, ADMIN_LINE)]
+        return [admin_listener(dict(ADMIN_CONFIG, store=store), filter_wasm, access_log=log)]
+
+    with harness.envoy_on_store(request.param, "audit", envoy_bin, filter_wasm, upstream,
+                                lambda store: dict(FILTER_CONFIG, store=store), listeners_for=admin,
+                                route_timeout="1s",
+                                access_log=[harness.text_file_access_log(DATA_LOG, LINE)]) as proxy:
+        proxy.kind = request.param
+        yield proxy
 
 
 def lines_of(path: Path, count: int, what) -> list[str]:

@@ -542,6 +542,7 @@ pub fn claim_attempt(
         quota: quota_charge(cfg, pending),
         on_lease_end: on_lease_end(rule.unknown_outcome),
         label: Some(pending.label.clone()),
+        tombstone_ms: rule.tombstone_ms,
     }
 }
 
@@ -582,6 +583,21 @@ pub fn decision_of(cfg: &Config, pending: &Pending, begun: Result<Begin, StoreEr
                     "the request with this Idempotency-Key was executed (upstream status {status}), but its \
                      response was not kept (larger than the filter keeps, or cut off before its end), so it cannot \
                      be replayed; it will not be executed again"
+                ),
+            );
+            p.headers.push((ORIGINAL_STATUS_HEADER, status.to_string()));
+            respond_problem(p)
+        }
+        // The way out: the status says what happened; the resource itself is the upstream's to
+        // show (its own lookup), as it is once a record is forgotten.
+        Ok(Begin::Expired { status }) => {
+            let mut p = Problem::new(
+                Kind::ResultExpired,
+                410,
+                format!(
+                    "the request with this Idempotency-Key was executed (upstream status {status}); its response \
+                     is no longer kept (the record's ttl ended) but the key is remembered: it will not be executed \
+                     again. Ask the API for the resource itself"
                 ),
             );
             p.headers.push((ORIGINAL_STATUS_HEADER, status.to_string()));

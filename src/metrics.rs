@@ -137,6 +137,9 @@ pub enum Counter {
     KeyFromJson,
     /// The request's fingerprint was its key (`routes[].key.fingerprint`).
     KeyFromFingerprint,
+    /// A retry after its record's ttl, within its tombstone's (`routes[].tombstone_ttl`): 410
+    /// `result-expired` with the original status, not executed.
+    ResultExpired,
     // `mode: "shadow"`: what the filter would have answered, and did not: the request was
     // forwarded (without a claim). Defined only in shadow mode.
     ShadowReplayed,
@@ -161,7 +164,7 @@ impl Counter {
         self as usize
     }
 
-    pub const ALL: [Counter; 50] = [
+    pub const ALL: [Counter; 51] = [
         Counter::PassedThrough,
         Counter::Claimed,
         Counter::TakenOver,
@@ -199,6 +202,7 @@ impl Counter {
         Counter::KeyFromHeader,
         Counter::KeyFromJson,
         Counter::KeyFromFingerprint,
+        Counter::ResultExpired,
         Counter::ShadowReplayed,
         Counter::ShadowNotReplayable,
         Counter::ShadowMismatch,
@@ -219,7 +223,7 @@ impl Counter {
     pub fn shadow(self) -> Option<Counter> {
         Some(match self {
             Counter::Replayed => Counter::ShadowReplayed,
-            Counter::NotReplayable => Counter::ShadowNotReplayable,
+            Counter::NotReplayable | Counter::ResultExpired => Counter::ShadowNotReplayable,
             Counter::Mismatch => Counter::ShadowMismatch,
             Counter::InFlight | Counter::WaitRefused | Counter::WaitTimedOut => Counter::ShadowInFlight,
             Counter::MissingKey => Counter::ShadowMissingKey,
@@ -295,6 +299,7 @@ impl Counter {
             Counter::KeyFromHeader => "key_from_header",
             Counter::KeyFromJson => "key_from_json",
             Counter::KeyFromFingerprint => "key_from_fingerprint",
+            Counter::ResultExpired => "result_expired",
             Counter::ShadowReplayed => "shadow_replayed",
             Counter::ShadowNotReplayable => "shadow_not_replayable",
             Counter::ShadowMismatch => "shadow_mismatch",
@@ -327,6 +332,7 @@ impl Counter {
             Kind::StoreFull => Counter::StoreFull,
             Kind::StoreUnavailable => Counter::StoreError,
             Kind::ResponseNotStored => Counter::NotReplayable,
+            Kind::ResultExpired => Counter::ResultExpired,
             Kind::QuotaExceeded => Counter::QuotaExceeded,
             Kind::GrpcNotSupported => Counter::GrpcRefused,
             Kind::PrincipalIncomplete => Counter::PrincipalIncomplete,

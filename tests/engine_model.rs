@@ -516,6 +516,7 @@ mod quota_model {
             }),
             on_lease_end: OnLeaseEnd::TakeOver,
             label: None,
+            tombstone_ms: 0,
         }
     }
 
@@ -684,6 +685,9 @@ mod quota_model {
                         }
                         Begin::Unsettled => {
                             panic!("an unsettled record, but the model's attempts never reconcile ({ctx})")
+                        }
+                        Begin::Expired { .. } => {
+                            panic!("a tombstone, but the model's attempts keep none ({ctx})")
                         }
                         Begin::Mismatch => {
                             assert!(

@@ -92,6 +92,8 @@ const DEFAULT_KEY_HEADER: &str = "idempotency-key";
 const DEFAULT_PRINCIPAL_HEADER: &str = "authorization";
 const DEFAULT_CAPACITY: u32 = 100_000;
 const MAX_CAPACITY: u64 = 10_000_000;
+/// The local store's tombstones at most: 83 bytes each, 1.7 GB at this bound.
+const MAX_TOMBSTONES: u64 = 20_000_000;
 const DEFAULT_TTL_MS: u64 = 24 * 3_600_000;
 const DEFAULT_PROCESSING_TIMEOUT_MS: u64 = 30_000;
 const DEFAULT_BODY_BYTES: u64 = 1 << 20;
@@ -178,7 +180,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     let principal_headers = optional(top, "", "principal_headers", |v, f| unique_list(v, f, header_name))?
         .unwrap_or_else(|| vec![DEFAULT_PRINCIPAL_HEADER.into()]);
     let store =
-        optional(top, "", "store", store)?.unwrap_or(StoreConfig::Local { capacity: DEFAULT_CAPACITY });
+        optional(top, "", "store", store)?.unwrap_or(StoreConfig::Local { capacity: DEFAULT_CAPACITY, tombstones: 0 });
     let problem_statuses =
         optional(top, "", "problem_statuses", problem_statuses)?.unwrap_or(ProblemStatuses::DEFAULT);
     let waiters = |k: &str, default: u64| -> Res<u32> {
@@ -235,6 +237,7 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         }
         rules.push(Rc::new(r));
     }
+    let store = tombstone_room(store, &rules)?;
     let max_waiters = max_waiters(top, &rules)?;
     let max_detached_calls = max_detached_calls(top, &rules)?;
     Ok(Config {
@@ -256,6 +259,28 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         admin,
         envoy_headers,
     })
+}
+
+/// The local store's room for tombstones: `store.tombstones`, or by default enough for a store
+/// whose records all leave one, as long as the longest-lived tombstone stands against its
+/// rule's ttl: `capacity × ⌈tombstone_ttl / ttl⌉` (24 h records with 48 h tombstones: twice
+/// the capacity), at most `MAX_TOMBSTONES`. None without a rule that keeps tombstones, and a
+/// room given without one is refused as a mistake.
+fn tombstone_room(store: StoreConfig, rules: &[Rc<Rule>]) -> Res<StoreConfig> {
+    let StoreConfig::Local { capacity, tombstones } = store else { return Ok(store) };
+    let ratio = rules.iter().filter(|r| r.tombstone_ms > 0).map(|r| r.tombstone_ms.div_ceil(r.ttl_ms)).max();
+    let tombstones = match (ratio, tombstones) {
+        (None, 0) => 0,
+        (None, _) => {
+            return Err(err("store.tombstones", "no rule keeps tombstones (routes[].tombstone_ttl)"));
+        }
+        (Some(_), given) if given > 0 => given,
+        (Some(ratio), _) => {
+            let room = u64::from(capacity).saturating_mul(ratio).min(MAX_TOMBSTONES);
+            u32::try_from(room).unwrap_or(u32::MAX)
+        }
+    };
+    Ok(StoreConfig::Local { capacity, tombstones })
 }
 
 /// `scope_host`: which name of the service a record's scope holds.
@@ -422,12 +447,15 @@ fn store(v: &Value, path: &str) -> Res<StoreConfig> {
     // The allowed keys depend on the type, so the type is read before the unknown-key check.
     match kind {
         "local" => {
-            reject_unknown(o, path, &["type", "capacity"])?;
+            reject_unknown(o, path, &["type", "capacity", "tombstones"])?;
             let capacity = optional(o, path, "capacity", |v, f| uint(v, f, 1, MAX_CAPACITY))?
                 .map_or(Ok(DEFAULT_CAPACITY), |c| {
                     u32::try_from(c).map_err(|_| err(&key(path, "capacity"), "out of range"))
                 })?;
-            Ok(StoreConfig::Local { capacity })
+            // 0 here: the default, which the rules decide (`tombstone_room`).
+            let tombstones = optional(o, path, "tombstones", |v, f| uint(v, f, 1, MAX_TOMBSTONES))?
+                .map_or(Ok(0), |c| u32::try_from(c).map_err(|_| err(&key(path, "tombstones"), "out of range")))?;
+            Ok(StoreConfig::Local { capacity, tombstones })
         }
         "etcd" => etcd::etcd_settings(o, path).map(StoreConfig::Etcd),
         other => {
@@ -481,6 +509,7 @@ fn rule(
             "unknown_outcome",
             "reconcile",
             "key",
+            "tombstone_ttl",
         ],
     )?;
     let name = required(o, path, "name", rule_name)?;
@@ -510,6 +539,20 @@ fn rule(
         return Err(err(
             &key(path, "processing_timeout"),
             format!("{processing_timeout_ms} ms exceeds ttl ({ttl_ms} ms)"),
+        ));
+    }
+    let tombstone_ms = optional(o, path, "tombstone_ttl", duration_ms)?.unwrap_or(0);
+    if tombstone_ms > 0 && window_ms.is_some() {
+        return Err(err(
+            &key(path, "tombstone_ttl"),
+            "must be left out with key.fingerprint: a request the same as one after its window executes again",
+        ));
+    }
+    // A tombstone is what stays after the ttl: one that ends first would never be read.
+    if tombstone_ms > 0 && tombstone_ms <= ttl_ms {
+        return Err(err(
+            &key(path, "tombstone_ttl"),
+            format!("{tombstone_ms} ms must be longer than ttl ({ttl_ms} ms): it counts from the completion too"),
         ));
     }
     let body_size = |v: &Value, f: &str| uint(v, f, 1, MAX_BODY_BYTES);
@@ -599,6 +642,7 @@ fn rule(
         execution,
         unknown_outcome,
         reconcile,
+        tombstone_ms,
     })
 }
 

@@ -180,8 +180,9 @@ pub enum Concurrency {
 // Read once per configuration: the etcd settings' size costs nothing per request.
 #[allow(clippy::large_enum_variant)]
 pub enum StoreConfig {
-    /// Envoy's shared data: one Envoy process, all its workers.
-    Local { capacity: u32 },
+    /// Envoy's shared data: one Envoy process, all its workers. `tombstones`: the room kept for
+    /// tombstones (`store.tombstones`), apart from the records'; 0 when no rule keeps any.
+    Local { capacity: u32, tombstones: u32 },
     /// etcd, shared by every Envoy pointed at it (`store.type: "etcd"`).
     Etcd(EtcdSettings),
 }
@@ -253,6 +254,9 @@ pub struct Rule {
     /// `Reconcile` exactly when `reconcile` is set.
     pub unknown_outcome: UnknownOutcome,
     pub reconcile: Option<Reconcile>,
+    /// `tombstone_ttl`: how long a compact tombstone of a completed record stands after its
+    /// completion, longer than `ttl_ms` (0: none, the record is forgotten at its ttl).
+    pub tombstone_ms: u64,
 }
 
 /// `routes[].key`: where a rule reads the key that names one intent. The source is part of the

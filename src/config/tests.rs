@@ -53,6 +53,7 @@ fn default_rule(name: &str, path: PathMatch) -> Rule {
         execution: Execution::Inline,
         unknown_outcome: UnknownOutcome::Refuse,
         reconcile: None,
+        tombstone_ms: 0,
     }
 }
 
@@ -386,7 +387,7 @@ fn full_example_parses_exactly() {
         key_header: "idempotency-key".into(),
         tenant_header: Some("x-tenant-id".into()),
         principal_headers: vec!["authorization".into()],
-        store: StoreConfig::Local { capacity: 100_000 },
+        store: StoreConfig::Local { capacity: 100_000, tombstones: 0 },
         problem_statuses: ProblemStatuses { invalid_key: 400, mismatch: 422, in_flight: 409 },
         rules: vec![Rule {
             methods: vec!["POST".into()],
@@ -481,7 +482,7 @@ fn minimal_config_yields_all_defaults() {
         key_header: "idempotency-key".into(),
         tenant_header: None,
         principal_headers: vec!["authorization".into()],
-        store: StoreConfig::Local { capacity: 100_000 },
+        store: StoreConfig::Local { capacity: 100_000, tombstones: 0 },
         problem_statuses: ProblemStatuses { invalid_key: 400, mismatch: 422, in_flight: 409 },
         rules: vec![default_rule("a", PathMatch::Prefix("/".into())).into()],
         max_waiters_per_key: 100,
@@ -692,7 +693,7 @@ fn normalises_case_and_accepts_optional_forms() {
     assert_eq!(c.key_header, "idempotency-key");
     assert_eq!(c.tenant_header, None);
     assert!(c.principal_headers.is_empty());
-    assert_eq!(c.store, StoreConfig::Local { capacity: 100_000 });
+    assert_eq!(c.store, StoreConfig::Local { capacity: 100_000, tombstones: 0 });
     assert_eq!(c.problem_statuses, ProblemStatuses { invalid_key: 400, mismatch: 400, in_flight: 409 });
     let r = &c.rules[0];
     assert_eq!(r.name, "Pay_v1.x-y");
@@ -714,7 +715,7 @@ fn accepts_boundaries() {
     let c = parse_str(&top(
         r#""store":{"type":"local","capacity":10000000},"problem_statuses":{"invalid_key":499,"in_flight":400}"#,
     ));
-    assert_eq!(c.as_ref().map(|c| c.store.clone()), Ok(StoreConfig::Local { capacity: 10_000_000 }));
+    assert_eq!(c.as_ref().map(|c| c.store.clone()), Ok(StoreConfig::Local { capacity: 10_000_000, tombstones: 0 }));
     assert_eq!(
         c.map(|c| c.problem_statuses),
         Ok(ProblemStatuses { invalid_key: 499, mismatch: 422, in_flight: 400 })

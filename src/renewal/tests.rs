@@ -11,7 +11,7 @@ fn claim(owner: u64) -> Claim {
         locator: owner * 10,
         written: None,
         shard: 0,
-        old_home: None,
+        old_home: None, tombstone_ms: 0,
     }
 }
 

@@ -99,6 +99,7 @@ pub fn attempt(scope_n: u64, fp: u8, owner: u64, now_ms: u64) -> ClaimAttempt {
         on_lease_end: OnLeaseEnd::TakeOver,
         // Every conformance record carries its label, as the filter's do.
         label: Some(label_in(None, &format!("key-{scope_n}"))),
+        tombstone_ms: 0,
     }
 }
 

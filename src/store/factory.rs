@@ -40,7 +40,7 @@ pub fn open<S: SharedData + 'static>(
             let one = settings.shard_settings().into_iter().next().unwrap_or_else(|| settings.clone());
             Box::new(EtcdRemote::new(EtcdStore::new(one)))
         }
-        StoreConfig::Local { capacity } => {
+        StoreConfig::Local { capacity, tombstones } => {
             let keep = lease_ends.iter().any(|end| !end.may_evict());
             let store = LocalStore::open(data, *capacity, secret, now_ms)
                 .map_err(|e| format!("cannot prepare the local store: {e}"))?

@@ -37,6 +37,7 @@ pub mod record;
 pub mod remote;
 pub mod seam;
 pub mod shared_data;
+pub mod tombstone;
 
 pub use factory::open;
 
@@ -66,6 +67,10 @@ pub struct ClaimAttempt {
     /// The route and key the record is about, kept with it for operators (the admin API). None:
     /// a record without one (tests).
     pub label: Option<Label>,
+    /// How long a tombstone of the record stands after its completion (`routes[].tombstone_ttl`;
+    /// 0: none). Not 0: a begin that finds no live record reads the scope's tombstone before it
+    /// claims (`tombstone::Tombstone::answer`), and the claim carries it to the completion.
+    pub tombstone_ms: u64,
 }
 
 /// A record as an operator sees it (the admin API): where it is, what it is about, and its
@@ -330,6 +335,8 @@ pub struct Claim {
     /// While the record's shard changes (`store.previous_shards`), the same claim on its old
     /// home: settled there too, so that Envoys still reading the old home see its outcome.
     pub old_home: Option<ShardClaim>,
+    /// Its attempt's `tombstone_ms`: the tombstone its completion leaves (0: none).
+    pub tombstone_ms: u64,
 }
 
 impl Claim {
@@ -399,6 +406,9 @@ pub enum Begin {
     Replay(Snapshot),
     /// Completed, but the response was too large to keep; it must not execute again.
     NotStored { status: u16 },
+    /// No live record, but the tombstone of one completed with `status` and this fingerprint
+    /// (`routes[].tombstone_ttl`): its response expired; it must not execute again.
+    Expired { status: u16 },
     /// A processing record whose lease ended without an outcome, asked for by an attempt that
     /// says `OnLeaseEnd::Report` (a rule that reconciles): nothing was written. The upstream's lookup
     /// decides; the request then asks again as a takeover (`ClaimAttempt::after_lookup`).

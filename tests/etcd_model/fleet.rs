@@ -382,6 +382,7 @@ impl Fleet {
             quota: None,
             on_lease_end: on_lease_end(self.rule),
             label: None,
+            tombstone_ms: 0,
         }
     }
 

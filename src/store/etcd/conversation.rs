@@ -174,7 +174,7 @@ impl EtcdConversation {
                 locator: UNANSWERED,
                 written: Some(*entry),
                 shard: 0,
-                old_home: None,
+                old_home: None, tombstone_ms: a.tombstone_ms,
             }),
             _ => None,
         }
@@ -710,7 +710,7 @@ impl EtcdConversation {
                     }
                 }
                 let claim =
-                    Claim { scope: a.scope, owner: a.owner, locator, written, shard: 0, old_home: None };
+                    Claim { scope: a.scope, owner: a.owner, locator, written, shard: 0, old_home: None, tombstone_ms: a.tombstone_ms };
                 Ok(Move::Begun(if won == Won::TookOver {
                     Begin::TookOver(claim)
                 } else {

@@ -435,6 +435,6 @@ fn claim_for(bucket: u32, position: u8, a: &ClaimAttempt) -> Claim {
         locator: (u64::from(bucket) << 8) | u64::from(position),
         written: None,
         shard: 0,
-        old_home: None,
+        old_home: None, tombstone_ms: a.tombstone_ms,
     }
 }

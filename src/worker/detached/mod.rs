@@ -255,7 +255,7 @@ mod tests {
     }
 
     const CLAIM: Claim =
-        Claim { scope: ScopeId([1; 32]), owner: 7, locator: 3, written: None, shard: 0, old_home: None };
+        Claim { scope: ScopeId([1; 32]), owner: 7, locator: 3, written: None, shard: 0, old_home: None, tombstone_ms: 0 };
 
     #[test]
     fn the_call_carries_the_clients_head_without_connection_headers() {

@@ -84,6 +84,7 @@ pub(super) fn claim_attempt(scope: ScopeId) -> crate::store::ClaimAttempt {
         quota: None,
         on_lease_end: crate::store::OnLeaseEnd::TakeOver,
         label: None,
+        tombstone_ms: 0,
     }
 }
 

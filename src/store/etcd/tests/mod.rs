@@ -212,6 +212,7 @@ fn attempt(now_ms: u64) -> ClaimAttempt {
         quota: None,
         on_lease_end: OnLeaseEnd::TakeOver,
         label: None,
+        tombstone_ms: 0,
     }
 }
 

@@ -23,7 +23,11 @@ impl Backend for Local {
     }
 
     fn worker(&self, n: u8) -> Box<dyn RecordStore + '_> {
-        match LocalStore::open(&self.data, self.capacity, [n.wrapping_add(2); 32], 0) {
+        // Every worker keeps a room of tombstones, as a configuration with a rule that keeps
+        // them does (`store.tombstones`): twice the records.
+        let opened = LocalStore::open(&self.data, self.capacity, [n.wrapping_add(2); 32], 0)
+            .and_then(|s| s.keeping_tombstones(2 * self.capacity, 0));
+        match opened {
             Ok(store) => Box::new(store),
             Err(e) => unreachable!("the fake never refuses: {e}"),
         }

@@ -15,8 +15,10 @@ use crate::store::{
 
 mod admin;
 mod quota;
+mod tombstones;
 pub use admin::*;
 pub use quota::*;
+pub use tombstones::*;
 
 pub const LEASE: u64 = 1_000;
 pub const TTL: u64 = 10_000;
@@ -675,6 +677,22 @@ macro_rules! conformance_suite {
     // A store in shards keeps each quota per shard (docs/ETCD.md, Shards): every case but the
     // quotas', which its own tests state per shard.
     ($backend:ty, quotas per shard) => {
+        #[test]
+        fn a_retry_after_the_ttl_meets_the_tombstone_until_it_ends() {
+            $crate::store::conformance::a_retry_after_the_ttl_meets_the_tombstone_until_it_ends::<$backend>();
+        }
+        #[test]
+        fn an_unknown_outcome_s_tombstone_answers_as_its_record_did() {
+            $crate::store::conformance::an_unknown_outcome_s_tombstone_answers_as_its_record_did::<$backend>();
+        }
+        #[test]
+        fn only_an_outcome_leaves_a_tombstone_and_only_a_keeping_rule_reads_it() {
+            $crate::store::conformance::only_an_outcome_leaves_a_tombstone_and_only_a_keeping_rule_reads_it::<$backend>();
+        }
+        #[test]
+        fn an_operator_s_change_reaches_the_tombstone() {
+            $crate::store::conformance::an_operator_s_change_reaches_the_tombstone::<$backend>();
+        }
         #[test]
         fn records_are_listed_with_their_route_key_and_claim_time() {
             $crate::store::conformance::records_are_listed_with_their_route_key_and_claim_time::<$backend>();

@@ -43,6 +43,7 @@ pub fn open<S: SharedData + 'static>(
         StoreConfig::Local { capacity, tombstones } => {
             let keep = lease_ends.iter().any(|end| !end.may_evict());
             let store = LocalStore::open(data, *capacity, secret, now_ms)
+                .and_then(|s| s.keeping_tombstones(*tombstones, now_ms))
                 .map_err(|e| format!("cannot prepare the local store: {e}"))?
                 .keeping_abandoned_claims(keep);
             let described = format!(

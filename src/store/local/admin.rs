@@ -173,6 +173,8 @@ impl<S: SharedData> LocalStore<S> {
             }
             self.uncharge(&gone);
             self.fill_adjust(self.shard_of(bucket), -1);
+            // Released so that the next request executes: its tombstone would refuse it.
+            self.unbury(&view.scope)?;
             return Ok(Ok(()));
         }
         Err(StoreError::Contention)
@@ -227,6 +229,8 @@ impl<S: SharedData> LocalStore<S> {
                 continue;
             }
             self.replace_completed(bucket, &settled)?;
+            // Its tombstone, if its rule keeps one, says the status the record now replays.
+            self.rebury(&view.scope, outcome.status)?;
             return Ok(Ok(()));
         }
         Err(StoreError::Contention)

@@ -234,19 +234,25 @@ impl<S: SharedData> LocalStore<S> {
     }
 
     pub(super) fn beat(&self, now_ms: u64) -> Result<Vec<Layout>, StoreError> {
+        self.beat_in(LAYOUTS_KEY, self.layout_id(), now_ms)
+    }
+
+    /// Beats namespace `id` in the registry at `registry` (the records' `idem:layouts`, or the
+    /// tombstones' own), and answers what the registry holds.
+    pub(super) fn beat_in(&self, registry: &str, id: u32, now_ms: u64) -> Result<Vec<Layout>, StoreError> {
         for _ in 0..CAS_ATTEMPTS {
-            let read = self.data.get(LAYOUTS_KEY).map_err(host)?;
+            let read = self.data.get(registry).map_err(host)?;
             let mut layouts = format::decode_layouts(read.bytes())
-                .map_err(|e| StoreError::Corrupt(format!("{LAYOUTS_KEY}: {e}")))?;
-            match layouts.iter_mut().find(|l| l.buckets == self.layout_id()) {
+                .map_err(|e| StoreError::Corrupt(format!("{registry}: {e}")))?;
+            match layouts.iter_mut().find(|l| l.buckets == id) {
                 Some(l) if l.beat_ms >= now_ms && l.cursor == 0 => return Ok(layouts),
                 Some(l) => {
                     l.beat_ms = l.beat_ms.max(now_ms);
                     l.cursor = 0;
                 }
-                None => layouts.push(Layout { buckets: self.layout_id(), beat_ms: now_ms, cursor: 0 }),
+                None => layouts.push(Layout { buckets: id, beat_ms: now_ms, cursor: 0 }),
             }
-            if self.cas(LAYOUTS_KEY, &format::encode_layouts(&layouts), &read)? {
+            if self.cas(registry, &format::encode_layouts(&layouts), &read)? {
                 return Ok(layouts);
             }
         }

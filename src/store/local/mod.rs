@@ -71,6 +71,7 @@ mod quota;
 mod sweep;
 #[cfg(test)]
 mod tests;
+mod tombstones;
 
 pub use layout::{LAYOUTS_KEY, NAMESPACE, SECRET_KEY};
 pub use quota::COUNTERS_PER_QUOTA_KEY;
@@ -106,6 +107,8 @@ pub struct LocalStore<S: SharedData> {
     /// all its buckets found only live records (`reclaim_in_shard`). Worker memory, not shared
     /// data: a pause only spares this worker's reads.
     reclaim_paused_until: Vec<Cell<u64>>,
+    /// The room kept for tombstones (`tombstones.rs`), when a rule keeps them.
+    tombstones: Option<tombstones::Room>,
 }
 
 fn host(e: SharedDataError) -> StoreError {
@@ -153,7 +156,26 @@ impl<S: SharedData> LocalStore<S> {
             created: 0,
             evict_abandoned: true,
             reclaim_paused_until: (0..buckets.div_ceil(FILL_SHARD_BUCKETS)).map(|_| Cell::new(0)).collect(),
+            tombstones: None,
         }
+    }
+
+    /// Keeps a room of `room` tombstones (`store.tombstones`; 0: none), its keys created now
+    /// and beaten in the layout registry beside the records'.
+    pub fn keeping_tombstones(mut self, room: u32, now_ms: u64) -> Result<Self, StoreError> {
+        if room == 0 {
+            return Ok(self);
+        }
+        let kept = tombstones::Room::new(room);
+        self.created = self.created.saturating_add(self.create_tombstone_keys(&kept)?);
+        self.beat_in(tombstones::LAYOUTS_KEY, kept.room, now_ms)?;
+        self.tombstones = Some(kept);
+        Ok(self)
+    }
+
+    /// Tombstones the store keeps at most (0: none).
+    pub fn tombstone_room(&self) -> u32 {
+        self.tombstones.as_ref().map_or(0, |t| t.room)
     }
 
     /// Keeps abandoned claims until they expire instead of evicting them for room (see
@@ -249,6 +271,7 @@ impl<S: SharedData> LocalStore<S> {
                 (e, bytes)
             });
             if self.cas(&data_key, bytes, &slot)? {
+                self.bury_completed(entry, c.now_ms, claim.tombstone_ms);
                 let late = c.now_ms > entries[i].lease_deadline_ms;
                 if let Err(e) = self.promote(bucket, entry, (entries, bucket_read)) {
                     log::debug!(

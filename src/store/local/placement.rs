@@ -54,13 +54,20 @@ impl<S: SharedData> LocalStore<S> {
         }
         // The primary is read before the secondary: see `confirm` for why the order matters.
         let second = if secondary == primary { None } else { Some(self.read_bucket(secondary)?) };
-        if let Some(second) = second {
-            if let Some(existing) = second.0.iter().find(|e| e.scope == a.scope).copied() {
-                return self.begin_existing(a, secondary, second, existing, primary);
+        let candidates = match second {
+            Some(second) => {
+                if let Some(existing) = second.0.iter().find(|e| e.scope == a.scope).copied() {
+                    return self.begin_existing(a, secondary, second, existing, primary);
+                }
+                vec![(primary, first), (secondary, second)]
             }
-            return self.begin_new(a, primary, vec![(primary, first), (secondary, second)]);
+            None => vec![(primary, first)],
+        };
+        // No record: a tombstone of one that ended answers instead of a claim.
+        if let Some(answer) = self.buried_answer(a)? {
+            return Ok(Some(answer));
         }
-        self.begin_new(a, primary, vec![(primary, first)])
+        self.begin_new(a, primary, candidates)
     }
 
     /// The scope has an entry in `bucket`: answer from it, take it over, or (expired) put the
@@ -148,8 +155,12 @@ impl<S: SharedData> LocalStore<S> {
                 }
             };
         }
-        // Expired (per its committed outcome, if any): absent, and its place is reused. It is
-        // replaced where it is, so a scope never has entries in both of its buckets.
+        // Expired (per its committed outcome, if any): absent, and its place is reused, unless
+        // its tombstone still stands. It is replaced where it is, so a scope never has entries
+        // in both of its buckets.
+        if let Some(answer) = self.buried_answer(a)? {
+            return Ok(Some(answer));
+        }
         self.place(a, bucket, &entries, &read, existing.position, Some(existing), false, primary)
     }
 

@@ -5,10 +5,10 @@
 
 use super::format::{self, Layout};
 use super::layout::{
-    bucket_key_in, fill_key_in, namespace_of, quota_key_in, slot_key_in, FILL_SHARD_BUCKETS, LAYOUTS_KEY,
+    bucket_key_in, fill_key_in, namespace_of, Namespace, quota_key_in, slot_key_in, FILL_SHARD_BUCKETS, LAYOUTS_KEY,
 };
 use super::quota::CHARGE_FLAGS;
-use super::{host, LocalStore, ENTRIES_PER_BUCKET};
+use super::{host, tombstones, LocalStore, ENTRIES_PER_BUCKET};
 use crate::store::record::Entry;
 use crate::store::shared_data::{SharedData, SharedDataError};
 use crate::store::StoreError;
@@ -165,33 +165,53 @@ impl<S: SharedData> LocalStore<S> {
 impl<S: SharedData> LocalStore<S> {
     fn housekeep(&self, now_ms: u64) -> Result<(), StoreError> {
         let layouts = self.beat(now_ms)?;
-        let stale = layouts
-            .iter()
-            .find(|l| l.buckets != self.layout_id() && now_ms >= l.beat_ms.saturating_add(RETIRE_AFTER_MS));
-        match stale {
-            Some(old) => self.retire_step(*old),
-            None => Ok(()),
+        let stale = |layouts: &[Layout], own: u32| {
+            layouts.iter().find(|l| l.buckets != own && now_ms >= l.beat_ms.saturating_add(RETIRE_AFTER_MS)).copied()
+        };
+        if let Some(old) = stale(&layouts, self.layout_id()) {
+            return self.retire_step(old, LAYOUTS_KEY);
         }
+        // The tombstone rooms have a registry of their own, which builds before them never
+        // read: to them its ids would be record namespaces of another size.
+        if let Some(room) = self.tombstone_layout() {
+            let rooms = self.beat_in(tombstones::LAYOUTS_KEY, room, now_ms)?;
+            if let Some(old) = stale(&rooms, room) {
+                return self.retire_step(old, tombstones::LAYOUTS_KEY);
+            }
+        }
+        Ok(())
     }
 
-    fn retire_step(&self, old: Layout) -> Result<(), StoreError> {
-        let ns = namespace_of(old.buckets);
+    fn retire_step(&self, old: Layout, registry: &str) -> Result<(), StoreError> {
+        let tombstones = registry == tombstones::LAYOUTS_KEY;
+        let ns = if tombstones {
+            Namespace {
+                prefix: tombstones::prefix_of(old.buckets),
+                buckets: tombstones::buckets_for(old.buckets),
+                fill: false,
+            }
+        } else {
+            namespace_of(old.buckets)
+        };
         let start = old.cursor.min(ns.buckets);
         let end = start.saturating_add(RETIRE_BATCH).min(ns.buckets);
         let finished = end >= ns.buckets;
         // Take the batch by CAS on the registry, as the sweep cursor does: roots share the work,
         // and a namespace that beat again in the meantime is left alone.
-        let read = self.data.get(LAYOUTS_KEY).map_err(host)?;
+        let read = self.data.get(registry).map_err(host)?;
         let mut layouts = format::decode_layouts(read.bytes())
-            .map_err(|e| StoreError::Corrupt(format!("{LAYOUTS_KEY}: {e}")))?;
+            .map_err(|e| StoreError::Corrupt(format!("{registry}: {e}")))?;
         let Some(i) = layouts.iter().position(|l| *l == old) else { return Ok(()) };
         if finished {
             layouts.remove(i);
         } else {
             layouts[i].cursor = end;
         }
-        if !self.cas(LAYOUTS_KEY, &format::encode_layouts(&layouts), &read)? {
+        if !self.cas(registry, &format::encode_layouts(&layouts), &read)? {
             return Ok(());
+        }
+        if tombstones {
+            return self.retire_tombstones(&ns.prefix, start, end, finished);
         }
         let prefix = ns.prefix;
         for b in start..end {
@@ -212,7 +232,7 @@ impl<S: SharedData> LocalStore<S> {
     }
 
     /// Empties a key's value if it holds one; never creates a key.
-    fn empty(&self, data_key: &str) -> Result<(), StoreError> {
+    pub(super) fn empty(&self, data_key: &str) -> Result<(), StoreError> {
         let read = self.data.get(data_key).map_err(host)?;
         if read.value.is_some() {
             match self.data.set(data_key, &[], read.cas) {

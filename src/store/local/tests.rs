@@ -730,3 +730,59 @@ fn a_retired_namespace_is_emptied_while_a_live_one_is_left_alone() {
     assert_eq!(layouts.iter().map(|l| l.buckets).collect::<Vec<_>>(), vec![b.layout_id()]);
     assert!(data.value_bytes() < 200, "{} bytes left", data.value_bytes());
 }
+
+fn keeping_tombstones(capacity: u32, room: u32, seed: u8, data: &FakeSharedData) -> LocalStore<&FakeSharedData> {
+    LocalStore::open(data, capacity, [seed; 32], 0).unwrap().keeping_tombstones(room, 0).unwrap()
+}
+
+#[test]
+fn a_store_full_of_tombstones_takes_every_new_key_and_the_oldest_tombstones_go_first() {
+    use crate::store::conformance::{keeping, TOMBSTONE};
+    // A room of 8 tombstones (one bucket): 20 keys complete one after the other, and each
+    // leaves a tombstone; a ninth pushes out the oldest.
+    let data = FakeSharedData::new();
+    let w = keeping_tombstones(64, 8, 1, &data);
+    for n in 0..20u64 {
+        let c = claimed(w.begin(&keeping(n, 1, n + 1, n)).unwrap());
+        assert_eq!(w.complete(&c, &done("x", n)).unwrap(), Settled::Done);
+    }
+    let after = 20 + TTL;
+    assert!(after < TOMBSTONE);
+    let standing: Vec<u64> =
+        (0..20).filter(|n| w.begin(&keeping(*n, 1, 100 + n, after)).unwrap() == Begin::Expired { status: 201 }).collect();
+    // The newest eight stand; the oldest were pushed out, and their keys were new again (the
+    // begins above claimed them).
+    assert_eq!(standing, (12..20).collect::<Vec<_>>());
+    // The room never took a record's: the store still takes new keys.
+    assert!(matches!(w.begin(&keeping(1_000, 1, 1_000, after)).unwrap(), Begin::Claimed(_)));
+}
+
+#[test]
+fn a_tombstone_room_survives_a_reload_and_an_unused_one_is_retired() {
+    use crate::store::conformance::keeping;
+    let data = FakeSharedData::new();
+    let w = keeping_tombstones(64, 128, 1, &data);
+    let c = claimed(w.begin(&keeping(1, 1, 11, 0)).unwrap());
+    w.complete(&c, &done("one", 1)).unwrap();
+    // A reload with the same room finds its tombstones (a second handle: another worker).
+    let reloaded = keeping_tombstones(64, 128, 9, &data);
+    assert_eq!(reloaded.begin(&keeping(1, 1, 12, 2 + TTL)).unwrap(), Begin::Expired { status: 201 });
+    // A new room (`store.tombstones` changed): the old room, no longer beaten, is emptied.
+    let old_keys: Vec<String> =
+        (0..tombstones::buckets_for(128)).map(|b| tombstones::bucket_key_in(&tombstones::prefix_of(128), b)).collect();
+    assert!(old_keys.iter().any(|k| data.get(k).unwrap().value.is_some_and(|v| !v.is_empty())));
+    let changed = keeping_tombstones(64, 256, 9, &data);
+    let mut now = 0;
+    for _ in 0..(RETIRE_AFTER_MS / 1_000 + 20) {
+        now += 1_000;
+        changed.sweep_shard(now).unwrap();
+    }
+    for k in &old_keys {
+        assert_eq!(data.get(k).unwrap().value, None, "{k}");
+    }
+    let rooms = format::decode_layouts(data.get(tombstones::LAYOUTS_KEY).unwrap().bytes()).unwrap();
+    assert_eq!(rooms.iter().map(|l| l.buckets).collect::<Vec<_>>(), vec![256]);
+    // The record registry never names a room.
+    let layouts = format::decode_layouts(data.get(LAYOUTS_KEY).unwrap().bytes()).unwrap();
+    assert_eq!(layouts.iter().map(|l| l.buckets).collect::<Vec<_>>(), vec![changed.layout_id()]);
+}

@@ -26,6 +26,7 @@ fn attempt(n: u64, owner: u64) -> ClaimAttempt {
         ttl_ms: TTL,
         quota: None,
         on_lease_end: OnLeaseEnd::TakeOver,
+        tombstone_ms: 0,
         // A typical label: a short route name, a UUID key, and its scope (a POST to a host's
         // path, one tenant, the caller's digest).
         label: Some(Label::scoped(

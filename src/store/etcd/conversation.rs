@@ -16,8 +16,10 @@ use super::keys::owner_of;
 use super::leases::{window_end, LIVE_CLAIM_RETRY_MS};
 use super::quota::{charged_entry, quota_reads, quota_refusal};
 use super::stage::{Move, Stage, TXN_ATTEMPTS};
+use super::tombstones::{buried, Buried};
 use super::wire::{self, EtcdRefusal, Guard, TxnOp};
 use super::{decode, records, unusable, EtcdStore, UNANSWERED};
+use crate::store::tombstone::Tombstone;
 
 /// Room kept for keys and framing when checking an encoded record against etcd's limit.
 const TXN_FRAMING_BYTES: u64 = 4 * 1024;
@@ -37,6 +39,18 @@ pub(super) struct Write {
     pub(super) claim_lease_ms: Option<u64>,
     pub(super) claim_lease: i64,
     pub(super) grant_sent_ms: u64,
+    /// The tombstone the write leaves (`t/<scope>`): a completion of a claim that keeps one, a
+    /// begin that marks an unknown outcome, an operator's resolve. On a lease of its own, for
+    /// the window of its end (`tomb_lease`, asked for after the record's).
+    pub(super) tombstone: Option<Tombstone>,
+    pub(super) tomb_lease: i64,
+    pub(super) tomb_window_end_ms: u64,
+    /// The scope's tombstone as the read the write follows found it (absent, or at a revision):
+    /// the write holds only while it is so. None: not guarded.
+    tomb_guard: Option<Guard>,
+    /// The write deletes the scope's tombstone: an operator's release (the next request
+    /// executes), or a claim made over one that ended.
+    drop_tombstone: bool,
     /// What a successful write means.
     won: Won,
 }
@@ -52,6 +66,11 @@ impl Write {
             claim_lease_ms: None,
             claim_lease: 0,
             grant_sent_ms: 0,
+            tombstone: None,
+            tomb_lease: 0,
+            tomb_window_end_ms: 0,
+            tomb_guard: None,
+            drop_tombstone: false,
             won,
         }
     }
@@ -64,6 +83,10 @@ pub(super) struct PendingClaim {
     /// The record the claim replaces (its index keys are deleted).
     replaced: Option<Entry>,
     won: Won,
+    /// The scope's tombstone as read (`Write::tomb_guard`), and whether the claim deletes it
+    /// (one that ended).
+    tomb_guard: Option<Guard>,
+    drop_tombstone: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,6 +154,11 @@ pub struct EtcdConversation {
     /// An operator's change to a record whose request may still be at work: made only while
     /// the claim's lease key is gone (the rule a takeover follows), else refused as live.
     pub(super) amend_after_lease_key: Option<u64>,
+    /// An operator's resolve of a completed record: the record as it writes it and the
+    /// revision it is guarded by, while its tombstone is read; then the tombstone as read
+    /// (`tombstones.rs`).
+    pub(super) resolving: Option<(Entry, i64)>,
+    pub(super) resolved_tombstone: Option<Buried>,
 }
 
 impl EtcdConversation {
@@ -155,6 +183,8 @@ impl EtcdConversation {
             amending: None,
             renewing: None,
             amend_after_lease_key: None,
+            resolving: None,
+            resolved_tombstone: None,
         }
     }
 
@@ -273,7 +303,8 @@ impl EtcdConversation {
                                 // Either lease may be the one etcd no longer knows.
                                 store.forget_lease(w.lease);
                                 store.forget_lease(w.claim_lease);
-                                (w.lease, w.claim_lease) = (0, 0);
+                                store.forget_lease(w.tomb_lease);
+                                (w.lease, w.claim_lease, w.tomb_lease) = (0, 0, 0);
                                 self.lease_or_write(store, now_ms)?
                             }
                             None => return Err(unusable("a write without its plan")),
@@ -319,6 +350,9 @@ impl EtcdConversation {
                             if w.record.is_some() && w.lease == 0 {
                                 store.remember_lease(w.window_end_ms, id);
                                 w.lease = id;
+                            } else if w.tombstone.is_some() && w.tomb_lease == 0 {
+                                store.remember_lease(w.tomb_window_end_ms, id);
+                                w.tomb_lease = id;
                             } else if let Some(lease_ms) = w.claim_lease_ms {
                                 store.remember_claim_lease(lease_ms, w.grant_sent_ms, id);
                                 w.claim_lease = id;
@@ -344,6 +378,10 @@ impl EtcdConversation {
                         Stage::Renew => {
                             let txn = body.txn().map_err(EtcdRefusal::into_error)?;
                             self.renewed(store, &txn, now_ms)?
+                        }
+                        Stage::TombstoneRead => {
+                            let range = body.range().map_err(EtcdRefusal::into_error)?;
+                            self.tombstone_read(store, &range, now_ms)?
                         }
                         Stage::Start | Stage::Finished => return Err(unusable("no call was made")),
                     },
@@ -437,16 +475,24 @@ impl EtcdConversation {
             // answered by an existing record (a replay) never waits for grants. The claim's
             // transaction follows the grants only for an absent record.
             let record = store.record_key(&a.scope);
-            let existing = [
+            let mut existing = vec![
                 TxnOp::Range { key: record.clone(), range_end: None, limit: 0, keys_only: false },
                 TxnOp::Range { key: store.lease_key(&a.scope), range_end: None, limit: 0, keys_only: false },
             ];
-            let body = wire::txn(store.protocol(), Some((&record, Guard::Absent)), &[], &existing);
+            // A rule that keeps tombstones: absent means the record and its tombstone.
+            let tomb = store.tombstone_key(&a.scope);
+            let mut guards = vec![(record.as_slice(), Guard::Absent)];
+            if a.tombstone_ms > 0 {
+                guards.push((tomb.as_slice(), Guard::Absent));
+                existing.push(TxnOp::Range { key: tomb.clone(), range_end: None, limit: 0, keys_only: false });
+            }
+            let body = wire::txn_all(store.protocol(), &guards, &[], &existing);
             return Ok(Move::Call(body, Stage::Probe));
         }
         let value = record::encode_slot(&SlotValue { entry, snapshot: None, label: None });
         let mut write = Write::new(Guard::Absent, Some((entry, value)), Vec::new(), Won::Claimed);
         write.claim_lease_ms = Some(a.lease_ms);
+        write.tomb_guard = (a.tombstone_ms > 0).then_some(Guard::Absent);
         self.plan(write, store, now_ms)
     }
 
@@ -460,11 +506,29 @@ impl EtcdConversation {
     ) -> Result<Move, StoreError> {
         let StoreOp::Begin(a) = self.op.clone() else { return Err(unusable("not a begin")) };
         let mut ranges = txn.ranges.iter();
-        let Some(kv) = ranges.next().and_then(|found| found.kvs.first()) else {
-            return Err(unusable("etcd's answer lacks the record read"));
-        };
+        let record_kv = ranges.next().and_then(|found| found.kvs.first());
         let lease_key_owner =
             ranges.next().and_then(|found| found.kvs.first()).and_then(|kv| owner_of(&kv.value));
+        // A rule that keeps tombstones read the scope's third: what stands of an ended record.
+        let tomb = if a.tombstone_ms > 0 { buried(ranges.next(), &a.scope)? } else { Buried::NotRead };
+        let Some(kv) = record_kv else {
+            // No record: the guard failed on the tombstone.
+            if let Some(t) = tomb.standing(a.now_ms) {
+                return Ok(Move::Begun(t.answer(&a.fingerprint)));
+            }
+            if !tomb.exists() {
+                return Err(unusable("etcd's answer lacks the record read"));
+            }
+            // One that ended by this clock, before its lease collected it: replaced.
+            let pending = PendingClaim {
+                guard: Guard::Absent,
+                replaced: None,
+                won: Won::Claimed,
+                tomb_guard: tomb.guard(),
+                drop_tombstone: true,
+            };
+            return self.claim_or_count(store, &a, pending, now_ms);
+        };
         let existing = decode(&kv.value)?;
         let e = existing.entry;
         if e.scope != a.scope {
@@ -480,8 +544,13 @@ impl EtcdConversation {
         let lease_running = !e.is_completed() && lease_key_owner == Some(e.owner);
         let guard = Guard::ModRevision(kv.mod_revision);
         let pending = if e.is_expired(now) && !lease_running {
-            // Expired: absent, whatever etcd still holds until the lease collects it.
-            PendingClaim { guard, replaced: Some(e), won: Won::Claimed }
+            // Expired: absent, whatever etcd still holds until the lease collects it, unless its
+            // tombstone still stands.
+            if let Some(t) = tomb.standing(now) {
+                return Ok(Move::Begun(t.answer(&a.fingerprint)));
+            }
+            let drop_tombstone = tomb.exists();
+            PendingClaim { guard, replaced: Some(e), won: Won::Claimed, tomb_guard: tomb.guard(), drop_tombstone }
         } else if e.fingerprint != a.fingerprint {
             return Ok(Move::Begun(Begin::Mismatch));
         } else if e.is_completed() {
@@ -502,16 +571,35 @@ impl EtcdConversation {
                 OnLeaseEnd::MarkUnknown => {
                     let unknown = Completion::outcome_unknown(a.now_ms, a.ttl_ms);
                     let (done, value) = outcome_record(e, &unknown);
-                    let write =
+                    let mut write =
                         Write::new(guard, Some((done, value)), store.index_keys(&e), Won::MarkedUnknown);
+                    write.tombstone = (a.tombstone_ms > 0).then(|| Tombstone::of(&done, a.now_ms, a.tombstone_ms));
                     return self.plan(write, store, now_ms);
                 }
                 // The lease ended without an outcome: take the record over.
-                OnLeaseEnd::TakeOver => PendingClaim { guard, replaced: Some(e), won: Won::TookOver },
+                OnLeaseEnd::TakeOver => PendingClaim {
+                    guard,
+                    replaced: Some(e),
+                    won: Won::TookOver,
+                    tomb_guard: None,
+                    drop_tombstone: false,
+                },
             }
         };
+        self.claim_or_count(store, &a, pending, now_ms)
+    }
+
+    /// Claims as `pending` plans, reading the quota first when the attempt is charged.
+    fn claim_or_count(
+        &mut self,
+        store: &EtcdStore,
+        a: &ClaimAttempt,
+        pending: PendingClaim,
+        now_ms: u64,
+    ) -> Result<Move, StoreError> {
+        let guard = pending.guard;
         if a.quota.is_none() {
-            return self.claim(store, &a, pending, &[], now_ms);
+            return self.claim(store, a, pending, &[], now_ms);
         }
         // The quota is read only now that a claim is to be made, guarded by the revision just
         // read (the rare path: a third round trip).
@@ -519,7 +607,7 @@ impl EtcdConversation {
         let body = wire::txn(
             store.protocol(),
             Some((&store.record_key(&a.scope), guard)),
-            &quota_reads(store, &a),
+            &quota_reads(store, a),
             &[],
         );
         Ok(Move::Call(body, Stage::QuotaRead))
@@ -559,6 +647,8 @@ impl EtcdConversation {
         let value = record::encode_slot(&SlotValue { entry, snapshot: None, label: None });
         let mut write = Write::new(pending.guard, Some((entry, value)), stale_index, pending.won);
         write.claim_lease_ms = Some(a.lease_ms);
+        write.tomb_guard = pending.tomb_guard;
+        write.drop_tombstone = pending.drop_tombstone;
         self.plan(write, store, now_ms)
     }
 
@@ -599,10 +689,27 @@ impl EtcdConversation {
     ) -> Result<Move, StoreError> {
         let stale_index = store.index_keys(&current);
         let write = match &self.op {
-            StoreOp::Complete { completion, .. } => {
-                Write::new(guard, Some(outcome_record(current, completion)), stale_index, Won::Settled)
+            StoreOp::Complete { claim, completion } => {
+                let (done, value) = outcome_record(current, completion);
+                let mut write = Write::new(guard, Some((done, value)), stale_index, Won::Settled);
+                write.tombstone = (claim.tombstone_ms > 0)
+                    .then(|| Tombstone::of(&done, completion.now_ms, claim.tombstone_ms));
+                // An operator's resolve: the tombstone the record left, if any, says the status
+                // it now replays (its end kept), as it stood when read.
+                if let Some(read) = self.resolved_tombstone.take() {
+                    write.tomb_guard = read.guard();
+                    if let Buried::Standing(t, _) = read {
+                        write.tombstone = Some(Tombstone { status: done.status, ..t });
+                    }
+                }
+                write
             }
-            _ => Write::new(guard, None, stale_index, Won::Settled),
+            _ => {
+                let mut write = Write::new(guard, None, stale_index, Won::Settled);
+                // An operator's release: the next request executes, which a tombstone would refuse.
+                write.drop_tombstone = self.amending.is_some();
+                write
+            }
         };
         self.plan(write, store, now_ms)
     }
@@ -657,17 +764,30 @@ impl EtcdConversation {
                 ops.push(TxnOp::Delete { key: store.label_key(&scope) });
             }
         }
+        let tomb_key = store.tombstone_key(&scope);
+        if let Some(t) = &w.tombstone {
+            ops.push(TxnOp::Put { key: tomb_key.clone(), value: t.encode(), lease: w.tomb_lease });
+        } else if w.drop_tombstone {
+            ops.push(TxnOp::Delete { key: tomb_key.clone() });
+        }
         // A completion whose guard fails reads the record in the same call: an earlier try's
         // write may have landed after this try's read (`holds_own_outcome`).
         let on_failure = match (&self.op, w.guard) {
             (StoreOp::Complete { .. }, _) => {
                 vec![TxnOp::Range { key: key.clone(), range_end: None, limit: 0, keys_only: false }]
             }
-            // A new claim that finds the record reads it and its lease key instead.
-            (StoreOp::Begin(_), Guard::Absent) => vec![
-                TxnOp::Range { key: key.clone(), range_end: None, limit: 0, keys_only: false },
-                TxnOp::Range { key: store.lease_key(&scope), range_end: None, limit: 0, keys_only: false },
-            ],
+            // A new claim that finds the record reads it and its lease key instead (and its
+            // tombstone, on a rule that keeps one).
+            (StoreOp::Begin(a), Guard::Absent) => {
+                let mut read = vec![
+                    TxnOp::Range { key: key.clone(), range_end: None, limit: 0, keys_only: false },
+                    TxnOp::Range { key: store.lease_key(&scope), range_end: None, limit: 0, keys_only: false },
+                ];
+                if a.tombstone_ms > 0 {
+                    read.push(TxnOp::Range { key: tomb_key.clone(), range_end: None, limit: 0, keys_only: false });
+                }
+                read
+            }
             _ => Vec::new(),
         };
         if let (StoreOp::Begin(a), Guard::Absent) = (&self.op, w.guard) {
@@ -677,21 +797,22 @@ impl EtcdConversation {
         }
         // An unanswered claim's release compares its lease key, the one key that says whose it is.
         let guarded = if let Guard::Owner(_) = w.guard { store.lease_key(&scope) } else { key };
+        let mut guards = vec![(guarded.as_slice(), w.guard)];
+        if let Some(guard) = w.tomb_guard {
+            guards.push((tomb_key.as_slice(), guard));
+        }
+        let lease_key = store.lease_key(&scope);
         if self.amend_after_lease_key.is_some() {
             // An operator's change waits for the claim's lease key as a takeover does: made
             // only once it is gone; else its failure branch reads it (`written`: live).
-            let lease_key = store.lease_key(&scope);
-            let guards = [(guarded.as_slice(), w.guard), (lease_key.as_slice(), Guard::Absent)];
+            guards.push((lease_key.as_slice(), Guard::Absent));
             let read = [
                 TxnOp::Range { key: guarded.clone(), range_end: None, limit: 0, keys_only: false },
                 TxnOp::Range { key: lease_key.clone(), range_end: None, limit: 0, keys_only: true },
             ];
             return Ok(Move::Call(wire::txn_all(store.protocol(), &guards, &ops, &read), Stage::Write));
         }
-        Ok(Move::Call(
-            wire::txn(store.protocol(), Some((&guarded, w.guard)), &ops, &on_failure),
-            Stage::Write,
-        ))
+        Ok(Move::Call(wire::txn_all(store.protocol(), &guards, &ops, &on_failure), Stage::Write))
     }
 
     fn written(&mut self, store: &EtcdStore, txn: &wire::TxnAnswer, now_ms: u64) -> Result<Move, StoreError> {
@@ -819,6 +940,8 @@ impl Clone for EtcdConversation {
             amending: self.amending.clone(),
             renewing: self.renewing.clone(),
             amend_after_lease_key: self.amend_after_lease_key,
+            resolving: self.resolving,
+            resolved_tombstone: self.resolved_tombstone,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The etcd key layout under the configured prefix: `r/<scope hex>` (the record),
-//! `l/<scope hex>` (a claim's lease key, its value the owner token) and
+//! `l/<scope hex>` (a claim's lease key, its value the owner token), `t/<scope hex>` (a
+//! completed record's tombstone, on its own lease) and
 //! `q/<t|p>/<tag hex16>/<until hex16>/<scope hex>` (quota index keys, sorted by when the record
 //! stops counting). Every key the backend reads or writes is named here, so the layout that
 //! docs/ETCD.md (*Data model*) describes is in one place.
@@ -28,6 +29,12 @@ impl EtcdStore {
     /// is the claim's owner token.
     pub(super) fn lease_key(&self, scope: &crate::identity::scope::ScopeId) -> Vec<u8> {
         self.key(&["l/", &hex(&scope.0)])
+    }
+
+    /// `<prefix>t/<scope hex>`: a completed record's tombstone (`store::tombstone`, a rule's
+    /// `tombstone_ttl`), on a lease of its own that outlives the record's.
+    pub(super) fn tombstone_key(&self, scope: &crate::identity::scope::ScopeId) -> Vec<u8> {
+        self.key(&["t/", &hex(&scope.0)])
     }
 
     /// `<prefix>q/<t|p>/<tag hex16>/`: one identity's quota index; below it one key per record

@@ -118,9 +118,9 @@ impl EtcdStore {
 }
 
 impl EtcdConversation {
-    /// Finds the leases the write needs (its record's, for its expiry window; a claim's lease
-    /// key's, for its processing lease), granting one this worker does not have yet, then
-    /// makes the write.
+    /// Finds the leases the write needs (its record's, for its expiry window; its tombstone's,
+    /// for the window of its end; a claim's lease key's, for its processing lease), granting one
+    /// this worker does not have yet, in that order, then makes the write.
     pub(super) fn lease_or_write(&mut self, store: &EtcdStore, now_ms: u64) -> Result<Move, StoreError> {
         let Some(w) = self.write.as_mut() else { return Err(unusable("no write planned")) };
         if let Some((entry, _)) = &w.record {
@@ -136,6 +136,18 @@ impl EtcdConversation {
                             .saturating_add(LEASE_SLACK_S);
                         return Ok(Move::Call(wire::lease_grant(store.protocol(), ttl_s), Stage::LeaseGrant));
                     }
+                }
+            }
+        }
+        if let (Some(t), 0) = (&w.tombstone, w.tomb_lease) {
+            // A tombstone has a lease of its own, for the window of its end.
+            w.tomb_window_end_ms = window_end(t.until_ms);
+            match store.lease_for(w.tomb_window_end_ms, now_ms) {
+                Some(id) => w.tomb_lease = id,
+                None => {
+                    let ttl_s =
+                        w.tomb_window_end_ms.saturating_sub(now_ms).div_ceil(1_000).saturating_add(LEASE_SLACK_S);
+                    return Ok(Move::Call(wire::lease_grant(store.protocol(), ttl_s), Stage::LeaseGrant));
                 }
             }
         }

@@ -22,6 +22,7 @@ pub mod remote;
 mod renew;
 pub mod shards;
 mod stage;
+mod tombstones;
 pub mod watch;
 mod wire;
 

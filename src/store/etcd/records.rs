@@ -234,6 +234,15 @@ impl EtcdConversation {
         if change.needs_claim_ended(&view.entry) {
             self.amend_after_lease_key = Some(view.entry.lease_deadline_ms);
         }
+        if matches!(change, Amendment::Resolve(_)) && view.entry.is_completed() {
+            // The unknown outcome's tombstone, if its rule keeps one, is rewritten with it:
+            // read first (`tombstone_read`), then settled.
+            self.resolving = Some((written, revision));
+            return Ok(Move::Call(
+                wire::range(store.protocol(), &store.tombstone_key(&view.scope)),
+                Stage::TombstoneRead,
+            ));
+        }
         self.settle(store, written, Guard::ModRevision(revision), now_ms)
     }
 }

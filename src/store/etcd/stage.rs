@@ -31,6 +31,8 @@ pub(super) enum Stage {
     /// renew: the claim lease the lease keys go on, then the transaction that puts them.
     RenewLease,
     Renew,
+    /// An operator's resolve: the record's tombstone, read before the write that rewrites it.
+    TombstoneRead,
     Finished,
 }
 

@@ -179,8 +179,8 @@ pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
     };
     let principal_headers = optional(top, "", "principal_headers", |v, f| unique_list(v, f, header_name))?
         .unwrap_or_else(|| vec![DEFAULT_PRINCIPAL_HEADER.into()]);
-    let store =
-        optional(top, "", "store", store)?.unwrap_or(StoreConfig::Local { capacity: DEFAULT_CAPACITY, tombstones: 0 });
+    let store = optional(top, "", "store", store)?
+        .unwrap_or(StoreConfig::Local { capacity: DEFAULT_CAPACITY, tombstones: 0 });
     let problem_statuses =
         optional(top, "", "problem_statuses", problem_statuses)?.unwrap_or(ProblemStatuses::DEFAULT);
     let waiters = |k: &str, default: u64| -> Res<u32> {
@@ -454,7 +454,9 @@ fn store(v: &Value, path: &str) -> Res<StoreConfig> {
                 })?;
             // 0 here: the default, which the rules decide (`tombstone_room`).
             let tombstones = optional(o, path, "tombstones", |v, f| uint(v, f, 1, MAX_TOMBSTONES))?
-                .map_or(Ok(0), |c| u32::try_from(c).map_err(|_| err(&key(path, "tombstones"), "out of range")))?;
+                .map_or(Ok(0), |c| {
+                    u32::try_from(c).map_err(|_| err(&key(path, "tombstones"), "out of range"))
+                })?;
             Ok(StoreConfig::Local { capacity, tombstones })
         }
         "etcd" => etcd::etcd_settings(o, path).map(StoreConfig::Etcd),
@@ -552,7 +554,9 @@ fn rule(
     if tombstone_ms > 0 && tombstone_ms <= ttl_ms {
         return Err(err(
             &key(path, "tombstone_ttl"),
-            format!("{tombstone_ms} ms must be longer than ttl ({ttl_ms} ms): it counts from the completion too"),
+            format!(
+                "{tombstone_ms} ms must be longer than ttl ({ttl_ms} ms): it counts from the completion too"
+            ),
         ));
     }
     let body_size = |v: &Value, f: &str| uint(v, f, 1, MAX_BODY_BYTES);

@@ -715,7 +715,10 @@ fn accepts_boundaries() {
     let c = parse_str(&top(
         r#""store":{"type":"local","capacity":10000000},"problem_statuses":{"invalid_key":499,"in_flight":400}"#,
     ));
-    assert_eq!(c.as_ref().map(|c| c.store.clone()), Ok(StoreConfig::Local { capacity: 10_000_000, tombstones: 0 }));
+    assert_eq!(
+        c.as_ref().map(|c| c.store.clone()),
+        Ok(StoreConfig::Local { capacity: 10_000_000, tombstones: 0 })
+    );
     assert_eq!(
         c.map(|c| c.problem_statuses),
         Ok(ProblemStatuses { invalid_key: 499, mismatch: 422, in_flight: 400 })

@@ -11,7 +11,8 @@ fn claim(owner: u64) -> Claim {
         locator: owner * 10,
         written: None,
         shard: 0,
-        old_home: None, tombstone_ms: 0,
+        old_home: None,
+        tombstone_ms: 0,
     }
 }
 

@@ -22,7 +22,7 @@ pub struct Explored {
     /// The longest shortest path.
     pub depth: usize,
     /// The union of the states' `seen` flags.
-    pub seen: u8,
+    pub seen: u16,
     /// The shortest path to the first state that broke an invariant: each state and the action
     /// taken from it; the state it led to last.
     pub counterexample: Option<(Vec<(FleetState, Action)>, FleetState)>,
@@ -43,7 +43,7 @@ pub fn explore(fleet: &Fleet) -> Explored {
     let mut visited: HashMap<u64, ()> = HashMap::new();
     visited.insert(fingerprint(&init), ());
     let mut queue = VecDeque::from([(0usize, init.clone(), 0usize)]);
-    let (mut transitions, mut depth, mut seen) = (0, 0, 0u8);
+    let (mut transitions, mut depth, mut seen) = (0, 0, 0u16);
     let mut actions = Vec::new();
     let mut next_report = 100_000;
     while let Some((node, state, d)) = queue.pop_front() {

@@ -40,17 +40,18 @@ pub const OUTCOMES_KEPT: &str = "an outcome its live owner was answered with is 
 pub const RENEWALS: &str = "a claim its live owner renews is never found lost";
 
 /// What the checker must reach somewhere (`FleetState::seen`; which, depends on the rule).
-pub const SEEN_REPLAY: u8 = 1;
-pub const SEEN_EXECUTED_AGAIN: u8 = 2;
-pub const SEEN_RETRY_LANDED: u8 = 4;
-pub const SEEN_ADOPTED: u8 = 8;
-pub const SEEN_MARKED_UNKNOWN: u8 = 16;
-pub const SEEN_GIVEN_BACK: u8 = 32;
-pub const SEEN_ANSWER_LOST: u8 = 64;
-pub const SEEN_RENEWED: u8 = 128;
+pub const SEEN_REPLAY: u16 = 1;
+pub const SEEN_EXECUTED_AGAIN: u16 = 2;
+pub const SEEN_RETRY_LANDED: u16 = 4;
+pub const SEEN_ADOPTED: u16 = 8;
+pub const SEEN_MARKED_UNKNOWN: u16 = 16;
+pub const SEEN_GIVEN_BACK: u16 = 32;
+pub const SEEN_ANSWER_LOST: u16 = 64;
+pub const SEEN_RENEWED: u16 = 128;
+pub const SEEN_TOMBSTONE: u16 = 256;
 
 /// The names of the `SEEN_*` flags, in bit order.
-pub const REACHED: [&str; 8] = [
+pub const REACHED: [&str; 9] = [
     "a replay",
     "a takeover executed again",
     "a settlement tried again landed",
@@ -59,10 +60,11 @@ pub const REACHED: [&str; 8] = [
     "an unanswered claim given back",
     "an answer lost after etcd applied its call",
     "a claim renewed while its owner waited for the upstream",
+    "a retry after the ttl answered by the tombstone",
 ];
 
 /// The names of the flags set in `seen`.
-pub fn reached(seen: u8) -> Vec<&'static str> {
+pub fn reached(seen: u16) -> Vec<&'static str> {
     REACHED.iter().enumerate().filter(|(i, _)| seen & (1 << i) != 0).map(|(_, name)| *name).collect()
 }
 
@@ -86,6 +88,9 @@ pub struct Fleet {
     pub horizon_ms: u64,
     pub lease_ms: u64,
     pub ttl_ms: u64,
+    /// The rule's `tombstone_ttl` (0: none): a record's tombstone stands this long after its
+    /// completion.
+    pub tombstone_ms: u64,
     /// Each Envoy's shard list, while the record's home moves from etcd 0 to etcd 1 (missing:
     /// `Old`, the one etcd every run without a change has).
     pub lists: Vec<List>,
@@ -268,7 +273,7 @@ pub struct FleetState {
     pub crashes_left: u8,
     /// What this path has shown (`SEEN_*`): the checker must reach each somewhere, or the
     /// model would check nothing there.
-    pub seen: u8,
+    pub seen: u16,
     /// The invariants broken on the way here (property name, what happened).
     pub violations: Vec<(&'static str, String)>,
 }
@@ -382,7 +387,7 @@ impl Fleet {
             quota: None,
             on_lease_end: on_lease_end(self.rule),
             label: None,
-            tombstone_ms: 0,
+            tombstone_ms: self.tombstone_ms,
         }
     }
 
@@ -667,6 +672,21 @@ impl Fleet {
                         state,
                         REPLAYS,
                         format!("{} answered without a body for scope {scope}, none stored", name(envoy)),
+                    );
+                }
+                Phase::Finished
+            }
+            Ok(Begin::Expired { status }) => {
+                state.seen |= SEEN_TOMBSTONE;
+                // Only an outcome leaves a tombstone, with its status.
+                if !stored.iter().any(|s| s.entry.is_completed() && s.entry.status == status) {
+                    Self::violate(
+                        state,
+                        REPLAYS,
+                        format!(
+                            "{} answered an expired result {status} for scope {scope}, none stored",
+                            name(envoy)
+                        ),
                     );
                 }
                 Phase::Finished

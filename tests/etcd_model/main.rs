@@ -59,6 +59,7 @@ fn pair(rule: UnknownOutcome, faults: u8, crashes: u8) -> Fleet {
         ttl_ms: 10_000,
         lists: Vec::new(),
         upstream_ticks: 0,
+        tombstone_ms: 0,
     }
 }
 
@@ -68,8 +69,14 @@ fn check(label: &str, fleet: Fleet, must_reach: &[usize]) {
     // Expiry by ttl is each Envoy's own clock's (docs/ETCD.md, "Clocks"), and not modelled: a
     // record must outlive the horizon by every clock, or a skewed clock's reuse of an expired
     // record would read as a replaced outcome.
+    // A rule that keeps tombstones may let its record expire within the horizon: its tombstone
+    // must outlive it instead (and stands for the record from its completion on).
     let max_skew = fleet.skews_ms.iter().max().copied().unwrap_or(0);
-    assert!(fleet.ttl_ms > fleet.horizon_ms + max_skew, "{label}: the ttl must outlive the horizon");
+    let kept = fleet.ttl_ms.max(fleet.tombstone_ms);
+    assert!(
+        kept > fleet.horizon_ms + max_skew,
+        "{label}: the ttl (or the tombstone) must outlive the horizon"
+    );
     let started = Instant::now();
     let explored = explore::explore(&fleet);
     let seconds = started.elapsed().as_secs_f64();
@@ -132,6 +139,21 @@ fn refuse_rule() {
 #[test]
 fn reconcile_rule() {
     check("reconcile", pair(UnknownOutcome::Reconcile, 0, 1), &[0, 3]);
+}
+
+/// Tombstones (C29): the record's ttl (2 s) ends within the horizon, its tombstone (30 s) does
+/// not. B, its clock 300 ms ahead, retries at any time: before the ttl it gets A's replay (or
+/// 409), after it the tombstone's 410, never a second execution; a completion may be tried
+/// again meanwhile (its tombstone is in its transaction).
+#[test]
+fn a_retry_after_the_ttl_meets_the_tombstone() {
+    let mut fleet = pair(UnknownOutcome::Takeover, 1, 0);
+    fleet.skews_ms = vec![0, 300];
+    fleet.begin_faults = false;
+    fleet.ttl_ms = 2_000;
+    fleet.tombstone_ms = 30_000;
+    fleet.horizon_ms = if deep() { 6_000 } else { 4_000 };
+    check("tombstones, a retry after the ttl", fleet, &[0, 8]);
 }
 
 #[test]

@@ -57,7 +57,8 @@ pub fn an_unknown_outcome_s_tombstone_answers_as_its_record_did<B: Backend>() {
     let w = through_ops(&b, 0);
     let c = claimed(w.begin(&keeping(1, 1, 11, 0)).unwrap());
     w.complete(&c, &Completion::outcome_unknown(3, TTL)).unwrap();
-    let marking = |n, owner, now| ClaimAttempt { on_lease_end: OnLeaseEnd::MarkUnknown, ..keeping(n, 1, owner, now) };
+    let marking =
+        |n, owner, now| ClaimAttempt { on_lease_end: OnLeaseEnd::MarkUnknown, ..keeping(n, 1, owner, now) };
     claimed(w.begin(&marking(2, 21, 0)).unwrap());
     b.let_claim_leases_end();
     assert_eq!(w.begin(&marking(2, 22, LEASE)).unwrap(), Begin::OutcomeUnknown);
@@ -95,9 +96,15 @@ pub fn an_operator_s_change_reaches_the_tombstone<B: Backend>() {
     }
     b.let_claim_leases_end();
     let now = LEASE + 1;
-    assert_eq!(admin.amend(&lookup(&admin, 1, now), &Amendment::Release { force: false }, now).unwrap(), Ok(()));
+    assert_eq!(
+        admin.amend(&lookup(&admin, 1, now), &Amendment::Release { force: false }, now).unwrap(),
+        Ok(())
+    );
     let answer = snapshot("settled by hand");
-    assert_eq!(admin.amend(&lookup(&admin, 2, now), &Amendment::Resolve(answer.clone()), now).unwrap(), Ok(()));
+    assert_eq!(
+        admin.amend(&lookup(&admin, 2, now), &Amendment::Resolve(answer.clone()), now).unwrap(),
+        Ok(())
+    );
     assert_eq!(w.begin(&keeping(2, 1, 21, now + 1)).unwrap(), Begin::Replay(answer));
     let after = 1 + TTL;
     assert!(matches!(w.begin(&keeping(1, 1, 12, after)).unwrap(), Begin::Claimed(_)));

@@ -204,7 +204,8 @@ impl EtcdConversation {
                 locator: UNANSWERED,
                 written: Some(*entry),
                 shard: 0,
-                old_home: None, tombstone_ms: a.tombstone_ms,
+                old_home: None,
+                tombstone_ms: a.tombstone_ms,
             }),
             _ => None,
         }
@@ -484,7 +485,12 @@ impl EtcdConversation {
             let mut guards = vec![(record.as_slice(), Guard::Absent)];
             if a.tombstone_ms > 0 {
                 guards.push((tomb.as_slice(), Guard::Absent));
-                existing.push(TxnOp::Range { key: tomb.clone(), range_end: None, limit: 0, keys_only: false });
+                existing.push(TxnOp::Range {
+                    key: tomb.clone(),
+                    range_end: None,
+                    limit: 0,
+                    keys_only: false,
+                });
             }
             let body = wire::txn_all(store.protocol(), &guards, &[], &existing);
             return Ok(Move::Call(body, Stage::Probe));
@@ -550,7 +556,13 @@ impl EtcdConversation {
                 return Ok(Move::Begun(t.answer(&a.fingerprint)));
             }
             let drop_tombstone = tomb.exists();
-            PendingClaim { guard, replaced: Some(e), won: Won::Claimed, tomb_guard: tomb.guard(), drop_tombstone }
+            PendingClaim {
+                guard,
+                replaced: Some(e),
+                won: Won::Claimed,
+                tomb_guard: tomb.guard(),
+                drop_tombstone,
+            }
         } else if e.fingerprint != a.fingerprint {
             return Ok(Move::Begun(Begin::Mismatch));
         } else if e.is_completed() {
@@ -573,7 +585,8 @@ impl EtcdConversation {
                     let (done, value) = outcome_record(e, &unknown);
                     let mut write =
                         Write::new(guard, Some((done, value)), store.index_keys(&e), Won::MarkedUnknown);
-                    write.tombstone = (a.tombstone_ms > 0).then(|| Tombstone::of(&done, a.now_ms, a.tombstone_ms));
+                    write.tombstone =
+                        (a.tombstone_ms > 0).then(|| Tombstone::of(&done, a.now_ms, a.tombstone_ms));
                     return self.plan(write, store, now_ms);
                 }
                 // The lease ended without an outcome: take the record over.
@@ -781,10 +794,20 @@ impl EtcdConversation {
             (StoreOp::Begin(a), Guard::Absent) => {
                 let mut read = vec![
                     TxnOp::Range { key: key.clone(), range_end: None, limit: 0, keys_only: false },
-                    TxnOp::Range { key: store.lease_key(&scope), range_end: None, limit: 0, keys_only: false },
+                    TxnOp::Range {
+                        key: store.lease_key(&scope),
+                        range_end: None,
+                        limit: 0,
+                        keys_only: false,
+                    },
                 ];
                 if a.tombstone_ms > 0 {
-                    read.push(TxnOp::Range { key: tomb_key.clone(), range_end: None, limit: 0, keys_only: false });
+                    read.push(TxnOp::Range {
+                        key: tomb_key.clone(),
+                        range_end: None,
+                        limit: 0,
+                        keys_only: false,
+                    });
                 }
                 read
             }
@@ -830,8 +853,15 @@ impl EtcdConversation {
                         return Ok(self.undo(store, entry, txn.revision, refusal));
                     }
                 }
-                let claim =
-                    Claim { scope: a.scope, owner: a.owner, locator, written, shard: 0, old_home: None, tombstone_ms: a.tombstone_ms };
+                let claim = Claim {
+                    scope: a.scope,
+                    owner: a.owner,
+                    locator,
+                    written,
+                    shard: 0,
+                    old_home: None,
+                    tombstone_ms: a.tombstone_ms,
+                };
                 Ok(Move::Begun(if won == Won::TookOver {
                     Begin::TookOver(claim)
                 } else {

@@ -145,8 +145,11 @@ impl EtcdConversation {
             match store.lease_for(w.tomb_window_end_ms, now_ms) {
                 Some(id) => w.tomb_lease = id,
                 None => {
-                    let ttl_s =
-                        w.tomb_window_end_ms.saturating_sub(now_ms).div_ceil(1_000).saturating_add(LEASE_SLACK_S);
+                    let ttl_s = w
+                        .tomb_window_end_ms
+                        .saturating_sub(now_ms)
+                        .div_ceil(1_000)
+                        .saturating_add(LEASE_SLACK_S);
                     return Ok(Move::Call(wire::lease_grant(store.protocol(), ttl_s), Stage::LeaseGrant));
                 }
             }

@@ -221,7 +221,8 @@ impl EtcdConversation {
             locator: view.locator,
             written: Some(written),
             shard: 0,
-            old_home: None, tombstone_ms: 0,
+            old_home: None,
+            tombstone_ms: 0,
         };
         let settlement = match change {
             Amendment::Release { .. } => StoreOp::Release(claim),

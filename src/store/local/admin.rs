@@ -200,7 +200,8 @@ impl<S: SharedData> LocalStore<S> {
                 locator: view.locator,
                 written: None,
                 shard: 0,
-                old_home: None, tombstone_ms: 0,
+                old_home: None,
+                tombstone_ms: 0,
             };
             return Ok(match self.complete(&claim, &done)? {
                 Settled::Done => Ok(()),

@@ -323,7 +323,8 @@ impl<S: SharedData> LocalStore<S> {
             locator: r.locator,
             written: None,
             shard: 0,
-            old_home: None, tombstone_ms: 0,
+            old_home: None,
+            tombstone_ms: 0,
         };
         let Some((bucket, position)) = self.locate(&claim) else { return Ok(Kept::Settled) };
         for _ in 0..CAS_ATTEMPTS {

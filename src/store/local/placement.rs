@@ -446,6 +446,7 @@ fn claim_for(bucket: u32, position: u8, a: &ClaimAttempt) -> Claim {
         locator: (u64::from(bucket) << 8) | u64::from(position),
         written: None,
         shard: 0,
-        old_home: None, tombstone_ms: a.tombstone_ms,
+        old_home: None,
+        tombstone_ms: a.tombstone_ms,
     }
 }

@@ -5,7 +5,8 @@
 
 use super::format::{self, Layout};
 use super::layout::{
-    bucket_key_in, fill_key_in, namespace_of, Namespace, quota_key_in, slot_key_in, FILL_SHARD_BUCKETS, LAYOUTS_KEY,
+    bucket_key_in, fill_key_in, namespace_of, quota_key_in, slot_key_in, Namespace, FILL_SHARD_BUCKETS,
+    LAYOUTS_KEY,
 };
 use super::quota::CHARGE_FLAGS;
 use super::{host, tombstones, LocalStore, ENTRIES_PER_BUCKET};
@@ -166,7 +167,10 @@ impl<S: SharedData> LocalStore<S> {
     fn housekeep(&self, now_ms: u64) -> Result<(), StoreError> {
         let layouts = self.beat(now_ms)?;
         let stale = |layouts: &[Layout], own: u32| {
-            layouts.iter().find(|l| l.buckets != own && now_ms >= l.beat_ms.saturating_add(RETIRE_AFTER_MS)).copied()
+            layouts
+                .iter()
+                .find(|l| l.buckets != own && now_ms >= l.beat_ms.saturating_add(RETIRE_AFTER_MS))
+                .copied()
         };
         if let Some(old) = stale(&layouts, self.layout_id()) {
             return self.retire_step(old, LAYOUTS_KEY);

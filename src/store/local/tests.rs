@@ -731,7 +731,12 @@ fn a_retired_namespace_is_emptied_while_a_live_one_is_left_alone() {
     assert!(data.value_bytes() < 200, "{} bytes left", data.value_bytes());
 }
 
-fn keeping_tombstones(capacity: u32, room: u32, seed: u8, data: &FakeSharedData) -> LocalStore<&FakeSharedData> {
+fn keeping_tombstones(
+    capacity: u32,
+    room: u32,
+    seed: u8,
+    data: &FakeSharedData,
+) -> LocalStore<&FakeSharedData> {
     LocalStore::open(data, capacity, [seed; 32], 0).unwrap().keeping_tombstones(room, 0).unwrap()
 }
 
@@ -748,8 +753,9 @@ fn a_store_full_of_tombstones_takes_every_new_key_and_the_oldest_tombstones_go_f
     }
     let after = 20 + TTL;
     assert!(after < TOMBSTONE);
-    let standing: Vec<u64> =
-        (0..20).filter(|n| w.begin(&keeping(*n, 1, 100 + n, after)).unwrap() == Begin::Expired { status: 201 }).collect();
+    let standing: Vec<u64> = (0..20)
+        .filter(|n| w.begin(&keeping(*n, 1, 100 + n, after)).unwrap() == Begin::Expired { status: 201 })
+        .collect();
     // The newest eight stand; the oldest were pushed out, and their keys were new again (the
     // begins above claimed them).
     assert_eq!(standing, (12..20).collect::<Vec<_>>());
@@ -768,8 +774,9 @@ fn a_tombstone_room_survives_a_reload_and_an_unused_one_is_retired() {
     let reloaded = keeping_tombstones(64, 128, 9, &data);
     assert_eq!(reloaded.begin(&keeping(1, 1, 12, 2 + TTL)).unwrap(), Begin::Expired { status: 201 });
     // A new room (`store.tombstones` changed): the old room, no longer beaten, is emptied.
-    let old_keys: Vec<String> =
-        (0..tombstones::buckets_for(128)).map(|b| tombstones::bucket_key_in(&tombstones::prefix_of(128), b)).collect();
+    let old_keys: Vec<String> = (0..tombstones::buckets_for(128))
+        .map(|b| tombstones::bucket_key_in(&tombstones::prefix_of(128), b))
+        .collect();
     assert!(old_keys.iter().any(|k| data.get(k).unwrap().value.is_some_and(|v| !v.is_empty())));
     let changed = keeping_tombstones(64, 256, 9, &data);
     let mut now = 0;

@@ -59,7 +59,6 @@ impl Room {
     pub(super) fn new(room: u32) -> Room {
         Room { room, prefix: prefix_of(room), buckets: buckets_for(room) }
     }
-
 }
 
 pub(super) fn encode_bucket(stones: &[Tombstone]) -> Vec<u8> {
@@ -127,7 +126,8 @@ impl<S: SharedData> LocalStore<S> {
         if !read.exists() {
             return Err(StoreError::Unavailable(format!("{data_key} was never created")));
         }
-        let stones = decode_bucket(read.bytes()).map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
+        let stones =
+            decode_bucket(read.bytes()).map_err(|e| StoreError::Corrupt(format!("{data_key}: {e}")))?;
         Ok((stones, read))
     }
 
@@ -222,7 +222,13 @@ impl<S: SharedData> LocalStore<S> {
 
     /// Empties a retired tombstone namespace's keys from `start` to `end`, and its `ready` key
     /// once `finished`.
-    pub(super) fn retire_tombstones(&self, prefix: &str, start: u32, end: u32, finished: bool) -> Result<(), StoreError> {
+    pub(super) fn retire_tombstones(
+        &self,
+        prefix: &str,
+        start: u32,
+        end: u32,
+        finished: bool,
+    ) -> Result<(), StoreError> {
         for b in start..end {
             self.empty(&bucket_key_in(&prefix, b))?;
         }

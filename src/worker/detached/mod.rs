@@ -254,8 +254,15 @@ mod tests {
         call_headers(&rule.path, rewrite, &EnvoyHeaders::default(), request)
     }
 
-    const CLAIM: Claim =
-        Claim { scope: ScopeId([1; 32]), owner: 7, locator: 3, written: None, shard: 0, old_home: None, tombstone_ms: 0 };
+    const CLAIM: Claim = Claim {
+        scope: ScopeId([1; 32]),
+        owner: 7,
+        locator: 3,
+        written: None,
+        shard: 0,
+        old_home: None,
+        tombstone_ms: 0,
+    };
 
     #[test]
     fn the_call_carries_the_clients_head_without_connection_headers() {

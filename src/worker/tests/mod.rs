@@ -212,7 +212,8 @@ impl Conversation for OneCall {
                 locator: 0,
                 written: None,
                 shard: 0,
-                old_home: None, tombstone_ms: 0,
+                old_home: None,
+                tombstone_ms: 0,
             }),
             _ => None,
         }
@@ -241,7 +242,8 @@ impl Conversation for OneCall {
                     // completion's retries (`flow::Retry`).
                     written: Some(a.processing_entry(0, 0, 0, 0)),
                     shard: 0,
-                    old_home: None, tombstone_ms: 0,
+                    old_home: None,
+                    tombstone_ms: 0,
                 }))))
             }
             StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),

@@ -174,7 +174,15 @@ mod tests {
     }
 
     fn claim(shard: u8, locator: u64) -> Claim {
-        Claim { scope: ScopeId([4; 32]), owner: 7, locator, written: None, shard, old_home: None, tombstone_ms: 0 }
+        Claim {
+            scope: ScopeId([4; 32]),
+            owner: 7,
+            locator,
+            written: None,
+            shard,
+            old_home: None,
+            tombstone_ms: 0,
+        }
     }
 
     fn begun(b: Begin) -> StoreAnswer {

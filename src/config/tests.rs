@@ -84,6 +84,30 @@ fn a_rule_s_key_source() {
     assert_eq!(only_rule(own).key, header(false, "x-key"));
 }
 
+/// `tombstone_ttl` and the local store's room for tombstones: by default the records' capacity
+/// times how much longer the longest tombstone stands than its rule's ttl (at most four times),
+/// or `store.tombstones` as given; none without a rule that keeps them.
+#[test]
+fn tombstones_and_their_room() {
+    let cases: &[(&str, &str, u64, u32)] = &[
+        ("", "", 0, 0),
+        (r#","tombstone_ttl":"48h""#, "", 172_800_000, 200_000),
+        (r#","ttl":"1h","tombstone_ttl":"150m""#, r#","capacity":1000"#, 9_000_000, 3_000),
+        (r#","ttl":"1s","processing_timeout":"1s","tombstone_ttl":"1d""#, r#","capacity":1000"#, 86_400_000, 4_000),
+        (r#","tombstone_ttl":"48h""#, r#","capacity":1000,"tombstones":50"#, 172_800_000, 50),
+    ];
+    for (rule, store, tombstone_ms, room) in cases {
+        let c = parse(
+            format!(r#"{{"store":{{"type":"local"{store}}},"routes":[{{"name":"a","match":{{"prefix":"/"}}{rule}}}]}}"#)
+                .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(c.rules[0].tombstone_ms, *tombstone_ms, "{rule}");
+        let StoreConfig::Local { tombstones, .. } = c.store else { unreachable!() };
+        assert_eq!(tombstones, *room, "{rule} {store}");
+    }
+}
+
 #[test]
 fn rejects_bad_configs_naming_the_field() {
     let long_header = format!(r#""key_header":"{}""#, "h".repeat(129));
@@ -175,6 +199,13 @@ fn rejects_bad_configs_naming_the_field() {
         ("key fingerprint lease past window", rule_json(r#""key":{"fingerprint":{"window":"5s"}},"processing_timeout":"10s""#), "routes[0].processing_timeout"),
         ("key json with reconcile", rule_json(r#""key":{"json":"/id"},"reconcile":{"path":"/p/{key}"}"#), "routes[0].reconcile"),
         ("key fingerprint with reconcile", rule_json(r#""key":{"fingerprint":{"window":"1m"}},"reconcile":{"path":"/p/{key}"}"#), "routes[0].reconcile"),
+        ("tombstone_ttl not longer than ttl", rule_json(r#""ttl":"1h","tombstone_ttl":"1h""#), "routes[0].tombstone_ttl"),
+        ("tombstone_ttl shorter than the default ttl", rule_json(r#""tombstone_ttl":"1h""#), "routes[0].tombstone_ttl"),
+        ("tombstone_ttl bad", rule_json(r#""tombstone_ttl":"2 days""#), "routes[0].tombstone_ttl"),
+        ("tombstone_ttl zero", rule_json(r#""tombstone_ttl":"0s""#), "routes[0].tombstone_ttl"),
+        ("tombstone_ttl with a fingerprint window", rule_json(r#""key":{"fingerprint":{"window":"1m"}},"tombstone_ttl":"1h""#), "routes[0].tombstone_ttl"),
+        ("store tombstones without a rule", r#"{"store":{"type":"local","tombstones":10},"routes":[{"name":"a","match":{"prefix":"/"}}]}"#.into(), "store.tombstones"),
+        ("store tombstones zero", r#"{"store":{"type":"local","tombstones":0},"routes":[{"name":"a","match":{"prefix":"/"},"tombstone_ttl":"48h"}]}"#.into(), "store.tombstones"),
         ("scope_host unknown", top(r#""scope_host":"host""#), "scope_host"),
         ("scope_host not a string", top(r#""scope_host":true"#), "scope_host"),
         // Envoy's bootstrap header_prefix, as Envoy holds it: a lowercase token.

@@ -15,7 +15,7 @@ use crate::store::OnLeaseEnd;
 /// A store ready for traffic, and what the start-up line says of it.
 pub struct Opened {
     pub store: Box<dyn Store>,
-    /// "local store: <capacity> records in <n> buckets (<n> keys created)" or "remote store on
+    /// "local store: <capacity> records in <n> buckets[, <n> tombstones] (<n> keys created)" or "remote store on
     /// cluster(s) <names>", after "configured <n> route rule(s); " in the worker's start-up line.
     pub described: String,
 }
@@ -46,8 +46,12 @@ pub fn open<S: SharedData + 'static>(
                 .and_then(|s| s.keeping_tombstones(*tombstones, now_ms))
                 .map_err(|e| format!("cannot prepare the local store: {e}"))?
                 .keeping_abandoned_claims(keep);
+            let room = match store.tombstone_room() {
+                0 => String::new(),
+                n => format!(", {n} tombstones"),
+            };
             let described = format!(
-                "local store: {} records in {} buckets ({} keys created)",
+                "local store: {} records in {} buckets{room} ({} keys created)",
                 store.capacity(),
                 store.buckets(),
                 store.keys_created()

@@ -17,7 +17,7 @@ const ROUTES: &str = r#"{"publish_outcome":true,"routes":[
 /// One POST to `path` with `headers` besides the pseudo-headers and `body`: what the filter
 /// did with it. `Some(status)`: answered locally; None: forwarded, and the upstream answered
 /// 201 with `answer`, which the filter saw through.
-fn send(
+pub(super) fn send(
     h: &FakeHost,
     root: &Root<FakeHost>,
     context: u32,
@@ -58,7 +58,7 @@ fn published(h: &FakeHost) -> Vec<String> {
 }
 
 /// The body of the reply the filter sent on `context` (kept by `send`).
-fn reply_body(h: &FakeHost, context: u32) -> String {
+pub(super) fn reply_body(h: &FakeHost, context: u32) -> String {
     let kept = h.0.properties.borrow().get(&format!("reply.{context}")).cloned().unwrap_or_default();
     String::from_utf8_lossy(&kept).into_owned()
 }

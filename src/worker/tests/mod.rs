@@ -14,6 +14,7 @@ mod etcd_auth;
 mod etcd_messages;
 mod flows;
 mod key_sources;
+mod tombstones;
 mod local;
 mod reconcile;
 mod remote;

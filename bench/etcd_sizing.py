@@ -39,13 +39,14 @@ def count(etcd: Etcd, prefix: str) -> int:
     return int(doc.get("count", 0))
 
 
-def measure(binary: str, records: int, body: int, quota: bool) -> dict:
+def measure(binary: str, records: int, body: int, quota: bool, tombstones: bool = False) -> dict:
     etcd = Etcd("sizing", durable=True).start()
     try:
         _, _, rev = in_use(etcd)
         settle(etcd, rev)
         empty, _, rev0 = in_use(etcd)
         args = [binary, "127.0.0.1:%d" % etcd.client_port, str(records), str(body)] + (["quota"] if quota else [])
+        args += ["tombstones"] if tombstones else []
         subprocess.run(args, check=True, capture_output=True, text=True)
         before, _, rev1 = in_use(etcd)
         leases = len(etcd.post("/v3/lease/leases", {}).get("leases", []))
@@ -69,7 +70,12 @@ def main() -> None:
     ap.add_argument("--binary", default="target/release/examples/etcd_sizing")
     ap.add_argument("--records", type=int, default=2000)
     ap.add_argument("--bodies", type=int, nargs="+", default=[0, 2048, 16384])
+    ap.add_argument("--tombstones", action="store_true",
+                    help="instead: each body with and without a tombstone per record (no quotas)")
     a = ap.parse_args()
+    if a.tombstones:
+        tombstones(a)
+        return
     print("| response body | quotas | live bytes per record | until compacted | keys | revisions | leases |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for body in a.bodies:
@@ -80,6 +86,21 @@ def main() -> None:
                 m["keys"], m["revisions"], m["leases"]), flush=True)
     print("(%d records per row, written through the filter's exchanges to one fresh etcd member each; "
           "bytes are etcd's dbSizeInUse, after compaction and defragmentation for the live column)" % a.records)
+
+
+def tombstones(a: argparse.Namespace) -> None:
+    """What a tombstone costs etcd: the same records with and without one each."""
+    print("| response body | live bytes per record | with its tombstone | the tombstone | keys | revisions |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for body in a.bodies:
+        plain = measure(a.binary, a.records, body, False)
+        kept = measure(a.binary, a.records, body, False, tombstones=True)
+        print("| %d B | %.0f | %.0f | %.0f (%.0f%%) | %.1f -> %.1f | %.1f -> %.1f |" % (
+            body, plain["live"], kept["live"], kept["live"] - plain["live"],
+            100 * (kept["live"] - plain["live"]) / plain["live"], plain["keys"], kept["keys"],
+            plain["revisions"], kept["revisions"]), flush=True)
+    print("(%d records per row, each on a fresh etcd member; etcd's dbSizeInUse after compaction and "
+          "defragmentation)" % a.records)
 
 
 if __name__ == "__main__":

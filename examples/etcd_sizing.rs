@@ -6,7 +6,7 @@
 //! charged to a tenant and a caller (their index keys). `bench/etcd_sizing.py` measures etcd's
 //! database around it.
 //!
-//!   cargo run --release --example etcd_sizing -- 127.0.0.1:2379 2000 2048 [quota]
+//!   cargo run --release --example etcd_sizing -- 127.0.0.1:2379 2000 2048 [quota] [tombstones]
 
 // A measuring tool: a failed step is the tool's failure.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -28,7 +28,9 @@ fn main() {
     let addr: SocketAddr = args.get(1).expect("etcd address").parse().expect("host:port");
     let records: u64 = args.get(2).map_or(1_000, |s| s.parse().expect("records"));
     let body: usize = args.get(3).map_or(2_048, |s| s.parse().expect("body bytes"));
-    let quota = args.get(4).is_some_and(|s| s == "quota");
+    let quota = args.iter().skip(4).any(|s| s == "quota");
+    // Each record leaves a tombstone (`routes[].tombstone_ttl`: 48 h against the 24 h ttl).
+    let tombstone_ms = if args.iter().skip(4).any(|s| s == "tombstones") { 2 * TTL_MS } else { 0 };
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
     let config = r#"{"store":{"type":"etcd","cluster":"etcd","prefix":"/idempotency/","timeout":"5s"},
         "routes":[{"name":"orders","match":{"prefix":"/"}}]}"#;
@@ -49,6 +51,7 @@ fn main() {
             lease_ms: LEASE_MS,
             ttl_ms: TTL_MS,
             label: Some(label_in(Some("tenant-0042"), &key)),
+            tombstone_ms,
             ..base
         };
         let claim = claimed(worker.begin(&attempt).unwrap());

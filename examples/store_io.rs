@@ -167,4 +167,53 @@ fn main() {
     println!(
         "{completed} completed records: {per_record:.0} bytes each beyond the snapshot's {SNAPSHOT_BYTES}"
     );
+    tombstones(capacity);
+}
+
+/// What a tombstone costs (`routes[].tombstone_ttl`): the same completions (a 1 KiB response
+/// each, as above) through a store that keeps a room of one tombstone per record of capacity and
+/// one that keeps none. The difference is the tombstones': value bytes and keys per tombstone,
+/// beside a record's; and what a new key and a completion copy more.
+fn tombstones(capacity: u32) {
+    let run = |room: u32| {
+        let data = FakeSharedData::new();
+        let store = LocalStore::open(&data, capacity, [7; 32], 0)
+            .and_then(|s| s.keeping_tombstones(room, 0))
+            .expect("store");
+        let tombstone_ms = if room > 0 { 2 * TTL } else { 0 };
+        let (mut claim_io, mut complete_io) = (Io::default(), Io::default());
+        for i in 0..u64::from(capacity) * 9 / 10 {
+            let before = data.io();
+            let c = match store.begin(&ClaimAttempt { tombstone_ms, ..attempt(i, i + 1) }).expect("begin") {
+                Begin::Claimed(c) => c,
+                other => panic!("{other:?}"),
+            };
+            let claimed = data.io();
+            store.complete(&c, &completion()).expect("complete");
+            claim_io = add(claim_io, claimed - before);
+            complete_io = add(complete_io, data.io() - claimed);
+        }
+        (data.key_count(), data.value_bytes(), claim_io, complete_io)
+    };
+    let (keys0, bytes0, claim0, complete0) = run(0);
+    let (keys1, bytes1, claim1, complete1) = run(capacity);
+    // Filled to 90%, where placement still takes every new key.
+    let n = (u64::from(capacity) * 9 / 10) as f64;
+    let per = |x: u64| x as f64 / n;
+    println!(
+        "tombstones: {:.1} bytes and {:.3} keys each, beside {:.0} bytes and {:.2} keys per completed record (its 1 KiB response included)",
+        (bytes1 - bytes0) as f64 / n,
+        (keys1 - keys0) as f64 / n,
+        bytes0 as f64 / n,
+        keys0 as f64 / n,
+    );
+    println!(
+        "a new key that keeps them: +{:.2} gets, +{:.0} bytes read; its completion: +{:.2} gets, +{:.2} sets, +{:.0} bytes read, +{:.0} written",
+        per(claim1.gets) - per(claim0.gets),
+        per(claim1.bytes_read) - per(claim0.bytes_read),
+        per(complete1.gets) - per(complete0.gets),
+        per(complete1.sets) - per(complete0.sets),
+        per(complete1.bytes_read) - per(complete0.bytes_read),
+        per(complete1.bytes_written) - per(complete0.bytes_written),
+    );
 }

@@ -97,6 +97,7 @@ OUTCOMES = (
     "key_from_header",
     "key_from_json",
     "key_from_fingerprint",
+    "result_expired",
 )
 PROBLEM_TYPE = "urn:idempotency-filter:%s"
 

@@ -93,7 +93,12 @@ fn tombstones_and_their_room() {
         ("", "", 0, 0),
         (r#","tombstone_ttl":"48h""#, "", 172_800_000, 200_000),
         (r#","ttl":"1h","tombstone_ttl":"150m""#, r#","capacity":1000"#, 9_000_000, 3_000),
-        (r#","ttl":"1s","processing_timeout":"1s","tombstone_ttl":"1d""#, r#","capacity":1000"#, 86_400_000, 4_000),
+        (
+            r#","ttl":"1s","processing_timeout":"1s","tombstone_ttl":"1d""#,
+            r#","capacity":1000"#,
+            86_400_000,
+            4_000,
+        ),
         (r#","tombstone_ttl":"48h""#, r#","capacity":1000,"tombstones":50"#, 172_800_000, 50),
     ];
     for (rule, store, tombstone_ms, room) in cases {

@@ -12,7 +12,7 @@ fn claim(owner: u64) -> Claim {
         written: None,
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     }
 }
 

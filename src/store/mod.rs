@@ -277,6 +277,12 @@ impl OnLeaseEnd {
 }
 
 impl ClaimAttempt {
+    /// `tombstone_ms` as its claim carries it: whole seconds, rounded up (a tombstone stands at
+    /// most a second longer than asked).
+    pub fn tombstone_s(&self) -> u32 {
+        u32::try_from(self.tombstone_ms.div_ceil(1_000)).unwrap_or(u32::MAX)
+    }
+
     /// The attempt a request makes once the upstream's lookup answered for an `Unsettled`
     /// record: it takes the lease-ended record over (to complete it with the lookup's answer,
     /// or to execute when the upstream never did), at a time of its own.
@@ -335,8 +341,17 @@ pub struct Claim {
     /// While the record's shard changes (`store.previous_shards`), the same claim on its old
     /// home: settled there too, so that Envoys still reading the old home see its outcome.
     pub old_home: Option<ShardClaim>,
-    /// Its attempt's `tombstone_ms`: the tombstone its completion leaves (0: none).
-    pub tombstone_ms: u64,
+    /// Its attempt's `tombstone_ms` in whole seconds, rounded up (`ClaimAttempt::tombstone_s`):
+    /// the tombstone its completion leaves (0: none). Seconds in 32 bits (136 years) keep a
+    /// claim, and so every store answer that carries one, within what the executor copies.
+    pub tombstone_s: u32,
+}
+
+impl Claim {
+    /// How long the tombstone its completion leaves stands (0: none).
+    pub fn tombstone_ms(&self) -> u64 {
+        u64::from(self.tombstone_s).saturating_mul(1_000)
+    }
 }
 
 impl Claim {

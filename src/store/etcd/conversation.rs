@@ -205,7 +205,7 @@ impl EtcdConversation {
                 written: Some(*entry),
                 shard: 0,
                 old_home: None,
-                tombstone_ms: a.tombstone_ms,
+                tombstone_s: a.tombstone_s(),
             }),
             _ => None,
         }
@@ -705,8 +705,8 @@ impl EtcdConversation {
             StoreOp::Complete { claim, completion } => {
                 let (done, value) = outcome_record(current, completion);
                 let mut write = Write::new(guard, Some((done, value)), stale_index, Won::Settled);
-                write.tombstone = (claim.tombstone_ms > 0)
-                    .then(|| Tombstone::of(&done, completion.now_ms, claim.tombstone_ms));
+                write.tombstone = (claim.tombstone_s > 0)
+                    .then(|| Tombstone::of(&done, completion.now_ms, claim.tombstone_ms()));
                 // An operator's resolve: the tombstone the record left, if any, says the status
                 // it now replays (its end kept), as it stood when read.
                 if let Some(read) = self.resolved_tombstone.take() {
@@ -860,7 +860,7 @@ impl EtcdConversation {
                     written,
                     shard: 0,
                     old_home: None,
-                    tombstone_ms: a.tombstone_ms,
+                    tombstone_s: a.tombstone_s(),
                 };
                 Ok(Move::Begun(if won == Won::TookOver {
                     Begin::TookOver(claim)

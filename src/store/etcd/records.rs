@@ -222,7 +222,7 @@ impl EtcdConversation {
             written: Some(written),
             shard: 0,
             old_home: None,
-            tombstone_ms: 0,
+            tombstone_s: 0,
         };
         let settlement = match change {
             Amendment::Release { .. } => StoreOp::Release(claim),

@@ -7,10 +7,9 @@
 //! transaction; a resolve reads it first and rewrites its status in the resolve's, guarded by
 //! its revision.
 
-use super::conversation::EtcdConversation;
 use super::stage::Move;
 use super::wire::{self, Guard};
-use super::{unusable, EtcdStore};
+use super::{unusable, EtcdConversation, EtcdStore};
 use crate::identity::scope::ScopeId;
 use crate::store::tombstone::Tombstone;
 use crate::store::StoreError;

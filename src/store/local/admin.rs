@@ -201,7 +201,7 @@ impl<S: SharedData> LocalStore<S> {
                 written: None,
                 shard: 0,
                 old_home: None,
-                tombstone_ms: 0,
+                tombstone_s: 0,
             };
             return Ok(match self.complete(&claim, &done)? {
                 Settled::Done => Ok(()),

@@ -271,7 +271,7 @@ impl<S: SharedData> LocalStore<S> {
                 (e, bytes)
             });
             if self.cas(&data_key, bytes, &slot)? {
-                self.bury_completed(entry, c.now_ms, claim.tombstone_ms);
+                self.bury_completed(entry, c.now_ms, claim.tombstone_ms());
                 let late = c.now_ms > entries[i].lease_deadline_ms;
                 if let Err(e) = self.promote(bucket, entry, (entries, bucket_read)) {
                     log::debug!(
@@ -324,7 +324,7 @@ impl<S: SharedData> LocalStore<S> {
             written: None,
             shard: 0,
             old_home: None,
-            tombstone_ms: 0,
+            tombstone_s: 0,
         };
         let Some((bucket, position)) = self.locate(&claim) else { return Ok(Kept::Settled) };
         for _ in 0..CAS_ATTEMPTS {

@@ -447,6 +447,6 @@ fn claim_for(bucket: u32, position: u8, a: &ClaimAttempt) -> Claim {
         written: None,
         shard: 0,
         old_home: None,
-        tombstone_ms: a.tombstone_ms,
+        tombstone_s: a.tombstone_s(),
     }
 }

@@ -230,7 +230,7 @@ impl<S: SharedData> LocalStore<S> {
         finished: bool,
     ) -> Result<(), StoreError> {
         for b in start..end {
-            self.empty(&bucket_key_in(&prefix, b))?;
+            self.empty(&bucket_key_in(prefix, b))?;
         }
         if finished {
             self.empty(&format!("{prefix}ready"))?;

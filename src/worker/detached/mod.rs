@@ -261,7 +261,7 @@ mod tests {
         written: None,
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     };
 
     #[test]

@@ -14,7 +14,6 @@ mod etcd_auth;
 mod etcd_messages;
 mod flows;
 mod key_sources;
-mod tombstones;
 mod local;
 mod reconcile;
 mod remote;
@@ -23,6 +22,7 @@ mod remote_wait;
 mod renewal;
 mod shadow;
 mod shards;
+mod tombstones;
 mod unknown_cluster;
 mod wait;
 
@@ -214,7 +214,7 @@ impl Conversation for OneCall {
                 written: None,
                 shard: 0,
                 old_home: None,
-                tombstone_ms: 0,
+                tombstone_s: 0,
             }),
             _ => None,
         }
@@ -244,7 +244,7 @@ impl Conversation for OneCall {
                     written: Some(a.processing_entry(0, 0, 0, 0)),
                     shard: 0,
                     old_home: None,
-                    tombstone_ms: 0,
+                    tombstone_s: 0,
                 }))))
             }
             StoreOp::Begin(_) => StoreAnswer::Begun(Err(error)),

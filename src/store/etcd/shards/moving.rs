@@ -181,7 +181,7 @@ mod tests {
             written: None,
             shard,
             old_home: None,
-            tombstone_ms: 0,
+            tombstone_s: 0,
         }
     }
 

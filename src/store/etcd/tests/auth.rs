@@ -57,7 +57,7 @@ fn an_invalid_token_is_replaced_once_and_the_call_sent_again() {
         written: None,
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     };
     let (answer, made) = run(
         &store,

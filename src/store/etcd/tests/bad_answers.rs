@@ -45,7 +45,7 @@ fn bad_answers_make_the_store_unavailable() {
         written: None,
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     };
     let (done, _) = run(
         &store(),
@@ -84,7 +84,7 @@ fn a_value_that_is_not_a_v2_record_is_corrupt_and_never_overwritten() {
             written: None,
             shard: 0,
             old_home: None,
-            tombstone_ms: 0,
+            tombstone_s: 0,
         };
         let (answer, made) =
             run(&store(), StoreOp::Release(claim), 0, vec![ok(range_answer(5, Some((&key, &stored, 4))))]);
@@ -132,7 +132,7 @@ fn a_driver_out_of_step_gets_an_error_not_a_panic() {
         written: None,
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     };
     let mut conversation = store.start(StoreOp::Release(claim));
     assert!(matches!(conversation.step(&store, None, 0), Next::Call(Request { .. })));

@@ -24,7 +24,7 @@ fn a_new_record_is_one_guarded_transaction_once_its_leases_are_granted() {
             written: wrote,
             shard: 0,
             old_home: None,
-            tombstone_ms: 0
+            tombstone_s: 0
         }))
     );
     assert_eq!(paths(&made), vec!["/v3/kv/txn", "/v3/lease/grant", "/v3/lease/grant", "/v3/kv/txn"]);
@@ -211,7 +211,7 @@ fn a_takeover_and_a_reuse_are_guarded_by_the_observed_revision() {
             written: wrote,
             shard: 0,
             old_home: None,
-            tombstone_ms: 0
+            tombstone_s: 0
         }))
     );
     assert!(

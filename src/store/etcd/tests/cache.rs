@@ -83,7 +83,7 @@ fn a_completion_this_worker_wrote_replays_without_a_call() {
         written: None,
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     };
     let completion = Completion {
         state: State::Succeeded,

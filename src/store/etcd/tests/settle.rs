@@ -20,7 +20,7 @@ fn complete_moves_the_record_and_its_index_to_the_ttl_lease() {
         written: None,
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     };
     let completion = Completion {
         state: State::Succeeded,
@@ -81,7 +81,7 @@ fn an_outcome_too_large_for_etcd_is_kept_without_its_body() {
         written: None,
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     };
     let huge = Snapshot { body: vec![b'x'; ETCD_MAX_REQUEST_BYTES as usize], ..snapshot() };
     let completion = Completion {
@@ -116,7 +116,7 @@ fn release_deletes_the_record_and_its_index_without_a_lease() {
         written: None,
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     };
     let (answer, made) = run(
         &store(),
@@ -145,7 +145,7 @@ fn a_completion_without_an_outcome_is_refused_before_any_call() {
         written: None,
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     };
     let completion = Completion { state: State::Processing, status: 0, snapshot: None, now_ms: 0, ttl_ms: 1 };
     let (answer, made) = run(&store(), StoreOp::Complete { claim, completion }, 0, vec![]);
@@ -170,7 +170,7 @@ fn a_stale_index_key_that_is_also_fresh_is_named_once() {
         written: None,
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     };
     let completion =
         Completion { state: State::Succeeded, status: 201, snapshot: None, now_ms: 500, ttl_ms: 500 };
@@ -199,7 +199,7 @@ fn a_completion_sent_again_after_its_write_landed_is_done_not_lost() {
         written: None,
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     };
     let completion =
         Completion { state: State::Succeeded, status: 201, snapshot: None, now_ms: 500, ttl_ms: 10_000 };
@@ -241,7 +241,7 @@ fn a_completion_in_one_transaction_whose_guard_fails_after_its_write_landed_is_d
         written: Some(processing(11, 0)),
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     };
     let completion =
         Completion { state: State::Succeeded, status: 201, snapshot: None, now_ms: 500, ttl_ms: 10_000 };

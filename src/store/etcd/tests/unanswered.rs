@@ -47,7 +47,7 @@ fn a_claim_whose_answer_never_came_is_given_back_by_its_owner() {
             written: Some(processing(11, 0)),
             shard: 0,
             old_home: None,
-            tombstone_ms: 0
+            tombstone_s: 0
         }
     );
 
@@ -135,7 +135,7 @@ fn only_a_sent_claim_without_an_answer_is_in_doubt() {
         written: Some(processing(11, 0)),
         shard: 0,
         old_home: None,
-        tombstone_ms: 0,
+        tombstone_s: 0,
     };
     let (conversation, _) = conversation_after(&store(), StoreOp::Release(claim), 0, vec![timed_out()]);
     assert_eq!(conversation.unanswered_claim(), None);

@@ -155,6 +155,14 @@ bench-fuel: build bench-before-wasm
 bench-size: build tools
 	$(VENV_PY) -m bench.module_size --wasm-opt "$(if $(WASM_OPT),$(WASM_OPT) $(WASM_OPT_FLAGS))" $(BENCH_SIZE_ARGS)
 
+# How long an Envoy takes to be ready with a local store of 1, 100,000 and 1,000,000 records
+# (bench/start.py): the store's keys are made at start. BENCH_BEFORE=<commit> times that module
+# too, in interleaved rounds; BENCH_ARGS passes its options (--capacities, --rounds).
+.PHONY: bench-start
+bench-start: build tools $(if $(BENCH_BEFORE),bench-before-wasm)
+	$(VENV_PY) -m bench.start --envoy $(ENVOY_BIN) --wasm $(DIST_WASM) \
+	  $(if $(BENCH_BEFORE),--before-wasm $(BENCH_BEFORE_WASM) --before-label $(BENCH_BEFORE)) $(BENCH_ARGS)
+
 # A replay's cost on the etcd store at 1 and 20,000 live records of its caller
 # (bench/etcd_replay_cost.py over examples/etcd_replay_cost.rs). BENCH_BEFORE=<commit> also
 # measures the store as it was at that commit (the example is copied into that tree).

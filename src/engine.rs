@@ -921,7 +921,7 @@ pub(crate) mod tests {
     impl World {
         pub(crate) fn new() -> World {
             let w = World { data: FakeSharedData::new() };
-            LocalStore::new(&w.data, 64).create_keys().unwrap();
+            LocalStore::new(&w.data, 64).create_keys(true).unwrap();
             w
         }
         pub(crate) fn store(&self) -> LocalStore<&FakeSharedData> {

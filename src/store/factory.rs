@@ -24,13 +24,15 @@ pub struct Opened {
 /// and `secret` its placement secret unless another worker's is there already), or etcd (one
 /// cluster, or shards). `lease_ends`: what every rule asks of a lease that ended without an
 /// outcome; an abandoned claim makes room for a new record only when each says take it over
-/// (`OnLeaseEnd::may_evict`). Err: the line that says why the configuration is refused.
+/// (`OnLeaseEnd::may_evict`). `quota`: whether the configuration counts quotas (a local store
+/// made without makes no quota keys). Err: the line that says why the configuration is refused.
 pub fn open<S: SharedData + 'static>(
     config: &StoreConfig,
     data: S,
     secret: [u8; 32],
     now_ms: u64,
     lease_ends: &[OnLeaseEnd],
+    quota: bool,
 ) -> Result<Opened, String> {
     let store: Box<dyn Store> = match config {
         StoreConfig::Etcd(settings) if settings.shards.len() > 1 || !settings.previous_shards.is_empty() => {
@@ -42,7 +44,7 @@ pub fn open<S: SharedData + 'static>(
         }
         StoreConfig::Local { capacity, tombstones } => {
             let keep = lease_ends.iter().any(|end| !end.may_evict());
-            let store = LocalStore::open(data, *capacity, secret, now_ms)
+            let store = LocalStore::open_for(data, *capacity, secret, now_ms, quota)
                 .and_then(|s| s.keeping_tombstones(*tombstones, now_ms))
                 .map_err(|e| format!("cannot prepare the local store: {e}"))?
                 .keeping_abandoned_claims(keep);
@@ -98,7 +100,8 @@ mod tests {
     #[test]
     fn each_configuration_opens_its_store_and_says_which() {
         let data: &'static FakeSharedData = Box::leak(Box::new(FakeSharedData::new()));
-        let local = open(&store_config(r#"{"type":"local","capacity":100}"#), data, [1; 32], 0, &[]).unwrap();
+        let local =
+            open(&store_config(r#"{"type":"local","capacity":100}"#), data, [1; 32], 0, &[], true).unwrap();
         assert!(local.store.remote().is_none());
         assert!(
             local.described.starts_with("local store: 100 records in 19 buckets (")
@@ -107,10 +110,11 @@ mod tests {
             local.described
         );
         let one =
-            open(&store_config(r#"{"type":"etcd","cluster":"etcd-main"}"#), data, [1; 32], 0, &[]).unwrap();
+            open(&store_config(r#"{"type":"etcd","cluster":"etcd-main"}"#), data, [1; 32], 0, &[], true)
+                .unwrap();
         assert_eq!(one.described, "remote store on cluster etcd-main");
         let shards = r#"{"type":"etcd","shards":[{"cluster":"etcd-a"},{"cluster":"etcd-b"}]}"#;
-        let two = open(&store_config(shards), data, [1; 32], 0, &[]).unwrap();
+        let two = open(&store_config(shards), data, [1; 32], 0, &[], true).unwrap();
         assert_eq!(two.described, "remote store on clusters etcd-a, etcd-b");
         assert_eq!(remotes(two.store.as_ref()).count(), 2);
     }
@@ -125,7 +129,7 @@ mod tests {
         ] {
             let data: &'static FakeSharedData = Box::leak(Box::new(FakeSharedData::new()));
             let config = store_config(r#"{"type":"local","capacity":1}"#);
-            let opened = open(&config, data, [1; 32], 0, lease_ends).unwrap();
+            let opened = open(&config, data, [1; 32], 0, lease_ends, true).unwrap();
             assert!(matches!(begin(opened.store.as_ref(), 1, 0), Begin::Claimed(_)));
             let next = begin(opened.store.as_ref(), 2, LEASE);
             assert_eq!(matches!(next, Begin::Claimed(_)), evicted, "{lease_ends:?}: {next:?}");

@@ -95,7 +95,8 @@ impl<H: Host> PluginState<H> {
                 // record: the store keeps them unless every rule takes such claims over anyway.
                 let lease_ends: Vec<_> =
                     config.rules.iter().map(|r| crate::engine::on_lease_end(r.unknown_outcome)).collect();
-                store::open(&config.store, host.clone(), fresh_secret, now_ms, &lease_ends)?
+                let quota = config.quota.per_tenant.is_some() || config.quota.per_principal.is_some();
+                store::open(&config.store, host.clone(), fresh_secret, now_ms, &lease_ends, quota)?
             }
         };
         log::info!("configured {} route rule(s); {described}", config.rules.len());

@@ -31,6 +31,14 @@ const POSITIONS_DEN: u64 = 2;
 /// count; with 16 buckets, 0.07%) and a claim writes one shard key, so no key is hot.
 pub(super) const FILL_SHARD_BUCKETS: u32 = 64;
 
+/// `key` made `prefix` then `rest`, reusing its allocation (a large store's start names millions).
+fn fill(key: &mut String, prefix: &str, rest: std::fmt::Arguments) {
+    use std::fmt::Write;
+    key.clear();
+    key.push_str(prefix);
+    let _ = key.write_fmt(rest);
+}
+
 pub(super) fn prefix_of(capacity: u32) -> String {
     format!("{NAMESPACE}{capacity}:")
 }
@@ -118,7 +126,15 @@ impl<S: SharedData> LocalStore<S> {
         format!("{}ready", self.prefix)
     }
 
-    pub(crate) fn create_keys(&self) -> Result<u32, StoreError> {
+    /// Set instead of `ready` once every key but the quota keys exists.
+    fn records_ready_key(&self) -> String {
+        format!("{}ready:records", self.prefix)
+    }
+
+    /// Creates the namespace's keys that a configuration counting quotas or not (`quota`)
+    /// needs, unless they exist: every key but the quota keys, then `ready:records`; and with
+    /// quotas the quota keys too, then `ready`.
+    pub(crate) fn create_keys(&self, quota: bool) -> Result<u32, StoreError> {
         let mut created = 0;
         let mut ensure = |data_key: &str| -> Result<(), StoreError> {
             if !self.data.get(data_key).map_err(host)?.exists() {
@@ -134,18 +150,48 @@ impl<S: SharedData> LocalStore<S> {
         if self.data.get(&self.ready_key()).map_err(host)?.exists() {
             return Ok(created);
         }
-        for b in 0..self.buckets {
-            ensure(&self.bucket_key(b))?;
-            for p in 0..ENTRIES_PER_BUCKET {
-                ensure(&self.slot_key(b, p))?;
+        let mut key = String::with_capacity(self.prefix.len() + 24);
+        if self.data.get(&self.records_ready_key()).map_err(host)?.exists() {
+            if !quota {
+                return Ok(created);
             }
-            ensure(&quota_key_in(&self.prefix, b))?;
+            // A namespace made without quotas, now used with them: its quota keys, each created
+            // only if missing (it is in use), then `ready`.
+            for b in 0..self.buckets {
+                fill(&mut key, &self.prefix, format_args!("q:{b}"));
+                ensure(&key)?;
+            }
+            self.data.set(&self.ready_key(), b"1", None).map_err(host)?;
+            return Ok(created);
+        }
+        // Neither: no root ever served this namespace (a root serves only once one is set, and
+        // retirement empties values, never a `ready`'s key), so none of its keys holds anything
+        // but the empty value a creation writes. Each is set empty without reading it first:
+        // one host call a key instead of two, which is most of a large store's start (Envoy's
+        // canary root on the main thread creates them before any worker configures).
+        let mut create = |key: &str| -> Result<(), StoreError> {
+            self.data.set(key, &[], None).map_err(host)?;
+            created += 1;
+            Ok(())
+        };
+        for b in 0..self.buckets {
+            fill(&mut key, &self.prefix, format_args!("b:{b}"));
+            create(&key)?;
+            for p in 0..ENTRIES_PER_BUCKET {
+                fill(&mut key, &self.prefix, format_args!("s:{b}:{p}"));
+                create(&key)?;
+            }
+            if quota {
+                fill(&mut key, &self.prefix, format_args!("q:{b}"));
+                create(&key)?;
+            }
         }
         for k in 0..self.shards() {
-            ensure(&self.fill_key(k))?;
+            create(&self.fill_key(k))?;
         }
-        ensure(&self.cursor_key())?;
-        self.data.set(&self.ready_key(), b"1", None).map_err(host)?;
+        create(&self.cursor_key())?;
+        let ready = if quota { self.ready_key() } else { self.records_ready_key() };
+        self.data.set(&ready, b"1", None).map_err(host)?;
         Ok(created)
     }
 

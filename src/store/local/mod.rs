@@ -7,7 +7,10 @@
 //! - `q:<j>`     quota key j: up to COUNTERS_PER_QUOTA_KEY live-record counters;
 //! - `f:<k>`     fill shard k: how many entries buckets 64k..64k+63 hold (format.rs, Fill v3);
 //! - `sweep`     the sweep cursor (a fill shard), so workers share the sweeping;
-//! - `ready`     set once every key above exists.
+//! - `ready`     set once every key above exists; `ready:records` instead, once every key but
+//!   the quota keys exists (a namespace made for a configuration without quotas). A build
+//!   before `ready:records` sees no `ready` there and creates what is missing, as for a
+//!   namespace it made itself.
 //!
 //! Two keys are global: `idem:v2:secret` (the 32-byte placement secret every worker shares) and
 //! `idem:layouts` (the registry of namespaces in use, with heartbeats).
@@ -129,8 +132,21 @@ impl<S: SharedData> LocalStore<S> {
     /// namespace in the layout registry. Call it where the main thread configures, before any
     /// worker serves; `fresh_secret` must be unpredictable to clients.
     pub fn open(data: S, capacity: u32, fresh_secret: [u8; 32], now_ms: u64) -> Result<Self, StoreError> {
+        Self::open_for(data, capacity, fresh_secret, now_ms, true)
+    }
+
+    /// `open`, for a configuration that counts quotas (`quota`) or not: without quotas a new
+    /// namespace is made without its quota keys (a tenth of its keys, and of its start), which
+    /// a later configuration with quotas adds (`create_keys`).
+    pub fn open_for(
+        data: S,
+        capacity: u32,
+        fresh_secret: [u8; 32],
+        now_ms: u64,
+        quota: bool,
+    ) -> Result<Self, StoreError> {
         let mut store = Self::unopened(data, capacity);
-        store.created = store.create_keys()?;
+        store.created = store.create_keys(quota)?;
         store.secret = store.load_secret(fresh_secret)?;
         store.beat(now_ms)?;
         Ok(store)

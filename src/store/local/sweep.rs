@@ -231,6 +231,7 @@ impl<S: SharedData> LocalStore<S> {
         if finished {
             self.empty(&format!("{prefix}sweep"))?;
             self.empty(&format!("{prefix}ready"))?;
+            self.empty(&format!("{prefix}ready:records"))?;
         }
         Ok(())
     }

@@ -542,7 +542,7 @@ fn placement_is_keyed_by_the_shared_secret() {
 fn a_secret_installed_by_a_racing_worker_is_the_one_used() {
     let data = FakeSharedData::new();
     let first = LocalStore::unopened(&data, 8);
-    first.create_keys().unwrap();
+    first.create_keys(true).unwrap();
     // Another worker installs its secret between our read and our CAS.
     let racing = Interleave::new(&data, "secret", 2, || {
         let r = data.get(SECRET_KEY).unwrap();
@@ -792,4 +792,31 @@ fn a_tombstone_room_survives_a_reload_and_an_unused_one_is_retired() {
     // The record registry never names a room.
     let layouts = format::decode_layouts(data.get(LAYOUTS_KEY).unwrap().bytes()).unwrap();
     assert_eq!(layouts.iter().map(|l| l.buckets).collect::<Vec<_>>(), vec![changed.layout_id()]);
+}
+
+#[test]
+fn a_namespace_made_without_quotas_has_no_quota_keys_until_a_configuration_counts_them() {
+    let data = FakeSharedData::new();
+    let plain = LocalStore::open_for(&data, 800, [1; 32], 0, false).unwrap();
+    let buckets = plain.buckets();
+    // Every key but the quota keys, each set once (no read first: the namespace was new).
+    let shards = buckets.div_ceil(layout::FILL_SHARD_BUCKETS);
+    assert_eq!(plain.keys_created(), 2 + buckets * (1 + u32::from(ENTRIES_PER_BUCKET)) + shards + 1);
+    assert!(!data.get(&quota_key_in(&plain.prefix, 0)).unwrap().exists());
+    let c = claimed(plain.begin(&attempt(1, 1, 11, 0)).unwrap());
+    plain.complete(&c, &done("kept", 1)).unwrap();
+    // A configuration with quotas on the same namespace adds them, and keeps the records.
+    let counted = LocalStore::open_for(&data, 800, [1; 32], 0, true).unwrap();
+    assert_eq!(counted.keys_created(), buckets);
+    assert!(data.get(&quota_key_in(&plain.prefix, buckets - 1)).unwrap().exists());
+    assert_eq!(counted.begin(&attempt(1, 1, 12, 2)).unwrap(), Begin::Replay(snapshot("kept")));
+    let quota = charged(2, 21, 2, 1, Some(1), (1, 1));
+    assert!(matches!(counted.begin(&quota).unwrap(), Begin::Claimed(_)));
+    assert!(matches!(
+        counted.begin(&charged(3, 31, 2, 1, Some(1), (1, 1))).unwrap(),
+        Begin::QuotaExceeded { .. }
+    ));
+    // Once whole, a namespace is never made again, with quotas or without.
+    assert_eq!(LocalStore::open_for(&data, 800, [1; 32], 0, false).unwrap().keys_created(), 0);
+    assert_eq!(LocalStore::open_for(&data, 800, [1; 32], 0, true).unwrap().keys_created(), 0);
 }

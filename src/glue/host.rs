@@ -386,6 +386,14 @@ fn define_counter(name: &str) -> Result<u32, HostError> {
     Ok(id)
 }
 
+fn define_gauge(name: &str) -> Result<u32, HostError> {
+    let mut id = 0u32;
+    // SAFETY: the host reads the borrowed name during the call only, and writes `id` (a live,
+    // aligned u32 on this frame) on success only.
+    check(unsafe { proxy_define_metric(METRIC_GAUGE, name.as_ptr(), name.len(), &mut id) })?;
+    Ok(id)
+}
+
 fn set_gauge(name: &str, value: u64) -> Result<(), HostError> {
     let mut id = 0u32;
     // SAFETY: the host reads the borrowed name during the call only, and writes `id` (a live,
@@ -546,6 +554,13 @@ impl Host for AbiHost {
     }
     fn set_gauge(&self, name: &str, value: u64) -> Result<(), HostError> {
         set_gauge(name, value)
+    }
+    fn define_gauge(&self, name: &str) -> Result<u32, HostError> {
+        define_gauge(name)
+    }
+    fn record_gauge(&self, id: u32, value: u64) -> Result<(), HostError> {
+        // SAFETY: plain integers; the host refuses an id it does not know.
+        check(unsafe { proxy_record_metric(id, value) })
     }
     fn dispatch_http_call(
         &self,

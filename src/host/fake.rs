@@ -96,6 +96,8 @@ pub struct Inner {
     metrics: RefCell<Vec<(String, i64)>>,
     /// Gauges by name, as last set.
     gauges: RefCell<Vec<(String, u64)>>,
+    /// Gauges `define_gauge` defined, by id.
+    gauge_ids: RefCell<Vec<String>>,
     /// `increment`s made (into the batch: what counting costs is in the flush).
     pub increments: Cell<u32>,
     batch: RefCell<super::MetricBatch>,
@@ -371,6 +373,23 @@ impl Host for FakeHost {
         let mut metrics = self.0.metrics.borrow_mut();
         metrics.push((name.to_string(), 0));
         Ok(metrics.len() as u32 - 1)
+    }
+    fn define_gauge(&self, name: &str) -> Result<u32, HostError> {
+        self.fails("define_gauge")?;
+        // Not tallied, as `define_counter`: both run once, at configure.
+        let mut defined = self.0.gauge_ids.borrow_mut();
+        defined.push(name.to_string());
+        Ok(defined.len() as u32 - 1)
+    }
+    fn record_gauge(&self, id: u32, value: u64) -> Result<(), HostError> {
+        self.note("record_metric", 0);
+        let name = self.0.gauge_ids.borrow().get(id as usize).cloned().ok_or(HostError(1))?;
+        let mut gauges = self.0.gauges.borrow_mut();
+        match gauges.iter_mut().find(|(n, _)| *n == name) {
+            Some((_, v)) => *v = value,
+            None => gauges.push((name, value)),
+        }
+        Ok(())
     }
     fn set_gauge(&self, name: &str, value: u64) -> Result<(), HostError> {
         self.fails("set_gauge")?;

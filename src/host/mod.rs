@@ -80,6 +80,11 @@ pub trait Host: SharedData + Clone + 'static {
     /// Defines the gauge `name` and sets it to `value` (two host calls): for a value set once,
     /// when a root starts (`build_info`), never per request.
     fn set_gauge(&self, name: &str, value: u64) -> Result<(), HostError>;
+    /// Defines the gauge `name` and answers its id, for a gauge set again and again
+    /// (`record_gauge`): define it once per VM, since every definition is an id of its own.
+    fn define_gauge(&self, name: &str) -> Result<u32, HostError>;
+    /// Sets a gauge `define_gauge` defined (one host call).
+    fn record_gauge(&self, id: u32, value: u64) -> Result<(), HostError>;
     /// Starts an HTTP callout on `cluster`; its answer comes to `on_http_call_response` of the
     /// context that dispatched it, with this token. Refused (BadArgument) when the cluster is
     /// unknown or a pseudo-header is missing. `timeout_ms` 0 would mean none: never pass it.

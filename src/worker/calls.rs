@@ -97,6 +97,13 @@ pub struct RootRenewal {
     pub renew: Renew,
 }
 
+/// A noted unsettled record looked up again (`unsettled`), carried as a conversation (a remote
+/// store); its answer goes back to the registry.
+pub struct RootRecheck {
+    pub conversation: Box<dyn Conversation>,
+    pub scope: ScopeId,
+}
+
 /// One store operation the root carries out on behalf of a stream.
 pub enum RootCall {
     /// Boxed: it carries the request's task.
@@ -111,6 +118,8 @@ pub enum RootCall {
     Lookup(Box<RootLookup>),
     /// Boxed: it carries its claims.
     Renew(Box<RootRenewal>),
+    /// Boxed: it carries the conversation.
+    Recheck(Box<RootRecheck>),
 }
 
 /// What a worker's root is doing with the remote store on behalf of its streams. The root
@@ -250,4 +259,10 @@ macro_rules! conversing {
     )*};
 }
 
-conversing!(RootAdmin => Admin, RootBegin => Begin, RootSettlement => Settle, RootRenewal => Renew);
+conversing!(
+    RootAdmin => Admin,
+    RootBegin => Begin,
+    RootSettlement => Settle,
+    RootRenewal => Renew,
+    RootRecheck => Recheck
+);

@@ -12,6 +12,7 @@ use super::flows::{FlowKey, RootHold};
 use super::plugin::PluginState;
 use super::reconcile::root::{dispatch_lookup, look_up_again_later, start_lease_end_lookup};
 use super::settle::{give_back, send_reply, settle_then_answer};
+use super::unsettled;
 use crate::engine::{HeaderFix, Reply};
 use crate::host::{Host, HostError, MAP_REQUEST_HEADERS, MAP_RESPONSE_HEADERS};
 use crate::store::seam::Started;
@@ -143,6 +144,15 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
     let flow = |f: &mut dyn FnMut(&mut RequestFlow)| plugin.flows.with(key, |flow| f(flow));
     match step {
         Step::Count(counter) => {
+            // An unknown outcome (the rare path): its record noted for the unsettled records gauge.
+            let unsettled = plugin.flows.with(key, |f| {
+                let rule = f.rule()?;
+                unsettled::standing_after(counter, rule.reconcile.is_some())?;
+                Some((*f.scope()?, rule.clone()))
+            });
+            if let Some((scope, rule)) = unsettled.flatten() {
+                unsettled::note::note_counted(plugin, counter, &rule, &scope);
+            }
             // A lease-end lookup's flow, or one whose stream went away: nothing to publish to.
             flow(&mut |f| match f.streamless() {
                 true => plugin.meter.count(counter, f.rule()),

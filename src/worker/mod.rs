@@ -16,6 +16,7 @@ pub mod audit;
 pub mod detached;
 pub mod flow;
 pub mod reconcile;
+pub mod unsettled;
 pub mod wait;
 
 mod begin;

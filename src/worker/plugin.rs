@@ -67,6 +67,10 @@ pub struct PluginState<H: Host> {
     pub lease_end_lookups: RefCell<Vec<DueLookup>>,
     /// The claims this worker's owners hold, renewed by the root while they are at work.
     pub renewals: RefCell<Renewals>,
+    /// Per rule, its unsettled records gauges (outcome unknown, processing), and when this
+    /// root looks at the registry again (`unsettled`).
+    pub unsettled_gauges: Vec<(u32, u32)>,
+    pub next_recheck_ms: Cell<u64>,
 }
 
 impl<H: Host> PluginState<H> {
@@ -113,6 +117,7 @@ impl<H: Host> PluginState<H> {
         if config.rules.iter().any(|r| r.reconcile.is_some()) {
             lookups.create_keys().map_err(|e| format!("cannot prepare the lookup gate: {e:?}"))?;
         }
+        let unsettled_gauges = super::unsettled::prepare(&host, &config.rules)?;
         let seed = random_u64(u64::from(context_id) ^ now_ms.rotate_left(32));
         let wakeups = Wakeups::open(host.clone(), seed)?;
         let room = RefCell::new(WaitRoom::new(config.max_waiters_per_key, config.max_waiters));
@@ -139,6 +144,8 @@ impl<H: Host> PluginState<H> {
             lookups,
             lease_end_lookups: RefCell::new(Vec::new()),
             renewals: RefCell::new(Renewals::default()),
+            unsettled_gauges,
+            next_recheck_ms: Cell::new(0),
         })
     }
 

@@ -12,6 +12,7 @@ use super::reconcile::root::{dispatch_lookup, lookup_answered, start_lease_end_l
 use super::remote;
 use super::renew::{converse_renewal, renew_due, renewed};
 use super::settle::{abandon, converse, finish_settlement, retry_settlements, Sent};
+use super::unsettled::root::{converse_recheck, recheck_due, recheck_failed};
 use super::wait::root::{recheck, tend_watch};
 use crate::host::{log_filter, Host, HostError, BUFFER_GRPC_RECEIVE};
 use crate::identity::scope::ScopeId;
@@ -166,6 +167,8 @@ impl<H: Host> Root<H> {
         // Claims whose owners are still at work, before their leases end.
         renew_due(&plugin, now_ms);
         start_lease_end_lookups(&plugin, now_ms);
+        // The unsettled records this Envoy noted, looked up again by one root every few seconds.
+        recheck_due(&plugin, now_ms);
         // Conversations waiting for a token: on, or over once its fetch is past its deadline.
         resume_parked(&plugin);
         let counted =
@@ -326,6 +329,8 @@ impl<H: Host> Root<H> {
             (RootCall::Admin(call), Err(error)) => admin_failed(&plugin, call, error),
             (RootCall::Renew(call), Ok(answer)) => converse_renewal(&plugin, call, Some(answer)),
             (RootCall::Renew(call), Err(error)) => renewed(&plugin, &call.renew, Err(error)),
+            (RootCall::Recheck(call), Ok(answer)) => converse_recheck(&plugin, call, Some(answer)),
+            (RootCall::Recheck(call), Err(error)) => recheck_failed(&call.scope, &error),
             (RootCall::Detached(_) | RootCall::Lookup(_), _) => {}
         }
         if plugin.store.take_woken() {
@@ -379,5 +384,6 @@ fn take_on<H: Host>(plugin: &PluginState<H>, call: RootCall) {
         RootCall::Detached(call) => dispatch_detached(plugin, call),
         RootCall::Lookup(call) => dispatch_lookup(plugin, call),
         RootCall::Renew(call) => converse_renewal(plugin, call, None),
+        RootCall::Recheck(call) => converse_recheck(plugin, call, None),
     }
 }

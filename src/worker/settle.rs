@@ -7,6 +7,7 @@ use super::calls::{Conversing, RootCall, RootSettlement};
 use super::flows::RootHold;
 use super::plugin::{CalloutOf, PluginState};
 use super::remote;
+use super::unsettled::note::note_counted;
 use crate::config::etcd::OnStoreError;
 use crate::engine::Reply;
 use crate::host::{Host, HostError};
@@ -75,6 +76,7 @@ fn settled_at_once<H: Host>(
         plugin.wakeups.broadcast(&scope);
     }
     plugin.meter.count(counter, Some(&settlement.rule));
+    note_counted(plugin, counter, &settlement.rule, &settlement.claim.scope);
 }
 
 /// Makes a store conversation's call. Envoy's refusal (an unknown cluster, a full queue) is the
@@ -211,7 +213,11 @@ pub(super) fn abandon<H: Host>(plugin: &PluginState<H>) {
             }
             // A lookup writes nothing: its record stays as it was, for the next retry's lookup. A
             // renewal left undone leaves its claims to end with their leases.
-            RootCall::Begin(_) | RootCall::Lookup(_) | RootCall::Admin(_) | RootCall::Renew(_) => {}
+            RootCall::Begin(_)
+            | RootCall::Lookup(_)
+            | RootCall::Admin(_)
+            | RootCall::Renew(_)
+            | RootCall::Recheck(_) => {}
         }
     }
     log::warn!(
@@ -275,6 +281,7 @@ pub(super) fn finish_settlement<H: Host>(
         plugin.wakeups.broadcast(&scope);
     }
     plugin.meter.count(counter, Some(&call.settlement.rule));
+    note_counted(plugin, counter, &call.settlement.rule, &call.settlement.claim.scope);
     // A held response's stream is still there: its access log can say how it ended.
     if call.holds_response && plugin.host.set_effective_context(call.settlement.context_id).is_ok() {
         plugin.meter.publish(counter, Some(&call.settlement.rule), Some(&call.settlement.claim.scope));

@@ -24,6 +24,7 @@ mod shadow;
 mod shards;
 mod tombstones;
 mod unknown_cluster;
+mod unsettled;
 mod wait;
 
 use super::http::Http;

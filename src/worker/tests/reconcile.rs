@@ -340,14 +340,16 @@ fn on_a_store_that_holds_a_claim_past_its_lease_the_roots_own_lookup_waits_for_i
     // Its lease ends at 11 s, but the store keeps the claim its owner's for one lease more (its
     // completion's retry window): the root asks at 23 s, not at 13 s, when its begin could only
     // have found the claim in flight.
-    let before = h.dispatches().len();
+    // (Its record is also looked up every few seconds for the unsettled records gauge: a
+    // look, not a begin.)
+    let begins = || ops.borrow().iter().filter(|op| matches!(op, StoreOp::Begin(_))).count();
+    let before = begins();
     for now in [13_000, 22_999] {
         h.0.now_ms.set(now);
         root.on_tick();
-        assert_eq!(h.dispatches().len(), before, "nothing at {now} ms");
+        assert_eq!(begins(), before, "nothing at {now} ms");
     }
     h.0.now_ms.set(23_000);
     root.on_tick();
-    assert_eq!(h.dispatches().len(), before + 1, "the lookup's begin at 23 s");
-    assert!(matches!(ops.borrow().last(), Some(StoreOp::Begin(_))));
+    assert_eq!(begins(), before + 1, "the lookup's begin at 23 s");
 }

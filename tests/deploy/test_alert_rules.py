@@ -33,6 +33,8 @@ EXPECTED = {
     "IdempotencyNewKeysFailingSlow": "store_error|store_full|detached_refused",
     "IdempotencyMetricsAbsent": "idempotency_build_info",
     "IdempotencyVersionSkew": "idempotency_build_info",
+    # The unsettled records gauge: while one stays unsettled, not a window after it appeared.
+    "IdempotencyUnsettledRecords": "idempotency_unsettled_records",
 }
 
 

@@ -8,7 +8,8 @@ demo's /stats/prometheus, as test_dashboard.py checks the dashboard's (idemkit.p
 charge whose route gives up while the upstream works (an unknown outcome: README step 6's first
 call) is scraped again, and the two scrapes are handed to Prometheus' own rule engine
 (`promtool test rules`) as series: IdempotencyOutcomeUnknown fires for route charges, with its
-summary, and no other alert fires. The rules' own unit tests are
+summary, and so does IdempotencyUnsettledRecords (its record waits in flight for the lookup:
+`processing`), and no other alert fires. The rules' own unit tests are
 deploy/prometheus/alerts-test.yaml (make alerts-test).
 
 Needs ports 8080, 10000 and 9901 free, as test_demo.py does, and promtool (`make promtool`)."""
@@ -99,14 +100,26 @@ def test_an_unknown_outcome_in_make_run_fires_its_alert_in_prometheus(envoy_bin,
 
     rules = {r["alert"]: r for r in _rules()}
     fired = rules["IdempotencyOutcomeUnknown"]
+    # The charges rule reconciles: its record waits in flight for the lookup, and the unsettled
+    # records gauge says so for as long as it does.
+    unsettled = rules["IdempotencyUnsettledRecords"]
     tests = [{
         "interval": "1m",
         "input_series": _series([before, after]),
         "alert_rule_test": [
             {"eval_time": "2m", "alertname": name, "exp_alerts": []} for name in rules
         ] + [
-            {"eval_time": "5m", "alertname": name, "exp_alerts": []} for name in rules if name != fired["alert"]
+            {"eval_time": "5m", "alertname": name, "exp_alerts": []}
+            for name in rules if name not in (fired["alert"], unsettled["alert"])
         ] + [{
+            "eval_time": "5m",
+            "alertname": unsettled["alert"],
+            "exp_alerts": [{
+                "exp_labels": dict(unsettled["labels"], route="charges", state="processing"),
+                "exp_annotations": dict(
+                    unsettled["annotations"], summary="Route charges: 1 record(s) processing for over a minute"),
+            }],
+        }] + [{
             "eval_time": "5m",
             "alertname": fired["alert"],
             "exp_alerts": [{

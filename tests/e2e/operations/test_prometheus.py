@@ -51,8 +51,8 @@ def test_first_call_replay_and_mismatch_are_separate_series_with_route_and_outco
     text = envoy.prometheus()
     assert "# TYPE idempotency_requests_total counter" in text
     assert "wasmcustom" not in text
-    # Every counter family ends in _total, and no family name carries an outcome; the one gauge
-    # says which module runs (test_build_info.py).
+    # Every counter family ends in _total, and no family name carries an outcome; the gauges say
+    # which module runs (test_build_info.py) and the unsettled records (test_unsettled.py).
     families = re.findall(r"^# TYPE (idempotency_\w+) (\w+)$", text, re.M)
     assert sorted(families) == [("idempotency_build_info", "gauge"),
                                 ("idempotency_claims_lost_total", "counter"),
@@ -61,7 +61,8 @@ def test_first_call_replay_and_mismatch_are_separate_series_with_route_and_outco
                                 ("idempotency_requests_total", "counter"),
                                 ("idempotency_store_watch_ended_total", "counter"),
                                 ("idempotency_unknown_cluster_calls_total", "counter"),
-                                ("idempotency_unmatched_requests_total", "counter")], families
+                                ("idempotency_unmatched_requests_total", "counter"),
+                                ("idempotency_unsettled_records", "gauge")], families
     after = labelled(text)
     for outcome in ("claimed", "replayed", "mismatch"):
         assert after[("orders", outcome)] == before.get(("orders", outcome), 0) + 1, outcome
@@ -77,7 +78,7 @@ def test_first_call_replay_and_mismatch_are_separate_series_with_route_and_outco
 
 def test_both_shipped_envoy_configs_and_the_operations_doc_carry_the_same_stats_tags():
     tags = shipped_stats_config(REPO_ROOT / "envoy" / "envoy.yaml")
-    assert [t["tag_name"] for t in tags["stats_tags"]] == ["route", "outcome", "version", "shard"]
+    assert [t["tag_name"] for t in tags["stats_tags"]] == ["route", "outcome", "state", "version", "shard"]
     assert shipped_stats_config(REPO_ROOT / "envoy" / "envoy-etcd.yaml") == tags
     # docs/OPERATIONS.md, Metrics: the block users copy into their bootstrap (it was in README.md
     # before the README moved its details to docs/).

@@ -254,21 +254,7 @@ pub fn a_renewal_never_outlives_the_record<B: Backend>() {
 pub fn an_operator_waits_for_a_request_that_may_still_be_at_work<B: Backend>() {
     let b = B::with_capacity(64);
     let (w, admin) = (through_ops(&b, 0), through_ops(&b, 1));
-    let look = |n: u64, now_ms: u64| {
-        let q = RecordQuery {
-            id: Some(crate::store::RecordId::Scope(scope(n))),
-            state: crate::store::StateFilter::All,
-            route: None,
-            key: None,
-            tenant: None,
-            host: None,
-            limit: 10,
-            cursor: None,
-            detail: false,
-            now_ms,
-        };
-        admin.records(&q).unwrap().views.remove(0)
-    };
+    let look = |n: u64, now_ms: u64| only(&admin, n, now_ms);
     let release = Amendment::Release { force: false };
     let unknown = claimed(w.begin(&attempt(1, 1, 11, 0)).unwrap());
     assert_eq!(w.complete(&unknown, &Completion::outcome_unknown(LEASE / 5, TTL)).unwrap(), Settled::Done);

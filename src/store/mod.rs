@@ -156,6 +156,22 @@ impl StateFilter {
 }
 
 impl RecordQuery {
+    /// A look at the one record of `scope` at `now_ms`, without its response: how it stands.
+    pub fn of_scope(scope: ScopeId, now_ms: u64) -> RecordQuery {
+        RecordQuery {
+            id: Some(RecordId::Scope(scope)),
+            state: StateFilter::All,
+            route: None,
+            key: None,
+            tenant: None,
+            host: None,
+            limit: 1,
+            cursor: None,
+            detail: false,
+            now_ms,
+        }
+    }
+
     /// The route, key, tenant and host filters, on a record's label (a record without one, or
     /// whose label does not name its scope, matches none). A tenant or host longer than a label
     /// keeps is compared as the label keeps it (`record::label_part`).

@@ -31,7 +31,8 @@ fn listed(w: &dyn RecordStore, now_ms: u64, state: StateFilter) -> Vec<RecordVie
     w.records(&query(now_ms, state)).unwrap().views
 }
 
-fn only(w: &dyn RecordStore, n: u64, now_ms: u64) -> RecordView {
+/// The one record of scope `n`, looked up by its scope id with its response, as an operator does.
+pub fn only(w: &dyn RecordStore, n: u64, now_ms: u64) -> RecordView {
     let q =
         RecordQuery { id: Some(RecordId::Scope(scope(n))), detail: true, ..query(now_ms, StateFilter::All) };
     let mut found = w.records(&q).unwrap().views;

@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use super::*;
-use crate::store::{Amendment, Begin, ClaimAttempt, OnLeaseEnd, RecordId, RecordQuery, StateFilter};
+use crate::store::{Amendment, Begin, ClaimAttempt, OnLeaseEnd};
 
 /// How long the suite's tombstones stand after their completion: three ttls.
 pub const TOMBSTONE: u64 = 3 * TTL;
@@ -13,24 +13,6 @@ pub const TOMBSTONE: u64 = 3 * TTL;
 /// An attempt of a rule that keeps tombstones.
 pub fn keeping(scope_n: u64, fp: u8, owner: u64, now_ms: u64) -> ClaimAttempt {
     ClaimAttempt { tombstone_ms: TOMBSTONE, ..attempt(scope_n, fp, owner, now_ms) }
-}
-
-fn lookup(w: &dyn RecordStore, n: u64, now_ms: u64) -> crate::store::RecordView {
-    let q = RecordQuery {
-        id: Some(RecordId::Scope(scope(n))),
-        state: StateFilter::All,
-        route: None,
-        key: None,
-        tenant: None,
-        host: None,
-        limit: 10,
-        cursor: None,
-        detail: true,
-        now_ms,
-    };
-    let mut found = w.records(&q).unwrap().views;
-    assert_eq!(found.len(), 1, "{found:?}");
-    found.remove(0)
 }
 
 /// After its ttl a completed record's retry gets its tombstone (the original status, on every
@@ -97,14 +79,11 @@ pub fn an_operator_s_change_reaches_the_tombstone<B: Backend>() {
     b.let_claim_leases_end();
     let now = LEASE + 1;
     assert_eq!(
-        admin.amend(&lookup(&admin, 1, now), &Amendment::Release { force: false }, now).unwrap(),
+        admin.amend(&only(&admin, 1, now), &Amendment::Release { force: false }, now).unwrap(),
         Ok(())
     );
     let answer = snapshot("settled by hand");
-    assert_eq!(
-        admin.amend(&lookup(&admin, 2, now), &Amendment::Resolve(answer.clone()), now).unwrap(),
-        Ok(())
-    );
+    assert_eq!(admin.amend(&only(&admin, 2, now), &Amendment::Resolve(answer.clone()), now).unwrap(), Ok(()));
     assert_eq!(w.begin(&keeping(2, 1, 21, now + 1)).unwrap(), Begin::Replay(answer));
     let after = 1 + TTL;
     assert!(matches!(w.begin(&keeping(1, 1, 12, after)).unwrap(), Begin::Claimed(_)));

@@ -117,6 +117,13 @@ impl EtcdStore {
     }
 }
 
+/// The grant of a lease for the window ending at `window_end_ms`: its TTL runs to the window's
+/// end plus `LEASE_SLACK_S`.
+fn grant_window(store: &EtcdStore, window_end_ms: u64, now_ms: u64) -> Move {
+    let ttl_s = window_end_ms.saturating_sub(now_ms).div_ceil(1_000).saturating_add(LEASE_SLACK_S);
+    Move::Call(wire::lease_grant(store.protocol(), ttl_s), Stage::LeaseGrant)
+}
+
 impl EtcdConversation {
     /// Finds the leases the write needs (its record's, for its expiry window; its tombstone's,
     /// for the window of its end; a claim's lease key's, for its processing lease), granting one
@@ -128,14 +135,7 @@ impl EtcdConversation {
                 w.window_end_ms = window_end(entry.expires_at_ms);
                 match store.lease_for(w.window_end_ms, now_ms) {
                     Some(id) => w.lease = id,
-                    None => {
-                        let ttl_s = w
-                            .window_end_ms
-                            .saturating_sub(now_ms)
-                            .div_ceil(1_000)
-                            .saturating_add(LEASE_SLACK_S);
-                        return Ok(Move::Call(wire::lease_grant(store.protocol(), ttl_s), Stage::LeaseGrant));
-                    }
+                    None => return Ok(grant_window(store, w.window_end_ms, now_ms)),
                 }
             }
         }
@@ -144,14 +144,7 @@ impl EtcdConversation {
             w.tomb_window_end_ms = window_end(t.until_ms);
             match store.lease_for(w.tomb_window_end_ms, now_ms) {
                 Some(id) => w.tomb_lease = id,
-                None => {
-                    let ttl_s = w
-                        .tomb_window_end_ms
-                        .saturating_sub(now_ms)
-                        .div_ceil(1_000)
-                        .saturating_add(LEASE_SLACK_S);
-                    return Ok(Move::Call(wire::lease_grant(store.protocol(), ttl_s), Stage::LeaseGrant));
-                }
+                None => return Ok(grant_window(store, w.tomb_window_end_ms, now_ms)),
             }
         }
         if let (Some(lease_ms), 0) = (w.claim_lease_ms, w.claim_lease) {

@@ -19,7 +19,7 @@ use crate::splitmix::splitmix64;
 use crate::store::remote::{Answer, Conversation, Next, RemoteSettings, Request};
 use crate::store::seam::{Started, Store, Watch};
 use crate::store::{
-    Amendment, Begin, Claim, RecordId, RecordPage, RecordQuery, StateFilter, StoreAnswer, StoreError, StoreOp,
+    Amendment, Begin, Claim, RecordId, RecordPage, RecordQuery, StoreAnswer, StoreError, StoreOp,
 };
 
 pub mod moving;
@@ -356,19 +356,7 @@ impl AmendBoth {
                 self.first = Some(done);
                 self.stage = AmendStage::Look;
                 let StoreOp::Amend { view, .. } = &self.op else { return None };
-                let look = RecordQuery {
-                    id: Some(RecordId::Scope(view.scope)),
-                    state: StateFilter::All,
-                    route: None,
-                    key: None,
-                    tenant: None,
-                    host: None,
-                    limit: 1,
-                    cursor: None,
-                    detail: false,
-                    now_ms,
-                };
-                Some((self.other, StoreOp::Records(look)))
+                Some((self.other, StoreOp::Records(RecordQuery::of_scope(view.scope, now_ms))))
             }
             AmendStage::Look => {
                 self.stage = AmendStage::Other;

@@ -7,7 +7,7 @@ use crate::host::Host;
 use crate::identity::scope::ScopeId;
 use crate::store::remote::Answer;
 use crate::store::seam::Started;
-use crate::store::{RecordId, RecordQuery, StateFilter, StoreAnswer, StoreError, StoreOp};
+use crate::store::{RecordQuery, StoreAnswer, StoreError, StoreOp};
 use crate::worker::calls::RootRecheck;
 use crate::worker::plugin::PluginState;
 use crate::worker::settle::{step, Stepped};
@@ -40,19 +40,7 @@ pub(in crate::worker) fn recheck_due<H: Host>(plugin: &PluginState<H>, now_ms: u
     }
     set_gauges(plugin, &registry);
     for noted in registry.noted {
-        let query = RecordQuery {
-            id: Some(RecordId::Scope(noted.scope)),
-            state: StateFilter::All,
-            route: None,
-            key: None,
-            tenant: None,
-            host: None,
-            limit: 1,
-            cursor: None,
-            detail: false,
-            now_ms,
-        };
-        match plugin.start(StoreOp::Records(query)) {
+        match plugin.start(StoreOp::Records(RecordQuery::of_scope(noted.scope, now_ms))) {
             Started::Answered(answer) => looked_up(plugin, &noted.scope, answer),
             Started::Conversation(conversation) => {
                 converse_recheck(plugin, Box::new(RootRecheck { conversation, scope: noted.scope }), None)

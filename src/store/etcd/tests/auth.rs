@@ -50,15 +50,7 @@ fn auth_authenticates_first_and_caches_the_token() {
 fn an_invalid_token_is_replaced_once_and_the_call_sent_again() {
     let store = with_auth();
     *store.token.borrow_mut() = Some("expired.1".into());
-    let claim = Claim {
-        scope: scope(1),
-        owner: 11,
-        locator: 4,
-        written: None,
-        shard: 0,
-        old_home: None,
-        tombstone_s: 0,
-    };
+    let claim = claim_at_4();
     let (answer, made) = run(
         &store,
         StoreOp::Release(claim),

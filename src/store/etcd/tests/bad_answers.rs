@@ -38,15 +38,7 @@ fn bad_answers_make_the_store_unavailable() {
         assert!(matches!(begun(done), Err(StoreError::Unavailable(_))), "{name}");
     }
     // A failed write's answer is as unusable as a failed read's.
-    let claim = Claim {
-        scope: scope(1),
-        owner: 11,
-        locator: 4,
-        written: None,
-        shard: 0,
-        old_home: None,
-        tombstone_s: 0,
-    };
+    let claim = claim_at_4();
     let (done, _) = run(
         &store(),
         StoreOp::Release(claim),
@@ -77,15 +69,7 @@ fn a_value_that_is_not_a_v2_record_is_corrupt_and_never_overwritten() {
         );
         assert!(matches!(begun(answer), Err(StoreError::Corrupt(_))), "{stored:?}");
         assert_eq!(made.len(), 1, "nothing is written over it");
-        let claim = Claim {
-            scope: scope(1),
-            owner: 11,
-            locator: 4,
-            written: None,
-            shard: 0,
-            old_home: None,
-            tombstone_s: 0,
-        };
+        let claim = claim_at_4();
         let (answer, made) =
             run(&store(), StoreOp::Release(claim), 0, vec![ok(range_answer(5, Some((&key, &stored, 4))))]);
         assert!(matches!(settled(answer), Err(StoreError::Corrupt(_)) | Ok(Settled::Lost)), "{stored:?}");
@@ -125,15 +109,7 @@ fn a_driver_out_of_step_gets_an_error_not_a_panic() {
     );
     assert!(matches!(early, Next::Done(StoreAnswer::Begun(Err(StoreError::Unavailable(_))))));
     // No answer to a call that was made.
-    let claim = Claim {
-        scope: scope(1),
-        owner: 11,
-        locator: 4,
-        written: None,
-        shard: 0,
-        old_home: None,
-        tombstone_s: 0,
-    };
+    let claim = claim_at_4();
     let mut conversation = store.start(StoreOp::Release(claim));
     assert!(matches!(conversation.step(&store, None, 0), Next::Call(Request { .. })));
     let missing = conversation.step(&store, None, 0);

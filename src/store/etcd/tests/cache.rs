@@ -76,15 +76,7 @@ fn claims_are_never_answered_from_the_replay_cache() {
 fn a_completion_this_worker_wrote_replays_without_a_call() {
     let key = record_key();
     let store = cached_store();
-    let claim = Claim {
-        scope: scope(1),
-        owner: 11,
-        locator: 4,
-        written: None,
-        shard: 0,
-        old_home: None,
-        tombstone_s: 0,
-    };
+    let claim = claim_at_4();
     let completion = Completion {
         state: State::Succeeded,
         status: 201,

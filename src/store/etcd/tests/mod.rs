@@ -197,6 +197,11 @@ fn paths(made: &[Made]) -> Vec<&'static str> {
     made.iter().map(|m| m.path).collect()
 }
 
+/// The claim of scope 1 by owner 11 at revision 4 (the record not carried: read first).
+fn claim_at_4() -> Claim {
+    Claim { scope: scope(1), owner: 11, locator: 4, written: None, shard: 0, old_home: None, tombstone_s: 0 }
+}
+
 fn scope(n: u8) -> ScopeId {
     ScopeId([n; 32])
 }

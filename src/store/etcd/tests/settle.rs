@@ -13,15 +13,7 @@ fn complete_moves_the_record_and_its_index_to_the_ttl_lease() {
         principal_tag: 0xAB,
         ..processing(11, 0)
     };
-    let claim = Claim {
-        scope: scope(1),
-        owner: 11,
-        locator: 4,
-        written: None,
-        shard: 0,
-        old_home: None,
-        tombstone_s: 0,
-    };
+    let claim = claim_at_4();
     let completion = Completion {
         state: State::Succeeded,
         status: 201,
@@ -74,15 +66,7 @@ fn complete_moves_the_record_and_its_index_to_the_ttl_lease() {
 #[test]
 fn an_outcome_too_large_for_etcd_is_kept_without_its_body() {
     let key = record_key();
-    let claim = Claim {
-        scope: scope(1),
-        owner: 11,
-        locator: 4,
-        written: None,
-        shard: 0,
-        old_home: None,
-        tombstone_s: 0,
-    };
+    let claim = claim_at_4();
     let huge = Snapshot { body: vec![b'x'; ETCD_MAX_REQUEST_BYTES as usize], ..snapshot() };
     let completion = Completion {
         state: State::Succeeded,
@@ -109,15 +93,7 @@ fn an_outcome_too_large_for_etcd_is_kept_without_its_body() {
 #[test]
 fn release_deletes_the_record_and_its_index_without_a_lease() {
     let key = record_key();
-    let claim = Claim {
-        scope: scope(1),
-        owner: 11,
-        locator: 4,
-        written: None,
-        shard: 0,
-        old_home: None,
-        tombstone_s: 0,
-    };
+    let claim = claim_at_4();
     let (answer, made) = run(
         &store(),
         StoreOp::Release(claim),
@@ -138,15 +114,7 @@ fn release_deletes_the_record_and_its_index_without_a_lease() {
 
 #[test]
 fn a_completion_without_an_outcome_is_refused_before_any_call() {
-    let claim = Claim {
-        scope: scope(1),
-        owner: 11,
-        locator: 4,
-        written: None,
-        shard: 0,
-        old_home: None,
-        tombstone_s: 0,
-    };
+    let claim = claim_at_4();
     let completion = Completion { state: State::Processing, status: 0, snapshot: None, now_ms: 0, ttl_ms: 1 };
     let (answer, made) = run(&store(), StoreOp::Complete { claim, completion }, 0, vec![]);
     assert!(matches!(settled(answer), Err(StoreError::Corrupt(_))));
@@ -163,15 +131,7 @@ fn a_stale_index_key_that_is_also_fresh_is_named_once() {
         principal_tag: 0xAB,
         ..processing(11, 0)
     };
-    let claim = Claim {
-        scope: scope(1),
-        owner: 11,
-        locator: 4,
-        written: None,
-        shard: 0,
-        old_home: None,
-        tombstone_s: 0,
-    };
+    let claim = claim_at_4();
     let completion =
         Completion { state: State::Succeeded, status: 201, snapshot: None, now_ms: 500, ttl_ms: 500 };
     let (answer, made) = run(
@@ -192,15 +152,7 @@ fn a_completion_sent_again_after_its_write_landed_is_done_not_lost() {
     // out): the worker starts the completion again. The record now holds this claim's outcome
     // under a newer revision; that is this completion done, not a lost claim.
     let key = record_key();
-    let claim = Claim {
-        scope: scope(1),
-        owner: 11,
-        locator: 4,
-        written: None,
-        shard: 0,
-        old_home: None,
-        tombstone_s: 0,
-    };
+    let claim = claim_at_4();
     let completion =
         Completion { state: State::Succeeded, status: 201, snapshot: None, now_ms: 500, ttl_ms: 10_000 };
     let ours = value(completed(500, None), None);

@@ -144,14 +144,14 @@ fn advance<H: Host>(plugin: &PluginState<H>, run: &mut Run, step: Step) {
     let flow = |f: &mut dyn FnMut(&mut RequestFlow)| plugin.flows.with(key, |flow| f(flow));
     match step {
         Step::Count(counter) => {
-            // An unknown outcome (the rare path): its record noted for the unsettled records gauge.
-            let unsettled = plugin.flows.with(key, |f| {
-                let rule = f.rule()?;
-                unsettled::standing_after(counter, rule.reconcile.is_some())?;
-                Some((*f.scope()?, rule.clone()))
-            });
-            if let Some((scope, rule)) = unsettled.flatten() {
-                unsettled::note::note_counted(plugin, counter, &rule, &scope);
+            // An unknown outcome (the rare path): its record noted for the unsettled records
+            // gauge. Told by the counter alone first, so every other count (a claim, a replay,
+            // a stored answer) skips the flow table.
+            if unsettled::standing_after(counter, false).is_some() {
+                let unsettled = plugin.flows.with(key, |f| Some((*f.scope()?, f.rule()?.clone())));
+                if let Some((scope, rule)) = unsettled.flatten() {
+                    unsettled::note::note_counted(plugin, counter, &rule, &scope);
+                }
             }
             // A lease-end lookup's flow, or one whose stream went away: nothing to publish to.
             flow(&mut |f| match f.streamless() {

@@ -162,8 +162,10 @@ promtool:
 nightly:
 	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
 
+# The module says which sources it was built from (idempotency_build_info{revision}): the commit
+# that last changed them, as deploy/oci/revision.py finds it, or `unknown` (src/build_info.rs).
 build: wasm-target
-	$(CARGO) build --release --target $(WASM_TARGET)
+	IDEMPOTENCY_REVISION=$$($(PYTHON) deploy/oci/revision.py) $(CARGO) build --release --target $(WASM_TARGET)
 	@mkdir -p dist
 	@if [ -n "$(WASM_OPT)" ]; then \
 	  echo "$(WASM_OPT) $(WASM_OPT_FLAGS) $(WASM_OUT) -o $(DIST_WASM)"; \
@@ -214,9 +216,11 @@ sbom: build
 # istio/*/*.yaml; make pin-check (and tests/deploy/test_oci.py) fail while it is stale.
 .PHONY: pin pin-check
 pin: oci
+	$(PYTHON) deploy/oci/revision.py --record
 	$(PYTHON) deploy/oci/pin.py --layout $(OCI_DIR)
 
 pin-check: oci
+	$(PYTHON) deploy/oci/revision.py --check
 	$(PYTHON) deploy/oci/pin.py --layout $(OCI_DIR) --check
 
 # ---- demo ----------------------------------------------------------------------------------

@@ -11,6 +11,23 @@ Imported from the repository root: pytest finds it through `pythonpath` in tests
 the bench and the demo run as modules from the root (`python -m bench.run`, `python -m demo.run`).
 """
 
+import importlib.util
+import tomllib
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def module_version() -> str:
+    """The crate's version (Cargo.toml), which the module reports in idempotency_build_info."""
+    with open(REPO_ROOT / "Cargo.toml", "rb") as f:
+        return tomllib.load(f)["package"]["version"]
+
+
+def module_revision() -> str:
+    """The source revision `make build` gave the module of this checkout (deploy/oci/revision.py):
+    12 hex digits, or `unknown`."""
+    spec = importlib.util.spec_from_file_location("oci_revision", REPO_ROOT / "deploy" / "oci" / "revision.py")
+    revision = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(revision)
+    return revision.revision()

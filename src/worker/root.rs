@@ -69,14 +69,15 @@ impl<H: Host> Root<H> {
     /// Envoy started this root (once per root context: the canary, the main thread, each
     /// worker, and again for a configuration update). Says which module this is, off any
     /// request's path: the build-info gauge, and a log line from the first root of this Envoy
-    /// to start this version (`build_info`). Never refuses.
+    /// to start this build (`build_info`). Never refuses.
     pub fn on_vm_start(&mut self) -> bool {
         log::set_max_level(log_filter(self.host.log_level()));
         if log::Level::Info <= log::max_level() && crate::build_info::first_to_announce(&self.host) {
-            log::info!("{}", crate::build_info::START_LINE);
+            log::info!("{}", crate::build_info::start_line());
         }
-        if let Err(HostError(s)) = self.host.set_gauge(crate::build_info::GAUGE, 1) {
-            log::warn!("cannot set metric {} (host status {s})", crate::build_info::GAUGE);
+        let gauge = crate::build_info::gauge();
+        if let Err(HostError(s)) = self.host.set_gauge(&gauge, 1) {
+            log::warn!("cannot set metric {gauge} (host status {s})");
         }
         true
     }

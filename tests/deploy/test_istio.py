@@ -26,7 +26,7 @@ import pytest
 
 import istio_bootstrap
 from conftest import envoy_validate
-from idemkit import REPO_ROOT, bootstrap
+from idemkit import REPO_ROOT, bootstrap, module_revision
 from idemkit.client import request
 from idemkit.envoy import Envoy
 from idemkit.etcd import Etcd
@@ -444,13 +444,15 @@ def test_on_istios_stats_config_the_override_gives_the_labels(envoy_bin, filter_
                     assert "idempotency_route_orders_requests_total_replayed{} 1" in lines, lines
                     assert "idempotency_route_payments_v2_requests_total_claimed{} 1" in lines, lines
                     assert not any(line.startswith("idempotency_requests_total") for line in lines)
-                    # The version in the name, dots made underscores.
-                    assert "idempotency_build_info_version_%s{} 1" % re.sub(r"[^A-Za-z0-9]", "_", crate_version()) in lines, lines
+                    # The version and the revision in the name, dots made underscores.
+                    assert "idempotency_build_info_version_%s_revision_%s{} 1" % (
+                        re.sub(r"[^A-Za-z0-9]", "_", crate_version()), module_revision()) in lines, lines
                     assert not any(line.startswith("idempotency_build_info{") for line in lines)
                 else:
                     assert 'idempotency_requests_total{route="orders",outcome="replayed"} 1' in lines, lines
                     assert 'idempotency_requests_total{route="payments.v2",outcome="claimed"} 1' in lines, lines
-                    assert 'idempotency_build_info{version="%s"} 1' % crate_version() in lines, lines
+                    assert 'idempotency_build_info{version="%s",revision="%s"} 1' % (
+                        crate_version(), module_revision()) in lines, lines
                     assert "# TYPE idempotency_build_info gauge" in text
                     families = set(re.findall(r"^# TYPE (idempotency_\w+) counter$", text, re.M))
                     assert families == {"idempotency_requests_total", "idempotency_unmatched_requests_total",

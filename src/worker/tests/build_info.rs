@@ -4,7 +4,7 @@
 //! stop the root.
 
 use super::{capture_logs, executed, host, logged, root};
-use crate::build_info::{ANNOUNCED_KEY, GAUGE, START_LINE, VERSION};
+use crate::build_info::{gauge, start_line, ANNOUNCED_KEY, REVISION, VERSION};
 use crate::store::shared_data::SharedData;
 use crate::worker::root::Root;
 
@@ -16,7 +16,8 @@ fn calls(tally: &std::collections::BTreeMap<&'static str, (u64, u64)>, call: &st
 fn a_root_that_starts_sets_the_build_info_gauge_once() {
     capture_logs();
     let h = host();
-    assert_eq!(h.gauge(GAUGE), None);
+    let gauge = gauge();
+    assert_eq!(h.gauge(&gauge), None);
     let _ = h.take_tally();
     let mut first = Root::new(1, h.clone());
     assert!(first.on_vm_start());
@@ -27,11 +28,17 @@ fn a_root_that_starts_sets_the_build_info_gauge_once() {
     assert_eq!(calls(&tally, "get_shared_data"), 1, "{tally:?}");
     assert_eq!(calls(&tally, "set_shared_data"), 1, "{tally:?}");
     assert_eq!(tally.values().map(|(c, _)| c).sum::<u64>(), 4, "{tally:?}");
-    assert_eq!(h.gauge(GAUGE), Some(1));
-    assert!(GAUGE.ends_with(VERSION));
-    assert_eq!(h.get(ANNOUNCED_KEY).map(|r| r.bytes().to_vec()), Ok(VERSION.as_bytes().to_vec()));
-    assert_eq!(logged(log::Level::Info), vec![format!("idempotency-filter {VERSION} started")]);
-    assert_eq!(START_LINE, format!("idempotency-filter {VERSION} started"));
+    assert_eq!(h.gauge(&gauge), Some(1));
+    assert!(gauge.ends_with(&format!(".version.{VERSION}.revision.{REVISION}")), "{gauge}");
+    assert_eq!(
+        h.get(ANNOUNCED_KEY).map(|r| r.bytes().to_vec()),
+        Ok(format!("{VERSION} {REVISION}").into_bytes())
+    );
+    assert_eq!(
+        logged(log::Level::Info),
+        vec![format!("idempotency-filter {VERSION} (revision {REVISION}) started")]
+    );
+    assert_eq!(start_line(), format!("idempotency-filter {VERSION} (revision {REVISION}) started"));
 
     // Another root (a worker, a configuration update) sets the same gauge, still 1, and finds
     // the version announced: one read, no write.
@@ -41,7 +48,7 @@ fn a_root_that_starts_sets_the_build_info_gauge_once() {
     let tally = h.take_tally();
     assert_eq!(calls(&tally, "get_shared_data"), 1, "{tally:?}");
     assert_eq!(calls(&tally, "set_shared_data"), 0, "{tally:?}");
-    assert_eq!(h.gauge(GAUGE), Some(1));
+    assert_eq!(h.gauge(&gauge), Some(1));
     assert_eq!(logged(log::Level::Info).iter().filter(|l| l.ends_with(" started")).count(), 1);
 
     // Configuration and traffic leave both alone: nothing of it on a request's path.
@@ -50,7 +57,7 @@ fn a_root_that_starts_sets_the_build_info_gauge_once() {
     executed(&h, &root, 3, "k-1", b"{}");
     let tally = h.take_tally();
     assert_eq!(calls(&tally, "define_metric") + calls(&tally, "record_metric"), 0, "{tally:?}");
-    assert_eq!(h.gauge(GAUGE), Some(1));
+    assert_eq!(h.gauge(&gauge), Some(1));
 }
 
 #[test]
@@ -59,6 +66,6 @@ fn a_refused_gauge_does_not_stop_the_root() {
     h.fail("set_gauge", 2);
     let mut root = Root::new(1, h.clone());
     assert!(root.on_vm_start());
-    assert_eq!(h.gauge(GAUGE), None);
+    assert_eq!(h.gauge(&gauge()), None);
     assert!(root.on_configure());
 }

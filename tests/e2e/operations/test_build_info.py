@@ -1,9 +1,10 @@
 """Which module runs, as a real Envoy shows it (docs/OPERATIONS.md, "Which version runs"; no
-contract row: a promise to the operator). The version is Cargo.toml's (src/build_info.rs takes
-it from the build). With the stats tags of the shipped envoy/envoy.yaml, /stats/prometheus shows
-`idempotency_build_info{version="<version>"} 1`, one series of a gauge family, whatever the
-number of workers and after traffic; Envoy's log says `idempotency-filter <version> started`
-once, although every VM's root runs the start (Envoy runs 4 VMs here: the canary, the main
+contract row: a promise to the operator). The version is Cargo.toml's, the revision the commit
+that last changed the module's sources (src/build_info.rs takes both from the build;
+deploy/oci/revision.py finds the revision). With the stats tags of the shipped envoy/envoy.yaml,
+/stats/prometheus shows `idempotency_build_info{version="<version>",revision="<revision>"} 1`,
+one series of a gauge family, whatever the number of workers and after traffic; Envoy's log says
+`idempotency-filter <version> (revision <revision>) started` once, although every VM's root runs the start (Envoy runs 4 VMs here: the canary, the main
 thread, two workers), and still once after a configuration update started new roots in them.
 Without the tags: test_metrics.py."""
 
@@ -13,19 +14,18 @@ import copy
 import json
 import os
 import re
-import tomllib
-
 import harness
 from harness import REPO_ROOT, new_key
-from idemkit import bootstrap
+from idemkit import bootstrap, module_revision, module_version
 from idemkit.bootstrap import shipped_stats_config
 from idemkit.envoy import Envoy as _Envoy
 from idemkit.process import ClosedPort, free_port
 
-with open(REPO_ROOT / "Cargo.toml", "rb") as _f:
-    VERSION = tomllib.load(_f)["package"]["version"]
-STARTED = "idempotency-filter %s started" % VERSION
-GAUGE_STAT = harness.STAT_PREFIX + "build_info.version." + VERSION
+VERSION = module_version()
+REVISION = module_revision()
+STARTED = "idempotency-filter %s (revision %s) started" % (VERSION, REVISION)
+GAUGE_STAT = harness.STAT_PREFIX + "build_info.version.%s.revision.%s" % (VERSION, REVISION)
+LABELS = '{version="%s",revision="%s"}' % (VERSION, REVISION)
 
 FILTER_CONFIG = {
     "store": {"type": "local", "capacity": 1000},
@@ -49,7 +49,7 @@ def test_the_version_is_one_gauge_series_and_one_log_line(envoy):
     text = envoy.prometheus()
     assert "# TYPE idempotency_build_info gauge" in text
     series = re.findall(r"^idempotency_build_info(\{[^}]*\})? (\S+)$", text, re.M)
-    assert series == [('{version="%s"}' % VERSION, "1")], series
+    assert series == [(LABELS, "1")], series
     # In /stats: one gauge at 1, set by every VM's root, not added up over them.
     assert envoy.stats()[GAUGE_STAT] == 1
 
@@ -115,6 +115,30 @@ def test_a_configuration_update_keeps_one_log_line_and_the_gauge(envoy_bin, filt
         # New roots started (and configured) in the running VMs; the version was said once.
         assert len(_started_lines(proxy)) == 1, _started_lines(proxy)
         assert proxy.stats()[GAUGE_STAT] == 1
-        assert 'idempotency_build_info{version="%s"} 1' % VERSION in proxy.prometheus().splitlines()
+        assert "idempotency_build_info%s 1" % LABELS in proxy.prometheus().splitlines()
     finally:
         proxy.stop()
+
+
+def test_the_revision_is_that_of_the_module_built_here(filter_wasm):
+    """The module make build wrote carries this checkout's revision: the e2e suite runs on a
+    committed tree (CI's clean clone), where it is a commit, never `unknown`."""
+    assert REVISION in filter_wasm.read_bytes().decode("latin-1"), REVISION
+    if REVISION != "unknown":
+        assert len(REVISION) == 12 and all(c in "0123456789abcdef" for c in REVISION), REVISION
+
+
+def test_the_version_tag_of_earlier_configs_keeps_the_revision_in_the_version(envoy_bin, filter_wasm, upstream):
+    """A bootstrap that kept 0.2.0's `version` tag alone (OPERATIONS.md's table says what to
+    change): the version label runs on to the revision; nothing is lost or refused."""
+    old = {"stats_tags": [{"tag_name": "version",
+                           "regex": "^wasmcustom\\.idempotency\\.build_info(\\.version\\.(.+))$"}]}
+    closed = ClosedPort()
+    config = bootstrap.orders_proxy(upstream.port, closed.port, FILTER_CONFIG, filter_wasm, stats_config=old)
+    proxy = _Envoy(envoy_bin, config, "build-info-old-tag").start()
+    try:
+        assert 'idempotency_build_info{version="%s.revision.%s"} 1' % (VERSION, REVISION) in \
+            proxy.prometheus().splitlines(), [line for line in proxy.prometheus().splitlines() if "build_info" in line]
+    finally:
+        proxy.stop()
+        closed.close()

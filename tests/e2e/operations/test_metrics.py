@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import re
 
-import tomllib
-
 import harness
 from harness import (CLAIMS_LOST_STAT, CLAIMS_RENEWED_STAT, REPO_ROOT, ROUTE_STAT, STAT_PREFIX, SWEPT_STAT,
                      UNKNOWN_CLUSTER_STAT, UNMATCHED_STAT,
                      WATCH_ENDED_STAT, new_key)
+from idemkit import module_revision, module_version
 
-with open(REPO_ROOT / "Cargo.toml", "rb") as _f:
-    VERSION = tomllib.load(_f)["package"]["version"]
+VERSION = module_version()
+REVISION = module_revision()
 # The build-info gauge (test_build_info.py): a gauge, not a counter, and the one other stat.
-BUILD_INFO = "build_info.version." + VERSION
+BUILD_INFO = "build_info.version.%s.revision.%s" % (VERSION, REVISION)
 
 FILTER_CONFIG = {
     "store": {"type": "local", "capacity": 1000},
@@ -66,9 +65,9 @@ def test_counters_count_and_prometheus_names(envoy, upstream):
     assert re.search(r"^idempotency_unknown_cluster_calls_total(?:\{\})? 0$", text, re.M)
     assert re.search(r"^idempotency_claims_renewed_total(?:\{\})? 0$", text, re.M)
     assert re.search(r"^idempotency_claims_lost_total(?:\{\})? 0$", text, re.M)
-    # The version in the name, its dots made underscores, as a gauge.
+    # The version and the revision in the name, its dots made underscores, as a gauge.
     # Envoy's Prometheus names keep letters, digits and _ (0.3.0-dev: 0_3_0_dev).
-    gauge = "idempotency_build_info_version_" + re.sub(r"[^A-Za-z0-9]", "_", VERSION)
+    gauge = "idempotency_build_info_version_%s_revision_%s" % (re.sub(r"[^A-Za-z0-9]", "_", VERSION), REVISION)
     assert re.search(r"^# TYPE %s gauge$" % gauge, text, re.M)
     assert re.search(r"^%s(?:\{\})? 1$" % gauge, text, re.M)
     assert "wasmcustom" not in text

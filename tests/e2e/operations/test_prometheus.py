@@ -78,7 +78,7 @@ def test_first_call_replay_and_mismatch_are_separate_series_with_route_and_outco
 
 def test_both_shipped_envoy_configs_and_the_operations_doc_carry_the_same_stats_tags():
     tags = shipped_stats_config(REPO_ROOT / "envoy" / "envoy.yaml")
-    assert [t["tag_name"] for t in tags["stats_tags"]] == ["route", "outcome", "state", "version", "shard"]
+    assert [t["tag_name"] for t in tags["stats_tags"]] == ["route", "outcome", "state", "version", "revision", "shard"]
     assert shipped_stats_config(REPO_ROOT / "envoy" / "envoy-etcd.yaml") == tags
     # docs/OPERATIONS.md, Metrics: the block users copy into their bootstrap (it was in README.md
     # before the README moved its details to docs/).

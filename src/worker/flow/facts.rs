@@ -26,7 +26,7 @@ pub trait StreamFacts {
 }
 
 pub(super) fn property_string(facts: &mut dyn StreamFacts, path: &[&str]) -> Option<String> {
-    facts.property(path).ok()?.map(|b| String::from_utf8_lossy(&b).into_owned())
+    facts.property(path).ok()?.map(|b| crate::host::pairs::text(&b).into_owned())
 }
 
 pub(super) fn property_u64(facts: &mut dyn StreamFacts, path: &[&str]) -> Option<u64> {

@@ -368,7 +368,7 @@ impl RequestFlow {
     ) -> Output {
         let passed = || Output::go(vec![Step::Count(Counter::PassedThrough)]);
         let path = facts.request_header(":path").unwrap_or_default();
-        let path = String::from_utf8_lossy(&path);
+        let path = crate::host::pairs::text(&path);
         let path_only = path.split('?').next().unwrap_or_default();
         if !cfg.any_rule_for_path(path_only) {
             return passed();
@@ -379,7 +379,7 @@ impl RequestFlow {
         };
         let method =
             headers.iter().find(|(n, _)| n == ":method").map(|(_, v)| v.as_slice()).unwrap_or_default();
-        let method = String::from_utf8_lossy(method);
+        let method = crate::host::pairs::text(method);
         let Some(rule) = cfg.rule_for(&method, path_only) else { return passed() };
         self.rule = Some(Rc::clone(rule));
         self.shadow = cfg.shadow;

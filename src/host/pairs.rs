@@ -92,7 +92,15 @@ fn word(bytes: &[u8], at: usize) -> Option<usize> {
 mod tests {
     #[test]
     fn text_is_the_lossy_decoding_without_its_cost() {
-        for bytes in [&b""[..], b"content-type", b"/orders?x=1", b"caf\xc3\xa9", b"bad \xff byte", b"\xc3", b"\xe2\x82"] {
+        for bytes in [
+            &b""[..],
+            b"content-type",
+            b"/orders?x=1",
+            b"caf\xc3\xa9",
+            b"bad \xff byte",
+            b"\xc3",
+            b"\xe2\x82",
+        ] {
             assert_eq!(super::text(bytes), String::from_utf8_lossy(bytes), "{bytes:?}");
         }
         assert!(matches!(super::text(b"ascii"), std::borrow::Cow::Borrowed("ascii")));

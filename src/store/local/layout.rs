@@ -59,41 +59,102 @@ fn shards_for(buckets: u32) -> u32 {
     buckets.div_ceil(FILL_SHARD_BUCKETS).max(1)
 }
 
-pub(super) fn fill_key_in(prefix: &str, shard: u32) -> String {
+pub(super) fn fill_key_in(prefix: &str, shard: u32) -> KeyName {
     key_in(prefix, "f:", shard, None)
 }
 
-/// `<prefix><kind><number>[:<position>]`, as `format!` writes it: a claim and its completion
-/// name several keys, and format's machinery cost a new key more Wasm instructions than the
-/// names themselves (`make bench-fuel`). One allocation, of the right size.
-pub(super) fn key_in(prefix: &str, kind: &str, number: u32, position: Option<u8>) -> String {
-    let mut key = String::with_capacity(prefix.len() + kind.len() + 14);
-    key.push_str(prefix);
-    key.push_str(kind);
-    push_decimal(&mut key, number);
-    if let Some(position) = position {
-        key.push(':');
-        push_decimal(&mut key, u32::from(position));
-    }
-    key
+/// A shared-data key's name, `<prefix><kind><number>[:<position>]` as `format!` spelled it: a
+/// claim and its completion name about fifteen keys, and format's machinery and an allocation
+/// each cost a new key more Wasm instructions than the names themselves (`make bench-fuel`).
+/// Built on the stack: every name the layout makes fits (a prefix is `idem:...:<number>:`).
+pub(super) struct KeyName {
+    bytes: [u8; KEY_NAME_MAX],
+    len: usize,
+    /// A name that did not fit, should a prefix ever be that long.
+    spilled: Option<String>,
 }
 
-fn push_decimal(out: &mut String, n: u32) {
-    let mut digits = [0u8; 10];
-    let mut at = digits.len();
-    let mut rest = n;
-    loop {
-        at -= 1;
-        // The remainder is below 10, so the digit is ASCII.
-        digits[at] = b'0' + (rest % 10) as u8;
-        rest /= 10;
-        if rest == 0 {
-            break;
+const KEY_NAME_MAX: usize = 64;
+
+impl KeyName {
+    fn push(&mut self, part: &[u8]) {
+        if let Some(spilled) = &mut self.spilled {
+            spilled.push_str(&String::from_utf8_lossy(part));
+            return;
+        }
+        match self.bytes.get_mut(self.len..self.len + part.len()) {
+            Some(room) => {
+                room.copy_from_slice(part);
+                self.len += part.len();
+            }
+            None => {
+                let mut spilled = self.as_str().to_string();
+                spilled.push_str(&String::from_utf8_lossy(part));
+                self.spilled = Some(spilled);
+            }
         }
     }
-    for &d in &digits[at..] {
-        out.push(char::from(d));
+
+    fn push_decimal(&mut self, n: u32) {
+        let mut digits = [0u8; 10];
+        let mut at = digits.len();
+        let mut rest = n;
+        loop {
+            at -= 1;
+            // The remainder is below 10, so the digit is ASCII.
+            digits[at] = b'0' + (rest % 10) as u8;
+            rest /= 10;
+            if rest == 0 {
+                break;
+            }
+        }
+        self.push(digits.get(at..).unwrap_or_default());
     }
+
+    pub(super) fn as_str(&self) -> &str {
+        match &self.spilled {
+            Some(name) => name,
+            // Whole `str`s and ASCII digits only: always UTF-8.
+            None => std::str::from_utf8(self.bytes.get(..self.len).unwrap_or_default()).unwrap_or_default(),
+        }
+    }
+}
+
+impl std::ops::Deref for KeyName {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl std::fmt::Display for KeyName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::fmt::Debug for KeyName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+impl PartialEq<String> for KeyName {
+    fn eq(&self, other: &String) -> bool {
+        self.as_str() == other
+    }
+}
+
+pub(super) fn key_in(prefix: &str, kind: &str, number: u32, position: Option<u8>) -> KeyName {
+    let mut key = KeyName { bytes: [0; KEY_NAME_MAX], len: 0, spilled: None };
+    key.push(prefix.as_bytes());
+    key.push(kind.as_bytes());
+    key.push_decimal(number);
+    if let Some(position) = position {
+        key.push(b":");
+        key.push_decimal(u32::from(position));
+    }
+    key
 }
 
 /// A retired or live namespace, from its registry id.
@@ -113,15 +174,15 @@ pub(super) fn namespace_of(id: u32) -> Namespace {
     }
 }
 
-pub(super) fn bucket_key_in(prefix: &str, bucket: u32) -> String {
+pub(super) fn bucket_key_in(prefix: &str, bucket: u32) -> KeyName {
     key_in(prefix, "b:", bucket, None)
 }
 
-pub(super) fn slot_key_in(prefix: &str, bucket: u32, position: u8) -> String {
+pub(super) fn slot_key_in(prefix: &str, bucket: u32, position: u8) -> KeyName {
     key_in(prefix, "s:", bucket, Some(position))
 }
 
-pub(super) fn quota_key_in(prefix: &str, index: u32) -> String {
+pub(super) fn quota_key_in(prefix: &str, index: u32) -> KeyName {
     key_in(prefix, "q:", index, None)
 }
 
@@ -139,15 +200,15 @@ impl<S: SharedData> LocalStore<S> {
         bucket / FILL_SHARD_BUCKETS
     }
 
-    pub(super) fn fill_key(&self, shard: u32) -> String {
+    pub(super) fn fill_key(&self, shard: u32) -> KeyName {
         fill_key_in(&self.prefix, shard)
     }
 
-    pub(super) fn bucket_key(&self, bucket: u32) -> String {
+    pub(super) fn bucket_key(&self, bucket: u32) -> KeyName {
         bucket_key_in(&self.prefix, bucket)
     }
 
-    pub(super) fn slot_key(&self, bucket: u32, position: u8) -> String {
+    pub(super) fn slot_key(&self, bucket: u32, position: u8) -> KeyName {
         slot_key_in(&self.prefix, bucket, position)
     }
 
@@ -263,7 +324,7 @@ impl<S: SharedData> LocalStore<S> {
         u64::from_be_bytes(b)
     }
 
-    pub(super) fn quota_key(&self, tag: u64) -> String {
+    pub(super) fn quota_key(&self, tag: u64) -> KeyName {
         quota_key_in(&self.prefix, u32::try_from(tag % u64::from(self.buckets)).unwrap_or(0))
     }
 

@@ -511,7 +511,7 @@ fn a_fill_count_that_lost_its_discharges_is_recounted_by_the_sweep() {
 }
 
 fn w_fill_key(b: &Local) -> String {
-    fill_key_in(&prefix_of(b.capacity), 0)
+    fill_key_in(&prefix_of(b.capacity), 0).to_string()
 }
 
 #[test]
@@ -775,7 +775,7 @@ fn a_tombstone_room_survives_a_reload_and_an_unused_one_is_retired() {
     assert_eq!(reloaded.begin(&keeping(1, 1, 12, 2 + TTL)).unwrap(), Begin::Expired { status: 201 });
     // A new room (`store.tombstones` changed): the old room, no longer beaten, is emptied.
     let old_keys: Vec<String> = (0..tombstones::buckets_for(128))
-        .map(|b| tombstones::bucket_key_in(&tombstones::prefix_of(128), b))
+        .map(|b| tombstones::bucket_key_in(&tombstones::prefix_of(128), b).to_string())
         .collect();
     assert!(old_keys.iter().any(|k| data.get(k).unwrap().value.is_some_and(|v| !v.is_empty())));
     let changed = keeping_tombstones(64, 256, 9, &data);
@@ -835,5 +835,9 @@ fn keys_are_spelled_as_format_spelled_them() {
         }
         let room = tombstones::prefix_of(128);
         assert_eq!(tombstones::bucket_key_in(&room, n), format!("{room}b:{n}"));
+        // A name longer than the stack buffer is spelled the same, on the heap.
+        for long in ["p".repeat(50), "p".repeat(63), "p".repeat(64), "p".repeat(200)] {
+            assert_eq!(super::layout::key_in(&long, "s:", n, Some(255)), format!("{long}s:{n}:255"));
+        }
     }
 }

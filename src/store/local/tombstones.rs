@@ -43,7 +43,7 @@ pub(super) fn buckets_for(room: u32) -> u32 {
     room.div_ceil(TOMBSTONES_PER_BUCKET as u32).max(1)
 }
 
-pub(super) fn bucket_key_in(prefix: &str, bucket: u32) -> String {
+pub(super) fn bucket_key_in(prefix: &str, bucket: u32) -> super::layout::KeyName {
     super::layout::key_in(prefix, "b:", bucket, None)
 }
 
@@ -109,7 +109,7 @@ impl<S: SharedData> LocalStore<S> {
         Ok(created + 1)
     }
 
-    fn tombstone_bucket(&self, room: &Room, scope: &ScopeId) -> String {
+    fn tombstone_bucket(&self, room: &Room, scope: &ScopeId) -> super::layout::KeyName {
         let mut h = Sha256::new();
         h.update(PLACEMENT_TAG);
         h.update(self.secret);

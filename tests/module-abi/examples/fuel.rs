@@ -69,6 +69,8 @@ fn measure() {
         assert!(envoy.start(CONFIG), "{path}: configuration refused");
         per_request(&mut envoy, WARM, |e, i| request(e, "/orders", &format!("warm-{i}"), Some(&answer)));
         envoy.fuel_by_export.clear();
+        envoy.host_mut().fuel_by_site.clear();
+        envoy.host_mut().site_steps.clear();
         let new =
             per_request(&mut envoy, N, |e, i| request(e, "/orders", &format!("new-{i}"), Some(&answer)));
         by_export(&mut envoy, "new key");
@@ -90,4 +92,14 @@ fn by_export(envoy: &mut Envoy, path: &str) {
         }
     }
     envoy.fuel_by_export.clear();
+    if let Ok(out) = std::env::var("FUEL_SITES") {
+        let sites = std::mem::take(&mut envoy.host_mut().fuel_by_site);
+        let text: String =
+            sites.iter().map(|(site, fuel)| format!("{path}\t{site}\t{}\t{}\n", fuel.0, fuel.1)).collect();
+        let steps = std::mem::take(&mut envoy.host_mut().site_steps);
+        let text: String = text
+            + &steps.iter().map(|((a, b), n)| format!("{path}\tstep\t{a}\t{b}\t{n}\n")).collect::<String>();
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(out).expect("sites");
+        std::io::Write::write_all(&mut f, text.as_bytes()).expect("sites");
+    }
 }

@@ -181,6 +181,13 @@ pub(crate) enum After {
 /// Envoy's state as the module can see it, and what the module did to it.
 #[derive(Debug)]
 pub struct Host {
+    /// Fuel spent since each `log_execution` id (a module instrumented by wasm-opt's
+    /// `--log-execution`), and the last id with the fuel left then.
+    pub fuel_by_site: BTreeMap<i32, (u64, u64)>,
+    /// How often execution went from one site to the next (the caller's last site before a
+    /// function's first is its call).
+    pub site_steps: BTreeMap<(i32, i32), u64>,
+    pub(crate) last_site: Option<(i32, u64)>,
     pub(crate) memory: Option<Memory>,
     pub(crate) malloc: Option<TypedFunc<i32, i32>>,
     pub(crate) initializing: bool,
@@ -227,6 +234,9 @@ impl Host {
         }
         plugin_properties.insert("plugin_vm_id".to_string(), vm_id.as_bytes().to_vec());
         Host {
+            fuel_by_site: BTreeMap::new(),
+            site_steps: BTreeMap::new(),
+            last_site: None,
             memory: None,
             malloc: None,
             initializing: false,

@@ -127,6 +127,15 @@ pub fn linker(engine: &Engine) -> Result<Linker<Host>, Error> {
     define_metrics(&mut l)?;
     define_calls(&mut l)?;
     define_wasi(&mut l)?;
+    l.func_wrap("env", "log_execution", |mut c: Ctx, site: i32| {
+        let now = c.get_fuel().unwrap_or(0);
+        if let Some((last, at)) = c.data_mut().last_site.take() {
+            c.data_mut().fuel_by_site.entry(last).or_default().0 += at.saturating_sub(now);
+            *c.data_mut().site_steps.entry((last, site)).or_default() += 1;
+        }
+        c.data_mut().fuel_by_site.entry(site).or_default().1 += 1;
+        c.data_mut().last_site = Some((site, now));
+    })?;
     Ok(l)
 }
 

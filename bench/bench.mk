@@ -22,6 +22,9 @@
 #   make bench-wake-fleet  wait mode across two Envoys on etcd: polling (JSON) against the watch (gRPC)
 #   make bench-callout-floor  one bare etcd callout per request (bench/callout-floor) next to the
 #                       filter's replays, at one open-loop rate: the least a one-round-trip replay costs
+#   make bench-fuel-profile  the module's instructions per request by function (bench/fuel_profile.py)
+#   make bench-native-floor  one claim through a minimal native module (bench/native-floor, Envoy's
+#                       dynamic modules) beside the filter's new key through proxy-wasm
 #
 # BENCH_ARGS passes options to bench/run.py, e.g. BENCH_ARGS='--rounds 20 --duration 3', or
 # '--etcd off', '--fill off', '--fill-capacity 50000'
@@ -149,6 +152,26 @@ bench-fuel: build bench-before-wasm
 	$(CARGO) run --release -q -p module-abi --example fuel -- $(abspath $(DIST_WASM)) \
 	  $(if $(BENCH_BEFORE),$(abspath $(BENCH_BEFORE_WASM)))
 
+# bench-fuel by function: the filter built with its function names into
+# $(BENCH_TARGET_DIR)/fuel-profile, instrumented by wasm-opt --log-execution, run in the emulated
+# Envoy (FUEL_SITES), the instructions named by function (bench/fuel_profile.py). A text profile
+# of the module's own work; it charges a caller's code after a call to the callee (its docstring).
+FUEL_PROFILE_DIR := $(BENCH_TARGET_DIR)/fuel-profile
+FUEL_PROFILE_ARGS ?=
+.PHONY: bench-fuel-profile
+bench-fuel-profile: wasm-target
+	@test -n "$(WASM_OPT)" || { echo "bench-fuel-profile needs wasm-opt and wasm-dis (apt-get install binaryen)"; exit 2; }
+	CARGO_PROFILE_RELEASE_STRIP=false $(CARGO) build --release -q --target $(WASM_TARGET) \
+	  --target-dir $(FUEL_PROFILE_DIR)
+	"$(WASM_OPT)" $(WASM_OPT_FLAGS) -g $(FUEL_PROFILE_DIR)/$(WASM_TARGET)/release/idempotency_filter.wasm \
+	  --log-execution -o $(FUEL_PROFILE_DIR)/profiled.wasm
+	wasm-dis $(FUEL_PROFILE_DIR)/profiled.wasm -o $(FUEL_PROFILE_DIR)/profiled.wat
+	rm -f $(FUEL_PROFILE_DIR)/sites.tsv
+	FUEL_SITES=$(abspath $(FUEL_PROFILE_DIR))/sites.tsv $(CARGO) run --release -q -p module-abi --example fuel -- \
+	  $(abspath $(FUEL_PROFILE_DIR))/profiled.wasm
+	$(PYTHON) bench/fuel_profile.py --wat $(FUEL_PROFILE_DIR)/profiled.wat --sites $(FUEL_PROFILE_DIR)/sites.tsv \
+	  $(FUEL_PROFILE_ARGS)
+
 # Where the bytes of the module go (bench/module_size.py): the filter built with its function
 # names into target/size/, its code split by Rust module; written into BENCHMARKS.md.
 .PHONY: bench-size
@@ -210,3 +233,16 @@ FLOOR_ARGS ?=
 
 bench-callout-floor: build tools etcd bench-bins
 	$(BENCH_FLOOR) $(FLOOR_ARGS)
+
+# One claim of a new key through a minimal native module (bench/native-floor, Envoy's dynamic
+# modules) beside the filter's new key through proxy-wasm, at one open-loop rate: what a native
+# build of the engine could save at most (issue 49). Prints its table; bench/native-floor/README.md
+# holds the last one.
+.PHONY: bench-native-floor
+NATIVE_FLOOR_ARGS ?=
+
+bench-native-floor: build tools bench-bins
+	$(CARGO) build --release --quiet --manifest-path bench/native-floor/Cargo.toml \
+	  --target-dir $(BENCH_TARGET_DIR)/native-floor
+	$(VENV_PY) bench/native-floor/measure.py --envoy "$(ENVOY_BIN)" --wasm $(DIST_WASM) \
+	  --module-dir $(BENCH_TARGET_DIR)/native-floor/release --loadgen $(BENCH_LOADGEN) $(NATIVE_FLOOR_ARGS)

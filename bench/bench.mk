@@ -154,8 +154,9 @@ bench-fuel: build bench-before-wasm
 
 # bench-fuel by function: the filter built with its function names into
 # $(BENCH_TARGET_DIR)/fuel-profile, instrumented by wasm-opt --log-execution, run in the emulated
-# Envoy (FUEL_SITES), the instructions named by function (bench/fuel_profile.py). A text profile
-# of the module's own work; it charges a caller's code after a call to the callee (its docstring).
+# Envoy (FUEL_SITES), the instructions named by function (bench/fuel_profile.py), written into
+# BENCHMARKS.md. A text profile of the module's own work; it charges a caller's code after a call
+# to the callee (its docstring).
 FUEL_PROFILE_DIR := $(BENCH_TARGET_DIR)/fuel-profile
 FUEL_PROFILE_ARGS ?=
 .PHONY: bench-fuel-profile
@@ -169,8 +170,8 @@ bench-fuel-profile: wasm-target
 	rm -f $(FUEL_PROFILE_DIR)/sites.tsv
 	FUEL_SITES=$(abspath $(FUEL_PROFILE_DIR))/sites.tsv $(CARGO) run --release -q -p module-abi --example fuel -- \
 	  $(abspath $(FUEL_PROFILE_DIR))/profiled.wasm
-	$(PYTHON) bench/fuel_profile.py --wat $(FUEL_PROFILE_DIR)/profiled.wat --sites $(FUEL_PROFILE_DIR)/sites.tsv \
-	  $(FUEL_PROFILE_ARGS)
+	$(PYTHON) -m bench.fuel_profile --wat $(FUEL_PROFILE_DIR)/profiled.wat --sites $(FUEL_PROFILE_DIR)/sites.tsv \
+	  --write $(FUEL_PROFILE_ARGS)
 
 # Where the bytes of the module go (bench/module_size.py): the filter built with its function
 # names into target/size/, its code split by Rust module; written into BENCHMARKS.md.

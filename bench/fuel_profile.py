@@ -14,7 +14,9 @@ call is charged to the callee. Read it to find where to look; `make bench-fuel` 
 shipped) and `make bench-ab` (Envoy's CPU) say what a change is worth. The instrumented build
 runs more instructions than the shipped one, and the order of its code differs.
 
-    python3 bench/fuel_profile.py --wat prof.wat --sites sites.tsv [--top 25]
+    python3 -m bench.fuel_profile --wat prof.wat --sites sites.tsv [--top 25] [--write]
+
+`--write` also puts the tables into BENCHMARKS.md's section `fuel-profile`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import datetime
 import re
+
+from bench import REPO, sections
 
 PATHS = ("new key", "replay", "pass")
 REQUESTS = 2000  # examples/fuel.rs: N requests per path
@@ -74,16 +79,59 @@ def profile(wat: str, sites: str) -> dict[str, collections.Counter]:
     return fuel
 
 
+HEADING = "## The module's instructions by function"
+
+
+def markdown(fuel: dict[str, collections.Counter], top: int,
+             before: tuple[str, dict[str, collections.Counter]] | None = None) -> list[str]:
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out = [HEADING, "",
+           f"Measured {when} by `make bench-fuel-profile` (`bench/fuel_profile.py`): the filter built with its "
+           "function names, instrumented by wasm-opt's `--log-execution`, run in the emulated Envoy of "
+           "`make bench-fuel` (2,000 requests per path). Instructions per request by the function that ran "
+           "them; a caller's code after a call counts for the callee until the next function start or loop, "
+           "and the instrumented build runs more instructions than the shipped one (`make bench-fuel` has "
+           "those). Exact and free of the machine's noise; what it is worth to Envoy is `make bench-ab`'s.", ""]
+    for path in PATHS:
+        c = fuel.get(path, collections.Counter())
+        total = sum(c.values())
+        if before is None:
+            out += [f"{path}: **{total / REQUESTS:,.0f}** instructions per request", "",
+                    "| instructions | share | function |", "|---:|---:|---|"]
+            out += [f"| {spent / REQUESTS:,.0f} | {100 * spent / max(total, 1):.1f}% | `{demangle(name)[:100]}` |"
+                    for name, spent in c.most_common(top)]
+        else:
+            label, then = before
+            b = then.get(path, collections.Counter())
+            out += [f"{path}: **{total / REQUESTS:,.0f}** instructions per request, "
+                    f"{sum(b.values()) / REQUESTS:,.0f} at {label}", "",
+                    f"| this build | share | at {label} | function |", "|---:|---:|---:|---|"]
+            names = [n for n, _ in c.most_common(top)]
+            names += [n for n, _ in b.most_common(top) if n not in names]
+            out += [f"| {c[n] / REQUESTS:,.0f} | {100 * c[n] / max(total, 1):.1f}% | {b[n] / REQUESTS:,.0f} "
+                    f"| `{demangle(n)[:100]}` |" for n in names]
+        out.append("")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wat", required=True, help="the instrumented module as text (wasm-dis)")
     ap.add_argument("--sites", required=True, help="what examples/fuel.rs wrote with FUEL_SITES")
-    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--write", action="store_true", help="also into BENCHMARKS.md's section fuel-profile")
+    ap.add_argument("--before", nargs=3, metavar=("LABEL", "WAT", "SITES"),
+                    help="an earlier build's profile beside this one's (its label, .wat and sites)")
     a = ap.parse_args(argv)
     with open(a.wat) as f:
         wat = f.read()
     with open(a.sites) as f:
         fuel = profile(wat, f.read())
+    before = None
+    if a.before:
+        label, before_wat, before_sites = a.before
+        with open(before_wat) as w, open(before_sites) as t:
+            before = (label, profile(w.read(), t.read()))
     for path in PATHS:
         c = fuel.get(path, collections.Counter())
         total = sum(c.values())
@@ -91,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, spent in c.most_common(a.top):
             print("  %8.0f %5.1f%%  %s" % (spent / REQUESTS, 100 * spent / max(total, 1), demangle(name)[:110]))
         print()
+    if a.write:
+        sections.update_file(REPO / "BENCHMARKS.md", "fuel-profile", "\n".join(markdown(fuel, a.top, before)) + "\n")
+        print("updated BENCHMARKS.md (section fuel-profile)")
     return 0
 
 

@@ -47,6 +47,10 @@ WAKE_FLEET_SECTION = "wake-fleet"
 # Written by bench/callout_floor.py (`make bench-callout-floor`); a full `make bench` keeps it.
 CALLOUT_FLOOR_SECTION = "callout-floor"
 CALLOUT_FLOOR_HEADING = "## The callout floor: what one etcd round trip costs Envoy"
+# Written by bench/fuel_profile.py (`make bench-fuel-profile`) and from bench/native-floor
+# (`make bench-native-floor` prints its table); a full `make bench` keeps them.
+FUEL_PROFILE_SECTION = "fuel-profile"
+NATIVE_FLOOR_SECTION = "native-floor"
 # Written by bench/ab.py (`make bench-ab`); a full `make bench` keeps it.
 AB_SECTION = "ab"
 AB_HEADING = "## One path against a commit, over fresh pairs of Envoys"
@@ -385,6 +389,8 @@ class Report:
         L.append(sections.block(AB_SECTION, ""))
         L.append(sections.block(CALLOUT_FLOOR_SECTION, ""))
         L.append(sections.block(SIZE_SECTION, ""))
+        L.append(sections.block(FUEL_PROFILE_SECTION, ""))
+        L.append(sections.block(NATIVE_FLOOR_SECTION, ""))
         L.append("## Targets")
         L.append("")
         L.append("Reported, never enforced (`make bench` does not fail on a miss).")
@@ -430,6 +436,8 @@ class Report:
         L.append("- `make bench-size`: where the module's bytes go (a build with function names)")
         L.append("- `make bench-callout-floor`: one bare etcd callout per request next to the replays, at equal load")
         L.append("- `make bench-fuel BENCH_BEFORE=<commit>`: the module's own instructions per request (new key, replay, pass-through), counted exactly in an emulated Envoy (wasmi's fuel): a change too small for bench-ab's noise shows, Envoy's side of the host calls does not")
+        L.append("- `make bench-fuel-profile`: those instructions by function (a build with function names, instrumented)")
+        L.append("- `make bench-native-floor`: one claim through a minimal native module (Envoy's dynamic modules) beside the filter's new key")
         L.append("")
         L.append(f"The run above: {self.command}.")
         L.append("")
@@ -556,7 +564,8 @@ def publish(b: Bench, command: str) -> None:
             if not b.fill and (kept := earlier(FILL_SECTION, fill.FILL_HEADING,
                                                "From an earlier run: this run had no refusal curve.")):
                 text = sections.put(text, FILL_SECTION, kept)  # --fill off
-            for name in (PROFILE_SECTION, AB_SECTION, CALLOUT_FLOOR_SECTION, SIZE_SECTION, WAKE_FLEET_SECTION) + (() if b.wake else (WAKE_SECTION,)):
+            for name in (PROFILE_SECTION, AB_SECTION, CALLOUT_FLOOR_SECTION, SIZE_SECTION, FUEL_PROFILE_SECTION,
+                         NATIVE_FLOOR_SECTION, WAKE_FLEET_SECTION) + (() if b.wake else (WAKE_SECTION,)):
                 kept_other = sections.get(old, name)  # other tools' sections; --wake off keeps it
                 if kept_other:
                     text = sections.put(text, name, kept_other)

@@ -109,3 +109,46 @@ fn a_record_its_store_forgets_leaves_the_gauge() {
     root.on_tick();
     assert_eq!(gauges(&h), (Some(0), Some(0)));
 }
+
+/// Every configuration on the Envoy's VM shares the registry, and any of their roots may win a
+/// check: here the admin listener's (no route rule, so no gauge of its own) drops the released
+/// record. The filter's root, at its own next look, sets its gauges from what the registry
+/// holds, whoever checked it: the gauge does not wait for a check this root wins.
+#[test]
+fn a_check_another_configuration_won_still_moves_this_one_s_gauge() {
+    let h = host();
+    let mut root = root(&h);
+    let (mut first, _) = post(&h, &root, 2, "k3");
+    h.0.properties.borrow_mut().insert("upstream.address".into(), b"10.0.0.1:80".to_vec());
+    first.on_log();
+    h.0.properties.borrow_mut().remove("upstream.address");
+    assert_eq!(gauges(&h), (Some(1), Some(0)));
+    // The admin listener's root, on the same VM and store.
+    *h.0.config.borrow_mut() = br#"{"store":{"type":"local","capacity":64},"admin":{}}"#.to_vec();
+    let mut admin_root = Root::new(9, h.clone());
+    assert!(admin_root.on_configure());
+    // Released (its lease over); the admin root's check comes first and drops it.
+    h.0.now_ms.set(2_500);
+    let store = LocalStore::open(&h.0.data, 64, [9; 32], 2_500).unwrap();
+    let query = RecordQuery {
+        id: None,
+        state: StateFilter::OutcomeUnknown,
+        route: None,
+        key: None,
+        tenant: None,
+        host: None,
+        limit: 10,
+        cursor: None,
+        detail: false,
+        now_ms: 2_500,
+    };
+    let view = store.records(&query).unwrap().views.remove(0);
+    assert_eq!(store.amend(&view, &Amendment::Release { force: false }, 2_500).unwrap(), Ok(()));
+    h.0.now_ms.set(1_000 + RECHECK_MS + 1);
+    admin_root.on_tick();
+    assert_eq!(gauges(&h), (Some(1), Some(0)), "the admin root has no gauge of route pay");
+    // The filter's root comes to its own check time: the registry's check is not due (the
+    // admin root took it), yet its gauge follows the registry.
+    root.on_tick();
+    assert_eq!(gauges(&h), (Some(0), Some(0)));
+}

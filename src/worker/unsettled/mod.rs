@@ -9,10 +9,12 @@
 //! `REGISTRY_KEY`: two host calls, and the gauges set again). Every `RECHECK_MS` one root of the
 //! Envoy (the one whose CAS on the registry's next check wins) asks the store for each noted
 //! record, as the admin API looks one up (the local store in place; etcd one range, then its
-//! label), drops those settled (resolved, released, reconciled, replaced, expired) and sets the
-//! gauges from what is left. So a record settled anywhere in a fleet (another sidecar's lookup,
-//! an operator on any admin listener) leaves the gauge within `RECHECK_MS`, and a record
-//! forgotten by its store (its ttl) too. The registry keeps `MAX_NOTED` records at most: past
+//! label) and drops those settled (resolved, released, reconciled, replaced, expired). Every
+//! root, at its own look every `RECHECK_MS`, sets its rules' gauges from what the registry
+//! holds, since the check may be won by a root of another configuration on the VM (the admin
+//! listener's has no rule and no gauge). So a record settled anywhere in a fleet (another
+//! sidecar's lookup, an operator on any admin listener) leaves the gauge within two
+//! `RECHECK_MS`, and a record forgotten by its store (its ttl) too. The registry keeps `MAX_NOTED` records at most: past
 //! them the gauges stay at what they hold (an alert fires either way).
 
 pub mod note;

@@ -21,6 +21,11 @@ pub(in crate::worker) fn recheck_due<H: Host>(plugin: &PluginState<H>, now_ms: u
     }
     plugin.next_recheck_ms.set(now_ms.saturating_add(RECHECK_MS));
     let Some((registry, _)) = read(plugin) else { return };
+    // Every configuration on this VM shares the registry, and a root of any of them may win a
+    // check (the admin listener's, with no rule of its own, or another filter's): this root
+    // sets its own rules' gauges from the registry whoever checked it, so a record another
+    // root dropped leaves these gauges within this root's next look.
+    set_gauges(plugin, &registry);
     if registry.next_check_ms > now_ms {
         return;
     }
@@ -38,7 +43,6 @@ pub(in crate::worker) fn recheck_due<H: Host>(plugin: &PluginState<H>, now_ms: u
     if registry.next_check_ms != next {
         return;
     }
-    set_gauges(plugin, &registry);
     for noted in registry.noted {
         match plugin.start(StoreOp::Records(RecordQuery::of_scope(noted.scope, now_ms))) {
             Started::Answered(answer) => looked_up(plugin, &noted.scope, answer),

@@ -163,9 +163,10 @@ nightly:
 	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
 
 # The module says which sources it was built from (idempotency_build_info{revision}): the commit
-# that last changed them, as deploy/oci/revision.py finds it, or `unknown` (src/build_info.rs).
+# that last changed them, as deploy/oci/revision.py finds it, or `unknown` (src/build_info.rs),
+# also when the script cannot run: the build never fails for want of a revision.
 build: wasm-target
-	IDEMPOTENCY_REVISION=$$($(PYTHON) deploy/oci/revision.py) $(CARGO) build --release --target $(WASM_TARGET)
+	IDEMPOTENCY_REVISION=$$($(PYTHON) deploy/oci/revision.py || echo unknown) $(CARGO) build --release --target $(WASM_TARGET)
 	@mkdir -p dist
 	@if [ -n "$(WASM_OPT)" ]; then \
 	  echo "$(WASM_OPT) $(WASM_OPT_FLAGS) $(WASM_OUT) -o $(DIST_WASM)"; \

@@ -46,6 +46,27 @@ fn post(
     (http, verdict)
 }
 
+/// An operator's release of the one unknown outcome, at 2.5 s (its 1 s lease over), through the
+/// store as the admin API makes it.
+fn release_at_2500(h: &FakeHost) {
+    h.0.now_ms.set(2_500);
+    let admin = LocalStore::open(&h.0.data, 64, [9; 32], 2_500).unwrap();
+    let query = RecordQuery {
+        id: None,
+        state: StateFilter::OutcomeUnknown,
+        route: None,
+        key: None,
+        tenant: None,
+        host: None,
+        limit: 10,
+        cursor: None,
+        detail: false,
+        now_ms: 2_500,
+    };
+    let view = admin.records(&query).unwrap().views.remove(0);
+    assert_eq!(admin.amend(&view, &Amendment::Release { force: false }, 2_500).unwrap(), Ok(()));
+}
+
 fn gauges(h: &FakeHost) -> (Option<u64>, Option<u64>) {
     (h.gauge(UNKNOWN), h.gauge(PROCESSING))
 }
@@ -72,22 +93,7 @@ fn an_unknown_outcome_shows_in_its_route_s_gauge_until_it_is_settled() {
     root.on_tick();
     assert_eq!(gauges(&h), (Some(1), Some(0)));
     // An operator releases it (its lease over): the next check, a few seconds on, drops it.
-    h.0.now_ms.set(2_500);
-    let admin = LocalStore::open(&h.0.data, 64, [9; 32], 2_500).unwrap();
-    let query = RecordQuery {
-        id: None,
-        state: StateFilter::OutcomeUnknown,
-        route: None,
-        key: None,
-        tenant: None,
-        host: None,
-        limit: 10,
-        cursor: None,
-        detail: false,
-        now_ms: 2_500,
-    };
-    let view = admin.records(&query).unwrap().views.remove(0);
-    assert_eq!(admin.amend(&view, &Amendment::Release { force: false }, 2_500).unwrap(), Ok(()));
+    release_at_2500(&h);
     root.on_tick();
     assert_eq!(gauges(&h), (Some(1), Some(0)), "not before the next check");
     h.0.now_ms.set(1_000 + RECHECK_MS + 1);
@@ -128,22 +134,7 @@ fn a_check_another_configuration_won_still_moves_this_one_s_gauge() {
     let mut admin_root = Root::new(9, h.clone());
     assert!(admin_root.on_configure());
     // Released (its lease over); the admin root's check comes first and drops it.
-    h.0.now_ms.set(2_500);
-    let store = LocalStore::open(&h.0.data, 64, [9; 32], 2_500).unwrap();
-    let query = RecordQuery {
-        id: None,
-        state: StateFilter::OutcomeUnknown,
-        route: None,
-        key: None,
-        tenant: None,
-        host: None,
-        limit: 10,
-        cursor: None,
-        detail: false,
-        now_ms: 2_500,
-    };
-    let view = store.records(&query).unwrap().views.remove(0);
-    assert_eq!(store.amend(&view, &Amendment::Release { force: false }, 2_500).unwrap(), Ok(()));
+    release_at_2500(&h);
     h.0.now_ms.set(1_000 + RECHECK_MS + 1);
     admin_root.on_tick();
     assert_eq!(gauges(&h), (Some(1), Some(0)), "the admin root has no gauge of route pay");

@@ -67,6 +67,16 @@ fn release_at_2500(h: &FakeHost) {
     assert_eq!(admin.amend(&view, &Amendment::Release { force: false }, 2_500).unwrap(), Ok(()));
 }
 
+/// A POST of `key` on `id` whose stream ends with no upstream answer while an upstream host was
+/// selected: its outcome is unknown. What the filter said at the body's end.
+fn unknown_outcome(h: &FakeHost, root: &Root<FakeHost>, id: u32, key: &str) -> Verdict {
+    let (mut first, verdict) = post(h, root, id, key);
+    h.0.properties.borrow_mut().insert("upstream.address".into(), b"10.0.0.1:80".to_vec());
+    first.on_log();
+    h.0.properties.borrow_mut().remove("upstream.address");
+    verdict
+}
+
 fn gauges(h: &FakeHost) -> (Option<u64>, Option<u64>) {
     (h.gauge(UNKNOWN), h.gauge(PROCESSING))
 }
@@ -77,11 +87,7 @@ fn an_unknown_outcome_shows_in_its_route_s_gauge_until_it_is_settled() {
     let mut root = root(&h);
     // Defined at configure (Envoy shows a defined gauge at 0; the fake, once set).
     assert_eq!(gauges(&h), (None, None));
-    let (mut first, verdict) = post(&h, &root, 2, "k1");
-    assert_eq!(verdict, Verdict::Continue);
-    h.0.properties.borrow_mut().insert("upstream.address".into(), b"10.0.0.1:80".to_vec());
-    first.on_log();
-    h.0.properties.borrow_mut().remove("upstream.address");
+    assert_eq!(unknown_outcome(&h, &root, 2, "k1"), Verdict::Continue);
     assert_eq!(h.counter("outcome_unknown"), 1);
     assert_eq!(gauges(&h), (Some(1), Some(0)));
     // A retry that meets it (502) is the same record.
@@ -105,10 +111,7 @@ fn an_unknown_outcome_shows_in_its_route_s_gauge_until_it_is_settled() {
 fn a_record_its_store_forgets_leaves_the_gauge() {
     let h = host();
     let mut root = root(&h);
-    let (mut first, _) = post(&h, &root, 2, "k2");
-    h.0.properties.borrow_mut().insert("upstream.address".into(), b"10.0.0.1:80".to_vec());
-    first.on_log();
-    h.0.properties.borrow_mut().remove("upstream.address");
+    unknown_outcome(&h, &root, 2, "k2");
     assert_eq!(gauges(&h), (Some(1), Some(0)));
     // Past the record's ttl (60 s): absent to the store, so dropped.
     h.0.now_ms.set(62_000);
@@ -124,10 +127,7 @@ fn a_record_its_store_forgets_leaves_the_gauge() {
 fn a_check_another_configuration_won_still_moves_this_one_s_gauge() {
     let h = host();
     let mut root = root(&h);
-    let (mut first, _) = post(&h, &root, 2, "k3");
-    h.0.properties.borrow_mut().insert("upstream.address".into(), b"10.0.0.1:80".to_vec());
-    first.on_log();
-    h.0.properties.borrow_mut().remove("upstream.address");
+    unknown_outcome(&h, &root, 2, "k3");
     assert_eq!(gauges(&h), (Some(1), Some(0)));
     // The admin listener's root, on the same VM and store.
     *h.0.config.borrow_mut() = br#"{"store":{"type":"local","capacity":64},"admin":{}}"#.to_vec();
